@@ -1,0 +1,1 @@
+"""The `jrt` command line (installed as `jrt_cli`)."""

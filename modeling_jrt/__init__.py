@@ -1,0 +1,36 @@
+"""jrt-rnn: JRT-RNN (prefix linear attention) and Based models for HuggingFace Transformers.
+
+Importing this package registers `model_type = "jrt_rnn"` with `AutoConfig`, `AutoModel` and
+`AutoModelForCausalLM`.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration_jrt import JRTRNNConfig, default_layer_types
+from .linear_attention import (
+    linear_attention_step,
+    prefix_linear_attention,
+    prefix_linear_attention_chunked,
+    prefix_linear_attention_quadratic,
+    taylor_feature_map,
+)
+from .modeling_jrt import JRTRNNForCausalLM, JRTRNNModel, JRTRNNPreTrainedModel
+
+AutoConfig.register(JRTRNNConfig.model_type, JRTRNNConfig, exist_ok=True)
+AutoModel.register(JRTRNNConfig, JRTRNNModel, exist_ok=True)
+AutoModelForCausalLM.register(JRTRNNConfig, JRTRNNForCausalLM, exist_ok=True)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "JRTRNNConfig",
+    "JRTRNNForCausalLM",
+    "JRTRNNModel",
+    "JRTRNNPreTrainedModel",
+    "default_layer_types",
+    "linear_attention_step",
+    "prefix_linear_attention",
+    "prefix_linear_attention_chunked",
+    "prefix_linear_attention_quadratic",
+    "taylor_feature_map",
+]

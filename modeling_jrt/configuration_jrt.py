@@ -1,0 +1,188 @@
+"""Configuration of JRT-RNN and Based models (`model_type = "jrt_rnn"`)."""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+
+LAYER_TYPES = ("conv", "sliding_attention", "linear_attention")
+LINEAR_ATTENTION_TYPES = ("prefix", "causal")
+PREFIX_PAD_MASKINGS = ("strict", "reference")
+PREFIX_STRATEGIES = ("pad", "repeat", "none")
+LINEAR_ATTENTION_IMPLEMENTATIONS = ("auto", "chunked", "triton", "quadratic")
+
+
+def _check_choice(field: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"`{field}` must be one of {list(allowed)}, got {value!r}.")
+
+
+@strict
+class JRTRNNConfig(PreTrainedConfig):
+    r"""
+    Configuration of a JRT-RNN (prefix linear attention) or Based (causal linear attention) model.
+
+    The stack is the Based hybrid: every layer is an RMSNorm pre-norm block whose mixer is one of
+    `"conv"` (gated short convolution), `"sliding_attention"` (windowed softmax attention with RoPE)
+    or `"linear_attention"` (2nd-order Taylor linear attention), followed by a SwiGLU MLP.
+    The residual stream is kept in fp32.
+
+    Args:
+        vocab_size: Rows of the embedding and the LM head (the released models pad GPT-2's 50257 to 50264).
+        hidden_size: Model width `d`.
+        intermediate_size: Hidden width of the SwiGLU MLP (2 * d in the released models).
+        num_hidden_layers: Number of blocks.
+        num_attention_heads: Heads of both the sliding-window and the linear attention (head dim = d / heads).
+        layer_types: Mixer of each layer, one of `"conv"`, `"sliding_attention"`, `"linear_attention"`.
+            Defaults to the released pattern (linear attention at layers 1, 6, 11, ..., sliding attention right
+            after each of them, convolutions elsewhere).
+        rms_norm_eps: Epsilon of every RMSNorm.
+        tie_word_embeddings: Share the LM head with the input embedding (True in every released model).
+        sliding_window: Keys a sliding-attention query sees, itself included (HF semantics). The reference
+            `window_size: 256` means 128 previous tokens plus self, i.e. `sliding_window = 129`.
+        rope_theta: RoPE base of the sliding-window attention.
+        conv_kernel_size: Taps of the depthwise causal convolution.
+        conv_expansion: Width of the convolution branch as a multiple of `hidden_size` (the reference
+            `expand_proj: 4` gives 2).
+        conv_bias: Whether the convolution block's input and output projections have biases.
+        feature_dim: Per-head dimension `f` of the linear-attention queries and keys; the Taylor feature map has
+            `1 + f + f**2` features.
+        linear_attention_type: `"prefix"` (JRT-RNN: the first `prefix_length` tokens are also read non-causally
+            through encoder projections) or `"causal"` (Based).
+        prefix_length: Length `M` of the non-causal prefix (1024 in the released JRT models). `forward()` uses the
+            first `min(prefix_length, seq_len)` tokens it is given.
+        prefix_pad_masking: How padded keys are removed from the linear attention: `"strict"` (pads contribute
+            nothing) or `"reference"` (raw keys are zeroed before the feature map, so each pad still adds its value
+            with weight 1, as the original code does).
+        prefix_strategy: What `generate()` does with prompts shorter than `prefix_length`: `"pad"` (left-pad with
+            `prefix_pad_token_id` and mask the pads, the reference protocol), `"repeat"` (fill the prefix by
+            repeating the prompt) or `"none"` (the prompt is the prefix).
+        prefix_pad_token_id: Token used by the `"pad"` strategy (GPT-2's " " = 220 in the reference).
+        linear_attention_decay: Fixed per-head decay `gamma_h = 1 - 2**(decay_const - h)` of the numerator state
+            (based-360M-30B). Only with `linear_attention_type="causal"`.
+        decay_const: Exponent offset of the fixed decay (-3 in the released model).
+        use_decay_proj: Input-dependent gate `g = x W` (one value per head, unbounded) on the numerator
+            (based-360M-30B). Only with `linear_attention_type="causal"`.
+        linear_attention_eps: Added to the linear-attention denominator (1e-12 as in the reference).
+        linear_attention_implementation: Prefill implementation: `"auto"` (Triton kernel on CUDA without gradients,
+            chunked PyTorch otherwise), `"chunked"`, `"triton"` or `"quadratic"` (the O(N^2) oracle; tests only).
+        linear_attention_chunk_size: Chunk length of the chunked PyTorch prefill.
+        mask_token_id: The [MASK] id of the JRT masked-LM objective (50263 in the released models), or None.
+        initializer_range: Standard deviation of the normal initialisation.
+    """
+
+    model_type = "jrt_rnn"
+    keys_to_ignore_at_inference = ["cache"]
+
+    vocab_size: int = 50264
+    hidden_size: int = 1024
+    intermediate_size: int = 2048
+    num_hidden_layers: int = 26
+    num_attention_heads: int = 16
+    layer_types: list[str] | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    sliding_window: int = 129
+    rope_theta: float = 10000.0
+    conv_kernel_size: int = 3
+    conv_expansion: int = 2
+    conv_bias: bool = True
+    feature_dim: int = 16
+    linear_attention_type: str = "prefix"
+    prefix_length: int = 1024
+    prefix_pad_masking: str = "strict"
+    prefix_strategy: str = "pad"
+    prefix_pad_token_id: int | None = 220
+    linear_attention_decay: bool = False
+    decay_const: float = -3.0
+    use_decay_proj: bool = False
+    linear_attention_eps: float = 1e-12
+    linear_attention_implementation: str = "auto"
+    linear_attention_chunk_size: int = 64
+    mask_token_id: int | None = None
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 50256
+    eos_token_id: int | list[int] | None = 50256
+
+    def __post_init__(self, **kwargs):
+        if self.layer_types is None:
+            self.layer_types = default_layer_types(self.num_hidden_layers)
+        else:
+            self.layer_types = list(self.layer_types)
+        super().__post_init__(**kwargs)
+        # Validate here as well as through @strict, so that users get a plain ValueError (not a wrapped one).
+        self.validate_architecture()
+
+    def validate_architecture(self):
+        """Cross-field checks; every error names the field, the value and what is allowed."""
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"`layer_types` has {len(self.layer_types)} entries but `num_hidden_layers` is "
+                f"{self.num_hidden_layers}: give exactly one layer type per layer."
+            )
+        for index, layer_type in enumerate(self.layer_types):
+            if layer_type not in LAYER_TYPES:
+                raise ValueError(
+                    f"`layer_types[{index}]` is {layer_type!r}; allowed layer types are {list(LAYER_TYPES)}."
+                )
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                f"({self.num_attention_heads})."
+            )
+        if (self.hidden_size // self.num_attention_heads) % 2 != 0:
+            raise ValueError(
+                f"The head dim `hidden_size / num_attention_heads` = {self.hidden_size // self.num_attention_heads} "
+                "must be even for the rotary embedding of the sliding-window attention."
+            )
+        _check_choice("linear_attention_type", self.linear_attention_type, LINEAR_ATTENTION_TYPES)
+        _check_choice("prefix_pad_masking", self.prefix_pad_masking, PREFIX_PAD_MASKINGS)
+        _check_choice("prefix_strategy", self.prefix_strategy, PREFIX_STRATEGIES)
+        _check_choice(
+            "linear_attention_implementation", self.linear_attention_implementation, LINEAR_ATTENTION_IMPLEMENTATIONS
+        )
+        for field in ("sliding_window", "conv_kernel_size", "conv_expansion", "feature_dim", "vocab_size",
+                      "linear_attention_chunk_size", "intermediate_size"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"`{field}` must be a positive integer, got {getattr(self, field)}.")
+        if self.prefix_length < 0:
+            raise ValueError(f"`prefix_length` must be >= 0, got {self.prefix_length}.")
+        if self.linear_attention_type == "prefix" and (self.linear_attention_decay or self.use_decay_proj):
+            raise ValueError(
+                "`linear_attention_decay` and `use_decay_proj` are Based options: they need "
+                "`linear_attention_type='causal'`, got 'prefix'."
+            )
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"`mask_token_id` ({self.mask_token_id}) must be in [0, vocab_size={self.vocab_size}).")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_taylor_features(self) -> int:
+        """Size of the 2nd-order Taylor feature map: 1 + f + f**2 (273 for f = 16)."""
+        return 1 + self.feature_dim + self.feature_dim**2
+
+    @property
+    def encoder_length(self) -> int:
+        """Prefix length the linear attention layers use (0 for causal Based)."""
+        return self.prefix_length if self.linear_attention_type == "prefix" else 0
+
+
+def default_layer_types(num_hidden_layers: int) -> list[str]:
+    """The released Based/JRT pattern: linear attention at 1, 6, 11, 16, 21, then every 6th layer from 27
+    (27, 33 in the 36-layer models), sliding attention right after each, convolutions elsewhere."""
+    linear = [i for i in (1, 6, 11, 16, 21) if i < num_hidden_layers]
+    linear += list(range(27, num_hidden_layers, 6))
+    layer_types = ["conv"] * num_hidden_layers
+    for i in linear:
+        layer_types[i] = "linear_attention"
+        if i + 1 < num_hidden_layers:
+            layer_types[i + 1] = "sliding_attention"
+    return layer_types
+
+
+__all__ = ["JRTRNNConfig", "default_layer_types"]

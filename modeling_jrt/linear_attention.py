@@ -1,0 +1,487 @@
+"""Prefix linear attention (JRT-RNN) and causal linear attention (Based) with the 2nd-order Taylor feature map.
+
+Math (REFERENCE.md §3.3-3.5). For per-head queries/keys of dimension K (the feature dim, 16 in the released
+models) the Taylor feature map is
+
+    phi(x) = [1, x / K**(1/4), vec(x x^T) / (sqrt(2) sqrt(K))]        (F = 1 + K + K**2 features)
+
+so that phi(q) . phi(k) = 1 + s + s**2 / 2 with s = q . k / sqrt(K); every weight is >= 1/2.
+
+Prefix linear attention reads the first M tokens twice: once non-causally through separate encoder keys and
+values (k_enc, v_enc) and once causally with the decoder keys and values (k, v). With one shared denominator:
+
+    y_i = [sum_{m<M} phi(q_i).phi(ke_m) ve_m + sum_{j<=i} phi(q_i).phi(k_j) v_j]
+          / [sum_{m<M} phi(q_i).phi(ke_m)    + sum_{j<=i} phi(q_i).phi(k_j)    + eps]
+
+    query i \\ key:  encoder keys (m < M)    decoder keys j
+                     e e e e                 x . . . . .
+                     e e e e                 x x . . . .       every query sees the whole encoder,
+                     e e e e                 x x x . . .       and the decoder keys causally
+                     e e e e                 x x x x . .
+
+M = 0 gives causal Based linear attention. The Based decay variant (based-360M-30B) multiplies the numerator
+weights by gamma_h**(i-j) and by an input-dependent gate g_{i,h}; its denominator has neither.
+
+Recurrent state (shared by every implementation and stored in the generation cache), fp32 whatever the model dtype:
+
+    state[b, h, :, :V] = sum_j phi(k_j) v_j^T   (decayed when a decay is set)      shape (B, H, F, V)
+    state[b, h, :, V]  = sum_j phi(k_j)          (never decayed)                     shape (B, H, F)
+
+i.e. one tensor of shape (B, H, F, V + 1), with the encoder sum included. Decoding is then
+    state <- state (decayed) + phi(k_t) [v_t, 1];  y_t = g_t phi(q_t).state[:, :V] / (phi(q_t).state[:, V] + eps).
+
+Padding (left padding of batched prompts, the JRT prefix padding): `key_mask` marks real tokens. With
+`pad_masking="strict"` a masked key contributes nothing (phi(k) is zeroed *after* the feature map: phi(0) is not 0,
+its constant term is 1). With `"reference"` the raw key is zeroed *before* the feature map as the original code
+does, so each pad still adds its value with weight 1 (the leak of REFERENCE.md §3.5).
+
+Layouts at every function boundary: q, k `(B, T, H, K)`, v and outputs `(B, T, H, V)`, encoder tensors
+`(B, M, H, K)` / `(B, M, H, V)` for the first M tokens, key_mask `(B, T)` bool (True = real token; its first M
+columns also mask the encoder keys), gate `(B, T, H)`, log_decay `(H,)` = log gamma.
+
+Implementations behind `prefix_linear_attention(..., implementation=...)`:
+    "quadratic"  materialises the (T, T) weights and the full feature map: the oracle of the tests (use fp64).
+    "chunked"    O(T) time, O(state) memory chunked scan in PyTorch; the encoder sum is its initial state.
+    "triton"     the fused GPU kernel of `jrt_kernels` (optional dependency).
+    "auto"       "triton" on CUDA tensors when no gradient is needed and the kernel imports, else "chunked".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+IMPLEMENTATION_ENV_VAR = "JRT_LINEAR_ATTENTION_IMPL"
+PAD_MASKINGS = ("strict", "reference")
+
+
+def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
+    """2nd-order Taylor feature map of REFERENCE.md §3.3.
+
+    Args:
+        x: `(..., K)` queries or keys of one head.
+
+    Returns:
+        `(..., 1 + K + K**2)`: `[1, x / K**0.25, vec(x x^T) / (sqrt(2) sqrt(K))]`, all ordered pairs, row-major.
+    """
+    feature_dim = x.shape[-1]
+    ones = torch.ones_like(x[..., :1])
+    linear = x / feature_dim**0.25
+    quadratic = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / (math.sqrt(2.0) * math.sqrt(feature_dim))
+    return torch.cat([ones, linear, quadratic], dim=-1)
+
+
+def num_taylor_features(feature_dim: int) -> int:
+    return 1 + feature_dim + feature_dim**2
+
+
+def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """fp64 stays fp64 (oracle tests); everything else is computed in fp32."""
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
+
+
+def _validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_enc: torch.Tensor | None,
+    v_enc: torch.Tensor | None,
+    key_mask: torch.Tensor | None,
+    pad_masking: str,
+    initial_state: torch.Tensor | None,
+    log_decay: torch.Tensor | None,
+    gate: torch.Tensor | None,
+) -> int:
+    """Check shapes of the public arguments; return the encoder length M."""
+    if q.ndim != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be (B, T, H, K); got q {tuple(q.shape)} and k {tuple(k.shape)}.")
+    batch_size, seq_len, num_heads, feature_dim = q.shape
+    if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be (B, T, H, V) = ({batch_size}, {seq_len}, {num_heads}, V); got {tuple(v.shape)}.")
+    if (k_enc is None) != (v_enc is None):
+        raise ValueError("k_enc and v_enc must be given together (or both None for causal linear attention).")
+    encoder_length = 0
+    if k_enc is not None:
+        encoder_length = k_enc.shape[1]
+        if k_enc.shape != (batch_size, encoder_length, num_heads, feature_dim):
+            raise ValueError(f"k_enc must be (B, M, H, K) with B, H, K of q; got {tuple(k_enc.shape)}.")
+        if v_enc.shape != (batch_size, encoder_length, num_heads, v.shape[-1]):
+            raise ValueError(f"v_enc must be (B, M, H, V) with B, H, V of v; got {tuple(v_enc.shape)}.")
+        if encoder_length > seq_len:
+            raise ValueError(f"The encoder covers the first M tokens, so M ({encoder_length}) must be <= T ({seq_len}).")
+        if log_decay is not None or gate is not None:
+            raise ValueError("Decay and gate are Based (causal) options; they cannot be combined with an encoder prefix.")
+    if key_mask is not None and key_mask.shape != (batch_size, seq_len):
+        raise ValueError(f"key_mask must be (B, T) = ({batch_size}, {seq_len}); got {tuple(key_mask.shape)}.")
+    if pad_masking not in PAD_MASKINGS:
+        raise ValueError(f"pad_masking must be one of {list(PAD_MASKINGS)}, got {pad_masking!r}.")
+    state_shape = (batch_size, num_heads, num_taylor_features(feature_dim), v.shape[-1] + 1)
+    if initial_state is not None and tuple(initial_state.shape) != state_shape:
+        raise ValueError(f"initial_state must be (B, H, F, V + 1) = {state_shape}; got {tuple(initial_state.shape)}.")
+    if log_decay is not None and tuple(log_decay.shape) != (num_heads,):
+        raise ValueError(f"log_decay must be (H,) = ({num_heads},); got {tuple(log_decay.shape)}.")
+    if gate is not None and gate.shape != (batch_size, seq_len, num_heads):
+        raise ValueError(f"gate must be (B, T, H) = ({batch_size}, {seq_len}, {num_heads}); got {tuple(gate.shape)}.")
+    return encoder_length
+
+
+def _masked_key_features(
+    keys: torch.Tensor, key_mask: torch.Tensor | None, pad_masking: str
+) -> torch.Tensor:
+    """phi(keys) with padded keys removed. keys: (B, T, H, K) -> (B, T, H, F).
+
+    strict:    phi(k) * mask   -- phi(0) = [1, 0, ...] is not 0, so the mask must come after the feature map.
+    reference: phi(k * mask)   -- the original code; a pad keeps weight 1 through the constant feature.
+    """
+    if key_mask is None:
+        return taylor_feature_map(keys)
+    mask = key_mask[:, :, None, None].to(keys.dtype)
+    if pad_masking == "strict":
+        return taylor_feature_map(keys) * mask
+    return taylor_feature_map(keys * mask)
+
+
+def prefix_linear_attention_quadratic(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_enc: torch.Tensor | None = None,
+    v_enc: torch.Tensor | None = None,
+    *,
+    key_mask: torch.Tensor | None = None,
+    pad_masking: str = "strict",
+    initial_state: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    eps: float = 1e-12,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The O(T^2) oracle: materialises phi (F features) and the (T, T) weights. Tests only; pass fp64 inputs.
+
+    Returns:
+        `(output (B, T, H, V) in v.dtype, state (B, H, F, V + 1))`; the state is fp64 for fp64 inputs, else fp32.
+    """
+    encoder_length = _validate(q, k, v, k_enc, v_enc, key_mask, pad_masking, initial_state, log_decay, gate)
+    output_dtype = v.dtype
+    dtype = _compute_dtype(q)
+    seq_len, value_dim = q.shape[1], v.shape[-1]
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+
+    phi_q = taylor_feature_map(q)  # (B, T, H, F)
+    phi_k = _masked_key_features(k, key_mask, pad_masking)  # (B, T, H, F)
+    weights = torch.einsum("bihf,bjhf->bhij", phi_q, phi_k)  # (B, H, T, T)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+    weights = weights.masked_fill(~causal, 0.0)
+
+    positions = torch.arange(seq_len, device=q.device, dtype=dtype)
+    numerator_weights = weights
+    if log_decay is not None:
+        distance = (positions[:, None] - positions[None, :]).clamp(min=0)  # (T, T)
+        numerator_weights = weights * torch.exp(log_decay.to(dtype)[:, None, None] * distance)  # (B, H, T, T)
+    numerator = torch.einsum("bhij,bjhv->bihv", numerator_weights, v)  # (B, T, H, V)
+    denominator = weights.sum(-1).transpose(1, 2)  # (B, T, H)
+
+    if initial_state is not None:
+        previous = initial_state.to(dtype)
+        previous_numerator = torch.einsum("bihf,bhfv->bihv", phi_q, previous[..., :value_dim])  # (B, T, H, V)
+        if log_decay is not None:
+            # The previous state is decayed once more for every token read since: gamma^(i + 1).
+            previous_numerator = previous_numerator * torch.exp(
+                log_decay.to(dtype)[None, None, :, None] * (positions[None, :, None, None] + 1)
+            )
+        numerator = numerator + previous_numerator
+        denominator = denominator + torch.einsum("bihf,bhf->bih", phi_q, previous[..., value_dim])
+
+    if encoder_length > 0:
+        encoder_mask = None if key_mask is None else key_mask[:, :encoder_length]
+        phi_k_enc = _masked_key_features(k_enc.to(dtype), encoder_mask, pad_masking)  # (B, M, H, F)
+        encoder_weights = torch.einsum("bihf,bmhf->bhim", phi_q, phi_k_enc)  # (B, H, T, M)
+        numerator = numerator + torch.einsum("bhim,bmhv->bihv", encoder_weights, v_enc.to(dtype))
+        denominator = denominator + encoder_weights.sum(-1).transpose(1, 2)
+
+    if gate is not None:
+        numerator = numerator * gate.to(dtype)[..., None]
+    output = numerator / (denominator[..., None] + eps)
+
+    # Final state: sum over all keys, the decoder part decayed to the last position.
+    value_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, T, H, V + 1)
+    key_features = phi_k
+    if log_decay is not None:
+        age = (seq_len - 1 - positions)[None, :, None, None]
+        decayed = phi_k * torch.exp(log_decay.to(dtype)[None, None, :, None] * age)
+        state = torch.cat(
+            [torch.einsum("bthf,bthv->bhfv", decayed, v), phi_k.sum(1)[..., None]], dim=-1
+        )  # (B, H, F, V + 1)
+    else:
+        state = torch.einsum("bthf,bthv->bhfv", key_features, value_and_one)  # (B, H, F, V + 1)
+    if initial_state is not None:
+        previous = initial_state.to(dtype)
+        if log_decay is not None:
+            decay_all = torch.exp(log_decay.to(dtype) * seq_len)[None, :, None, None]
+            previous = torch.cat([previous[..., :value_dim] * decay_all, previous[..., value_dim:]], dim=-1)
+        state = state + previous
+    if encoder_length > 0:
+        v_enc_and_one = torch.cat([v_enc.to(dtype), torch.ones_like(v_enc[..., :1], dtype=dtype)], dim=-1)
+        state = state + torch.einsum("bmhf,bmhv->bhfv", phi_k_enc, v_enc_and_one)
+    return output.to(output_dtype), state
+
+
+def prefix_linear_attention_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_enc: torch.Tensor | None = None,
+    v_enc: torch.Tensor | None = None,
+    *,
+    key_mask: torch.Tensor | None = None,
+    pad_masking: str = "strict",
+    initial_state: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    eps: float = 1e-12,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked scan: O(T) time, O(state) memory, differentiable. Same arguments and results as the oracle.
+
+    Letters: b batch, h head, c/i/j positions inside a chunk, k feature dim K, f Taylor features F,
+    v value dim (+1 for the denominator column). Per chunk of C tokens (KERNELS.md §2.1):
+
+        inter-chunk  o_c  = phi(Q_c) @ state                          everything before the chunk (and the encoder)
+        intra-chunk  o_c += tril(1 + S + S**2 / 2) @ [V_c, 1]          S = Q_c K_c^T / sqrt(K): no (C, F) features needed
+        update       state += phi(K_c)^T @ [V_c, 1]
+
+    The encoder sum over the first M tokens is accumulated into the state before the scan, so the prefix's
+    non-causal read costs one extra update per encoder token.
+    """
+    encoder_length = _validate(q, k, v, k_enc, v_enc, key_mask, pad_masking, initial_state, log_decay, gate)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    output_dtype = v.dtype
+    dtype = _compute_dtype(q)
+    batch_size, seq_len, num_heads, feature_dim = q.shape
+    value_dim = v.shape[-1]
+    scale = 1.0 / math.sqrt(feature_dim)
+
+    # Heads first for the per-chunk matmuls.
+    q = q.transpose(1, 2).to(dtype)  # (B, H, T, K)
+    k = k.transpose(1, 2).to(dtype)  # (B, H, T, K)
+    v = v.transpose(1, 2).to(dtype)  # (B, H, T, V)
+    key_columns = None  # (B, 1, 1, T): zeroes the intra-chunk weight of a padded key (strict masking)
+    key_rows = None  # (B, 1, T, 1): zeroes phi(k) of a padded key in the state update (strict masking)
+    if key_mask is not None:
+        mask = key_mask.to(dtype)
+        if pad_masking == "strict":
+            key_columns = mask[:, None, None, :]
+            key_rows = mask[:, None, :, None]
+        else:
+            k = k * mask[:, None, :, None]  # reference: zero the raw key, phi(0) keeps weight 1
+
+    if initial_state is None:
+        state = q.new_zeros(batch_size, num_heads, num_taylor_features(feature_dim), value_dim + 1)
+    else:
+        state = initial_state.to(dtype)
+
+    # 1. Encoder reduction: state += sum_m phi(k_enc_m) [v_enc_m, 1].
+    if encoder_length > 0:
+        k_enc = k_enc.transpose(1, 2).to(dtype)  # (B, H, M, K)
+        v_enc = v_enc.transpose(1, 2).to(dtype)  # (B, H, M, V)
+        for start in range(0, encoder_length, chunk_size):
+            end = min(start + chunk_size, encoder_length)
+            keys = k_enc[:, :, start:end]
+            if key_mask is not None and key_rows is None:
+                keys = keys * key_mask[:, None, start:end, None].to(dtype)
+            phi_k = taylor_feature_map(keys)  # (B, H, c, F)
+            if key_rows is not None:
+                phi_k = phi_k * key_rows[:, :, start:end]
+            values = v_enc[:, :, start:end]
+            state = state + phi_k.transpose(-1, -2) @ torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)
+
+    # 2. Causal chunk scan over all T tokens, starting from the encoder state.
+    decay = None if log_decay is None else log_decay.to(dtype)
+    outputs = []
+    for start in range(0, seq_len, chunk_size):
+        end = min(start + chunk_size, seq_len)
+        length = end - start
+        q_c, k_c, v_c = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+        v_c1 = torch.cat([v_c, torch.ones_like(v_c[..., :1])], dim=-1)  # (B, H, c, V + 1)
+        phi_k = taylor_feature_map(k_c)  # (B, H, c, F)
+        if key_rows is not None:
+            phi_k = phi_k * key_rows[:, :, start:end]
+
+        inter = taylor_feature_map(q_c) @ state  # (B, H, c, V + 1)
+        scores = (q_c @ k_c.transpose(-1, -2)) * scale  # (B, H, c, c)
+        weights = (1.0 + scores + 0.5 * scores * scores).tril()  # (B, H, c, c)
+        if key_columns is not None:
+            weights = weights * key_columns[..., start:end]
+
+        if decay is None:
+            combined = inter + weights @ v_c1  # (B, H, c, V + 1)
+            numerator, denominator = combined[..., :value_dim], combined[..., value_dim]
+            state = state + phi_k.transpose(-1, -2) @ v_c1
+        else:
+            index = torch.arange(length, device=q.device, dtype=dtype)
+            distance = (index[:, None] - index[None, :]).clamp(min=0)  # (c, c)
+            decayed_weights = weights * torch.exp(decay[:, None, None] * distance)  # (B, H, c, c)
+            previous_decay = torch.exp(decay[:, None] * (index + 1))[None, :, :, None]  # (1, H, c, 1)
+            numerator = inter[..., :value_dim] * previous_decay + decayed_weights @ v_c
+            denominator = inter[..., value_dim] + weights.sum(-1)
+            age_decay = torch.exp(decay[:, None] * (length - 1 - index))[None, :, :, None]  # (1, H, c, 1)
+            chunk_decay = torch.exp(decay * length)[None, :, None, None]  # (1, H, 1, 1)
+            state = torch.cat(
+                [
+                    state[..., :value_dim] * chunk_decay + (phi_k * age_decay).transpose(-1, -2) @ v_c,
+                    state[..., value_dim:] + phi_k.sum(-2)[..., None],
+                ],
+                dim=-1,
+            )
+        if gate is not None:
+            numerator = numerator * gate[:, start:end].transpose(1, 2).to(dtype)[..., None]
+        outputs.append(numerator / (denominator[..., None] + eps))
+
+    output = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, T, H, V)
+    return output.to(output_dtype), state
+
+
+def linear_attention_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    log_decay: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    eps: float = 1e-12,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step from the recurrent state (the same for prefix and causal linear attention).
+
+    Args:
+        q, k: `(B, H, K)` query and key of the new token.
+        v: `(B, H, V)` its value.
+        state: `(B, H, F, V + 1)` fp32 state after the previous tokens.
+        log_decay: `(H,)` log gamma of the Based decay, or None.
+        gate: `(B, H)` numerator gate of the Based decay variant, or None.
+
+    Returns:
+        `(output (B, H, V) in v.dtype, new state (B, H, F, V + 1))`.
+    """
+    value_dim = v.shape[-1]
+    dtype = state.dtype
+    phi_q = taylor_feature_map(q.to(dtype))  # (B, H, F)
+    phi_k = taylor_feature_map(k.to(dtype))  # (B, H, F)
+    value_and_one = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)  # (B, H, V + 1)
+    update = phi_k[..., :, None] * value_and_one[..., None, :]  # (B, H, F, V + 1)
+    if log_decay is not None:
+        gamma = torch.exp(log_decay.to(dtype))[None, :, None, None]
+        state = torch.cat([state[..., :value_dim] * gamma, state[..., value_dim:]], dim=-1)
+    state = state + update
+    readout = torch.einsum("bhf,bhfv->bhv", phi_q, state)  # (B, H, V + 1)
+    numerator = readout[..., :value_dim]
+    if gate is not None:
+        numerator = numerator * gate.to(dtype)[..., None]
+    output = numerator / (readout[..., value_dim:] + eps)
+    return output.to(v.dtype), state
+
+
+def _load_triton_prefill():
+    """The fused kernel from the optional `jrt_kernels` package, or None when it (or triton) is not installed."""
+    try:
+        from jrt_kernels import prefix_linear_attention_triton
+    except ImportError:
+        return None
+    return prefix_linear_attention_triton
+
+
+def resolve_implementation(implementation: str, q: torch.Tensor, needs_grad: bool) -> str:
+    """Pick the prefill implementation.
+
+    An explicit `implementation` wins; `"auto"` can be overridden by the environment variable
+    `JRT_LINEAR_ATTENTION_IMPL` (`chunked` | `triton` | `quadratic`); otherwise `"auto"` picks `"triton"` for CUDA
+    tensors when no gradient is needed and the kernel imports, and `"chunked"` everywhere else.
+    """
+    allowed = ("auto", "chunked", "triton", "quadratic")
+    if implementation not in allowed:
+        raise ValueError(f"implementation must be one of {list(allowed)}, got {implementation!r}.")
+    if implementation == "auto":
+        forced = os.environ.get(IMPLEMENTATION_ENV_VAR, "").strip().lower()
+        if forced and forced != "auto":
+            if forced not in allowed:
+                raise ValueError(f"{IMPLEMENTATION_ENV_VAR} must be one of {list(allowed)}, got {forced!r}.")
+            implementation = forced
+    if implementation == "auto":
+        if q.is_cuda and not needs_grad and _load_triton_prefill() is not None:
+            return "triton"
+        return "chunked"
+    if implementation == "triton":
+        if _load_triton_prefill() is None:
+            raise RuntimeError(
+                "implementation='triton' needs the fused kernel: install it with `pip install 'jrt-rnn[triton]'` "
+                "(the `jrt_kernels` package and triton), or use implementation='chunked'."
+            )
+        if needs_grad:
+            raise RuntimeError(
+                "The Triton prefill kernel has no backward: use implementation='chunked' (or 'auto') for training."
+            )
+    return implementation
+
+
+def prefix_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_enc: torch.Tensor | None = None,
+    v_enc: torch.Tensor | None = None,
+    *,
+    key_mask: torch.Tensor | None = None,
+    pad_masking: str = "strict",
+    initial_state: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    eps: float = 1e-12,
+    chunk_size: int = 64,
+    implementation: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill of prefix (JRT-RNN) or causal (Based, `k_enc = v_enc = None`) linear attention.
+
+    Args:
+        q, k: `(B, T, H, K)` decoder queries and keys.
+        v: `(B, T, H, V)` decoder values.
+        k_enc, v_enc: `(B, M, H, K)` / `(B, M, H, V)` encoder keys and values of the first M <= T tokens, or None.
+        key_mask: `(B, T)` bool, True for real tokens; padded keys are removed according to `pad_masking`.
+        pad_masking: `"strict"` (pads contribute nothing) or `"reference"` (the original code's leak).
+        initial_state: `(B, H, F, V + 1)` state of earlier tokens (continuing from a cache), or None.
+        log_decay: `(H,)` log gamma of the Based fixed decay, or None.
+        gate: `(B, T, H)` input-dependent numerator gate of the Based decay variant, or None.
+        eps: added to the denominator.
+        chunk_size: chunk length of the chunked implementation.
+        implementation: `"auto"`, `"chunked"`, `"triton"` or `"quadratic"` (see `resolve_implementation`).
+
+    Returns:
+        `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) in fp32)`.
+    """
+    tensors = (q, k, v, k_enc, v_enc, gate, initial_state)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    chosen = resolve_implementation(implementation, q, needs_grad)
+    kwargs = dict(
+        key_mask=key_mask, pad_masking=pad_masking, initial_state=initial_state,
+        log_decay=log_decay, gate=gate, eps=eps,
+    )
+    if chosen == "quadratic":
+        return prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
+    if chosen == "triton":
+        return _load_triton_prefill()(q, k, v, k_enc, v_enc, **kwargs)
+    return prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, chunk_size=chunk_size, **kwargs)
+
+
+__all__ = [
+    "linear_attention_step",
+    "num_taylor_features",
+    "prefix_linear_attention",
+    "prefix_linear_attention_chunked",
+    "prefix_linear_attention_quadratic",
+    "resolve_implementation",
+    "taylor_feature_map",
+]

@@ -1,0 +1,558 @@
+"""JRT-RNN / Based for HuggingFace Transformers: layers, `JRTRNNModel` and `JRTRNNForCausalLM`.
+
+The stack (REFERENCE.md §3): token embedding -> N pre-norm blocks -> RMSNorm -> tied LM head. Each block is
+    residual += mixer(RMSNorm(residual));  residual += SwiGLU(RMSNorm(residual))
+with an fp32 residual stream, where the mixer is picked by `config.layer_types[i]`:
+    "conv"               gated short convolution (depthwise causal conv, SiLU, multiplicative gate)
+    "sliding_attention"  softmax attention over the last `sliding_window` tokens, RoPE on q and k
+    "linear_attention"   Taylor-feature linear attention, prefix (JRT-RNN) or causal (Based, optional decay)
+
+All state lives in transformers' own `Cache` built from `config.layer_types`: the last inputs of each convolution,
+the last `sliding_window - 1` keys/values of each sliding layer and the fp32 linear-attention state. The first forward
+with an empty cache runs the parallel prefill (chunked PyTorch or the Triton kernel); later single-token forwards
+are O(1) recurrent steps.
+
+This folder is self-contained (relative imports, torch and transformers only) so it can ship as Hub remote code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_recurrent_attention_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.utils import logging
+
+from .configuration_jrt import JRTRNNConfig
+from .linear_attention import linear_attention_step, prefix_linear_attention
+
+logger = logging.get_logger(__name__)
+
+
+class JRTRNNRMSNorm(nn.Module):
+    """RMSNorm with weight only: y = x / sqrt(mean(x**2) + eps) * w, computed in fp32, returned in w's dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states.float()
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return (hidden_states * self.weight.float()).to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class JRTRNNRotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) RoPE over the full head dim, as flash-attn's RotaryEmbedding in the reference."""
+
+    def __init__(self, config: JRTRNNConfig):
+        super().__init__()
+        self.config = config
+        self.inv_freq = nn.Buffer(self.compute_inv_freq(config), persistent=False)
+
+    @staticmethod
+    def compute_inv_freq(config: JRTRNNConfig) -> torch.Tensor:
+        dim = config.head_dim
+        return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids (B, T) -> cos, sin (B, T, head_dim) in x's dtype, computed in fp32."""
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float32)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k (B, H, T, D); cos, sin (B, T, D)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention with an additive (B, 1, T, S) mask. q (B, H, T, D), k/v (B, H, S, D) -> (B, T, H, D)."""
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, S)
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, T, H, D)
+    return output, weights
+
+
+class JRTRNNShortConv(nn.Module):
+    """Gated short convolution (Based `BaseConv`, REFERENCE.md §3.2).
+
+        u, g = in_proj(x).chunk(2)              u, g: (B, T, D) with D = conv_expansion * hidden_size
+        c = causal depthwise conv_K(u)          tap K-1 multiplies u_t, tap 0 multiplies u_{t-K+1}
+        y = out_proj(SiLU(c) * g)
+
+    Cache: the last K inputs u of the convolution (a `"conv"` layer of transformers' cache).
+    """
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.kernel_size = config.conv_kernel_size
+        self.inner_size = config.conv_expansion * config.hidden_size
+        self.in_proj = nn.Linear(config.hidden_size, 2 * self.inner_size, bias=config.conv_bias)
+        self.conv = nn.Conv1d(
+            self.inner_size, self.inner_size, kernel_size=self.kernel_size, groups=self.inner_size, bias=False
+        )
+        self.out_proj = nn.Linear(self.inner_size, config.hidden_size, bias=config.conv_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        seq_len = hidden_states.shape[1]
+        # 1. Input projection into the convolution branch and the gate.
+        conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, T, D) each
+        # 2. Padded positions enter the convolution as zeros, so pads never reach the window of a real token.
+        if attention_mask is not None:
+            conv_input = conv_input * attention_mask[:, -seq_len:, None].to(conv_input.dtype)
+        conv_input = conv_input.transpose(1, 2)  # (B, D, T)
+        # 3. Causal depthwise convolution over [cached inputs, new inputs]; the cache keeps the last K inputs.
+        if cache is not None:
+            conv_input = cache.update_conv_state(conv_input, self.layer_idx, conv_kernel_size=self.kernel_size)
+        conv_output = F.conv1d(
+            F.pad(conv_input, (self.kernel_size - 1, 0)), self.conv.weight, groups=self.inner_size
+        )[..., -seq_len:]  # (B, D, T)
+        # 4. SiLU, multiplicative gate, output projection.
+        return self.out_proj(F.silu(conv_output).transpose(1, 2) * gate)
+
+
+class JRTRNNSlidingWindowAttention(nn.Module):
+    """Causal softmax attention over the last `sliding_window` tokens (itself included), RoPE on q and k.
+
+    The reference's fused `Wqkv` is split into `q_proj`, `k_proj`, `v_proj` (rows q | k | v) by the converter.
+    """
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_groups = 1
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        self.sliding_window = config.sliding_window
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, hidden, bias=False)
+        self.v_proj = nn.Linear(hidden, hidden, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        batch_size, seq_len, _ = hidden_states.shape
+        hidden_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
+        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
+        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)  # (B, H, S, D): cached window + new tokens
+
+        attention_interface: Callable = eager_attention_forward
+        if self.config._attn_implementation != "eager":
+            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        output, _ = attention_interface(
+            self, query, key, value, attention_mask,
+            dropout=0.0, scaling=self.scaling, sliding_window=self.sliding_window,
+        )  # (B, T, H, D)
+        return self.o_proj(output.reshape(batch_size, seq_len, -1))
+
+
+def read_linear_attention_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
+    """The (B, H, F, V + 1) fp32 state of a linear-attention layer, or None before its first forward.
+
+    Read the slot directly: `Cache.get_recurrent_state()` returns None for a layer without a conv state, which
+    would silently restart every decode step from an empty state (HF_INTEGRATION.md §1.4).
+    """
+    if cache is None:
+        return None
+    layer = cache.layers[layer_idx]
+    return layer.recurrent_states[0] if layer.has_previous_state[0] else None
+
+
+def write_linear_attention_state(cache: Cache, layer_idx: int, state: torch.Tensor) -> None:
+    cache.update_recurrent_state(state, layer_idx)
+    cache.layers[layer_idx].has_previous_state[0] = True
+
+
+class JRTRNNLinearAttention(nn.Module):
+    """Taylor-feature linear attention: prefix (JRT-RNN, REFERENCE.md §3.5) or causal (Based, §3.4).
+
+    Prefix form: the first `min(prefix_length, T)` tokens of the first forward are also read non-causally through
+    `k_enc_proj` / `v_enc_proj`; every query sees that encoder sum plus the causal sum over the decoder keys, under
+    one shared denominator. Decoding continues from the state of both sums with one O(1) step per token.
+
+    Based decay variant: a fixed per-head decay gamma_h = 1 - 2**(decay_const - h) on the numerator state and an
+    input-dependent numerator gate `decay_proj(x)` (one unbounded value per head).
+    """
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.feature_dim = config.feature_dim
+        self.head_dim = config.head_dim
+        self.is_prefix = config.linear_attention_type == "prefix"
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.feature_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_heads * self.feature_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, hidden, bias=False)
+        if self.is_prefix:
+            self.k_enc_proj = nn.Linear(hidden, self.num_heads * self.feature_dim, bias=False)
+            self.v_enc_proj = nn.Linear(hidden, hidden, bias=False)
+        if config.use_decay_proj:
+            self.decay_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+
+    def log_decay(self, device: torch.device) -> torch.Tensor | None:
+        """(H,) log gamma_h of the fixed decay, computed on the fly (no buffer to restore after meta init)."""
+        if not self.config.linear_attention_decay:
+            return None
+        heads = torch.arange(self.num_heads, device=device, dtype=torch.float64)
+        return torch.log1p(-torch.pow(2.0, self.config.decay_const - heads)).float()
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        linear_attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        batch_size, seq_len, _ = hidden_states.shape
+        heads = self.num_heads
+        # 1. Decoder projections (and the Based gate).
+        query = self.q_proj(hidden_states).view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
+        key = self.k_proj(hidden_states).view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
+        value = self.v_proj(hidden_states).view(batch_size, seq_len, heads, self.head_dim)  # (B, T, H, V)
+        gate = self.decay_proj(hidden_states) if self.config.use_decay_proj else None  # (B, T, H)
+        log_decay = self.log_decay(hidden_states.device)
+        state = read_linear_attention_state(cache, self.layer_idx)
+
+        if state is not None and seq_len == 1:
+            # 2a. Decode: one recurrent step.
+            output, state = linear_attention_step(
+                query[:, 0], key[:, 0], value[:, 0], state,
+                log_decay=log_decay, gate=None if gate is None else gate[:, 0],
+                eps=self.config.linear_attention_eps,
+            )
+            output = output[:, None]  # (B, 1, H, V)
+        else:
+            # 2b. Prefill (parallel form). The encoder reads the prefix only in the first forward of a sequence.
+            k_enc = v_enc = None
+            if self.is_prefix and state is None:
+                prefix = hidden_states[:, : min(self.config.prefix_length, seq_len)]
+                k_enc = self.k_enc_proj(prefix).view(batch_size, -1, heads, self.feature_dim)  # (B, M, H, K)
+                v_enc = self.v_enc_proj(prefix).view(batch_size, -1, heads, self.head_dim)  # (B, M, H, V)
+            output, state = prefix_linear_attention(
+                query, key, value, k_enc, v_enc,
+                key_mask=_key_mask(attention_mask, linear_attention_mask, seq_len),
+                pad_masking=self.config.prefix_pad_masking,
+                initial_state=state,
+                log_decay=log_decay,
+                gate=gate,
+                eps=self.config.linear_attention_eps,
+                chunk_size=self.config.linear_attention_chunk_size,
+                implementation=self.config.linear_attention_implementation,
+            )
+        if cache is not None:
+            write_linear_attention_state(cache, self.layer_idx, state)
+        # 3. Merge heads, output projection.
+        return self.o_proj(output.reshape(batch_size, seq_len, -1).to(hidden_states.dtype))
+
+
+def _key_mask(
+    attention_mask: torch.Tensor | None, linear_attention_mask: torch.Tensor | None, seq_len: int
+) -> torch.Tensor | None:
+    """(B, T) bool of keys the linear attention reads: not padding, and not masked by `linear_attention_mask`."""
+    masks = [m[:, -seq_len:].bool() for m in (attention_mask, linear_attention_mask) if m is not None]
+    if not masks:
+        return None
+    return masks[0] if len(masks) == 1 else masks[0] & masks[1]
+
+
+class JRTRNNMLP(nn.Module):
+    """SwiGLU: down_proj(up_proj(x) * SiLU(gate_proj(x))). The reference's fc1 rows are [up; gate]."""
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int | None = None):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+MIXER_CLASSES = {
+    "conv": JRTRNNShortConv,
+    "sliding_attention": JRTRNNSlidingWindowAttention,
+    "linear_attention": JRTRNNLinearAttention,
+}
+
+
+class JRTRNNDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm block on an fp32 residual stream: r += mixer(norm(r)); r += mlp(norm(r))."""
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type not in MIXER_CLASSES:
+            raise ValueError(f"Invalid layer type {self.layer_type!r} at layer {layer_idx}; allowed: {list(MIXER_CLASSES)}.")
+        self.input_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mixer = MIXER_CLASSES[self.layer_type](config, layer_idx)
+        self.post_attention_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = JRTRNNMLP(config, layer_idx)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: Cache | None = None,
+        linear_attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """hidden_states: (B, T, hidden) fp32 residual stream; returns the updated fp32 residual."""
+        mixed = self.mixer(
+            self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            cache=cache,
+            position_embeddings=position_embeddings,
+            linear_attention_mask=linear_attention_mask,
+        )
+        hidden_states = hidden_states + mixed.float()
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)).float()
+
+
+class JRTRNNPreTrainedModel(PreTrainedModel):
+    config: JRTRNNConfig
+    config_class = JRTRNNConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["JRTRNNDecoderLayer"]
+    _supports_sdpa = True
+    _is_stateful = True  # the recurrent state cannot be rolled back: no assisted decoding
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Every parameter and every derived buffer (from_pretrained builds on the meta device)."""
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Conv1d)):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, JRTRNNRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, JRTRNNRotaryEmbedding):
+            init.copy_(module.inv_freq, module.compute_inv_freq(module.config))
+
+
+class JRTRNNModel(JRTRNNPreTrainedModel):
+    """The backbone: embeddings, blocks and final norm. Returns the last hidden state and the cache."""
+
+    def __init__(self, config: JRTRNNConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([JRTRNNDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = JRTRNNRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | dict | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        linear_attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """
+        Args:
+            input_ids: `(B, T)` token ids (or `inputs_embeds` `(B, T, hidden)`).
+            attention_mask: `(B, T_total)` 1 for real tokens, 0 for padding (left padding), covering the cached tokens
+                too; or the per-layer-type dict of prepared masks that `generate()` passes with a static cache.
+            position_ids: `(B, T)` RoPE positions; default: counting on from the cached length.
+            cache: a transformers `Cache` built from `config.layer_types` (`past_key_values` is accepted as an alias).
+            use_cache: create a `DynamicCache` when none is given (default `config.use_cache`).
+            linear_attention_mask: `(B, T)` extra mask for the linear-attention layers only (0 = ignore the token as
+                a key, e.g. the pads of the JRT prefix that the other layers read as ordinary tokens).
+        """
+        if cache is None:
+            cache = past_key_values
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training and use_cache:
+            use_cache = False
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        has_sliding = "sliding_attention" in self.config.layer_types
+
+        if position_ids is None:
+            past_length = cache.get_seq_length() if (cache is not None and has_sliding) else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
+            position_ids = position_ids.unsqueeze(0)
+
+        if isinstance(attention_mask, dict):
+            mask_mapping = attention_mask
+        else:
+            recurrent_mask = create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache)
+            mask_mapping = {"conv": recurrent_mask, "linear_attention": recurrent_mask}
+            if has_sliding:
+                mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(
+                    self.config, inputs_embeds, attention_mask, cache, position_ids
+                )
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if has_sliding else None
+
+        hidden_states = inputs_embeds.float()  # the residual stream stays fp32
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=mask_mapping.get(layer.layer_type),
+                position_embeddings=position_embeddings,
+                cache=cache,
+                linear_attention_mask=linear_attention_mask,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+
+class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
+    """JRT-RNN / Based language model: `JRTRNNModel` plus a (tied) LM head.
+
+    Example:
+        >>> from transformers import AutoModelForCausalLM
+        >>> import modeling_jrt  # registers model_type "jrt_rnn"
+        >>> config = modeling_jrt.JRTRNNConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4,
+        ...                                    num_attention_heads=4, intermediate_size=128,
+        ...                                    layer_types=["conv", "linear_attention", "sliding_attention", "conv"],
+        ...                                    prefix_length=16, sliding_window=9)
+        >>> model = AutoModelForCausalLM.from_config(config)
+        >>> out = model(torch.randint(0, 128, (2, 20)), labels=torch.randint(0, 128, (2, 20)))
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: JRTRNNConfig):
+        super().__init__(config)
+        self.model = JRTRNNModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | dict | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        linear_attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """
+        Args:
+            labels: `(B, T)` token ids; the loss is the mean next-token cross-entropy (labels are shifted inside,
+                -100 is ignored), through `self.loss_function` so that `Trainer`'s `num_items_in_batch` applies.
+            logits_to_keep: compute logits for the last `logits_to_keep` positions only (0 = all).
+            Other arguments: see `JRTRNNModel.forward`.
+
+        Returns:
+            `CausalLMOutputWithPast` with `loss`, `logits` `(B, T, vocab_size)` and `cache`.
+        """
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            linear_attention_mask=linear_attention_mask,
+        )
+        hidden_states = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        elif isinstance(logits_to_keep, torch.Tensor):
+            hidden_states = hidden_states[:, logits_to_keep]
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+
+
+__all__ = [
+    "JRTRNNDecoderLayer",
+    "JRTRNNForCausalLM",
+    "JRTRNNLinearAttention",
+    "JRTRNNMLP",
+    "JRTRNNModel",
+    "JRTRNNPreTrainedModel",
+    "JRTRNNRMSNorm",
+    "JRTRNNShortConv",
+    "JRTRNNSlidingWindowAttention",
+    "read_linear_attention_state",
+    "write_linear_attention_state",
+]

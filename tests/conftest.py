@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny configs with every layer type (hidden 32, vocab 99), fixed seeds, one thread."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import modeling_jrt
+
+torch.set_num_threads(1)
+
+
+def tiny_config(**overrides) -> modeling_jrt.JRTRNNConfig:
+    """A 4-layer model with every layer type; odd sizes on purpose (prefix 8, window 5, feature dim 4)."""
+    values = dict(
+        vocab_size=99,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        layer_types=["conv", "linear_attention", "sliding_attention", "conv"],
+        feature_dim=4,
+        prefix_length=8,
+        sliding_window=5,
+        linear_attention_chunk_size=4,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        prefix_pad_token_id=3,
+    )
+    values.update(overrides)
+    return modeling_jrt.JRTRNNConfig(**values)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
