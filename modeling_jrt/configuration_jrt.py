@@ -30,7 +30,8 @@ class JRTRNNConfig(PreTrainedConfig):
     Args:
         vocab_size: Rows of the embedding and the LM head (the released models pad GPT-2's 50257 to 50264).
         hidden_size: Model width `d`.
-        intermediate_size: Hidden width of the SwiGLU MLP (2 * d in the released models).
+        intermediate_size: Hidden width of the SwiGLU MLP (2 * d in the released models); 0 removes the MLPs
+            (as in the zoology synthetic-task models).
         num_hidden_layers: Number of blocks.
         num_attention_heads: Heads of both the sliding-window and the linear attention (head dim = d / heads).
         layer_types: Mixer of each layer, one of `"conv"`, `"sliding_attention"`, `"linear_attention"`.
@@ -143,8 +144,10 @@ class JRTRNNConfig(PreTrainedConfig):
         _check_choice(
             "linear_attention_implementation", self.linear_attention_implementation, LINEAR_ATTENTION_IMPLEMENTATIONS
         )
+        if self.intermediate_size < 0:
+            raise ValueError(f"`intermediate_size` must be >= 0 (0 = no MLP), got {self.intermediate_size}.")
         for field in ("sliding_window", "conv_kernel_size", "conv_expansion", "feature_dim", "vocab_size",
-                      "linear_attention_chunk_size", "intermediate_size"):
+                      "linear_attention_chunk_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"`{field}` must be a positive integer, got {getattr(self, field)}.")
         if self.prefix_length < 0:

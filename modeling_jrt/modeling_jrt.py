@@ -264,6 +264,7 @@ class JRTRNNLinearAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         linear_attention_mask: torch.Tensor | None = None,
+        prefix_length: int | None = None,
         **kwargs,
     ) -> torch.Tensor:
         batch_size, seq_len, _ = hidden_states.shape
@@ -288,7 +289,8 @@ class JRTRNNLinearAttention(nn.Module):
             # 2b. Prefill (parallel form). The encoder reads the prefix only in the first forward of a sequence.
             k_enc = v_enc = None
             if self.is_prefix and state is None:
-                prefix = hidden_states[:, : min(self.config.prefix_length, seq_len)]
+                encoder_length = self.config.prefix_length if prefix_length is None else prefix_length
+                prefix = hidden_states[:, : min(encoder_length, seq_len)]
                 k_enc = self.k_enc_proj(prefix).view(batch_size, -1, heads, self.feature_dim)  # (B, M, H, K)
                 v_enc = self.v_enc_proj(prefix).view(batch_size, -1, heads, self.head_dim)  # (B, M, H, V)
             output, state = prefix_linear_attention(
@@ -348,8 +350,10 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
             raise ValueError(f"Invalid layer type {self.layer_type!r} at layer {layer_idx}; allowed: {list(MIXER_CLASSES)}.")
         self.input_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mixer = MIXER_CLASSES[self.layer_type](config, layer_idx)
-        self.post_attention_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = JRTRNNMLP(config, layer_idx)
+        # intermediate_size = 0: no MLP (the zoology synthetic-task models have none).
+        has_mlp = config.intermediate_size > 0
+        self.post_attention_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps) if has_mlp else None
+        self.mlp = JRTRNNMLP(config, layer_idx) if has_mlp else None
 
     def forward(
         self,
@@ -358,6 +362,7 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
         linear_attention_mask: torch.Tensor | None = None,
+        prefix_length: int | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """hidden_states: (B, T, hidden) fp32 residual stream; returns the updated fp32 residual."""
@@ -367,8 +372,11 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
             cache=cache,
             position_embeddings=position_embeddings,
             linear_attention_mask=linear_attention_mask,
+            prefix_length=prefix_length,
         )
         hidden_states = hidden_states + mixed.float()
+        if self.mlp is None:
+            return hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)).float()
 
 
@@ -418,6 +426,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         linear_attention_mask: torch.Tensor | None = None,
+        prefix_length: int | None = None,
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
@@ -431,6 +440,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             use_cache: create a `DynamicCache` when none is given (default `config.use_cache`).
             linear_attention_mask: `(B, T)` extra mask for the linear-attention layers only (0 = ignore the token as
                 a key, e.g. the pads of the JRT prefix that the other layers read as ordinary tokens).
+            prefix_length: overrides `config.prefix_length` for this forward (the encoder reads the first
+                `min(prefix_length, T)` tokens of the first forward of a sequence).
         """
         if cache is None:
             cache = past_key_values
@@ -469,6 +480,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 position_embeddings=position_embeddings,
                 cache=cache,
                 linear_attention_mask=linear_attention_mask,
+                prefix_length=prefix_length,
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
@@ -508,6 +520,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         linear_attention_mask: torch.Tensor | None = None,
+        prefix_length: int | None = None,
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
@@ -529,6 +542,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             linear_attention_mask=linear_attention_mask,
+            prefix_length=prefix_length,
         )
         hidden_states = outputs.last_hidden_state
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
