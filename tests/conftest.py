@@ -35,3 +35,9 @@ def tiny_config(**overrides) -> modeling_jrt.JRTRNNConfig:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def make_config():
+    """Factory fixture: `make_config(**overrides)` -> a tiny `JRTRNNConfig` (see `tiny_config`)."""
+    return tiny_config
