@@ -1,0 +1,83 @@
+"""`jrt synthetic`: run the recall experiments, rebuild their report, export the demo models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from .experiments import ARMS, DEFAULT_STEPS, load_runs, run_directory_name, run_experiment, summarize, write_summary
+
+DEMO_MODEL_DIRS = {"JRT-RNN": "jrt-rnn-sd", "causal Based": "based-sd"}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "synthetic",
+        help="Toy-scale recall experiments (set disjointness, MQAR) with tiny JRT-RNN / Based models.",
+        description="Train tiny JRT-RNN and Based models on synthetic recall tasks (SYNTHETICS.md): "
+                    "E1 = JRT-RNN vs causal Based on set disjointness, E2 = JRT-Prompt vs standard prompt on "
+                    "prefix-query MQAR. Each run is single-threaded; --jobs runs arms in parallel processes.",
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for experiment in ARMS:
+        run = actions.add_parser(experiment, help=f"Run experiment {experiment.upper()} "
+                                                  f"({', '.join(ARMS[experiment])}).")
+        run.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (default 0 1 2)")
+        run.add_argument("--steps", type=int, default=DEFAULT_STEPS[experiment],
+                         help=f"training steps per run (default {DEFAULT_STEPS[experiment]})")
+        run.add_argument("--jobs", type=int, default=2, help="parallel single-thread processes (default 2)")
+        run.add_argument("--out", type=Path, default=Path("runs") / experiment, help="output folder")
+        run.set_defaults(func=_run, experiment=experiment)
+    report = actions.add_parser("report", help="Rebuild summary.json, results.md and accuracy.png of a run folder.")
+    report.add_argument("experiment", choices=list(ARMS))
+    report.add_argument("out", type=Path, help="folder written by `jrt synthetic e1|e2`")
+    report.set_defaults(func=_report)
+    export = actions.add_parser("export", help="Copy one seed's E1 models into a folder as the `jrt demo` models.")
+    export.add_argument("out", type=Path, help="folder written by `jrt synthetic e1`")
+    export.add_argument("--seed", type=int, default=0)
+    export.add_argument("--dest", type=Path, default=Path(__file__).resolve().parent.parent / "assets" / "models")
+    export.set_defaults(func=_export)
+
+
+def _run(args: argparse.Namespace) -> int:
+    summary = run_experiment(args.experiment, args.seeds, args.out, steps=args.steps, jobs=args.jobs)
+    sys.stdout.write((args.out / "results.md").read_text())
+    return 0 if summary["verdict"].get("reproduced") is not None else 1
+
+
+def _report(args: argparse.Namespace) -> int:
+    runs = load_runs(args.out)
+    if not runs:
+        raise FileNotFoundError(f"No */results.json under {args.out}: run `jrt synthetic {args.experiment}` first.")
+    previous = args.out / "summary.json"
+    summary = summarize(args.experiment, runs)
+    if previous.exists():  # keep the wall time and machine of the original run
+        old = json.loads(previous.read_text())
+        summary.update({k: old[k] for k in ("wall_seconds", "jobs", "machine") if k in old})
+    write_summary(summary, args.out)
+    sys.stdout.write((args.out / "results.md").read_text())
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .data import sd_token_map
+
+    for arm, name in DEMO_MODEL_DIRS.items():
+        source = args.out / run_directory_name(arm, args.seed)
+        if not (source / "model" / "config.json").exists():
+            raise FileNotFoundError(f"No trained model in {source / 'model'}: run `jrt synthetic e1` first.")
+        results = json.loads((source / "results.json").read_text())
+        target = args.dest / name
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(source / "model", target)
+        (target / "token_map.json").write_text(json.dumps(sd_token_map(results["spec"]["task"]["vocab_size"]),
+                                                          indent=2))
+        (target / "training.json").write_text(json.dumps(
+            {k: results[k] for k in ("name", "seed", "spec", "accuracy", "recurrent_state_floats",
+                                     "num_parameters", "train_seconds")}, indent=2))
+        print(f"{arm}: {source / 'model'} -> {target}")
+    return 0
