@@ -24,12 +24,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     for experiment in ARMS:
         run = actions.add_parser(experiment, help=f"Run experiment {experiment.upper()} "
-                                                  f"({', '.join(ARMS[experiment])}).")
+                                                  f"({' vs '.join(ARMS[experiment])}).")
         run.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (default 0 1 2)")
         run.add_argument("--steps", type=int, default=DEFAULT_STEPS[experiment],
                          help=f"training steps per run (default {DEFAULT_STEPS[experiment]})")
         run.add_argument("--jobs", type=int, default=2, help="parallel single-thread processes (default 2)")
         run.add_argument("--out", type=Path, default=Path("runs") / experiment, help="output folder")
+        run.add_argument("--embedding-init-std", type=_init_std, default=1.0, metavar="STD|model",
+                         help="std of the N(0, std^2) token-embedding init (default 1.0, PyTorch's nn.Embedding "
+                              "default); 'model' keeps the model's initializer_range (0.02)")
         run.set_defaults(func=_run, experiment=experiment)
     report = actions.add_parser("report", help="Rebuild summary.json, results.md and accuracy.png of a run folder.")
     report.add_argument("experiment", choices=list(ARMS))
@@ -42,8 +45,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     export.set_defaults(func=_export)
 
 
+def _init_std(value: str) -> float | None:
+    if value == "model":
+        return None
+    try:
+        std = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive float or 'model', got {value!r}") from None
+    if std <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive float or 'model', got {value!r}")
+    return std
+
+
 def _run(args: argparse.Namespace) -> int:
-    summary = run_experiment(args.experiment, args.seeds, args.out, steps=args.steps, jobs=args.jobs)
+    summary = run_experiment(args.experiment, args.seeds, args.out, steps=args.steps, jobs=args.jobs,
+                             embedding_init_std=args.embedding_init_std)
     sys.stdout.write((args.out / "results.md").read_text())
     return 0 if summary["verdict"].get("reproduced") is not None else 1
 

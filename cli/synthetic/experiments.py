@@ -50,13 +50,15 @@ def run_directory_name(arm: str, seed: int) -> str:
     return f"{slug.strip('-')}_seed{seed}"
 
 
-def experiment_runs(experiment: str, seeds: list[int], steps: int | None = None) -> list[RunSpec]:
-    """Every (arm, seed) run of `experiment`."""
+def experiment_runs(experiment: str, seeds: list[int], steps: int | None = None,
+                    embedding_init_std: float | None = 1.0) -> list[RunSpec]:
+    """Every (arm, seed) run of `experiment` (see `RunSpec` for `embedding_init_std`)."""
     if experiment not in ARMS:
         raise ValueError(f"Unknown experiment {experiment!r}; choose one of {list(ARMS)}.")
     steps = DEFAULT_STEPS[experiment] if steps is None else steps
     return [
-        RunSpec(name=arm, task=factory(), linear_attention_type=kind, seed=seed, steps=steps)
+        RunSpec(name=arm, task=factory(), linear_attention_type=kind, seed=seed, steps=steps,
+                embedding_init_std=embedding_init_std)
         for seed in seeds
         for arm, (factory, kind) in ARMS[experiment].items()
     ]
@@ -73,7 +75,7 @@ def _run_worker(spec: RunSpec, out_dir: str, position: int) -> dict:
 
 
 def run_experiment(experiment: str, seeds: list[int], out: str | Path, steps: int | None = None,
-                   jobs: int = 2) -> dict:
+                   jobs: int = 2, embedding_init_std: float | None = 1.0) -> dict:
     """Train every run of `experiment` (`jobs` single-threaded processes at a time), then summarise.
 
     Writes `out/<arm>_seed<k>/{results.json, model/}` per run, and `out/summary.json`, `out/results.md` and
@@ -83,7 +85,7 @@ def run_experiment(experiment: str, seeds: list[int], out: str | Path, steps: in
         raise ValueError(f"`jobs` must be >= 1, got {jobs}.")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    specs = experiment_runs(experiment, seeds, steps)
+    specs = experiment_runs(experiment, seeds, steps, embedding_init_std)
     start = time.perf_counter()
     env_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers before torch loads
@@ -122,6 +124,8 @@ def summarize(experiment: str, runs: list[dict]) -> dict:
         arms[arm] = {
             "seeds": [r["seed"] for r in arm_runs],
             "steps": arm_runs[0]["spec"]["steps"],
+            # Runs made before the option existed used the model's own init (std 0.02).
+            "embedding_init_std": arm_runs[0]["spec"].get("embedding_init_std"),
             "accuracy": {s: [r["accuracy"][s] for r in arm_runs] for s in slices},
             "mean": {s: float(np.mean([r["accuracy"][s] for r in arm_runs])) for s in slices},
             "std": {s: float(np.std([r["accuracy"][s] for r in arm_runs])) for s in slices},

@@ -35,12 +35,16 @@ def markdown_table(summary: dict) -> str:
             f"{stats['ms_per_step']:.1f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    stds = {stats.get("embedding_init_std") for stats in arms.values()}
+    lines += ["", "Token-embedding init: " + ", ".join(
+        "model default N(0, 0.02^2)" if std is None else f"N(0, {std:g}^2)" for std in sorted(stds, key=str)) + "."]
     verdict = summary.get("verdict", {})
     if verdict:
         lines += ["", f"Criterion: {verdict.get('criterion', '')}. "
                       f"**{'Reproduced' if verdict.get('reproduced') else 'Not reproduced'}**."]
         details = {k: v for k, v in verdict.items() if k not in ("criterion", "reproduced")}
-        lines.append("Details: " + ", ".join(f"{k} = {_fmt(v)}" for k, v in details.items()) + ".")
+        lines.append("Details: " + ", ".join(f"{k} = {_fmt(v, signed=k.startswith('gap'))}"
+                                             for k, v in details.items()) + ".")
     if "wall_seconds" in summary:
         machine = summary["machine"]
         lines.append(
@@ -50,11 +54,11 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _fmt(value) -> str:
+def _fmt(value, signed: bool = False) -> str:
     if isinstance(value, float):
-        return f"{value:+.3f}" if "gap" else f"{value:.3f}"
+        return f"{value:+.3f}" if signed else f"{value:.3f}"
     if isinstance(value, list):
-        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+        return "[" + ", ".join(_fmt(v, signed) for v in value) + "]"
     return str(value)
 
 

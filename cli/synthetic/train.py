@@ -83,7 +83,10 @@ class RunSpec:
     """One training run: an arm of an experiment with one seed.
 
     `linear_attention_type` is "prefix" (JRT-RNN: the encoder reads the whole prompt, `prefix_length` of the
-    batch) or "causal" (Based).
+    batch) or "causal" (Based). `embedding_init_std` re-initialises the (tied) token embedding with N(0, std^2):
+    1.0 is PyTorch's `nn.Embedding` default that zoology-style synthetic models use; `None` keeps the model's
+    `initializer_range` (0.02), with which the pre-norm residual stream is dominated by the mixers' outputs and
+    the token identities that recall needs fade (see docs/synthetic_results.md).
     """
 
     name: str
@@ -99,6 +102,7 @@ class RunSpec:
     hidden_size: int = 64
     num_attention_heads: int = 2
     feature_dim: int = 2
+    embedding_init_std: float | None = 1.0
     eval_every: int = 1000
     log_every: int = 50
     extra: dict = field(default_factory=dict)
@@ -229,6 +233,8 @@ def train_run(spec: RunSpec, out_dir: str | Path | None = None, progress_positio
     eval_sets = spec.task.eval_sets()
     config = build_model_config(spec, prefix_length=next(iter(eval_sets.values())).prefix_length)
     model = JRTRNNForCausalLM(config)
+    if spec.embedding_init_std is not None:
+        torch.nn.init.normal_(model.model.embed_tokens.weight, std=spec.embedding_init_std)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
     warmup = max(1, int(spec.warmup_fraction * spec.steps))

@@ -1,0 +1,80 @@
+"""`jrt demo` and the tiny models it ships (trained by `jrt synthetic e1`)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import modeling_jrt  # noqa: F401  (registers "jrt_rnn" with the Auto classes)
+from jrt_cli.main import main
+from jrt_cli.synthetic.data import sd_token_map, set_disjointness
+from jrt_cli.synthetic.demo import DEMO_ARMS, DEMO_SEED, MODELS_DIR
+from jrt_cli.synthetic.experiments import e1_task
+from jrt_cli.synthetic.train import evaluate, recurrent_state_size
+
+MODEL_DIRS = ("jrt-rnn-sd", "based-sd")
+
+
+def _load(name: str):
+    return AutoModelForCausalLM.from_pretrained(MODELS_DIR / name).eval()
+
+
+@pytest.mark.parametrize("name, kind", [("jrt-rnn-sd", "prefix"), ("based-sd", "causal")])
+def test_shipped_model_files(name, kind):
+    path = MODELS_DIR / name
+    assert {"config.json", "model.safetensors", "token_map.json", "training.json"} <= {p.name for p in path.iterdir()}
+    assert sum(p.stat().st_size for p in path.iterdir()) < 1_000_000
+    assert json.loads((path / "token_map.json").read_text()) == sd_token_map(68)
+    config = _load(name).config
+    assert (config.linear_attention_type, config.vocab_size, config.prefix_length) == (kind, 68, 23)
+    assert config.layer_types == ["conv", "linear_attention", "conv", "linear_attention"]
+
+
+def test_shipped_models_reproduce_their_recorded_accuracy():
+    eval_sets = e1_task().eval_sets()
+    for name in MODEL_DIRS:
+        recorded = json.loads((MODELS_DIR / name / "training.json").read_text())["accuracy"]
+        assert evaluate(_load(name), eval_sets) == pytest.approx(recorded, abs=1e-6)
+
+
+def test_shipped_models_have_equal_recurrent_state():
+    batch = set_disjointness(np.random.RandomState(0), 2, 4, 16)
+    sizes = [recurrent_state_size(_load(name), batch) for name in MODEL_DIRS]
+    assert sizes[0] == sizes[1] == {"linear_attention": 924, "conv": 384, "total": 1308}
+
+
+def _reference_accuracy(name: str, repeat: int, num_examples: int = 200) -> float:
+    """Parallel forward (no cache) over the demo's prompts: 100 of (4, 16), then 100 of (16, 4)."""
+    rng = np.random.RandomState(DEMO_SEED)
+    parts = [set_disjointness(rng, num_examples // 2, a, b, 68, repeat) for a, b in ((4, 16), (16, 4))]
+    input_ids = torch.cat([p.input_ids for p in parts])
+    targets = torch.cat([p.labels[:, -1] for p in parts])
+    with torch.no_grad():
+        logits = _load(name)(input_ids, prefix_length=input_ids.shape[1], use_cache=False).logits[:, -1]
+    return (logits.argmax(-1) == targets).float().mean().item()
+
+
+def test_demo_runs_and_its_accuracy_matches_a_recomputation(capsys):
+    assert main(["demo"]) == 0
+    output = capsys.readouterr().out
+    assert output.count("Example ") == 4 and output.count("expected: t") == 4
+    for arm in DEMO_ARMS:
+        line = next(line for line in output.splitlines() if line.strip().startswith(arm.label) and "accuracy" in line)
+        printed = float(re.search(r"accuracy (\d\.\d{3})", line).group(1))
+        assert printed == pytest.approx(_reference_accuracy(arm.model_dir, arm.repeat), abs=5e-4), arm.label
+        assert "state 1308 floats (linear attention 924 + conv 384)" in line
+    # The per-example verdicts agree with the printed answers.
+    for block in output.split("Example ")[1:]:
+        expected = re.search(r"expected: (t\d+)", block).group(1)
+        for answer, verdict in re.findall(r"-> (t\d+)\s+(correct|wrong)", block):
+            assert (answer == expected) == (verdict == "correct")
+
+
+def test_demo_rejects_too_few_examples(capsys):
+    assert main(["demo", "--examples", "2"]) == 1
+    assert "`--examples` must be >= 4, got 2" in capsys.readouterr().err
