@@ -254,7 +254,9 @@ def test_experiment_runs_and_directory_names():
 
 
 def _fake_run(name: str, seed: int, acc16: float, loss: float) -> dict:
-    return {"name": name, "seed": seed, "spec": {"steps": 10}, "accuracy": {"D=8": 0.5, "D=16": acc16},
+    accuracy = {"D=8": 0.5, "D=16": acc16}
+    return {"name": name, "seed": seed, "spec": {"steps": 10}, "accuracy": accuracy,
+            "eval_curve": [{"step": 10, "accuracy": accuracy}],
             "final_train_loss": loss, "ms_per_step": 1.0, "train_seconds": 1.0, "num_parameters": 1,
             "recurrent_state_floats": {"linear_attention": 1, "conv": 1, "total": 2}}
 
@@ -265,7 +267,9 @@ def test_e2_verdict_sets_aside_seeds_where_an_arm_did_not_train():
     runs = [_fake_run(plain, 0, 0.40, trained), _fake_run(jrt, 0, 0.46, trained),
             _fake_run(plain, 1, 0.42, trained), _fake_run(jrt, 1, 0.47, trained),
             _fake_run(plain, 2, 0.05, stuck), _fake_run(jrt, 2, 0.50, trained)]
-    verdict = summarize("e2", runs)["verdict"]
+    summary = summarize("e2", runs)
+    assert summary["arms"][plain]["curve"] == {"10": {"D=8": 0.5, "D=16": pytest.approx(0.29)}}
+    verdict = summary["verdict"]
     assert verdict["gap_D16_per_trained_seed"] == pytest.approx([0.06, 0.05])
     assert verdict["seeds_with_an_untrained_arm"] == {2: [plain]}
     assert verdict["reproduced"] is False  # only 2 seeds where both arms trained

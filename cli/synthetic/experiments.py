@@ -129,6 +129,12 @@ def summarize(experiment: str, runs: list[dict]) -> dict:
             "accuracy": {s: [r["accuracy"][s] for r in arm_runs] for s in slices},
             "mean": {s: float(np.mean([r["accuracy"][s] for r in arm_runs])) for s in slices},
             "std": {s: float(np.std([r["accuracy"][s] for r in arm_runs])) for s in slices},
+            # Mean held-out accuracy over seeds at each evaluation step (learning speed).
+            "curve": {
+                str(point["step"]): {s: float(np.mean([r["eval_curve"][i]["accuracy"][s] for r in arm_runs]))
+                                     for s in slices}
+                for i, point in enumerate(arm_runs[0]["eval_curve"])
+            },
             "final_train_loss": [r["final_train_loss"] for r in arm_runs],
             "ms_per_step": float(np.mean([r["ms_per_step"] for r in arm_runs])),
             "train_seconds": [r["train_seconds"] for r in arm_runs],

@@ -35,6 +35,14 @@ def markdown_table(summary: dict) -> str:
             f"{stats['ms_per_step']:.1f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    if all("curve" in stats for stats in arms.values()):
+        steps = list(next(iter(arms.values()))["curve"])
+        lines += ["", "Held-out accuracy during training (mean over seeds; slices in the order above):", "",
+                  "| arm | " + " | ".join(f"step {step}" for step in steps) + " |",
+                  "|" + " --- |" * (len(steps) + 1)]
+        for arm, stats in arms.items():
+            cells = [" / ".join(f"{stats['curve'][step][s]:.3f}" for s in slices) for step in steps]
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     stds = {stats.get("embedding_init_std") for stats in arms.values()}
     lines += ["", "Token-embedding init: " + ", ".join(
         "model default N(0, 0.02^2)" if std is None else f"N(0, {std:g}^2)" for std in sorted(stds, key=str)) + "."]
@@ -63,7 +71,8 @@ def _fmt(value, signed: bool = False) -> str:
 
 
 def plot_accuracy(summary: dict, path: str | Path) -> None:
-    """Grouped bars: one group per eval slice, one bar per arm (mean over seeds), each seed as a dot."""
+    """Left: grouped bars, one group per eval slice, one bar per arm (mean ± std over seeds, each seed a dot).
+    Right (when the summary has learning curves): mean accuracy on the last slice against training steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,7 +81,10 @@ def plot_accuracy(summary: dict, path: str | Path) -> None:
     arms = summary["arms"]
     slices = list(next(iter(arms.values()))["mean"])
     width = 0.8 / len(arms)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.9 * len(slices), 3.6))
+    with_curves = all("curve" in stats for stats in arms.values())
+    fig, axes = plt.subplots(1, 2 if with_curves else 1, figsize=(1.6 + 1.9 * len(slices) + 3.6 * with_curves, 3.6),
+                             squeeze=False)
+    ax = axes[0, 0]
     for i, (arm, stats) in enumerate(arms.items()):
         xs = [j + (i - (len(arms) - 1) / 2) * width for j in range(len(slices))]
         ax.bar(xs, [stats["mean"][s] for s in slices], width, yerr=[stats["std"][s] for s in slices],
@@ -83,8 +95,20 @@ def plot_accuracy(summary: dict, path: str | Path) -> None:
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("held-out accuracy")
     steps = next(iter(arms.values()))["steps"]
-    ax.set_title(f"{summary['experiment'].upper()} ({steps} steps; bars: mean ± std, dots: seeds)", fontsize=9)
+    std = next(iter(arms.values())).get("embedding_init_std")
+    init = "emb. init N(0, 0.02²)" if std is None else f"emb. init N(0, {std:g}²)"
+    ax.set_title(f"{summary['experiment'].upper()}: {steps} steps, {init}\nbars: mean ± std over seeds, dots: seeds",
+                 fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
+    if with_curves:
+        curve_ax, last = axes[0, 1], slices[-1]
+        for arm, stats in arms.items():
+            steps = [int(step) for step in stats["curve"]]
+            curve_ax.plot(steps, [stats["curve"][str(step)][last] for step in steps], marker="o", label=arm)
+        curve_ax.set_ylim(0, 1.05)
+        curve_ax.set_xlabel("training step")
+        curve_ax.set_title(f"{_slice_label(last)} during training (mean over seeds)", fontsize=9)
+        curve_ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
