@@ -12,6 +12,7 @@ from .synthetic.demo import (
     DEMO_ARMS,
     DEMO_SEED,
     DEMO_SLICES,
+    LONGER_SLICES,
     MODELS_DIR,
     demo_batch,
     describe_state,
@@ -36,6 +37,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--examples", type=int, default=NUM_SCORED,
                         help=f"examples scored for the accuracy (default {NUM_SCORED})")
     parser.set_defaults(func=run)
+
+
+def _accuracy(model, batch) -> float:
+    return (generate_answers(model, batch) == batch.labels[:, -1]).float().mean().item()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         targets = batch.labels[:, -1]
         scored[arm.label] = {
             "accuracy": (answers == targets).float().mean().item(),
+            "longer": _accuracy(model, demo_batch(args.examples, arm.repeat, args.seed, slices=LONGER_SLICES)),
             "state": describe_state(model, batch),
             "prompt_tokens": batch.input_ids.shape[1],
             "parameters": sum(p.numel() for p in model.parameters()),
@@ -84,13 +90,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {arm.label:<{width}}  -> {render_tokens([answer], token_map):<4} {verdict}")
         print()
 
-    print(f"Accuracy on {args.examples} fresh examples (seed {args.seed}) and recurrent state per sequence after "
-          "the prefill, read from the cache:")
+    longer = " and ".join(str(s).replace(" ", "") for s in LONGER_SLICES)
+    print(f"Accuracy on {args.examples} fresh examples (seed {args.seed}) of the trained set sizes, and recurrent "
+          "state per sequence after the prefill, read from the cache:")
     for arm in DEMO_ARMS:
         info = scored[arm.label]
         state = info["state"]
         print(f"  {arm.label:<{width}}  accuracy {info['accuracy']:.3f}   state {state['total']} floats "
               f"(linear attention {state['linear_attention']} + conv {state['conv']})   "
               f"prompt {info['prompt_tokens']} tokens   {info['parameters']} parameters")
+    print(f"\nAccuracy on {args.examples} fresh examples with longer sets than in training, {longer}:")
+    for arm in DEMO_ARMS:
+        print(f"  {arm.label:<{width}}  longer-set accuracy {scored[arm.label]['longer']:.3f}")
     print(f"\n({time.perf_counter() - start:.1f} s. Train them yourself: `jrt synthetic e1`; see the README.)")
     return 0

@@ -48,10 +48,10 @@ def test_shipped_models_have_equal_recurrent_state():
     assert sizes[0] == sizes[1] == {"linear_attention": 924, "conv": 384, "total": 1308}
 
 
-def _reference_accuracy(name: str, repeat: int, num_examples: int = 200) -> float:
-    """Parallel forward (no cache) over the demo's prompts: 100 of (4, 16), then 100 of (16, 4)."""
+def _reference_accuracy(name: str, repeat: int, slices=((4, 16), (16, 4)), num_examples: int = 200) -> float:
+    """Parallel forward (no cache) over the demo's prompts: 100 of the first slice, then 100 of the second."""
     rng = np.random.RandomState(DEMO_SEED)
-    parts = [set_disjointness(rng, num_examples // 2, a, b, 68, repeat) for a, b in ((4, 16), (16, 4))]
+    parts = [set_disjointness(rng, num_examples // 2, a, b, 68, repeat) for a, b in slices]
     input_ids = torch.cat([p.input_ids for p in parts])
     targets = torch.cat([p.labels[:, -1] for p in parts])
     with torch.no_grad():
@@ -68,6 +68,9 @@ def test_demo_runs_and_its_accuracy_matches_a_recomputation(capsys):
         printed = float(re.search(r"accuracy (\d\.\d{3})", line).group(1))
         assert printed == pytest.approx(_reference_accuracy(arm.model_dir, arm.repeat), abs=5e-4), arm.label
         assert "state 1308 floats (linear attention 924 + conv 384)" in line
+        line = next(line for line in output.splitlines() if line.strip().startswith(arm.label) and "longer" in line)
+        printed = float(re.search(r"longer-set accuracy (\d\.\d{3})", line).group(1))
+        assert printed == pytest.approx(_reference_accuracy(arm.model_dir, arm.repeat, ((8, 24), (24, 8))), abs=5e-4)
     # The per-example verdicts agree with the printed answers.
     for block in output.split("Example ")[1:]:
         expected = re.search(r"expected: (t\d+)", block).group(1)

@@ -21,7 +21,8 @@ from .train import recurrent_state_size
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "assets" / "models"
 DEMO_SEED = 2024
-DEMO_SLICES = ((4, 16), (16, 4))
+DEMO_SLICES = ((4, 16), (16, 4))  # the set sizes the models were trained on
+LONGER_SLICES = ((8, 24), (24, 8))  # longer sets never seen in training (prompt of 35 tokens)
 
 
 @dataclass
@@ -52,14 +53,16 @@ def load_demo_model(model_dir: str, models_dir: Path = MODELS_DIR) -> tuple[torc
     return model, json.loads((path / "token_map.json").read_text())
 
 
-def demo_batch(num_examples: int, repeat: int = 1, seed: int = DEMO_SEED, vocab_size: int = 68) -> SyntheticBatch:
-    """`num_examples` fresh set-disjointness examples, half from each of `DEMO_SLICES`, in that order.
+def demo_batch(num_examples: int, repeat: int = 1, seed: int = DEMO_SEED, vocab_size: int = 68,
+               slices: tuple[tuple[int, int], ...] = DEMO_SLICES) -> SyntheticBatch:
+    """`num_examples` fresh set-disjointness examples, split evenly over `slices` (`(|A|, |B|)` pairs of the same
+    total length), in that order.
 
     The sets depend only on `seed` (not on `repeat`), so `repeat = 1` and `repeat = 2` give the same questions.
     """
     rng = np.random.RandomState(seed)
-    sizes = [num_examples // len(DEMO_SLICES) + (i < num_examples % len(DEMO_SLICES)) for i in range(len(DEMO_SLICES))]
-    parts = [set_disjointness(rng, n, a, b, vocab_size, repeat) for n, (a, b) in zip(sizes, DEMO_SLICES) if n]
+    sizes = [num_examples // len(slices) + (i < num_examples % len(slices)) for i in range(len(slices))]
+    parts = [set_disjointness(rng, n, a, b, vocab_size, repeat) for n, (a, b) in zip(sizes, slices) if n]
     return SyntheticBatch(
         torch.cat([p.input_ids for p in parts]), torch.cat([p.labels for p in parts]), parts[0].prefix_length
     )
