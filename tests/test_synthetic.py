@@ -242,6 +242,14 @@ def test_training_lowers_the_loss_and_saves_a_reloadable_model(tmp_path):
     assert evaluate(model, spec.task.eval_sets()) == results["accuracy"]
 
 
+def test_half_state_experiment_has_462_floats_of_linear_attention_state():
+    spec = experiment_runs("e1-small", [0])[0]
+    assert (spec.hidden_size, spec.num_attention_heads, spec.steps) == (32, 1, 8000)
+    batch = spec.task.sample(rng(), 1, (4, 24))
+    sizes = recurrent_state_size(JRTRNNForCausalLM(build_model_config(spec, batch.prefix_length)), batch)
+    assert sizes["linear_attention"] == 462  # 2 layers x 1 head x 7 features x (32 + 1)
+
+
 def test_experiment_runs_and_directory_names():
     runs = experiment_runs("e2", [0, 1], steps=10)
     assert [(r.name, r.seed, r.task.order, r.linear_attention_type) for r in runs] == [
@@ -289,3 +297,8 @@ def test_synthetic_command_runs_an_experiment_end_to_end(tmp_path, capsys):
     assert set(summary["arms"]) == {"causal Based", "JRT-RNN"}
     assert (out / "accuracy.png").stat().st_size > 1000
     assert (out / "jrt-rnn_seed0" / "model" / "model.safetensors").exists()
+    # Saved models evaluated on longer sets than in training.
+    assert main(["synthetic", "evaluate", str(out), "--slices", "8,24", "--examples", "20"]) == 0
+    assert "| JRT-RNN | **" in capsys.readouterr().out
+    extra = json.loads((out / "extra_eval.json").read_text())
+    assert set(extra) == {"causal Based", "JRT-RNN"} and len(extra["JRT-RNN"]["8_24"]) == 1

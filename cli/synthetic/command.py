@@ -8,7 +8,16 @@ import shutil
 import sys
 from pathlib import Path
 
-from .experiments import ARMS, DEFAULT_STEPS, load_runs, run_directory_name, run_experiment, summarize, write_summary
+from .experiments import (
+    ARMS,
+    DEFAULT_STEPS,
+    evaluate_saved_models,
+    load_runs,
+    run_directory_name,
+    run_experiment,
+    summarize,
+    write_summary,
+)
 
 DEMO_MODEL_DIRS = {"JRT-RNN": "jrt-rnn-sd", "causal Based": "based-sd"}
 
@@ -38,11 +47,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     report.add_argument("experiment", choices=list(ARMS))
     report.add_argument("out", type=Path, help="folder written by `jrt synthetic e1|e2`")
     report.set_defaults(func=_report)
+    extra = actions.add_parser("evaluate", help="Evaluate the saved models of a run folder on other slices "
+                                                "(e.g. longer sets than in training).")
+    extra.add_argument("out", type=Path, help="folder written by `jrt synthetic e1|e2|e1-small`")
+    extra.add_argument("--slices", type=_slice, nargs="+", required=True, metavar="A,B|D",
+                       help="SD: set sizes `|A|,|B|` (e.g. 8,24 24,8); qmqar: number of pairs D")
+    extra.add_argument("--examples", type=int, default=1000, help="examples per slice (default 1000)")
+    extra.set_defaults(func=_evaluate)
     export = actions.add_parser("export", help="Copy one seed's E1 models into a folder as the `jrt demo` models.")
     export.add_argument("out", type=Path, help="folder written by `jrt synthetic e1`")
     export.add_argument("--seed", type=int, default=0)
     export.add_argument("--dest", type=Path, default=Path(__file__).resolve().parent.parent / "assets" / "models")
     export.set_defaults(func=_export)
+
+
+def _slice(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {value!r}") from None
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from .report import extra_eval_table
+
+    if not load_runs(args.out):
+        raise FileNotFoundError(f"No */results.json under {args.out}: run an experiment first.")
+    sys.stdout.write(extra_eval_table(evaluate_saved_models(args.out, args.slices, args.examples)))
+    return 0
 
 
 def _init_std(value: str) -> float | None:

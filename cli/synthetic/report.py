@@ -6,6 +6,7 @@ from pathlib import Path
 
 TITLES = {
     "e1": "E1: JRT-RNN vs causal Based on set disjointness (V = 68)",
+    "e1-small": "E1 at half the state (hidden 32, 1 head): JRT-RNN vs causal Based on set disjointness (V = 68)",
     "e2": "E2: JRT-Prompt (CQC) vs standard prompt (CQ) for causal Based on prefix-query MQAR (V = 132)",
 }
 
@@ -112,3 +113,18 @@ def plot_accuracy(summary: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def extra_eval_table(results: dict) -> str:
+    """Markdown of `experiments.evaluate_saved_models`: one row per arm, mean ± std (per seed) per slice."""
+    slices = list(next(iter(results.values())))
+    lines = ["| arm | " + " | ".join(_slice_label(s) for s in slices) + " |", "|" + " --- |" * (len(slices) + 1)]
+    for arm, by_slice in results.items():
+        cells = []
+        for s in slices:
+            values = by_slice[s]
+            mean = sum(values) / len(values)
+            std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+            cells.append(f"**{mean:.3f} ± {std:.3f}** ({', '.join(f'{v:.3f}' for v in values)})")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
