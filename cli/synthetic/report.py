@@ -100,7 +100,6 @@ def plot_accuracy(summary: dict, path: str | Path) -> None:
     init = "emb. init N(0, 0.02²)" if std is None else f"emb. init N(0, {std:g}²)"
     ax.set_title(f"{summary['experiment'].upper()}: {steps} steps, {init}\nbars: mean ± std over seeds, dots: seeds",
                  fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
     if with_curves:
         curve_ax, last = axes[0, 1], slices[-1]
         for arm, stats in arms.items():
@@ -110,7 +109,9 @@ def plot_accuracy(summary: dict, path: str | Path) -> None:
         curve_ax.set_xlabel("training step")
         curve_ax.set_title(f"{_slice_label(last)} during training (mean over seeds)", fontsize=9)
         curve_ax.grid(alpha=0.3)
-    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(arms), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
