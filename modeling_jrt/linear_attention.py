@@ -395,12 +395,16 @@ def _load_triton_prefill():
     return prefix_linear_attention_triton
 
 
-def resolve_implementation(implementation: str, q: torch.Tensor, needs_grad: bool) -> str:
+def resolve_implementation(
+    implementation: str, q: torch.Tensor, needs_grad: bool, *, has_decay: bool = False
+) -> str:
     """Pick the prefill implementation.
 
     An explicit `implementation` wins; `"auto"` can be overridden by the environment variable
     `JRT_LINEAR_ATTENTION_IMPL` (`chunked` | `triton` | `quadratic`); otherwise `"auto"` picks `"triton"` for CUDA
-    tensors when no gradient is needed and the kernel imports, and `"chunked"` everywhere else.
+    tensors when no gradient is needed, there is no Based decay or gate (`has_decay`, which the kernel does not
+    implement) and the kernel imports, and `"chunked"` everywhere else. A forced `"triton"` also accepts CPU
+    tensors, which the kernel runs in triton's interpreter when `TRITON_INTERPRET=1` (tests).
     """
     allowed = ("auto", "chunked", "triton", "quadratic")
     if implementation not in allowed:
@@ -412,7 +416,7 @@ def resolve_implementation(implementation: str, q: torch.Tensor, needs_grad: boo
                 raise ValueError(f"{IMPLEMENTATION_ENV_VAR} must be one of {list(allowed)}, got {forced!r}.")
             implementation = forced
     if implementation == "auto":
-        if q.is_cuda and not needs_grad and _load_triton_prefill() is not None:
+        if q.is_cuda and not needs_grad and not has_decay and _load_triton_prefill() is not None:
             return "triton"
         return "chunked"
     if implementation == "triton":
@@ -464,7 +468,8 @@ def prefix_linear_attention(
     """
     tensors = (q, k, v, k_enc, v_enc, gate, initial_state)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    chosen = resolve_implementation(implementation, q, needs_grad)
+    has_decay = log_decay is not None or gate is not None
+    chosen = resolve_implementation(implementation, q, needs_grad, has_decay=has_decay)
     kwargs = dict(
         key_mask=key_mask, pad_masking=pad_masking, initial_state=initial_state,
         log_decay=log_decay, gate=gate, eps=eps,

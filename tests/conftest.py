@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-import modeling_jrt
+# Without CUDA the Triton kernel tests (tests/kernels/) run in triton's CPU interpreter. triton reads
+# TRITON_INTERPRET when `triton.language` is first imported, and importing transformers (hence modeling_jrt)
+# already does that, so it is set here, before anything else. Only triton kernels see it; an explicit
+# TRITON_INTERPRET in the environment wins.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import modeling_jrt  # noqa: E402
 
 torch.set_num_threads(1)
 
