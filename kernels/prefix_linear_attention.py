@@ -17,11 +17,16 @@ the Taylor feature map is never written to HBM. State and denominators are fp32;
 are cast to the input dtype (KERNELS.md §5). Padded keys are removed in all three orders (strict masking) or,
 with `pad_masking="reference"`, keep their weight-1 constant term as the original code does.
 
+Scope: forward only (a gradient request raises; training uses the chunked PyTorch path), no Based decay or gate
+(`prefix_linear_attention(..., implementation="auto")` sends those to the chunked path). Inputs are read through
+their strides (no copies). Grid (cdiv(V, BV), B * H); autotuned over a few (BT, BV, warps, stages) per (K, V, dtype)
+unless JRT_TRITON_AUTOTUNE=0.
+
 Dims (fla naming): B batch, T decoder length, M encoder length, H heads, K feature dim, V value dim,
 F = 1 + K + K**2 Taylor features; tiles BT (tokens), BK (feature dim, a power of two >= 16), BV (value dim).
 """
 
-import math
+import os
 
 import torch
 import triton
@@ -200,8 +205,11 @@ def _prefix_linear_attention_fwd_kernel(
 
 # TRITON_INTERPRET=1 when this module is first imported makes `triton.jit` return the CPU interpreter's function.
 INTERPRETED = isinstance(_prefix_linear_attention_fwd_kernel, InterpretedFunction)
+# JRT_TRITON_AUTOTUNE=0 keeps the first GPU config only (quick compiled test runs; no tuning at first call).
+AUTOTUNE = os.environ.get("JRT_TRITON_AUTOTUNE", "1") != "0"
 _prefix_linear_attention_fwd_kernel = triton.autotune(
-    configs=_INTERPRETER_CONFIGS if INTERPRETED else _GPU_CONFIGS, key=["K", "V"]
+    configs=_INTERPRETER_CONFIGS if INTERPRETED else (_GPU_CONFIGS if AUTOTUNE else _GPU_CONFIGS[:1]),
+    key=["K", "V"],
 )(_prefix_linear_attention_fwd_kernel)
 
 
