@@ -212,7 +212,7 @@ def test_loss_decreases_with_a_few_optimizer_steps(make_config):
 def test_gradient_checkpointing_gives_the_same_gradients(make_config):
     model = build(make_config).train()
     checkpointed = copy.deepcopy(model)
-    checkpointed.activation_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     assert all(layer.gradient_checkpointing for layer in checkpointed.model.layers)
     input_ids = torch.randint(0, 99, (2, 17))
     model(input_ids, labels=input_ids, use_cache=False).loss.backward()
