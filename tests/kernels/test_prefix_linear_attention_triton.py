@@ -270,6 +270,19 @@ def test_model_logits_with_kernel(device, make_config, padded):
     torch.testing.assert_close(logits[rows], expected[rows], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fake tensors need the compiled (traceable) kernel")
+def test_fake_tensor_shapes(device):
+    """The torch.library.triton_op registration: shapes and dtypes under FakeTensorMode, no kernel launch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = (torch.empty(2, 33, 2, 16, dtype=torch.bfloat16, device=device) for _ in range(2))
+        v = torch.empty(2, 33, 2, 112, dtype=torch.bfloat16, device=device)
+        output, state = prefix_linear_attention_triton(q, k, v, k[:, :10], v[:, :10])
+    assert output.shape == (2, 33, 2, 112) and output.dtype == torch.bfloat16
+    assert state.shape == (2, 2, 273, 113) and state.dtype == torch.float32
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel at a long length needs CUDA")
 @pytest.mark.parametrize("M", [0, 2048])
