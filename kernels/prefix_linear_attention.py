@@ -63,6 +63,50 @@ def _load_chunk(p_base, o_t, m_t, s_t, o_d, m_d, s_d):
     return tl.load(p, mask=m_t[:, None] & m_d[None, :], other=0.0)
 
 
+@triton.jit
+def _load_keys_values(
+    p_k, p_v, p_m, o_t, m_t, s_kt, s_kk, s_vt, s_vv, s_mt, o_k, m_k, o_v, m_v, key_scale,
+    HAS_MASK: tl.constexpr, STRICT: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Scaled keys k' (fp32), values (matmul dtype) and key weights (0/1) of one chunk.
+
+    A padded key has k' = 0 under both maskings. phi(0) = [1, 0, ...] is not 0, so strict masking also gives it
+    weight 0, which removes its value and its count (the 0th order); "reference" keeps both, as the original code.
+    """
+    b_w = m_t
+    # [BT, BK]
+    b_k = _load_chunk(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk).to(tl.float32) * key_scale
+    if HAS_MASK:
+        b_m = tl.load(p_m + o_t * s_mt, mask=m_t, other=0) != 0
+        b_k = tl.where(b_m[:, None], b_k, 0.0)
+        if STRICT:
+            b_w = b_w & b_m
+    # [BT, BV]
+    b_v = _load_chunk(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
+    b_v = tl.where(b_w[:, None], b_v, 0.0).to(tl.float32 if DOT_FP32 else b_v.dtype)
+    return b_k, b_v, b_w
+
+
+@triton.jit
+def _outer(b_x, BT: tl.constexpr, BK: tl.constexpr):
+    """Row-wise outer product [BT, BK] -> [BT, BK * BK]: the 2nd-order Taylor features of one chunk, on chip."""
+    return tl.reshape(b_x[:, :, None] * b_x[:, None, :], [BT, BK * BK])
+
+
+@triton.jit
+def _accumulate(b_h0, b_h1, b_h2, b_z0, b_z1, b_z2, b_k, b_k2, b_v, b_w, DOT_PRECISION: tl.constexpr):
+    """state += phi(K_c)^T [V_c, 1], order by order (h2 and z2 without the 1/sqrt(2) of phi)."""
+    b_h0 += tl.sum(b_v.to(tl.float32), axis=0)
+    # [BK, BV]
+    b_h1 += tl.dot(tl.trans(b_k).to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+    # [BK * BK, BV]
+    b_h2 += tl.dot(tl.trans(b_k2).to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+    b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
+    b_z1 += tl.sum(b_k, axis=0)
+    b_z2 += tl.sum(b_k2, axis=0)
+    return b_h0, b_h1, b_h2, b_z0, b_z1, b_z2
+
+
 @triton.jit(do_not_specialize=["T", "M"])
 def _prefix_linear_attention_fwd_kernel(
     q, k, v, k_enc, v_enc, key_mask, state_in, o, state_out,
@@ -83,17 +127,19 @@ def _prefix_linear_attention_fwd_kernel(
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1  # state row length: V numerator columns and the denominator column
+    SQRT2: tl.constexpr = 1.4142135623730951
 
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    # 2nd-order feature index f = BK * i + j <-> state row 1 + K + K * i + j (only i, j < K exist).
+    # 2nd-order feature f = BK * i + j <-> state row 1 + K + K * i + j (only i, j < K exist).
     o_k2 = tl.arange(0, BK * BK)
     m_k2 = ((o_k2 // BK) < K) & ((o_k2 % BK) < K)
     r_k2 = 1 + K + (o_k2 // BK) * K + (o_k2 % BK)
+    p_m = key_mask + i_b * s_mb
 
-    # fp32 state; h2 holds sum (k' (x) k') v without the 1/sqrt(2) of phi, which is applied on read and write.
+    # fp32 state; h2 and z2 hold sums of k' (x) k' without the 1/sqrt(2) of phi, applied on read and on write.
     b_h0 = tl.zeros([BV], dtype=tl.float32)
     b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
     b_h2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
@@ -105,102 +151,71 @@ def _prefix_linear_attention_fwd_kernel(
         p_s = state_in + p_state
         b_h0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
         b_h1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_h2 += tl.load(
-            p_s + r_k2[:, None] * W + o_v[None, :], mask=m_k2[:, None] & m_v[None, :], other=0.0
-        ) * 1.4142135623730951
+        b_h2 += tl.load(p_s + r_k2[:, None] * W + o_v[None, :], mask=m_k2[:, None] & m_v[None, :], other=0.0) * SQRT2
         b_z0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
         b_z1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
-        b_z2 += tl.load(p_s + r_k2 * W + V, mask=m_k2, other=0.0) * 1.4142135623730951
+        b_z2 += tl.load(p_s + r_k2 * W + V, mask=m_k2, other=0.0) * SQRT2
 
-    # 1. Encoder reduction over the first M tokens: state updates only.
+    # 1. Encoder reduction over the first M tokens: state updates only, no queries, no causal mask.
     p_ke = k_enc + i_b * s_keb + i_h * s_keh
     p_ve = v_enc + i_b * s_veb + i_h * s_veh
+    o_c = tl.arange(0, BT)
     for i_t in range(0, tl.cdiv(M, BT)):
-        o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
-        m_t = o_t < M
-        b_w = m_t
-        b_m = tl.full([BT], 1.0, dtype=tl.float32)
-        if HAS_MASK:
-            b_m = tl.load(key_mask + i_b * s_mb + o_t * s_mt, mask=m_t, other=0).to(tl.float32)
-            if STRICT:
-                b_w = b_w & (b_m > 0)
-        # [BT, BK]
-        b_k = _load_chunk(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek).to(tl.float32) * key_scale * b_m[:, None]
-        # [BT, BV]
-        b_v = _load_chunk(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev)
-        b_v = tl.where(b_w[:, None], b_v, 0.0).to(tl.float32 if DOT_FP32 else b_v.dtype)
-        # [BT, BK * BK]
-        b_k2 = tl.reshape(b_k[:, :, None] * b_k[:, None, :], [BT, BK * BK])
-        b_h0 += tl.sum(b_v.to(tl.float32), axis=0)
-        # [BK, BV]
-        b_h1 += tl.dot(tl.trans(b_k).to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-        # [BK * BK, BV]
-        b_h2 += tl.dot(tl.trans(b_k2).to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-        b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
-        b_z1 += tl.sum(b_k, axis=0)
-        b_z2 += tl.sum(b_k2, axis=0)
+        o_t = (i_t * BT + o_c).to(tl.int64)
+        b_k, b_v, b_w = _load_keys_values(
+            p_ke, p_ve, p_m, o_t, o_t < M, s_ket, s_kek, s_vet, s_vev, s_mt, o_k, m_k, o_v, m_v, key_scale,
+            HAS_MASK, STRICT, DOT_FP32,
+        )
+        b_h0, b_h1, b_h2, b_z0, b_z1, b_z2 = _accumulate(
+            b_h0, b_h1, b_h2, b_z0, b_z1, b_z2, b_k, _outer(b_k, BT, BK), b_v, b_w, DOT_PRECISION
+        )
 
     # 2. Causal chunk scan over the T decoder tokens, starting from the encoder state.
     p_q = q + i_b * s_qb + i_h * s_qh
     p_k = k + i_b * s_kb + i_h * s_kh
     p_v = v + i_b * s_vb + i_h * s_vh
     p_o = o + i_b * s_ob + i_h * s_oh
-    o_c = tl.arange(0, BT)
     for i_t in range(0, tl.cdiv(T, BT)):
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
-        b_w = m_t
-        b_m = tl.full([BT], 1.0, dtype=tl.float32)
-        if HAS_MASK:
-            b_m = tl.load(key_mask + i_b * s_mb + o_t * s_mt, mask=m_t, other=0).to(tl.float32)
-            if STRICT:
-                b_w = b_w & (b_m > 0)
         # [BT, BK]
         b_q = _load_chunk(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk).to(tl.float32) * key_scale
-        # [BT, BK]
-        b_k = _load_chunk(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk).to(tl.float32) * key_scale * b_m[:, None]
-        # [BT, BV]
-        b_v = _load_chunk(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
-        b_v = tl.where(b_w[:, None], b_v, 0.0).to(tl.float32 if DOT_FP32 else b_v.dtype)
+        b_k, b_v, b_w = _load_keys_values(
+            p_k, p_v, p_m, o_t, m_t, s_kt, s_kk, s_vt, s_vv, s_mt, o_k, m_k, o_v, m_v, key_scale,
+            HAS_MASK, STRICT, DOT_FP32,
+        )
         # [BT, BK * BK]
-        b_q2 = tl.reshape(b_q[:, :, None] * b_q[:, None, :], [BT, BK * BK])
-        b_k2 = tl.reshape(b_k[:, :, None] * b_k[:, None, :], [BT, BK * BK])
+        b_q2 = _outer(b_q, BT, BK)
+        b_k2 = _outer(b_k, BT, BK)
 
-        # inter-chunk: everything before the chunk (and the encoder). [BT, BV]
+        # inter-chunk: the state of everything before the chunk, encoder included. [BT, BV]
         b_o = b_h0[None, :] + tl.dot(b_q.to(b_v.dtype), b_h1.to(b_v.dtype), input_precision=DOT_PRECISION)
         b_o += 0.5 * tl.dot(b_q2.to(b_v.dtype), b_h2.to(b_v.dtype), input_precision=DOT_PRECISION)
         # [BT]
         b_z = b_z0 + tl.sum(b_q * b_z1[None, :], axis=1) + 0.5 * tl.sum(b_q2 * b_z2[None, :], axis=1)
-        # intra-chunk: 1 + s + s^2 / 2 on the causal, valid-key part. [BT, BT]
+        # intra-chunk: 1 + s + s^2 / 2 on the causal part, valid keys only. [BT, BT]
         b_s = tl.dot(b_q.to(b_v.dtype), tl.trans(b_k).to(b_v.dtype), input_precision=DOT_PRECISION)
-        b_a = 1.0 + b_s + 0.5 * b_s * b_s
-        b_a = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :], b_a, 0.0)
+        b_a = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :], 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
         # [BT, BV]
         b_o += tl.dot(b_a.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
         b_z += tl.sum(b_a, axis=1)
-        b_y = b_o / (b_z[:, None] + eps)
+        # fp32 division; a row without any valid key gives 0 / (0 + eps) = 0.
         p_y = p_o + o_t[:, None] * s_ot + o_v[None, :] * s_ov
-        tl.store(p_y, b_y.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        tl.store(p_y, (b_o / (b_z[:, None] + eps)).to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
-        # state update
-        b_h0 += tl.sum(b_v.to(tl.float32), axis=0)
-        # [BK, BV]
-        b_h1 += tl.dot(tl.trans(b_k).to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-        # [BK * BK, BV]
-        b_h2 += tl.dot(tl.trans(b_k2).to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-        b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
-        b_z1 += tl.sum(b_k, axis=0)
-        b_z2 += tl.sum(b_k2, axis=0)
+        b_h0, b_h1, b_h2, b_z0, b_z1, b_z2 = _accumulate(
+            b_h0, b_h1, b_h2, b_z0, b_z1, b_z2, b_k, b_k2, b_v, b_w, DOT_PRECISION
+        )
 
     # 3. Final state in the cache layout (B, H, F, V + 1); the denominator column is written once, by i_v = 0.
     p_s = state_out + p_state
     tl.store(p_s + o_v, b_h0, mask=m_v)
     tl.store(p_s + (1 + o_k[:, None]) * W + o_v[None, :], b_h1, mask=m_k[:, None] & m_v[None, :])
-    tl.store(p_s + r_k2[:, None] * W + o_v[None, :], b_h2 * 0.7071067811865476, mask=m_k2[:, None] & m_v[None, :])
+    tl.store(p_s + r_k2[:, None] * W + o_v[None, :], b_h2 / SQRT2, mask=m_k2[:, None] & m_v[None, :])
     if i_v == 0:
         tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_z0)
         tl.store(p_s + (1 + o_k) * W + V, b_z1, mask=m_k)
-        tl.store(p_s + r_k2 * W + V, b_z2 * 0.7071067811865476, mask=m_k2)
+        tl.store(p_s + r_k2 * W + V, b_z2 / SQRT2, mask=m_k2)
 
 
 # TRITON_INTERPRET=1 when this module is first imported makes `triton.jit` return the CPU interpreter's function.
@@ -236,6 +251,7 @@ def _prefix_linear_attention_fwd(
     k_enc = k if k_enc is None else k_enc
     v_enc = v if v_enc is None else v_enc
     mask = q if key_mask is None else key_mask.view(torch.uint8)
+    initial_state = None if initial_state is None else initial_state.contiguous()  # small: 70 KB per (b, h)
     mask_strides = (0, 0) if key_mask is None else mask.stride()
 
     def grid(meta):
