@@ -294,7 +294,7 @@ def prefix_linear_attention_triton(
         q, k: `(B, T, H, K)` decoder queries and keys (fp32, bf16 or fp16, one dtype for every input).
         v: `(B, T, H, V)` decoder values; V need not be a power of two.
         k_enc, v_enc: `(B, M, H, K)` / `(B, M, H, V)` encoder keys and values of the first M <= T tokens, or None.
-        key_mask: `(B, T)` bool, True for real tokens (its first M columns also mask the encoder keys), or None.
+        key_mask: `(B, T)`, True (non-zero) for real tokens; its first M columns also mask the encoder keys.
         pad_masking: `"strict"` (a pad contributes nothing) or `"reference"` (a pad keeps its constant term).
         initial_state: `(B, H, F, V + 1)` fp32 state of earlier tokens, or None.
         log_decay, gate: the Based decay variant; not supported by the kernel (must be None).
@@ -331,8 +331,10 @@ def prefix_linear_attention_triton(
             )
         if M > T:
             raise ValueError(f"The encoder covers the first M tokens, so M ({M}) must be <= T ({T}).")
-    if key_mask is not None and (key_mask.shape != (B, T) or key_mask.dtype != torch.bool):
-        raise ValueError(f"key_mask must be a bool (B, T) = ({B}, {T}) tensor; got {key_mask.dtype} {tuple(key_mask.shape)}.")
+    if key_mask is not None:
+        if key_mask.shape != (B, T):
+            raise ValueError(f"key_mask must be (B, T) = ({B}, {T}); got {tuple(key_mask.shape)}.")
+        key_mask = key_mask if key_mask.dtype == torch.bool else key_mask != 0  # (B, T): a 0/1 mask is fine too
     state_shape = (B, H, num_taylor_features(K), V + 1)
     if initial_state is not None and (tuple(initial_state.shape) != state_shape or initial_state.dtype != torch.float32):
         raise ValueError(

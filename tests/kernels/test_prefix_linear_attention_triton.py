@@ -111,6 +111,8 @@ def test_strict_padding_equals_unpadded_run(device):
     )
     torch.testing.assert_close(output[:, pads:], unpadded, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, unpadded_state, rtol=1e-5, atol=1e-4)
+    integer_mask_output, _ = prefix_linear_attention_triton(q, k, v, k_enc, v_enc, key_mask=key_mask.long())
+    torch.testing.assert_close(integer_mask_output, output, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
