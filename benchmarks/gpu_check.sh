@@ -10,7 +10,9 @@
 # Writes OUT_DIR/env.txt, tests.txt, prefill.txt, prefill.json, prefill_b1.txt, prefill_b1.json, summary.txt.
 # Needs torch with CUDA, triton and transformers>=5.24 (modeling_jrt). Wheels found in .whl/ (e.g. a newer
 # transformers, or fla-core for the fla columns) are installed to a temporary folder first; nothing is installed
-# system-wide. Run from anywhere; paths are relative to the repository root.
+# system-wide. Run from anywhere; paths are relative to the repository root. For a machine whose transformers is
+# older and which cannot reach PyPI, fetch the wheel beforehand, on a machine that can:
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.24.0
 set -uo pipefail
 
 out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
@@ -37,6 +39,11 @@ export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     "$python" -c "import modeling_jrt, jrt_kernels; print('modeling_jrt and jrt_kernels import')"
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
+if ! "$python" -c "import modeling_jrt, jrt_kernels" > /dev/null 2>&1; then
+    echo "modeling_jrt or jrt_kernels does not import (see env.txt): transformers>=5.24 is needed; put its wheel" \
+        "in .whl/ (header of this script)" | tee "$out/summary.txt"
+    exit 3
+fi
 if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "no CUDA device: this script is for a GPU machine (CPU tests: pytest tests/kernels)" | tee "$out/summary.txt"
     exit 2

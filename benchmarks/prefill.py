@@ -14,8 +14,9 @@ and the ratios to SDPA, achieved TFLOP/s and the fraction of the roofline floor 
     python benchmarks/prefill.py --batch-sweep         # CUDA default: also B = 2..64 at N = 16k
 
 Defaults follow the paper's Table 5 harness: H = 16, feature dim 16, value/head dim 64, M = N / 2, bf16 on CUDA
-(B = 16, N = 1k..32k). Times are medians (CUDA) or minima (CPU, a shared machine) of timed calls after warm-up,
-with synchronisation; allocating the inputs is excluded.
+(B = 16, N = 1k..32k). Methods are timed in interleaved rounds after warm-up: medians of synchronised wall times
+on CUDA; on one CPU thread, minima of the process CPU time (the machine may be shared). Allocating the inputs is
+excluded.
 """
 
 from __future__ import annotations
@@ -68,18 +69,38 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int, stat: str) -> float:
-    """Median or minimum wall time of `fn` in ms after `warmup` calls (CUDA: synchronised around each call)."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return min(samples) if stat == "min" else statistics.median(samples)
+def time_methods(
+    methods: dict[str, Callable[[], object]], device: torch.device, args: argparse.Namespace
+) -> dict[str, float | str]:
+    """Time each method in ms: `warmup` untimed calls each, then `repeats` rounds calling every method once.
+
+    Rounds interleave the methods so that a change of machine load hits them alike. On CUDA each call is
+    synchronised and timed on the wall clock. On a CPU with one thread the clock is the process CPU time: on a
+    shared machine it excludes the time spent waiting for a core. A method that fails gets its error message.
+    """
+    clock = time.process_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    results: dict[str, float | str] = {}
+    for round_index in range(-args.warmup, args.repeats):
+        for name, fn in methods.items():
+            if name in results:  # failed earlier
+                continue
+            try:
+                with torch.no_grad(), sdpa_context(device) if name == "sdpa" else contextlib.nullcontext():
+                    synchronize(device)
+                    start = clock()
+                    fn()
+                    synchronize(device)
+                    elapsed = (clock() - start) * 1e3
+            except Exception as error:  # noqa: BLE001 - report the failure of one method, keep measuring the rest
+                results[name] = f"{type(error).__name__}: {error}"[:200]
+                continue
+            if round_index >= 0:
+                samples[name].append(elapsed)
+    for name, values in samples.items():
+        if name not in results and values:
+            results[name] = min(values) if args.stat == "min" else statistics.median(values)
+    return results
 
 
 def load_fla() -> dict[str, Callable]:
@@ -137,16 +158,14 @@ def measure_shape(args, device, dtype, B: int, T: int, kernel, fla) -> dict:
     for name, fn in fla.items():
         methods[name] = lambda fn=fn: fn(q, k, v)
 
-    for name, fn in methods.items():
-        try:
-            with torch.no_grad(), sdpa_context(device):
-                row[name] = time_ms(fn, device, args.repeats, args.warmup, args.stat)
-        except Exception as error:  # noqa: BLE001 - report the failure of one method, keep measuring the rest
-            row[name] = None
-            row[f"{name}_error"] = f"{type(error).__name__}: {error}"[:200]
-            print(f"# {name} failed at B={B} T={T}: {row[name + '_error']}", file=sys.stderr)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    for name, result in time_methods(methods, device, args).items():
+        if isinstance(result, str):
+            row[name], row[f"{name}_error"] = None, result
+            print(f"# {name} failed at B={B} T={T}: {result}", file=sys.stderr)
+        else:
+            row[name] = result
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
     row["ours_impl"] = args.impl if "ours" in methods else None
     element_size = torch.finfo(dtype).bits // 8
@@ -269,8 +288,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         environment["triton"] = None
     fla = load_fla() if args.fla else {}
     print("# " + ", ".join(f"{key} {value}" for key, value in environment.items()))
+    clock = "process CPU time" if not cuda and torch.get_num_threads() == 1 else "wall time"
     print(f"# H={args.heads} K={args.feature_dim} V=head_dim={args.head_dim} M={args.prefix}; ours = "
-          f"{'Triton kernel' if args.impl == 'triton' else 'chunked PyTorch'}; {args.stat} of {args.repeats} calls, ms")
+          f"{'Triton kernel' if args.impl == 'triton' else 'chunked PyTorch'}; {args.stat} {clock} of "
+          f"{args.repeats} rounds, ms")
 
     shapes = [(args.batch, T) for T in args.seq_lens]
     if args.batch_sweep:
