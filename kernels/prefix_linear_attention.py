@@ -336,7 +336,9 @@ def prefix_linear_attention_triton(
             raise ValueError(f"key_mask must be (B, T) = ({B}, {T}); got {tuple(key_mask.shape)}.")
         key_mask = key_mask if key_mask.dtype == torch.bool else key_mask != 0  # (B, T): a 0/1 mask is fine too
     state_shape = (B, H, num_taylor_features(K), V + 1)
-    if initial_state is not None and (tuple(initial_state.shape) != state_shape or initial_state.dtype != torch.float32):
+    if initial_state is not None and (
+        tuple(initial_state.shape) != state_shape or initial_state.dtype != torch.float32
+    ):
         raise ValueError(
             f"initial_state must be fp32 (B, H, F, V + 1) = {state_shape}; got {initial_state.dtype} "
             f"{tuple(initial_state.shape)}."

@@ -414,10 +414,8 @@ def prefix_linear_attention_chunked(
     state = symmetric.expand(state)  # (B, H, F, V + 1)
     if residual is not None:
         if decay is not None:  # decayed like the rest of the initial state: once per token read
-            residual = torch.cat(
-                [residual[..., :value_dim] * torch.exp(decay * seq_len)[None, :, None, None], residual[..., value_dim:]],
-                dim=-1,
-            )
+            total_decay = torch.exp(decay * seq_len)[None, :, None, None]  # (1, H, 1, 1)
+            residual = torch.cat([residual[..., :value_dim] * total_decay, residual[..., value_dim:]], dim=-1)
         state = state + residual
     return output.to(output_dtype), state
 
