@@ -69,11 +69,13 @@ class JRTRNNConfig(PreTrainedConfig):
             chunked PyTorch otherwise), `"chunked"`, `"triton"` or `"quadratic"` (the O(N^2) oracle; tests only).
         linear_attention_chunk_size: Chunk length of the chunked PyTorch prefill.
         mask_token_id: The [MASK] id of the JRT masked-LM objective (50263 in the released models), or None.
+        mlm_weight: Weight of the masked-LM term of the JRT objective, `loss = NTP + mlm_weight * MLM` (0.25 in the
+            reference); used when `forward()` gets `mlm_labels` (see `modeling_jrt.training`).
         initializer_range: Standard deviation of the normal initialisation.
     """
 
     model_type = "jrt_rnn"
-    keys_to_ignore_at_inference = ["cache"]
+    keys_to_ignore_at_inference = ["cache", "ntp_loss", "mlm_loss"]
 
     vocab_size: int = 50264
     hidden_size: int = 1024
@@ -101,6 +103,7 @@ class JRTRNNConfig(PreTrainedConfig):
     linear_attention_implementation: str = "auto"
     linear_attention_chunk_size: int = 64
     mask_token_id: int | None = None
+    mlm_weight: float = 0.25
     initializer_range: float = 0.02
     use_cache: bool = True
     pad_token_id: int | None = None
@@ -157,6 +160,8 @@ class JRTRNNConfig(PreTrainedConfig):
                 "`linear_attention_decay` and `use_decay_proj` are Based options: they need "
                 "`linear_attention_type='causal'`, got 'prefix'."
             )
+        if self.mlm_weight < 0:
+            raise ValueError(f"`mlm_weight` must be >= 0, got {self.mlm_weight}.")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"`mask_token_id` ({self.mask_token_id}) must be in [0, vocab_size={self.vocab_size}).")
 

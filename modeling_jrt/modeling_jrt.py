@@ -18,6 +18,7 @@ This folder is self-contained (relative imports, torch and transformers only) so
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ from transformers.utils import logging
 
 from .configuration_jrt import JRTRNNConfig
 from .linear_attention import linear_attention_step, prefix_linear_attention
+from .training import jrt_loss
 
 logger = logging.get_logger(__name__)
 
@@ -486,6 +488,19 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
 
+@dataclass
+class JRTRNNCausalLMOutput(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus the two parts of the JRT objective (set only when `mlm_labels` are given).
+
+    Args:
+        ntp_loss: detached mean next-token cross-entropy of the batch.
+        mlm_loss: detached mean masked-LM cross-entropy of the batch.
+    """
+
+    ntp_loss: torch.Tensor | None = None
+    mlm_loss: torch.Tensor | None = None
+
+
 class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
     """JRT-RNN / Based language model: `JRTRNNModel` plus a (tied) LM head.
 
@@ -523,16 +538,22 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         prefix_length: int | None = None,
         past_key_values: Cache | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> JRTRNNCausalLMOutput:
         """
         Args:
             labels: `(B, T)` token ids; the loss is the mean next-token cross-entropy (labels are shifted inside,
                 -100 is ignored), through `self.loss_function` so that `Trainer`'s `num_items_in_batch` applies.
+            mlm_labels: (keyword, through `**kwargs`) `(B, T)` masked-LM targets of the JRT objective, predicted at
+                their own position (-100 elsewhere), as `JRTDataCollator` builds them. With them the loss is
+                `NTP + config.mlm_weight * MLM` (see `modeling_jrt.training`). They travel in `**kwargs`, like
+                `shift_labels`, so that `Trainer` keeps `label_names == ["labels"]` and still reports the loss of
+                plain causal-LM evaluation batches.
             logits_to_keep: compute logits for the last `logits_to_keep` positions only (0 = all).
             Other arguments: see `JRTRNNModel.forward`.
 
         Returns:
-            `CausalLMOutputWithPast` with `loss`, `logits` `(B, T, vocab_size)` and `cache`.
+            `JRTRNNCausalLMOutput` with `loss`, `logits` `(B, T, vocab_size)`, `cache`, and `ntp_loss` / `mlm_loss`
+            when `mlm_labels` are given.
         """
         outputs = self.model(
             input_ids=input_ids,
@@ -551,13 +572,24 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
             hidden_states = hidden_states[:, logits_to_keep]
         logits = self.lm_head(hidden_states)
 
-        loss = None
-        if labels is not None:
+        loss = ntp_loss = mlm_loss = None
+        mlm_labels = kwargs.pop("mlm_labels", None)
+        if mlm_labels is not None:
+            if labels is None:
+                raise ValueError("`mlm_labels` need `labels` (the next-token targets) as well: see JRTDataCollator.")
+            loss, ntp_loss, mlm_loss = jrt_loss(
+                logits, labels, mlm_labels,
+                mlm_weight=self.config.mlm_weight, num_items_in_batch=kwargs.get("num_items_in_batch"),
+            )
+        elif labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+        return JRTRNNCausalLMOutput(
+            loss=loss, logits=logits, cache=outputs.cache, ntp_loss=ntp_loss, mlm_loss=mlm_loss
+        )
 
 
 __all__ = [
+    "JRTRNNCausalLMOutput",
     "JRTRNNDecoderLayer",
     "JRTRNNForCausalLM",
     "JRTRNNLinearAttention",
