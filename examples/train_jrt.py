@@ -44,6 +44,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class JRTTrainer(Trainer):
+    """A `Trainer` that also logs the two parts of the objective (this process's means since the last log)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_parts: dict[str, list[torch.Tensor]] = {"ntp_loss": [], "mlm_loss": []}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        if model.training:
+            for name, values in self.loss_parts.items():
+                values.append(outputs[name])
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs and self.loss_parts["ntp_loss"]:
+            for name, values in self.loss_parts.items():
+                logs[name] = round(torch.stack(values).mean().item(), 4)
+                values.clear()
+        super().log(logs, *args, **kwargs)
+
+
 def build_trainer(args: argparse.Namespace) -> Trainer:
     set_seed(args.seed)  # every process builds the same initial model
     documents = args.train_file.read_text(encoding="utf-8").split("\n\n") if args.train_file else builtin_corpus()
@@ -75,7 +97,7 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
         ddp_find_unused_parameters=False,  # every parameter (or every adapter weight) takes part in each step
         dataloader_drop_last=True,  # equal micro-batches on every process
     )
-    return Trainer(
+    return JRTTrainer(
         model=model,
         args=training_args,
         train_dataset=[{"input_ids": block} for block in train_blocks],
