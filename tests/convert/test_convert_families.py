@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from reference_checkpoints import (
     EOS,
     PADDED_VOCAB,
@@ -180,8 +181,9 @@ def test_cli_convert_with_tokenizer_shards_and_dtype(tmp_path, capsys):
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["do_sample"] is False and generation["eos_token_id"] == EOS
     assert generation["suppress_tokens"] == list(range(VOCAB, PADDED_VOCAB))
-    card = (out / "README.md").read_text()
-    assert "JRT-360M-30B" in card and "`jrt`" in card
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert "JRT-360M-30B" in card.text and "`jrt`" in card.text
 
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.padding_side == "left" and tokenizer.pad_token_id == EOS
