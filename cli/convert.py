@@ -20,7 +20,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--family", default="auto", choices=["auto", "jrt", "based-jrt-release", "based-original"],
         help="checkpoint family (default: detected from the config and the weights)",
     )
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights dtype (default fp32)")
+    parser.add_argument(
+        "--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights dtype (default fp32)"
+    )
     parser.add_argument(
         "--tokenizer", metavar="PATH_OR_ID",
         help="GPT-2 tokenizer to ship (folder or Hub id); default: GPT-2 from the local Hub cache if present",

@@ -222,10 +222,14 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
     # Gated convolution (BaseConv; `kernel_sizes` is ignored by the reference constructor, so is it here).
     expand_proj = int(mixer.get("expand_proj", 4))
     if expand_proj % 2:
-        raise ConversionError(f"BaseConv expand_proj must be even (inner width = expand_proj * d / 2), got {expand_proj}.")
+        raise ConversionError(
+            f"BaseConv expand_proj must be even (inner width = expand_proj * d / 2), got {expand_proj}."
+        )
     kernel_size = int(mixer.get("kernel_size", 3))
     if "kernel_sizes" in mixer:
-        notes.append(f"mixer.kernel_sizes={mixer['kernel_sizes']!r} ignored, as by the reference (kernel_size={kernel_size}).")
+        notes.append(
+            f"mixer.kernel_sizes={mixer['kernel_sizes']!r} ignored, as by the reference (kernel_size={kernel_size})"
+        )
 
     # Linear attention (PLA or Based LA).
     feature_dim, enc_length, use_decay_proj = 16, None, False
@@ -315,7 +319,9 @@ def _check_backbone(config: dict) -> None:
                 f"uses {value!r}, and so does the converted model."
             )
     if config.get("rotary_emb_scale_base") is not None:
-        raise ConversionError("config.json rotary_emb_scale_base (xPos) is not supported; the released models use None.")
+        raise ConversionError(
+            "config.json rotary_emb_scale_base (xPos) is not supported; the released models use None."
+        )
 
 
 def _check_feature_map(alt_mixer: dict) -> None:
@@ -388,7 +394,8 @@ def detect_family(
         markers.append("'conv1' keys (renamed only by the JRT loader)")
     hint = KNOWN_CHECKPOINTS.get((name_hint or "").rstrip("/").rsplit("/", 1)[-1].lower())
     if markers:
-        family, evidence = "based-jrt-release", "causal linear attention with JRT-release markers: " + "; ".join(markers)
+        family = "based-jrt-release"
+        evidence = "causal linear attention with JRT-release markers: " + "; ".join(markers)
     elif hint is not None:
         family, evidence = hint, f"causal linear attention; released checkpoint name {name_hint!r}"
     else:

@@ -145,7 +145,7 @@ def _check_decay_buffer(buffer: torch.Tensor, arch: ReferenceArchitecture, shape
             f"{DECAY_BUFFER_KEY} holds {buffer.tolist()}, not log(1 - 2**(decay_const - h)) with "
             f"decay_const={arch.decay_const:g}: check decay_const in config.json"
         )
-    return f"dropped {DECAY_BUFFER_KEY} (deterministic: log(1 - 2**(decay_const - h)), decay_const={arch.decay_const:g})"
+    return f"dropped {DECAY_BUFFER_KEY} (a constant: log(1 - 2**(decay_const - h)), decay_const={arch.decay_const:g})"
 
 
 def _describe(problems: dict[str, list[str]], spec: FamilySpec) -> str:

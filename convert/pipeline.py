@@ -25,7 +25,14 @@ import modeling_jrt
 from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM
 
 from .checkpoint import ConversionError, read_reference_checkpoint
-from .families import FAMILY_SPECS, FamilySpec, ReferenceArchitecture, detect_family, read_architecture, translate_config
+from .families import (
+    FAMILY_SPECS,
+    FamilySpec,
+    ReferenceArchitecture,
+    detect_family,
+    read_architecture,
+    translate_config,
+)
 from .hub import download_reference_checkpoint, is_repo_id
 from .mapping import map_state_dict
 
@@ -95,7 +102,9 @@ def convert_checkpoint(
     if dtype not in DTYPES:
         raise ConversionError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}.")
     if prefix_pad_masking not in PREFIX_PAD_MASKINGS:
-        raise ConversionError(f"prefix_pad_masking must be one of {list(PREFIX_PAD_MASKINGS)}, got {prefix_pad_masking!r}.")
+        raise ConversionError(
+            f"prefix_pad_masking must be one of {list(PREFIX_PAD_MASKINGS)}, got {prefix_pad_masking!r}."
+        )
     destination = Path(destination)
     _check_destination(destination, overwrite=overwrite)
 
@@ -136,6 +145,7 @@ def convert_checkpoint(
         )
         verify_folder(staging, model)
         files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+        _apply_umask(staging)
         _move_into_place(staging, destination, overwrite=overwrite)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -227,7 +237,7 @@ def copy_remote_code(folder: Path) -> list[str]:
             raise ConversionError(
                 f"{path.name} imports {sorted(absolute)} absolutely; remote code must use relative imports only."
             )
-        shutil.copy2(path, folder / path.name)
+        shutil.copyfile(path, folder / path.name)
         copied.append(path.name)
     return copied
 
@@ -240,7 +250,9 @@ def verify_folder(folder: Path, model: JRTRNNForCausalLM) -> None:
     actual = reloaded.state_dict()
     differing = sorted(k for k in expected if k not in actual or not torch.equal(expected[k], actual[k]))
     if differing or set(actual) != set(expected):
-        raise ConversionError(f"Verification failed: the reloaded folder differs from the converted model at {differing}.")
+        raise ConversionError(
+            f"Verification failed: the reloaded folder differs from the converted model at {differing}."
+        )
     input_ids = torch.tensor([_VERIFY_IDS]) % model.config.vocab_size
     with torch.no_grad():
         logits = model(input_ids, use_cache=False).logits
@@ -280,6 +292,15 @@ def _load_tokenizer(
     return tok, None
 
 
+def _apply_umask(folder: Path) -> None:
+    """Give the staging folder (created 0700 by mkdtemp) and its files the permissions of an ordinary folder."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def _move_into_place(staging: Path, destination: Path, *, overwrite: bool) -> None:
     """Rename the complete staging folder to `destination` (same filesystem, so each rename is atomic)."""
     if not destination.exists():
@@ -316,13 +337,19 @@ def render_model_card(
     `source` is the Hub repo id of the reference checkpoint, or the name of its local folder.
     """
     base_model = f"base_model: {source}\n" if is_repo_id(source) else ""
+    is_prefix = config.linear_attention_type == "prefix"
+    counts = {kind: config.layer_types.count(kind) for kind in ("conv", "linear_attention", "sliding_attention")}
     tokenizer_line = (
         'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")  # GPT-2\'s tokenizer, left padding'
         if has_tokenizer
-        else 'tokenizer = AutoTokenizer.from_pretrained("gpt2", padding_side="left")\ntokenizer.pad_token = tokenizer.eos_token'
+        else 'tokenizer = AutoTokenizer.from_pretrained("gpt2", padding_side="left")\n'
+        "tokenizer.pad_token = tokenizer.eos_token"
     )
-    is_prefix = config.linear_attention_type == "prefix"
-    counts = {kind: config.layer_types.count(kind) for kind in ("conv", "linear_attention", "sliding_attention")}
+    layers = (
+        f"{config.num_hidden_layers}: {counts['conv']} gated convolutions, {counts['linear_attention']} "
+        f"{config.linear_attention_type} linear attention, {counts['sliding_attention']} sliding-window attention"
+    )
+    mask = f"; [MASK] = {config.mask_token_id}" if config.mask_token_id is not None else ""
     note_lines = "".join(f"- {note}\n" for note in notes) or "- none\n"
     prefix_text = (
         f"Prompts shorter than the prefix ({config.prefix_length} tokens) are left-padded with token "
@@ -366,12 +393,12 @@ The modeling code ships with the folder (`trust_remote_code=True`); with the `jr
 | | |
 |---|---|
 | family | `{spec.name}` (detected from: {evidence}) |
-| layers | {config.num_hidden_layers}: {counts['conv']} gated convolutions, {counts['linear_attention']} {config.linear_attention_type} linear attention, {counts['sliding_attention']} sliding-window attention |
+| layers | {layers} |
 | hidden size / heads / feature dim | {config.hidden_size} / {config.num_attention_heads} / {config.feature_dim} |
 | sliding window (keys incl. self) | {config.sliding_window} |
 | prefix length | {config.prefix_length if is_prefix else "-"} |
 | decay | {"fixed + input-dependent" if config.use_decay_proj else "none"} |
-| vocabulary | {config.vocab_size} rows (GPT-2's {arch.vocab_size} + padding{"; [MASK] = " + str(config.mask_token_id) if config.mask_token_id is not None else ""}) |
+| vocabulary | {config.vocab_size} rows (GPT-2's {arch.vocab_size} + padding{mask}) |
 | weights dtype | {dtype} |
 
 ## Conversion

@@ -32,7 +32,8 @@ def _assert_no_output(tmp_path: Path) -> None:
 
 def test_missing_key(tmp_path):
     source = _source(tmp_path, edit=lambda sd: sd.pop("transformer.layers.1.mixer.proj_k_enc.weight"))
-    with pytest.raises(ConversionError, match=r"1 reference keys missing[\s\S]*transformer\.layers\.1\.mixer\.proj_k_enc\.weight"):
+    message = r"1 reference keys missing[\s\S]*transformer\.layers\.1\.mixer\.proj_k_enc\.weight"
+    with pytest.raises(ConversionError, match=message):
         convert_checkpoint(source, tmp_path / "out")
     _assert_no_output(tmp_path)
 
@@ -42,7 +43,8 @@ def test_extra_key(tmp_path):
         sd["transformer.layers.0.mixer.conv.conv.bias"] = torch.zeros(128)
         sd["transformer.layers.2.mixer.rotary_emb.inv_freq"] = torch.zeros(8)
 
-    with pytest.raises(ConversionError, match=r"2 reference keys that no key table[\s\S]*conv\.conv\.bias[\s\S]*inv_freq"):
+    message = r"2 reference keys that no key table[\s\S]*conv\.conv\.bias[\s\S]*inv_freq"
+    with pytest.raises(ConversionError, match=message):
         convert_checkpoint(_source(tmp_path, edit=edit), tmp_path / "out")
     _assert_no_output(tmp_path)
 
@@ -51,7 +53,8 @@ def test_wrong_shape(tmp_path):
     def edit(sd):
         sd["transformer.layers.2.mixer.Wqkv.weight"] = torch.zeros(3 * 64, 32)
 
-    with pytest.raises(ConversionError, match=r"Wqkv\.weight \(192, 32\) -> model\.layers\.2\.mixer\.q_proj\.weight expects \(64, 64\)"):
+    message = r"Wqkv\.weight \(192, 32\) -> model\.layers\.2\.mixer\.q_proj\.weight expects \(64, 64\)"
+    with pytest.raises(ConversionError, match=message):
         convert_checkpoint(_source(tmp_path, edit=edit), tmp_path / "out")
     _assert_no_output(tmp_path)
 
@@ -97,7 +100,8 @@ def test_unsupported_pickle_content(tmp_path):
     (folder / "pytorch_model.bin").unlink()
     state_dict = {f"model.{k}": v for k, v in reference_state_dict(reference_config("jrt")).items()}
     torch.save({"state_dict": state_dict, "hyper_parameters": argparse.Namespace(lr=8e-4)}, folder / "last.ckpt")
-    with pytest.raises(ConversionError, match=r"Refusing to load .*last\.ckpt.*arbitrary code[\s\S]*argparse\.Namespace"):
+    message = r"Refusing to load .*last\.ckpt.*arbitrary code[\s\S]*argparse\.Namespace"
+    with pytest.raises(ConversionError, match=message):
         convert_checkpoint(folder, tmp_path / "out")
     _assert_no_output(tmp_path)
 

@@ -67,7 +67,7 @@ def test_family_converts_and_matches_reference(tmp_path, case, name, family, lig
 
 
 def test_jrt_reference_pad_masking_matches_reference(tmp_path):
-    """The default `prefix_pad_masking="reference"` reproduces the reference's masked prefix (keys zeroed before phi)."""
+    """Default `prefix_pad_masking="reference"` reproduces the reference's masked prefix (keys zeroed before phi)."""
     source, config, state_dict = _make_source(tmp_path, "jrt", "JRT-360M-30B", lightning=False)
     convert_checkpoint(source, tmp_path / "out")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
