@@ -90,7 +90,7 @@ class RecallReport:
         for kind, (correct, total) in self.accuracy().items():
             accuracy = f"{100 * correct / total:.1f}%" if total else "n/a"
             lines.append(f"{kind:<8} {correct:>7} {total:>6} {accuracy:>9}")
-        scored = len({(result.line) for result in self.results})
+        scored = len({result.line for result in self.results})
         lines.append(f"skipped {len(self.skipped)} of {scored + len(self.skipped)} records (prompt too long)")
         return "\n".join(lines)
 
@@ -101,33 +101,31 @@ class RecallReport:
 
 
 def _parse_record(raw: object, line: int) -> RecallRecord:
-    def fail(message: str) -> ValueError:
-        return ValueError(f"line {line}: {message}")
-
+    """Validate one decoded JSON line; errors say what is wrong (the caller adds the file and line)."""
     if not isinstance(raw, dict):
-        raise fail(f"expected a JSON object, got {type(raw).__name__}")
+        raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
     context = raw.get("context")
     if not isinstance(context, str):
-        raise fail("missing or non-string field 'context' (the document)")
+        raise ValueError("missing or non-string field 'context' (the document)")
     if not context.strip():
-        raise fail("empty document in 'context'")
+        raise ValueError("empty document in 'context'")
     template = raw.get("template", "extraction" if "key" in raw else "qa")
     if template not in PROMPT_TEMPLATES:
-        raise fail(f"unknown template {template!r}; expected one of {', '.join(PROMPT_TEMPLATES)}")
+        raise ValueError(f"unknown template {template!r}; expected one of {', '.join(PROMPT_TEMPLATES)}")
     query_field = "key" if template in EXTRACTION_TEMPLATES else "question"
     question = raw.get(query_field)
     if not isinstance(question, str) or not question.strip():
-        raise fail(f"template {template!r} needs a non-empty string field {query_field!r}")
+        raise ValueError(f"template {template!r} needs a non-empty string field {query_field!r}")
     answers = raw.get("answers")
     answers = [answers] if isinstance(answers, str) else answers
     if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a for a in answers):
-        raise fail("'answers' must be a non-empty string or a non-empty list of non-empty strings")
+        raise ValueError("'answers' must be a non-empty string or a non-empty list of non-empty strings")
     header = raw.get("header")
     if header is not None and not isinstance(header, str):
-        raise fail(f"'header' must be a string, got {type(header).__name__}")
+        raise ValueError(f"'header' must be a string, got {type(header).__name__}")
     record_id = raw.get("id", f"line-{line}")
     if not isinstance(record_id, (str, int)) or isinstance(record_id, bool):
-        raise fail(f"'id' must be a string or an integer, got {type(record_id).__name__}")
+        raise ValueError(f"'id' must be a string or an integer, got {type(record_id).__name__}")
     return RecallRecord(line, str(record_id), context, question, tuple(answers), template, header)
 
 
@@ -159,7 +157,7 @@ def load_records(path: str | Path, *, limit: int | None = None) -> list[RecallRe
             try:
                 records.append(_parse_record(raw, line_number))
             except ValueError as error:
-                raise ValueError(f"{path}:{error}") from None
+                raise ValueError(f"{path}:{line_number}: {error}") from None
     if not records:
         raise ValueError(f"{path} holds no records")
     return records
