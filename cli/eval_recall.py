@@ -24,8 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="recall accuracy with the read-once prompt vs JRT-Prompt (document twice)",
         description=(
             "Greedy generation on recall-intensive documents with the read-once prompt and/or JRT-Prompt, scored by "
-            "'contains' (case-insensitive match of any gold answer in the first line generated). Data format: "
-            "see `python -c 'import jrt_cli.recall_eval as m; print(m.__doc__)'` or the README."
+            "'contains' (case-insensitive match of any gold answer in the first line generated). Data: JSON Lines "
+            "with 'context', 'key' (extraction) or 'question' (QA), 'answers', and optional 'header', 'template', "
+            "'id'; see the README."
         ),
     )
     parser.add_argument("--model", required=True, help="local folder or Hub id of an AutoModelForCausalLM")
