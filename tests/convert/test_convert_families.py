@@ -43,8 +43,8 @@ def _make_source(tmp_path: Path, case: str, name: str, *, lightning: bool) -> tu
     return tmp_path / "src" / name, config, state_dict
 
 
-def _input_ids() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+def _input_ids(length: int = 9) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("lightning", [False, True], ids=["bin", "ckpt"])
@@ -59,11 +59,23 @@ def test_family_converts_and_matches_reference(tmp_path, case, name, family, lig
     assert model.config.vocab_size == PADDED_VOCAB
     assert model.config.sliding_window == config["alt_mixer_2"]["window_size"] // 2 + 1
     assert model.config.use_decay_proj == model.config.linear_attention_decay == (case == "based-decay")
-    input_ids = _input_ids()
-    with torch.no_grad():
-        logits = model(input_ids).logits.double()
-    expected = reference_forward(config, state_dict, input_ids)
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-4)
+    for length in (9, 3):  # longer and shorter than the JRT prefix (5)
+        input_ids = _input_ids(length)
+        with torch.no_grad():
+            logits = model(input_ids).logits.double()
+        expected = reference_forward(config, state_dict, input_ids)
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_based_without_markers_or_released_name(tmp_path):
+    """A based-1b-50b-like checkpoint under an unknown name is `based-original`, with an identical conversion."""
+    source, _, _ = _make_source(tmp_path, "based-1b-50b", "based-1b-50b", lightning=False)
+    anonymous = source.rename(tmp_path / "src" / "my-checkpoint")
+    result = convert_checkpoint(anonymous, tmp_path / "anonymous")
+    assert result.family == "based-original" and "convert identically" in result.evidence
+    named = convert_checkpoint(anonymous, tmp_path / "named", family="based-jrt-release")
+    assert named.family == "based-jrt-release"
+    assert named.config.to_dict() == result.config.to_dict()
 
 
 def test_jrt_reference_pad_masking_matches_reference(tmp_path):
@@ -103,20 +115,23 @@ _REMOTE_LOAD = textwrap.dedent(
         raise SystemExit("modeling_jrt is importable")
     import torch
     from transformers import AutoModelForCausalLM
-    folder, ids_path, out_path = sys.argv[1:4]
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-    assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
-    with torch.no_grad():
-        logits = model(torch.load(ids_path)).logits
-    torch.save(logits, out_path)
+    ids_path, *folders = sys.argv[1:]
+    for folder in folders:
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+        assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+        with torch.no_grad():
+            logits = model(torch.load(ids_path)).logits
+        torch.save(logits, folder + ".logits.pt")
     """
 )
 
 
 @pytest.mark.slow
-def test_converted_folder_loads_without_the_package(tmp_path):
-    source, config, state_dict = _make_source(tmp_path, "based-decay", "based-360M-30B", lightning=False)
-    convert_checkpoint(source, tmp_path / "out")
+def test_converted_folders_load_without_the_package(tmp_path):
+    cases = {"jrt": "JRT-360M-30B", "based-decay": "based-360M-30B"}
+    sources = {case: _make_source(tmp_path, case, name, lightning=False) for case, name in cases.items()}
+    for case, (source, _, _) in sources.items():
+        convert_checkpoint(source, tmp_path / f"out-{case}")
     input_ids = _input_ids()
     torch.save(input_ids, tmp_path / "ids.pt")
     script = tmp_path / "load.py"
@@ -125,19 +140,23 @@ def test_converted_folder_loads_without_the_package(tmp_path):
     env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1")
     # The base interpreter in isolated mode: no venv (so no editable finder), no cwd, no user site.
     interpreter = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run(
-        [interpreter, "-I", str(script), str(tmp_path / "out"), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")],
-        check=True, cwd=tmp_path, env=env, capture_output=True, timeout=300,
+    folders = [str(tmp_path / f"out-{case}") for case in cases]
+    process = subprocess.run(
+        [interpreter, "-I", str(script), str(tmp_path / "ids.pt"), *folders],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
-    remote_logits = torch.load(tmp_path / "logits.pt")
-    local = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    with torch.no_grad():
-        torch.testing.assert_close(remote_logits, local(input_ids).logits, rtol=0, atol=0)
-    torch.testing.assert_close(
-        remote_logits.double(), reference_forward(config, state_dict, input_ids), rtol=1e-5, atol=1e-4
-    )
-    shipped = {p.name for p in (tmp_path / "out").glob("*.py")}
-    assert {"configuration_jrt.py", "modeling_jrt.py", "linear_attention.py"} <= shipped
+    assert process.returncode == 0, process.stderr[-3000:]
+    for case, (_, config, state_dict) in sources.items():
+        folder = tmp_path / f"out-{case}"
+        remote_logits = torch.load(f"{folder}.logits.pt")
+        local = AutoModelForCausalLM.from_pretrained(folder)
+        with torch.no_grad():
+            torch.testing.assert_close(remote_logits, local(input_ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            remote_logits.double(), reference_forward(config, state_dict, input_ids), rtol=1e-5, atol=1e-4
+        )
+        shipped = {p.name for p in folder.glob("*.py")}
+        assert {"configuration_jrt.py", "modeling_jrt.py", "linear_attention.py"} <= shipped
 
 
 def _tiny_gpt2_tokenizer(folder: Path) -> Path:
