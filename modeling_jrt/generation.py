@@ -358,6 +358,8 @@ def generate_with_prefix(
             f"prefill_chunk_size={chunk} would split the JRT encoder prefix ({config.prefix_length} tokens): the "
             "encoder reads the first forward only. Use prefill_chunk_size >= prefix_length or None."
         )
+    # Without a cache every step recomputes the whole sequence: keep the encoder on the prompt, as in the prefill.
+    kwargs.setdefault("prefix_length", min(config.prefix_length, prompt_length))
     if prepared is None:
         output = run()
         if cache is not None:
