@@ -52,8 +52,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    except OSError as error:  # missing folder, unknown Hub id, no network
+        raise FileNotFoundError(f"cannot load a model and tokenizer from {args.model!r}: {error}") from error
     model.to(device).eval()
 
     prompt = read_twice(args.prompt) if args.jrt_prompt else args.prompt
