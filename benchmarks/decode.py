@@ -1,4 +1,4 @@
-"""Decode cost vs sequence length: JRT-RNN's recurrent cache against a Llama of the same width and depth with its KV cache.
+"""Decode cost vs sequence length: JRT-RNN's recurrent cache against a same-size Llama with its KV cache.
 
 For each total length N (prompt + generated), both models (random weights, built from configs) prefill N - steps
 tokens, then decode `steps` tokens one at a time from the cache. Reported per length:
@@ -52,7 +52,9 @@ def measure(model: torch.nn.Module, length: int, steps: int, vocab_size: int) ->
     return statistics.median(timings), cache_bytes(cache)
 
 
-def build_models(hidden: int, layers: int, heads: int, vocab: int, window: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+def build_models(
+    hidden: int, layers: int, heads: int, vocab: int, window: int
+) -> tuple[JRTRNNForCausalLM, LlamaForCausalLM]:
     torch.manual_seed(0)
     jrt = JRTRNNForCausalLM(
         JRTRNNConfig(

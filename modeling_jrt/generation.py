@@ -136,7 +136,9 @@ def prepare_prefix(
     if attention_mask is None:
         attention_mask = torch.ones(batch_size, length, dtype=torch.long, device=reference.device)
     if attention_mask.ndim != 2 or attention_mask.shape != (batch_size, length):
-        raise ValueError(f"`attention_mask` must be (B, T) = ({batch_size}, {length}); got {tuple(attention_mask.shape)}.")
+        raise ValueError(
+            f"`attention_mask` must be (B, T) = ({batch_size}, {length}); got {tuple(attention_mask.shape)}."
+        )
     if strategy == "none" or length == 0:
         return None
     real = attention_mask.bool()

@@ -67,7 +67,8 @@ def test_prefill_then_decode_equals_parallel_forward(make_config, kind, prompt_l
     full = model(input_ids, prefix_length=min(PREFIX, prompt_length)).logits
     cache = DynamicCache(config=model.config)
     pieces = [model(input_ids[:, :prompt_length], cache=cache).logits]
-    pieces.append(model(input_ids[:, prompt_length : prompt_length + 3], cache=cache).logits)  # multi-token continuation
+    # A multi-token forward continuing from the state, then single-token steps.
+    pieces.append(model(input_ids[:, prompt_length : prompt_length + 3], cache=cache).logits)
     for position in range(prompt_length + 3, 22):
         pieces.append(model(input_ids[:, position : position + 1], cache=cache).logits)
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
