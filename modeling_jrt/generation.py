@@ -34,7 +34,14 @@ from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
-from transformers.generation import BaseStreamer, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation import (
+    BaseStreamer,
+    GenerationConfig,
+    GenerationMixin,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
+from transformers.generation.utils import GenerateOutput
 
 from .configuration_jrt import PREFIX_STRATEGIES, JRTRNNConfig
 
@@ -240,7 +247,9 @@ def _expand_rows(tensor: torch.Tensor | None, batch_size: int) -> torch.Tensor |
     return tensor.repeat_interleave(batch_size // tensor.shape[0], dim=0)
 
 
-def _continued_prompt(prepared: PreparedPrompt, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None):
+def _continued_prompt(
+    prepared: PreparedPrompt, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None
+) -> tuple[torch.LongTensor, torch.LongTensor]:
     """Ids and mask of a continuation in the prepared layout: prepared prompt + the caller's tokens after its prompt."""
     batch_size = input_ids.shape[0]
     new_tokens = input_ids[:, prepared.original_length :]
@@ -253,7 +262,9 @@ def _continued_prompt(prepared: PreparedPrompt, input_ids: torch.LongTensor, att
     return ids, mask
 
 
-def _restore_caller_prompt(output, caller_ids: torch.LongTensor | None, prepared_length: int):
+def _restore_caller_prompt(
+    output: GenerateOutput | torch.LongTensor, caller_ids: torch.LongTensor | None, prepared_length: int
+) -> GenerateOutput | torch.LongTensor:
     """Replace the prepared prompt at the start of the returned sequences by the caller's prompt."""
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     generated = sequences[:, prepared_length:]
@@ -277,7 +288,7 @@ def _shift_length_limits(kwargs: dict, generation_config: GenerationConfig, shif
 
 
 def generate_with_prefix(
-    model,
+    model: GenerationMixin,
     base_generate: Callable,
     inputs: torch.Tensor | None,
     generation_config: GenerationConfig | None,
@@ -286,7 +297,7 @@ def generate_with_prefix(
     prefix_strategy: str | None,
     prefix_pad_token_id: int | None,
     kwargs: dict,
-):
+) -> GenerateOutput | torch.LongTensor:
     """`JRTRNNForCausalLM.generate`: prefix strategy and vocabulary mask around `GenerationMixin.generate`."""
     config: JRTRNNConfig = model.config
     effective_config = generation_config if generation_config is not None else model.generation_config

@@ -325,3 +325,19 @@ def test_text_generation_pipeline(make_config, tmp_path):
         ids = tokenizer(text, return_tensors="pt").input_ids
         expected = tokenizer.decode(greedy(model, ids, 5)[0, ids.shape[1] :])
         assert result[0]["generated_text"].strip() == expected.strip()
+
+
+def test_linear_attention_mask_follows_the_tokens_of_each_forward():
+    from modeling_jrt.generation import align_linear_attention_mask
+
+    prompt_mask = torch.tensor([[0, 0, 1, 1]])
+    torch.testing.assert_close(align_linear_attention_mask(prompt_mask, 4, 4), prompt_mask)  # prefill
+    torch.testing.assert_close(align_linear_attention_mask(prompt_mask, 6, 6), torch.tensor([[0, 0, 1, 1, 1, 1]]))
+    assert align_linear_attention_mask(prompt_mask, 6, 1) is None  # decode step: a generated token is never masked
+    torch.testing.assert_close(align_linear_attention_mask(prompt_mask, 4, 3), torch.tensor([[0, 1, 1]]))
+
+
+def test_generation_vocab_size_is_validated(make_config):
+    with pytest.raises(ValueError, match="generation_vocab_size"):
+        make_config(generation_vocab_size=100)
+    assert make_config(generation_vocab_size=99).generation_vocab_size == 99
