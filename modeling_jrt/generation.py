@@ -123,6 +123,7 @@ def prepare_prefix(
     prefix_pad_token_id: int | None,
     batch_pad_token_id: int,
     embed: Callable[[torch.LongTensor], torch.Tensor],
+    vocab_size: int,
 ) -> PreparedPrompt | None:
     """Apply `strategy` to each row of a left-padded batch; None when no row needs a fill.
 
@@ -135,6 +136,7 @@ def prepare_prefix(
         prefix_pad_token_id: Fill token of `"pad"`.
         batch_pad_token_id: Id written at batch-padding positions (never read: `attention_mask` is 0 there).
         embed: The model's input embedding, to fill embeddings with the pad token.
+        vocab_size: Rows of the embedding (the pad token must be one of them).
     """
     if strategy not in PREFIX_STRATEGIES:
         raise ValueError(f"`prefix_strategy` must be one of {list(PREFIX_STRATEGIES)}, got {strategy!r}.")
@@ -162,6 +164,11 @@ def prepare_prefix(
         raise ValueError(
             "prefix_strategy='pad' needs a pad token: pass `prefix_pad_token_id=` to generate() or set "
             "`config.prefix_pad_token_id` (220, GPT-2's ' ', in the reference)."
+        )
+    if strategy == "pad" and not 0 <= prefix_pad_token_id < vocab_size:
+        raise ValueError(
+            f"prefix_pad_token_id={prefix_pad_token_id} is not a token of this model (vocab_size={vocab_size}): "
+            "pass another `prefix_pad_token_id=` or `prefix_strategy='repeat'`/`'none'` to generate()."
         )
     new_length = max(n + f for n, f in zip(lengths, fills))
 
@@ -362,6 +369,7 @@ def generate_with_prefix(
         prefix_pad_token_id=pad_id,
         batch_pad_token_id=batch_pad_id if batch_pad_id is not None else (pad_id or 0),
         embed=model.get_input_embeddings(),
+        vocab_size=config.vocab_size,
     )
     chunk = kwargs.get("prefill_chunk_size", getattr(effective_config, "prefill_chunk_size", None))
     prompt = input_ids if input_ids is not None else inputs_embeds

@@ -196,6 +196,18 @@ def test_repeat_and_none_strategies_equal_hand_built_prompts(make_config):
     torch.testing.assert_close(greedy(model, short, 10)[:, 3:], expected_repeat)
 
 
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+def test_chunked_prefill_equals_one_forward(make_config, kind):
+    """Chunks of at least the prefix length: the encoder still reads the first prefix_length tokens."""
+    model = build(make_config, **kind)
+    input_ids = prompt(19, batch=2)
+    settings = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
+    one = model.generate(input_ids, **settings)
+    chunked = model.generate(input_ids, prefill_chunk_size=PREFIX, **settings)
+    torch.testing.assert_close(chunked.sequences, one.sequences, rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(chunked.scores), torch.stack(one.scores), rtol=1e-4, atol=1e-4)
+
+
 def test_generation_lengths_count_the_callers_prompt(make_config):
     model = build(make_config)
     short = prompt(3)
@@ -215,6 +227,8 @@ def test_prefix_errors_are_clear(make_config):
     right_padded[0, 3] = 0
     with pytest.raises(ValueError, match="padding_side = 'left'"):
         greedy(model, prompt(4, batch=2), 2, attention_mask=right_padded)
+    with pytest.raises(ValueError, match="vocab_size=99"):
+        greedy(model, prompt(3), 2, prefix_pad_token_id=220)
     with pytest.raises(ValueError, match="prefill_chunk_size"):
         greedy(model, prompt(10), 2, prefill_chunk_size=4)
     with pytest.raises(ValueError, match="cannot be rolled back"):
