@@ -15,6 +15,15 @@ from .linear_attention import (
     taylor_feature_map,
 )
 from .modeling_jrt import JRTRNNForCausalLM, JRTRNNModel, JRTRNNPreTrainedModel
+from .prompting import (
+    PROMPT_TEMPLATES,
+    default_prompt,
+    default_prompts,
+    jrt_prompt,
+    jrt_prompts,
+    repeat_to_fill,
+    truncate_context,
+)
 
 AutoConfig.register(JRTRNNConfig.model_type, JRTRNNConfig, exist_ok=True)
 AutoModel.register(JRTRNNConfig, JRTRNNModel, exist_ok=True)
@@ -27,10 +36,17 @@ __all__ = [
     "JRTRNNForCausalLM",
     "JRTRNNModel",
     "JRTRNNPreTrainedModel",
+    "PROMPT_TEMPLATES",
+    "default_prompt",
+    "default_prompts",
     "default_layer_types",
+    "jrt_prompt",
+    "jrt_prompts",
     "linear_attention_step",
     "prefix_linear_attention",
     "prefix_linear_attention_chunked",
     "prefix_linear_attention_quadratic",
+    "repeat_to_fill",
     "taylor_feature_map",
+    "truncate_context",
 ]

@@ -44,6 +44,7 @@ from transformers.generation import (
 from transformers.generation.utils import GenerateOutput
 
 from .configuration_jrt import PREFIX_STRATEGIES, JRTRNNConfig
+from .prompting import repeat_to_fill
 
 # Arguments of `GenerationMixin.generate` that ask for assisted (speculative) decoding.
 ASSISTED_DECODING_ARGUMENTS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
@@ -79,15 +80,6 @@ def vocabulary_mask_processor(config: JRTRNNConfig) -> VocabularyMaskLogitsProce
     if config.generation_vocab_size in (None, config.vocab_size) and not suppressed:
         return None
     return VocabularyMaskLogitsProcessor(config.generation_vocab_size, suppressed)
-
-
-def _repeat_to_fill(prompt: torch.Tensor, length: int) -> torch.Tensor:
-    """Left-fill `prompt` `(L, ...)` to `(length, ...)` by repeating it; its last copy ends at the end.
-
-    Private twin of `modeling_jrt.prompting.repeat_to_fill` (token lists), kept here because it also fills embeddings.
-    """
-    copies = -(-length // prompt.shape[0])  # ceil
-    return prompt.repeat(copies, *([1] * (prompt.ndim - 1)))[-length:]
 
 
 @dataclass
@@ -176,8 +168,8 @@ def prepare_prefix(
         rows = []
         for row, n, f in zip(tensor, lengths, fills):
             prompt = row[length - n :]
-            if strategy == "repeat":
-                filled = _repeat_to_fill(prompt, n + f)
+            if strategy == "repeat":  # works for ids (L,) and embeddings (L, hidden) alike
+                filled = prompt[repeat_to_fill(torch.arange(n, device=prompt.device), n + f)]
             else:
                 filled = torch.cat([pad_value.expand(f, *prompt.shape[1:]), prompt])
             padding = batch_pad_value.expand(new_length - filled.shape[0], *prompt.shape[1:])
