@@ -478,6 +478,8 @@ def translate_config(
         decay_const=arch.decay_const,
         use_decay_proj=decay_proj,
         mask_token_id=mask_token_id,
+        # generate() never emits the padding rows of the embedding: GPT-2's tokenizer cannot decode them (§7).
+        generation_vocab_size=arch.vocab_size,
         bos_token_id=arch.bos_token_id,
         eos_token_id=arch.eos_token_id,
         # GPT-2 has no pad token; padding is masked by attention_mask, so eos is used (see the README).

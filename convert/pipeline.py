@@ -128,7 +128,7 @@ def convert_checkpoint(
     if checkpoint.dropped_keys:
         notes.append(f"dropped {len(checkpoint.dropped_keys)} Lightning metric counters (keys containing 'metrics')")
     _load_weights(model, weights)
-    model.generation_config = reference_generation_config(arch, config)
+    model.generation_config = reference_generation_config(config)
     tok, tokenizer_note = _load_tokenizer(tokenizer, arch)
 
     destination.parent.mkdir(parents=True, exist_ok=True)
@@ -196,12 +196,12 @@ def _load_weights(model: JRTRNNForCausalLM, weights: dict[str, torch.Tensor]) ->
     model.eval()
 
 
-def reference_generation_config(arch: ReferenceArchitecture, config: JRTRNNConfig) -> GenerationConfig:
+def reference_generation_config(config: JRTRNNConfig) -> GenerationConfig:
     """Greedy decoding with GPT-2's ids, as the reference evaluation decodes (REFERENCE.md §4).
 
-    Ids past GPT-2's vocabulary (the padding rows of the embedding, including JRT's [MASK]) are suppressed: the
-    tokenizer cannot decode them (REFERENCE.md §7). The JRT prefix strategy (`prefix_strategy`, left-pad with 220 to
-    the prefix length) is a model-config field, applied by the model's `generate()`.
+    The rest of the protocol lives in the model config and is applied by the model's `generate()`: the JRT prefix
+    strategy (`prefix_strategy="pad"`: left-pad with `prefix_pad_token_id` = 220 to the prefix length and mask the
+    pads) and `generation_vocab_size` (ids past GPT-2's vocabulary, including JRT's [MASK], are never generated).
     """
     return GenerationConfig(
         do_sample=False,
@@ -209,7 +209,6 @@ def reference_generation_config(arch: ReferenceArchitecture, config: JRTRNNConfi
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
-        suppress_tokens=list(range(arch.vocab_size, arch.padded_vocab_size)) or None,
     )
 
 
@@ -386,7 +385,8 @@ print(tokenizer.batch_decode(model.generate(**inputs, max_new_tokens=20)))
 ```
 
 The modeling code ships with the folder (`trust_remote_code=True`); with the `jrt-rnn` package installed,
-`import modeling_jrt` registers the same classes locally. Generation is greedy by default (`generation_config.json`).
+`import modeling_jrt` registers the same classes locally. Generation is greedy by default (`generation_config.json`)
+and never emits ids past GPT-2's vocabulary (`generation_vocab_size = {config.generation_vocab_size}`).
 {prefix_text}
 ## Architecture
 

@@ -119,9 +119,11 @@ _REMOTE_LOAD = textwrap.dedent(
     for folder in folders:
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
         assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+        input_ids = torch.load(ids_path)
         with torch.no_grad():
-            logits = model(torch.load(ids_path)).logits
-        torch.save(logits, folder + ".logits.pt")
+            logits = model(input_ids).logits
+        generated = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=4)
+        torch.save({"logits": logits, "generated": generated}, folder + ".out.pt")
     """
 )
 
@@ -148,10 +150,13 @@ def test_converted_folders_load_without_the_package(tmp_path):
     assert process.returncode == 0, process.stderr[-3000:]
     for case, (_, config, state_dict) in sources.items():
         folder = tmp_path / f"out-{case}"
-        remote_logits = torch.load(f"{folder}.logits.pt")
+        remote = torch.load(f"{folder}.out.pt")
+        remote_logits = remote["logits"]
         local = AutoModelForCausalLM.from_pretrained(folder)
         with torch.no_grad():
             torch.testing.assert_close(remote_logits, local(input_ids).logits, rtol=0, atol=0)
+        local_generated = local.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=4)
+        assert torch.equal(remote["generated"], local_generated)
         torch.testing.assert_close(
             remote_logits.double(), reference_forward(config, state_dict, input_ids), rtol=1e-5, atol=1e-4
         )
@@ -199,7 +204,7 @@ def test_cli_convert_with_tokenizer_shards_and_dtype(tmp_path, capsys):
     assert saved["mask_token_id"] == PADDED_VOCAB - 1 and saved["prefix_length"] == config["enc_length"]
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["do_sample"] is False and generation["eos_token_id"] == EOS
-    assert generation["suppress_tokens"] == list(range(VOCAB, PADDED_VOCAB))
+    assert saved["generation_vocab_size"] == VOCAB and saved["pad_token_id"] == EOS
     card = ModelCard.load(out / "README.md")
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
     assert "JRT-360M-30B" in card.text and "`jrt`" in card.text
@@ -210,4 +215,6 @@ def test_cli_convert_with_tokenizer_shards_and_dtype(tmp_path, capsys):
     assert batch["input_ids"][0, 0].item() == EOS and batch["attention_mask"][0, 0].item() == 0
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.bfloat16
+    generated = model.generate(**batch, max_new_tokens=6)
+    assert generated.shape == (2, batch["input_ids"].shape[1] + 6) and (generated < VOCAB).all()
     assert not list(tmp_path.glob(".out.*"))  # no staging folder left behind
