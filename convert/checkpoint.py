@@ -7,7 +7,8 @@ the converting machine. The state dict is then normalised as the reference loade
 1. strip a leading `model.` (the Lightning module's attribute name),
 2. drop every key containing `metrics` (Lightning metric counters such as `train_metrics.num-tokens.count`).
 
-Family-specific renames (`conv1` -> `conv`, the decay buffer) belong to the key tables in `families.py`.
+Family-specific renames (`conv1` -> `conv`) and the checked-then-dropped keys (tied head, decay buffer) are in
+`mapping.py`, the key tables in `families.py`.
 """
 
 from __future__ import annotations
