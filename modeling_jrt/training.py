@@ -137,7 +137,7 @@ class JRTDataCollator:
     mlm_probability: float = 0.15
     mask_sampling: str = "fixed"
     seed: int | None = None
-    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.prefix_length < 1:

@@ -1,5 +1,9 @@
 """The training examples: train_jrt.py and finetune_lora.py run offline on tiny models, alone and under
-`accelerate launch` with two CPU processes."""
+`accelerate launch` with two CPU processes.
+
+`accelerate launch --cpu --num_processes 2` starts a single process (accelerate's CPU launcher needs MPI for more),
+so the two-process test uses `--multi_gpu`, which starts the processes with torchrun; the examples train on CPU
+when there is no accelerator, and Trainer then joins the processes with gloo DDP."""
 
 from __future__ import annotations
 
@@ -68,7 +72,7 @@ def test_train_jrt_under_accelerate_launch_with_two_cpu_processes(tmp_path):
         "--output-dir", str(tmp_path / "model"), "--max-steps", "3", "--batch-size", "2", "--block-size", "40",
         "--prefix-length", "16", "--hidden-size", "32",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
