@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+# Replace this folder (whose `modeling_jrt/` test folder would shadow the package) by the examples folder.
+sys.path[0] = str(Path(__file__).resolve().parents[1] / "examples")
 import train_jrt  # noqa: E402
 
 
