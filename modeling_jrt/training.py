@@ -2,13 +2,16 @@
 
 A packed block of tokens `s` of length T is split at the prefix length E (`config.prefix_length`):
 
-    positions     0 ........... E-1 | E ................ T-1
-    inputs        s, with a fraction | s
-                  of positions -> [MASK]
-    mlm_labels    s[i] at masked i   | -100              (predicted at the same position: the prefix is read
-                  -100 elsewhere     |                    non-causally, so the model sees the [MASK], not s[i])
-    labels        -100 ............. -100 | s[j] for j >= E+1   (HF convention: unshifted; position j-1 predicts
-                                                                  labels[j], so the first prediction is made at E)
+    position      0 .................. E-1 | E    | E+1 ............. T-1
+    input_ids     s, a fraction of it      | s[E] | s
+                  replaced by [MASK]       |      |
+    mlm_labels    s[i] where masked,       | -100 | -100
+                  -100 elsewhere           |      |
+    labels        -100                     | -100 | s[E+1] ........ s[T-1]
+
+`labels` follow the HF convention (unshifted: position t predicts `labels[t + 1]`), so next-token prediction starts
+at position E. `mlm_labels` are predicted at their own position: the prefix is read non-causally, and the model
+sees the [MASK] there, not the token.
 
     loss = mean NTP cross-entropy + mlm_weight * mean MLM cross-entropy        (mlm_weight = 0.25)
 
@@ -22,7 +25,7 @@ Decisions (and where they differ from the reference):
   a target. (To reproduce it, set `mlm_labels[mlm_labels == 0] = -100` in the batch.)
 - Masking draws exactly `round(mlm_probability * E)` positions per sequence by default (`mask_sampling="fixed"`)
   instead of the reference's independent Bernoulli draw per position (`mask_sampling="bernoulli"`). Both mask each
-  prefix position with probability `mlm_probability`; the fixed count makes the MLM mean of a batch independent of
+  prefix position with probability `mlm_probability` (up to the rounding); the fixed count makes the MLM mean of a batch independent of
   how it is split into micro-batches and processes (see `jrt_loss`), so gradient accumulation and DDP give the same
   update as one large batch.
 
