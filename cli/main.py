@@ -12,7 +12,7 @@ import importlib
 import sys
 
 # Modules of this package that define a subcommand, in the order `jrt --help` lists them.
-SUBCOMMAND_MODULES: tuple[str, ...] = ()
+SUBCOMMAND_MODULES: tuple[str, ...] = ("convert", "generate", "eval_recall")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -131,14 +131,15 @@ def _with_prefix(model: JRTRNNForCausalLM, prefix_length: int) -> JRTRNNForCausa
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_left_padding_with_strict_masking_matches_unpadded(make_config, kind):
-    """attention_mask: conv, sliding attention and (strict) linear attention ignore left pads entirely."""
+    """attention_mask: conv, sliding attention and linear attention ignore left pads entirely; the encoder covers
+    each row's own first `prefix_length` tokens."""
     model = build(make_config, prefix_length=12, **kind)
     real = torch.randint(4, 99, (1, 15))
     pads = 4
     padded = torch.cat([torch.zeros(1, pads, dtype=torch.long), real], dim=1)
     mask = torch.cat([torch.zeros(1, pads, dtype=torch.long), torch.ones(1, 15, dtype=torch.long)], dim=1)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    padded_logits = model(padded, attention_mask=mask, position_ids=position_ids, prefix_length=12 + pads).logits
+    padded_logits = model(padded, attention_mask=mask, position_ids=position_ids).logits
     torch.testing.assert_close(padded_logits[:, pads:], model(real).logits, rtol=1e-5, atol=1e-5)
 
 
@@ -150,9 +151,16 @@ def test_reference_pad_masking_leaks_only_when_there_is_padding(make_config):
     torch.testing.assert_close(strict(input_ids).logits, reference(input_ids).logits, rtol=0, atol=0)
     mask = torch.ones_like(input_ids)
     mask[0, :3] = 0
-    difference = (strict(input_ids, attention_mask=mask).logits - reference(input_ids, attention_mask=mask).logits)
-    assert difference[0, 3:].abs().max() > 1e-4  # pads leak through the constant feature
+    # JRT prefix pads (linear_attention_mask) leak through the constant feature under "reference" ...
+    difference = (
+        strict(input_ids, linear_attention_mask=mask).logits - reference(input_ids, linear_attention_mask=mask).logits
+    )
+    assert difference[0, 3:].abs().max() > 1e-4
     assert difference[1].abs().max() == 0  # the unpadded row is unaffected
+    # ... batch padding (attention_mask) is removed entirely under both.
+    torch.testing.assert_close(
+        strict(input_ids, attention_mask=mask).logits, reference(input_ids, attention_mask=mask).logits, rtol=0, atol=0
+    )
 
 
 def test_save_and_load_round_trip_keeps_logits_and_tied_weights(make_config, tmp_path):
