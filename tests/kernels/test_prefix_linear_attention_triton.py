@@ -1,5 +1,6 @@
-"""The fused Triton prefill against the fp64 oracle (interpreted on CPU, compiled on CUDA; see conftest.py).
+"""The fused Triton prefill against the fp64 oracle: compiled on a CUDA machine, in triton's CPU interpreter elsewhere.
 
+tests/conftest.py sets TRITON_INTERPRET=1 when there is no CUDA, before transformers imports triton (STYLE.md §24).
 Inputs follow KERNELS.md §5: q, k ~ randn so that s = q.k / sqrt(K) ~ N(0, 1) and the 2nd-order term matters,
 v ~ N(0.5, 1) so that a wrong count or a leaked pad shows. Outputs are compared on real (unpadded) rows only.
 """
@@ -23,6 +24,24 @@ from modeling_jrt.linear_attention import (
 )
 
 BT = 32  # the interpreter's chunk length (kernel_module._INTERPRETER_CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def device() -> torch.device:
+    """CUDA for the compiled kernel, CPU for the interpreter."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    interpreted_language = isinstance(tl.zeros, InterpretedFunction)
+    if kernel_module.INTERPRETED and interpreted_language:
+        return torch.device("cpu")
+    if not torch.cuda.is_available() or kernel_module.INTERPRETED:
+        pytest.fail(
+            "Without CUDA the kernel tests need TRITON_INTERPRET=1 set before triton.language is imported "
+            f"(kernel interpreted: {kernel_module.INTERPRETED}, triton.language interpreted: {interpreted_language}); "
+            "tests/conftest.py sets it, or export it before running pytest."
+        )
+    return torch.device("cuda")
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
