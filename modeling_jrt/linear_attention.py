@@ -272,7 +272,7 @@ class _SymmetricFeatures:
     def features(self, x: torch.Tensor, *, key: bool) -> torch.Tensor:
         """(..., K) -> (..., 1 + K + P): phi(x) with the duplicate pairs merged (counted twice for keys).
 
-        With a = [1, x / K**(1/4)], the pairs a_i a_j (i <= j) in triu order are [1, x / K**(1/4), x_i x_j / K^(1/2)]:
+        With a = [1, x / K**(1/4)], the pairs a_i a_j (i <= j) in triu order are [1, x / K**(1/4), x_i x_j / K**(1/2)]:
         the three orders at once, K + 1 slices and one concatenation (much faster than a gather on the last dim).
         """
         augmented = torch.cat([torch.ones_like(x[..., :1]), x / self.feature_dim**0.25], dim=-1)  # (..., 1 + K)
