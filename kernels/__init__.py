@@ -1,5 +1,17 @@
 """Fused Triton kernels for jrt-rnn (installed as `jrt_kernels`).
 
 Each kernel has the same signature as its PyTorch reference in `modeling_jrt.linear_attention`, which stays the
-fallback everywhere. Importing this package needs triton.
+fallback everywhere. Importing this package needs triton (`pip install 'jrt-rnn[triton]'`).
 """
+
+try:
+    import triton  # noqa: F401
+except ImportError as error:
+    raise ImportError(
+        "jrt_kernels needs triton: install it with `pip install 'jrt-rnn[triton]'` (or `pip install triton`). "
+        "Without it, modeling_jrt uses its PyTorch implementation."
+    ) from error
+
+from .prefix_linear_attention import prefix_linear_attention_triton
+
+__all__ = ["prefix_linear_attention_triton"]

@@ -52,9 +52,10 @@ class JRTRNNConfig(PreTrainedConfig):
             through encoder projections) or `"causal"` (Based).
         prefix_length: Length `M` of the non-causal prefix (1024 in the released JRT models). `forward()` uses the
             first `min(prefix_length, seq_len)` tokens it is given.
-        prefix_pad_masking: How padded keys are removed from the linear attention: `"strict"` (pads contribute
-            nothing) or `"reference"` (raw keys are zeroed before the feature map, so each pad still adds its value
-            with weight 1, as the original code does).
+        prefix_pad_masking: How the JRT prefix pads (`linear_attention_mask = 0`) are removed from the linear
+            attention: `"strict"` (pads contribute nothing) or `"reference"` (raw keys are zeroed before the feature
+            map, so each pad still adds its value with weight 1, as the original code does). Batch padding
+            (`attention_mask = 0`) is always removed entirely, so a left-padded row equals the row alone.
         prefix_strategy: What `generate()` does with prompts shorter than `prefix_length`: `"pad"` (left-pad with
             `prefix_pad_token_id` and mask the pads, the reference protocol), `"repeat"` (fill the prefix by
             repeating the prompt) or `"none"` (the prompt is the prefix).
@@ -69,11 +70,17 @@ class JRTRNNConfig(PreTrainedConfig):
             chunked PyTorch otherwise), `"chunked"`, `"triton"` or `"quadratic"` (the O(N^2) oracle; tests only).
         linear_attention_chunk_size: Chunk length of the chunked PyTorch prefill.
         mask_token_id: The [MASK] id of the JRT masked-LM objective (50263 in the released models), or None.
+            `generate()` never samples it.
+        generation_vocab_size: Number of leading vocabulary rows `generate()` may sample (the tokenizer's vocabulary,
+            50257 for the released GPT-2-tokenized models); the LM-head rows from this index on only pad the
+            embedding and are never generated. None: every row may be generated.
+        mlm_weight: Weight of the masked-LM term of the JRT objective, `loss = NTP + mlm_weight * MLM` (0.25 in the
+            reference); used when `forward()` gets `mlm_labels` (see `modeling_jrt.training`).
         initializer_range: Standard deviation of the normal initialisation.
     """
 
     model_type = "jrt_rnn"
-    keys_to_ignore_at_inference = ["cache"]
+    keys_to_ignore_at_inference = ["cache", "ntp_loss", "mlm_loss"]
 
     vocab_size: int = 50264
     hidden_size: int = 1024
@@ -101,6 +108,8 @@ class JRTRNNConfig(PreTrainedConfig):
     linear_attention_implementation: str = "auto"
     linear_attention_chunk_size: int = 64
     mask_token_id: int | None = None
+    generation_vocab_size: int | None = None
+    mlm_weight: float = 0.25
     initializer_range: float = 0.02
     use_cache: bool = True
     pad_token_id: int | None = None
@@ -157,8 +166,15 @@ class JRTRNNConfig(PreTrainedConfig):
                 "`linear_attention_decay` and `use_decay_proj` are Based options: they need "
                 "`linear_attention_type='causal'`, got 'prefix'."
             )
+        if self.mlm_weight < 0:
+            raise ValueError(f"`mlm_weight` must be >= 0, got {self.mlm_weight}.")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"`mask_token_id` ({self.mask_token_id}) must be in [0, vocab_size={self.vocab_size}).")
+        if self.generation_vocab_size is not None and not 0 < self.generation_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"`generation_vocab_size` ({self.generation_vocab_size}) must be in [1, vocab_size={self.vocab_size}] "
+                "(or None to allow every row)."
+            )
 
     @property
     def head_dim(self) -> int:

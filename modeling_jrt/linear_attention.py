@@ -230,6 +230,67 @@ def prefix_linear_attention_quadratic(
     return output.to(output_dtype), state
 
 
+def _add_matmul(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """accumulator + a @ b for (B, H, *, *) tensors, as one fused batched GEMM (out of place, differentiable)."""
+    result = torch.baddbmm(accumulator.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1))
+    return result.view(accumulator.shape)
+
+
+class _SymmetricFeatures:
+    """The 2nd-order Taylor features without duplicates, for the chunked scan (KERNELS.md §2.7).
+
+    x_i x_j = x_j x_i, so the K**2 ordered pairs hold only P = K (K + 1) / 2 distinct features. The chunked scan
+    keeps its state compact, with F' = 1 + K + P rows: row (i, j), i <= j, of the compact state holds
+    S_ij + S_ji of the full state (S_ii on the diagonal), so phi(q).S is the sum over i <= j of q_i q_j times it.
+    A key therefore enters with weight 2 off the diagonal. This removes 44% of the feature work for K = 16
+    (F' = 153 instead of 273). Expanding back gives S_ij = S_ji = compact / 2, exact for the sums of k k^T v that
+    the scan adds; the rest of an (arbitrary) initial state, its antisymmetric part, is carried over unchanged.
+    """
+
+    def __init__(self, feature_dim: int, device: torch.device):
+        rows, cols = torch.triu_indices(feature_dim, feature_dim, device=device)  # (P,) each, i <= j
+        offset = 1 + feature_dim
+        self.feature_dim = feature_dim
+        self.num_pairs = rows.numel()
+        self.upper = offset + rows * feature_dim + cols  # full-layout row of (i, j)
+        self.lower = offset + cols * feature_dim + rows  # full-layout row of (j, i)
+        self.off_diagonal = rows != cols
+        # Full quadratic row f = i K + j -> its compact pair, and the factor that undoes the pair sum.
+        pair = torch.empty(feature_dim * feature_dim, dtype=torch.long, device=device)
+        pair[rows * feature_dim + cols] = torch.arange(self.num_pairs, device=device)
+        pair[cols * feature_dim + rows] = torch.arange(self.num_pairs, device=device)
+        full_rows = torch.arange(feature_dim * feature_dim, device=device)
+        self.pair_of_full = offset + pair
+        self.half = torch.where(full_rows // feature_dim == full_rows % feature_dim, 1.0, 0.5)
+        # Feature weights in `features` order: 1 for the constant and linear features, 1/sqrt(2) for the pairs
+        # (phi's 1/(sqrt(2) sqrt(K)) with the sqrt(K) already in the products), doubled off the diagonal for keys.
+        ones = torch.ones(1 + feature_dim, dtype=torch.float64, device=device)
+        quadratic = torch.full((self.num_pairs,), 1.0 / math.sqrt(2.0), dtype=torch.float64, device=device)
+        self.query_weight = torch.cat([ones, quadratic])  # (1 + K + P,), cast per use
+        self.key_weight = torch.cat([ones, torch.where(self.off_diagonal, 2.0, 1.0) * quadratic])
+
+    def features(self, x: torch.Tensor, *, key: bool) -> torch.Tensor:
+        """(..., K) -> (..., 1 + K + P): phi(x) with the duplicate pairs merged (counted twice for keys).
+
+        With a = [1, x / K**(1/4)], the pairs a_i a_j (i <= j) in triu order are [1, x / K**(1/4), x_i x_j / K**(1/2)]:
+        the three orders at once, K + 1 slices and one concatenation (much faster than a gather on the last dim).
+        """
+        augmented = torch.cat([torch.ones_like(x[..., :1]), x / self.feature_dim**0.25], dim=-1)  # (..., 1 + K)
+        pairs = [augmented[..., i : i + 1] * augmented[..., i:] for i in range(self.feature_dim + 1)]
+        weight = self.key_weight if key else self.query_weight
+        return torch.cat(pairs, dim=-1) * weight.to(x.dtype)  # (..., 1 + K + P)
+
+    def compress(self, state: torch.Tensor) -> torch.Tensor:
+        """(B, H, F, W) full state -> (B, H, 1 + K + P, W) compact state."""
+        lower = state[..., self.lower, :] * self.off_diagonal[:, None].to(state.dtype)
+        return torch.cat([state[..., : 1 + self.feature_dim, :], state[..., self.upper, :] + lower], dim=-2)
+
+    def expand(self, compact: torch.Tensor) -> torch.Tensor:
+        """(B, H, 1 + K + P, W) compact state -> (B, H, F, W) symmetric full state."""
+        quadratic = compact[..., self.pair_of_full, :] * self.half[:, None].to(compact.dtype)  # (B, H, K*K, W)
+        return torch.cat([compact[..., : 1 + self.feature_dim, :], quadratic], dim=-2)
+
+
 def prefix_linear_attention_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -255,7 +316,8 @@ def prefix_linear_attention_chunked(
         update       state += phi(K_c)^T @ [V_c, 1]
 
     The encoder sum over the first M tokens is accumulated into the state before the scan, so the prefix's
-    non-causal read costs one extra update per encoder token.
+    non-causal read costs one extra update per encoder token. The scan keeps its state with the duplicate
+    2nd-order features merged (`_SymmetricFeatures`, 1 + K + K (K + 1) / 2 rows) and returns it in the full layout.
     """
     encoder_length = _validate(q, k, v, k_enc, v_enc, key_mask, pad_masking, initial_state, log_decay, gate)
     if chunk_size < 1:
@@ -266,10 +328,11 @@ def prefix_linear_attention_chunked(
     value_dim = v.shape[-1]
     scale = 1.0 / math.sqrt(feature_dim)
 
-    # Heads first for the per-chunk matmuls.
-    q = q.transpose(1, 2).to(dtype)  # (B, H, T, K)
-    k = k.transpose(1, 2).to(dtype)  # (B, H, T, K)
+    # Heads first and contiguous for the per-chunk matmuls (one copy each, instead of one per chunk).
+    q = q.transpose(1, 2).to(dtype).contiguous()  # (B, H, T, K)
+    k = k.transpose(1, 2).to(dtype).contiguous()  # (B, H, T, K)
     v = v.transpose(1, 2).to(dtype)  # (B, H, T, V)
+    value_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, T, V + 1)
     key_columns = None  # (B, 1, 1, T): zeroes the intra-chunk weight of a padded key (strict masking)
     key_rows = None  # (B, 1, T, 1): zeroes phi(k) of a padded key in the state update (strict masking)
     if key_mask is not None:
@@ -280,25 +343,30 @@ def prefix_linear_attention_chunked(
         else:
             k = k * mask[:, None, :, None]  # reference: zero the raw key, phi(0) keeps weight 1
 
+    symmetric = _SymmetricFeatures(feature_dim, q.device)
+    residual = None  # the antisymmetric part of the initial state, which the compact state cannot hold
     if initial_state is None:
-        state = q.new_zeros(batch_size, num_heads, num_taylor_features(feature_dim), value_dim + 1)
+        state = q.new_zeros(batch_size, num_heads, 1 + feature_dim + symmetric.num_pairs, value_dim + 1)
     else:
-        state = initial_state.to(dtype)
+        state = symmetric.compress(initial_state.to(dtype))  # (B, H, F', V + 1)
+        residual = initial_state.to(dtype) - symmetric.expand(state)  # (B, H, F, V + 1)
 
-    # 1. Encoder reduction: state += sum_m phi(k_enc_m) [v_enc_m, 1].
+    # 1. Encoder reduction: state += sum_m phi(k_enc_m) [v_enc_m, 1]. No (c, c) term, so longer chunks.
     if encoder_length > 0:
         k_enc = k_enc.transpose(1, 2).to(dtype)  # (B, H, M, K)
         v_enc = v_enc.transpose(1, 2).to(dtype)  # (B, H, M, V)
-        for start in range(0, encoder_length, chunk_size):
-            end = min(start + chunk_size, encoder_length)
+        encoder_chunk = max(chunk_size, 256)
+        for start in range(0, encoder_length, encoder_chunk):
+            end = min(start + encoder_chunk, encoder_length)
             keys = k_enc[:, :, start:end]
             if key_mask is not None and key_rows is None:
                 keys = keys * key_mask[:, None, start:end, None].to(dtype)
-            phi_k = taylor_feature_map(keys)  # (B, H, c, F)
+            phi_k = symmetric.features(keys, key=True)  # (B, H, c, F')
             if key_rows is not None:
                 phi_k = phi_k * key_rows[:, :, start:end]
             values = v_enc[:, :, start:end]
-            state = state + phi_k.transpose(-1, -2) @ torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)
+            values_and_one = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # (B, H, c, V + 1)
+            state = _add_matmul(state, phi_k.transpose(-1, -2), values_and_one)  # (B, H, F', V + 1)
 
     # 2. Causal chunk scan over all T tokens, starting from the encoder state.
     decay = None if log_decay is None else log_decay.to(dtype)
@@ -306,22 +374,22 @@ def prefix_linear_attention_chunked(
     for start in range(0, seq_len, chunk_size):
         end = min(start + chunk_size, seq_len)
         length = end - start
-        q_c, k_c, v_c = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
-        v_c1 = torch.cat([v_c, torch.ones_like(v_c[..., :1])], dim=-1)  # (B, H, c, V + 1)
-        phi_k = taylor_feature_map(k_c)  # (B, H, c, F)
+        q_c, k_c, v_c1 = q[:, :, start:end], k[:, :, start:end], value_and_one[:, :, start:end]
+        v_c = v_c1[..., :value_dim]
+        phi_k = symmetric.features(k_c, key=True)  # (B, H, c, F')
         if key_rows is not None:
             phi_k = phi_k * key_rows[:, :, start:end]
 
-        inter = taylor_feature_map(q_c) @ state  # (B, H, c, V + 1)
+        inter = symmetric.features(q_c, key=False) @ state  # (B, H, c, V + 1)
         scores = (q_c @ k_c.transpose(-1, -2)) * scale  # (B, H, c, c)
         weights = (1.0 + scores + 0.5 * scores * scores).tril()  # (B, H, c, c)
         if key_columns is not None:
             weights = weights * key_columns[..., start:end]
 
         if decay is None:
-            combined = inter + weights @ v_c1  # (B, H, c, V + 1)
+            combined = _add_matmul(inter, weights, v_c1)  # (B, H, c, V + 1)
             numerator, denominator = combined[..., :value_dim], combined[..., value_dim]
-            state = state + phi_k.transpose(-1, -2) @ v_c1
+            state = _add_matmul(state, phi_k.transpose(-1, -2), v_c1)  # (B, H, F', V + 1)
         else:
             index = torch.arange(length, device=q.device, dtype=dtype)
             distance = (index[:, None] - index[None, :]).clamp(min=0)  # (c, c)
@@ -343,6 +411,12 @@ def prefix_linear_attention_chunked(
         outputs.append(numerator / (denominator[..., None] + eps))
 
     output = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, T, H, V)
+    state = symmetric.expand(state)  # (B, H, F, V + 1)
+    if residual is not None:
+        if decay is not None:  # decayed like the rest of the initial state: once per token read
+            total_decay = torch.exp(decay * seq_len)[None, :, None, None]  # (1, H, 1, 1)
+            residual = torch.cat([residual[..., :value_dim] * total_decay, residual[..., value_dim:]], dim=-1)
+        state = state + residual
     return output.to(output_dtype), state
 
 
@@ -395,12 +469,16 @@ def _load_triton_prefill():
     return prefix_linear_attention_triton
 
 
-def resolve_implementation(implementation: str, q: torch.Tensor, needs_grad: bool) -> str:
+def resolve_implementation(
+    implementation: str, q: torch.Tensor, needs_grad: bool, *, has_decay: bool = False
+) -> str:
     """Pick the prefill implementation.
 
     An explicit `implementation` wins; `"auto"` can be overridden by the environment variable
     `JRT_LINEAR_ATTENTION_IMPL` (`chunked` | `triton` | `quadratic`); otherwise `"auto"` picks `"triton"` for CUDA
-    tensors when no gradient is needed and the kernel imports, and `"chunked"` everywhere else.
+    tensors when no gradient is needed, there is no Based decay or gate (`has_decay`, which the kernel does not
+    implement) and the kernel imports, and `"chunked"` everywhere else. A forced `"triton"` also accepts CPU
+    tensors, which the kernel runs in triton's interpreter when `TRITON_INTERPRET=1` (tests).
     """
     allowed = ("auto", "chunked", "triton", "quadratic")
     if implementation not in allowed:
@@ -412,7 +490,7 @@ def resolve_implementation(implementation: str, q: torch.Tensor, needs_grad: boo
                 raise ValueError(f"{IMPLEMENTATION_ENV_VAR} must be one of {list(allowed)}, got {forced!r}.")
             implementation = forced
     if implementation == "auto":
-        if q.is_cuda and not needs_grad and _load_triton_prefill() is not None:
+        if q.is_cuda and not needs_grad and not has_decay and _load_triton_prefill() is not None:
             return "triton"
         return "chunked"
     if implementation == "triton":
@@ -464,7 +542,8 @@ def prefix_linear_attention(
     """
     tensors = (q, k, v, k_enc, v_enc, gate, initial_state)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    chosen = resolve_implementation(implementation, q, needs_grad)
+    has_decay = log_decay is not None or gate is not None
+    chosen = resolve_implementation(implementation, q, needs_grad, has_decay=has_decay)
     kwargs = dict(
         key_mask=key_mask, pad_masking=pad_masking, initial_state=initial_state,
         log_decay=log_decay, gate=gate, eps=eps,

@@ -18,13 +18,20 @@ This folder is self-contained (relative imports, torch and transformers only) so
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
+from transformers.generation import (
+    BaseStreamer,
+    GenerationConfig,
+    GenerationMixin,
+    LogitsProcessorList,
+)
+from transformers.generation.utils import GenerateOutput
 from transformers.masking_utils import create_recurrent_attention_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -32,7 +39,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import logging
 
 from .configuration_jrt import JRTRNNConfig
-from .linear_attention import linear_attention_step, prefix_linear_attention
+from .generation import align_linear_attention_mask, generate_with_prefix
+from .linear_attention import linear_attention_step, prefix_linear_attention, taylor_feature_map
+from .training import jrt_loss
 
 logger = logging.get_logger(__name__)
 
@@ -258,6 +267,38 @@ class JRTRNNLinearAttention(nn.Module):
         heads = torch.arange(self.num_heads, device=device, dtype=torch.float64)
         return torch.log1p(-torch.pow(2.0, self.config.decay_const - heads)).float()
 
+    def encoder_projections(
+        self, prefix: torch.Tensor, zeroed_keys: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoder keys `(B, M, H, K)` and values `(B, M, H, V)` of the prefix `(B, M, hidden)`; the keys of
+        `zeroed_keys` `(B, >= M)` are zeroed ("reference" pad masking)."""
+        batch_size, length, _ = prefix.shape
+        k_enc = self.k_enc_proj(prefix).view(batch_size, length, self.num_heads, self.feature_dim)  # (B, M, H, K)
+        v_enc = self.v_enc_proj(prefix).view(batch_size, length, self.num_heads, self.head_dim)  # (B, M, H, V)
+        if zeroed_keys is not None:
+            k_enc = k_enc.masked_fill(zeroed_keys[:, :length, None, None], 0.0)
+        return k_enc, v_enc
+
+    def encoder_state(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        encoder_length: int,
+        zeroed_keys: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """fp32 state `(B, H, F, V + 1)` = sum of phi(k_enc) [v_enc, 1] over each row's first `encoder_length`
+        non-padding tokens (`attention_mask` `(B, T)` bool, left padding); `key_mask` `(B, T)` removes keys."""
+        in_encoder = attention_mask & (attention_mask.cumsum(-1) <= encoder_length)  # (B, T)
+        if key_mask is not None:
+            in_encoder = in_encoder & key_mask
+        length = int(in_encoder.any(0).nonzero().max()) + 1 if bool(in_encoder.any()) else 0
+        k_enc, v_enc = self.encoder_projections(hidden_states[:, :length], zeroed_keys)
+        # phi(0) = [1, 0, ...] is not 0: keys outside the encoder are removed after the feature map.
+        features = taylor_feature_map(k_enc.float()) * in_encoder[:, :length, None, None]  # (B, M, H, F)
+        values = torch.cat([v_enc.float(), torch.ones_like(v_enc[..., :1], dtype=torch.float32)], dim=-1)
+        return torch.einsum("bmhf,bmhv->bhfv", features, values)  # (B, H, F, V + 1)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -286,17 +327,33 @@ class JRTRNNLinearAttention(nn.Module):
             )
             output = output[:, None]  # (B, 1, H, V)
         else:
-            # 2b. Prefill (parallel form). The encoder reads the prefix only in the first forward of a sequence.
+            # 2b. Prefill (parallel form). Batch padding (`attention_mask`) is always removed entirely; the JRT prefix
+            # pads (`linear_attention_mask`) follow `prefix_pad_masking`: "reference" zeroes their raw keys, so they
+            # keep weight 1 through phi(0) = [1, 0, ...] as in the original code.
+            real = None if attention_mask is None else attention_mask[:, -seq_len:].bool()  # (B, T)
+            prefix_pads = None if linear_attention_mask is None else ~linear_attention_mask[:, -seq_len:].bool()
+            zeroed_keys = None  # (B, T) keys zeroed before the feature map ("reference" masking)
+            if prefix_pads is not None and self.config.prefix_pad_masking == "reference":
+                zeroed_keys = prefix_pads
+                key = key.masked_fill(prefix_pads[:, :, None, None], 0.0)
+            elif prefix_pads is not None:
+                real = ~prefix_pads if real is None else real & ~prefix_pads
             k_enc = v_enc = None
             if self.is_prefix and state is None:
+                # The encoder reads the prefix only in the first forward of a sequence.
                 encoder_length = self.config.prefix_length if prefix_length is None else prefix_length
-                prefix = hidden_states[:, : min(encoder_length, seq_len)]
-                k_enc = self.k_enc_proj(prefix).view(batch_size, -1, heads, self.feature_dim)  # (B, M, H, K)
-                v_enc = self.v_enc_proj(prefix).view(batch_size, -1, heads, self.head_dim)  # (B, M, H, V)
+                if attention_mask is None or bool(attention_mask[:, -seq_len:].all()):
+                    prefix = hidden_states[:, : min(encoder_length, seq_len)]
+                    k_enc, v_enc = self.encoder_projections(prefix, zeroed_keys)
+                else:
+                    # Left-padded batch: each row's encoder is its own first `encoder_length` tokens, so the row gives
+                    # the same result as alone. Its sum enters the scan as the initial state.
+                    state = self.encoder_state(
+                        hidden_states, attention_mask[:, -seq_len:].bool(), real, encoder_length, zeroed_keys
+                    )
             output, state = prefix_linear_attention(
                 query, key, value, k_enc, v_enc,
-                key_mask=_key_mask(attention_mask, linear_attention_mask, seq_len),
-                pad_masking=self.config.prefix_pad_masking,
+                key_mask=real,
                 initial_state=state,
                 log_decay=log_decay,
                 gate=gate,
@@ -308,16 +365,6 @@ class JRTRNNLinearAttention(nn.Module):
             write_linear_attention_state(cache, self.layer_idx, state)
         # 3. Merge heads, output projection.
         return self.o_proj(output.reshape(batch_size, seq_len, -1).to(hidden_states.dtype))
-
-
-def _key_mask(
-    attention_mask: torch.Tensor | None, linear_attention_mask: torch.Tensor | None, seq_len: int
-) -> torch.Tensor | None:
-    """(B, T) bool of keys the linear attention reads: not padding, and not masked by `linear_attention_mask`."""
-    masks = [m[:, -seq_len:].bool() for m in (attention_mask, linear_attention_mask) if m is not None]
-    if not masks:
-        return None
-    return masks[0] if len(masks) == 1 else masks[0] & masks[1]
 
 
 class JRTRNNMLP(nn.Module):
@@ -486,6 +533,19 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
 
+@dataclass
+class JRTRNNCausalLMOutput(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus the two parts of the JRT objective (set only when `mlm_labels` are given).
+
+    Args:
+        ntp_loss: detached mean next-token cross-entropy of the batch.
+        mlm_loss: detached mean masked-LM cross-entropy of the batch.
+    """
+
+    ntp_loss: torch.Tensor | None = None
+    mlm_loss: torch.Tensor | None = None
+
+
 class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
     """JRT-RNN / Based language model: `JRTRNNModel` plus a (tied) LM head.
 
@@ -523,16 +583,22 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         prefix_length: int | None = None,
         past_key_values: Cache | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> JRTRNNCausalLMOutput:
         """
         Args:
             labels: `(B, T)` token ids; the loss is the mean next-token cross-entropy (labels are shifted inside,
                 -100 is ignored), through `self.loss_function` so that `Trainer`'s `num_items_in_batch` applies.
+            mlm_labels: (keyword, through `**kwargs`) `(B, T)` masked-LM targets of the JRT objective, predicted at
+                their own position (-100 elsewhere), as `JRTDataCollator` builds them. With them the loss is
+                `NTP + config.mlm_weight * MLM` (see `modeling_jrt.training`). They travel in `**kwargs`, like
+                `shift_labels`, so that `Trainer` keeps `label_names == ["labels"]` and still reports the loss of
+                plain causal-LM evaluation batches.
             logits_to_keep: compute logits for the last `logits_to_keep` positions only (0 = all).
             Other arguments: see `JRTRNNModel.forward`.
 
         Returns:
-            `CausalLMOutputWithPast` with `loss`, `logits` `(B, T, vocab_size)` and `cache`.
+            `JRTRNNCausalLMOutput` with `loss`, `logits` `(B, T, vocab_size)`, `cache`, and `ntp_loss` / `mlm_loss`
+            when `mlm_labels` are given.
         """
         outputs = self.model(
             input_ids=input_ids,
@@ -551,13 +617,86 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
             hidden_states = hidden_states[:, logits_to_keep]
         logits = self.lm_head(hidden_states)
 
-        loss = None
-        if labels is not None:
+        loss = ntp_loss = mlm_loss = None
+        mlm_labels = kwargs.pop("mlm_labels", None)
+        if mlm_labels is not None:
+            if labels is None:
+                raise ValueError("`mlm_labels` need `labels` (the next-token targets) as well: see JRTDataCollator.")
+            loss, ntp_loss, mlm_loss = jrt_loss(
+                logits, labels, mlm_labels,
+                mlm_weight=self.config.mlm_weight, num_items_in_batch=kwargs.get("num_items_in_batch"),
+            )
+        elif labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+        return JRTRNNCausalLMOutput(
+            loss=loss, logits=logits, cache=outputs.cache, ntp_loss=ntp_loss, mlm_loss=mlm_loss
+        )
+
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        streamer: BaseStreamer | None = None,
+        prefix_strategy: str | None = None,
+        prefix_pad_token_id: int | None = None,
+        **kwargs,
+    ) -> GenerateOutput | torch.LongTensor:
+        """`GenerationMixin.generate` with the JRT prefix handling of `generation.py` (REFERENCE.md §4.3).
+
+        The prompt is read in parallel (prefix linear attention prefill), then tokens are decoded one by one from the
+        constant-size recurrent state. Prompts shorter than `prefix_length` are filled as `prefix_strategy` says; the
+        fill never appears in the returned sequences, the streamer or the scores. Every other argument is the
+        standard one. Ids `>= config.generation_vocab_size` and `config.mask_token_id` are never generated.
+        Assisted decoding raises `ValueError` (the recurrent state cannot be rolled back).
+
+        Args:
+            prefix_strategy: `"pad"`, `"repeat"` or `"none"`; default `config.prefix_strategy`.
+            prefix_pad_token_id: Fill token of `"pad"`; default `config.prefix_pad_token_id`.
+
+        Example:
+            >>> out = model.generate(**tokenizer(["Hello"], return_tensors="pt"), max_new_tokens=8,
+            ...                      prefix_strategy="repeat")
+        """
+        return generate_with_prefix(
+            self, super().generate, inputs, generation_config, logits_processor, streamer,
+            prefix_strategy, prefix_pad_token_id, kwargs,
+        )
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = False,
+        linear_attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> dict:
+        """The standard inputs, plus the columns of the prompt's `linear_attention_mask` for the tokens of this
+        forward (the whole sequence without a cache, nothing for a decode step)."""
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids,
+            next_sequence_length=next_sequence_length,
+            cache=cache,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            is_first_iteration=is_first_iteration,
+            **kwargs,
+        )
+        if linear_attention_mask is not None:
+            reads_embeds = model_inputs.get("inputs_embeds") is not None
+            total_length = inputs_embeds.shape[1] if reads_embeds else input_ids.shape[1]
+            input_length = model_inputs["inputs_embeds" if reads_embeds else "input_ids"].shape[1]
+            aligned = align_linear_attention_mask(linear_attention_mask, total_length, input_length)
+            if aligned is not None:
+                model_inputs["linear_attention_mask"] = aligned
+        return model_inputs
 
 
 __all__ = [
+    "JRTRNNCausalLMOutput",
     "JRTRNNDecoderLayer",
     "JRTRNNForCausalLM",
     "JRTRNNLinearAttention",

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
-import modeling_jrt
+# Without CUDA the Triton kernel tests (tests/kernels/) run in triton's CPU interpreter. triton reads
+# TRITON_INTERPRET when `triton.language` is first imported, and importing transformers (hence modeling_jrt)
+# already does that, so it is set here, before anything else. Only triton kernels see it; an explicit
+# TRITON_INTERPRET in the environment wins.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import modeling_jrt  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -41,3 +51,30 @@ def _seed():
 def make_config():
     """Factory fixture: `make_config(**overrides)` -> a tiny `JRTRNNConfig` (see `tiny_config`)."""
     return tiny_config
+
+
+RECALL_FIXTURE = Path(__file__).resolve().parents[1] / "examples" / "data" / "recall_fixture.jsonl"
+
+
+@pytest.fixture(scope="session")
+def byte_bpe_tokenizer():
+    """A byte-level BPE tokenizer (vocab 300) trained offline on the recall fixture: exact decode round trips.
+
+    Special tokens: "<pad>" = 0, "<eos>" = 1; left padding, as batched generation wants.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(RECALL_FIXTURE.read_text(encoding="utf-8").splitlines(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", padding_side="left"
+    )

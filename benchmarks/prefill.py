@@ -1,0 +1,314 @@
+"""Prefill latency of prefix linear attention (JRT-RNN) side by side with causal softmax attention.
+
+One run prints, for each shape, the time of
+    ours        the fused Triton kernel on CUDA (`jrt_kernels`), the chunked PyTorch path on CPU
+    chunked     the chunked PyTorch path (on CUDA only; on CPU it is "ours")
+    quadratic   the O(N^2) reference (`prefix_linear_attention_quadratic`), while it fits in memory
+    sdpa        causal `scaled_dot_product_attention` with the same B, H, N and head dim (flash backend on CUDA)
+    fla_chunk / fla_parallel   flash-linear-attention's Based kernels (causal, no encoder) when `fla` imports
+and the ratios to SDPA, achieved TFLOP/s and the fraction of the roofline floor (KERNELS.md §3 FLOP/byte model).
+
+    python benchmarks/prefill.py                       # CPU: N = 1k..8k, B = 1, fp32, one thread
+    python benchmarks/prefill.py --quick               # a few small shapes
+    python benchmarks/prefill.py --json results.json   # also write every measurement as JSON
+    python benchmarks/prefill.py --batch-sweep         # CUDA default: also B = 2..64 at N = 16k
+
+Defaults follow the paper's Table 5 harness: H = 16, feature dim 16, value/head dim 64, M = N / 2, bf16 on CUDA
+(B = 16, N = 1k..32k). Methods are timed in interleaved rounds after warm-up: medians of synchronised wall times
+on CUDA; on one CPU thread, minima of the process CPU time (the machine may be shared). Allocating the inputs is
+excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from modeling_jrt.linear_attention import (
+    num_taylor_features,
+    prefix_linear_attention_chunked,
+    prefix_linear_attention_quadratic,
+)
+
+# Dense bf16 tensor-core peak and HBM bandwidth (datasheet) by device-name substring: the roofline floor.
+PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12), "L40S": (362e12, 0.864e12)}
+
+
+def pla_flops(T: int, M: int, K: int, V: int, chunk: int = 64) -> float:
+    """FLOPs per (batch, head) of the chunked algorithm (KERNELS.md §2.1, denominator column included).
+
+    Decoder token: intra-chunk 2 C (K + V + 1), inter-chunk and state update 2 (K + K^2) (V + 1) each;
+    encoder token: the update only.
+    """
+    update = 2 * (K + K * K) * (V + 1)
+    return T * (2 * chunk * (K + V + 1) + 2 * update) + M * update
+
+
+def pla_bytes(T: int, M: int, K: int, V: int, element_size: int) -> float:
+    """HBM bytes per (batch, head): read q, k, v, k_enc, v_enc, write o, write the fp32 state."""
+    return (T * (2 * K + 2 * V) + M * (K + V)) * element_size + num_taylor_features(K) * (V + 1) * 4
+
+
+def sdpa_flops(T: int, D: int) -> float:
+    """Causal softmax attention FLOPs per (batch, head): QK^T and PV on half the (T, T) square."""
+    return 4 * T * T * D / 2
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_methods(
+    methods: dict[str, Callable[[], object]], device: torch.device, args: argparse.Namespace
+) -> dict[str, float | str]:
+    """Time each method in ms: `warmup` untimed calls each, then `repeats` rounds calling every method once.
+
+    Rounds interleave the methods so that a change of machine load hits them alike. On CUDA each call is
+    synchronised and timed on the wall clock. On a CPU with one thread the clock is the process CPU time: on a
+    shared machine it excludes the time spent waiting for a core. A method that fails gets its error message.
+    """
+    clock = time.process_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    results: dict[str, float | str] = {}
+    for round_index in range(-args.warmup, args.repeats):
+        for name, fn in methods.items():
+            if name in results:  # failed earlier
+                continue
+            try:
+                with torch.no_grad(), sdpa_context(device) if name == "sdpa" else contextlib.nullcontext():
+                    synchronize(device)
+                    start = clock()
+                    fn()
+                    synchronize(device)
+                    elapsed = (clock() - start) * 1e3
+            except Exception as error:  # noqa: BLE001 - report the failure of one method, keep measuring the rest
+                results[name] = f"{type(error).__name__}: {error}"[:200]
+                continue
+            if round_index >= 0:
+                samples[name].append(elapsed)
+    for name, values in samples.items():
+        if name not in results and values:
+            results[name] = min(values) if args.stat == "min" else statistics.median(values)
+    return results
+
+
+def load_fla() -> dict[str, Callable]:
+    """flash-linear-attention's Based kernels, if that optional package imports (any failure: not measured)."""
+    try:
+        from fla.ops.based import fused_chunk_based, parallel_based
+    except Exception as error:  # noqa: BLE001 - an optional third-party baseline: any import failure skips it
+        print(f"# fla not available ({type(error).__name__}: {error}); its columns are skipped", file=sys.stderr)
+        return {}
+    return {"fla_chunk": fused_chunk_based, "fla_parallel": parallel_based}
+
+
+def load_kernel() -> Callable | None:
+    try:
+        from jrt_kernels import prefix_linear_attention_triton
+    except ImportError as error:
+        print(f"# jrt_kernels not available ({error})", file=sys.stderr)
+        return None
+    return prefix_linear_attention_triton
+
+
+def sdpa_context(device: torch.device):
+    """Force the flash backend on CUDA (the FlashAttention-2 proxy); the default elsewhere."""
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+    return contextlib.nullcontext()
+
+
+def measure_shape(args, device, dtype, B: int, T: int, kernel, fla) -> dict:
+    H, K, V = args.heads, args.feature_dim, args.head_dim
+    M = T // 2 if args.prefix == "half" else min(int(args.prefix), T)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
+
+    # KERNELS.md §1: the paper's inputs (q, k ~ randn / K^(1/2) keeps s small; the cost does not depend on it).
+    q, k, v = randn(B, T, H, K, scale=K**-0.5), randn(B, T, H, K, scale=K**-0.5), randn(B, T, H, V)
+    k_enc, v_enc = randn(B, M, H, K, scale=K**-0.5), randn(B, M, H, V)
+    row: dict = {"B": B, "T": T, "M": M, "H": H, "K": K, "V": V}
+    methods: dict[str, Callable] = {}
+    if args.impl == "triton":
+        if kernel is not None:
+            methods["ours"] = lambda: kernel(q, k, v, k_enc, v_enc)
+        if args.chunked:
+            methods["chunked"] = lambda: prefix_linear_attention_chunked(q, k, v, k_enc, v_enc)
+    else:
+        methods["ours"] = lambda: prefix_linear_attention_chunked(q, k, v, k_enc, v_enc)
+    if args.quadratic and B * H * T * T * 4 * 3 <= args.quadratic_max_gib * 2**30:  # ~3 (B, H, N, N) fp32
+        methods["quadratic"] = lambda: prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc)
+    qs, ks, vs = (randn(B, H, T, V) for _ in range(3))  # SDPA at head dim V (64), as in the paper
+    methods["sdpa"] = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+    for name, fn in fla.items():
+        methods[name] = lambda fn=fn: fn(q, k, v)
+
+    for name, result in time_methods(methods, device, args).items():
+        if isinstance(result, str):
+            row[name], row[f"{name}_error"] = None, result
+            print(f"# {name} failed at B={B} T={T}: {result}", file=sys.stderr)
+        else:
+            row[name] = result
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    row["ours_impl"] = args.impl if "ours" in methods else None
+    element_size = torch.finfo(dtype).bits // 8
+    flops = B * H * pla_flops(T, M, K, V)
+    traffic = B * H * pla_bytes(T, M, K, V, element_size)
+    row["pla_gflop"] = flops / 1e9
+    row["pla_gbyte"] = traffic / 1e9
+    if row.get("ours"):
+        row["ours_tflops"] = flops / (row["ours"] * 1e-3) / 1e12
+        if args.peak_tflops and args.peak_gbps:
+            floor_ms = max(flops / (args.peak_tflops * 1e12), traffic / (args.peak_gbps * 1e9)) * 1e3
+            row["floor_ms"] = floor_ms
+            row["ours_pct_floor"] = 100 * floor_ms / row["ours"]
+    if row.get("sdpa"):
+        row["sdpa_tflops"] = B * H * sdpa_flops(T, V) / (row["sdpa"] * 1e-3) / 1e12
+        for name in ("ours", "chunked", "quadratic", "fla_chunk", "fla_parallel"):
+            if row.get(name):
+                row[f"sdpa_over_{name}"] = row["sdpa"] / row[name]
+    return row
+
+
+def format_table(rows: list[dict]) -> str:
+    columns = [
+        ("B", "B", "{:d}"), ("T", "N", "{:d}"), ("M", "M", "{:d}"),
+        ("ours", "ours ms", "{:.2f}"), ("chunked", "chunked ms", "{:.2f}"), ("quadratic", "quadratic ms", "{:.1f}"),
+        ("sdpa", "sdpa ms", "{:.2f}"), ("fla_chunk", "fla chunk ms", "{:.2f}"),
+        ("fla_parallel", "fla parallel ms", "{:.2f}"), ("sdpa_over_ours", "sdpa/ours", "{:.2f}x"),
+        ("ours_tflops", "ours TFLOP/s", "{:.3f}"), ("sdpa_tflops", "sdpa TFLOP/s", "{:.3f}"),
+        ("ours_pct_floor", "% floor", "{:.1f}"), ("growth", "ours x per 2N", "{:.2f}"),
+    ]
+    columns = [c for c in columns if any(row.get(c[0]) is not None for row in rows)]
+    header = "| " + " | ".join(title for _, title, _ in columns) + " |"
+    lines = [header, "|" + "|".join("---" for _ in columns) + "|"]
+    for row in rows:
+        cells = ["-" if row.get(key) is None else fmt.format(row[key]) for key, _, fmt in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def add_growth(rows: list[dict]) -> None:
+    """Cost of each doubling of N at a fixed batch: linear time gives 2.0."""
+    by_length = {(row["B"], row["T"]): row for row in rows}
+    for row in rows:
+        previous = by_length.get((row["B"], row["T"] // 2))
+        if previous and previous.get("ours") and row.get("ours") and row["T"] % 2 == 0:
+            row["growth"] = row["ours"] / previous["ours"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--impl", choices=["triton", "chunked"], default=None,
+                        help="'ours': default triton on CUDA, chunked on CPU (triton on CPU needs TRITON_INTERPRET=1)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--batch", type=int, default=None, help="batch of the N sweep (default: 16 CUDA, 1 CPU)")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=None,
+                        help="default: 1k..32k on CUDA, 1k..8k on CPU")
+    parser.add_argument("--batch-sweep", action="store_true", help="also sweep B = 2..64 at --batch-sweep-len")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
+    parser.add_argument("--batch-sweep-len", type=int, default=16384)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--feature-dim", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=64, help="value dim of PLA and head dim of SDPA")
+    parser.add_argument("--prefix", default="half", help="encoder length M: 'half' (N / 2) or a number")
+    parser.add_argument("--no-quadratic", dest="quadratic", action="store_false", help="skip the O(N^2) reference")
+    parser.add_argument("--quadratic-max-gib", type=float, default=None,
+                        help="skip the quadratic reference above this working set (default: 8 CUDA, 2 CPU)")
+    parser.add_argument("--no-chunked", dest="chunked", action="store_false",
+                        help="on CUDA, skip the chunked PyTorch path")
+    parser.add_argument("--no-fla", dest="fla", action="store_false", help="skip flash-linear-attention")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls (default: 20 CUDA, 3 CPU)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls (default: 5 CUDA, 1 CPU)")
+    parser.add_argument("--stat", choices=["median", "min"], default=None,
+                        help="statistic of the timed calls (default: median on CUDA, min on a shared CPU)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="roofline compute peak (default by GPU)")
+    parser.add_argument("--peak-gbps", type=float, default=None, help="roofline bandwidth in GB/s (default by GPU)")
+    parser.add_argument("--quick", action="store_true", help="two short lengths, fewer repeats")
+    parser.add_argument("--json", default=None, help="write the environment and every row to this file")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    args.batch = args.batch or (16 if cuda else 1)
+    args.repeats = args.repeats or (20 if cuda else 3)
+    args.stat = args.stat or ("median" if cuda else "min")
+    args.quadratic_max_gib = args.quadratic_max_gib or (8 if cuda else 2)
+    args.warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
+    if args.seq_lens is None:
+        args.seq_lens = [1024, 2048, 4096, 8192, 16384, 32768] if cuda else [1024, 2048, 4096, 8192]
+    if args.quick:
+        args.seq_lens = [2048, 8192] if cuda else [512, 1024]
+        args.batch_sizes = [4, 16]
+        args.repeats = min(args.repeats, 5 if cuda else 2)
+    environment = {
+        "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+    }
+    if cuda:
+        peak = next((value for name, value in PEAKS.items() if name in environment["device"]), (None, None))
+        args.peak_tflops = args.peak_tflops or (peak[0] and peak[0] / 1e12)
+        args.peak_gbps = args.peak_gbps or (peak[1] and peak[1] / 1e9)
+    args.impl = args.impl or ("triton" if cuda else "chunked")
+    kernel = load_kernel() if args.impl == "triton" else None
+    try:
+        import triton
+
+        environment["triton"] = triton.__version__
+    except ImportError:
+        environment["triton"] = None
+    fla = load_fla() if args.fla else {}
+    print("# " + ", ".join(f"{key} {value}" for key, value in environment.items()))
+    clock = "process CPU time" if not cuda and torch.get_num_threads() == 1 else "wall time"
+    print(f"# H={args.heads} K={args.feature_dim} V=head_dim={args.head_dim} M={args.prefix}; ours = "
+          f"{'Triton kernel' if args.impl == 'triton' else 'chunked PyTorch'}; {args.stat} {clock} of "
+          f"{args.repeats} rounds, ms")
+
+    shapes = [(args.batch, T) for T in args.seq_lens]
+    if args.batch_sweep:
+        shapes += [(B, args.batch_sweep_len) for B in args.batch_sizes if (B, args.batch_sweep_len) not in shapes]
+    rows = []
+    for B, T in shapes:
+        rows.append(measure_shape(args, device, dtype, B, T, kernel, fla))
+        print(f"# done B={B} N={T}", file=sys.stderr, flush=True)
+    add_growth(rows)
+    print(format_table(rows))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as handle:
+            json.dump({"environment": environment, "arguments": vars(args), "rows": rows}, handle, indent=2)
+        print(f"# wrote {args.json}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

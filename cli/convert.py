@@ -1,0 +1,71 @@
+"""`jrt convert SRC DST`: convert a released HazyResearch JRT-RNN / Based checkpoint, optionally upload it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "convert",
+        help="convert a HazyResearch JRT-RNN / Based checkpoint to a HuggingFace folder",
+        description="Convert a released HazyResearch JRT-RNN / Based checkpoint (reference config.json plus "
+        "pytorch_model.bin or a Lightning .ckpt, or a Hub repo id) to a folder that "
+        "AutoModelForCausalLM.from_pretrained loads, with or without the jrt-rnn package (trust_remote_code=True).",
+    )
+    parser.add_argument("source", metavar="SRC", help="local folder / weights file, or a Hub repo id")
+    parser.add_argument("destination", metavar="DST", help="output folder (must not exist unless --overwrite)")
+    parser.add_argument(
+        "--family", default="auto", choices=["auto", "jrt", "based-jrt-release", "based-original"],
+        help="checkpoint family (default: detected from the config and the weights)",
+    )
+    parser.add_argument(
+        "--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights dtype (default fp32)"
+    )
+    parser.add_argument(
+        "--tokenizer", metavar="PATH_OR_ID",
+        help="GPT-2 tokenizer to ship (folder or Hub id); default: GPT-2 from the local Hub cache if present",
+    )
+    parser.add_argument(
+        "--prefix-pad-masking", default="reference", choices=["reference", "strict"],
+        help="JRT prefix pads: 'reference' reproduces the published evaluation (pads keep a constant-term "
+        "contribution), 'strict' removes them entirely (default: reference)",
+    )
+    parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST once the new folder is verified")
+    hub = parser.add_argument_group("upload")
+    hub.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the converted folder to this Hub repo")
+    hub.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    hub.add_argument("--revision", help="branch to upload to (created when missing; default main)")
+    hub.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jrt_convert import convert_checkpoint, push_to_hub
+
+    if (args.private or args.revision or args.create_pr) and not args.push_to_hub:
+        raise ValueError("--private, --revision and --create-pr need --push-to-hub REPO_ID.")
+    result = convert_checkpoint(
+        args.source,
+        args.destination,
+        family=args.family,
+        dtype=args.dtype,
+        tokenizer=args.tokenizer,
+        prefix_pad_masking=args.prefix_pad_masking,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+    )
+    print(f"family: {result.family} ({result.evidence})")
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"converted {result.source} -> {result.destination} ({result.num_parameters:,} parameters, "
+          f"{len(result.files)} files)")
+    if args.push_to_hub:
+        url = push_to_hub(
+            result.destination, args.push_to_hub,
+            private=args.private, revision=args.revision, create_pr=args.create_pr,
+        )
+        print(f"uploaded to {url}")
+    return 0

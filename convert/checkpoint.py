@@ -1,0 +1,173 @@
+"""Reading a reference checkpoint safely: `config.json` plus `pytorch_model.bin` or a Lightning `.ckpt`.
+
+The released checkpoints are pickles (REFERENCE.md §1.1, §1.5). They are read with `torch.load(weights_only=True)`
+only, which restores tensors and plain containers and refuses everything else, so a checkpoint cannot run code on
+the converting machine. The state dict is then normalised as the reference loader does (§1.5, §2.3):
+
+1. strip a leading `model.` (the Lightning module's attribute name),
+2. drop every key containing `metrics` (Lightning metric counters such as `train_metrics.num-tokens.count`).
+
+Family-specific renames (`conv1` -> `conv`) and the checked-then-dropped keys (tied head, decay buffer) are in
+`mapping.py`, the key tables in `families.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "pytorch_model.bin"
+LIGHTNING_SUFFIX = ".ckpt"
+_MODEL_PREFIX = re.compile(r"^model\.")
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted as asked; the message says what is wrong and what to do."""
+
+
+@dataclass
+class ReferenceCheckpoint:
+    """A reference checkpoint as read from disk.
+
+    Attributes:
+        config: the reference `config.json` as a plain dict (a GPT2Config dump with mixer dicts).
+        state_dict: tensors after the `model.` prefix strip and the `metrics` drop.
+        weights_path: the file the tensors came from.
+        dropped_keys: keys removed by the normalisation (the metric counters), for the report.
+        is_lightning: True when the tensors came from the `state_dict` entry of a Lightning checkpoint.
+    """
+
+    config: dict
+    state_dict: dict[str, torch.Tensor]
+    weights_path: Path
+    dropped_keys: list[str]
+    is_lightning: bool
+
+
+def find_weights_file(source: Path) -> Path:
+    """`source` itself when it is a file, else `pytorch_model.bin` or the single `*.ckpt` inside the folder."""
+    if source.is_file():
+        return source
+    if not source.is_dir():
+        raise FileNotFoundError(f"Source checkpoint {str(source)!r} does not exist.")
+    weights = source / WEIGHTS_NAME
+    if weights.is_file():
+        return weights
+    lightning = sorted(source.glob(f"*{LIGHTNING_SUFFIX}"))
+    if len(lightning) == 1:
+        return lightning[0]
+    found = sorted(p.name for p in source.iterdir())
+    if not lightning:
+        raise ConversionError(
+            f"No weights in {str(source)!r}: expected {WEIGHTS_NAME!r} or one Lightning '*{LIGHTNING_SUFFIX}' file "
+            f"next to {CONFIG_NAME!r}; found {found}."
+        )
+    raise ConversionError(
+        f"{str(source)!r} holds several Lightning checkpoints {[p.name for p in lightning]}: pass the one to convert "
+        "as SRC (its folder must also hold the reference config.json)."
+    )
+
+
+def load_reference_config(folder: Path) -> dict:
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        raise ConversionError(
+            f"No {CONFIG_NAME!r} in {str(folder)!r}: the reference config (a GPT2Config dump with the mixer dicts) "
+            "must sit next to the weights."
+        )
+    with open(path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    if not isinstance(config, dict):
+        raise ConversionError(f"{str(path)!r} must hold a JSON object, got {type(config).__name__}.")
+    return config
+
+
+def load_state_dict_safely(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
+    """Tensors of a `pytorch_model.bin` or a Lightning `.ckpt`, read with `torch.load(weights_only=True)`.
+
+    Returns:
+        (state_dict, is_lightning): the raw (un-normalised) state dict, and whether it came from a Lightning
+        checkpoint's `state_dict` entry.
+    """
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=_can_mmap(path))
+    except pickle.UnpicklingError as error:
+        raise ConversionError(
+            f"Refusing to load {str(path)!r}: it contains Python objects other than tensors and plain containers, "
+            "and unpickling those could run arbitrary code (the file is only read with "
+            "`torch.load(weights_only=True)`). If you trust the file, extract the weights in a separate step, e.g. "
+            "`python -c \"import torch; ck = torch.load('FILE', weights_only=False); "
+            "torch.save(ck.get('state_dict', ck), 'pytorch_model.bin')\"`, and convert that. "
+            f"torch says: {_unpickler_reason(error)}"
+        ) from error
+    is_lightning = isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict)
+    state_dict = loaded["state_dict"] if is_lightning else loaded
+    if not isinstance(state_dict, dict):
+        raise ConversionError(
+            f"{str(path)!r} holds a {type(state_dict).__name__}, not a state dict (a mapping of names to tensors) "
+            "or a Lightning checkpoint with a 'state_dict' entry."
+        )
+    not_tensors = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
+    if not_tensors:
+        raise ConversionError(f"{str(path)!r}: these state-dict entries are not tensors: {not_tensors}.")
+    return state_dict, is_lightning
+
+
+def normalise_keys(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Strip a leading `model.` and drop the `metrics` counters, as the reference loader does (REFERENCE.md §1.5).
+
+    Returns:
+        (normalised state dict, dropped keys).
+    """
+    normalised: dict[str, torch.Tensor] = {}
+    dropped: list[str] = []
+    for key, tensor in state_dict.items():
+        name = _MODEL_PREFIX.sub("", key)
+        if "metrics" in name:
+            dropped.append(key)
+            continue
+        if name in normalised:
+            raise ConversionError(f"Key {name!r} appears twice after stripping the 'model.' prefix (from {key!r}).")
+        normalised[name] = tensor
+    return normalised, dropped
+
+
+def read_reference_checkpoint(source: Path) -> ReferenceCheckpoint:
+    """Read `config.json` and the weights of a local reference checkpoint (a folder, or a weights file)."""
+    weights_path = find_weights_file(source)
+    config = load_reference_config(weights_path.parent)
+    raw, is_lightning = load_state_dict_safely(weights_path)
+    state_dict, dropped = normalise_keys(raw)
+    return ReferenceCheckpoint(config, state_dict, weights_path, dropped, is_lightning)
+
+
+def _can_mmap(path: Path) -> bool:
+    """Zip-format pickles (torch >= 1.6) can be memory-mapped, which keeps a 5.5 GB checkpoint out of RAM."""
+    return zipfile.is_zipfile(path)
+
+
+def _unpickler_reason(error: BaseException) -> str:
+    """The line of torch's long weights-only message that names the refused object."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        if "Unsupported" in line or "WeightsUnpickler error" in line:
+            return line
+    return lines[0] if lines else type(error).__name__
+
+
+__all__ = [
+    "ConversionError",
+    "ReferenceCheckpoint",
+    "find_weights_file",
+    "load_reference_config",
+    "load_state_dict_safely",
+    "normalise_keys",
+    "read_reference_checkpoint",
+]

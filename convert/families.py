@@ -1,0 +1,520 @@
+"""The released checkpoint families: how to recognise each, read its reference config, and name its tensors.
+
+Three families (REFERENCE.md §1.1, §1.3, §1.5):
+
+    family              checkpoints                           reference loader     linear attention
+    jrt                 JRT-360M-30B, JRT-1B-50B              [JRT] gpt.py         prefix (PLA)
+    based-jrt-release   based-360M-30B, based-1b-50b          [JRT] gpt.py         causal; decay + decay_proj
+                                                                                    when the config asks for both
+    based-original      based-360m, based-1b                  [BASED] gpt.py       causal; decay never applied
+
+The layer kinds come from `alt_mixer_layers` / `alt_mixer_2_layers` (`alt_mixer_2` wins), hyper-parameters from the
+mixer dicts with the reference defaults. `_target_` strings are read only as data that identifies a family, never
+trusted to say what a layer computes: the key tables below and the strict accounting in `mapping.py` decide.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .checkpoint import ConversionError
+
+FAMILIES = ("jrt", "based-jrt-release", "based-original")
+
+# The released checkpoints and their families, used to name a family when the structure alone cannot (based-1b-50b
+# loads identically under both Based loaders; its parallel forward is the same either way).
+KNOWN_CHECKPOINTS = {
+    "jrt-360m-30b": "jrt",
+    "jrt-1b-50b": "jrt",
+    "based-360m-30b": "based-jrt-release",
+    "based-1b-50b": "based-jrt-release",
+    "based-360m": "based-original",
+    "based-1b": "based-original",
+}
+
+# Key tables: reference name -> our name(s). A tuple of several names splits the source tensor into that many equal
+# row blocks, in order (fc1 rows are [up; gate], Wqkv rows are [q; k; v]). Block keys are relative to
+# `transformer.layers.{i}.` on the reference side and `model.layers.{i}.` on ours.
+GLOBAL_KEYS: dict[str, tuple[str, ...]] = {
+    "transformer.embeddings.word_embeddings.weight": ("model.embed_tokens.weight",),
+    "transformer.ln_f.weight": ("model.norm.weight",),
+}
+BLOCK_KEYS: dict[str, tuple[str, ...]] = {
+    "norm1.weight": ("input_layernorm.weight",),
+    "norm2.weight": ("post_attention_layernorm.weight",),
+    "mlp.fc1.weight": ("mlp.up_proj.weight", "mlp.gate_proj.weight"),
+    "mlp.fc2.weight": ("mlp.down_proj.weight",),
+}
+CONV_KEYS: dict[str, tuple[str, ...]] = {
+    # in_proj rows are [conv branch; gate] in both layouts, so the fused projection maps as is.
+    "mixer.in_proj.weight": ("mixer.in_proj.weight",),
+    "mixer.conv.conv.weight": ("mixer.conv.weight",),
+    "mixer.out_proj.weight": ("mixer.out_proj.weight",),
+}
+CONV_BIAS_KEYS: dict[str, tuple[str, ...]] = {
+    "mixer.in_proj.bias": ("mixer.in_proj.bias",),
+    "mixer.out_proj.bias": ("mixer.out_proj.bias",),
+}
+SLIDING_KEYS: dict[str, tuple[str, ...]] = {
+    "mixer.Wqkv.weight": ("mixer.q_proj.weight", "mixer.k_proj.weight", "mixer.v_proj.weight"),
+    "mixer.out_proj.weight": ("mixer.o_proj.weight",),
+}
+BASED_LINEAR_ATTENTION_KEYS: dict[str, tuple[str, ...]] = {
+    "mixer.proj_q.weight": ("mixer.q_proj.weight",),
+    "mixer.proj_k.weight": ("mixer.k_proj.weight",),
+    "mixer.proj_v.weight": ("mixer.v_proj.weight",),
+    "mixer.out_proj.weight": ("mixer.o_proj.weight",),
+}
+PREFIX_LINEAR_ATTENTION_KEYS: dict[str, tuple[str, ...]] = {
+    **BASED_LINEAR_ATTENTION_KEYS,
+    "mixer.proj_k_enc.weight": ("mixer.k_enc_proj.weight",),
+    "mixer.proj_v_enc.weight": ("mixer.v_enc_proj.weight",),
+}
+DECAY_PROJ_KEYS: dict[str, tuple[str, ...]] = {"mixer.decay_proj.weight": ("mixer.decay_proj.weight",)}
+
+# Keys that carry no information of their own: the tied LM head and the fixed-decay buffer log(1 - 2**(c - h)),
+# which our model recomputes. They are checked, then dropped.
+TIED_HEAD_KEY = "lm_head.weight"
+DECAY_BUFFER_KEY = "transformer.decay.decay"
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What differs between families: the linear-attention key table and the reference loader's habits."""
+
+    name: str
+    description: str
+    reference_loader: str
+    linear_attention_keys: dict[str, tuple[str, ...]]
+    linear_attention_type: str
+    renames_conv1: bool  # [JRT]'s loader rewrites `conv1` -> `conv` in every key; [BASED]'s does not
+    applies_decay: bool  # [JRT]'s parallel forward applies decay (with decay_proj); [BASED]'s never does
+
+
+FAMILY_SPECS = {
+    "jrt": FamilySpec(
+        name="jrt",
+        description="JRT-RNN (prefix linear attention), e.g. hazyresearch/JRT-360M-30B, JRT-1B-50B",
+        reference_loader="HazyResearch/prefix-linear-attention train/src/models/gpt.py",
+        linear_attention_keys=PREFIX_LINEAR_ATTENTION_KEYS,
+        linear_attention_type="prefix",
+        renames_conv1=True,
+        applies_decay=False,
+    ),
+    "based-jrt-release": FamilySpec(
+        name="based-jrt-release",
+        description="Based from the JRT release (causal linear attention; fixed + input-dependent decay when "
+        "configured), e.g. hazyresearch/based-360M-30B, based-1b-50b",
+        reference_loader="HazyResearch/prefix-linear-attention train/src/models/gpt.py",
+        linear_attention_keys=BASED_LINEAR_ATTENTION_KEYS,
+        linear_attention_type="causal",
+        renames_conv1=True,
+        applies_decay=True,
+    ),
+    "based-original": FamilySpec(
+        name="based-original",
+        description="Based, original release (causal linear attention, no decay), e.g. hazyresearch/based-360m, "
+        "based-1b",
+        reference_loader="HazyResearch/based based/models/gpt.py",
+        linear_attention_keys=BASED_LINEAR_ATTENTION_KEYS,
+        linear_attention_type="causal",
+        renames_conv1=False,
+        applies_decay=False,
+    ),
+}
+
+_REQUIRED = object()
+
+
+def _get(config: dict, *names: str, default=_REQUIRED, where: str = "config.json"):
+    """The first of `names` present in `config` (GPT2Config attribute-map aliases), else `default`."""
+    for name in names:
+        if name in config and config[name] is not None:
+            return config[name]
+    if default is _REQUIRED:
+        raise ConversionError(f"{where} has no {' / '.join(repr(n) for n in names)}; the converter needs it.")
+    return default
+
+
+def _mixer_dict(config: dict, name: str) -> dict | None:
+    value = config.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConversionError(f"config.json {name!r} must be a dict of mixer arguments, got {value!r}.")
+    return value
+
+
+def _target(mixer: dict | None) -> str:
+    return str(mixer.get("_target_", "")) if mixer else ""
+
+
+@dataclass
+class ReferenceArchitecture:
+    """What the reference config says about the network, in reference terms (REFERENCE.md §1.2, §1.3)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int  # the tokenizer's vocabulary (GPT-2: 50257)
+    padded_vocab_size: int  # embedding rows (50264)
+    layer_kinds: list[str]  # "conv" | "linear_attention" | "sliding_attention" per layer
+    conv_expansion: int
+    conv_kernel_size: int
+    conv_bias: bool
+    feature_dim: int
+    enc_length: int | None
+    window_size: int | None
+    fixed_decay: bool
+    decay_const: float
+    use_decay_proj: bool
+    rope_theta: float
+    rms_norm_eps: float
+    bos_token_id: int
+    eos_token_id: int
+    mask_token_id: int | None
+    linear_attention_target: str
+    notes: list[str] = field(default_factory=list)
+
+
+def read_architecture(config: dict) -> ReferenceArchitecture:
+    """Parse a reference config.json (a GPT2Config dump with `mixer` / `alt_mixer` / `alt_mixer_2` dicts)."""
+    mixer = _mixer_dict(config, "mixer")
+    alt_mixer = _mixer_dict(config, "alt_mixer")
+    alt_mixer_2 = _mixer_dict(config, "alt_mixer_2")
+    if mixer is None:
+        raise ConversionError(
+            "Unknown checkpoint family: config.json has no 'mixer' dict, so it is not a Based / JRT-RNN "
+            f"GPT2MixerConfig dump (supported families: {list(FAMILIES)}; the attention and Mamba baselines are not)."
+        )
+    notes: list[str] = []
+    num_layers = int(_get(config, "n_layer", "num_hidden_layers"))
+    hidden_size = int(_get(config, "n_embd", "hidden_size"))
+    num_heads = int(_get(config, "n_head", "num_attention_heads"))
+    _check_backbone(config)
+
+    # Layer kinds: alt_mixer_2 is checked first, then alt_mixer, else the default mixer (REFERENCE.md §1.2).
+    sliding_layers = set(config.get("alt_mixer_2_layers") or [])
+    linear_layers = set(config.get("alt_mixer_layers") or [])
+    for name, layers, mixer_args in (
+        ("alt_mixer_2_layers", sliding_layers, alt_mixer_2),
+        ("alt_mixer_layers", linear_layers, alt_mixer),
+    ):
+        outside = sorted(i for i in layers if not 0 <= i < num_layers)
+        if outside:
+            raise ConversionError(f"config.json {name} lists layers {outside} outside [0, n_layer={num_layers}).")
+        if layers and mixer_args is None:
+            raise ConversionError(f"config.json lists {name} but has no {name.removesuffix('_layers')!r} dict.")
+    layer_kinds = [
+        "sliding_attention" if i in sliding_layers else "linear_attention" if i in linear_layers else "conv"
+        for i in range(num_layers)
+    ]
+    if not _looks_like(_target(mixer), "conv"):
+        raise ConversionError(
+            f"Unknown checkpoint family: the default mixer is {_target(mixer)!r}, not a gated convolution (BaseConv); "
+            f"supported families: {list(FAMILIES)}."
+        )
+
+    # Gated convolution (BaseConv; `kernel_sizes` is ignored by the reference constructor, so is it here).
+    expand_proj = int(mixer.get("expand_proj", 4))
+    if expand_proj % 2:
+        raise ConversionError(
+            f"BaseConv expand_proj must be even (inner width = expand_proj * d / 2), got {expand_proj}."
+        )
+    kernel_size = int(mixer.get("kernel_size", 3))
+    if "kernel_sizes" in mixer:
+        notes.append(
+            f"mixer.kernel_sizes={mixer['kernel_sizes']!r} ignored, as by the reference (kernel_size={kernel_size})"
+        )
+
+    # Linear attention (PLA or Based LA).
+    feature_dim, enc_length, use_decay_proj = 16, None, False
+    if linear_layers:
+        if not _looks_like(_target(alt_mixer), "linear_attention"):
+            raise ConversionError(
+                f"Unknown checkpoint family: alt_mixer is {_target(alt_mixer)!r}, not a (prefix) linear attention; "
+                f"supported families: {list(FAMILIES)}."
+            )
+        feature_dim = int(alt_mixer.get("feature_dim", 16))
+        heads = alt_mixer.get("num_heads")
+        if heads is not None and int(heads) != num_heads:
+            raise ConversionError(
+                f"alt_mixer.num_heads={heads} differs from n_head={num_heads}; the converted model shares one head "
+                "count between its attention layers."
+            )
+        _check_feature_map(alt_mixer)
+        enc_length = alt_mixer.get("enc_length", config.get("enc_length"))
+        use_decay_proj = bool(alt_mixer.get("use_decay_proj", False))
+
+    window_size = None
+    if sliding_layers:
+        if not _looks_like(_target(alt_mixer_2), "sliding"):
+            raise ConversionError(
+                f"Unknown checkpoint family: alt_mixer_2 is {_target(alt_mixer_2)!r}, not a sliding-window attention; "
+                f"supported families: {list(FAMILIES)}."
+            )
+        window_size = int(_get(alt_mixer_2, "window_size", where="config.json alt_mixer_2"))
+        if window_size == 4096:
+            raise ConversionError(
+                "alt_mixer_2.window_size=4096 triggers the reference's per-layer window special case (layers 7 and 17 "
+                "use 256), which the converted model does not support."
+            )
+
+    vocab_size = int(config.get("vocab_size", 50257))
+    multiple = int(config.get("pad_vocab_size_multiple", 8))
+    padded_vocab_size = math.ceil(vocab_size / multiple) * multiple
+    n_inner = config.get("n_inner")
+    if n_inner is None:
+        n_inner = 4 * hidden_size
+        notes.append(f"n_inner not set: using GPT-2's default 4 * n_embd = {n_inner}.")
+    # GatedMlp rounds its hidden width up to a multiple of 256 (REFERENCE.md §3.7).
+    intermediate_size = math.ceil(int(n_inner) / 256) * 256
+
+    fixed_decay = bool(config.get("fixed_decay", (alt_mixer or {}).get("fixed_decay", False)))
+    decay_const = float(config.get("decay_const", (alt_mixer or {}).get("decay_const", -3)))
+    return ReferenceArchitecture(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        padded_vocab_size=padded_vocab_size,
+        layer_kinds=layer_kinds,
+        conv_expansion=expand_proj // 2,
+        conv_kernel_size=kernel_size,
+        conv_bias=bool(mixer.get("use_bias", True)),
+        feature_dim=feature_dim,
+        enc_length=None if enc_length is None else int(enc_length),
+        window_size=window_size,
+        fixed_decay=fixed_decay,
+        decay_const=decay_const,
+        use_decay_proj=use_decay_proj,
+        rope_theta=float(config.get("rotary_emb_base", 10000.0)),
+        rms_norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        bos_token_id=int(config.get("bos_token_id", 50256)),
+        eos_token_id=int(config.get("eos_token_id", 50256)),
+        mask_token_id=None if config.get("mask_token_id") is None else int(config["mask_token_id"]),
+        linear_attention_target=_target(alt_mixer),
+        notes=notes,
+    )
+
+
+def _check_backbone(config: dict) -> None:
+    """Settings the converted model hard-codes: refuse a checkpoint that departs from them."""
+    expected = {
+        "rms_norm": True,
+        "activation_function": "swiglu",
+        "tie_word_embeddings": True,
+        "rotary_emb_fraction": 1,
+        "rotary_emb_interleaved": False,
+    }
+    for name, value in expected.items():
+        if name in config and config[name] is not None and config[name] != value:
+            raise ConversionError(
+                f"config.json {name}={config[name]!r} is not supported: every released Based / JRT-RNN checkpoint "
+                f"uses {value!r}, and so does the converted model."
+            )
+    if config.get("rotary_emb_scale_base") is not None:
+        raise ConversionError(
+            "config.json rotary_emb_scale_base (xPos) is not supported; the released models use None."
+        )
+
+
+def _check_feature_map(alt_mixer: dict) -> None:
+    name = alt_mixer.get("feature_name")
+    feature_map = alt_mixer.get("feature_map")
+    target = _target(feature_map) if isinstance(feature_map, dict) else ""
+    if (name is not None and name != "taylor_exp") or (target and "taylor" not in target.lower()):
+        raise ConversionError(
+            f"Unsupported linear-attention feature map (feature_name={name!r}, feature_map={target!r}): only the "
+            "2nd-order Taylor map ('taylor_exp' / TaylorExp) of the released models is implemented."
+        )
+
+
+def _looks_like(target: str, kind: str) -> bool:
+    """Whether a `_target_` string names a mixer of `kind` (used only as identifying data)."""
+    name = target.rsplit(".", 1)[-1].lower()
+    path = target.lower()
+    if kind == "conv":
+        return "conv" in name
+    if kind == "linear_attention":
+        return "linearattention" in name or "linear_attn" in path or "linear_attention" in path
+    if kind == "sliding":
+        return any(word in path for word in ("slid", "slide", "window"))
+    raise AssertionError(kind)
+
+
+@dataclass
+class Detection:
+    family: str
+    evidence: str
+
+
+def detect_family(
+    config: dict, arch: ReferenceArchitecture, keys: list[str], *, requested: str = "auto", name_hint: str | None = None
+) -> Detection:
+    """Name the family of a reference checkpoint from its config and state-dict keys.
+
+    Args:
+        config: the reference config.json.
+        arch: its parsed architecture.
+        keys: state-dict keys after `normalise_keys`.
+        requested: `"auto"` or a family the user asked for (checked against the structure).
+        name_hint: the checkpoint's repo id or folder name; a released name settles Based checkpoints that carry no
+            JRT-only marker (their conversion is the same in both Based families).
+    """
+    if requested != "auto" and requested not in FAMILIES:
+        raise ConversionError(f"Unknown family {requested!r}; choose 'auto' or one of {list(FAMILIES)}.")
+    if "linear_attention" not in arch.layer_kinds:
+        raise ConversionError(
+            "Unknown checkpoint family: config.json lists no linear-attention layers (alt_mixer_layers), which every "
+            f"Based / JRT-RNN checkpoint has; supported families: {list(FAMILIES)}."
+        )
+    encoder_keys = [k for k in keys if k.endswith("mixer.proj_k_enc.weight")]
+    is_prefix = bool(encoder_keys) or "prefix" in arch.linear_attention_target.lower()
+    if is_prefix:
+        evidence = (
+            f"prefix linear attention ({len(encoder_keys)} '*.mixer.proj_k_enc.weight' keys, "
+            f"alt_mixer {arch.linear_attention_target!r})"
+        )
+        return _checked(requested, "jrt", evidence)
+
+    markers = []
+    if any(k.endswith("mixer.decay_proj.weight") for k in keys) or arch.use_decay_proj:
+        markers.append("input-dependent decay (decay_proj / use_decay_proj)")
+    if any(_target(_mixer_dict(config, n)).startswith("src.") for n in ("mixer", "alt_mixer", "alt_mixer_2")):
+        markers.append("'src.models.*' _target_ strings (rewritten only by the JRT loader)")
+    if "do_update" in (_mixer_dict(config, "alt_mixer_2") or {}):
+        markers.append("alt_mixer_2.do_update (deleted only by the JRT loader)")
+    if any("conv1" in k for k in keys):
+        markers.append("'conv1' keys (renamed only by the JRT loader)")
+    hint = KNOWN_CHECKPOINTS.get((name_hint or "").rstrip("/").rsplit("/", 1)[-1].lower())
+    if markers:
+        family = "based-jrt-release"
+        evidence = "causal linear attention with JRT-release markers: " + "; ".join(markers)
+    elif hint is not None:
+        family, evidence = hint, f"causal linear attention; released checkpoint name {name_hint!r}"
+    else:
+        family = "based-original"
+        evidence = (
+            "causal linear attention without JRT-release markers (decay_proj, 'src.models.*' targets, do_update, "
+            "conv1 keys); such checkpoints convert identically as based-jrt-release"
+        )
+    if requested in ("based-jrt-release", "based-original"):
+        return Detection(requested, f"requested; structure: {evidence}")
+    return _checked(requested, family, evidence)
+
+
+def _checked(requested: str, detected: str, evidence: str) -> Detection:
+    if requested in ("auto", detected):
+        return Detection(detected, evidence if requested == "auto" else f"requested; structure: {evidence}")
+    raise ConversionError(
+        f"--family {requested} does not fit this checkpoint: it has {evidence}, which is the {detected!r} family."
+    )
+
+
+def translate_config(
+    arch: ReferenceArchitecture, spec: FamilySpec, *, prefix_pad_masking: str, dtype: torch.dtype
+) -> tuple[dict, list[str]]:
+    """Keyword arguments of `JRTRNNConfig` for a reference architecture, and notes for the report.
+
+    The notes say which reference settings were translated or dropped (and why), so that nothing happens silently.
+    """
+    notes = list(arch.notes)
+    decay, decay_proj = False, False
+    if spec.applies_decay:
+        if arch.use_decay_proj and not arch.fixed_decay:
+            raise ConversionError(
+                "alt_mixer.use_decay_proj=true without fixed_decay: no released checkpoint uses this combination and "
+                "the reference behaviour is not specified, so it is not converted."
+            )
+        decay = decay_proj = arch.use_decay_proj
+        if arch.fixed_decay and not arch.use_decay_proj:
+            notes.append(
+                "fixed_decay=true without use_decay_proj: the reference parallel forward ignores the decay "
+                "(it only reaches its recurrent step, a train/inference mismatch), so it is not applied."
+            )
+    elif arch.fixed_decay:
+        notes.append(f"fixed_decay=true is ignored: the {spec.name} reference loader never applies the decay.")
+    if arch.use_decay_proj and not spec.applies_decay:
+        raise ConversionError(
+            f"alt_mixer.use_decay_proj=true, but the {spec.name} family has no input-dependent decay; "
+            "convert with --family based-jrt-release."
+        )
+
+    is_prefix = spec.linear_attention_type == "prefix"
+    prefix_length = arch.enc_length if arch.enc_length is not None else 1024
+    if is_prefix and arch.enc_length is None:
+        notes.append("enc_length not set in config.json: using the reference's 1024.")
+    mask_token_id = None
+    if is_prefix:
+        mask_token_id = arch.mask_token_id if arch.mask_token_id is not None else arch.padded_vocab_size - 1
+    kwargs = dict(
+        vocab_size=arch.padded_vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads,
+        layer_types=list(arch.layer_kinds),
+        rms_norm_eps=arch.rms_norm_eps,
+        tie_word_embeddings=True,
+        # The reference window W means W // 2 previous tokens plus the token itself (REFERENCE.md §3.6).
+        sliding_window=(arch.window_size // 2 + 1) if arch.window_size is not None else 129,
+        rope_theta=arch.rope_theta,
+        conv_kernel_size=arch.conv_kernel_size,
+        conv_expansion=arch.conv_expansion,
+        conv_bias=arch.conv_bias,
+        feature_dim=arch.feature_dim,
+        linear_attention_type=spec.linear_attention_type,
+        prefix_length=prefix_length if is_prefix else 0,
+        prefix_pad_masking=prefix_pad_masking,
+        prefix_strategy="pad" if is_prefix else "none",
+        prefix_pad_token_id=220,
+        linear_attention_decay=decay,
+        decay_const=arch.decay_const,
+        use_decay_proj=decay_proj,
+        mask_token_id=mask_token_id,
+        # generate() never emits the padding rows of the embedding: GPT-2's tokenizer cannot decode them (§7).
+        generation_vocab_size=arch.vocab_size,
+        bos_token_id=arch.bos_token_id,
+        eos_token_id=arch.eos_token_id,
+        # GPT-2 has no pad token; padding is masked by attention_mask, so eos is used (see the README).
+        pad_token_id=arch.eos_token_id,
+        dtype=dtype,
+    )
+    return kwargs, notes
+
+
+def layer_key_table(spec: FamilySpec, arch: ReferenceArchitecture, layer_idx: int) -> dict[str, tuple[str, ...]]:
+    """Reference -> our keys for one block (relative to `transformer.layers.{i}.` / `model.layers.{i}.`)."""
+    kind = arch.layer_kinds[layer_idx]
+    table = dict(BLOCK_KEYS)
+    if kind == "conv":
+        table.update(CONV_KEYS)
+        if arch.conv_bias:
+            table.update(CONV_BIAS_KEYS)
+    elif kind == "sliding_attention":
+        table.update(SLIDING_KEYS)
+    else:
+        table.update(spec.linear_attention_keys)
+        if spec.applies_decay and arch.use_decay_proj:
+            table.update(DECAY_PROJ_KEYS)
+    return table
+
+
+__all__ = [
+    "FAMILIES",
+    "FAMILY_SPECS",
+    "KNOWN_CHECKPOINTS",
+    "Detection",
+    "FamilySpec",
+    "ReferenceArchitecture",
+    "detect_family",
+    "layer_key_table",
+    "read_architecture",
+    "translate_config",
+]

@@ -1,0 +1,95 @@
+"""Hugging Face Hub I/O: download a reference checkpoint, upload a converted folder."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from huggingface_hub import HfApi, snapshot_download
+
+from .checkpoint import CONFIG_NAME, LIGHTNING_SUFFIX, WEIGHTS_NAME, ConversionError
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_repo_id(source: str) -> bool:
+    """Whether `source` is shaped like a Hub repo id (`owner/name`)."""
+    return bool(_REPO_ID.match(source))
+
+
+def download_reference_checkpoint(repo_id: str, *, revision: str | None = None) -> Path:
+    """Download `config.json` and the weights of a reference checkpoint from the Hub; returns the local folder."""
+    try:
+        folder = snapshot_download(
+            repo_id=repo_id,
+            revision=revision,
+            allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, f"*{LIGHTNING_SUFFIX}"],
+        )
+    except (OSError, ValueError) as error:  # HfHubHTTPError and offline errors are OSErrors
+        raise ConversionError(
+            f"Could not download {repo_id!r} from the Hugging Face Hub ({type(error).__name__}: {error}). "
+            f"Without network access, copy {CONFIG_NAME} and {WEIGHTS_NAME} from https://huggingface.co/{repo_id} "
+            "into a folder and pass that folder as SRC."
+        ) from error
+    return Path(folder)
+
+
+def push_to_hub(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    create_pr: bool = False,
+    commit_message: str | None = None,
+    token: str | None = None,
+) -> str:
+    """Upload a converted folder to the Hub: create the repo (and branch), then one `upload_folder` commit.
+
+    Args:
+        folder: the converted folder (left untouched whatever happens).
+        repo_id: target `owner/name`.
+        private: create the repo as private (ignored when it already exists).
+        revision: branch to commit to (created from main when missing); default main.
+        create_pr: open a pull request instead of committing to the branch directly.
+        commit_message: default "Upload converted JRT-RNN / Based checkpoint".
+        token: a Hub token; default: the locally stored login.
+
+    Returns:
+        The URL of the commit, or of the pull request with `create_pr`.
+
+    Raises:
+        RuntimeError: when the Hub refuses or cannot be reached; the message says how to retry.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"Nothing to upload: {str(folder)!r} is not a folder.")
+    if create_pr and revision not in (None, "main"):
+        raise ValueError(
+            f"--create-pr opens a pull request against main; it cannot be combined with --revision {revision!r}."
+        )
+    api = HfApi(token=token)
+    try:
+        api.create_repo(repo_id=repo_id, private=private, repo_type="model", exist_ok=True)
+        if revision not in (None, "main"):
+            api.create_branch(repo_id=repo_id, branch=revision, repo_type="model", exist_ok=True)
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=folder,
+            repo_type="model",
+            revision=revision,
+            create_pr=create_pr,
+            commit_message=commit_message or "Upload converted JRT-RNN / Based checkpoint",
+        )
+    except (OSError, ValueError) as error:  # HfHubHTTPError and offline errors are OSErrors
+        retry = f"hf upload {repo_id} {folder} ." + (f" --revision {revision}" if revision else "")
+        retry += " --create-pr" if create_pr else ""
+        raise RuntimeError(
+            f"Upload to {repo_id!r} failed ({type(error).__name__}: {error}). The converted folder {str(folder)!r} "
+            f"is intact: fix the cause (login with `hf auth login`, network, permissions) and retry with `{retry}`, "
+            "or call jrt_convert.push_to_hub on the folder."
+        ) from error
+    return commit.pr_url if create_pr and commit.pr_url else commit.commit_url
+
+
+__all__ = ["download_reference_checkpoint", "is_repo_id", "push_to_hub"]

@@ -1,0 +1,421 @@
+"""JRT prefix handling for `JRTRNNForCausalLM.generate()` (REFERENCE.md §4.3, DESIGN.md §3).
+
+`forward()` never pads: its linear-attention encoder reads the first `min(prefix_length, T)` tokens it is given (per
+row, after the row's left padding). `generate()` prepares short prompts so that the encoder region is filled, then
+hands over to transformers' standard `GenerationMixin.generate` (greedy, sampling, beam search, streamers, stopping
+criteria and static caches are untouched). For a prompt of `L < prefix_length` real tokens, `prefix_strategy` is
+
+    "pad"     prepend `prefix_length - L` copies of `prefix_pad_token_id`. Convolutions and sliding attention read them
+              as ordinary tokens and RoPE positions count from the first pad (the reference's protocol); the linear
+              attention masks them through `linear_attention_mask`, as `prefix_pad_masking` says.
+    "repeat"  fill the prefix with the prompt repeated (JRT-Prompt style), ending with the prompt itself.
+    "none"    leave the prompt as it is: the encoder reads the prompt only.
+
+Prompts of `L >= prefix_length` tokens are never changed. In a left-padded batch each row is filled on its own and the
+batch is re-padded on the left, so every row generates as it would alone:
+
+    row (L=3, prefix 6):    [batch pads, attention_mask 0] [fill x 3] [p0 p1 p2] -> generated tokens
+    row (L=7):                                              [p0 ... p6]          -> generated tokens
+
+The fill never reaches the caller: returned `sequences` are the caller's prompt followed by the generated tokens, the
+streamer sees the caller's prompt, and `scores`/`logits` cover generated tokens only (as always). The prepared prompt
+is remembered per cache, so `generate(cache=out.cache, input_ids=<out.sequences + new tokens>)` continues
+seamlessly. Counting limits: `max_length`/`min_length` still count the caller's prompt (they are shifted by the fill);
+custom stopping criteria and logits processors see the prepared (filled) `input_ids`.
+
+This file ships with the Hub remote code: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
+from transformers.generation import (
+    BaseStreamer,
+    GenerationConfig,
+    GenerationMixin,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
+from transformers.generation.utils import GenerateOutput
+
+from .configuration_jrt import PREFIX_STRATEGIES, JRTRNNConfig
+from .prompting import repeat_to_fill
+
+# Arguments of `GenerationMixin.generate` that ask for assisted (speculative) decoding.
+ASSISTED_DECODING_ARGUMENTS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+class VocabularyMaskLogitsProcessor(LogitsProcessor):
+    """Sets to -inf the scores of ids that must never be generated: every id `>= num_generatable` (LM-head rows that
+    only pad the vocabulary, e.g. 50257..50263 of the released models) and the ids in `suppressed_ids` (the [MASK]
+    token of the JRT training objective).
+
+    Args:
+        num_generatable: Leading vocabulary rows that may be generated, or None for all.
+        suppressed_ids: Further ids that are never generated.
+    """
+
+    def __init__(self, num_generatable: int | None, suppressed_ids: tuple[int, ...] = ()):
+        self.num_generatable = num_generatable
+        self.suppressed_ids = tuple(suppressed_ids)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """scores `(B, vocab)` -> scores with the forbidden columns at -inf (a new tensor)."""
+        scores = scores.clone()
+        if self.num_generatable is not None:
+            scores[:, self.num_generatable :] = -float("inf")
+        if self.suppressed_ids:
+            scores[:, list(self.suppressed_ids)] = -float("inf")
+        return scores
+
+
+def vocabulary_mask_processor(config: JRTRNNConfig) -> VocabularyMaskLogitsProcessor | None:
+    """The processor for `config.generation_vocab_size` and `config.mask_token_id`, or None when nothing is masked."""
+    suppressed = () if config.mask_token_id is None else (config.mask_token_id,)
+    if config.generation_vocab_size in (None, config.vocab_size) and not suppressed:
+        return None
+    return VocabularyMaskLogitsProcessor(config.generation_vocab_size, suppressed)
+
+
+@dataclass
+class PreparedPrompt:
+    """A batch of prompts after the prefix strategy, in the layout the model reads.
+
+    Attributes:
+        input_ids: `(B, T')` prepared ids, or None when generating from embeddings only.
+        inputs_embeds: `(B, T', hidden)` prepared embeddings, or None.
+        attention_mask: `(B, T')` 1 for every token the model reads (fill included), 0 for batch padding.
+        linear_attention_mask: `(B, T')` 0 at the "pad" fill (the linear attention ignores it), or None.
+        original_length: T of the caller's prompt (0 for embeddings only: then no prompt ids are returned).
+    """
+
+    input_ids: torch.LongTensor | None
+    inputs_embeds: torch.Tensor | None
+    attention_mask: torch.LongTensor
+    linear_attention_mask: torch.LongTensor | None
+    original_length: int
+
+    @property
+    def length(self) -> int:
+        return self.attention_mask.shape[1]
+
+
+def prepare_prefix(
+    input_ids: torch.LongTensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    *,
+    prefix_length: int,
+    strategy: str,
+    prefix_pad_token_id: int | None,
+    batch_pad_token_id: int,
+    embed: Callable[[torch.LongTensor], torch.Tensor],
+    vocab_size: int,
+) -> PreparedPrompt | None:
+    """Apply `strategy` to each row of a left-padded batch; None when no row needs a fill.
+
+    Args:
+        input_ids: `(B, T)` prompt ids, or None.
+        inputs_embeds: `(B, T, hidden)` prompt embeddings, or None (at least one of the two is given).
+        attention_mask: `(B, T)` 1 for prompt tokens, 0 for left padding; None = no padding.
+        prefix_length: Encoder length `M` of the model.
+        strategy: `"pad"`, `"repeat"` or `"none"`.
+        prefix_pad_token_id: Fill token of `"pad"`.
+        batch_pad_token_id: Id written at batch-padding positions (never read: `attention_mask` is 0 there).
+        embed: The model's input embedding, to fill embeddings with the pad token.
+        vocab_size: Rows of the embedding (the pad token must be one of them).
+    """
+    if strategy not in PREFIX_STRATEGIES:
+        raise ValueError(f"`prefix_strategy` must be one of {list(PREFIX_STRATEGIES)}, got {strategy!r}.")
+    reference = input_ids if input_ids is not None else inputs_embeds
+    batch_size, length = reference.shape[:2]
+    if attention_mask is None:
+        attention_mask = torch.ones(batch_size, length, dtype=torch.long, device=reference.device)
+    if attention_mask.ndim != 2 or attention_mask.shape != (batch_size, length):
+        raise ValueError(
+            f"`attention_mask` must be (B, T) = ({batch_size}, {length}); got {tuple(attention_mask.shape)}."
+        )
+    if strategy == "none" or length == 0:
+        return None
+    real = attention_mask.bool()
+    if bool((real[:, :-1] & ~real[:, 1:]).any()):
+        raise ValueError(
+            "JRT generation needs left-padded prompts (padding first, then the prompt). Set "
+            "`tokenizer.padding_side = 'left'` before tokenizing the batch."
+        )
+    lengths = real.sum(-1).tolist()
+    fills = [max(prefix_length - n, 0) if n > 0 else 0 for n in lengths]
+    if not any(fills):
+        return None
+    if strategy == "pad" and prefix_pad_token_id is None:
+        raise ValueError(
+            "prefix_strategy='pad' needs a pad token: pass `prefix_pad_token_id=` to generate() or set "
+            "`config.prefix_pad_token_id` (220, GPT-2's ' ', in the reference)."
+        )
+    if strategy == "pad" and not 0 <= prefix_pad_token_id < vocab_size:
+        raise ValueError(
+            f"prefix_pad_token_id={prefix_pad_token_id} is not a token of this model (vocab_size={vocab_size}): "
+            "pass another `prefix_pad_token_id=` or `prefix_strategy='repeat'`/`'none'` to generate()."
+        )
+    new_length = max(n + f for n, f in zip(lengths, fills))
+
+    def fill_rows(tensor: torch.Tensor, pad_value: torch.Tensor, batch_pad_value: torch.Tensor) -> torch.Tensor:
+        rows = []
+        for row, n, f in zip(tensor, lengths, fills):
+            prompt = row[length - n :]
+            if strategy == "repeat":  # works for ids (L,) and embeddings (L, hidden) alike
+                filled = prompt[repeat_to_fill(torch.arange(n, device=prompt.device), n + f)]
+            else:
+                filled = torch.cat([pad_value.expand(f, *prompt.shape[1:]), prompt])
+            padding = batch_pad_value.expand(new_length - filled.shape[0], *prompt.shape[1:])
+            rows.append(torch.cat([padding, filled]))
+        return torch.stack(rows)
+
+    device = reference.device
+    new_ids = new_embeds = None
+    pad_id = torch.tensor([0 if prefix_pad_token_id is None else prefix_pad_token_id], device=device)
+    if input_ids is not None:
+        new_ids = fill_rows(input_ids, pad_id, torch.tensor([batch_pad_token_id], device=device))
+    if inputs_embeds is not None:
+        pad_embedding = embed(pad_id).to(inputs_embeds.dtype)  # (1, hidden)
+        new_embeds = fill_rows(inputs_embeds, pad_embedding, torch.zeros_like(pad_embedding))
+
+    new_mask = torch.zeros(batch_size, new_length, dtype=torch.long, device=device)
+    linear_attention_mask = torch.ones(batch_size, new_length, dtype=torch.long, device=device)
+    for index, (n, f) in enumerate(zip(lengths, fills)):
+        new_mask[index, new_length - n - f :] = 1
+        if strategy == "pad" and f > 0:
+            linear_attention_mask[index, new_length - n - f : new_length - n] = 0
+    return PreparedPrompt(
+        input_ids=new_ids,
+        inputs_embeds=new_embeds,
+        attention_mask=new_mask,
+        linear_attention_mask=linear_attention_mask if strategy == "pad" else None,
+        original_length=length if input_ids is not None else 0,
+    )
+
+
+class PromptStrippingStreamer(BaseStreamer):
+    """Forwards to `streamer`, replacing the prepared prompt of the first `put` by the caller's prompt."""
+
+    def __init__(self, streamer: BaseStreamer, prepared_length: int, original_length: int):
+        self.streamer = streamer
+        self.prepared_length = prepared_length
+        self.original_length = original_length
+        self.seen_prompt = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            if value.shape[-1] == self.prepared_length:
+                value = value[..., value.shape[-1] - self.original_length :]
+        self.streamer.put(value)
+
+    def end(self) -> None:
+        self.streamer.end()
+
+
+def cache_has_state(cache: Cache) -> bool:
+    """Whether any layer of `cache` already holds tokens (the generation continues a sequence)."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            if any(layer.has_previous_state.values()):
+                return True
+        elif layer.is_initialized and layer.get_seq_length() > 0:
+            return True
+    return False
+
+
+# Prepared prompt of each cache that `generate()` returned, for continuing from it (weak keys: no leak).
+_PREPARED_PROMPTS: weakref.WeakKeyDictionary[Cache, PreparedPrompt] = weakref.WeakKeyDictionary()
+
+
+def _expand_rows(tensor: torch.Tensor | None, batch_size: int) -> torch.Tensor | None:
+    """Repeat each row so that `tensor` has `batch_size` rows (num_return_sequences / beams expand the batch)."""
+    if tensor is None or tensor.shape[0] == batch_size:
+        return tensor
+    if batch_size % tensor.shape[0] != 0:
+        raise ValueError(
+            f"Cannot continue from this cache: it holds {tensor.shape[0]} prompts, the new input has {batch_size} rows."
+        )
+    return tensor.repeat_interleave(batch_size // tensor.shape[0], dim=0)
+
+
+def _continued_prompt(
+    prepared: PreparedPrompt, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Ids and mask of a continuation in the prepared layout: prepared prompt + the caller's tokens after its prompt."""
+    batch_size = input_ids.shape[0]
+    new_tokens = input_ids[:, prepared.original_length :]
+    if attention_mask is None:
+        new_mask = torch.ones_like(new_tokens)
+    else:
+        new_mask = attention_mask[:, prepared.original_length :].to(prepared.attention_mask.dtype)
+    ids = torch.cat([_expand_rows(prepared.input_ids, batch_size), new_tokens], dim=1)
+    mask = torch.cat([_expand_rows(prepared.attention_mask, batch_size), new_mask], dim=1)
+    return ids, mask
+
+
+def _restore_caller_prompt(
+    output: GenerateOutput | torch.LongTensor, caller_ids: torch.LongTensor | None, prepared_length: int
+) -> GenerateOutput | torch.LongTensor:
+    """Replace the prepared prompt at the start of the returned sequences by the caller's prompt."""
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    generated = sequences[:, prepared_length:]
+    if caller_ids is not None:
+        generated = torch.cat([_expand_rows(caller_ids, sequences.shape[0]).to(generated.device), generated], dim=1)
+    if isinstance(output, torch.Tensor):
+        return generated
+    output.sequences = generated
+    return output
+
+
+def _shift_length_limits(kwargs: dict, generation_config: GenerationConfig, shift: int) -> None:
+    """Keep explicit `max_length`/`min_length` counting the caller's prompt when the prompt grows by `shift`."""
+    for name, new_tokens_name in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
+        if kwargs.get(new_tokens_name) is not None:
+            continue
+        if kwargs.get(name) is not None:
+            kwargs[name] += shift
+        elif getattr(generation_config, new_tokens_name, None) is None and getattr(generation_config, name, None):
+            kwargs[name] = getattr(generation_config, name) + shift
+
+
+def generate_with_prefix(
+    model: GenerationMixin,
+    base_generate: Callable,
+    inputs: torch.Tensor | None,
+    generation_config: GenerationConfig | None,
+    logits_processor: LogitsProcessorList | None,
+    streamer: BaseStreamer | None,
+    prefix_strategy: str | None,
+    prefix_pad_token_id: int | None,
+    kwargs: dict,
+) -> GenerateOutput | torch.LongTensor:
+    """`JRTRNNForCausalLM.generate`: prefix strategy and vocabulary mask around `GenerationMixin.generate`."""
+    config: JRTRNNConfig = model.config
+    effective_config = generation_config if generation_config is not None else model.generation_config
+    for name in ASSISTED_DECODING_ARGUMENTS:
+        if kwargs.get(name) is not None or getattr(effective_config, name, None) is not None:
+            raise ValueError(
+                f"{type(model).__name__} cannot use assisted (speculative) decoding (`{name}` was given): its "
+                "recurrent state cannot be rolled back to drop rejected draft tokens. Generate without it."
+            )
+
+    mask_processor = vocabulary_mask_processor(config)
+    if mask_processor is not None:
+        logits_processor = LogitsProcessorList([*(logits_processor or []), mask_processor])
+
+    def run(**overrides):
+        call_kwargs = {**kwargs, **overrides}
+        return base_generate(
+            generation_config=generation_config,
+            logits_processor=logits_processor,
+            streamer=call_kwargs.pop("streamer", streamer),
+            **call_kwargs,
+        )
+
+    if inputs is not None:
+        if "input_ids" in kwargs or "inputs_embeds" in kwargs:
+            raise ValueError("Pass the prompt once: as `inputs` or as `input_ids=`/`inputs_embeds=`, not both.")
+        kwargs["input_ids"] = inputs
+    input_ids = kwargs.get("input_ids")
+    inputs_embeds = kwargs.get("inputs_embeds")
+    attention_mask = kwargs.get("attention_mask")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+
+    # 1. Continuing from a cache that `generate()` returned: put its prepared prompt back in front.
+    if cache is not None and cache_has_state(cache):
+        prepared = _PREPARED_PROMPTS.get(cache)
+        if prepared is None or input_ids is None or inputs_embeds is not None:
+            return run()
+        if input_ids.shape[1] < prepared.original_length:
+            raise ValueError(
+                f"To continue from this cache pass the returned sequences (at least {prepared.original_length} "
+                f"tokens) followed by any new tokens; got {input_ids.shape[1]} tokens."
+            )
+        ids, mask = _continued_prompt(prepared, input_ids, attention_mask)
+        _shift_length_limits(kwargs, effective_config, prepared.length - prepared.original_length)
+        output = run(input_ids=ids, attention_mask=mask)
+        return _restore_caller_prompt(output, input_ids, ids.shape[1])
+
+    # 2. A new prompt: fill the encoder prefix as `prefix_strategy` says (prefix linear attention only).
+    strategy = config.prefix_strategy if prefix_strategy is None else prefix_strategy
+    if strategy not in PREFIX_STRATEGIES:
+        raise ValueError(f"`prefix_strategy` must be one of {list(PREFIX_STRATEGIES)}, got {strategy!r}.")
+    if config.linear_attention_type != "prefix" or "linear_attention" not in config.layer_types:
+        return run()
+    pad_id = config.prefix_pad_token_id if prefix_pad_token_id is None else prefix_pad_token_id
+    batch_pad_id = effective_config.pad_token_id if effective_config.pad_token_id is not None else config.pad_token_id
+    prepared = prepare_prefix(
+        input_ids,
+        inputs_embeds,
+        attention_mask,
+        prefix_length=config.prefix_length,
+        strategy=strategy,
+        prefix_pad_token_id=pad_id,
+        batch_pad_token_id=batch_pad_id if batch_pad_id is not None else (pad_id or 0),
+        embed=model.get_input_embeddings(),
+        vocab_size=config.vocab_size,
+    )
+    chunk = kwargs.get("prefill_chunk_size", getattr(effective_config, "prefill_chunk_size", None))
+    prompt = input_ids if input_ids is not None else inputs_embeds
+    prompt_length = prepared.length if prepared is not None else (0 if prompt is None else prompt.shape[1])
+    if chunk is not None and chunk < min(config.prefix_length, prompt_length):
+        raise ValueError(
+            f"prefill_chunk_size={chunk} would split the JRT encoder prefix ({config.prefix_length} tokens): the "
+            "encoder reads the first forward only. Use prefill_chunk_size >= prefix_length or None."
+        )
+    # Without a cache every step recomputes the whole sequence: keep the encoder on the prompt, as in the prefill.
+    kwargs.setdefault("prefix_length", min(config.prefix_length, prompt_length))
+    if prepared is None:
+        output = run()
+        if cache is not None:
+            _PREPARED_PROMPTS.pop(cache, None)
+        return output
+
+    _shift_length_limits(kwargs, effective_config, prepared.length - prepared.original_length)
+    overrides = {"attention_mask": prepared.attention_mask}
+    if prepared.input_ids is not None:
+        overrides["input_ids"] = prepared.input_ids
+    if prepared.inputs_embeds is not None:
+        overrides["inputs_embeds"] = prepared.inputs_embeds
+    if prepared.linear_attention_mask is not None:
+        overrides["linear_attention_mask"] = prepared.linear_attention_mask
+    if streamer is not None:
+        overrides["streamer"] = PromptStrippingStreamer(streamer, prepared.length, prepared.original_length)
+    output = run(**overrides)
+    returned_cache = cache if cache is not None else getattr(output, "cache", None)
+    if returned_cache is not None and prepared.input_ids is not None:
+        _PREPARED_PROMPTS[returned_cache] = prepared
+    prepared_length = prepared.length if prepared.input_ids is not None else 0
+    return _restore_caller_prompt(output, input_ids, prepared_length)
+
+
+def align_linear_attention_mask(
+    linear_attention_mask: torch.Tensor, total_length: int, input_length: int
+) -> torch.Tensor | None:
+    """The columns of a prompt's `(B, T0)` linear-attention mask for the `input_length` tokens a forward reads, when
+    the sequence so far has `total_length` tokens (generated tokens are never masked). None when nothing is masked."""
+    extra = total_length - linear_attention_mask.shape[1]
+    if extra > 0:
+        linear_attention_mask = torch.nn.functional.pad(linear_attention_mask, (0, extra), value=1)
+    aligned = linear_attention_mask[:, total_length - input_length : total_length]
+    return None if bool(aligned.all()) else aligned
+
+
+__all__ = [
+    "PreparedPrompt",
+    "PromptStrippingStreamer",
+    "VocabularyMaskLogitsProcessor",
+    "align_linear_attention_mask",
+    "cache_has_state",
+    "generate_with_prefix",
+    "prepare_prefix",
+    "vocabulary_mask_processor",
+]

@@ -1,0 +1,320 @@
+"""The fused Triton prefill against the fp64 oracle: compiled on a CUDA machine, in triton's CPU interpreter elsewhere.
+
+tests/conftest.py sets TRITON_INTERPRET=1 when there is no CUDA, before transformers imports triton (STYLE.md §24).
+Inputs follow KERNELS.md §5: q, k ~ randn so that s = q.k / sqrt(K) ~ N(0, 1) and the 2nd-order term matters,
+v ~ N(0.5, 1) so that a wrong count or a leaked pad shows. Outputs are compared on real (unpadded) rows only.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import modeling_jrt
+from jrt_kernels import prefix_linear_attention as kernel_module
+from jrt_kernels import prefix_linear_attention_triton
+from modeling_jrt import linear_attention
+from modeling_jrt.linear_attention import (
+    linear_attention_step,
+    prefix_linear_attention,
+    prefix_linear_attention_chunked,
+    prefix_linear_attention_quadratic,
+)
+
+BT = 32  # the interpreter's chunk length (kernel_module._INTERPRETER_CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def device() -> torch.device:
+    """CUDA for the compiled kernel, CPU for the interpreter."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    interpreted_language = isinstance(tl.zeros, InterpretedFunction)
+    if kernel_module.INTERPRETED and interpreted_language:
+        return torch.device("cpu")
+    if not torch.cuda.is_available() or kernel_module.INTERPRETED:
+        pytest.fail(
+            "Without CUDA the kernel tests need TRITON_INTERPRET=1 set before triton.language is imported "
+            f"(kernel interpreted: {kernel_module.INTERPRETED}, triton.language interpreted: {interpreted_language}); "
+            "tests/conftest.py sets it, or export it before running pytest."
+        )
+    return torch.device("cuda")
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def make_inputs(B, T, H, V, M, *, K=16, dtype=torch.float32, device="cpu", seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, mean=0.0):
+        return (torch.randn(*shape, generator=generator) + mean).to(device=device, dtype=dtype)
+
+    q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V, mean=0.5)
+    k_enc, v_enc = (randn(B, M, H, K), randn(B, M, H, V, mean=0.5)) if M > 0 else (None, None)
+    return q, k, v, k_enc, v_enc
+
+
+def oracle(q, k, v, k_enc=None, v_enc=None, **kwargs):
+    """The quadratic reference in fp64 on the same (possibly rounded) inputs."""
+    as64 = [None if t is None else t.double() for t in (q, k, v, k_enc, v_enc)]
+    if kwargs.get("initial_state") is not None:
+        kwargs["initial_state"] = kwargs["initial_state"].double()
+    return prefix_linear_attention_quadratic(*as64, **kwargs)
+
+
+def assert_matches_oracle(q, k, v, k_enc=None, v_enc=None, **kwargs):
+    output, state = prefix_linear_attention_triton(q, k, v, k_enc, v_enc, **kwargs)
+    expected_output, expected_state = oracle(q, k, v, k_enc, v_enc, **kwargs)
+    tol = TOLERANCES[q.dtype]
+    assert output.dtype == v.dtype and output.shape == v.shape
+    assert state.dtype == torch.float32 and state.shape == expected_state.shape
+    assert torch.isfinite(output).all()
+    rows = torch.ones(q.shape[:2], dtype=torch.bool) if kwargs.get("key_mask") is None else kwargs["key_mask"]
+    rows = rows.cpu()
+    torch.testing.assert_close(output.cpu().double()[rows], expected_output.cpu()[rows], rtol=tol, atol=tol)
+    state_scale = expected_state.abs().max().item()
+    torch.testing.assert_close(state.cpu().double(), expected_state.cpu(), rtol=tol, atol=tol * state_scale)
+    return output, state
+
+
+@pytest.mark.parametrize("T", [1, 17, 64, 100, 257])
+@pytest.mark.parametrize("prefix", ["M0", "M1", "Mhalf", "Mall"])
+def test_matches_oracle_lengths(device, T, prefix):
+    M = {"M0": 0, "M1": 1, "Mhalf": T // 2, "Mall": T}[prefix]
+    B, H = (2, 2) if T <= 100 else (1, 2)
+    assert_matches_oracle(*make_inputs(B, T, H, 64, M, device=device))
+
+
+@pytest.mark.parametrize("V", [32, 112], ids=["V32", "V112-not-pow2"])
+def test_matches_oracle_value_dims(device, V):
+    assert_matches_oracle(*make_inputs(2, 70, 2, V, 35, device=device))
+
+
+@pytest.mark.parametrize("K", [4, 16], ids=["K4", "K16"])
+def test_matches_oracle_feature_dims(device, K):
+    assert_matches_oracle(*make_inputs(1, 40, 2, 16, 9, K=K, device=device))
+
+
+@pytest.mark.parametrize("pad_masking", ["strict", "reference"])
+@pytest.mark.parametrize("pads", [0, 5, BT + 7], ids=["no-pad", "pad-lt-block", "pad-gt-block"])
+def test_left_padding(device, pad_masking, pads):
+    B, T, H, V, M = 2, 80, 2, 32, 48
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    key_mask[0, :pads] = False
+    key_mask[1, : pads // 2] = False
+    assert_matches_oracle(*make_inputs(B, T, H, V, M, device=device), key_mask=key_mask, pad_masking=pad_masking)
+
+
+@pytest.mark.parametrize("M", [0, 20])
+def test_fully_padded_row(device, M):
+    B, T, H, V = 2, 40, 1, 32
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    key_mask[1] = False
+    inputs = make_inputs(B, T, H, V, M, device=device)
+    output, state = assert_matches_oracle(*inputs, key_mask=key_mask)
+    assert not output.isnan().any()
+    assert (output[1] == 0).all() and (state[1] == 0).all()  # no valid key: 0 / (0 + eps)
+
+
+def test_strict_padding_equals_unpadded_run(device):
+    """Strict masking removes a pad in all three orders: a left-padded row equals the row without its pads."""
+    T, pads, M = 50, 11, 30
+    q, k, v, k_enc, v_enc = make_inputs(1, T, 2, 32, M, device=device)
+    key_mask = torch.ones(1, T, dtype=torch.bool, device=device)
+    key_mask[:, :pads] = False
+    output, state = prefix_linear_attention_triton(q, k, v, k_enc, v_enc, key_mask=key_mask)
+    unpadded, unpadded_state = prefix_linear_attention_triton(
+        q[:, pads:], k[:, pads:], v[:, pads:], k_enc[:, pads:], v_enc[:, pads:]
+    )
+    torch.testing.assert_close(output[:, pads:], unpadded, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, unpadded_state, rtol=1e-5, atol=1e-4)
+    integer_mask_output, _ = prefix_linear_attention_triton(q, k, v, k_enc, v_enc, key_mask=key_mask.long())
+    torch.testing.assert_close(integer_mask_output, output, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_inputs(device, dtype):
+    B, T, H, V, M = 2, 70, 2, 112, 40
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    key_mask[0, :9] = False
+    assert_matches_oracle(*make_inputs(B, T, H, V, M, dtype=dtype, device=device), key_mask=key_mask)
+
+
+def test_strided_inputs(device):
+    """Heads split from fused projections and a (B, H, T, D) transpose: non-contiguous views, same result."""
+    B, T, H, K, V, M = 2, 45, 2, 16, 48, 20
+    fused = torch.randn(B, T, H, 2 * K + V, device=device)
+    fused[..., 2 * K :] += 0.5
+    q, k, v = fused[..., :K], fused[..., K : 2 * K], fused[..., 2 * K :]
+    k_enc = torch.randn(B, H, M, K, device=device).transpose(1, 2)  # (B, M, H, K), heads-first in memory
+    v_enc = torch.randn(B, H, M, V, device=device).transpose(1, 2)
+    key_mask = torch.ones(B, 2 * T, dtype=torch.bool, device=device)[:, ::2]
+    key_mask[0, :3] = False
+    assert not any(t.is_contiguous() for t in (q, k, v, k_enc, v_enc, key_mask))
+    output, state = assert_matches_oracle(q, k, v, k_enc, v_enc, key_mask=key_mask)
+    contiguous = [t.contiguous() for t in (q, k, v, k_enc, v_enc)]
+    expected_output, expected_state = prefix_linear_attention_triton(*contiguous, key_mask=key_mask.contiguous())
+    torch.testing.assert_close(output, expected_output, rtol=0, atol=0)
+    torch.testing.assert_close(state, expected_state, rtol=0, atol=0)
+
+
+def test_initial_state_continues_a_prefill(device):
+    """Prefill in two pieces, the second from the first's state, equals one prefill."""
+    T, split, M = 90, 37, 30
+    q, k, v, k_enc, v_enc = make_inputs(2, T, 2, 32, M, device=device)
+    output, state = prefix_linear_attention_triton(q, k, v, k_enc, v_enc)
+    _, first_state = prefix_linear_attention_triton(q[:, :split], k[:, :split], v[:, :split], k_enc, v_enc)
+    second, second_state = assert_matches_oracle(
+        q[:, split:], k[:, split:], v[:, split:], initial_state=first_state
+    )
+    torch.testing.assert_close(second, output[:, split:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second_state, state, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("M", [0, 1, 24])
+def test_decode_consistency(device, M):
+    """The kernel's final state after T tokens plus one recurrent step equals row T of a prefill over T + 1."""
+    T = 40
+    q, k, v, k_enc, v_enc = make_inputs(2, T + 1, 2, 32, M, device=device)
+    full, full_state = prefix_linear_attention_triton(q, k, v, k_enc, v_enc)
+    _, state = prefix_linear_attention_triton(q[:, :T], k[:, :T], v[:, :T], k_enc, v_enc)
+    step, step_state = linear_attention_step(q[:, T], k[:, T], v[:, T], state)
+    torch.testing.assert_close(step, full[:, T], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step_state, full_state, rtol=1e-5, atol=1e-4)
+
+
+def test_matches_chunked_reference(device):
+    """The module's named reference (`prefix_linear_attention_ref`, the chunked PyTorch path) agrees in fp32."""
+    inputs = make_inputs(1, 75, 2, 32, 30, device=device)
+    output, state = prefix_linear_attention_triton(*inputs)
+    expected_output, expected_state = kernel_module.prefix_linear_attention_ref(*inputs)
+    torch.testing.assert_close(output, expected_output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-4)
+
+
+def test_rejects_what_it_does_not_implement(device):
+    q, k, v, _, _ = make_inputs(1, 8, 2, 16, 0, device=device)
+    with pytest.raises(ValueError, match="decay"):
+        prefix_linear_attention_triton(q, k, v, log_decay=torch.full((2,), -0.1, device=device))
+    with pytest.raises(ValueError, match="gate"):
+        prefix_linear_attention_triton(q, k, v, gate=torch.ones(1, 8, 2, device=device))
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
+        prefix_linear_attention_triton(q.double(), k.double(), v.double())
+    with pytest.raises(ValueError, match="pad_masking"):
+        prefix_linear_attention_triton(q, k, v, pad_masking="leaky")
+    with pytest.raises(RuntimeError, match="no backward"):
+        prefix_linear_attention_triton(q.requires_grad_(), k, v)
+    with torch.no_grad():
+        prefix_linear_attention_triton(q, k, v)
+
+
+# Dispatcher: which implementation `prefix_linear_attention(..., implementation="auto")` runs.
+
+
+@pytest.fixture
+def kernel_available(monkeypatch):
+    monkeypatch.delenv(linear_attention.IMPLEMENTATION_ENV_VAR, raising=False)
+    monkeypatch.setattr(linear_attention, "_load_triton_prefill", lambda: prefix_linear_attention_triton)
+
+
+CUDA_TENSOR = types.SimpleNamespace(is_cuda=True)  # resolve_implementation reads only `.is_cuda`
+CPU_TENSOR = types.SimpleNamespace(is_cuda=False)
+
+
+@pytest.mark.parametrize(
+    ("q", "needs_grad", "has_decay", "expected"),
+    [
+        pytest.param(CUDA_TENSOR, False, False, "triton", id="cuda-inference"),
+        pytest.param(CUDA_TENSOR, True, False, "chunked", id="cuda-training"),
+        pytest.param(CUDA_TENSOR, False, True, "chunked", id="cuda-decay"),
+        pytest.param(CPU_TENSOR, False, False, "chunked", id="cpu"),
+    ],
+)
+def test_auto_picks(kernel_available, q, needs_grad, has_decay, expected):
+    assert linear_attention.resolve_implementation("auto", q, needs_grad, has_decay=has_decay) == expected
+
+
+def test_auto_without_kernel_is_chunked(monkeypatch):
+    monkeypatch.delenv(linear_attention.IMPLEMENTATION_ENV_VAR, raising=False)
+    monkeypatch.setattr(linear_attention, "_load_triton_prefill", lambda: None)
+    assert linear_attention.resolve_implementation("auto", CUDA_TENSOR, False) == "chunked"
+    with pytest.raises(RuntimeError, match="pip install"):
+        linear_attention.resolve_implementation("triton", CUDA_TENSOR, False)
+
+
+@pytest.mark.parametrize("forced", ["chunked", "triton", "quadratic"])
+def test_environment_forces(kernel_available, monkeypatch, forced):
+    monkeypatch.setenv(linear_attention.IMPLEMENTATION_ENV_VAR, forced)
+    assert linear_attention.resolve_implementation("auto", CPU_TENSOR, False) == forced
+    assert linear_attention.resolve_implementation("chunked", CUDA_TENSOR, False) == "chunked"  # explicit wins
+
+
+def test_forced_triton_refuses_gradients(kernel_available):
+    with pytest.raises(RuntimeError, match="no backward"):
+        linear_attention.resolve_implementation("triton", CUDA_TENSOR, True)
+
+
+def test_dispatcher_runs_the_kernel(device, kernel_available, monkeypatch):
+    """`prefix_linear_attention` calls exactly the implementation it resolves to."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append("triton")
+        return prefix_linear_attention_triton(*args, **kwargs)
+
+    monkeypatch.setattr(linear_attention, "_load_triton_prefill", lambda: spy)
+    inputs = make_inputs(1, 20, 2, 16, 7, device=device)
+    output, state = prefix_linear_attention(*inputs, implementation="triton")
+    expected_output, expected_state = prefix_linear_attention(*inputs, implementation="chunked")
+    assert calls == ["triton"]
+    torch.testing.assert_close(output, expected_output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_model_logits_with_kernel(device, make_config, padded):
+    """The whole model with the (interpreted) kernel gives the logits of the PyTorch path, and the same cache."""
+    torch.manual_seed(0)
+    config = make_config(linear_attention_implementation="chunked")
+    model = modeling_jrt.JRTRNNForCausalLM(config).to(device).eval()
+    input_ids = torch.randint(4, config.vocab_size, (2, 13), device=device)
+    attention_mask = torch.ones_like(input_ids)
+    if padded:
+        attention_mask[0, :3] = 0
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask).logits
+        model.config.linear_attention_implementation = "triton"
+        logits = model(input_ids, attention_mask=attention_mask).logits
+    rows = attention_mask.bool()
+    torch.testing.assert_close(logits[rows], expected[rows], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fake tensors need the compiled (traceable) kernel")
+def test_fake_tensor_shapes(device):
+    """The torch.library.triton_op registration: shapes and dtypes under FakeTensorMode, no kernel launch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = (torch.empty(2, 33, 2, 16, dtype=torch.bfloat16, device=device) for _ in range(2))
+        v = torch.empty(2, 33, 2, 112, dtype=torch.bfloat16, device=device)
+        output, state = prefix_linear_attention_triton(q, k, v, k[:, :10], v[:, :10])
+    assert output.shape == (2, 33, 2, 112) and output.dtype == torch.bfloat16
+    assert state.shape == (2, 2, 273, 113) and state.dtype == torch.float32
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel at a long length needs CUDA")
+@pytest.mark.parametrize("M", [0, 2048])
+def test_bf16_long_prefill_matches_fp32_chunked(device, M):
+    """GPU check: bf16 inputs at 4k tokens against the fp32 PyTorch path (error must stay at bf16 level)."""
+    B, T, H, V = 2, 4096, 4, 64
+    inputs = make_inputs(B, T, H, V, M, dtype=torch.bfloat16, device=device)
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    key_mask[0, :100] = False
+    output, state = prefix_linear_attention_triton(*inputs, key_mask=key_mask)
+    as32 = [None if t is None else t.float() for t in inputs]
+    expected_output, expected_state = prefix_linear_attention_chunked(*as32, key_mask=key_mask)
+    torch.testing.assert_close(output.float()[key_mask], expected_output[key_mask], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(state, expected_state, rtol=1e-2, atol=1e-2 * expected_state.abs().max().item())

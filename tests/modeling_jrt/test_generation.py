@@ -1,0 +1,357 @@
+"""Generation: prefill + O(1) decode vs the parallel forward, generate() against hand-built equivalents, the JRT prefix
+strategies, cache continuation and memory, the vocabulary mask and transformers integrations (pipeline, streamers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    DynamicCache,
+    PreTrainedTokenizerFast,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    pipeline,
+)
+
+from transformers.generation import BaseStreamer
+
+from modeling_jrt import JRTRNNForCausalLM
+
+# The tiny config of conftest: prefix_length 8, sliding_window 5, vocab 99, pad 0, eos 2, prefix pad 3.
+PREFIX = 8
+KINDS = {
+    "jrt-prefix": dict(linear_attention_type="prefix"),
+    "based-causal": dict(linear_attention_type="causal"),
+    "based-decay": dict(linear_attention_type="causal", linear_attention_decay=True, use_decay_proj=True),
+}
+NO_EOS = dict(eos_token_id=None, pad_token_id=0)  # fixed-length generations
+
+
+def build(make_config, **overrides) -> JRTRNNForCausalLM:
+    """A tiny model with large enough weights that the logits (and argmaxes) differ between inputs."""
+    torch.manual_seed(0)
+    overrides.setdefault("initializer_range", 0.3)
+    return JRTRNNForCausalLM(make_config(**overrides)).eval()
+
+
+def prompt(length: int, batch: int = 1, seed: int = 1) -> torch.LongTensor:
+    return torch.randint(4, 99, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def argmax_loop(model, input_ids, steps, **forward_kwargs) -> torch.LongTensor:
+    """Greedy decoding by full-sequence forwards without a cache; returns the generated tokens."""
+    sequence = input_ids
+    for _ in range(steps):
+        logits = model(sequence, use_cache=False, **forward_kwargs).logits[:, -1]
+        sequence = torch.cat([sequence, logits.argmax(-1, keepdim=True)], dim=1)
+        if "linear_attention_mask" in forward_kwargs:
+            mask = forward_kwargs["linear_attention_mask"]
+            forward_kwargs["linear_attention_mask"] = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return sequence[:, input_ids.shape[1] :]
+
+
+def greedy(model, input_ids, steps, **kwargs):
+    return model.generate(input_ids, max_new_tokens=steps, do_sample=False, **NO_EOS, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------- decode == parallel
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+@pytest.mark.parametrize("prompt_length", [3, PREFIX, 13])
+def test_prefill_then_decode_equals_parallel_forward(make_config, kind, prompt_length):
+    """Across the prefix boundary (prompt shorter, equal, longer) and the sliding window (5): every position."""
+    model = build(make_config, **kind)
+    input_ids = prompt(22, batch=2)
+    # The prefill's encoder covers the first min(prefix_length, prompt_length) tokens: the same in the full forward.
+    full = model(input_ids, prefix_length=min(PREFIX, prompt_length)).logits
+    cache = DynamicCache(config=model.config)
+    pieces = [model(input_ids[:, :prompt_length], cache=cache).logits]
+    # A multi-token forward continuing from the state, then single-token steps.
+    pieces.append(model(input_ids[:, prompt_length : prompt_length + 3], cache=cache).logits)
+    for position in range(prompt_length + 3, 22):
+        pieces.append(model(input_ids[:, position : position + 1], cache=cache).logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------- generate vs hand-built loops
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+def test_greedy_generate_equals_argmax_loop(make_config, kind):
+    model = build(make_config, **kind)
+    long_prompt = prompt(11)
+    expected = argmax_loop(model, long_prompt, 12)
+    assert len(set(expected[0].tolist())) > 2  # the tiny model does not collapse onto one token
+    torch.testing.assert_close(greedy(model, long_prompt, 12)[:, 11:], expected, rtol=0, atol=0)
+    # A short prompt as it is: the encoder reads the prompt only, never generated tokens.
+    short = prompt(4)
+    expected = argmax_loop(model, short, 12, prefix_length=4)
+    torch.testing.assert_close(greedy(model, short, 12, prefix_strategy="none")[:, 4:], expected, rtol=0, atol=0)
+    no_cache = greedy(model, short, 12, prefix_strategy="none", use_cache=False)[:, 4:]
+    torch.testing.assert_close(no_cache, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+@pytest.mark.parametrize(
+    "mode",
+    [
+        dict(do_sample=False),
+        dict(do_sample=True, top_k=0, temperature=1.5, num_return_sequences=2),
+        dict(do_sample=False, num_beams=3, num_return_sequences=2),
+    ],
+    ids=["greedy", "sample", "beam"],
+)
+def test_cache_and_no_cache_give_the_same_tokens(make_config, kind, mode):
+    model = build(make_config, **kind)
+    input_ids = prompt(4, batch=2)  # shorter than the prefix: the default "pad" strategy applies
+    outputs = []
+    for use_cache in (True, False):
+        torch.manual_seed(3)
+        outputs.append(model.generate(input_ids, max_new_tokens=8, use_cache=use_cache, **NO_EOS, **mode))
+    assert outputs[0].shape == (2 * mode.get("num_return_sequences", 1), 12)
+    torch.testing.assert_close(outputs[0][:, :4], input_ids.repeat_interleave(mode.get("num_return_sequences", 1), 0))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+@pytest.mark.parametrize("strategy", ["pad", "repeat", "none"])
+def test_left_padded_batch_equals_one_by_one(make_config, kind, strategy):
+    model = build(make_config, **kind)
+    prompts = [prompt(3, seed=1), prompt(6, seed=2), prompt(11, seed=3)]
+    batch = torch.zeros(3, 11, dtype=torch.long)
+    mask = torch.zeros(3, 11, dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        batch[row, 11 - ids.shape[1] :], mask[row, 11 - ids.shape[1] :] = ids[0], 1
+    settings = dict(max_new_tokens=7, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                    prefix_strategy=strategy, **NO_EOS)
+    batched = model.generate(batch, attention_mask=mask, **settings)
+    torch.testing.assert_close(batched.sequences[:, :11], batch)
+    for row, ids in enumerate(prompts):
+        alone = model.generate(ids, **settings)
+        torch.testing.assert_close(batched.sequences[row, 11:], alone.sequences[0, ids.shape[1] :], rtol=0, atol=0)
+        for batched_scores, alone_scores in zip(batched.scores, alone.scores):
+            torch.testing.assert_close(batched_scores[row], alone_scores[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+def test_static_cache_equals_dynamic_cache(make_config, kind):
+    model = build(make_config, **kind)
+    input_ids = prompt(5, batch=2)
+    mask = torch.ones_like(input_ids)
+    mask[1, :2] = 0
+    settings = dict(max_new_tokens=9, do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
+    dynamic = model.generate(input_ids, attention_mask=mask, **settings)
+    static = model.generate(input_ids, attention_mask=mask, cache_implementation="static", **settings)
+    torch.testing.assert_close(static.sequences, dynamic.sequences, rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(static.scores), torch.stack(dynamic.scores), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+@pytest.mark.parametrize("prompt_length", [3, 10])
+def test_continuation_from_returned_cache_equals_one_shot(make_config, kind, prompt_length):
+    model = build(make_config, **kind)
+    input_ids = prompt(prompt_length, batch=2)
+    settings = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
+    one_shot = model.generate(input_ids, max_new_tokens=10, **settings)
+    first = model.generate(input_ids, max_new_tokens=4, **settings)
+    second = model.generate(first.sequences, cache=first.cache, max_new_tokens=6, **settings)
+    torch.testing.assert_close(second.sequences, one_shot.sequences, rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.stack(first.scores + second.scores), torch.stack(one_shot.scores), rtol=1e-4, atol=1e-4
+    )
+
+
+# ----------------------------------------------------------------------------------------------- prefix strategies
+
+
+@pytest.mark.parametrize("masking", ["strict", "reference"])
+def test_pad_strategy_equals_hand_padded_prompt(make_config, masking):
+    """Reference protocol: left-pad with the pad token to prefix_length, mask the pads in the linear attention only."""
+    model = build(make_config, prefix_pad_masking=masking)
+    short = prompt(3)
+    padded = torch.cat([torch.full((1, PREFIX - 3), 3), short], dim=1)
+    linear_attention_mask = (padded != 3).long()
+    expected = argmax_loop(model, padded, 10, linear_attention_mask=linear_attention_mask)
+    generated = greedy(model, short, 10, prefix_strategy="pad")
+    torch.testing.assert_close(generated, torch.cat([short, expected], dim=1), rtol=0, atol=0)
+    # The fill matters: other pad tokens (read by conv and sliding attention) give other scores.
+    settings = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
+    scores_3 = model.generate(short, prefix_pad_token_id=3, **settings).scores[0]
+    scores_50 = model.generate(short, prefix_pad_token_id=50, **settings).scores[0]
+    assert (scores_3 - scores_50).abs().max() > 1e-3
+
+
+def test_repeat_and_none_strategies_equal_hand_built_prompts(make_config):
+    model = build(make_config)
+    short = prompt(3)
+    repeated = short.repeat(1, 3)[:, -PREFIX:]  # [p1 p2 p0 p1 p2 p0 p1 p2]
+    expected_repeat = argmax_loop(model, repeated, 10)
+    torch.testing.assert_close(greedy(model, short, 10, prefix_strategy="repeat")[:, 3:], expected_repeat)
+    expected_none = argmax_loop(model, short, 10, prefix_length=3)
+    torch.testing.assert_close(greedy(model, short, 10, prefix_strategy="none")[:, 3:], expected_none)
+    assert not torch.equal(expected_repeat, expected_none)
+    # Per call overrides the config; the config default is used otherwise.
+    model.config.prefix_strategy = "repeat"
+    torch.testing.assert_close(greedy(model, short, 10)[:, 3:], expected_repeat)
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+def test_chunked_prefill_equals_one_forward(make_config, kind):
+    """Chunks of at least the prefix length: the encoder still reads the first prefix_length tokens."""
+    model = build(make_config, **kind)
+    input_ids = prompt(19, batch=2)
+    settings = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
+    one = model.generate(input_ids, **settings)
+    chunked = model.generate(input_ids, prefill_chunk_size=PREFIX, **settings)
+    torch.testing.assert_close(chunked.sequences, one.sequences, rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(chunked.scores), torch.stack(one.scores), rtol=1e-4, atol=1e-4)
+
+
+def test_generation_lengths_count_the_callers_prompt(make_config):
+    model = build(make_config)
+    short = prompt(3)
+    assert greedy(model, short, 5).shape == (1, 8)
+    assert model.generate(short, max_length=9, min_length=9, do_sample=False, **NO_EOS).shape == (1, 9)
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(short)
+    from_embeds = model.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False, **NO_EOS)
+    torch.testing.assert_close(from_embeds, greedy(model, short, 5)[:, 3:], rtol=0, atol=0)
+
+
+def test_prefix_errors_are_clear(make_config):
+    model = build(make_config)
+    with pytest.raises(ValueError, match="prefix_strategy"):
+        greedy(model, prompt(3), 2, prefix_strategy="twice")
+    right_padded = torch.ones(2, 4, dtype=torch.long)
+    right_padded[0, 3] = 0
+    with pytest.raises(ValueError, match="padding_side = 'left'"):
+        greedy(model, prompt(4, batch=2), 2, attention_mask=right_padded)
+    with pytest.raises(ValueError, match="vocab_size=99"):
+        greedy(model, prompt(3), 2, prefix_pad_token_id=220)
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        greedy(model, prompt(10), 2, prefill_chunk_size=4)
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        greedy(model, prompt(10), 2, prompt_lookup_num_tokens=2)
+
+
+# ------------------------------------------------------------------------------------------------ memory and vocab
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+def test_cache_bytes_stay_flat_past_the_window(make_config, kind):
+    model = build(make_config, **kind)
+
+    def cache_bytes(new_tokens: int) -> int:
+        out = model.generate(prompt(6), max_new_tokens=new_tokens, return_dict_in_generate=True, **NO_EOS)
+        tensors = []
+        for layer in out.cache.layers:
+            for name in ("keys", "values"):
+                tensors.append(getattr(layer, name, None))
+            for name in ("conv_states", "recurrent_states"):
+                tensors.extend(getattr(layer, name, {}).values())
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    assert cache_bytes(10) == cache_bytes(200) > 0
+
+
+def test_vocabulary_padding_rows_and_mask_token_are_never_generated(make_config):
+    model = build(make_config)
+    with torch.no_grad():  # make ids 95 (a padding row) and 5 (the mask token) the argmax everywhere
+        model.lm_head.weight[95] = model.lm_head.weight[5] = 0
+        model.lm_head.bias = None
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight[95, 0] = model.lm_head.weight[5, 1] = 1e3
+    unmasked = greedy(model, prompt(10), 6)[:, 10:]
+    assert set(unmasked.flatten().tolist()) <= {5, 95}
+    model.config.generation_vocab_size, model.config.mask_token_id = 90, 5
+    for settings in (dict(do_sample=False), dict(do_sample=True, temperature=5.0), dict(num_beams=2)):
+        generated = model.generate(prompt(10), max_new_tokens=6, **NO_EOS, **settings)[:, 10:]
+        assert generated.max() < 90 and not (generated == 5).any()
+
+
+# ----------------------------------------------------------------------------------- streamers, criteria, pipeline
+
+
+class Collector(BaseStreamer):
+    def __init__(self):
+        self.chunks: list[torch.Tensor] = []
+        self.ended = False
+
+    def put(self, value: torch.Tensor) -> None:
+        self.chunks.append(value.reshape(-1))
+
+    def end(self) -> None:
+        self.ended = True
+
+
+class StopAfter(StoppingCriteria):
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def test_streamer_sees_the_callers_prompt_and_every_token(make_config):
+    model = build(make_config)
+    short = prompt(3)
+    streamer = Collector()
+    generated = greedy(model, short, 6, streamer=streamer)
+    assert streamer.ended
+    torch.testing.assert_close(streamer.chunks[0], short[0])  # no internal fill
+    torch.testing.assert_close(torch.cat(streamer.chunks), generated[0])
+
+
+def test_stopping_criteria_and_eos(make_config):
+    model = build(make_config)
+    long_prompt = prompt(10)
+    stopped = model.generate(
+        long_prompt, max_new_tokens=20, stopping_criteria=StoppingCriteriaList([StopAfter(14)]), **NO_EOS
+    )
+    assert stopped.shape == (1, 14)
+    reference = greedy(model, long_prompt, 8)
+    eos = int(reference[0, 13])
+    with_eos = model.generate(long_prompt, max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    torch.testing.assert_close(with_eos, reference[:, :14])
+
+
+def _word_tokenizer(tmp_path) -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<sp>": 3}
+    vocab.update({f"w{i}": i for i in range(4, 99)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", padding_side="left"
+    )
+
+
+def test_text_generation_pipeline(make_config, tmp_path):
+    model = build(make_config)
+    tokenizer = _word_tokenizer(tmp_path)
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    texts = ["w5 w6 w7", "w8 w9 w10 w11 w12 w13 w14 w15 w16 w17"]
+    results = generator(texts, max_new_tokens=5, do_sample=False, batch_size=2, return_full_text=False,
+                        eos_token_id=None)
+    for text, result in zip(texts, results):
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        expected = tokenizer.decode(greedy(model, ids, 5)[0, ids.shape[1] :])
+        assert result[0]["generated_text"].strip() == expected.strip()
+
+
+def test_linear_attention_mask_follows_the_tokens_of_each_forward():
+    from modeling_jrt.generation import align_linear_attention_mask
+
+    prompt_mask = torch.tensor([[0, 0, 1, 1]])
+    torch.testing.assert_close(align_linear_attention_mask(prompt_mask, 4, 4), prompt_mask)  # prefill
+    torch.testing.assert_close(align_linear_attention_mask(prompt_mask, 6, 6), torch.tensor([[0, 0, 1, 1, 1, 1]]))
+    assert align_linear_attention_mask(prompt_mask, 6, 1) is None  # decode step: a generated token is never masked
+    torch.testing.assert_close(align_linear_attention_mask(prompt_mask, 4, 3), torch.tensor([[0, 1, 1]]))
+
+
+def test_generation_vocab_size_is_validated(make_config):
+    with pytest.raises(ValueError, match="generation_vocab_size"):
+        make_config(generation_vocab_size=100)
+    assert make_config(generation_vocab_size=99).generation_vocab_size == 99

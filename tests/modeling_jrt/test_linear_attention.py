@@ -1,0 +1,277 @@
+"""Prefix / causal Taylor linear attention: chunked scan and decode step against the fp64 oracle, and the oracle
+against a scalar-kernel loop written from REFERENCE.md §3.3-3.5 (independent of the feature-map code)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from modeling_jrt.linear_attention import (
+    linear_attention_step,
+    num_taylor_features,
+    prefix_linear_attention,
+    prefix_linear_attention_chunked,
+    prefix_linear_attention_quadratic,
+    resolve_implementation,
+    taylor_feature_map,
+)
+
+FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def make_inputs(batch=2, seq_len=37, heads=2, feature_dim=4, value_dim=8, encoder_length=10, dtype=torch.float64):
+    """q, k ~ randn so that s = q.k / sqrt(K) ~ N(0, 1) and the 2nd-order term matters."""
+    q = torch.randn(batch, seq_len, heads, feature_dim, dtype=dtype)
+    k = torch.randn(batch, seq_len, heads, feature_dim, dtype=dtype)
+    v = torch.randn(batch, seq_len, heads, value_dim, dtype=dtype) + 0.5
+    k_enc = torch.randn(batch, encoder_length, heads, feature_dim, dtype=dtype) if encoder_length else None
+    v_enc = torch.randn(batch, encoder_length, heads, value_dim, dtype=dtype) + 0.5 if encoder_length else None
+    return q, k, v, k_enc, v_enc
+
+
+def scalar_kernel_reference(q, k, v, k_enc, v_enc, key_mask=None, pad_masking="strict", log_decay=None, gate=None):
+    """y_i = [sum_m w(q_i, ke_m) ve_m + sum_{j<=i} d_ij g_i w(q_i, k_j) v_j] / [sum_m w + sum_{j<=i} w], loops only.
+
+    w(q, k) = 1 + s + s^2 / 2 with s = q.k / sqrt(K). strict: a padded key is skipped; reference: its raw key
+    is zeroed, so it still gets weight 1."""
+    batch, seq_len, heads, feature_dim = q.shape
+    encoder_length = 0 if k_enc is None else k_enc.shape[1]
+    out = torch.zeros_like(v)
+
+    def weight(query, key):
+        s = float(query @ key) / math.sqrt(feature_dim)
+        return 1.0 + s + 0.5 * s * s
+
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(seq_len):
+                numerator = torch.zeros(v.shape[-1], dtype=v.dtype)
+                denominator = 0.0
+                keys = [("enc", m) for m in range(encoder_length)] + [("dec", j) for j in range(i + 1)]
+                for kind, j in keys:
+                    key = (k_enc if kind == "enc" else k)[b, j, h]
+                    value = (v_enc if kind == "enc" else v)[b, j, h]
+                    if key_mask is not None and not key_mask[b, j]:
+                        if pad_masking == "strict":
+                            continue
+                        key = torch.zeros_like(key)
+                    w = weight(q[b, i, h], key)
+                    factor = 1.0
+                    if kind == "dec" and log_decay is not None:
+                        factor = math.exp(float(log_decay[h]) * (i - j))
+                    numerator = numerator + factor * w * value
+                    denominator += w
+                if gate is not None:
+                    numerator = numerator * gate[b, i, h]
+                out[b, i, h] = numerator / (denominator + 1e-12)
+    return out
+
+
+def test_taylor_feature_map_kernel_identity():
+    x, y = torch.randn(5, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64)
+    s = (x * y).sum(-1) / 4.0
+    phi_x, phi_y = taylor_feature_map(x), taylor_feature_map(y)
+    assert phi_x.shape == (5, num_taylor_features(16)) == (5, 273)
+    torch.testing.assert_close((phi_x * phi_y).sum(-1), 1 + s + s**2 / 2)
+    # Layout: [1 | x / 2 | x_i x_j / (4 sqrt 2)], row-major over all ordered pairs.
+    torch.testing.assert_close(phi_x[:, 0], torch.ones(5, dtype=torch.float64))
+    torch.testing.assert_close(phi_x[:, 1:17], x / 2)
+    torch.testing.assert_close(phi_x[:, 17 + 3 * 16 + 5], x[:, 3] * x[:, 5] / (4 * math.sqrt(2)))
+
+
+@pytest.mark.parametrize("pad_masking", ["strict", "reference"])
+@pytest.mark.parametrize("encoder_length", [0, 4])
+def test_oracle_matches_scalar_kernel_loop(encoder_length, pad_masking):
+    q, k, v, k_enc, v_enc = make_inputs(batch=2, seq_len=9, heads=2, feature_dim=3, value_dim=3,
+                                        encoder_length=encoder_length)
+    key_mask = torch.ones(2, 9, dtype=torch.bool)
+    key_mask[1, :3] = False
+    expected = scalar_kernel_reference(q, k, v, k_enc, v_enc, key_mask, pad_masking)
+    actual, _ = prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, key_mask=key_mask, pad_masking=pad_masking)
+    torch.testing.assert_close(actual[0], expected[0])
+    torch.testing.assert_close(actual[1, 3:], expected[1, 3:])  # valid query positions
+
+
+def test_oracle_decay_and_gate_match_scalar_kernel_loop():
+    q, k, v, _, _ = make_inputs(batch=1, seq_len=8, heads=2, feature_dim=3, value_dim=2, encoder_length=0)
+    log_decay = torch.log1p(-torch.pow(2.0, -1.0 - torch.arange(2, dtype=torch.float64)))
+    gate = torch.randn(1, 8, 2, dtype=torch.float64)
+    expected = scalar_kernel_reference(q, k, v, None, None, log_decay=log_decay, gate=gate)
+    actual, _ = prefix_linear_attention_quadratic(q, k, v, log_decay=log_decay, gate=gate)
+    torch.testing.assert_close(actual, expected)
+
+
+CHUNKED_CASES = [
+    pytest.param(2, 64, 2, 64, 32, 16, id="B2-T64-M32-V64-multiple-of-chunk"),
+    pytest.param(2, 61, 2, 64, 20, 16, id="B2-T61-M20-V64-ragged"),
+    pytest.param(1, 45, 3, 112, 45, 16, id="B1-T45-M45-V112-prefix-is-all"),
+    pytest.param(2, 50, 2, 112, 0, 16, id="B2-T50-M0-V112-causal-based"),
+    pytest.param(1, 33, 2, 64, 1, 7, id="B1-T33-M1-chunk7"),
+    pytest.param(2, 5, 2, 64, 3, 16, id="B2-T5-shorter-than-chunk"),
+]
+
+
+@pytest.mark.parametrize("batch,seq_len,heads,value_dim,encoder_length,chunk_size", CHUNKED_CASES)
+def test_chunked_fp32_matches_fp64_oracle(batch, seq_len, heads, value_dim, encoder_length, chunk_size):
+    q, k, v, k_enc, v_enc = make_inputs(batch, seq_len, heads, 16, value_dim, encoder_length)
+    expected, expected_state = prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc)
+    as32 = [None if t is None else t.float() for t in (q, k, v, k_enc, v_enc)]
+    actual, state = prefix_linear_attention_chunked(*as32, chunk_size=chunk_size)
+    assert actual.dtype == torch.float32 and state.dtype == torch.float32
+    assert state.shape == (batch, heads, 273, value_dim + 1)
+    torch.testing.assert_close(actual, expected.float(), **FP32_TOL)
+    torch.testing.assert_close(state, expected_state.float(), rtol=1e-5, atol=1e-5 * expected_state.abs().max().item())
+
+
+@pytest.mark.parametrize("pad_masking", ["strict", "reference"])
+def test_chunked_with_padding_and_initial_state_matches_oracle(pad_masking):
+    q, k, v, k_enc, v_enc = make_inputs(2, 29, 2, 4, 8, 12)
+    key_mask = torch.ones(2, 29, dtype=torch.bool)
+    key_mask[0, :5] = False
+    key_mask[1, :14] = False  # more pads than the encoder covers
+    state0 = torch.rand(2, 2, num_taylor_features(4), 9, dtype=torch.float64)
+    kwargs = dict(key_mask=key_mask, pad_masking=pad_masking, initial_state=state0)
+    expected, expected_state = prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
+    actual, state = prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, chunk_size=6, **kwargs)
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(state, expected_state)
+
+
+def test_strict_padding_equals_unpadded_row():
+    """A left-padded row gives, at its real positions, exactly the outputs and state of the unpadded row."""
+    pads, seq_len, encoder_length = 6, 20, 9
+    q, k, v, k_enc, v_enc = make_inputs(1, seq_len, 2, 4, 8, encoder_length)
+    key_mask = torch.ones(1, seq_len, dtype=torch.bool)
+    key_mask[:, :pads] = False
+    padded, padded_state = prefix_linear_attention_chunked(
+        q, k, v, k_enc, v_enc, key_mask=key_mask, pad_masking="strict", chunk_size=4
+    )
+    real = slice(pads, None)
+    unpadded, unpadded_state = prefix_linear_attention_chunked(
+        q[:, real], k[:, real], v[:, real], k_enc[:, pads:], v_enc[:, pads:], chunk_size=4
+    )
+    torch.testing.assert_close(padded[:, real], unpadded)
+    torch.testing.assert_close(padded_state, unpadded_state)
+
+
+def test_reference_padding_reproduces_the_constant_term_leak():
+    """reference masking: each pad adds its value with weight exactly 1 (phi(q).phi(0) = 1), REFERENCE.md §3.5."""
+    pads, seq_len = 3, 10
+    q, k, v, k_enc, v_enc = make_inputs(1, seq_len, 1, 4, 2, seq_len)
+    key_mask = torch.ones(1, seq_len, dtype=torch.bool)
+    key_mask[:, :pads] = False
+    leaky, _ = prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, key_mask=key_mask, pad_masking="reference")
+    strict, _ = prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, key_mask=key_mask, pad_masking="strict")
+    assert (leaky[:, pads:] - strict[:, pads:]).abs().max() > 1e-3  # the leak is visible
+
+    # Rebuild the leaky output from strict sums plus weight-1 pad terms.
+    s_dec = torch.einsum("bihk,bjhk->bhij", q, k)[0, 0] / 2.0
+    s_enc = torch.einsum("bihk,bjhk->bhij", q, k_enc)[0, 0] / 2.0
+    w_dec = (1 + s_dec + s_dec**2 / 2).tril()
+    w_enc = 1 + s_enc + s_enc**2 / 2
+    w_dec[:, :pads] = 1.0
+    w_dec = w_dec.tril()
+    w_enc[:, :pads] = 1.0
+    numerator = w_dec @ v[0, :, 0] + w_enc @ v_enc[0, :, 0]
+    denominator = w_dec.sum(-1) + w_enc.sum(-1)
+    torch.testing.assert_close(leaky[0, :, 0], numerator / denominator[:, None])
+
+
+def test_fully_padded_row_gives_zeros_not_nan():
+    q, k, v, k_enc, v_enc = make_inputs(2, 12, 2, 4, 8, 5, dtype=torch.float32)
+    key_mask = torch.ones(2, 12, dtype=torch.bool)
+    key_mask[1] = False
+    out, state = prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, key_mask=key_mask, chunk_size=4)
+    assert torch.isfinite(out).all() and torch.isfinite(state).all()
+    assert out[1].abs().max() == 0 and state[1].abs().max() == 0
+
+
+def test_prefix_is_non_causal_and_decoder_is_causal():
+    """Changing an encoder (prefix) token changes earlier outputs; a token after the prefix changes none."""
+    q, k, v, k_enc, v_enc = make_inputs(1, 16, 2, 4, 8, 8)
+    base, _ = prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, chunk_size=4)
+    k_enc2, v_enc2 = k_enc.clone(), v_enc.clone()
+    k_enc2[:, 6] += 1.0
+    v_enc2[:, 6] += 1.0
+    changed, _ = prefix_linear_attention_chunked(q, k, v, k_enc2, v_enc2, chunk_size=4)
+    assert (changed[:, :6] - base[:, :6]).abs().max() > 1e-3  # positions before 6 see the prefix token
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 11] += 1.0
+    v2[:, 11] += 1.0
+    changed, _ = prefix_linear_attention_chunked(q, k2, v2, k_enc, v_enc, chunk_size=4)
+    torch.testing.assert_close(changed[:, :11], base[:, :11], rtol=0, atol=0)
+    assert (changed[:, 11:] - base[:, 11:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("with_gate", [False, True])
+def test_based_decay_parallel_equals_recurrent(with_gate):
+    """Parallel (chunked and oracle) decay form == its recurrent definition S_t = gamma S_{t-1} + phi(k_t) v_t."""
+    heads = 3
+    q, k, v, _, _ = make_inputs(2, 21, heads, 4, 6, 0)
+    log_decay = torch.log1p(-torch.pow(2.0, -3.0 - torch.arange(heads, dtype=torch.float64)))
+    gate = torch.randn(2, 21, heads, dtype=torch.float64) if with_gate else None
+    parallel, parallel_state = prefix_linear_attention_chunked(q, k, v, log_decay=log_decay, gate=gate, chunk_size=5)
+    oracle, oracle_state = prefix_linear_attention_quadratic(q, k, v, log_decay=log_decay, gate=gate)
+    state = torch.zeros(2, heads, num_taylor_features(4), 7, dtype=torch.float64)
+    steps = []
+    for t in range(21):
+        out, state = linear_attention_step(q[:, t], k[:, t], v[:, t], state, log_decay=log_decay,
+                                           gate=None if gate is None else gate[:, t])
+        steps.append(out)
+    recurrent = torch.stack(steps, dim=1)
+    torch.testing.assert_close(parallel, recurrent)
+    torch.testing.assert_close(oracle, recurrent)
+    torch.testing.assert_close(parallel_state, state)
+    torch.testing.assert_close(oracle_state, state)
+
+
+def test_prefill_state_then_step_equals_longer_prefill():
+    """Decode consistency: state after N tokens + one step == the last row of the prefill over N + 1 tokens."""
+    q, k, v, k_enc, v_enc = make_inputs(2, 26, 2, 4, 8, 10)
+    full, _ = prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc)
+    _, state = prefix_linear_attention_chunked(q[:, :-1], k[:, :-1], v[:, :-1], k_enc, v_enc, chunk_size=8)
+    out, _ = linear_attention_step(q[:, -1], k[:, -1], v[:, -1], state)
+    torch.testing.assert_close(out, full[:, -1])
+
+
+def test_chunked_is_differentiable_like_the_oracle():
+    q, k, v, k_enc, v_enc = make_inputs(1, 13, 2, 4, 4, 5)
+    inputs = [t.clone().requires_grad_(True) for t in (q, k, v, k_enc, v_enc)]
+    reference = [t.clone().requires_grad_(True) for t in (q, k, v, k_enc, v_enc)]
+    out, state = prefix_linear_attention_chunked(*inputs, chunk_size=4)
+    (out.sin().sum() + state.sum() * 1e-3).backward()
+    out_ref, state_ref = prefix_linear_attention_quadratic(*reference)
+    (out_ref.sin().sum() + state_ref.sum() * 1e-3).backward()
+    for actual, expected in zip(inputs, reference):
+        torch.testing.assert_close(actual.grad, expected.grad)
+
+
+def test_bad_arguments_raise_clear_errors():
+    q, k, v, k_enc, v_enc = make_inputs(1, 6, 2, 4, 4, 3, dtype=torch.float32)
+    with pytest.raises(ValueError, match="M .* must be <= T"):
+        prefix_linear_attention_chunked(q, k, v, torch.randn(1, 7, 2, 4), torch.randn(1, 7, 2, 4))
+    with pytest.raises(ValueError, match="k_enc and v_enc must be given together"):
+        prefix_linear_attention_chunked(q, k, v, k_enc, None)
+    with pytest.raises(ValueError, match="pad_masking must be one of"):
+        prefix_linear_attention_chunked(q, k, v, pad_masking="leaky")
+    with pytest.raises(ValueError, match="key_mask must be"):
+        prefix_linear_attention_chunked(q, k, v, key_mask=torch.ones(1, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="cannot be combined with an encoder"):
+        prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, log_decay=torch.zeros(2))
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        prefix_linear_attention(q, k, v, implementation="cuda")
+
+
+def test_dispatcher_on_cpu(monkeypatch):
+    q = torch.randn(1, 4, 1, 2)
+    monkeypatch.delenv("JRT_LINEAR_ATTENTION_IMPL", raising=False)
+    assert resolve_implementation("auto", q, needs_grad=False) == "chunked"
+    assert resolve_implementation("quadratic", q, needs_grad=False) == "quadratic"
+    monkeypatch.setenv("JRT_LINEAR_ATTENTION_IMPL", "quadratic")
+    assert resolve_implementation("auto", q, needs_grad=True) == "quadratic"
+    assert resolve_implementation("chunked", q, needs_grad=True) == "chunked"  # explicit beats the environment
+    monkeypatch.setenv("JRT_LINEAR_ATTENTION_IMPL", "gpu")
+    with pytest.raises(ValueError, match="JRT_LINEAR_ATTENTION_IMPL"):
+        resolve_implementation("auto", q, needs_grad=False)
