@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     print("jrt demo: set disjointness (JRT paper, Algorithm 1) with tiny models trained on CPU by `jrt synthetic e1`")
     print(f"  ({training['spec']['steps']} steps, seed {training['seed']}; vocabulary {token_map['vocab_size']} ids, "
           f"sets of sizes {' and '.join(str(s).replace(' ', '') for s in DEMO_SLICES)}).")
-    print("  Prompt: <bos> A | B ?   A and B share exactly one token; after '?' the model names it.\n")
+    print("  Prompt: <bos> A | B ?   A and B share exactly one token; after '?' the model names it.")
+    print("  JRT-Prompt gives the causal model the context twice: <bos> A | B <bos> A | B ?\n")
 
     scored, shown = {}, {}
     for arm in DEMO_ARMS:

@@ -13,7 +13,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -105,7 +105,6 @@ class RunSpec:
     embedding_init_std: float | None = 1.0
     eval_every: int = 1000
     log_every: int = 50
-    extra: dict = field(default_factory=dict)
 
 
 def build_model_config(spec: RunSpec, prefix_length: int) -> JRTRNNConfig:
