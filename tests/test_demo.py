@@ -39,7 +39,8 @@ def test_shipped_models_reproduce_their_recorded_accuracy():
     eval_sets = e1_task().eval_sets()
     for name in MODEL_DIRS:
         recorded = json.loads((MODELS_DIR / name / "training.json").read_text())["accuracy"]
-        assert evaluate(_load(name), eval_sets) == pytest.approx(recorded, abs=1e-6)
+        # Up to 2 of 1 000 argmaxes may flip on another CPU (near-ties); wrong weights would move far more.
+        assert evaluate(_load(name), eval_sets) == pytest.approx(recorded, abs=2e-3)
 
 
 def test_shipped_models_have_equal_recurrent_state():
