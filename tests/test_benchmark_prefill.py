@@ -19,7 +19,13 @@ def prefill_benchmark():
     return module
 
 
-@pytest.mark.parametrize("impl", ["chunked", "triton"])  # triton: interpreted on CPU (tests/conftest.py)
+NO_TRITON = importlib.util.find_spec("triton") is None
+
+
+@pytest.mark.parametrize(
+    "impl",
+    ["chunked", pytest.param("triton", marks=pytest.mark.skipif(NO_TRITON, reason="triton is not installed"))],
+)  # triton: interpreted on CPU (tests/conftest.py)
 def test_prefill_benchmark_writes_rows(prefill_benchmark, tmp_path, capsys, impl):
     output = tmp_path / "prefill.json"
     prefill_benchmark.main([

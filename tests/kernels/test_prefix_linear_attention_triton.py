@@ -12,11 +12,13 @@ import types
 import pytest
 import torch
 
-import modeling_jrt
-from jrt_kernels import prefix_linear_attention as kernel_module
-from jrt_kernels import prefix_linear_attention_triton
-from modeling_jrt import linear_attention
-from modeling_jrt.linear_attention import (
+pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux: pip install -e '.[dev]')")
+
+import modeling_jrt  # noqa: E402
+from jrt_kernels import prefix_linear_attention as kernel_module  # noqa: E402
+from jrt_kernels import prefix_linear_attention_triton  # noqa: E402
+from modeling_jrt import linear_attention  # noqa: E402
+from modeling_jrt.linear_attention import (  # noqa: E402
     linear_attention_step,
     prefix_linear_attention,
     prefix_linear_attention_chunked,
