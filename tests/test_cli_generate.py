@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
