@@ -140,8 +140,9 @@ def test_converted_folders_load_without_the_package(tmp_path):
     script.write_text(_REMOTE_LOAD)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1")
-    # The base interpreter in isolated mode: no venv (so no editable finder), no cwd, no user site.
-    interpreter = getattr(sys, "_base_executable", sys.executable)
+    # This venv's own interpreter in isolated mode (no cwd, no PYTHONPATH, no user site); the Block finder in the
+    # script makes the package unimportable even though the venv has it installed (editable or not).
+    interpreter = sys.executable
     folders = [str(tmp_path / f"out-{case}") for case in cases]
     process = subprocess.run(
         [interpreter, "-I", str(script), str(tmp_path / "ids.pt"), *folders],
