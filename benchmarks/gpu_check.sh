@@ -27,8 +27,6 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
         || echo "warning: could not install the wheels in .whl/" >&2
 fi
-# The package maps kernels/ to jrt_kernels; without an install, a link makes it importable.
-ln -sfn "$PWD/kernels" "$site/jrt_kernels"
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 {

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without CUDA the Triton kernel tests (tests/kernels/) run in triton's CPU interpreter. triton reads
+# Without CUDA the Triton kernel tests (tests/jrt_kernels/) run in triton's CPU interpreter. triton reads
 # TRITON_INTERPRET when `triton.language` is first imported, and importing transformers (hence modeling_jrt)
 # already does that, so it is set here, before anything else. Only triton kernels see it; an explicit
 # TRITON_INTERPRET in the environment wins.
