@@ -39,7 +39,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import logging
 
 from .configuration_jrt import JRTRNNConfig
-from .generation import align_linear_attention_mask, generate_with_prefix
+from .generation import (
+    CallerView,
+    CallerViewLogitsProcessor,
+    align_linear_attention_mask,
+    cache_has_state,
+    cached_prompt,
+    generate_with_prefix,
+)
 from .linear_attention import linear_attention_step, prefix_linear_attention
 from .training import ignore_prefix_targets, jrt_loss
 
@@ -768,6 +775,15 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
             prefix_strategy, prefix_pad_token_id, kwargs,
         )
 
+    def _get_logits_processor(self, *args, **kwargs) -> LogitsProcessorList:
+        """transformers' processors (built-in and the caller's), run on the caller's tokens when `generate()` filled
+        the JRT prefix: `repetition_penalty`, `no_repeat_ngram_size` and the like never see the fill."""
+        processors = super()._get_logits_processor(*args, **kwargs)
+        view = (kwargs.get("model_kwargs") or {}).get("caller_view")
+        if view is None or len(processors) == 0:
+            return processors
+        return LogitsProcessorList([CallerViewLogitsProcessor(processors, view)])
+
     def prepare_inputs_for_generation(
         self,
         input_ids: torch.LongTensor,
@@ -777,10 +793,19 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         is_first_iteration: bool | None = False,
         linear_attention_mask: torch.Tensor | None = None,
+        caller_view: CallerView | None = None,
         **kwargs,
     ) -> dict:
         """The standard inputs, plus the columns of the prompt's `linear_attention_mask` for the tokens of this
-        forward (the whole sequence without a cache, nothing for a decode step)."""
+        forward (the whole sequence without a cache, nothing for a decode step).
+
+        `caller_view` (set by `generate()` when it fills the prefix) is for the logits processors only, never an
+        input. A cache whose layers are all recurrent has no sequence length for `GenerationMixin` to skip the tokens
+        it has read; `generate()` records them on the cache (`CachedPrompt`), and only the new ones are fed here.
+        """
+        record = cached_prompt(cache)
+        if next_sequence_length is None and is_first_iteration and record is not None and cache_has_state(cache):
+            next_sequence_length = (input_ids if inputs_embeds is None else inputs_embeds).shape[1] - record.num_read
         model_inputs = super().prepare_inputs_for_generation(
             input_ids,
             next_sequence_length=next_sequence_length,
