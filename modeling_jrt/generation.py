@@ -1,9 +1,10 @@
 """JRT prefix handling for `JRTRNNForCausalLM.generate()` (REFERENCE.md §4.3, DESIGN.md §3).
 
-`forward()` never pads: its linear-attention encoder reads the first `min(prefix_length, T)` tokens it is given (per
-row, after the row's left padding). `generate()` prepares short prompts so that the encoder region is filled, then
-hands over to transformers' standard `GenerationMixin.generate` (greedy, sampling, beam search, streamers, stopping
-criteria and static caches are untouched). For a prompt of `L < prefix_length` real tokens, `prefix_strategy` is
+`forward()` never pads: its linear-attention encoder reads each row's first `min(prefix_length, tokens)` tokens, counted
+from the row's first real token (`prefix_length` may be per row). `generate()` prepares short prompts so that the
+encoder region is filled, then hands over to transformers' standard `GenerationMixin.generate` (greedy, sampling, beam
+search, streamers, stopping criteria and static caches are untouched). For a prompt of `L < prefix_length` real
+tokens, `prefix_strategy` is
 
     "pad"     prepend `prefix_length - L` copies of `prefix_pad_token_id`. Convolutions and sliding attention read them
               as ordinary tokens and RoPE positions count from the first pad (the reference's protocol); the linear
@@ -12,16 +13,23 @@ criteria and static caches are untouched). For a prompt of `L < prefix_length` r
     "none"    leave the prompt as it is: the encoder reads the prompt only.
 
 Prompts of `L >= prefix_length` tokens are never changed. In a left-padded batch each row is filled on its own and the
-batch is re-padded on the left, so every row generates as it would alone:
+batch is re-padded on the left; the prefill reads each row's own prefix (the per-row encoder range of `forward()`), so
+every row generates as it would alone:
 
     row (L=3, prefix 6):    [batch pads, attention_mask 0] [fill x 3] [p0 p1 p2] -> generated tokens
     row (L=7):                                              [p0 ... p6]          -> generated tokens
 
 The fill never reaches the caller: returned `sequences` are the caller's prompt followed by the generated tokens, the
-streamer sees the caller's prompt, and `scores`/`logits` cover generated tokens only (as always). The prepared prompt
-is remembered per cache, so `generate(cache=out.cache, input_ids=<out.sequences + new tokens>)` continues
-seamlessly. Counting limits: `max_length`/`min_length` still count the caller's prompt (they are shifted by the fill);
-custom stopping criteria and logits processors see the prepared (filled) `input_ids`.
+streamer sees the caller's prompt, `scores`/`logits` cover generated tokens only (as always), and logits processors
+(`repetition_penalty`, `no_repeat_ngram_size`, ...) and the caller's stopping criteria see the caller's tokens
+(`CallerView`). Counting limits: `max_length`/`min_length` count the caller's prompt (they are shifted by the fill).
+
+The cache carries what it has read (`CachedPrompt`, the attribute `cache.jrt_prompt`: the fill, the caller's tokens,
+the encoder's per-row prefix), so it survives `copy.deepcopy` and `reorder_cache`. `generate(cache=out.cache,
+input_ids=<out.sequences + new tokens>)` continues seamlessly; `input_ids` that do not start with the tokens the cache
+read raise `ValueError` (they would be read a second time). A second turn appended this way is read causally: the JRT
+encoder read the first turn's prefix only. To let the encoder read the whole conversation, generate from the full
+text with a fresh cache.
 
 This file ships with the Hub remote code: torch and transformers only.
 """
