@@ -348,7 +348,9 @@ def prefix_linear_attention_triton(
             f"{sorted({str(t.dtype) for t in inputs})}. Cast them, or use implementation='chunked' (fp64 works there)."
         )
     if initial_state is not None and initial_state.dtype != torch.float32:
-        raise ValueError(f"The Triton prefill kernel keeps its state in fp32; got an {initial_state.dtype} initial_state.")
+        raise ValueError(
+            f"The Triton prefill kernel keeps its state in fp32; got an {initial_state.dtype} initial_state."
+        )
     tensors = [t for t in (*inputs, key_mask, initial_state, encoder_start, encoder_end) if t is not None]
     if any(t.device != q.device for t in tensors):
         raise ValueError(f"All inputs must be on one device; got {sorted({str(t.device) for t in tensors})}.")

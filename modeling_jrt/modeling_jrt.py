@@ -274,7 +274,8 @@ def encoder_range(
         device: where the range lives (the device of the hidden states).
     """
     if isinstance(prefix_length, torch.Tensor):
-        if prefix_length.shape != (batch_size,) or prefix_length.dtype.is_floating_point or prefix_length.dtype == torch.bool:
+        dtype = prefix_length.dtype
+        if prefix_length.shape != (batch_size,) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             raise ValueError(
                 f"prefix_length must be an int or a (B,) = ({batch_size},) integer tensor of per-row prefix lengths; "
                 f"got a {prefix_length.dtype} tensor of shape {tuple(prefix_length.shape)}."
