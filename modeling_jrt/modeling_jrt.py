@@ -257,7 +257,7 @@ class JRTRNNEncoderRange:
         return self.end - self.start
 
 
-def encoder_range(
+def prefix_encoder_range(
     prefix_length: int | torch.Tensor,
     attention_mask: torch.Tensor | None,
     batch_size: int,
@@ -578,14 +578,17 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         self,
         prefix_length: int | torch.Tensor | None,
         attention_mask: torch.Tensor | None,
-        inputs_embeds: torch.Tensor,
+        inputs: torch.Tensor,
         cache: Cache | None,
     ) -> JRTRNNEncoderRange | None:
         """The per-row encoder range of this forward, or None when the encoder reads nothing: a causal (Based)
         model, or a cache whose linear-attention layers already hold the state of earlier tokens.
 
-        `attention_mask` is the `(B, T)` padding mask of this forward's tokens (the linear-attention entry of the mask
-        mapping) or None.
+        Args:
+            prefix_length: as in `forward` (None = `config.prefix_length`).
+            attention_mask: `(B, >= T)` padding mask whose last T columns cover this forward's tokens, or None.
+            inputs: `(B, T)` input ids or `(B, T, hidden)` embeddings of this forward (for B, T and the device).
+            cache: the cache this forward continues, or None.
         """
         config = self.config
         if config.linear_attention_type != "prefix" or "linear_attention" not in config.layer_types:
@@ -593,9 +596,9 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         first_linear = config.layer_types.index("linear_attention")
         if read_linear_attention_state(cache, first_linear) is not None:
             return None
-        batch_size, seq_len = inputs_embeds.shape[:2]
+        batch_size, seq_len = inputs.shape[:2]
         prefix_length = config.prefix_length if prefix_length is None else prefix_length
-        return encoder_range(prefix_length, attention_mask, batch_size, seq_len, inputs_embeds.device)
+        return prefix_encoder_range(prefix_length, attention_mask, batch_size, seq_len, inputs.device)
 
 
 @dataclass
@@ -838,7 +841,7 @@ __all__ = [
     "JRTRNNRMSNorm",
     "JRTRNNShortConv",
     "JRTRNNSlidingWindowAttention",
-    "encoder_range",
+    "prefix_encoder_range",
     "read_linear_attention_state",
     "write_linear_attention_state",
 ]
