@@ -456,3 +456,17 @@ def test_stopping_criteria_see_the_callers_tokens(make_config):
     generated = greedy(model, short, 4, stopping_criteria=StoppingCriteriaList([Record()]))
     assert [ids.shape[1] for ids in seen] == [4, 5, 6, 7]
     torch.testing.assert_close(seen[-1], generated, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("strategy", ["pad", "none"])
+def test_left_padded_batch_without_a_cache_keeps_each_rows_prefix(make_config, strategy):
+    """use_cache=False recomputes the whole sequence each step: each row's encoder must stay on its own prompt."""
+    model = build(make_config)
+    batch = torch.zeros(2, 6, dtype=torch.long)
+    mask = torch.zeros(2, 6, dtype=torch.long)
+    batch[0, 3:], mask[0, 3:] = prompt(3, seed=4)[0], 1
+    batch[1], mask[1] = prompt(6, seed=5)[0], 1
+    settings = dict(max_new_tokens=6, do_sample=False, prefix_strategy=strategy, attention_mask=mask, **NO_EOS)
+    cached = model.generate(batch, use_cache=True, **settings)
+    uncached = model.generate(batch, use_cache=False, **settings)
+    torch.testing.assert_close(uncached, cached, rtol=0, atol=0)
