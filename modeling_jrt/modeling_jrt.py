@@ -523,7 +523,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             cache: a transformers `Cache` built from `config.layer_types` (`past_key_values` is accepted as an alias).
             use_cache: create a `DynamicCache` when none is given (default `config.use_cache`).
             linear_attention_mask: `(B, T)` extra mask for the linear-attention layers only (0 = ignore the token as
-                a key, e.g. the pads of the JRT prefix that the other layers read as ordinary tokens).
+                a key, e.g. the pads of the JRT prefix that the other layers read as ordinary tokens). Inside a row's
+                encoder range these keys are removed as `config.prefix_pad_masking` says, elsewhere always.
             prefix_length: the JRT prefix of this forward: an int, or a `(B,)` LongTensor of per-row prefix lengths,
                 counted from each row's first real token (after its left padding; with right padding the first real
                 token is position 0); default `config.prefix_length`. The encoder reads each row's first
