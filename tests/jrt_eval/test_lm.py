@@ -1,0 +1,117 @@
+"""`JRTLM` (lm-eval model `jrt`): leak-free loglikelihood, batch invariance, the reference mode's leak, generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+
+pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
+from lm_eval.api.instance import Instance  # noqa: E402
+
+import modeling_jrt  # noqa: E402
+from jrt_eval import JRTLM  # noqa: E402
+
+PAIRS = [  # (context, continuation): contexts shorter and longer than the prefix (16 tokens), mixed lengths
+    ("Kalo Company", " was founded in 1871."),
+    ("Name: Zenmir", " Founded: 1790"),
+    ("The mascot of Kalo Company is Zorbin Vale and its color is jade.", " jade"),
+    ("Bex", " Tudro Company has its headquarters in Ostrava."),
+    ("Profile of Varel Company. Founded: 1765", " Headquarters: Mirsa"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_jrt(byte_bpe_tokenizer):
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=len(byte_bpe_tokenizer), pad_token_id=0, eos_token_id=1, bos_token_id=1,
+                         prefix_pad_token_id=0, prefix_length=16)
+    model = modeling_jrt.JRTRNNForCausalLM(config).eval()
+    with torch.no_grad():  # a random init barely uses the encoder: make the prefix matter
+        for layer in model.model.layers:
+            if layer.layer_type == "linear_attention":
+                layer.mixer.k_enc_proj.weight.mul_(4.0)
+                layer.mixer.v_enc_proj.weight.mul_(4.0)
+    return model
+
+
+def make_lm(model, tokenizer, **kwargs) -> JRTLM:
+    return JRTLM(pretrained=model, tokenizer=tokenizer, device="cpu", dtype="float32", **kwargs)
+
+
+def scores(lm: JRTLM, pairs) -> list[float]:
+    requests = [Instance("loglikelihood", {}, pair, index) for index, pair in enumerate(pairs)]
+    return [score for score, _ in lm.loglikelihood(requests, disable_tqdm=True)]
+
+
+@torch.no_grad()
+def manual_token_logprobs(model, context_ids: list[int], continuation_ids: list[int]) -> torch.Tensor:
+    """Per-token log-probs `(N,)` of the continuation, one row alone, the prefix being the context."""
+    ids = torch.tensor([context_ids + continuation_ids[:-1]])
+    logits = model(ids, prefix_length=min(len(context_ids), model.config.prefix_length)).logits.double()
+    logprobs = logits.log_softmax(-1)[0, len(context_ids) - 1 :]  # (N, V)
+    return logprobs.gather(-1, torch.tensor(continuation_ids)[:, None])[:, 0]
+
+
+def test_scores_equal_one_row_manual_computation_for_batch_sizes_1_and_4(tiny_jrt, byte_bpe_tokenizer):
+    lm1 = make_lm(tiny_jrt, byte_bpe_tokenizer, batch_size=1)
+    lm4 = make_lm(tiny_jrt, byte_bpe_tokenizer, batch_size=4)
+    expected = [manual_token_logprobs(tiny_jrt, *lm1._encode_pair(*pair)).sum().item() for pair in PAIRS]
+    lengths = {len(sum(lm1._encode_pair(*pair), [])) for pair in PAIRS}
+    assert len(lengths) == len(PAIRS)  # every batch of 4 is right-padded
+    torch.testing.assert_close(scores(lm1, PAIRS), expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(scores(lm4, PAIRS), expected, rtol=0, atol=1e-4)
+    assert lm4.logits_cache is False
+
+
+def test_later_continuation_tokens_do_not_change_earlier_token_scores(tiny_jrt, byte_bpe_tokenizer):
+    """The score of the first k continuation tokens is the same, whatever follows them."""
+    lm = make_lm(tiny_jrt, byte_bpe_tokenizer, batch_size=3)
+    context = lm.tok_encode("Kalo Company")
+    head = lm.tok_encode(" was founded")
+    tails = [lm.tok_encode(" in 1871."), lm.tok_encode(" by Zorbin Vale of Ostrava")]
+    requests = [((None, None), context, head)] + [((None, None), context, head + tail) for tail in tails]
+    head_score, *full_scores = [score for score, _ in lm._loglikelihood_tokens(requests, disable_tqdm=True)]
+    for tail, full_score in zip(tails, full_scores):
+        per_token = manual_token_logprobs(tiny_jrt, context, head + tail)
+        assert per_token[: len(head)].sum().item() == pytest.approx(head_score, abs=1e-4)
+        assert per_token.sum().item() == pytest.approx(full_score, abs=1e-4)
+
+
+def test_reference_scoring_reproduces_the_leak(tiny_jrt, byte_bpe_tokenizer):
+    leak_free = scores(make_lm(tiny_jrt, byte_bpe_tokenizer, batch_size=2), PAIRS)
+    reference = scores(make_lm(tiny_jrt, byte_bpe_tokenizer, batch_size=2, scoring="reference"), PAIRS)
+    lm = make_lm(tiny_jrt, byte_bpe_tokenizer)
+    for (context, continuation), free, ref in zip(PAIRS, leak_free, reference):
+        context_ids, continuation_ids = lm._encode_pair(context, continuation)
+        if len(context_ids) + len(continuation_ids) - 1 <= tiny_jrt.config.prefix_length:
+            # The whole row is inside the reference's encoder: the continuation is read non-causally.
+            assert abs(free - ref) > 1e-3, (context, continuation)
+    assert any(abs(free - ref) > 1e-3 for free, ref in zip(leak_free, reference))
+
+    # The leak itself: in reference mode the first token's score depends on the tokens after it.
+    context = lm.tok_encode("Bex")
+    requests = [((None, None), context, lm.tok_encode(tail)) for tail in (" Tudro", " Tudro Company")]
+    reference_lm = make_lm(tiny_jrt, byte_bpe_tokenizer, scoring="reference")
+    first = lm.tok_encode(" Tudro")
+    short, _ = reference_lm._loglikelihood_tokens(requests[:1], disable_tqdm=True)[0]
+    manual_free = manual_token_logprobs(tiny_jrt, context, lm.tok_encode(" Tudro Company"))[: len(first)].sum()
+    assert short != pytest.approx(manual_free.item(), abs=1e-3)
+
+
+def test_unknown_scoring_mode(tiny_jrt, byte_bpe_tokenizer):
+    with pytest.raises(ValueError, match="`scoring` must be one of leak_free, reference"):
+        make_lm(tiny_jrt, byte_bpe_tokenizer, scoring="leaky")
+
+
+def test_generate_until_equals_direct_generate(tiny_jrt, byte_bpe_tokenizer):
+    lm = make_lm(tiny_jrt, byte_bpe_tokenizer, batch_size=3)
+    prompts = ["Kalo Company was founded in", "Name: Zenmir\nFounded:", "The mascot of Varel Company is"]
+    gen_kwargs = {"until": ["\n"], "max_gen_toks": 6, "do_sample": False}
+    requests = [Instance("generate_until", {}, (prompt, dict(gen_kwargs)), i) for i, prompt in enumerate(prompts)]
+    generated = lm.generate_until(requests, disable_tqdm=True)
+    for prompt, text in zip(prompts, generated):
+        batch = byte_bpe_tokenizer([prompt], return_tensors="pt")
+        output = tiny_jrt.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        direct = byte_bpe_tokenizer.decode(output[0, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        assert text == direct.split("\n")[0]
