@@ -143,18 +143,10 @@ class JRTLM(HFLM):
             return self._prefix_logits(inps, attention_mask, prefix)
 
     def _prefix_logits(self, inps: torch.Tensor, attention_mask: torch.Tensor, prefix: list[int]) -> torch.Tensor:
-        """Leak-free logits `(B, T, vocab)`: row b is read with `prefix_length = prefix[b]` and its padding masked.
-
-        One forward per row (the model's `prefix_length` is one integer per call); positions past a row's length
-        are zero (HFLM drops them).
-        """
-        logits = None
-        for index, length in enumerate(attention_mask.sum(-1).tolist()):
-            row_logits = self.model(inps[index : index + 1, :length], prefix_length=prefix[index]).logits  # (1, L, V)
-            if logits is None:
-                logits = row_logits.new_zeros(inps.shape[0], inps.shape[1], row_logits.shape[-1])
-            logits[index, :length] = row_logits[0]
-        return logits
+        """Leak-free logits `(B, T, vocab)` in one forward: row b's encoder reads its first `prefix[b]` tokens
+        (the model's per-row `prefix_length`), the right padding is masked and never enters the encoder."""
+        prefix_length = torch.tensor(prefix, dtype=torch.long, device=inps.device)  # (B,)
+        return self.model(inps, attention_mask=attention_mask, prefix_length=prefix_length).logits
 
     def _reference_logits(self, inps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The reference harness's logits `(B, T, vocab)`: each row left-filled to `prefix_length` with the prefix
