@@ -10,6 +10,7 @@ schema,
     header    the natural-language question of the JRT prompt ("" = the template's default)
     answers   the gold answers (a non-empty list)
     template  a `modeling_jrt.PROMPT_TEMPLATES` name
+    id, line  the record's id and JSONL line (`jsonl` family; "" and 0 for the Hub data)
 
 and the prompts are `modeling_jrt.jrt_prompt(..., repeats=1)` (default tasks) or `repeats=2` (`_twice` tasks), the
 single source of the prompt strings. Generation is greedy, 48 tokens, cut at the first newline; the metric
@@ -174,7 +175,7 @@ def normalize_document(family: str, doc: dict) -> dict | None:
     if not answers:
         return None
     return {"context": context, "question": question, "header": header, "answers": answers, "template": template,
-            "id": str(doc.get("id", ""))}
+            "id": str(doc.get("id", "")), "line": 0}
 
 
 @functools.cache
@@ -231,7 +232,7 @@ def load_recall_dataset(
             raise ValueError("The jrt_jsonl tasks need `data_files=` (a JSON Lines file of records).")
         docs = [
             {"context": r.context, "question": r.question, "header": r.header or "", "answers": list(r.answers),
-             "template": r.template, "id": r.id}
+             "template": r.template, "id": r.id, "line": r.line}
             for r in load_records(data_files, limit=limit_docs)
         ]
     else:

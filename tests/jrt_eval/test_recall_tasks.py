@@ -54,7 +54,8 @@ def test_documents_map_to_the_shared_prompt_builders(byte_bpe_tokenizer):
         assert twice_prompt(doc) == jrt_prompt(context, row["key"], repeats=2, template="swde")
         assert "Summary of information above" not in twice_prompt(doc)
     qa = normalize_document("drop", {"context": "c", "question": "q", "orig_question": "Q?", "answers": ["a", ""]})
-    assert qa == {"context": "c", "question": "q", "header": "Q?", "answers": ["a"], "template": "drop", "id": ""}
+    assert qa == {"context": "c", "question": "q", "header": "Q?", "answers": ["a"], "template": "drop", "id": "",
+                  "line": 0}
     assert normalize_document("drop", {"context": "c", "question": "q", "answers": []}) is None
 
 
