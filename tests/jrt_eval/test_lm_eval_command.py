@@ -70,7 +70,7 @@ def test_recall_and_loglikelihood_tasks_through_the_command(tmp_path, byte_bpe_t
         "lm-eval", "--model_args", f"pretrained={model_dir},dtype=float32", "--device", "cpu", "--batch_size", "2",
         "--tasks", "local_swde,local_swde_twice,local_boolq", "--include_path", str(tasks_dir),
         "--metadata", json.dumps({"context_tokens": 80, "answer_tokens": 20}),
-        "--gen_kwargs", "max_gen_toks=4", "--output_path", str(output),
+        "--gen_kwargs", "max_gen_toks=4", "--output_path", str(output), "--log_samples",
     ])
     assert code == 0
     (results_file,) = output.rglob("results_*.json")
@@ -79,3 +79,7 @@ def test_recall_and_loglikelihood_tasks_through_the_command(tmp_path, byte_bpe_t
     assert set(results["results"]) == {"local_swde", "local_swde_twice", "local_boolq"}
     assert 0.0 <= results["results"]["local_swde_twice"]["contains,none"] <= 1.0
     assert 0.0 <= results["results"]["local_boolq"]["acc,none"] <= 1.0
+    (samples_file,) = output.rglob("samples_local_swde_twice_*.jsonl")
+    for line in samples_file.read_text(encoding="utf-8").splitlines():
+        # --metadata reached the task: documents cut to 80 - 20 tokens with the checkpoint's tokenizer
+        assert len(byte_bpe_tokenizer.encode(json.loads(line)["doc"]["context"])) <= 60
