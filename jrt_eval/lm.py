@@ -19,8 +19,8 @@ instead reproduces the original HazyResearch harness (see `JRTLM.__init__`).
 than the prefix are filled as the model's `prefix_strategy` says; `prefix_strategy=` in `--model_args` overrides it.
 bf16 autocast, as the reference evaluated, is HFLM's `mixed_precision_dtype=bfloat16`.
 
-Causal models (Based, any other `AutoModelForCausalLM`) have no prefix: their rows are scored like HFLM's, plus an
-attention mask over the padding.
+Causal models (Based, any other `AutoModelForCausalLM`) have no prefix: they are scored exactly as by `HFLM` (right
+padding cannot reach a causal model's scored positions), logits cache included.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ class JRTLM(HFLM):
         The same order is queued here with each row's input tokens and context length; `_model_call` checks every
         row against its queue entry.
         """
+        if not self.is_prefix_model:  # causal: the right padding cannot reach the scored positions
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         expected = []
         for _, context, continuation in sorted(requests, key=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2]))):
             tokens = (context + continuation)[-(self.max_length + 1) :][:-1]
@@ -134,11 +136,9 @@ class JRTLM(HFLM):
                 enabled=self.mixed_precision_dtype is not None,
             ),
         ):
-            if self.is_prefix_model and self.scoring == "reference":
+            if self.scoring == "reference":
                 return self._reference_logits(inps, lengths)
             attention_mask = (torch.arange(inps.shape[1], device=inps.device) < lengths[:, None]).long()  # (B, T)
-            if not self.is_prefix_model:
-                return self.model(inps, attention_mask=attention_mask).logits
             prefix = [min(context, self.model.config.prefix_length) for context in context_lengths]
             return self._prefix_logits(inps, attention_mask, prefix)
 

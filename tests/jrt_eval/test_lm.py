@@ -115,3 +115,28 @@ def test_generate_until_equals_direct_generate(tiny_jrt, byte_bpe_tokenizer):
         output = tiny_jrt.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=0)
         direct = byte_bpe_tokenizer.decode(output[0, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         assert text == direct.split("\n")[0]
+
+
+def test_loglikelihood_rolling_reads_one_token_of_prefix(tiny_jrt, byte_bpe_tokenizer):
+    """Rolling windows have the prefix token as context: the JRT prefix is that one token, nothing after it."""
+    lm = make_lm(tiny_jrt, byte_bpe_tokenizer, batch_size=2)
+    texts = ["Kalo Company was founded in 1871.", "Zorbin Vale is the mascot of Varel Company, in jade."]
+    rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), i)
+                                        for i, text in enumerate(texts)], disable_tqdm=True)
+    for text, score in zip(texts, rolling):
+        expected = manual_token_logprobs(tiny_jrt, [lm.prefix_token_id], lm.tok_encode(text)).sum().item()
+        assert score == pytest.approx(expected, abs=1e-4)
+
+
+def test_causal_based_model_scores_like_hflm(byte_bpe_tokenizer):
+    from lm_eval.models.huggingface import HFLM
+
+    config = tiny_config(vocab_size=len(byte_bpe_tokenizer), pad_token_id=0, eos_token_id=1, bos_token_id=1,
+                         linear_attention_type="causal")
+    model = modeling_jrt.JRTRNNForCausalLM(config).eval()
+    lm = make_lm(model, byte_bpe_tokenizer, batch_size=4)
+    assert lm.logits_cache is True  # a causal model keeps HFLM's logits cache
+    stock = HFLM(pretrained=model, tokenizer=byte_bpe_tokenizer, device="cpu", batch_size=4)
+    expected = [manual_token_logprobs(model, *lm._encode_pair(*pair)).sum().item() for pair in PAIRS]
+    torch.testing.assert_close(scores(lm, PAIRS), scores(stock, PAIRS), rtol=0, atol=1e-5)
+    torch.testing.assert_close(scores(lm, PAIRS), expected, rtol=0, atol=1e-4)

@@ -83,3 +83,16 @@ def test_recall_and_loglikelihood_tasks_through_the_command(tmp_path, byte_bpe_t
     for line in samples_file.read_text(encoding="utf-8").splitlines():
         # --metadata reached the task: documents cut to 80 - 20 tokens with the checkpoint's tokenizer
         assert len(byte_bpe_tokenizer.encode(json.loads(line)["doc"]["context"])) <= 60
+
+
+@pytest.mark.parametrize("command", [["lm-eval", "--tasks", "boolq"], ["eval-recall", "--model", "m", "--data", "d"]])
+def test_without_lm_eval_the_commands_say_how_to_install_it(monkeypatch, capsys, tmp_path, command):
+    monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # `import lm_eval` raises ImportError
+    monkeypatch.setitem(__import__("sys").modules, "jrt_eval.lm", None)
+    if command[0] == "eval-recall":
+        data = tmp_path / "d.jsonl"
+        data.write_text('{"context": "doc", "question": "q", "answers": "a"}\n', encoding="utf-8")
+        command = [*command[:-1], str(data)]
+    assert main(command) == 1
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and error.endswith("pip install 'jrt-rnn[eval]'")
