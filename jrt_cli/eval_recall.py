@@ -9,7 +9,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .recall_eval import PROMPT_KINDS, check_output_writable, evaluate_recall, load_records, quiet_lm_eval, write_results
+from .recall_eval import (
+    PROMPT_KINDS,
+    check_output_writable,
+    evaluate_recall,
+    load_records,
+    quiet_lm_eval,
+    write_results,
+)
 
 
 def _positive_int(text: str) -> int:

@@ -37,6 +37,9 @@ from modeling_jrt.generation import prepare_prefix
 
 SCORING_MODES: tuple[str, ...] = ("leak_free", "reference")
 
+REFERENCE_MAX_LENGTH = 2048
+"""The model window (`max_length`) of JRT-RNN / Based checkpoints when none is given: the reference harness's."""
+
 
 @register_model("jrt")
 class JRTLM(HFLM):
@@ -48,14 +51,17 @@ class JRTLM(HFLM):
     Args:
         scoring: `"leak_free"` (default): each row's prefix is its context, padding is masked; a score equals the
             row scored alone. `"reference"`: the original harness's scoring, for comparison with published numbers:
-            each row (context + continuation minus its last token) is left-filled with `config.prefix_pad_token_id`
-            up to `config.prefix_length` tokens and the encoder reads the first `prefix_length` positions. **It
-            leaks**: every continuation token inside those positions is read by the non-causal encoder, so the
-            logits that score a continuation token have already seen that token and the ones after it (scores are
-            too high, and depend on the continuation's own length). Rows at least `prefix_length` long are not
-            filled. Rows are scored one at a time in this mode.
+            each row (context + continuation) is left-filled with `config.prefix_pad_token_id` up to
+            `config.prefix_length` tokens and its last token dropped (so `prefix_length - 1` tokens are fed); the
+            fill is masked in the linear attention as `config.prefix_pad_masking` says and the encoder reads every
+            position. **It leaks**: every continuation token inside the prefix is read by the non-causal encoder,
+            so the logits that score a continuation token have already seen that token and the ones after it
+            (scores are too high, and depend on the continuation's own length). Longer rows are not filled (the
+            encoder reads their first `prefix_length` tokens). Rows are scored one at a time in this mode.
         prefix_strategy: Overrides the model's `prefix_strategy` in `generate_until` (`"pad"`, `"repeat"`,
             `"none"`).
+        max_length: lm-eval's model window (prompts are left-truncated to it); default 2048 for JRT-RNN / Based,
+            the reference's (JRT-RNN has no position limit), HFLM's rule for other models.
 
     `logits_cache` is always off for JRT-RNN: HFLM's cache shares one forward between requests whose
     context + continuation tokens agree, but with a prefix their logits also depend on where the context ends.
@@ -78,7 +84,10 @@ class JRTLM(HFLM):
         self.is_prefix_model = getattr(config, "linear_attention_type", None) == "prefix"
         if self.is_prefix_model:
             self.logits_cache = False
-        # (input length, prefix length) of the rows HFLM will pass to `_model_call`, in its batching order.
+        if self._max_length is None and getattr(config, "model_type", None) == "jrt_rnn":
+            # No position limit: use the reference's window rather than the tokenizer's (GPT-2 says 1024).
+            self._max_length = REFERENCE_MAX_LENGTH
+        # (input tokens, context length within them) of the rows HFLM passes to `_model_call`, in its order.
         self._pending_rows: deque[tuple[tuple[int, ...], int]] = deque()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -98,7 +107,7 @@ class JRTLM(HFLM):
         expected = []
         for _, context, continuation in sorted(requests, key=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2]))):
             tokens = (context + continuation)[-(self.max_length + 1) :][:-1]
-            expected.append((tuple(tokens), len(tokens) - len(continuation) + 1))
+            expected.append((tuple(tokens), max(len(tokens) - len(continuation) + 1, 0)))
         self._pending_rows = deque(expected)
         try:
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
@@ -149,15 +158,17 @@ class JRTLM(HFLM):
         return self.model(inps, attention_mask=attention_mask, prefix_length=prefix_length).logits
 
     def _reference_logits(self, inps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """The reference harness's logits `(B, T, vocab)`: each row left-filled to `prefix_length` with the prefix
-        pad token (masked in the linear attention as `config.prefix_pad_masking` says), then one forward."""
+        """The reference harness's logits `(B, T, vocab)`, one row at a time: a row of L input tokens (context +
+        continuation minus its last token) is left-filled with `max(prefix_length - 1 - L, 0)` prefix pad tokens, as
+        the reference pads context + continuation to `prefix_length` before dropping the last token; the encoder
+        then reads the whole filled row (continuation included) when it is within `prefix_length`."""
         config = self.model.config
         logits = None
         for index, length in enumerate(lengths.tolist()):
             row = inps[index : index + 1, :length]  # (1, L)
             prepared = prepare_prefix(
                 row, None, None,
-                prefix_length=config.prefix_length, strategy="pad",
+                prefix_length=config.prefix_length - 1, strategy="pad",
                 prefix_pad_token_id=config.prefix_pad_token_id, batch_pad_token_id=0,
                 embed=self.model.get_input_embeddings(), vocab_size=config.vocab_size,
             )

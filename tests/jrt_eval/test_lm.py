@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import tiny_config
@@ -140,3 +142,27 @@ def test_causal_based_model_scores_like_hflm(byte_bpe_tokenizer):
     expected = [manual_token_logprobs(model, *lm._encode_pair(*pair)).sum().item() for pair in PAIRS]
     torch.testing.assert_close(scores(lm, PAIRS), scores(stock, PAIRS), rtol=0, atol=1e-5)
     torch.testing.assert_close(scores(lm, PAIRS), expected, rtol=0, atol=1e-4)
+
+
+@torch.no_grad()
+def test_reference_scoring_is_the_reference_protocol(tiny_jrt, byte_bpe_tokenizer):
+    """Reference mode = context + continuation left-filled to `prefix_length` with the prefix pad token, last token
+    dropped, fill masked in the linear attention, default prefix (REFERENCE.md §4.5)."""
+    lm = make_lm(tiny_jrt, byte_bpe_tokenizer, scoring="reference")
+    pair = ("Kalo Company", " was")
+    context, continuation = lm._encode_pair(*pair)
+    fill = tiny_jrt.config.prefix_length - len(context) - len(continuation)
+    assert fill > 0
+    tokens = [tiny_jrt.config.prefix_pad_token_id] * fill + context + continuation[:-1]
+    mask = torch.tensor([[0] * fill + [1] * (len(tokens) - fill)])
+    logits = tiny_jrt(torch.tensor([tokens]), linear_attention_mask=mask).logits.double()
+    logprobs = logits.log_softmax(-1)[0, fill + len(context) - 1 :]
+    expected = logprobs.gather(-1, torch.tensor(continuation)[:, None]).sum().item()
+    assert scores(lm, [pair])[0] == pytest.approx(expected, abs=1e-4)
+
+
+def test_jrt_window_defaults_to_the_reference_2048(tiny_jrt, byte_bpe_tokenizer):
+    tokenizer = copy.deepcopy(byte_bpe_tokenizer)
+    tokenizer.model_max_length = 1024  # GPT-2's tokenizer says 1024; JRT-RNN has no position limit
+    assert make_lm(tiny_jrt, tokenizer).max_length == 2048
+    assert make_lm(tiny_jrt, tokenizer, max_length=300).max_length == 300
