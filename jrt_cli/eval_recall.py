@@ -81,13 +81,15 @@ def _looks_local(name: str) -> bool:
 def load_lm(args: argparse.Namespace):
     """The `JRTLM` for `--model`; a missing folder or a failed load is one line (ValueError / RuntimeError)."""
     try:
-        from jrt_eval.lm import JRTLM
+        import lm_eval  # noqa: F401
     except ImportError:
         raise RuntimeError(
             "`jrt eval-recall` runs through lm-evaluation-harness, the optional `eval` extra: "
             "pip install 'jrt-rnn[eval]'"
         ) from None
     import torch
+
+    from jrt_eval.lm import JRTLM
 
     for flag, name in (("--model", args.model), ("--tokenizer", args.tokenizer)):
         if name is not None and _looks_local(name) and not Path(name).expanduser().is_dir():

@@ -40,15 +40,16 @@ def lm_eval_argv(extra: list[str]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from lm_eval._cli import HarnessCLI
+        import lm_eval  # noqa: F401
     except ImportError:
         raise RuntimeError(
             "`jrt lm-eval` needs lm-evaluation-harness, the optional `eval` extra: pip install 'jrt-rnn[eval]'"
         ) from None
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+
     import jrt_eval.lm  # noqa: F401  (registers the lm-eval model "jrt")
     from jrt_eval import TASKS_DIR
-
-    from lm_eval.utils import setup_logging
 
     setup_logging()
     cli = HarnessCLI()

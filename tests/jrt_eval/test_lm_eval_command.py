@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,8 +88,7 @@ def test_recall_and_loglikelihood_tasks_through_the_command(tmp_path, byte_bpe_t
 
 @pytest.mark.parametrize("command", [["lm-eval", "--tasks", "boolq"], ["eval-recall", "--model", "m", "--data", "d"]])
 def test_without_lm_eval_the_commands_say_how_to_install_it(monkeypatch, capsys, tmp_path, command):
-    monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # `import lm_eval` raises ImportError
-    monkeypatch.setitem(__import__("sys").modules, "jrt_eval.lm", None)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
     if command[0] == "eval-recall":
         data = tmp_path / "d.jsonl"
         data.write_text('{"context": "doc", "question": "q", "answers": "a"}\n', encoding="utf-8")
