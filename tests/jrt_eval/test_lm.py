@@ -166,3 +166,15 @@ def test_jrt_window_defaults_to_the_reference_2048(tiny_jrt, byte_bpe_tokenizer)
     tokenizer.model_max_length = 1024  # GPT-2's tokenizer says 1024; JRT-RNN has no position limit
     assert make_lm(tiny_jrt, tokenizer).max_length == 2048
     assert make_lm(tiny_jrt, tokenizer, max_length=300).max_length == 300
+
+
+def test_bf16_autocast_option(tiny_jrt, byte_bpe_tokenizer):
+    """`mixed_precision_dtype=bfloat16` (HFLM's option) runs scoring and generation under bf16 autocast, as the
+    reference evaluated; scores stay close to fp32."""
+    lm = make_lm(tiny_jrt, byte_bpe_tokenizer, batch_size=4, mixed_precision_dtype="bfloat16")
+    assert lm.mixed_precision_dtype == torch.bfloat16
+    bf16, fp32 = scores(lm, PAIRS), scores(make_lm(tiny_jrt, byte_bpe_tokenizer), PAIRS)
+    torch.testing.assert_close(bf16, fp32, rtol=0.05, atol=0.5)
+    assert bf16 != fp32  # the projections did run in bf16
+    request = Instance("generate_until", {}, ("Kalo Company was founded in", {"until": ["\n"], "max_gen_toks": 4}), 0)
+    assert isinstance(lm.generate_until([request], disable_tqdm=True)[0], str)
