@@ -1,32 +1,54 @@
 """`jrt eval-recall`: read-once vs JRT-Prompt recall accuracy of any causal LM on a JSONL file of documents.
 
-The logic lives in `jrt_cli.recall_eval`; this module only parses arguments, prints the summary table to stdout and
-writes the per-record file.
+A thin front end over the lm-eval recall tasks (`jrt_cli.recall_eval`): it checks every argument, the data file and
+the output path before loading the model, then prints the summary table to stdout and writes the per-record file.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from .recall_eval import PROMPT_KINDS, evaluate_recall, load_model_and_tokenizer, load_records, write_results
+from .recall_eval import (
+    PROMPT_KINDS,
+    check_output_writable,
+    evaluate_recall,
+    load_records,
+    quiet_lm_eval,
+    write_results,
+)
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
     return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "eval-recall",
-        help="recall accuracy with the read-once prompt vs JRT-Prompt (document twice)",
+        help="recall accuracy with the read-once prompt vs JRT-Prompt (document twice), through lm-eval",
         description=(
             "Greedy generation on recall-intensive documents with the read-once prompt and/or JRT-Prompt, scored by "
-            "'contains' (case-insensitive match of any gold answer in the first line generated). Data: JSON Lines "
-            "with 'context', 'key' (extraction) or 'question' (QA), 'answers', and optional 'header', 'template', "
-            "'id'; see the README."
+            "'contains' (case-insensitive match of any gold answer in the first line generated), run as the "
+            "lm-eval tasks jrt_jsonl / jrt_jsonl_twice with the `jrt` model (needs the `eval` extra). Data: JSON "
+            "Lines with 'context', 'key' (extraction) or 'question' (QA), 'answers', and optional 'header', "
+            "'template', 'id'; see the README."
         ),
     )
     parser.add_argument("--model", required=True, help="local folder or Hub id of an AutoModelForCausalLM")
@@ -35,41 +57,76 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt", choices=(*PROMPT_KINDS, "both"), default="both", help="prompt kinds to score")
     parser.add_argument("--context-tokens", type=_positive_int, default=1000,
                         help="token budget of document plus answer; the document keeps this minus --answer-tokens")
-    parser.add_argument("--answer-tokens", type=int, default=50, help="tokens reserved for the answer (default 50)")
+    parser.add_argument("--answer-tokens", type=_non_negative_int, default=50,
+                        help="tokens reserved for the answer (default 50)")
     parser.add_argument("--batch-size", type=_positive_int, default=8, help="prompts per generate call")
     parser.add_argument("--limit", type=_positive_int, default=None, help="evaluate only the first N records")
     parser.add_argument("--max-new-tokens", type=_positive_int, default=48, help="greedy tokens per prompt (48)")
     parser.add_argument("--max-length", type=_positive_int, default=None,
-                        help="skip records whose prompt + new tokens exceed this (default: the model's "
-                             "max_position_embeddings, none for JRT-RNN)")
+                        help="the model window; longer prompts are left-truncated by lm-eval (default: the "
+                             "model's max_position_embeddings, else 2048)")
     parser.add_argument("--output", default=None, help="write one JSON line per record and prompt kind here")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow Hub remote code for model/tokenizer")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--no-progress", action="store_true", help="only errors from lm-eval's log")
     parser.set_defaults(func=run)
 
 
+def _looks_local(name: str) -> bool:
+    """A path rather than a Hub id (`owner/name`): absolute, relative with ./ or ~, or more than one `/`."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
+
+
+def load_lm(args: argparse.Namespace):
+    """The `JRTLM` for `--model`; a missing folder or a failed load is one line (ValueError / RuntimeError)."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise RuntimeError(
+            "`jrt eval-recall` runs through lm-evaluation-harness, the optional `eval` extra: "
+            "pip install 'jrt-rnn[eval]'"
+        ) from None
+    import torch
+
+    from jrt_eval.lm import JRTLM
+
+    for flag, name in (("--model", args.model), ("--tokenizer", args.tokenizer)):
+        if name is not None and _looks_local(name) and not Path(name).expanduser().is_dir():
+            raise FileNotFoundError(f"{flag} {name}: no such folder")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return JRTLM(
+            pretrained=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=device,
+            batch_size=args.batch_size, trust_remote_code=args.trust_remote_code, max_length=args.max_length,
+        )
+    except (OSError, ValueError) as error:  # transformers: missing files (OSError), no model_type (ValueError)
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RuntimeError(f"cannot load --model {args.model}: {reason}") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    records = load_records(args.data, limit=args.limit)
-    model, tokenizer = load_model_and_tokenizer(
-        args.model,
-        tokenizer_name=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        trust_remote_code=args.trust_remote_code,
-    )
+    # Everything that can be checked is checked before the model is loaded and the evaluation runs.
+    if args.context_tokens <= args.answer_tokens:
+        raise ValueError(
+            f"--context-tokens ({args.context_tokens}) must exceed --answer-tokens ({args.answer_tokens}): the "
+            f"document window is their difference"
+        )
+    if args.output:
+        check_output_writable(args.output)
+    load_records(args.data, limit=args.limit)
+    if args.no_progress:
+        quiet_lm_eval()
+    lm = load_lm(args)
     report = evaluate_recall(
-        model,
-        tokenizer,
-        records,
+        lm,
+        args.data,
+        tokenizer_name=args.tokenizer or args.model,
         prompt_kinds=PROMPT_KINDS if args.prompt == "both" else (args.prompt,),
         context_tokens=args.context_tokens,
         answer_tokens=args.answer_tokens,
-        batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
-        max_length=args.max_length,
-        progress=not args.no_progress,
+        limit=args.limit,
     )
     if args.output:
         write_results(args.output, report)

@@ -12,7 +12,7 @@ import importlib
 import sys
 
 # Modules of this package that define a subcommand, in the order `jrt --help` lists them.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("demo", "generate", "eval_recall", "convert", "synthetic")
+SUBCOMMAND_MODULES: tuple[str, ...] = ("demo", "generate", "eval_recall", "lm_eval_run", "convert", "synthetic")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # A pass-through subcommand (`jrt lm-eval`) receives the arguments it does not define in `args.extra`.
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

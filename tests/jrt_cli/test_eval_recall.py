@@ -1,17 +1,17 @@
-"""`jrt eval-recall`: record loading and validation, the "contains" scorer, the report, end to end on tiny models."""
+"""`jrt eval-recall`: record loading and validation, argument checks before any work, the report, end to end on tiny
+models through the lm-eval recall tasks."""
 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
+import os
 
 import pytest
-import torch
 from conftest import RECALL_FIXTURE, tiny_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import modeling_jrt
-from jrt_cli import recall_eval
+from jrt_cli import eval_recall
 from jrt_cli.main import main
 from jrt_cli.recall_eval import (
     RecallRecord,
@@ -19,12 +19,10 @@ from jrt_cli.recall_eval import (
     RecallResult,
     build_prompt,
     contains_score,
-    evaluate_recall,
     first_line,
     load_records,
 )
 from jrt_cli.recall_fixture import make_fixture_records
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Scorer and report (no model)
@@ -64,40 +62,12 @@ def test_report_accuracy_and_table():
         _result(2, "default", True), _result(2, "jrt", True),
         _result(3, "default", False), _result(3, "jrt", False),
     ]
-    report.skipped = [(4, "too long")]
     assert report.accuracy() == {"default": (1, 3), "jrt": (2, 3)}
     assert report.format_table().splitlines() == [
         "prompt   correct  total  contains",
         "default        1      3     33.3%",
         "jrt            2      3     66.7%",
-        "skipped 1 of 4 records (prompt too long)",
     ]
-
-
-def test_evaluate_recall_scores_the_generations(byte_bpe_tokenizer, monkeypatch):
-    """With generation replaced by hand-made continuations, accuracy counts exactly the matching ones."""
-    records = load_records(RECALL_FIXTURE, limit=4)
-    answers = {record.id: record.answers[0] for record in records}
-    canned = {  # (id, kind) -> continuation; correct: syn-000 twice, syn-001 jrt only, syn-003 default only
-        ("syn-000", "default"): f" {answers['syn-000'].upper()}",
-        ("syn-000", "jrt"): f" {answers['syn-000']} and more",
-        ("syn-001", "jrt"): f"{answers['syn-001']}",
-        ("syn-003", "default"): f" it is {answers['syn-003']}",
-    }
-    prompts_seen: dict[str, tuple[str, str]] = {}
-    for record in records:
-        for kind in ("default", "jrt"):
-            prompts_seen[build_prompt(record, byte_bpe_tokenizer, prompt_kind=kind)] = (record.id, kind)
-
-    def fake_generate(model, tokenizer, prompts, *, max_new_tokens):
-        assert max_new_tokens == 48
-        return [canned.get(prompts_seen[prompt], " wrong") for prompt in prompts]
-
-    monkeypatch.setattr(recall_eval, "generate_continuations", fake_generate)
-    position_free_model = SimpleNamespace(config=SimpleNamespace())  # no max_position_embeddings: nothing skipped
-    report = evaluate_recall(position_free_model, byte_bpe_tokenizer, records, batch_size=3, progress=False)
-    assert report.accuracy() == {"default": (2, 4), "jrt": (2, 4)}
-    assert [(r.id, r.prompt_kind) for r in report.results if r.correct] == sorted(canned, key=list(canned).index)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -153,9 +123,11 @@ GOOD = json.dumps({"context": "Kalo was born in Ostrava.", "question": "Kalo was
         ('{"context": "doc", "answers": ["a"]}', "template 'qa' needs a non-empty string field 'question'"),
         ('{"context": "doc", "key": "", "answers": ["a"]}', "template 'extraction' needs .* field 'key'"),
         ('{"context": "doc", "question": "q", "template": "fda", "answers": ["a"]}', "template 'fda' needs .* 'key'"),
-        ('{"context": "doc", "question": "q", "answers": []}', "'answers' must be a non-empty"),
-        ('{"context": "doc", "question": "q", "answers": ["a", ""]}', "'answers' must be a non-empty"),
-        ('{"context": "doc", "question": "q"}', "'answers' must be a non-empty"),
+        ('{"context": "doc", "question": "q", "answers": []}', "'answers' must be a non-blank"),
+        ('{"context": "doc", "question": "q", "answers": ["a", ""]}', "'answers' must be a non-blank"),
+        ('{"context": "doc", "question": "q", "answers": ["a", "  "]}', "'answers' must be a non-blank"),
+        ('{"context": "doc", "question": "q", "answers": " \\t"}', "'answers' must be a non-blank"),
+        ('{"context": "doc", "question": "q"}', "'answers' must be a non-blank"),
         ('{"context": "doc", "question": "q", "answers": "a", "template": "hotpot"}', "unknown template 'hotpot'"),
         ('{"context": "doc", "question": "q", "answers": "a", "header": 3}', "'header' must be a string"),
         ('{"context": "doc", "question": "q", "answers": "a", "id": [1]}', "'id' must be a string or an integer"),
@@ -175,13 +147,97 @@ def test_missing_and_empty_files(tmp_path):
         load_records(_write(tmp_path, ["", "  "]))
 
 
-def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"\xef\xbb\xbf" + GOOD.encode() + b"\n", "starts with a byte-order mark"),
+        (GOOD.encode("utf-16"), "starts with a byte-order mark"),
+        (GOOD.replace("Ostrava", "Ostrava\u00e9").encode("latin-1") + b"\n", "is not UTF-8 .byte 37 cannot be decoded"),
+    ],
+    ids=["utf8-bom", "utf16", "latin1"],
+)
+def test_bom_and_non_utf8_files_name_the_file(tmp_path, content, message):
+    path = tmp_path / "encoded.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"encoded.jsonl {message}"):
+        load_records(path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The command: one-line errors, checked before the model is loaded
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if the command gets as far as loading a model."""
+
+    def refuse(args):
+        raise AssertionError("the model was loaded although the input was bad")
+
+    monkeypatch.setattr(eval_recall, "load_lm", refuse)
+
+
+def _error_line(capsys) -> str:
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1, error
+    return error
+
+
+def test_cli_reports_bad_input_in_one_line(tmp_path, capsys, no_model_load):
     path = _write(tmp_path, [GOOD, "{not json"])
     assert main(["eval-recall", "--model", str(tmp_path), "--data", str(path)]) == 1
-    error = capsys.readouterr().err.strip()
+    error = _error_line(capsys)
     assert error.startswith("jrt eval-recall: error: ") and error.endswith("data.jsonl:2: invalid JSON "
                                                                            "(Expecting property name enclosed in "
                                                                            "double quotes at column 2)")
+
+
+@pytest.mark.parametrize("output", ["missing-folder/out.jsonl", "."], ids=["no-parent", "folder"])
+def test_output_is_checked_before_evaluating(tmp_path, capsys, no_model_load, output):
+    data = _write(tmp_path, [GOOD])
+    target = tmp_path / output
+    assert main(["eval-recall", "--model", str(tmp_path), "--data", str(data), "--output", str(target)]) == 1
+    assert _error_line(capsys).startswith(f"jrt eval-recall: error: --output {target}")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_output_folder_is_refused(tmp_path, capsys, no_model_load):
+    data = _write(tmp_path, [GOOD])
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        assert main(["eval-recall", "--model", str(tmp_path), "--data", str(data),
+                     "--output", str(folder / "out.jsonl")]) == 1
+    finally:
+        folder.chmod(0o700)
+    assert _error_line(capsys).endswith("out.jsonl is not writable")
+
+
+def test_negative_and_inconsistent_token_budgets(tmp_path, capsys, no_model_load):
+    data = _write(tmp_path, [GOOD])
+    with pytest.raises(SystemExit) as error:
+        main(["eval-recall", "--model", str(tmp_path), "--data", str(data), "--answer-tokens", "-5"])
+    assert error.value.code == 2
+    assert "--answer-tokens: expected an integer >= 0, got -5" in capsys.readouterr().err
+    argv = ["eval-recall", "--model", str(tmp_path), "--data", str(data), "--context-tokens", "50"]
+    assert main([*argv, "--answer-tokens", "50"]) == 1
+    assert _error_line(capsys) == (
+        "jrt eval-recall: error: --context-tokens (50) must exceed --answer-tokens (50): the document window is "
+        "their difference"
+    )
+
+
+def test_missing_model_folder_is_one_line(tmp_path, capsys):
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
+    data = _write(tmp_path, [GOOD])
+    assert main(["eval-recall", "--model", str(tmp_path / "absent"), "--data", str(data)]) == 1
+    assert _error_line(capsys) == f"jrt eval-recall: error: --model {tmp_path / 'absent'}: no such folder"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["eval-recall", "--model", str(empty), "--data", str(data)]) == 1
+    assert _error_line(capsys).startswith(f"jrt eval-recall: error: cannot load --model {empty}: ")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -189,9 +245,10 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _eval(model_dir, output, *extra: str) -> list[str]:
+def _eval(model_dir, output, *extra: str) -> list[dict]:
     argv = ["eval-recall", "--model", str(model_dir), "--data", str(RECALL_FIXTURE), "--output", str(output),
-            "--context-tokens", "80", "--answer-tokens", "20", "--max-new-tokens", "6", "--no-progress", *extra]
+            "--context-tokens", "80", "--answer-tokens", "20", "--max-new-tokens", "6", "--no-progress",
+            "--device", "cpu", *extra]
     assert main(argv) == 0
     return [json.loads(line) for line in output.read_text(encoding="utf-8").splitlines()]
 
@@ -209,7 +266,7 @@ def tiny_jrt_dir(tmp_path, byte_bpe_tokenizer):
 @pytest.fixture
 def tiny_llama_dir(tmp_path, byte_bpe_tokenizer):
     config = LlamaConfig(vocab_size=len(byte_bpe_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=160, pad_token_id=0,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, pad_token_id=0,
                          bos_token_id=1, eos_token_id=1)
     model_dir = tmp_path / "llama"
     LlamaForCausalLM(config).save_pretrained(model_dir)
@@ -217,71 +274,31 @@ def tiny_llama_dir(tmp_path, byte_bpe_tokenizer):
     return model_dir
 
 
-def test_eval_recall_end_to_end_jrt(tiny_jrt_dir, tmp_path, capsys, byte_bpe_tokenizer):
-    rows = _eval(tiny_jrt_dir, tmp_path / "out.jsonl", "--limit", "5", "--batch-size", "3")
-    table = capsys.readouterr().out.splitlines()
-    assert len(rows) == 10 and [row["id"] for row in rows[::2]] == [f"syn-00{i}" for i in range(5)]
-    records = load_records(RECALL_FIXTURE, limit=5)
-    for row, (record, kind) in zip(rows, [(r, k) for r in records for k in ("default", "jrt")]):
+def _check_rows(rows, records, kinds, tokenizer):
+    assert len(rows) == len(records) * len(kinds)
+    for row, (record, kind) in zip(rows, [(r, k) for r in records for k in kinds]):
         assert set(row) == {"id", "line", "prompt_kind", "prompt", "prompt_tokens", "generation", "answers", "correct"}
-        assert row["prompt_kind"] == kind and row["line"] == record.line and row["answers"] == list(record.answers)
-        assert row["prompt"] == build_prompt(
-            record, byte_bpe_tokenizer, prompt_kind=kind, context_tokens=80, answer_tokens=20
-        )
-        assert row["prompt_tokens"] == len(byte_bpe_tokenizer(row["prompt"])["input_ids"])
+        assert (row["id"], row["line"], row["prompt_kind"]) == (record.id, record.line, kind)
+        assert row["answers"] == list(record.answers)
+        assert row["prompt"] == build_prompt(record, tokenizer, prompt_kind=kind, context_tokens=80, answer_tokens=20)
+        assert row["prompt_tokens"] == len(tokenizer(row["prompt"])["input_ids"])
         assert "\n" not in row["generation"]
         assert row["correct"] == contains_score(row["generation"], row["answers"])
+
+
+def test_eval_recall_end_to_end_jrt(tiny_jrt_dir, tmp_path, capsys, byte_bpe_tokenizer):
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
+    rows = _eval(tiny_jrt_dir, tmp_path / "out.jsonl", "--limit", "5", "--batch-size", "3")
+    table = capsys.readouterr().out.splitlines()[-3:]
+    _check_rows(rows, load_records(RECALL_FIXTURE, limit=5), ("default", "jrt"), byte_bpe_tokenizer)
     correct = {kind: sum(row["correct"] for row in rows if row["prompt_kind"] == kind) for kind in ("default", "jrt")}
     assert table[0].split() == ["prompt", "correct", "total", "contains"]
     assert table[1].split()[:3] == ["default", str(correct["default"]), "5"]
     assert table[2].split()[:3] == ["jrt", str(correct["jrt"]), "5"]
-    assert table[3] == "skipped 0 of 5 records (prompt too long)"
 
 
-def test_eval_recall_llama_skips_prompts_longer_than_the_model(tiny_llama_dir, tmp_path, capsys, byte_bpe_tokenizer):
-    # The Llama has 160 positions: with 6 new tokens, prompts of more than 154 tokens cannot run.
-    rows = _eval(tiny_llama_dir, tmp_path / "out.jsonl", "--limit", "8", "--prompt", "jrt")
-    table = capsys.readouterr().out.splitlines()
-    lengths = {
-        record.line: len(byte_bpe_tokenizer(build_prompt(record, byte_bpe_tokenizer, prompt_kind="jrt",
-                                                         context_tokens=80, answer_tokens=20))["input_ids"])
-        for record in load_records(RECALL_FIXTURE, limit=8)
-    }
-    kept = sorted(line for line, length in lengths.items() if length + 6 <= 160)
-    assert 0 < len(kept) < 8, sorted(lengths.values())  # the fixture has both kinds of records at this budget
-    assert [row["line"] for row in rows] == kept
-    assert {row["prompt_kind"] for row in rows} == {"jrt"}
-    assert len(table) == 3 and table[1].split()[:3] == ["jrt", table[1].split()[1], str(len(kept))]
-    assert table[2] == f"skipped {8 - len(kept)} of 8 records (prompt too long)"
-
-
-def test_llama_batched_left_padding_matches_one_by_one(tiny_llama_dir, byte_bpe_tokenizer):
-    model, tokenizer = recall_eval.load_model_and_tokenizer(str(tiny_llama_dir), device="cpu")
-    assert tokenizer.padding_side == "left"
-    prompts = [build_prompt(record, tokenizer, prompt_kind="default", context_tokens=60, answer_tokens=20)
-               for record in load_records(RECALL_FIXTURE, limit=3)]
-    assert len({len(tokenizer(prompt)["input_ids"]) for prompt in prompts}) > 1  # the batch needs padding
-    batched = recall_eval.generate_continuations(model, tokenizer, prompts, max_new_tokens=5)
-    single = [recall_eval.generate_continuations(model, tokenizer, [prompt], max_new_tokens=5)[0] for prompt in prompts]
-    assert batched == single
-
-
-def test_generation_stops_at_the_first_newline(tiny_llama_dir, byte_bpe_tokenizer):
-    """A model that always emits "\\n" after one token: generation stops early and the newline is cut."""
-    model, tokenizer = recall_eval.load_model_and_tokenizer(str(tiny_llama_dir), device="cpu")
-    newline_id = tokenizer.encode("\n", add_special_tokens=False)[0]
-    word_id = tokenizer.encode("Kalo", add_special_tokens=False)[0]
-    calls = []
-
-    def scripted_logits(module, args, kwargs, output):
-        calls.append(1)
-        logits = torch.full_like(output.logits, -1e4)
-        logits[..., word_id if len(calls) == 1 else newline_id] = 0
-        output.logits = logits
-        return output
-
-    model.register_forward_hook(scripted_logits, with_kwargs=True)
-    assert recall_eval.generate_continuations(model, tokenizer, ["Kalo was born in"], max_new_tokens=20) == [
-        tokenizer.decode([word_id])
-    ]
-    assert len(calls) == 2  # stopped after the newline, not after 20 tokens
+def test_eval_recall_any_causal_lm(tiny_llama_dir, tmp_path, capsys, byte_bpe_tokenizer):
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
+    rows = _eval(tiny_llama_dir, tmp_path / "out.jsonl", "--limit", "3", "--prompt", "jrt")
+    _check_rows(rows, load_records(RECALL_FIXTURE, limit=3), ("jrt",), byte_bpe_tokenizer)
+    assert capsys.readouterr().out.splitlines()[-1].split()[:3] == ["jrt", str(sum(r["correct"] for r in rows)), "3"]

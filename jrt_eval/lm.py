@@ -1,0 +1,198 @@
+"""`JRTLM`: lm-evaluation-harness's HF model (`HFLM`) with leak-free prefix scoring for JRT-RNN and Based.
+
+lm-eval's stock `hf` model calls `model(input_ids)` on loglikelihood batches right-padded with id 0. For a JRT-RNN
+checkpoint that has two flaws: the non-causal prefix (the first `prefix_length` positions) then covers the
+continuation being scored, so a continuation token's log-prob depends on the continuation itself, and the right
+padding is read by the encoder, so scores change with batch composition. `JRTLM` keeps everything of `HFLM`
+(request batching and sorting, the request cache, chat templates, `generate_until`, output writing) and replaces only
+the forward of a loglikelihood batch:
+
+    row (right-padded by HFLM):   [ context c0..c(C-1) | continuation x0..x(N-2) | pad ... ]
+    attention_mask:                 1 ...                 1 ...                    0 ...
+    prefix_length (per row):        min(C, config.prefix_length)
+
+so the encoder reads the context only (never the continuation, never the padding), and the logits of the scored
+positions (>= C - 1) are exactly those of the row evaluated alone with the same prefix. `scoring="reference"`
+instead reproduces the original HazyResearch harness (see `JRTLM.__init__`).
+
+`generate_until` goes through the package's `generate()` (HFLM already calls `model.generate`), so prompts shorter
+than the prefix are filled as the model's `prefix_strategy` says; `prefix_strategy=` in `--model_args` overrides it.
+bf16 autocast, as the reference evaluated, is HFLM's `mixed_precision_dtype=bfloat16`.
+
+Causal models (Based, any other `AutoModelForCausalLM`) have no prefix: they are scored exactly as by `HFLM` (right
+padding cannot reach a causal model's scored positions), logits cache included.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+import modeling_jrt  # noqa: F401  (registers model_type "jrt_rnn" with the Auto classes)
+from modeling_jrt.generation import prepare_prefix
+
+SCORING_MODES: tuple[str, ...] = ("leak_free", "reference")
+
+REFERENCE_MAX_LENGTH = 2048
+"""The model window (`max_length`) of JRT-RNN / Based checkpoints when none is given: the reference harness's."""
+
+
+@register_model("jrt")
+class JRTLM(HFLM):
+    """lm-eval model `jrt`: `HFLM` whose loglikelihood rows use their context as the JRT prefix.
+
+    Takes every `HFLM` argument (`pretrained`, `tokenizer`, `dtype`, `device`, `batch_size`,
+    `mixed_precision_dtype`, `trust_remote_code`, ...) plus:
+
+    Args:
+        scoring: `"leak_free"` (default): each row's prefix is its context, padding is masked; a score equals the
+            row scored alone. `"reference"`: the original harness's scoring, for comparison with published numbers:
+            each row (context + continuation) is left-filled with `config.prefix_pad_token_id` up to
+            `config.prefix_length` tokens and its last token dropped (so `prefix_length - 1` tokens are fed); the
+            fill is masked in the linear attention as `config.prefix_pad_masking` says and the encoder reads every
+            position. **It leaks**: every continuation token inside the prefix is read by the non-causal encoder,
+            so the logits that score a continuation token have already seen that token and the ones after it
+            (scores are too high, and depend on the continuation's own length). Longer rows are not filled (the
+            encoder reads their first `prefix_length` tokens). Rows are scored one at a time in this mode.
+        prefix_strategy: Overrides the model's `prefix_strategy` in `generate_until` (`"pad"`, `"repeat"`,
+            `"none"`).
+        max_length: lm-eval's model window (prompts are left-truncated to it); default 2048 for JRT-RNN / Based,
+            the reference's (JRT-RNN has no position limit), HFLM's rule for other models.
+
+    `logits_cache` is always off for JRT-RNN: HFLM's cache shares one forward between requests whose
+    context + continuation tokens agree, but with a prefix their logits also depend on where the context ends.
+    """
+
+    def __init__(
+        self,
+        pretrained: Any,
+        *,
+        scoring: str = "leak_free",
+        prefix_strategy: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if scoring not in SCORING_MODES:
+            raise ValueError(f"`scoring` must be one of {', '.join(SCORING_MODES)}, got {scoring!r}.")
+        super().__init__(pretrained, **kwargs)
+        config = self.model.config
+        self.scoring = scoring
+        self.prefix_strategy = prefix_strategy
+        self.is_prefix_model = getattr(config, "linear_attention_type", None) == "prefix"
+        if self.is_prefix_model:
+            self.logits_cache = False
+        if self._max_length is None and getattr(config, "model_type", None) == "jrt_rnn":
+            # No position limit: use the reference's window rather than the tokenizer's (GPT-2 says 1024).
+            self._max_length = REFERENCE_MAX_LENGTH
+        # (input tokens, context length within them) of the rows HFLM passes to `_model_call`, in its order.
+        self._pending_rows: deque[tuple[tuple[int, ...], int]] = deque()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Loglikelihood
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        """HFLM's loop, told where each row's context ends.
+
+        HFLM sorts the requests by `(-len(context + continuation), tokens)` (a stable sort, no grouping while the
+        logits cache is off) and cuts the sorted list into batches, so the rows reach `_model_call` in that order.
+        The same order is queued here with each row's input tokens and context length; `_model_call` checks every
+        row against its queue entry.
+        """
+        if not self.is_prefix_model:  # causal: the right padding cannot reach the scored positions
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        expected = []
+        for _, context, continuation in sorted(requests, key=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2]))):
+            tokens = (context + continuation)[-(self.max_length + 1) :][:-1]
+            expected.append((tuple(tokens), max(len(tokens) - len(continuation) + 1, 0)))
+        self._pending_rows = deque(expected)
+        try:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        finally:
+            self._pending_rows = deque()
+
+    def _detect_batch_size(self, requests=None, pos: int = 0):
+        """HFLM's probe of the largest batch (`batch_size=auto`), with the queued rows set aside while it runs."""
+        pending, self._pending_rows = self._pending_rows, deque()
+        try:
+            return super()._detect_batch_size(requests, pos)
+        finally:
+            self._pending_rows = pending
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        """Logits `(B, T, vocab)` of a right-padded batch `inps` `(B, T)` (padding id 0)."""
+        if attn_mask is not None or labels is not None or not self._pending_rows:
+            return super()._model_call(inps, attn_mask=attn_mask, labels=labels)  # batch-size probe, seq2seq
+        rows = [self._pending_rows.popleft() for _ in range(inps.shape[0])]
+        for index, (tokens, _) in enumerate(rows):
+            length = len(tokens)
+            matches = inps.shape[1] >= length and inps[index, :length].tolist() == list(tokens)
+            if not matches or bool(inps[index, length:].any()):
+                raise RuntimeError(
+                    "JRTLM: a loglikelihood row does not match the request order expected from HFLM; this lm-eval "
+                    "version batches differently than 0.4.13."
+                )
+        lengths = torch.tensor([len(tokens) for tokens, _ in rows], device=inps.device)  # (B,)
+        context_lengths = [context for _, context in rows]
+        with (
+            torch.no_grad(),
+            torch.autocast(
+                device_type=self.device.type,
+                dtype=self.mixed_precision_dtype,
+                enabled=self.mixed_precision_dtype is not None,
+            ),
+        ):
+            if self.scoring == "reference":
+                return self._reference_logits(inps, lengths)
+            attention_mask = (torch.arange(inps.shape[1], device=inps.device) < lengths[:, None]).long()  # (B, T)
+            prefix = [min(context, self.model.config.prefix_length) for context in context_lengths]
+            return self._prefix_logits(inps, attention_mask, prefix)
+
+    def _prefix_logits(self, inps: torch.Tensor, attention_mask: torch.Tensor, prefix: list[int]) -> torch.Tensor:
+        """Leak-free logits `(B, T, vocab)` in one forward: row b's encoder reads its first `prefix[b]` tokens
+        (the model's per-row `prefix_length`), the right padding is masked and never enters the encoder."""
+        prefix_length = torch.tensor(prefix, dtype=torch.long, device=inps.device)  # (B,)
+        return self.model(inps, attention_mask=attention_mask, prefix_length=prefix_length).logits
+
+    def _reference_logits(self, inps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The reference harness's logits `(B, T, vocab)`, one row at a time: a row of L input tokens (context +
+        continuation minus its last token) is left-filled with `max(prefix_length - 1 - L, 0)` prefix pad tokens, as
+        the reference pads context + continuation to `prefix_length` before dropping the last token; the encoder
+        then reads the whole filled row (continuation included) when it is within `prefix_length`."""
+        config = self.model.config
+        logits = None
+        for index, length in enumerate(lengths.tolist()):
+            row = inps[index : index + 1, :length]  # (1, L)
+            prepared = prepare_prefix(
+                row, None, None,
+                prefix_length=config.prefix_length - 1, strategy="pad",
+                prefix_pad_token_id=config.prefix_pad_token_id, batch_pad_token_id=0,
+                embed=self.model.get_input_embeddings(), vocab_size=config.vocab_size,
+            )
+            if prepared is None:
+                row_logits = self.model(row).logits
+            else:
+                row_logits = self.model(
+                    prepared.input_ids, attention_mask=prepared.attention_mask,
+                    linear_attention_mask=prepared.linear_attention_mask,
+                ).logits[:, -length:]
+            if logits is None:
+                logits = row_logits.new_zeros(inps.shape[0], inps.shape[1], row_logits.shape[-1])
+            logits[index, :length] = row_logits[0]
+        return logits
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Generation
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+        """HFLM's generation (greedy unless the task says otherwise), with `prefix_strategy=` for JRT-RNN."""
+        if self.is_prefix_model and self.prefix_strategy is not None:
+            generation_kwargs["prefix_strategy"] = self.prefix_strategy
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+
+__all__ = ["JRTLM", "SCORING_MODES"]
