@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     token_map = next(iter(models.values()))[1]
     training = json.loads((args.models_dir / DEMO_ARMS[0].model_dir / "training.json").read_text())
 
-    print("jrt demo: set disjointness (JRT paper, Algorithm 1) with tiny models trained on CPU (synthetic experiment E1)")
+    print("jrt demo: set disjointness (JRT paper, Algorithm 1) with tiny models trained on CPU "
+          "(synthetic experiment E1)")
     print(f"  ({training['spec']['steps']} steps, seed {training['seed']}; vocabulary {token_map['vocab_size']} ids, "
           f"sets of sizes {' and '.join(str(s).replace(' ', '') for s in DEMO_SLICES)}).")
     print("  Prompt: <bos> A | B ?   A and B share exactly one token; after '?' the model names it.")

@@ -1,4 +1,5 @@
-"""Synthetic recall tasks: generator formats (docs/synthetics.md, section 1), equal state of the arms, training smoke test."""
+"""Synthetic recall harness: generator formats (docs/synthetics.md, section 1), equal state of the arms, training,
+the command line and the export of demo models."""
 
 from __future__ import annotations
 

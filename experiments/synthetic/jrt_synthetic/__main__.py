@@ -1,4 +1,4 @@
-"""`python -m jrt_synthetic ...` (with `experiments/synthetic` on `PYTHONPATH`) is `python experiments/synthetic ...`."""
+"""`python -m jrt_synthetic ...` (with `experiments/synthetic` on `PYTHONPATH`) = `python experiments/synthetic ...`."""
 
 import sys
 

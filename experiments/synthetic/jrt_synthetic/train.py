@@ -1,4 +1,4 @@
-"""Training and evaluation of tiny JRT-RNN / Based models on the synthetic recall tasks (docs/synthetics.md, sections 2-3).
+"""Training and evaluation of tiny JRT-RNN / Based models on the synthetic recall tasks (docs/synthetics.md, 2-3).
 
 Both arms of an experiment use the same `JRTRNNForCausalLM` stack ([conv, linear attention] x 2, no MLP, tied
 embeddings) and differ only in `linear_attention_type` ("prefix" = JRT-RNN, "causal" = Based), so their recurrent
