@@ -5,21 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
-from .synthetic.demo import (
+from .demo_models import (
     DEMO_ARMS,
     DEMO_SEED,
     DEMO_SLICES,
     LONGER_SLICES,
     MODELS_DIR,
     demo_batch,
-    describe_state,
     generate_answers,
     load_demo_model,
+    recurrent_state_size,
 )
-from .synthetic.data import render_tokens
+from .set_disjointness import render_tokens
 
 NUM_SHOWN = 4
 NUM_SCORED = 200
@@ -36,6 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=DEMO_SEED, help=f"seed of the fresh prompts (default {DEMO_SEED})")
     parser.add_argument("--examples", type=int, default=NUM_SCORED,
                         help=f"examples scored for the accuracy (default {NUM_SCORED})")
+    parser.add_argument("--models-dir", type=Path, default=MODELS_DIR,
+                        help="folder holding jrt-rnn-sd/ and based-sd/ (default: the models shipped with the package; "
+                             "`python experiments/synthetic export` writes such a folder)")
     parser.set_defaults(func=run)
 
 
@@ -51,11 +55,12 @@ def run(args: argparse.Namespace) -> int:
     models = {}
     for arm in DEMO_ARMS:
         if arm.model_dir not in models:
-            models[arm.model_dir] = load_demo_model(arm.model_dir)
+            models[arm.model_dir] = load_demo_model(arm.model_dir, args.models_dir)
     token_map = next(iter(models.values()))[1]
-    training = json.loads((MODELS_DIR / DEMO_ARMS[0].model_dir / "training.json").read_text())
+    training = json.loads((args.models_dir / DEMO_ARMS[0].model_dir / "training.json").read_text())
 
-    print("jrt demo: set disjointness (JRT paper, Algorithm 1) with tiny models trained on CPU by `jrt synthetic e1`")
+    print("jrt demo: set disjointness (JRT paper, Algorithm 1) with tiny models trained on CPU "
+          "(synthetic experiment E1)")
     print(f"  ({training['spec']['steps']} steps, seed {training['seed']}; vocabulary {token_map['vocab_size']} ids, "
           f"sets of sizes {' and '.join(str(s).replace(' ', '') for s in DEMO_SLICES)}).")
     print("  Prompt: <bos> A | B ?   A and B share exactly one token; after '?' the model names it.")
@@ -70,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         scored[arm.label] = {
             "accuracy": (answers == targets).float().mean().item(),
             "longer": _accuracy(model, demo_batch(args.examples, arm.repeat, args.seed, slices=LONGER_SLICES)),
-            "state": describe_state(model, batch),
+            "state": recurrent_state_size(model, batch),
             "prompt_tokens": batch.input_ids.shape[1],
             "parameters": sum(p.numel() for p in model.parameters()),
         }
@@ -103,5 +108,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nAccuracy on {args.examples} fresh examples with longer sets than in training, {longer}:")
     for arm in DEMO_ARMS:
         print(f"  {arm.label:<{width}}  longer-set accuracy {scored[arm.label]['longer']:.3f}")
-    print(f"\n({time.perf_counter() - start:.1f} s. Train them yourself: `jrt synthetic e1`; see the README.)")
+    print(f"\n({time.perf_counter() - start:.1f} s. Train them yourself: `python experiments/synthetic e1`; "
+          "see experiments/synthetic/README.md.)")
     return 0

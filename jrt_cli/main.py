@@ -12,7 +12,7 @@ import importlib
 import sys
 
 # Modules of this package that define a subcommand, in the order `jrt --help` lists them.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("demo", "generate", "eval_recall", "lm_eval_run", "convert", "synthetic")
+SUBCOMMAND_MODULES: tuple[str, ...] = ("demo", "generate", "eval_recall", "lm_eval_run", "convert")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -330,16 +330,22 @@ def render_model_card(
     notes: list[str],
     *,
     has_tokenizer: bool,
+    license: str = "apache-2.0",
 ) -> str:
-    """The README.md of the converted folder: provenance, conversion options and usage.
+    """The README.md of the converted folder: provenance, license, conversion options, usage and citation.
 
-    `source` is the Hub repo id of the reference checkpoint, or the name of its local folder.
+    `source` is the Hub repo id of the reference checkpoint, or the name of its local folder; a folder named like a
+    released checkpoint (e.g. `JRT-360M-30B`) still gets that checkpoint as `base_model`. `license` is the card's
+    license tag (the HazyResearch releases are Apache-2.0).
     """
-    base_model = f"base_model: {source}\n" if is_repo_id(source) else ""
+    base_id = source if is_repo_id(source) else _RELEASED_HUB_IDS.get(source.split("/")[-1].lower())
+    base_model = f"base_model: {base_id}\n" if base_id else ""
     is_prefix = config.linear_attention_type == "prefix"
     counts = {kind: config.layer_types.count(kind) for kind in ("conv", "linear_attention", "sliding_attention")}
     tokenizer_line = (
-        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")  # GPT-2\'s tokenizer, left padding'
+        # trust_remote_code: AutoTokenizer reads config.json first, and its `auto_map` would otherwise make
+        # transformers ask "[y/N]" interactively when the jrt-rnn package is not installed.
+        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO", trust_remote_code=True)  # GPT-2\'s, left padding'
         if has_tokenizer
         else 'tokenizer = AutoTokenizer.from_pretrained("gpt2", padding_side="left")\n'
         "tokenizer.pad_token = tokenizer.eos_token"
@@ -361,6 +367,7 @@ def render_model_card(
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation
+license: {license}
 {base_model}tags:
 - jrt-rnn
 - based
@@ -408,7 +415,36 @@ and never emits ids past GPT-2's vocabulary (`generation_vocab_size = {config.ge
 - verified: reloaded from this folder and compared logits on a short input
 
 Conversion notes:
-{note_lines}"""
+{note_lines}
+## Citation
+
+```bibtex
+{_CITATIONS}
+```
+"""
+
+
+# Hub ids of the released checkpoints, by lower-cased name: the `base_model` of a conversion from a local folder.
+_RELEASED_HUB_IDS = {
+    name.lower(): f"hazyresearch/{name}"
+    for name in ("JRT-360M-30B", "JRT-1B-50B", "based-360M-30B", "based-1b-50b", "based-360m", "based-1b")
+}
+
+_CITATIONS = """@article{arora2024just,
+  title={Just read twice: closing the recall gap for recurrent language models},
+  author={Arora, Simran and Timalsina, Aman and Singhal, Aaryan and Eyuboglu, Sabri and Zhao, Xinyi and Rao, Ashish
+          and Rudra, Atri and R{\\'e}, Christopher},
+  journal={arXiv preprint arXiv:2407.05483},
+  year={2024}
+}
+
+@article{arora2024simple,
+  title={Simple linear attention language models balance the recall-throughput tradeoff},
+  author={Arora, Simran and Eyuboglu, Sabri and Zhang, Michael and Timalsina, Aman and Alberti, Silas
+          and Zinsley, Dylan and Zou, James and Rudra, Atri and R{\\'e}, Christopher},
+  journal={arXiv preprint arXiv:2402.18668},
+  year={2024}
+}"""
 
 
 __all__ = ["DTYPES", "ConversionResult", "convert_checkpoint", "copy_remote_code", "reference_generation_config"]

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 from transformers.generation import (
     BaseStreamer,
     GenerationConfig,
@@ -489,6 +489,24 @@ class JRTRNNPreTrainedModel(PreTrainedModel):
             init.copy_(module.inv_freq, module.compute_inv_freq(module.config))
 
 
+def _check_cache_layout(cache: Cache | None, config: JRTRNNConfig) -> None:
+    """Every "conv" / "linear_attention" layer needs a recurrent-state slot in the cache. A key/value cache (such as
+    the one PEFT prefix tuning fills with virtual-token keys and values) has none: fail with the fix, not deep inside."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return
+    for index, layer_type in enumerate(config.layer_types):
+        layer = layers[index] if index < len(layers) else None
+        if layer_type in ("conv", "linear_attention") and not isinstance(layer, LinearAttentionCacheLayerMixin):
+            raise ValueError(
+                f"The cache holds {type(layer).__name__} at layer {index}, a {layer_type!r} layer that keeps a "
+                "recurrent state: pass a cache built from this model's config (`DynamicCache(config=model.config)`) "
+                "or none. Methods that inject attention key/value prefixes, such as PEFT prefix tuning "
+                "(`PrefixTuningConfig`), cannot work with JRT-RNN / Based models; use prompt tuning "
+                "(`PromptTuningConfig`) or LoRA instead."
+            )
+
+
 class JRTRNNModel(JRTRNNPreTrainedModel):
     """The backbone: embeddings, blocks and final norm. Returns the last hidden state and the cache."""
 
@@ -534,6 +552,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         """
         if cache is None:
             cache = past_key_values
+        _check_cache_layout(cache, self.config)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         if inputs_embeds is None:

@@ -22,7 +22,7 @@ import importlib.util, sys
 from transformers import Trainer
 import peft
 root = sys.argv[1]
-for name in ("kernels", "convert", "cli", "benchmarks", "examples", "docs", "tests"):
+for name in ("kernels", "convert", "cli", "benchmarks", "examples", "experiments", "synthetic", "docs", "tests"):
     spec = importlib.util.find_spec(name)
     origin = getattr(spec, "origin", None) if spec is not None else None
     if origin is not None and origin.startswith(root):

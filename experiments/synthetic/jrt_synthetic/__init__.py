@@ -1,7 +1,8 @@
-"""Synthetic recall experiments with tiny JRT-RNN / Based models (SYNTHETICS.md): data generators, training,
-experiments E1/E2, reports and the `jrt synthetic` subcommand. Importable without matplotlib."""
+"""Synthetic recall experiments with tiny JRT-RNN / Based models (docs/synthetics.md): data generators, training,
+experiments E1/E2, reports and the command line. A research harness, not part of the installed package: it uses
+`modeling_jrt` and `jrt_cli` like any other client. Importable without matplotlib."""
 
-from .command import add_parser
+from .cli import build_parser, main
 from .data import (
     IGNORE_INDEX,
     SyntheticBatch,
@@ -18,8 +19,9 @@ __all__ = [
     "RunSpec",
     "SyntheticBatch",
     "TaskSpec",
-    "add_parser",
+    "build_parser",
     "evaluate",
+    "main",
     "multiquery_ar",
     "prefix_query_mqar",
     "recurrent_state_size",

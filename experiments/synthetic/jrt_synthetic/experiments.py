@@ -1,4 +1,4 @@
-"""The experiments of SYNTHETICS.md §4 as lists of runs, a parallel runner and the reproduction criteria.
+"""The experiments of docs/synthetics.md (section 3) as lists of runs, a parallel runner and the reproduction criteria.
 
 E1: JRT-RNN vs causal Based on set disjointness (claim a); "e1-small": the same at half the state.
 E2: JRT-Prompt (`CQC`) vs the standard prompt (`CQ`) for causal Based on prefix-query MQAR (claim b).
@@ -28,7 +28,7 @@ def e1_task(repeat: int = 1) -> TaskSpec:
 
 
 def e1_small_task() -> TaskSpec:
-    """E1 at half the state (SYNTHETICS.md §4 "cheap extension"): (|A|, |B|) in {(4, 24), (24, 4)}, length 31."""
+    """E1 at half the state (docs/synthetics.md, section 3): (|A|, |B|) in {(4, 24), (24, 4)}, length 31."""
     return TaskSpec(kind="sd", vocab_size=68, train_slices=[(4, 24), (24, 4)], eval_slices=[(4, 24), (24, 4)],
                     eval_examples=1000)
 
@@ -124,7 +124,7 @@ def load_runs(out: str | Path) -> list[dict]:
 
 
 def summarize(experiment: str, runs: list[dict]) -> dict:
-    """Per-arm mean/std of every slice, and the verdict of the SYNTHETICS.md §4 criterion."""
+    """Per-arm mean/std of every slice, and the verdict of its criterion (docs/synthetics.md, section 3)."""
     arm_order = [a for a in ARMS[experiment] if any(r["name"] == a for r in runs)]
     arms = {}
     for arm in arm_order:
@@ -175,12 +175,12 @@ def _sd_verdict(runs: list[dict], slice_: str, min_jrt: float | None) -> dict:
 
 
 def _e1_verdict(runs: list[dict]) -> dict:
-    """SYNTHETICS.md §4: JRT-RNN - causal >= +10 pts on (16, 4), mean of the seeds, and JRT-RNN >= 0.95."""
+    """JRT-RNN - causal >= +10 pts on (16, 4), mean of the seeds, and JRT-RNN >= 0.95."""
     return _sd_verdict(runs, "16_4", min_jrt=0.95)
 
 
 def _e1_small_verdict(runs: list[dict]) -> dict:
-    """The half-state extension has no threshold in SYNTHETICS.md; we ask for the same +10 pts on (24, 4)
+    """The half-state extension has no threshold of its own; we ask for the same +10 pts on (24, 4)
     (the prototype measured +47 pts at 8 000 steps, seed 0)."""
     return _sd_verdict(runs, "24_4", min_jrt=None)
 

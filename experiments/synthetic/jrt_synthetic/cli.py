@@ -1,4 +1,8 @@
-"""`jrt synthetic`: run the recall experiments, rebuild their report, export the demo models."""
+"""Command line of the synthetic harness: run the recall experiments, rebuild their report, export demo models.
+
+`python experiments/synthetic ACTION ...` from a checkout (or `python -m jrt_synthetic ACTION ...` with
+`experiments/synthetic` on `PYTHONPATH`). Actions: `e1`, `e2`, `e1-small`, `report`, `evaluate`, `export`.
+"""
 
 from __future__ import annotations
 
@@ -20,13 +24,14 @@ from .experiments import (
 )
 
 DEMO_MODEL_DIRS = {"JRT-RNN": "jrt-rnn-sd", "causal Based": "based-sd"}
+# `export` writes here unless told otherwise: never into an installed package.
+DEFAULT_EXPORT_DIR = Path("runs") / "demo-models"
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "synthetic",
-        help="Toy-scale recall experiments (set disjointness, MQAR) with tiny JRT-RNN / Based models.",
-        description="Train tiny JRT-RNN and Based models on synthetic recall tasks (SYNTHETICS.md): "
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python experiments/synthetic",
+        description="Train tiny JRT-RNN and Based models on synthetic recall tasks (docs/synthetics.md): "
                     "E1 = JRT-RNN vs causal Based on set disjointness, E2 = JRT-Prompt vs standard prompt on "
                     "prefix-query MQAR. Each run is single-threaded; --jobs runs arms in parallel processes.",
     )
@@ -45,20 +50,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         run.set_defaults(func=_run, experiment=experiment)
     report = actions.add_parser("report", help="Rebuild summary.json, results.md and accuracy.png of a run folder.")
     report.add_argument("experiment", choices=list(ARMS))
-    report.add_argument("out", type=Path, help="folder written by `jrt synthetic e1|e2`")
+    report.add_argument("out", type=Path, help="folder written by an experiment (e1, e2, e1-small)")
     report.set_defaults(func=_report)
     extra = actions.add_parser("evaluate", help="Evaluate the saved models of a run folder on other slices "
                                                 "(e.g. longer sets than in training).")
-    extra.add_argument("out", type=Path, help="folder written by `jrt synthetic e1|e2|e1-small`")
+    extra.add_argument("out", type=Path, help="folder written by an experiment (e1, e2, e1-small)")
     extra.add_argument("--slices", type=_slice, nargs="+", required=True, metavar="A,B|D",
                        help="SD: set sizes `|A|,|B|` (e.g. 8,24 24,8); qmqar: number of pairs D")
     extra.add_argument("--examples", type=int, default=1000, help="examples per slice (default 1000)")
     extra.set_defaults(func=_evaluate)
-    export = actions.add_parser("export", help="Copy one seed's E1 models into a folder as the `jrt demo` models.")
-    export.add_argument("out", type=Path, help="folder written by `jrt synthetic e1`")
+    export = actions.add_parser(
+        "export", help="Copy one seed's E1 models into a folder in the layout of the `jrt demo` models "
+                       "(with token map and tokenizer); `jrt demo --models-dir DEST` runs them.")
+    export.add_argument("out", type=Path, help="folder written by the e1 experiment")
     export.add_argument("--seed", type=int, default=0)
-    export.add_argument("--dest", type=Path, default=Path(__file__).resolve().parent.parent / "assets" / "models")
+    export.add_argument("--dest", type=Path, default=DEFAULT_EXPORT_DIR,
+                        help=f"destination folder (default {DEFAULT_EXPORT_DIR}; to refresh the models shipped with "
+                             "jrt-rnn, pass jrt_cli/assets/models of a checkout explicitly)")
     export.set_defaults(func=_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` and run the action; bad input gives a one-line error and exit code 1."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
+        print(f"synthetic {args.action}: error: {error}", file=sys.stderr)
+        return 1
 
 
 def _slice(value: str) -> tuple[int, ...]:
@@ -99,7 +119,7 @@ def _run(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     runs = load_runs(args.out)
     if not runs:
-        raise FileNotFoundError(f"No */results.json under {args.out}: run `jrt synthetic {args.experiment}` first.")
+        raise FileNotFoundError(f"No */results.json under {args.out}: run the {args.experiment} experiment first.")
     previous = args.out / "summary.json"
     summary = summarize(args.experiment, runs)
     if previous.exists():  # keep the wall time and machine of the original run
@@ -111,19 +131,20 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .data import sd_token_map
+    from jrt_cli.set_disjointness import sd_token_map, sd_tokenizer
 
     for arm, name in DEMO_MODEL_DIRS.items():
         source = args.out / run_directory_name(arm, args.seed)
         if not (source / "model" / "config.json").exists():
-            raise FileNotFoundError(f"No trained model in {source / 'model'}: run `jrt synthetic e1` first.")
+            raise FileNotFoundError(f"No trained model in {source / 'model'}: run the e1 experiment first.")
         results = json.loads((source / "results.json").read_text())
         target = args.dest / name
         if target.exists():
             shutil.rmtree(target)
         shutil.copytree(source / "model", target)
-        (target / "token_map.json").write_text(json.dumps(sd_token_map(results["spec"]["task"]["vocab_size"]),
-                                                          indent=2))
+        token_map = sd_token_map(results["spec"]["task"]["vocab_size"])
+        (target / "token_map.json").write_text(json.dumps(token_map, indent=2))
+        sd_tokenizer(token_map).save_pretrained(target)
         (target / "training.json").write_text(json.dumps(
             {k: results[k] for k in ("name", "seed", "spec", "accuracy", "recurrent_state_floats",
                                      "num_parameters", "train_seconds")}, indent=2))

@@ -1,4 +1,4 @@
-"""Training and evaluation of tiny JRT-RNN / Based models on the synthetic recall tasks (SYNTHETICS.md §3-§4).
+"""Training and evaluation of tiny JRT-RNN / Based models on the synthetic recall tasks (docs/synthetics.md, 2-3).
 
 Both arms of an experiment use the same `JRTRNNForCausalLM` stack ([conv, linear attention] x 2, no MLP, tied
 embeddings) and differ only in `linear_attention_type` ("prefix" = JRT-RNN, "causal" = Based), so their recurrent
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from jrt_cli.demo_models import recurrent_state_size  # noqa: F401  (re-exported)
 from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM
 
 from .data import IGNORE_INDEX, SyntheticBatch, prefix_query_mqar, set_disjointness
@@ -35,7 +36,7 @@ class TaskSpec:
 
     Attributes:
         kind: "sd" (set disjointness) or "qmqar" (prefix-query MQAR).
-        vocab_size: `V` (68 for SD, 132 for qmqar in SYNTHETICS.md).
+        vocab_size: `V` (68 for SD, 132 for qmqar in the experiments).
         train_slices: SD: `(|A|, |B|)` pairs; qmqar: `(D,)` curriculum values. One is drawn per training batch.
         eval_slices: slices of the held-out set, `eval_examples` examples each.
         repeat: SD only: times the context is given (2 = JRT-Prompt).
@@ -181,26 +182,6 @@ def warmup_cosine(step: int, total: int, warmup: int) -> float:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def recurrent_state_size(model: JRTRNNForCausalLM, batch: SyntheticBatch) -> dict[str, int]:
-    """Floats of recurrent state per sequence after prefilling the first row of `batch`, read from the cache.
-
-    Returns `{"linear_attention": ..., "conv": ..., "total": ...}`: the sizes of all linear-attention states and
-    all convolution states that the cache holds after the prefill (everything decoding needs).
-    """
-    with torch.no_grad():
-        cache = model(
-            input_ids=batch.input_ids[:1], prefix_length=batch.prefix_length, use_cache=True
-        ).cache
-    sizes = {"linear_attention": 0, "conv": 0}
-    for layer in cache.layers:
-        for state in layer.recurrent_states.values():
-            sizes["linear_attention"] += 0 if state is None else state.numel()
-        for state in layer.conv_states.values():
-            sizes["conv"] += 0 if state is None else state.numel()
-    sizes["total"] = sizes["linear_attention"] + sizes["conv"]
-    return sizes
 
 
 def machine_description() -> dict:

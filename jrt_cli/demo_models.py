@@ -1,7 +1,9 @@
-"""The models behind `jrt demo`: tiny JRT-RNN and Based trained on set disjointness by `jrt synthetic e1`.
+"""The models behind `jrt demo`: tiny JRT-RNN and Based trained on set disjointness.
 
-They ship in `jrt_cli/assets/models/{jrt-rnn-sd,based-sd}/` (`save_pretrained` output plus `token_map.json` and
-`training.json`) and load offline through `AutoModelForCausalLM.from_pretrained`.
+They were trained by the synthetic-experiment harness of the repository (`experiments/synthetic`, experiment E1) and
+ship in `jrt_cli/assets/models/{jrt-rnn-sd,based-sd}/`: `save_pretrained` output plus `token_map.json`,
+`training.json` and a tokenizer built from the token map (`tokenizer.json`). They load offline through
+`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -16,10 +18,9 @@ from transformers import AutoModelForCausalLM
 
 import modeling_jrt  # noqa: F401  (registers model_type "jrt_rnn" with the Auto classes)
 
-from .data import SyntheticBatch, set_disjointness
-from .train import recurrent_state_size
+from .set_disjointness import SyntheticBatch, set_disjointness
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "assets" / "models"
+MODELS_DIR = Path(__file__).resolve().parent / "assets" / "models"
 DEMO_SEED = 2024
 DEMO_SLICES = ((4, 16), (16, 4))  # the set sizes the models were trained on
 LONGER_SLICES = ((8, 24), (24, 8))  # longer sets never seen in training (prompt of 35 tokens)
@@ -46,7 +47,8 @@ def load_demo_model(model_dir: str, models_dir: Path = MODELS_DIR) -> tuple[torc
     path = models_dir / model_dir
     if not (path / "config.json").exists():
         raise FileNotFoundError(
-            f"No demo model in {path}; reinstall jrt-rnn or export one with `jrt synthetic export runs/e1`."
+            f"No demo model in {path}: reinstall jrt-rnn, or pass the folder of models exported by "
+            "`python experiments/synthetic export` (see its README)."
         )
     model = AutoModelForCausalLM.from_pretrained(path)
     model.eval()
@@ -81,6 +83,21 @@ def generate_answers(model: torch.nn.Module, batch: SyntheticBatch) -> torch.Ten
     return output[:, -1]
 
 
-def describe_state(model: torch.nn.Module, batch: SyntheticBatch) -> dict[str, int]:
-    """Recurrent state floats per sequence after the prefill (from the cache); see `train.recurrent_state_size`."""
-    return recurrent_state_size(model, batch)
+def recurrent_state_size(model: torch.nn.Module, batch: SyntheticBatch) -> dict[str, int]:
+    """Floats of recurrent state per sequence after prefilling the first row of `batch`, read from the cache.
+
+    Returns `{"linear_attention": ..., "conv": ..., "total": ...}`: the sizes of all linear-attention states and
+    all convolution states that the cache holds after the prefill (everything decoding needs).
+    """
+    with torch.no_grad():
+        cache = model(
+            input_ids=batch.input_ids[:1], prefix_length=batch.prefix_length, use_cache=True
+        ).cache
+    sizes = {"linear_attention": 0, "conv": 0}
+    for layer in cache.layers:
+        for state in layer.recurrent_states.values():
+            sizes["linear_attention"] += 0 if state is None else state.numel()
+        for state in layer.conv_states.values():
+            sizes["conv"] += 0 if state is None else state.numel()
+    sizes["total"] = sizes["linear_attention"] + sizes["conv"]
+    return sizes

@@ -1,16 +1,26 @@
-"""Synthetic recall tasks: generator formats (SYNTHETICS.md §1-§3), equal state of the arms, training smoke test."""
+"""Synthetic recall harness: generator formats (docs/synthetics.md, section 1), equal state of the arms, training,
+the command line and the export of demo models."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from jrt_cli.synthetic.data import (
+# The harness is not an installed package: `python experiments/synthetic` puts its folder on sys.path, so do we.
+HARNESS_DIR = Path(__file__).resolve().parents[2] / "experiments" / "synthetic"
+sys.path.insert(0, str(HARNESS_DIR))
+
+from jrt_synthetic.cli import DEFAULT_EXPORT_DIR, main  # noqa: E402
+from jrt_synthetic.data import (  # noqa: E402
     IGNORE_INDEX,
     QMQAR_QSEP,
     QMQAR_SEP,
@@ -20,8 +30,14 @@ from jrt_cli.synthetic.data import (
     sd_token_map,
     set_disjointness,
 )
-from jrt_cli.synthetic.experiments import E2_TRAINED_LOSS, experiment_runs, run_directory_name, summarize
-from jrt_cli.synthetic.train import (
+from jrt_synthetic.experiments import (  # noqa: E402
+    E2_TRAINED_LOSS,
+    e1_task,
+    experiment_runs,
+    run_directory_name,
+    summarize,
+)
+from jrt_synthetic.train import (  # noqa: E402
     RunSpec,
     TaskSpec,
     build_model_config,
@@ -30,7 +46,9 @@ from jrt_cli.synthetic.train import (
     train_run,
     warmup_cosine,
 )
-from modeling_jrt import JRTRNNForCausalLM
+from jrt_cli.demo_models import MODELS_DIR  # noqa: E402
+from jrt_cli.set_disjointness import sd_tokenizer  # noqa: E402
+from modeling_jrt import JRTRNNForCausalLM  # noqa: E402
 
 
 def rng(seed: int = 0) -> np.random.RandomState:
@@ -286,11 +304,9 @@ def test_e2_verdict_sets_aside_seeds_where_an_arm_did_not_train():
 
 
 @pytest.mark.slow
-def test_synthetic_command_runs_an_experiment_end_to_end(tmp_path, capsys):
-    from jrt_cli.main import main
-
+def test_synthetic_command_runs_an_experiment_end_to_end(tmp_path, capsys, monkeypatch):
     out = tmp_path / "e1"
-    assert main(["synthetic", "e1", "--seeds", "0", "--steps", "10", "--jobs", "1", "--out", str(out)]) == 0
+    assert main(["e1", "--seeds", "0", "--steps", "10", "--jobs", "1", "--out", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| causal Based | 10 | 0 |" in table and "| JRT-RNN | 10 | 0 |" in table and "Not reproduced" in table
     summary = json.loads((out / "summary.json").read_text())
@@ -298,7 +314,58 @@ def test_synthetic_command_runs_an_experiment_end_to_end(tmp_path, capsys):
     assert (out / "accuracy.png").stat().st_size > 1000
     assert (out / "jrt-rnn_seed0" / "model" / "model.safetensors").exists()
     # Saved models evaluated on longer sets than in training.
-    assert main(["synthetic", "evaluate", str(out), "--slices", "8,24", "--examples", "20"]) == 0
+    assert main(["evaluate", str(out), "--slices", "8,24", "--examples", "20"]) == 0
     assert "| JRT-RNN | **" in capsys.readouterr().out
     extra = json.loads((out / "extra_eval.json").read_text())
     assert set(extra) == {"causal Based", "JRT-RNN"} and len(extra["JRT-RNN"]["8_24"]) == 1
+
+    # Export: by default into ./runs/demo-models (never into the installed package), loadable by `jrt demo`.
+    monkeypatch.chdir(tmp_path)
+    shipped = {p: p.stat().st_mtime_ns for p in MODELS_DIR.rglob("*")}
+    assert main(["export", str(out), "--seed", "0"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in MODELS_DIR.rglob("*")} == shipped
+    exported = tmp_path / DEFAULT_EXPORT_DIR
+    for name in ("jrt-rnn-sd", "based-sd"):
+        files = {p.name for p in (exported / name).iterdir()}
+        assert {"config.json", "model.safetensors", "token_map.json", "training.json", "tokenizer.json"} <= files
+    from jrt_cli.main import main as jrt_main
+
+    capsys.readouterr()
+    assert jrt_main(["demo", "--models-dir", str(exported), "--examples", "8"]) == 0
+    assert "(10 steps, seed 0;" in capsys.readouterr().out
+
+
+def test_export_reports_a_missing_run(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "nothing")]) == 1
+    assert "run the e1 experiment first" in capsys.readouterr().err
+
+
+def test_harness_runs_as_a_script_from_the_repository_root():
+    """`python experiments/synthetic --help` works, and the repository root gains no `experiments` package."""
+    root = HARNESS_DIR.parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    process = subprocess.run([sys.executable, "experiments/synthetic", "--help"], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert "export" in process.stdout and "e1-small" in process.stdout
+    assert not (root / "experiments" / "__init__.py").exists()
+    assert not (HARNESS_DIR / "__init__.py").exists()
+
+
+def test_shipped_demo_models_reproduce_their_recorded_accuracy():
+    """The `jrt demo` models are the E1 seed-0 models of the recorded runs: their held-out accuracy is recorded."""
+    eval_sets = e1_task().eval_sets()
+    for name in ("jrt-rnn-sd", "based-sd"):
+        recorded = json.loads((MODELS_DIR / name / "training.json").read_text())["accuracy"]
+        model = AutoModelForCausalLM.from_pretrained(MODELS_DIR / name).eval()
+        # Up to 2 of 1 000 argmaxes may flip on another CPU (near-ties); wrong weights would move far more.
+        assert evaluate(model, eval_sets) == pytest.approx(recorded, abs=2e-3)
+
+
+def test_export_tokenizer_matches_the_token_map():
+    tokenizer = sd_tokenizer(sd_token_map(68))
+    batch = set_disjointness(rng(), 3, 4, 16)
+    for row in batch.input_ids:
+        text = render_tokens(row, sd_token_map(68))
+        assert tokenizer(text)["input_ids"] == row.tolist()
+        assert tokenizer.decode(row.tolist()) == text

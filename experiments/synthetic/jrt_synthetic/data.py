@@ -1,102 +1,39 @@
-"""Seeded generators of the synthetic recall tasks (SYNTHETICS.md §1-§3).
+"""Seeded generators of the synthetic recall tasks (docs/synthetics.md, section 1).
 
 Every generator returns a `SyntheticBatch`: `input_ids` and `labels` of the same shape `(B, T)`, where
 `labels[b, t]` is the token the model must predict *at* position t (not shifted: the label sits on the last token
 the model has read, e.g. on the final answer separator of set disjointness or on a query key of MQAR), and -100
 elsewhere. `prefix_length` is the length of the "prompt" a JRT-RNN encoder reads non-causally.
 
+Set disjointness is the task of the `jrt demo` models, so its generator lives in the package
+(`jrt_cli.set_disjointness`) and is re-exported here; MQAR and prefix-query MQAR are harness-only.
+
 Randomness comes from a `numpy.random.RandomState` passed in by the caller, so one seed fixes a whole data stream.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from jrt_cli.set_disjointness import (  # noqa: F401  (re-exported)
+    IGNORE_INDEX,
+    SD_ANSWER_SEP,
+    SD_BOS,
+    SD_MASK,
+    SD_NUM_SPECIAL,
+    SD_SET_SEP,
+    SyntheticBatch,
+    _check_positive,
+    render_tokens,
+    sd_token_map,
+    set_disjointness,
+)
 
-# Set disjointness specials (JRT paper, Algorithm 1).
-SD_MASK, SD_BOS, SD_SET_SEP, SD_ANSWER_SEP = 0, 1, 2, 3
-SD_NUM_SPECIAL = 4
-
-# Prefix-query MQAR specials (`qmqar`, SYNTHETICS.md §3).
+# Prefix-query MQAR specials (`qmqar`, docs/synthetics.md section 1.3).
 QMQAR_PAD, QMQAR_SEP, QMQAR_QSEP = 0, 1, 2
 QMQAR_NUM_SPECIAL = 4
 QMQAR_ORDERS = ("CQ", "QC", "CQC")
-
-
-@dataclass
-class SyntheticBatch:
-    """A batch of one synthetic task.
-
-    Attributes:
-        input_ids: `(B, T)` int64 tokens.
-        labels: `(B, T)` int64; the target to predict at each position, `-100` where nothing is predicted.
-        prefix_length: tokens of the prompt (what a JRT-RNN encoder reads); equal for every row.
-    """
-
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    prefix_length: int
-
-
-def _check_positive(name: str, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value}.")
-
-
-def set_disjointness(
-    rng: np.random.RandomState,
-    num_examples: int,
-    short_length: int,
-    long_length: int,
-    vocab_size: int = 68,
-    repeat: int = 1,
-) -> SyntheticBatch:
-    """Set disjointness, Algorithm 1 of the JRT paper: two sets with exactly one common token.
-
-    Per example: the ids `[4, vocab_size)` are permuted; the first `vocab_size // 2` ids of the permutation are the
-    pool of set A (`short_length` ids), the rest the pool of set B (`long_length` ids); then a random B slot is
-    overwritten with a random element `t` of A. The sequence is `[1] A [2] B [3] t`; the input drops `t` and the
-    only label is `t` at the final `3`. With `repeat = 2` (JRT-Prompt) the input is `[1] A [2] B [1] A [2] B [3]`.
-
-    Args:
-        rng: source of randomness (advanced in place).
-        num_examples: rows `B`.
-        short_length: `|A|` (the set that comes first, despite the name it may be the longer one).
-        long_length: `|B|`.
-        vocab_size: `V`; ids below 4 are specials (0 mask, 1 BOS, 2 set separator, 3 answer separator).
-        repeat: how many times the `[1] A [2] B` context is given.
-
-    Returns:
-        `SyntheticBatch` of `T = repeat * (|A| + |B| + 2) + 1` tokens, `prefix_length = T`.
-    """
-    for name, value in (("num_examples", num_examples), ("short_length", short_length),
-                        ("long_length", long_length), ("repeat", repeat)):
-        _check_positive(name, value)
-    first_pool, second_pool = vocab_size // 2, vocab_size - SD_NUM_SPECIAL - vocab_size // 2
-    if short_length > first_pool or long_length > second_pool:
-        raise ValueError(
-            f"Sets of sizes ({short_length}, {long_length}) do not fit the pools of vocab_size={vocab_size} "
-            f"({first_pool} and {second_pool} ids): use a larger vocab_size or smaller sets."
-        )
-    all_ids = np.arange(SD_NUM_SPECIAL, vocab_size)
-    context_length = short_length + long_length + 2
-    length = repeat * context_length + 1
-    input_ids = np.empty((num_examples, length), dtype=np.int64)
-    labels = np.full((num_examples, length), IGNORE_INDEX, dtype=np.int64)
-    for row in range(num_examples):
-        permuted = rng.permutation(all_ids)
-        first = rng.choice(permuted[: vocab_size // 2], size=short_length, replace=False)
-        second = rng.choice(permuted[vocab_size // 2:], size=long_length, replace=False)
-        common = first[rng.randint(short_length)]
-        second[rng.randint(long_length)] = common
-        context = np.concatenate([[SD_BOS], first, [SD_SET_SEP], second])
-        input_ids[row] = np.concatenate([np.tile(context, repeat), [SD_ANSWER_SEP]])
-        labels[row, -1] = common
-    return SyntheticBatch(torch.from_numpy(input_ids), torch.from_numpy(labels), prefix_length=length)
 
 
 def multiquery_ar(
@@ -220,21 +157,3 @@ def prefix_query_mqar(
     return SyntheticBatch(
         torch.from_numpy(np.stack(rows)), torch.from_numpy(np.stack(label_rows)), prefix_length=len(prompt)
     )
-
-
-def sd_token_map(vocab_size: int) -> dict:
-    """JSON-serialisable description of the set-disjointness vocabulary (shipped next to the demo models)."""
-    return {
-        "task": "set_disjointness",
-        "vocab_size": vocab_size,
-        "specials": {str(SD_MASK): "<mask>", str(SD_BOS): "<bos>", str(SD_SET_SEP): "|", str(SD_ANSWER_SEP): "?"},
-        "items": {"first_id": SD_NUM_SPECIAL, "last_id": vocab_size - 1, "render": "t{id}"},
-        "format": "<bos> A | B ?  -> the token common to A and B; JRT-Prompt: <bos> A | B <bos> A | B ?",
-    }
-
-
-def render_tokens(token_ids: list[int] | torch.Tensor, token_map: dict) -> str:
-    """Space-separated text of `token_ids` under a token map from `sd_token_map`."""
-    specials = token_map["specials"]
-    render = token_map["items"]["render"]
-    return " ".join(specials.get(str(int(i)), render.format(id=int(i))) for i in token_ids)

@@ -1,0 +1,55 @@
+"""PEFT's prompt-learning methods: prompt tuning trains (virtual token embeddings ahead of the input), prefix tuning
+is refused with a clear error (it injects attention key/value prefixes, which recurrent layers have no use for)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from modeling_jrt import JRTRNNForCausalLM
+
+
+@pytest.mark.parametrize("linear_attention_type", ["prefix", "causal"])
+def test_prompt_tuning_trains_the_virtual_tokens_only(make_config, linear_attention_type):
+    from peft import PromptTuningConfig, get_peft_model
+
+    base = JRTRNNForCausalLM(make_config(linear_attention_type=linear_attention_type))
+    frozen = {name: p.detach().clone() for name, p in base.named_parameters()}
+    model = get_peft_model(base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable == ["prompt_encoder.default.embedding.weight"]
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.3)
+    input_ids = torch.randint(4, 99, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    losses = []
+    for _ in range(20):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        gradient = model.prompt_encoder["default"].embedding.weight.grad
+        assert gradient is not None and gradient.abs().sum() > 0  # the prompt receives a gradient through every layer
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.01  # a random tiny model reacts weakly to its input, but it does learn
+    for name, p in base.named_parameters():
+        assert torch.equal(p, frozen[name]), name  # only the virtual tokens moved
+
+
+def test_prefix_tuning_is_refused_with_the_alternatives(make_config):
+    from peft import PrefixTuningConfig, get_peft_model
+
+    model = get_peft_model(JRTRNNForCausalLM(make_config()), PrefixTuningConfig(task_type="CAUSAL_LM",
+                                                                                num_virtual_tokens=4))
+    input_ids = torch.randint(4, 99, (2, 8))
+    with pytest.raises(ValueError, match=r"PEFT prefix tuning \(`PrefixTuningConfig`\).*prompt tuning"):
+        model(input_ids=input_ids, labels=input_ids)
+
+
+def test_a_cache_without_recurrent_state_slots_is_refused(make_config):
+    model = JRTRNNForCausalLM(make_config())
+    input_ids = torch.randint(4, 99, (1, 6))
+    with pytest.raises(ValueError, match=r"at layer 0, a 'conv' layer .*DynamicCache\(config=model.config\)"):
+        model(input_ids=input_ids, cache=DynamicCache())
+    # A cache built from the config is accepted (and is what the model builds itself).
+    model(input_ids=input_ids, cache=DynamicCache(config=model.config))
