@@ -696,6 +696,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         """
         mlm_labels = kwargs.pop("mlm_labels", None)
         cache = cache if cache is not None else past_key_values
+        _check_cache_layout(cache, self.config)
         prefix_range = None  # the encoder range of this forward, for the loss
         if labels is not None:
             prefix_range = self.model.encoder_range(
