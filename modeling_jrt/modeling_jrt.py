@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 from transformers.generation import (
     BaseStreamer,
     GenerationConfig,
@@ -211,6 +211,43 @@ class JRTRNNSlidingWindowAttention(nn.Module):
             dropout=0.0, scaling=self.scaling, sliding_window=self.sliding_window,
         )  # (B, T, H, D)
         return self.o_proj(output.reshape(batch_size, seq_len, -1))
+
+
+class JRTRNNSlidingWindowCacheLayer(DynamicSlidingWindowLayer):
+    """transformers' dynamic sliding-window cache layer, made correct for `sliding_window = 1`.
+
+    The parent keeps the last `sliding_window - 1` keys with `keys[:, :, -sliding_window + 1:]`, and for a window
+    of 1 that slice is `[-0:]`, i.e. every key: the cache grows without bound while its mask sizes
+    (`get_mask_sizes`) still assume an empty window, so a decode step attended to every past token and cached decode
+    differed from the parallel forward. This layer keeps exactly `max(sliding_window - 1, 0)` keys for every window.
+    """
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """key/value states `(B, H, T, D)` -> the cached window plus the new states `(B, H, S, D)`."""
+        if self.record_past:  # assisted decoding keeps everything until `crop` (never used by JRT-RNN)
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        full_keys = torch.cat([self.keys, key_states], dim=-2) if self.keys.numel() else key_states
+        full_values = torch.cat([self.values, value_states], dim=-2) if self.values.numel() else value_states
+        start = max(full_keys.shape[-2] - (self.sliding_window - 1), 0)
+        self.keys, self.values = full_keys[:, :, start:], full_values[:, :, start:]
+        return full_keys, full_values
+
+
+def use_exact_sliding_window_layers(cache: Cache) -> None:
+    """Make every dynamic sliding-window layer of `cache` a `JRTRNNSlidingWindowCacheLayer` (in place).
+
+    Caches are built by transformers (`generate()`, `DynamicCache(config=...)`) from `config.layer_types`, so the
+    layer class cannot be chosen at construction; the class is switched on the model's first use of the cache. The
+    subclass adds no state, so the switch keeps whatever the layer holds.
+    """
+    for layer in cache.layers:
+        if type(layer) is DynamicSlidingWindowLayer:
+            layer.__class__ = JRTRNNSlidingWindowCacheLayer
 
 
 def read_linear_attention_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
@@ -501,6 +538,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             use_cache = False
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        if cache is not None:
+            use_exact_sliding_window_layers(cache)
         has_sliding = "sliding_attention" in self.config.layer_types
 
         if position_ids is None:
@@ -706,6 +745,7 @@ __all__ = [
     "JRTRNNRMSNorm",
     "JRTRNNShortConv",
     "JRTRNNSlidingWindowAttention",
+    "JRTRNNSlidingWindowCacheLayer",
     "read_linear_attention_state",
     "write_linear_attention_state",
 ]
