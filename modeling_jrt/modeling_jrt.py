@@ -39,7 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import logging
 
 from .configuration_jrt import JRTRNNConfig
-from .generation import align_linear_attention_mask, generate_with_prefix
+from .generation import align_linear_attention_mask, cache_has_state, generate_with_prefix
 from .linear_attention import linear_attention_step, prefix_linear_attention, taylor_feature_map
 from .training import jrt_loss
 
@@ -489,6 +489,42 @@ class JRTRNNPreTrainedModel(PreTrainedModel):
             init.copy_(module.inv_freq, module.compute_inv_freq(module.config))
 
 
+def check_attention_mask(
+    attention_mask: torch.Tensor, batch_size: int, seq_len: int, cache: Cache | None, has_sliding: bool
+) -> None:
+    """Refuse a `(B, T_total)` padding mask that does not describe this forward's tokens.
+
+    Its width must be the cached length plus `seq_len` (the cached length is known exactly when the model has
+    sliding-window layers; a purely recurrent cache only bounds it below), and its values 0 or 1: any other width
+    or value used to change the logits silently (the layers read the trailing columns, or weight tokens by the value).
+    """
+    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size:
+        raise ValueError(
+            f"`attention_mask` must be (batch_size, past + seq_len) = ({batch_size}, ...), got shape "
+            f"{tuple(attention_mask.shape)}."
+        )
+    width = attention_mask.shape[1]
+    has_state = cache is not None and cache_has_state(cache)
+    if has_state and has_sliding:
+        expected = cache.get_seq_length() + seq_len
+        if width != expected:
+            raise ValueError(
+                f"`attention_mask` has {width} columns but the cache holds {expected - seq_len} tokens and the input "
+                f"{seq_len}: pass a mask over all {expected} tokens (cached and new)."
+            )
+    elif (width < seq_len) if has_state else (width != seq_len):
+        raise ValueError(
+            f"`attention_mask` has {width} columns but the input has {seq_len} tokens"
+            + (" (and the cache some more)" if has_state else "")
+            + ": pass one mask column per token."
+        )
+    if not torch.compiler.is_compiling() and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise ValueError(
+            "`attention_mask` must hold only 0 (padding) and 1 (token); got other values. Pass a binary mask "
+            "(`mask.ne(0).long()` if any nonzero value means a token)."
+        )
+
+
 class JRTRNNModel(JRTRNNPreTrainedModel):
     """The backbone: embeddings, blocks and final norm. Returns the last hidden state and the cache."""
 
@@ -533,6 +569,11 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if inputs_embeds.shape[1] == 0:
+            raise ValueError(
+                f"The input has 0 tokens (shape {tuple(inputs_embeds.shape[:2])}): pass at least one token; "
+                "`generate()` without a prompt starts from `bos_token_id`."
+            )
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False
@@ -541,6 +582,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         if cache is not None:
             use_exact_sliding_window_layers(cache)
         has_sliding = "sliding_attention" in self.config.layer_types
+        if isinstance(attention_mask, torch.Tensor):
+            check_attention_mask(attention_mask, inputs_embeds.shape[0], inputs_embeds.shape[1], cache, has_sliding)
 
         if position_ids is None:
             past_length = cache.get_seq_length() if (cache is not None and has_sliding) else 0
