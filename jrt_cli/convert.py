@@ -44,9 +44,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jrt_convert import convert_checkpoint, push_to_hub
+    from jrt_convert.hub import check_hub_access
 
     if (args.private or args.revision or args.create_pr) and not args.push_to_hub:
         raise ValueError("--private, --revision and --create-pr need --push-to-hub REPO_ID.")
+    if args.create_pr and args.revision not in (None, "main"):
+        raise ValueError(
+            f"--create-pr opens a pull request against main; it cannot be combined with --revision {args.revision!r}."
+        )
+    if args.push_to_hub:
+        check_hub_access(args.push_to_hub, private=args.private)  # before the minutes of conversion
     result = convert_checkpoint(
         args.source,
         args.destination,

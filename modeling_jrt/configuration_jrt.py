@@ -217,8 +217,8 @@ class JRTRNNConfig(PreTrainedConfig):
             not _is_int(self.generation_vocab_size) or not 0 < self.generation_vocab_size <= self.vocab_size
         ):
             raise ValueError(
-                f"`generation_vocab_size` ({self.generation_vocab_size!r}) must be in [1, vocab_size={self.vocab_size}] "
-                "(or None to allow every row)."
+                f"`generation_vocab_size` ({self.generation_vocab_size!r}) must be in "
+                f"[1, vocab_size={self.vocab_size}] (or None to allow every row)."
             )
 
     def validate_architecture(self):
