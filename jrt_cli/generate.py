@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     except OSError as error:  # missing folder, unknown Hub id, no network
         raise FileNotFoundError(f"cannot load a model from {args.model!r}: {one_line(error)}") from error
-    tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code, explicit=args.tokenizer is not None)
+    explicit = args.tokenizer is not None
+    tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code, explicit=explicit)
     model.to(device).eval()
 
     prompt = read_twice(args.prompt) if args.jrt_prompt else args.prompt

@@ -184,7 +184,8 @@ def test_non_finite_tensor_is_named(tmp_path, value):
     def edit(state_dict):
         state_dict["transformer.layers.0.mlp.fc2.weight"][3, 5] = value
 
-    with pytest.raises(ConversionError, match=r"NaN or Inf values: \['model\.transformer\.layers\.0\.mlp\.fc2\.weight'\]"):
+    message = r"NaN or Inf values: \['model\.transformer\.layers\.0\.mlp\.fc2\.weight'\]"
+    with pytest.raises(ConversionError, match=message):
         convert_checkpoint(_source(tmp_path / "src", edit=edit), tmp_path / "out")
 
 

@@ -67,7 +67,8 @@ def test_default_layer_types_for_36_layers():
         (dict(bos_token_id=-1), r"`bos_token_id` must be None or a token id in \[0, vocab_size=50264\), got -1"),
         (dict(eos_token_id=[2, 60000]), r"`eos_token_id` must be None or a token id .* got \[2, 60000\]"),
         (dict(pad_token_id=50264), r"`pad_token_id` must be None or a token id"),
-        (dict(vocab_size=200, bos_token_id=0, eos_token_id=0), r"`prefix_pad_token_id` must be None or a token id in \[0, vocab_size=200\), got 220"),
+        (dict(vocab_size=200, bos_token_id=0, eos_token_id=0),
+         r"`prefix_pad_token_id` must be None or a token id in \[0, vocab_size=200\), got 220"),
         (dict(generation_vocab_size=0), r"`generation_vocab_size` \(0\) must be in \[1, vocab_size=50264\]"),
         # layer_types: a list of this model's own names; transformers' legacy remap must not rename them.
         (dict(num_hidden_layers=2, layer_types=["conv", "mamba"]), r"`layer_types\[1\]` is 'mamba'"),
