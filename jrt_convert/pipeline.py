@@ -322,7 +322,7 @@ def _move_into_place(staging: Path, destination: Path, *, overwrite: bool) -> No
     os.replace(destination, backup)
     try:
         os.replace(staging, destination)
-    except OSError:
+    except BaseException:  # an OSError, or SIGTERM between the two renames: put the previous folder back
         os.replace(backup, destination)
         raise
     if backup.is_dir():

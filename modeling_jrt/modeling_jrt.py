@@ -495,8 +495,9 @@ def check_attention_mask(
     """Refuse a `(B, T_total)` padding mask that does not describe this forward's tokens.
 
     Its width must be the cached length plus `seq_len` (the cached length is known exactly when the model has
-    sliding-window layers; a purely recurrent cache only bounds it below), and its values 0 or 1: any other width
-    or value used to change the logits silently (the layers read the trailing columns, or weight tokens by the value).
+    sliding-window layers; a purely recurrent cache only bounds it below), and its values 0 or 1 (checked outside
+    decode steps): any other width or value used to change the logits silently (the layers read the trailing columns,
+    or weight tokens by the value).
     """
     if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size:
         raise ValueError(
@@ -518,7 +519,12 @@ def check_attention_mask(
             + (" (and the cache some more)" if has_state else "")
             + ": pass one mask column per token."
         )
-    if not torch.compiler.is_compiling() and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+    # The values are checked when new tokens arrive in bulk; a decode step (one token after a checked prefill) skips
+    # the check, which would cost a device synchronisation per generated token.
+    is_decode_step = has_state and seq_len == 1
+    if is_decode_step or torch.compiler.is_compiling():
+        return
+    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
         raise ValueError(
             "`attention_mask` must hold only 0 (padding) and 1 (token); got other values. Pass a binary mask "
             "(`mask.ne(0).long()` if any nonzero value means a token)."

@@ -240,3 +240,22 @@ def test_connection_refused_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Connection refused" in err and "hf auth login" in err
 
+
+
+def test_sigterm_between_the_overwrite_renames_puts_the_previous_folder_back(tmp_path, monkeypatch):
+    import jrt_convert.pipeline as pipeline
+
+    source = _source(tmp_path / "src")
+    convert_checkpoint(source, tmp_path / "out")
+    before = _snapshot(tmp_path / "out")
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".out.tmp-"):  # the second rename: staging -> destination
+            raise safety.Terminated(143)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(pipeline.os, "replace", replace)
+    with pytest.raises(safety.Terminated):
+        convert_checkpoint(source, tmp_path / "out", overwrite=True)
+    assert _snapshot(tmp_path / "out") == before and not list(tmp_path.glob(".out*"))
