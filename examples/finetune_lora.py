@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel, get_peft_model
-from tiny_setup import EOS_ID, builtin_corpus, decode, encode, tiny_config
+from tiny_setup import EOS_ID, builtin_corpus, decode, encode, end_distributed, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
 from modeling_jrt import (
@@ -77,6 +77,16 @@ def causal_lm_collator(examples: list[torch.Tensor], prefix_length: int = 0) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = finetune(argv)
+    except BaseException:
+        end_distributed(synchronize=False)
+        raise
+    end_distributed(synchronize=True)  # every rank waits for rank 0's saving and sampling, then exits cleanly
+    return code
+
+
+def finetune(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     training_args = TrainingArguments(
         output_dir=str(args.output_dir / "checkpoints"),

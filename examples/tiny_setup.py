@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from modeling_jrt import JRTRNNConfig, default_layer_types
 
 EOS_ID = 256  # bytes are 0..255
@@ -52,3 +54,14 @@ def tiny_config(prefix_length: int = 64, hidden_size: int = 64, num_layers: int 
         eos_token_id=EOS_ID,
         pad_token_id=EOS_ID,
     )
+
+
+def end_distributed(*, synchronize: bool) -> None:
+    """Tear down the process group that Trainer started under torchrun / accelerate, so that every rank exits with
+    its own status. A rank that exits with the gloo group still alive can abort in the group's destructor
+    ("terminate called without an active exception"), e.g. while rank 0 is still saving. `synchronize` first waits
+    for every rank (skip it when this rank failed: the others would wait for it forever)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if synchronize:
+            torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

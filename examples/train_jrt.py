@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
-from tiny_setup import EOS_ID, builtin_corpus, decode, encode, tiny_config
+from tiny_setup import EOS_ID, builtin_corpus, decode, encode, end_distributed, tiny_config
 from transformers import Trainer, TrainingArguments, set_seed
 
 from modeling_jrt import JRTDataCollator, JRTRNNForCausalLM, pack_token_blocks
@@ -71,15 +71,12 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     documents = args.train_file.read_text(encoding="utf-8").split("\n\n") if args.train_file else builtin_corpus()
     stream = [token for document in documents for token in encode(document) + [EOS_ID]]
     blocks = pack_token_blocks(stream, args.block_size)
-    num_eval = max(1, len(blocks) // 20)
-    train_blocks, eval_blocks = blocks[num_eval:], blocks[:num_eval]
 
     model = JRTRNNForCausalLM(tiny_config(args.prefix_length, args.hidden_size, args.num_layers))
     training_args = TrainingArguments(
         output_dir=str(args.output_dir),
         max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate,
         adam_beta1=0.9,
@@ -97,6 +94,13 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
         ddp_find_unused_parameters=False,  # every parameter (or every adapter weight) takes part in each step
         dataloader_drop_last=True,  # equal micro-batches on every process
     )
+    # With drop_last, the evaluation keeps only whole rounds of one batch per process: at least one block per process,
+    # and batches no larger than each process's share, or no batch is left and there is no `eval_loss` (11 blocks on
+    # 2 processes x batch 8).
+    world_size = training_args.world_size
+    num_eval = max(world_size, len(blocks) // 20)
+    training_args.per_device_eval_batch_size = max(1, min(args.batch_size, num_eval // world_size))
+    train_blocks, eval_blocks = blocks[num_eval:], blocks[:num_eval]
     return JRTTrainer(
         model=model,
         args=training_args,
@@ -109,6 +113,16 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = train(argv)
+    except BaseException:
+        end_distributed(synchronize=False)
+        raise
+    end_distributed(synchronize=True)  # every rank waits for rank 0's saving and sampling, then exits cleanly
+    return code
+
+
+def train(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     trainer = build_trainer(args)
     trainer.train()

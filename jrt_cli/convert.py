@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .main import UsageError
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -44,9 +46,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jrt_convert import convert_checkpoint, push_to_hub
+    from jrt_convert.hub import check_hub_access
 
     if (args.private or args.revision or args.create_pr) and not args.push_to_hub:
-        raise ValueError("--private, --revision and --create-pr need --push-to-hub REPO_ID.")
+        raise UsageError("--private, --revision and --create-pr need --push-to-hub REPO_ID.")
+    if args.create_pr and args.revision not in (None, "main"):
+        raise UsageError(
+            f"--create-pr opens a pull request against main; it cannot be combined with --revision {args.revision!r}."
+        )
+    if args.push_to_hub:
+        check_hub_access(args.push_to_hub, private=args.private)  # before the minutes of conversion
     result = convert_checkpoint(
         args.source,
         args.destination,

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
+from .main import UsageError
+
 from .demo_models import (
     DEMO_ARMS,
     DEMO_SEED,
@@ -49,7 +51,7 @@ def _accuracy(model, batch) -> float:
 
 def run(args: argparse.Namespace) -> int:
     if args.examples < NUM_SHOWN:
-        raise ValueError(f"`--examples` must be >= {NUM_SHOWN}, got {args.examples}.")
+        raise UsageError(f"`--examples` must be >= {NUM_SHOWN}, got {args.examples}.")
     start = time.perf_counter()
     hf_logging.disable_progress_bar()  # no "Loading weights" bars in the output
     models = {}

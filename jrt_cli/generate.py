@@ -11,8 +11,14 @@ is generated (`TextStreamer`).
 from __future__ import annotations
 
 import argparse
+import os
 
+from .main import UsageError, one_line
 from modeling_jrt.configuration_jrt import PREFIX_STRATEGIES
+
+
+# Files of which a saved tokenizer has at least one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 def read_twice(prompt: str) -> str:
@@ -27,6 +33,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Generate from a JRT-RNN / Based checkpoint (local folder or Hub id), streaming to stdout.",
     )
     parser.add_argument("--model", required=True, help="checkpoint folder or Hub repo id")
+    parser.add_argument(
+        "--tokenizer", metavar="PATH_OR_ID", default=None,
+        help="tokenizer folder or Hub id (default: the one saved with --model; a converted folder without one "
+        "needs e.g. --tokenizer gpt2)",
+    )
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     parser.add_argument(
@@ -45,22 +56,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+    from transformers import AutoModelForCausalLM, TextStreamer
 
     import modeling_jrt  # noqa: F401  (registers model_type "jrt_rnn" with the Auto classes)
 
     if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
+    if not args.prompt:
+        raise UsageError("--prompt is empty: give some text to continue.")
+    device = resolve_device(args.device)
+    looks_like_path = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1  # a Hub id has one "/"
+    if looks_like_path and not os.path.exists(os.path.expanduser(args.model)):
+        raise FileNotFoundError(f"--model {args.model!r}: no such folder.")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     except OSError as error:  # missing folder, unknown Hub id, no network
-        raise FileNotFoundError(f"cannot load a model and tokenizer from {args.model!r}: {error}") from error
+        raise FileNotFoundError(f"cannot load a model from {args.model!r}: {one_line(error)}") from error
+    explicit = args.tokenizer is not None
+    tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code, explicit=explicit)
     model.to(device).eval()
 
     prompt = read_twice(args.prompt) if args.jrt_prompt else args.prompt
     inputs = tokenizer(prompt, return_tensors="pt").to(device)
+    if inputs["input_ids"].shape[1] == 0:
+        raise UsageError(f"--prompt {args.prompt!r} encodes to 0 tokens with this tokenizer: give some text.")
     torch.manual_seed(args.seed)
     sampling = {"do_sample": args.do_sample}
     if args.temperature is not None:
@@ -76,3 +95,43 @@ def run(args: argparse.Namespace) -> int:
         **sampling,
     )
     return 0
+
+
+def resolve_device(name: str | None) -> str:
+    """`--device`, checked: a device torch knows and this machine has (default: cuda when available, else cpu)."""
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise UsageError(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps).") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine; use --device cpu.")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s).")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {name}: MPS is not available on this machine; use --device cpu.")
+    return name
+
+
+def load_tokenizer(name: str, trust_remote_code: bool, *, explicit: bool):
+    """The tokenizer of `name`, or a one-line error that says to pass `--tokenizer`."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    folder = Path(name)
+    if not explicit and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{name!r} holds no tokenizer (none of {list(TOKENIZER_FILES)}): pass --tokenizer PATH_OR_ID, e.g. "
+            "--tokenizer gpt2 for the released models."
+        )
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as error:
+        # A folder without tokenizer files makes transformers fall back to sentencepiece/tiktoken conversions,
+        # whose messages talk about packages instead of the missing files.
+        hint = "" if explicit else " (pass --tokenizer PATH_OR_ID to use another one, e.g. --tokenizer gpt2)"
+        raise FileNotFoundError(f"cannot load a tokenizer from {name!r}{hint}: {one_line(error)}") from error

@@ -82,8 +82,14 @@ def load_reference_config(folder: Path) -> dict:
             f"No {CONFIG_NAME!r} in {str(folder)!r}: the reference config (a GPT2Config dump with the mixer dicts) "
             "must sit next to the weights."
         )
-    with open(path, encoding="utf-8") as handle:
-        config = json.load(handle)
+    try:
+        config = json.loads(path.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as error:
+        raise ConversionError(f"{str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}).") from error
+    except json.JSONDecodeError as error:
+        raise ConversionError(
+            f"{str(path)!r} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}."
+        ) from error
     if not isinstance(config, dict):
         raise ConversionError(f"{str(path)!r} must hold a JSON object, got {type(config).__name__}.")
     return config
@@ -96,8 +102,15 @@ def load_state_dict_safely(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
         (state_dict, is_lightning): the raw (un-normalised) state dict, and whether it came from a Lightning
         checkpoint's `state_dict` entry.
     """
+    check_file_integrity(path)
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=_can_mmap(path))
+    except (EOFError, RuntimeError, zipfile.BadZipFile) as error:
+        reason = str(error).splitlines()[0] if str(error) else "unexpected end of file"
+        raise ConversionError(
+            f"Cannot read {str(path)!r} ({type(error).__name__}: {reason}): the file is truncated or damaged. "
+            "Download or copy it again."
+        ) from error
     except pickle.UnpicklingError as error:
         raise ConversionError(
             f"Refusing to load {str(path)!r}: it contains Python objects other than tensors and plain containers, "
@@ -117,7 +130,40 @@ def load_state_dict_safely(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
     not_tensors = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
     if not_tensors:
         raise ConversionError(f"{str(path)!r}: these state-dict entries are not tensors: {not_tensors}.")
+    non_finite = sorted(
+        k for k, v in state_dict.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())
+    )
+    if non_finite:
+        raise ConversionError(
+            f"{str(path)!r}: these tensors hold NaN or Inf values: {non_finite}. The checkpoint is damaged or "
+            "diverged; a converted model would give NaN logits."
+        )
     return state_dict, is_lightning
+
+
+def check_file_integrity(path: Path) -> None:
+    """Refuse an empty weights file, and a zip-format checkpoint (torch >= 1.6) whose records fail their CRC-32.
+
+    Every record of torch's zip format carries a CRC-32 of its bytes, so a damaged download or copy is caught here
+    instead of being converted into wrong weights. (Legacy pickles carry no checksum; they are read as they are.)
+    """
+    size = path.stat().st_size
+    if size == 0:
+        raise ConversionError(f"{str(path)!r} is empty (0 bytes): the download or copy is incomplete; fetch it again.")
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as error:
+        raise ConversionError(
+            f"Cannot read {str(path)!r} as a torch zip checkpoint ({error}): the file is damaged; fetch it again."
+        ) from error
+    if damaged is not None:
+        raise ConversionError(
+            f"{str(path)!r} is damaged: its record {damaged!r} fails the CRC-32 check (a corrupted download or copy). "
+            "Fetch the file again; nothing was converted."
+        )
 
 
 def normalise_keys(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -164,6 +210,7 @@ def _unpickler_reason(error: BaseException) -> str:
 
 __all__ = [
     "ConversionError",
+    "check_file_integrity",
     "ReferenceCheckpoint",
     "find_weights_file",
     "load_reference_config",

@@ -139,6 +139,22 @@ def _get(config: dict, *names: str, default=_REQUIRED, where: str = "config.json
     return default
 
 
+def _int(value: object, field: str, where: str = "config.json") -> int:
+    """`value` as an int, or a ConversionError naming the field (JSON numbers only; 16.0 is accepted, "16" is not)."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or not math.isfinite(value) or value != int(value):
+        raise ConversionError(f"{where} field {field!r} must be an integer, got {value!r}.")
+    return int(value)
+
+
+def _layer_list(config: dict, name: str) -> set[int]:
+    """The layer indices of `alt_mixer_layers` / `alt_mixer_2_layers` (a list of integers, or absent)."""
+    value = config.get(name) or []
+    if not isinstance(value, list):
+        raise ConversionError(f"config.json field {name!r} must be a list of layer indices, got {value!r}.")
+    return {_int(index, f"{name}[{position}]") for position, index in enumerate(value)}
+
+
 def _mixer_dict(config: dict, name: str) -> dict | None:
     value = config.get(name)
     if value is None:
@@ -192,14 +208,21 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
             f"GPT2MixerConfig dump (supported families: {list(FAMILIES)}; the attention and Mamba baselines are not)."
         )
     notes: list[str] = []
-    num_layers = int(_get(config, "n_layer", "num_hidden_layers"))
-    hidden_size = int(_get(config, "n_embd", "hidden_size"))
-    num_heads = int(_get(config, "n_head", "num_attention_heads"))
+    num_layers = _int(_get(config, "n_layer", "num_hidden_layers"), "n_layer")
+    hidden_size = _int(_get(config, "n_embd", "hidden_size"), "n_embd")
+    num_heads = _int(_get(config, "n_head", "num_attention_heads"), "n_head")
     _check_backbone(config)
 
     # Layer kinds: alt_mixer_2 is checked first, then alt_mixer, else the default mixer (REFERENCE.md §1.2).
-    sliding_layers = set(config.get("alt_mixer_2_layers") or [])
-    linear_layers = set(config.get("alt_mixer_layers") or [])
+    sliding_layers = _layer_list(config, "alt_mixer_2_layers")
+    linear_layers = _layer_list(config, "alt_mixer_layers")
+    both = sorted(sliding_layers & linear_layers)
+    if both:
+        raise ConversionError(
+            f"config.json lists layers {both} in both alt_mixer_layers (linear attention) and alt_mixer_2_layers "
+            "(sliding attention); each layer has one mixer. Fix the config (the released checkpoints list disjoint "
+            "layers)."
+        )
     for name, layers, mixer_args in (
         ("alt_mixer_2_layers", sliding_layers, alt_mixer_2),
         ("alt_mixer_layers", linear_layers, alt_mixer),
@@ -220,12 +243,12 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
         )
 
     # Gated convolution (BaseConv; `kernel_sizes` is ignored by the reference constructor, so is it here).
-    expand_proj = int(mixer.get("expand_proj", 4))
+    expand_proj = _int(mixer.get("expand_proj", 4), "mixer.expand_proj")
     if expand_proj % 2:
         raise ConversionError(
             f"BaseConv expand_proj must be even (inner width = expand_proj * d / 2), got {expand_proj}."
         )
-    kernel_size = int(mixer.get("kernel_size", 3))
+    kernel_size = _int(mixer.get("kernel_size", 3), "mixer.kernel_size")
     if "kernel_sizes" in mixer:
         notes.append(
             f"mixer.kernel_sizes={mixer['kernel_sizes']!r} ignored, as by the reference (kernel_size={kernel_size})"
@@ -239,9 +262,9 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
                 f"Unknown checkpoint family: alt_mixer is {_target(alt_mixer)!r}, not a (prefix) linear attention; "
                 f"supported families: {list(FAMILIES)}."
             )
-        feature_dim = int(alt_mixer.get("feature_dim", 16))
+        feature_dim = _int(alt_mixer.get("feature_dim", 16), "alt_mixer.feature_dim")
         heads = alt_mixer.get("num_heads")
-        if heads is not None and int(heads) != num_heads:
+        if heads is not None and _int(heads, "alt_mixer.num_heads") != num_heads:
             raise ConversionError(
                 f"alt_mixer.num_heads={heads} differs from n_head={num_heads}; the converted model shares one head "
                 "count between its attention layers."
@@ -257,22 +280,22 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
                 f"Unknown checkpoint family: alt_mixer_2 is {_target(alt_mixer_2)!r}, not a sliding-window attention; "
                 f"supported families: {list(FAMILIES)}."
             )
-        window_size = int(_get(alt_mixer_2, "window_size", where="config.json alt_mixer_2"))
+        window_size = _int(_get(alt_mixer_2, "window_size", where="config.json alt_mixer_2"), "alt_mixer_2.window_size")
         if window_size == 4096:
             raise ConversionError(
                 "alt_mixer_2.window_size=4096 triggers the reference's per-layer window special case (layers 7 and 17 "
                 "use 256), which the converted model does not support."
             )
 
-    vocab_size = int(config.get("vocab_size", 50257))
-    multiple = int(config.get("pad_vocab_size_multiple", 8))
+    vocab_size = _int(config.get("vocab_size", 50257), "vocab_size")
+    multiple = _int(config.get("pad_vocab_size_multiple", 8), "pad_vocab_size_multiple")
     padded_vocab_size = math.ceil(vocab_size / multiple) * multiple
     n_inner = config.get("n_inner")
     if n_inner is None:
         n_inner = 4 * hidden_size
         notes.append(f"n_inner not set: using GPT-2's default 4 * n_embd = {n_inner}.")
     # GatedMlp rounds its hidden width up to a multiple of 256 (REFERENCE.md §3.7).
-    intermediate_size = math.ceil(int(n_inner) / 256) * 256
+    intermediate_size = math.ceil(_int(n_inner, "n_inner") / 256) * 256
 
     fixed_decay = bool(config.get("fixed_decay", (alt_mixer or {}).get("fixed_decay", False)))
     decay_const = float(config.get("decay_const", (alt_mixer or {}).get("decay_const", -3)))
@@ -288,16 +311,16 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
         conv_kernel_size=kernel_size,
         conv_bias=bool(mixer.get("use_bias", True)),
         feature_dim=feature_dim,
-        enc_length=None if enc_length is None else int(enc_length),
+        enc_length=None if enc_length is None else _int(enc_length, "enc_length"),
         window_size=window_size,
         fixed_decay=fixed_decay,
         decay_const=decay_const,
         use_decay_proj=use_decay_proj,
         rope_theta=float(config.get("rotary_emb_base", 10000.0)),
         rms_norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
-        bos_token_id=int(config.get("bos_token_id", 50256)),
-        eos_token_id=int(config.get("eos_token_id", 50256)),
-        mask_token_id=None if config.get("mask_token_id") is None else int(config["mask_token_id"]),
+        bos_token_id=_int(config.get("bos_token_id", 50256), "bos_token_id"),
+        eos_token_id=_int(config.get("eos_token_id", 50256), "eos_token_id"),
+        mask_token_id=None if config.get("mask_token_id") is None else _int(config["mask_token_id"], "mask_token_id"),
         linear_attention_target=_target(alt_mixer),
         notes=notes,
     )

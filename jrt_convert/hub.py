@@ -9,6 +9,16 @@ from huggingface_hub import HfApi, snapshot_download
 
 from .checkpoint import CONFIG_NAME, LIGHTNING_SUFFIX, WEIGHTS_NAME, ConversionError
 
+try:  # huggingface_hub speaks HTTP through httpx (httpx2 in recent releases); its transport errors are not OSErrors
+    from httpx2 import HTTPError as _TransportError
+except ImportError:
+    try:
+        from httpx import HTTPError as _TransportError
+    except ImportError:
+        _TransportError = OSError
+
+# Errors of a Hub call: HfHubHTTPError and OfflineModeIsEnabled are OSErrors; a refused connection is an httpx error.
+HUB_ERRORS = (OSError, ValueError, _TransportError)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -25,7 +35,7 @@ def download_reference_checkpoint(repo_id: str, *, revision: str | None = None) 
             revision=revision,
             allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, f"*{LIGHTNING_SUFFIX}"],
         )
-    except (OSError, ValueError) as error:  # HfHubHTTPError and offline errors are OSErrors
+    except HUB_ERRORS as error:
         raise ConversionError(
             f"Could not download {repo_id!r} from the Hugging Face Hub ({type(error).__name__}: {error}). "
             f"Without network access, copy {CONFIG_NAME} and {WEIGHTS_NAME} from https://huggingface.co/{repo_id} "
@@ -81,15 +91,41 @@ def push_to_hub(
             create_pr=create_pr,
             commit_message=commit_message or "Upload converted JRT-RNN / Based checkpoint",
         )
-    except (OSError, ValueError) as error:  # HfHubHTTPError and offline errors are OSErrors
+    except HUB_ERRORS as error:
         retry = f"hf upload {repo_id} {folder} ." + (f" --revision {revision}" if revision else "")
         retry += " --create-pr" if create_pr else ""
         raise RuntimeError(
-            f"Upload to {repo_id!r} failed ({type(error).__name__}: {error}). The converted folder {str(folder)!r} "
-            f"is intact: fix the cause (login with `hf auth login`, network, permissions) and retry with `{retry}`, "
-            "or call jrt_convert.push_to_hub on the folder."
+            f"Upload to {repo_id!r} failed ({type(error).__name__}: {_first_line(error)}). The converted folder "
+            f"{str(folder)!r} is intact: fix the cause (login with `hf auth login`, network, permissions) and retry "
+            f"with `{retry}`, or call jrt_convert.push_to_hub on the folder."
         ) from error
     return commit.pr_url if create_pr and commit.pr_url else commit.commit_url
 
 
-__all__ = ["download_reference_checkpoint", "is_repo_id", "push_to_hub"]
+def check_hub_access(repo_id: str, *, private: bool = False, token: str | None = None) -> None:
+    """Before a conversion that will be uploaded: the Hub is reachable, the login works and `repo_id` can be written.
+
+    Creates the repo (`exist_ok`, as the upload would), so that an offline machine, a missing login or a repo owned by
+    someone else is reported before minutes of conversion rather than after.
+
+    Raises:
+        RuntimeError: with the cause and how to fix it.
+    """
+    if not is_repo_id(repo_id):
+        raise ValueError(f"--push-to-hub needs a Hub repo id of the form 'owner/name', got {repo_id!r}.")
+    try:
+        HfApi(token=token).create_repo(repo_id=repo_id, private=private, repo_type="model", exist_ok=True)
+    except HUB_ERRORS as error:
+        raise RuntimeError(
+            f"Cannot upload to {repo_id!r} ({type(error).__name__}: {_first_line(error)}); nothing was converted. "
+            "Fix the cause (network or HF_HUB_OFFLINE, `hf auth login`, write access to the repo) and run again, or "
+            "convert without --push-to-hub and upload later with `hf upload`."
+        ) from error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no details"
+
+
+__all__ = ["HUB_ERRORS", "check_hub_access", "download_reference_checkpoint", "is_repo_id", "push_to_hub"]

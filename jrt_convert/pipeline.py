@@ -4,8 +4,10 @@
     -> write to a temporary folder (safetensors, config with auto_map, generation config, remote code,
        tokenizer, model card) -> verify (reload + one forward) -> move into place
 
-An interrupted or failed conversion removes its temporary folder and never touches an existing destination unless
-`overwrite=True`, in which case the old folder is replaced only after the new one is complete and verified.
+An interrupted (Ctrl-C, SIGTERM) or failed conversion removes its temporary folder, and the next run removes the folders
+of a killed one (SIGKILL). An existing destination is touched only with `overwrite=True`, and only when it is empty or
+a previous conversion's output; it is replaced only after the new one is complete and verified. The source is never
+written (see `safety.py`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,15 @@ from .families import (
 )
 from .hub import download_reference_checkpoint, is_repo_id
 from .mapping import map_state_dict
+from .safety import (
+    backup_name,
+    check_destination,
+    check_free_space,
+    check_writable,
+    remove_stale_staging,
+    staging_prefix,
+    terminate_cleanly,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PREFIX_PAD_MASKINGS = ("reference", "strict")
@@ -106,9 +116,14 @@ def convert_checkpoint(
             f"prefix_pad_masking must be one of {list(PREFIX_PAD_MASKINGS)}, got {prefix_pad_masking!r}."
         )
     destination = Path(destination)
-    _check_destination(destination, overwrite=overwrite)
+    # 1. Pre-flight: settle what an interrupted run left, refuse destinations that could lose data, check writability.
+    cleanup_notes = remove_stale_staging(destination)
+    given_source = Path(str(source)).expanduser()
+    check_destination(given_source if given_source.exists() else None, destination, overwrite=overwrite)
+    check_writable(destination)
 
     local_source, name_hint = _resolve_source(str(source))
+    check_destination(local_source, destination, overwrite=overwrite)
     checkpoint = read_reference_checkpoint(local_source)
     arch = read_architecture(checkpoint.config)
     detection = detect_family(
@@ -124,32 +139,36 @@ def convert_checkpoint(
         model = JRTRNNForCausalLM(config)
     target_shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
     weights, key_notes = map_state_dict(checkpoint.state_dict, spec, arch, target_shapes, DTYPES[dtype])
-    notes += key_notes
+    notes += key_notes + cleanup_notes
+    check_free_space(destination, sum(t.numel() * t.element_size() for t in weights.values()))
     if checkpoint.dropped_keys:
         notes.append(f"dropped {len(checkpoint.dropped_keys)} Lightning metric counters (keys containing 'metrics')")
     _load_weights(model, weights)
     model.generation_config = reference_generation_config(config)
     tok, tokenizer_note = _load_tokenizer(tokenizer, arch)
 
+    # 2. Write to a staging folder, verify, move into place. SIGTERM cleans up like Ctrl-C; after a SIGKILL the next
+    # run removes the staging folder (`remove_stale_staging`, by the dead process id in its name).
     destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
-    try:
-        model.save_pretrained(staging, max_shard_size=max_shard_size)
-        copy_remote_code(staging)
-        if tok is not None:
-            tok.save_pretrained(staging)
-        (staging / "README.md").write_text(
-            render_model_card(name_hint, spec, detection.evidence, arch, config, dtype, notes,
-                              has_tokenizer=tok is not None),
-            encoding="utf-8",
-        )
-        verify_folder(staging, model)
-        files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
-        _apply_umask(staging)
-        _move_into_place(staging, destination, overwrite=overwrite)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with terminate_cleanly():
+        staging = Path(tempfile.mkdtemp(prefix=staging_prefix(destination), dir=destination.parent))
+        try:
+            model.save_pretrained(staging, max_shard_size=max_shard_size)
+            copy_remote_code(staging)
+            if tok is not None:
+                tok.save_pretrained(staging)
+            (staging / "README.md").write_text(
+                render_model_card(name_hint, spec, detection.evidence, arch, config, dtype, notes,
+                                  has_tokenizer=tok is not None),
+                encoding="utf-8",
+            )
+            verify_folder(staging, model)
+            files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+            _apply_umask(staging)
+            _move_into_place(staging, destination, overwrite=overwrite)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return ConversionResult(
         destination=destination,
         source=str(source),
@@ -160,14 +179,6 @@ def convert_checkpoint(
         files=files,
         notes=notes + ([tokenizer_note] if tokenizer_note else []),
     )
-
-
-def _check_destination(destination: Path, *, overwrite: bool) -> None:
-    if destination.exists() and not overwrite:
-        raise ConversionError(
-            f"Destination {str(destination)!r} already exists; choose another folder or pass --overwrite to replace "
-            "it (it is replaced only after the new conversion is complete and verified)."
-        )
 
 
 def _resolve_source(source: str) -> tuple[Path, str]:
@@ -307,11 +318,11 @@ def _move_into_place(staging: Path, destination: Path, *, overwrite: bool) -> No
         return
     if not overwrite:  # appeared while converting
         raise ConversionError(f"Destination {str(destination)!r} appeared during the conversion; nothing was written.")
-    backup = destination.with_name(f".{destination.name}.old-{uuid.uuid4().hex[:8]}")
+    backup = destination.with_name(backup_name(destination))
     os.replace(destination, backup)
     try:
         os.replace(staging, destination)
-    except OSError:
+    except BaseException:  # an OSError, or SIGTERM between the two renames: put the previous folder back
         os.replace(backup, destination)
         raise
     if backup.is_dir():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 
@@ -12,9 +14,69 @@ PREFIX_STRATEGIES = ("pad", "repeat", "none")
 LINEAR_ATTENTION_IMPLEMENTATIONS = ("auto", "chunked", "triton", "quadratic")
 
 
+# Field checks run on construction and on load (`from_pretrained` builds the config through `__init__`), before
+# anything derives values from the fields; each error names the field, the value and what is allowed.
+POSITIVE_INT_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "sliding_window", "conv_kernel_size",
+    "conv_expansion", "feature_dim", "linear_attention_chunk_size",
+)
+NON_NEGATIVE_INT_FIELDS = ("intermediate_size", "prefix_length")
+POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "linear_attention_eps")
+NON_NEGATIVE_FLOAT_FIELDS = ("mlm_weight", "initializer_range")
+BOOL_FIELDS = ("tie_word_embeddings", "conv_bias", "linear_attention_decay", "use_decay_proj", "use_cache")
+TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "prefix_pad_token_id", "mask_token_id")
+
+
 def _check_choice(field: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"`{field}` must be one of {list(allowed)}, got {value!r}.")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(field: str, value: object, *, minimum: int) -> None:
+    """`value` is an int (not a bool, float or string) and `>= minimum`."""
+    kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"`{field}` must be {kind}, got {value!r} ({type(value).__name__}).")
+
+
+def _check_float(field: str, value: object, *, positive: bool) -> None:
+    """`value` is a finite real number, `> 0` (positive) or `>= 0`."""
+    kind = "a finite number > 0" if positive else "a finite number >= 0"
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"`{field}` must be {kind}, got {value!r}.")
+
+
+def _check_token_id(field: str, value: object, vocab_size: int) -> None:
+    """`value` is None, or a token id (a list of ids for `eos_token_id`) in [0, vocab_size)."""
+    if value is None:
+        return
+    ids = value if field == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
+    for token_id in ids:
+        if not _is_int(token_id) or not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"`{field}` must be None or a token id in [0, vocab_size={vocab_size}), got {value!r}: set it to a "
+                "token of this vocabulary (or None)."
+            )
+
+
+def _check_layer_types(layer_types: object) -> list[str]:
+    """`layer_types` as a list, checked before transformers' legacy remap (which would turn e.g. 'mamba' into
+    'linear_attention') can change a name that is not one of this model's own."""
+    if isinstance(layer_types, str) or not isinstance(layer_types, (list, tuple)):
+        raise ValueError(
+            f"`layer_types` must be a list with one of {list(LAYER_TYPES)} per layer, got {layer_types!r}."
+        )
+    for index, layer_type in enumerate(layer_types):
+        if layer_type not in LAYER_TYPES:
+            raise ValueError(
+                f"`layer_types[{index}]` is {layer_type!r}; allowed layer types are {list(LAYER_TYPES)}."
+            )
+    return list(layer_types)
 
 
 @strict
@@ -118,26 +180,57 @@ class JRTRNNConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 50256
 
     def __post_init__(self, **kwargs):
+        self.validate_fields()
         if self.layer_types is None:
             self.layer_types = default_layer_types(self.num_hidden_layers)
         else:
-            self.layer_types = list(self.layer_types)
+            self.layer_types = _check_layer_types(self.layer_types)
         super().__post_init__(**kwargs)
         # Validate here as well as through @strict, so that users get a plain ValueError (not a wrapped one).
         self.validate_architecture()
 
+    def validate_fields(self) -> None:
+        """Type and range of every field on its own; every error names the field, the value and what is allowed."""
+        for field in POSITIVE_INT_FIELDS:
+            _check_int(field, getattr(self, field), minimum=1)
+        for field in NON_NEGATIVE_INT_FIELDS:
+            _check_int(field, getattr(self, field), minimum=0)
+        for field in POSITIVE_FLOAT_FIELDS:
+            _check_float(field, getattr(self, field), positive=True)
+        for field in NON_NEGATIVE_FLOAT_FIELDS:
+            _check_float(field, getattr(self, field), positive=False)
+        for field in BOOL_FIELDS:
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"`{field}` must be True or False, got {getattr(self, field)!r}.")
+        for field in TOKEN_ID_FIELDS:
+            _check_token_id(field, getattr(self, field), self.vocab_size)
+        if not isinstance(self.decay_const, (int, float)) or isinstance(self.decay_const, bool) or not math.isfinite(
+            self.decay_const
+        ):
+            raise ValueError(f"`decay_const` must be a finite number, got {self.decay_const!r}.")
+        if self.linear_attention_decay and self.decay_const >= 0:
+            # gamma_h = 1 - 2**(decay_const - h) lies in (0, 1) for every head h >= 0 only when decay_const < 0.
+            raise ValueError(
+                f"`decay_const` must be < 0 so that every decay 1 - 2**(decay_const - h) lies in (0, 1), got "
+                f"{self.decay_const}."
+            )
+        if self.generation_vocab_size is not None and (
+            not _is_int(self.generation_vocab_size) or not 0 < self.generation_vocab_size <= self.vocab_size
+        ):
+            raise ValueError(
+                f"`generation_vocab_size` ({self.generation_vocab_size!r}) must be in "
+                f"[1, vocab_size={self.vocab_size}] (or None to allow every row)."
+            )
+
     def validate_architecture(self):
         """Cross-field checks; every error names the field, the value and what is allowed."""
+        self.validate_fields()
+        _check_layer_types(self.layer_types)
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"`layer_types` has {len(self.layer_types)} entries but `num_hidden_layers` is "
                 f"{self.num_hidden_layers}: give exactly one layer type per layer."
             )
-        for index, layer_type in enumerate(self.layer_types):
-            if layer_type not in LAYER_TYPES:
-                raise ValueError(
-                    f"`layer_types[{index}]` is {layer_type!r}; allowed layer types are {list(LAYER_TYPES)}."
-                )
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
@@ -154,27 +247,10 @@ class JRTRNNConfig(PreTrainedConfig):
         _check_choice(
             "linear_attention_implementation", self.linear_attention_implementation, LINEAR_ATTENTION_IMPLEMENTATIONS
         )
-        if self.intermediate_size < 0:
-            raise ValueError(f"`intermediate_size` must be >= 0 (0 = no MLP), got {self.intermediate_size}.")
-        for field in ("sliding_window", "conv_kernel_size", "conv_expansion", "feature_dim", "vocab_size",
-                      "linear_attention_chunk_size"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"`{field}` must be a positive integer, got {getattr(self, field)}.")
-        if self.prefix_length < 0:
-            raise ValueError(f"`prefix_length` must be >= 0, got {self.prefix_length}.")
         if self.linear_attention_type == "prefix" and (self.linear_attention_decay or self.use_decay_proj):
             raise ValueError(
                 "`linear_attention_decay` and `use_decay_proj` are Based options: they need "
                 "`linear_attention_type='causal'`, got 'prefix'."
-            )
-        if self.mlm_weight < 0:
-            raise ValueError(f"`mlm_weight` must be >= 0, got {self.mlm_weight}.")
-        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"`mask_token_id` ({self.mask_token_id}) must be in [0, vocab_size={self.vocab_size}).")
-        if self.generation_vocab_size is not None and not 0 < self.generation_vocab_size <= self.vocab_size:
-            raise ValueError(
-                f"`generation_vocab_size` ({self.generation_vocab_size}) must be in [1, vocab_size={self.vocab_size}] "
-                "(or None to allow every row)."
             )
 
     @property

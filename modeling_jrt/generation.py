@@ -392,6 +392,17 @@ def _encoder_lengths(config: JRTRNNConfig, attention_mask: torch.Tensor | None, 
     return attention_mask.sum(-1).clamp(max=config.prefix_length).to(device=ids.device, dtype=torch.long)
 
 
+def bos_prompt(config: JRTRNNConfig, generation_config: GenerationConfig, device: torch.device) -> torch.LongTensor:
+    """The `(1, 1)` prompt `[bos_token_id]` that `generate()` starts from when given no input (as transformers does)."""
+    bos = generation_config.bos_token_id if generation_config.bos_token_id is not None else config.bos_token_id
+    if bos is None:
+        raise ValueError(
+            "generate() got no prompt and the model has no `bos_token_id` to start from: pass `input_ids` or set "
+            "`bos_token_id` in the generation config."
+        )
+    return torch.tensor([[bos]], dtype=torch.long, device=device)
+
+
 def generate_with_prefix(
     model: GenerationMixin,
     base_generate: Callable,
@@ -422,6 +433,13 @@ def generate_with_prefix(
         kwargs["input_ids"] = inputs
     input_ids = kwargs.get("input_ids")
     inputs_embeds = kwargs.get("inputs_embeds")
+    if input_ids is None and inputs_embeds is None:
+        input_ids = kwargs["input_ids"] = bos_prompt(config, effective_config, model.device)
+    if (input_ids if input_ids is not None else inputs_embeds).shape[1] == 0:
+        raise ValueError(
+            "generate() got an empty prompt (0 tokens): pass at least one token, or no prompt at all to start "
+            "from `bos_token_id`."
+        )
     attention_mask = kwargs.get("attention_mask")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     is_prefix = config.linear_attention_type == "prefix" and "linear_attention" in config.layer_types

@@ -24,7 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import (
+    Cache,
+    DynamicCache,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+)
 from transformers.generation import (
     BaseStreamer,
     GenerationConfig,
@@ -218,6 +223,43 @@ class JRTRNNSlidingWindowAttention(nn.Module):
             dropout=0.0, scaling=self.scaling, sliding_window=self.sliding_window,
         )  # (B, T, H, D)
         return self.o_proj(output.reshape(batch_size, seq_len, -1))
+
+
+class JRTRNNSlidingWindowCacheLayer(DynamicSlidingWindowLayer):
+    """transformers' dynamic sliding-window cache layer, made correct for `sliding_window = 1`.
+
+    The parent keeps the last `sliding_window - 1` keys with `keys[:, :, -sliding_window + 1:]`, and for a window
+    of 1 that slice is `[-0:]`, i.e. every key: the cache grows without bound while its mask sizes
+    (`get_mask_sizes`) still assume an empty window, so a decode step attended to every past token and cached decode
+    differed from the parallel forward. This layer keeps exactly `max(sliding_window - 1, 0)` keys for every window.
+    """
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """key/value states `(B, H, T, D)` -> the cached window plus the new states `(B, H, S, D)`."""
+        if self.record_past:  # assisted decoding keeps everything until `crop` (never used by JRT-RNN)
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        full_keys = torch.cat([self.keys, key_states], dim=-2) if self.keys.numel() else key_states
+        full_values = torch.cat([self.values, value_states], dim=-2) if self.values.numel() else value_states
+        start = max(full_keys.shape[-2] - (self.sliding_window - 1), 0)
+        self.keys, self.values = full_keys[:, :, start:], full_values[:, :, start:]
+        return full_keys, full_values
+
+
+def use_exact_sliding_window_layers(cache: Cache) -> None:
+    """Make every dynamic sliding-window layer of `cache` a `JRTRNNSlidingWindowCacheLayer` (in place).
+
+    Caches are built by transformers (`generate()`, `DynamicCache(config=...)`) from `config.layer_types`, so the
+    layer class cannot be chosen at construction; the class is switched on the model's first use of the cache. The
+    subclass adds no state, so the switch keeps whatever the layer holds.
+    """
+    for layer in cache.layers:
+        if type(layer) is DynamicSlidingWindowLayer:
+            layer.__class__ = JRTRNNSlidingWindowCacheLayer
 
 
 def read_linear_attention_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
@@ -507,6 +549,48 @@ def _check_cache_layout(cache: Cache | None, config: JRTRNNConfig) -> None:
             )
 
 
+def check_attention_mask(
+    attention_mask: torch.Tensor, batch_size: int, seq_len: int, cache: Cache | None, has_sliding: bool
+) -> None:
+    """Refuse a `(B, T_total)` padding mask that does not describe this forward's tokens.
+
+    Its width must be the cached length plus `seq_len` (the cached length is known exactly when the model has
+    sliding-window layers; a purely recurrent cache only bounds it below), and its values 0 or 1 (checked outside
+    decode steps): any other width or value used to change the logits silently (the layers read the trailing columns,
+    or weight tokens by the value).
+    """
+    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size:
+        raise ValueError(
+            f"`attention_mask` must be (batch_size, past + seq_len) = ({batch_size}, ...), got shape "
+            f"{tuple(attention_mask.shape)}."
+        )
+    width = attention_mask.shape[1]
+    has_state = cache is not None and cache_has_state(cache)
+    if has_state and has_sliding:
+        expected = cache.get_seq_length() + seq_len
+        if width != expected:
+            raise ValueError(
+                f"`attention_mask` has {width} columns but the cache holds {expected - seq_len} tokens and the input "
+                f"{seq_len}: pass a mask over all {expected} tokens (cached and new)."
+            )
+    elif (width < seq_len) if has_state else (width != seq_len):
+        raise ValueError(
+            f"`attention_mask` has {width} columns but the input has {seq_len} tokens"
+            + (" (and the cache some more)" if has_state else "")
+            + ": pass one mask column per token."
+        )
+    # The values are checked when new tokens arrive in bulk; a decode step (one token after a checked prefill) skips
+    # the check, which would cost a device synchronisation per generated token.
+    is_decode_step = has_state and seq_len == 1
+    if is_decode_step or torch.compiler.is_compiling():
+        return
+    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise ValueError(
+            "`attention_mask` must hold only 0 (padding) and 1 (token); got other values. Pass a binary mask "
+            "(`mask.ne(0).long()` if any nonzero value means a token)."
+        )
+
+
 class JRTRNNModel(JRTRNNPreTrainedModel):
     """The backbone: embeddings, blocks and final norm. Returns the last hidden state and the cache."""
 
@@ -557,12 +641,21 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if inputs_embeds.shape[1] == 0:
+            raise ValueError(
+                f"The input has 0 tokens (shape {tuple(inputs_embeds.shape[:2])}): pass at least one token; "
+                "`generate()` without a prompt starts from `bos_token_id`."
+            )
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        if cache is not None:
+            use_exact_sliding_window_layers(cache)
         has_sliding = "sliding_attention" in self.config.layer_types
+        if isinstance(attention_mask, torch.Tensor):
+            check_attention_mask(attention_mask, inputs_embeds.shape[0], inputs_embeds.shape[1], cache, has_sliding)
 
         if position_ids is None:
             past_length = cache.get_seq_length() if (cache is not None and has_sliding) else 0
@@ -862,6 +955,7 @@ __all__ = [
     "JRTRNNRMSNorm",
     "JRTRNNShortConv",
     "JRTRNNSlidingWindowAttention",
+    "JRTRNNSlidingWindowCacheLayer",
     "prefix_encoder_range",
     "read_linear_attention_state",
     "write_linear_attention_state",

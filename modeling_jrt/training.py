@@ -126,10 +126,12 @@ def jrt_loss(
 class JRTDataCollator:
     """Builds JRT training batches from packed blocks of token ids (all of one length T > prefix_length + 1).
 
-    Each example is a sequence of token ids or a mapping with an `"input_ids"` entry. Returns `input_ids`, `labels`
-    and `mlm_labels`, each `(B, T)` int64, laid out as in the module docstring, and `prefix_length` `(B,)`: the
-    model's forward reads it as each row's prefix and refuses a batch whose prefix differs from its own
-    `config.prefix_length` (the layout would not match the encoder).
+    Each example is a sequence of token ids or a mapping with an `"input_ids"` entry (and optionally an
+    `"attention_mask"`). Returns `input_ids`, `labels` and `mlm_labels`, each `(B, T)` int64, laid out as in the
+    module docstring, and `prefix_length` `(B,)`: the model's forward reads it as each row's prefix and refuses a
+    batch whose prefix differs from its own `config.prefix_length` (the layout would not match the encoder).
+    Examples may end in padding (`attention_mask` 0, or `pad_token_id`) after at least `prefix_length + 2` real
+    tokens: pads are never targets, and the batch then carries the `attention_mask` too.
 
     Args:
         prefix_length: length E of the non-causal prefix; must equal the model's `config.prefix_length`.
@@ -138,6 +140,8 @@ class JRTDataCollator:
         mask_sampling: `"fixed"` masks exactly `round(mlm_probability * E)` random prefix positions per sequence
             (exact under gradient accumulation, see the module docstring); `"bernoulli"` masks each position
             independently, as the reference.
+        pad_token_id: id of the padding that ends short examples (only the trailing run of it counts), or None
+            (then only an example's `attention_mask` marks pads).
         seed: seed of the masks. With a seed, the masks depend only on the order in which sequences are collated
             (drawn one sequence at a time, so batch size and gradient accumulation do not change them), and every
             distributed rank and dataloader worker draws its own stream. Without one, `torch`'s global generator
@@ -154,6 +158,7 @@ class JRTDataCollator:
     mlm_probability: float = 0.15
     mask_sampling: str = "fixed"
     seed: int | None = None
+    pad_token_id: int | None = None
     _generator: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -180,29 +185,83 @@ class JRTDataCollator:
         return cls(prefix_length=config.prefix_length, mask_token_id=config.mask_token_id, **kwargs)
 
     def __call__(self, examples: Sequence[Sequence[int] | torch.Tensor | Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        tokens = torch.stack([self._as_tensor(example) for example in examples])  # (B, T)
+        if len(examples) == 0:
+            raise ValueError("JRTDataCollator got no examples: a batch needs at least one block of token ids.")
+        rows = [self._as_tensors(index, example) for index, example in enumerate(examples)]
+        lengths = sorted({ids.numel() for ids, _ in rows})
+        if len(lengths) > 1:
+            raise ValueError(
+                f"JRTDataCollator needs blocks of one length, got lengths {lengths}: cut the token stream with "
+                "`pack_token_blocks`, or pad the examples to one length and pass their `attention_mask`."
+            )
+        tokens = torch.stack([ids for ids, _ in rows])  # (B, T)
+        real = torch.stack([mask for _, mask in rows])  # (B, T) bool, False at pads
         seq_len = tokens.shape[1]
         if seq_len < self.prefix_length + 2:
             raise ValueError(
                 f"Blocks of {seq_len} tokens leave no next-token target after a prefix of {self.prefix_length}: "
                 f"pack blocks of at least prefix_length + 2 = {self.prefix_length + 2} tokens."
             )
+        self._check_padding(real)
         mask = torch.zeros_like(tokens, dtype=torch.bool)
         mask[:, : self.prefix_length] = torch.stack([self._draw_mask() for _ in range(tokens.shape[0])])
-        labels = tokens.clone()
+        labels = tokens.masked_fill(~real, IGNORE_INDEX)  # pads are never next-token targets
         labels[:, : self.prefix_length + 1] = IGNORE_INDEX  # the first prediction is made at position E
-        return {
+        batch = {
             "input_ids": tokens.masked_fill(mask, self.mask_token_id),
             "labels": labels,
             "mlm_labels": tokens.masked_fill(~mask, IGNORE_INDEX),
             "prefix_length": torch.full((tokens.shape[0],), self.prefix_length, dtype=torch.long),
         }
+        if not bool(real.all()):
+            batch["attention_mask"] = real.long()
+        return batch
 
-    @staticmethod
-    def _as_tensor(example: Sequence[int] | torch.Tensor | Mapping[str, Any]) -> torch.Tensor:
+    def _as_tensors(self, index: int, example: Sequence[int] | torch.Tensor | Mapping[str, Any]) -> tuple[
+        torch.Tensor, torch.Tensor
+    ]:
+        """One example as `(T,)` int64 ids and a `(T,)` bool mask of its real (non-pad) tokens."""
+        attention_mask = None
         if isinstance(example, Mapping):
+            if "input_ids" not in example:
+                raise ValueError(f"Example {index} has no 'input_ids' entry (keys: {sorted(example)}).")
+            attention_mask = example.get("attention_mask")
             example = example["input_ids"]
-        return torch.as_tensor(example, dtype=torch.long)
+        ids = torch.as_tensor(example)
+        if ids.ndim != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(
+                f"Example {index} must be a 1-D sequence of integer token ids, got {tuple(ids.shape)} {ids.dtype}."
+            )
+        ids = ids.long()
+        real = torch.ones_like(ids, dtype=torch.bool)
+        if attention_mask is not None:
+            attention_mask = torch.as_tensor(attention_mask)
+            if attention_mask.shape != ids.shape:
+                raise ValueError(
+                    f"Example {index}: `attention_mask` has shape {tuple(attention_mask.shape)}, its `input_ids` "
+                    f"{tuple(ids.shape)}."
+                )
+            real = attention_mask != 0
+        if self.pad_token_id is not None:
+            # Only the trailing run counts as padding: packed streams may hold the same id (GPT-2 pads with its
+            # end-of-text token) between documents.
+            trailing = (ids == self.pad_token_id).flip(0).long().cumprod(0).flip(0).bool()  # (T,)
+            real = real & ~trailing
+        return ids, real
+
+    def _check_padding(self, real: torch.Tensor) -> None:
+        """Pads may only end a block, after the prefix and one next-token target (they are masked, not read)."""
+        if bool((~real[:, :-1] & real[:, 1:]).any()):
+            raise ValueError(
+                "JRTDataCollator: padding must come after the tokens (right padding); found a pad before a token. "
+                "The prefix must start each block."
+            )
+        too_short = (real.sum(-1) < self.prefix_length + 2).nonzero().flatten().tolist()
+        if too_short:
+            raise ValueError(
+                f"Examples {too_short} have fewer than prefix_length + 2 = {self.prefix_length + 2} real tokens: the "
+                "prefix would hold pads and no next-token target would remain. Drop them or use longer examples."
+            )
 
     def _draw_mask(self) -> torch.Tensor:
         """(E,) bool mask of one sequence's prefix."""
@@ -230,7 +289,16 @@ class JRTDataCollator:
 def pack_token_blocks(token_ids: Sequence[int] | torch.Tensor, block_size: int) -> torch.Tensor:
     """Cuts one long token stream (documents joined with an end-of-text token) into `(N, block_size)` blocks,
     dropping the remainder, like the reference's packed Pile samples."""
-    token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"`block_size` must be a positive integer, got {block_size!r}.")
+    token_ids = torch.as_tensor(token_ids)
+    is_integer = not (token_ids.is_floating_point() or token_ids.dtype == torch.bool) or token_ids.numel() == 0
+    if token_ids.ndim != 1 or not is_integer:
+        raise ValueError(
+            f"`token_ids` must be one 1-D stream of integer token ids (documents joined with an end-of-text token), "
+            f"got {tuple(token_ids.shape)} {token_ids.dtype}."
+        )
+    token_ids = token_ids.long()
     num_blocks = token_ids.numel() // block_size
     if num_blocks == 0:
         raise ValueError(f"{token_ids.numel()} tokens make no block of {block_size}: use more text or a smaller block.")

@@ -70,7 +70,7 @@ def test_demo_runs_and_its_accuracy_matches_a_recomputation(capsys):
 
 
 def test_demo_rejects_too_few_examples(capsys):
-    assert main(["demo", "--examples", "2"]) == 1
+    assert main(["demo", "--examples", "2"]) == 2  # a usage error
     assert "`--examples` must be >= 4, got 2" in capsys.readouterr().err
 
 

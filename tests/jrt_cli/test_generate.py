@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -54,8 +55,45 @@ def test_jrt_prompt_reads_the_prompt_twice(checkpoint, capsys):
 
 def test_bad_arguments_fail_with_one_line(checkpoint, capsys):
     folder, _, _ = checkpoint
-    assert main(["generate", "--model", str(folder), "--prompt", "w5", "--max-new-tokens", "0"]) == 1
+    assert main(["generate", "--model", str(folder), "--prompt", "w5", "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
     assert main(["generate", "--model", str(folder / "missing"), "--prompt", "w5"]) == 1
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(folder), "--prompt", "w5", "--prefix-strategy", "twice"])
+
+
+def test_tokenizer_option_for_a_folder_without_one(checkpoint, capsys, tmp_path):
+    """A converted folder may ship no tokenizer: the error says to pass --tokenizer, which then works."""
+    folder, model, tokenizer = checkpoint
+    model_only = tmp_path / "model-only"
+    model.save_pretrained(model_only)
+    capsys.readouterr()  # drop save_pretrained's progress bar
+    assert main(["generate", "--model", str(model_only), "--prompt", "w5 w6"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no tokenizer" in err and "--tokenizer" in err
+    assert main(["generate", "--model", str(model_only), "--tokenizer", str(folder), "--prompt", "w5 w6",
+                 "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.split() == expected_text(model, tokenizer, "w5 w6", 3).split()
+
+
+def test_empty_prompt_is_a_usage_error(checkpoint, capsys):
+    folder, _, _ = checkpoint
+    assert main(["generate", "--model", str(folder), "--prompt", ""]) == 2
+    assert capsys.readouterr().err == "jrt generate: error: --prompt is empty: give some text to continue.\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_device_without_cuda_is_one_line(checkpoint, capsys):
+    folder, _, _ = checkpoint
+    assert main(["generate", "--model", str(folder), "--prompt", "w5", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == (
+        "jrt generate: error: --device cuda: CUDA is not available on this machine; use --device cpu.\n"
+    )
+
+
+def test_unknown_device_and_missing_folder_are_one_line(checkpoint, capsys, tmp_path):
+    folder, _, _ = checkpoint
+    assert main(["generate", "--model", str(folder), "--prompt", "w5", "--device", "gpu0"]) == 2
+    assert "--device 'gpu0' is not a torch device" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path / "nowhere"), "--prompt", "w5"]) == 1
+    assert capsys.readouterr().err == f"jrt generate: error: --model '{tmp_path / 'nowhere'}': no such folder.\n"

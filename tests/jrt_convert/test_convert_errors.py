@@ -114,8 +114,14 @@ def test_existing_destination_is_kept(tmp_path):
         convert_checkpoint(source, tmp_path / "out")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
-    convert_checkpoint(source, tmp_path / "out", overwrite=True)
-    assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").is_file()
+    # --overwrite replaces only a previous conversion (see test_convert_safety.py), never a folder of other files.
+    with pytest.raises(ConversionError, match=r"was not written by `jrt convert`"):
+        convert_checkpoint(source, tmp_path / "out", overwrite=True)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    (tmp_path / "out" / "keep.txt").unlink()
+    convert_checkpoint(source, tmp_path / "out", overwrite=True)  # an empty folder may be replaced
+    convert_checkpoint(source, tmp_path / "out", overwrite=True)  # and so may a previous conversion
+    assert (tmp_path / "out" / "config.json").is_file()
     assert not list(tmp_path.glob(".out*"))
 
 

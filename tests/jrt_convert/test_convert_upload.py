@@ -44,7 +44,7 @@ def _convert(tmp_path, capsys, *extra: str) -> int:
 def test_push_to_hub_uploads_the_folder(tmp_path, capsys, offline_hub):
     create_repo, create_branch, create_commit = offline_hub
     assert _convert(tmp_path, capsys, "--private", "--create-pr") == 0
-    create_repo.assert_called_once()
+    assert create_repo.call_count == 2  # the pre-flight check before converting, then the upload itself
     assert create_repo.call_args.kwargs == {"repo_id": "me/jrt-hf", "private": True, "repo_type": "model",
                                             "exist_ok": True}
     create_branch.assert_not_called()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from modeling_jrt import JRTRNNConfig, default_layer_types
@@ -35,8 +37,44 @@ def test_default_layer_types_for_36_layers():
         (dict(linear_attention_implementation="cuda"), r"`linear_attention_implementation` must be one of"),
         (dict(linear_attention_decay=True), r"need `linear_attention_type='causal'`"),
         (dict(sliding_window=0), r"`sliding_window` must be a positive integer"),
-        (dict(prefix_length=-1), r"`prefix_length` must be >= 0"),
-        (dict(mask_token_id=50264), r"`mask_token_id` \(50264\) must be in \[0, vocab_size=50264\)"),
+        (dict(prefix_length=-1), r"`prefix_length` must be an integer >= 0, got -1"),
+        (dict(mask_token_id=50264), r"`mask_token_id` must be None or a token id in \[0, vocab_size=50264\)"),
+        # Types: sizes are integers (not strings, floats or bools), flags are bools.
+        (dict(hidden_size="1024"), r"`hidden_size` must be a positive integer, got '1024' \(str\)"),
+        (dict(hidden_size=1024.0), r"`hidden_size` must be a positive integer, got 1024.0 \(float\)"),
+        (dict(num_attention_heads=True), r"`num_attention_heads` must be a positive integer, got True \(bool\)"),
+        (dict(num_attention_heads=0), r"`num_attention_heads` must be a positive integer, got 0"),
+        (dict(num_hidden_layers=0, layer_types=[]), r"`num_hidden_layers` must be a positive integer, got 0"),
+        (dict(vocab_size=-5), r"`vocab_size` must be a positive integer"),
+        (dict(feature_dim=0), r"`feature_dim` must be a positive integer"),
+        (dict(conv_kernel_size=0), r"`conv_kernel_size` must be a positive integer"),
+        (dict(conv_expansion=1.5), r"`conv_expansion` must be a positive integer"),
+        (dict(linear_attention_chunk_size=0), r"`linear_attention_chunk_size` must be a positive integer"),
+        (dict(intermediate_size=-1), r"`intermediate_size` must be an integer >= 0"),
+        (dict(conv_bias="yes"), r"`conv_bias` must be True or False, got 'yes'"),
+        # Positive, finite epsilons and bases.
+        (dict(rms_norm_eps=0.0), r"`rms_norm_eps` must be a finite number > 0, got 0.0"),
+        (dict(rms_norm_eps=float("nan")), r"`rms_norm_eps` must be a finite number > 0, got nan"),
+        (dict(linear_attention_eps=-1e-12), r"`linear_attention_eps` must be a finite number > 0"),
+        (dict(rope_theta=0), r"`rope_theta` must be a finite number > 0"),
+        (dict(mlm_weight=float("inf")), r"`mlm_weight` must be a finite number >= 0, got inf"),
+        (dict(initializer_range=-0.02), r"`initializer_range` must be a finite number >= 0"),
+        # The decay gamma_h = 1 - 2**(decay_const - h) must lie in (0, 1).
+        (dict(linear_attention_type="causal", linear_attention_decay=True, decay_const=0.0),
+         r"`decay_const` must be < 0 so that every decay"),
+        (dict(decay_const=float("nan")), r"`decay_const` must be a finite number, got nan"),
+        # Token ids inside the vocabulary or None.
+        (dict(bos_token_id=-1), r"`bos_token_id` must be None or a token id in \[0, vocab_size=50264\), got -1"),
+        (dict(eos_token_id=[2, 60000]), r"`eos_token_id` must be None or a token id .* got \[2, 60000\]"),
+        (dict(pad_token_id=50264), r"`pad_token_id` must be None or a token id"),
+        (dict(vocab_size=200, bos_token_id=0, eos_token_id=0),
+         r"`prefix_pad_token_id` must be None or a token id in \[0, vocab_size=200\), got 220"),
+        (dict(generation_vocab_size=0), r"`generation_vocab_size` \(0\) must be in \[1, vocab_size=50264\]"),
+        # layer_types: a list of this model's own names; transformers' legacy remap must not rename them.
+        (dict(num_hidden_layers=2, layer_types=["conv", "mamba"]), r"`layer_types\[1\]` is 'mamba'"),
+        (dict(num_hidden_layers=2, layer_types=["conv", "full_attention"]), r"`layer_types\[1\]` is 'full_attention'"),
+        (dict(num_hidden_layers=4, layer_types="conv"), r"`layer_types` must be a list"),
+        (dict(hidden_size=48, num_attention_heads=16), r"head dim .* = 3 must be even"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(overrides, message):
@@ -56,3 +94,20 @@ def test_save_and_load_round_trip(tmp_path):
     config.save_pretrained(tmp_path)
     loaded = JRTRNNConfig.from_pretrained(tmp_path)
     assert loaded.to_dict() == config.to_dict()
+
+
+def test_invalid_config_json_names_the_field_on_load(tmp_path):
+    """A hand-edited config.json is checked on load like a constructed config."""
+    config = JRTRNNConfig(num_hidden_layers=4, layer_types=["conv", "linear_attention", "sliding_attention", "conv"])
+    config.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    data["feature_dim"] = "16"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"`feature_dim` must be a positive integer, got '16' \(str\)"):
+        JRTRNNConfig.from_pretrained(tmp_path)
+    data["feature_dim"] = 16
+    data["layer_types"] = ["conv", "mamba", "sliding_attention", "conv"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"`layer_types\[1\]` is 'mamba'"):
+        JRTRNNConfig.from_pretrained(tmp_path)

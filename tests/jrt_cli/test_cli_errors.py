@@ -1,0 +1,103 @@
+"""Every `jrt` subcommand: expected errors are one line on stderr with exit code 2 (usage) or 1 (runtime), and a
+traceback only with `--debug` or for a bug."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jrt_cli import main as cli
+from jrt_cli.main import UsageError, main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _one_line(err: str, command: str) -> None:
+    assert err.count("\n") == 1 and err.startswith(f"jrt {command}: error: "), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, code, message",
+    [
+        (["demo", "--examples", "2"], 2, "`--examples` must be >="),
+        (["generate", "--model", "./no/such/folder", "--prompt", "x"], 1, "no such folder"),
+        (["generate", "--model", "./no/such/folder", "--prompt", "x", "--max-new-tokens", "0"], 2, "--max-new-tokens"),
+        (["convert", "./no/such/src", "out"], 1, "neither an existing file or folder"),
+        (["convert", "./no/such/src", "out", "--private"], 2, "need --push-to-hub"),
+        (["convert", "src", "out", "--push-to-hub", "a/b", "--create-pr", "--revision", "dev"], 2, "--create-pr"),
+        (["eval-recall", "--model", "./no/such/model", "--data", "./no/such/data.jsonl"], 1, ""),
+    ],
+)
+def test_expected_errors_are_one_line_with_the_exit_code(argv, code, message, capsys):
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    _one_line(err, argv[0])
+    assert message in err
+
+
+def test_argparse_usage_errors_exit_2():
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "src"])  # DST missing
+    assert exit_info.value.code == 2
+
+
+def test_no_command_prints_usage_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "usage: jrt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("position", ["before", "after"])
+def test_debug_shows_the_traceback(position):
+    argv = ["demo", "--examples", "2"]
+    argv = ["--debug", *argv] if position == "before" else [*argv, "--debug"]
+    with pytest.raises(UsageError, match="`--examples` must be >="):
+        main(argv)
+
+
+def _patched_demo(monkeypatch, error: BaseException) -> None:
+    import jrt_cli.demo as demo
+
+    def fail(args):
+        raise error
+
+    monkeypatch.setattr(demo, "run", fail)
+    original = demo.add_parser
+
+    def add_parser(subparsers):
+        original(subparsers)
+        subparsers.choices["demo"].set_defaults(func=fail)
+
+    monkeypatch.setattr(demo, "add_parser", add_parser)
+
+
+def test_bugs_keep_their_traceback(monkeypatch):
+    _patched_demo(monkeypatch, TypeError("unsupported operand"))
+    with pytest.raises(TypeError, match="unsupported operand"):
+        main(["demo"])
+
+
+def test_multi_line_library_errors_are_joined(monkeypatch, capsys):
+    _patched_demo(monkeypatch, OSError("first line\n  second line\n"))
+    assert main(["demo"]) == 1
+    assert capsys.readouterr().err == "jrt demo: error: first line second line\n"
+
+
+def test_interrupt_exits_130(monkeypatch, capsys):
+    _patched_demo(monkeypatch, KeyboardInterrupt())
+    assert main(["demo"]) == 130
+    assert capsys.readouterr().err == "jrt demo: interrupted\n"
+
+
+def test_console_entry_point_exit_codes():
+    """`python -m jrt_cli` (what the `jrt` script runs) returns the codes to the shell."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "jrt_cli", "demo", "--examples", "2"], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 2 and run.stderr.count("\n") == 1
+    assert cli.EXPECTED_ERRORS  # the documented set of one-line errors exists

@@ -1,0 +1,95 @@
+"""Edges of `forward` and `generate`: no tokens, no prompt, padding masks that do not describe the input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modeling_jrt import JRTRNNForCausalLM
+
+KINDS = ["prefix", "causal"]
+
+
+@pytest.fixture
+def model(make_config):
+    return JRTRNNForCausalLM(make_config()).eval()
+
+
+def test_zero_tokens_raise_a_clear_error(model):
+    with pytest.raises(ValueError, match=r"The input has 0 tokens \(shape \(1, 0\)\): pass at least one token"):
+        model(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"The input has 0 tokens"):
+        model(inputs_embeds=torch.zeros(2, 0, 32))
+
+
+@pytest.mark.parametrize("empty", ["inputs", "input_ids", "inputs_embeds"])
+def test_generate_refuses_an_empty_prompt(model, empty):
+    prompt = torch.zeros(1, 0, 32) if empty == "inputs_embeds" else torch.zeros(1, 0, dtype=torch.long)
+    kwargs = {"inputs": prompt} if empty == "inputs" else {empty: prompt}
+    with pytest.raises(ValueError, match=r"generate\(\) got an empty prompt \(0 tokens\)"):
+        model.generate(**kwargs, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generate_without_inputs_starts_from_bos(make_config, kind):
+    """As transformers does: the sequence starts with `bos_token_id` and continues greedily from it."""
+    model = JRTRNNForCausalLM(make_config(linear_attention_type=kind, prefix_length=0 if kind == "causal" else 8))
+    model.eval()
+    output = model.generate(max_new_tokens=4, do_sample=False, eos_token_id=None)
+    expected = model.generate(torch.tensor([[1]]), max_new_tokens=4, do_sample=False, eos_token_id=None)
+    assert output[0, 0].item() == model.config.bos_token_id
+    assert torch.equal(output, expected)
+
+
+def test_generate_without_inputs_or_bos_is_refused(make_config):
+    model = JRTRNNForCausalLM(make_config(bos_token_id=None)).eval()
+    with pytest.raises(ValueError, match=r"no prompt and the model has no `bos_token_id`"):
+        model.generate(max_new_tokens=2)
+
+
+@pytest.mark.parametrize("width", [5, 9, 12])
+def test_forward_refuses_a_mask_of_the_wrong_width(model, width):
+    input_ids = torch.randint(4, 99, (2, 7))
+    with pytest.raises(ValueError, match=rf"`attention_mask` has {width} columns but the input has 7 tokens"):
+        model(input_ids, attention_mask=torch.ones(2, width, dtype=torch.long))
+
+
+def test_forward_refuses_a_mask_that_does_not_cover_the_cache(make_config):
+    model = JRTRNNForCausalLM(make_config(prefix_length=4)).eval()  # the prefill covers the whole prefix
+    input_ids = torch.randint(4, 99, (1, 9))
+    cache = model(input_ids[:, :6], use_cache=True).cache
+    with pytest.raises(ValueError, match=r"the cache holds 6 tokens and the input 1: pass a mask over all 7 tokens"):
+        model(input_ids[:, 6:7], cache=cache, attention_mask=torch.ones(1, 1, dtype=torch.long))
+    # The right width is accepted and gives the parallel logits.
+    step = model(input_ids[:, 6:7], cache=cache, attention_mask=torch.ones(1, 7, dtype=torch.long)).logits
+    parallel = model(input_ids[:, :7], use_cache=False).logits
+    torch.testing.assert_close(step[:, -1], parallel[:, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_purely_recurrent_cache_accepts_any_mask_covering_the_input(make_config):
+    """Without sliding layers the cache does not count tokens, so only a mask narrower than the input is refused."""
+    model = JRTRNNForCausalLM(make_config(layer_types=["conv", "linear_attention", "conv", "conv"])).eval()
+    input_ids = torch.randint(4, 99, (1, 8))
+    cache = model(input_ids[:, :6], use_cache=True).cache
+    model(input_ids[:, 6:8], cache=cache, attention_mask=torch.ones(1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"has 1 columns but the input has 2 tokens \(and the cache some more\)"):
+        model(input_ids[:, 6:8], cache=cache, attention_mask=torch.ones(1, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("mask", [[[1, 1, 2, 1, 1]], [[0.5, 1, 1, 1, 1]], [[1, -1, 1, 1, 1]]])
+def test_forward_refuses_non_binary_masks(model, mask):
+    with pytest.raises(ValueError, match=r"`attention_mask` must hold only 0 \(padding\) and 1 \(token\)"):
+        model(torch.randint(4, 99, (1, 5)), attention_mask=torch.tensor(mask))
+
+
+def test_forward_refuses_a_mask_of_the_wrong_shape(model):
+    with pytest.raises(ValueError, match=r"`attention_mask` must be \(batch_size, past \+ seq_len\) = \(2, \.\.\.\)"):
+        model(torch.randint(4, 99, (2, 5)), attention_mask=torch.ones(1, 5, dtype=torch.long))
+
+
+def test_binary_masks_of_any_dtype_are_accepted(model):
+    input_ids = torch.randint(4, 99, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    expected = model(input_ids, attention_mask=mask).logits
+    for dtype in (torch.bool, torch.float32, torch.int32):
+        torch.testing.assert_close(model(input_ids, attention_mask=mask.to(dtype)).logits, expected)
