@@ -96,6 +96,7 @@ def finetune(argv: list[str] | None = None) -> int:
         lr_scheduler_type="constant",
         logging_steps=max(1, args.max_steps // 5),
         save_strategy="no",
+        use_cache=True,  # Trainer copies it into model.config: the merged model generates with its cache
         report_to="none",
         seed=args.seed,
         use_cpu=not torch.accelerator.is_available(),  # on CPU, several processes then use DDP with gloo
@@ -141,7 +142,6 @@ def finetune(argv: list[str] | None = None) -> int:
         merged = reloaded.merge_and_unload().eval()
         difference = (merged(input_ids=probe).logits - expected).abs().max().item()
     print(f"{objective} objective; merged vs trained adapter: max |logit difference| = {difference:.2e}")
-    merged.config.use_cache = True  # Trainer set it to False for training
     merged.save_pretrained(args.output_dir / "merged")
     prompt = torch.tensor([tokenize("amber=12; basil=34; what is basil? basil is")])
     generated = merged.generate(prompt, max_new_tokens=8, do_sample=False)

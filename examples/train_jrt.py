@@ -88,6 +88,7 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
         bf16=args.bf16,
         logging_steps=max(1, args.max_steps // 10),
         save_strategy="no",
+        use_cache=True,  # Trainer copies it into model.config: saved checkpoints generate with their cache
         report_to="none",
         seed=args.seed,
         use_cpu=not torch.accelerator.is_available(),  # on CPU, several processes then use DDP with gloo
@@ -127,8 +128,6 @@ def train(argv: list[str] | None = None) -> int:
     trainer = build_trainer(args)
     trainer.train()
     metrics = trainer.evaluate()
-    # Trainer sets `config.use_cache = False` for training; restore it so the saved model generates with its cache.
-    trainer.model.config.use_cache = True
     trainer.save_model(str(args.output_dir))
     if trainer.is_world_process_zero():
         print(f"eval loss (NTP + {trainer.model.config.mlm_weight} x MLM): {metrics['eval_loss']:.4f}")

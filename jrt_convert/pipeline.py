@@ -20,9 +20,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
-from transformers.dynamic_module_utils import get_imports, get_relative_import_files
 
-import modeling_jrt
 from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM
 
 from .checkpoint import ConversionError, read_reference_checkpoint
@@ -49,14 +47,6 @@ from .safety import (
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PREFIX_PAD_MASKINGS = ("reference", "strict")
 
-# Remote code: the modules `auto_map` names; their relative-import closure is shipped with them.
-AUTO_MAP = {
-    "AutoConfig": "configuration_jrt.JRTRNNConfig",
-    "AutoModel": "modeling_jrt.JRTRNNModel",
-    "AutoModelForCausalLM": "modeling_jrt.JRTRNNForCausalLM",
-}
-# Packages of this distribution: remote code importing one of them would not load without the package.
-_LOCAL_PACKAGES = {"modeling_jrt", "jrt_kernels", "jrt_convert", "jrt_cli"}
 # The verification forward: a few ordinary GPT-2 ids (all < 257, so it also fits tiny test vocabularies).
 _VERIFY_IDS = [40, 101, 220, 84, 111, 119, 46, 10, 65]
 
@@ -133,7 +123,6 @@ def convert_checkpoint(
     config_kwargs, notes = translate_config(arch, spec, prefix_pad_masking=prefix_pad_masking, dtype=DTYPES[dtype])
     config = JRTRNNConfig(**config_kwargs)
     config.architectures = ["JRTRNNForCausalLM"]
-    config.auto_map = dict(AUTO_MAP)
 
     with torch.device("meta"):
         model = JRTRNNForCausalLM(config)
@@ -153,8 +142,9 @@ def convert_checkpoint(
     with terminate_cleanly():
         staging = Path(tempfile.mkdtemp(prefix=staging_prefix(destination), dir=destination.parent))
         try:
+            # Weights, config, generation config, and the remote code with `auto_map` (the model classes are
+            # registered for their auto classes, see `JRTRNNPreTrainedModel.save_pretrained`).
             model.save_pretrained(staging, max_shard_size=max_shard_size)
-            copy_remote_code(staging)
             if tok is not None:
                 tok.save_pretrained(staging)
             (staging / "README.md").write_text(
@@ -221,35 +211,6 @@ def reference_generation_config(config: JRTRNNConfig) -> GenerationConfig:
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
     )
-
-
-def copy_remote_code(folder: Path) -> list[str]:
-    """Copy the `auto_map` modules of `modeling_jrt` and their relative-import closure into `folder`.
-
-    Returns:
-        The copied file names.
-
-    Raises:
-        ConversionError: when a shipped module imports this distribution's packages absolutely (such code would not
-            load with `trust_remote_code=True` on a machine without the package).
-    """
-    package_dir = Path(modeling_jrt.__file__).parent
-    entry_points = {f"{value.split('.')[0]}.py" for value in AUTO_MAP.values()}
-    files: set[Path] = set()
-    for name in sorted(entry_points):
-        module = package_dir / name
-        files.add(module)
-        files.update(Path(p) for p in get_relative_import_files(str(module)))
-    copied = []
-    for path in sorted(files):
-        absolute = set(get_imports(str(path))) & _LOCAL_PACKAGES
-        if absolute:
-            raise ConversionError(
-                f"{path.name} imports {sorted(absolute)} absolutely; remote code must use relative imports only."
-            )
-        shutil.copyfile(path, folder / path.name)
-        copied.append(path.name)
-    return copied
 
 
 def verify_folder(folder: Path, model: JRTRNNForCausalLM) -> None:
@@ -458,4 +419,4 @@ _CITATIONS = """@article{arora2024just,
 }"""
 
 
-__all__ = ["DTYPES", "ConversionResult", "convert_checkpoint", "copy_remote_code", "reference_generation_config"]
+__all__ = ["DTYPES", "ConversionResult", "convert_checkpoint", "reference_generation_config"]

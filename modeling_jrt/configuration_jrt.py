@@ -281,4 +281,8 @@ def default_layer_types(num_hidden_layers: int) -> list[str]:
     return layer_types
 
 
+# `save_pretrained` copies this file into the saved folder and names it in `auto_map` (remote code), however the config
+# was loaded: see `JRTRNNPreTrainedModel.save_pretrained`.
+JRTRNNConfig.register_for_auto_class()
+
 __all__ = ["JRTRNNConfig", "default_layer_types"]

@@ -17,6 +17,7 @@ This folder is self-contained (relative imports, torch and transformers only) so
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -515,6 +516,22 @@ class JRTRNNPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _is_stateful = True  # the recurrent state cannot be rolled back: no assisted decoding
 
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
+        """`PreTrainedModel.save_pretrained`, whose folder always loads with `trust_remote_code=True` alone.
+
+        Both model classes and the config are registered for their auto classes (`register_for_auto_class`, at the
+        end of this file and of `configuration_jrt.py`), so transformers copies this file, its relative imports and
+        the config's file into the folder and names the saved class in `auto_map`, however the model was loaded
+        (package import, remote code, a converted folder, `Trainer`, a merged PEFT adapter). `auto_map` also names
+        the sibling auto class, so both `AutoModel` and `AutoModelForCausalLM` load the folder.
+        """
+        module = type(self).__module__.rsplit(".", 1)[-1]  # "modeling_jrt", also for a remote-code copy of it
+        self.config.auto_map = {
+            **(getattr(self.config, "auto_map", None) or {}),
+            **{auto_class: f"{module}.{cls.__name__}" for cls, auto_class in _AUTO_CLASSES.items()},
+        }
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """Every parameter and every derived buffer (from_pretrained builds on the meta device)."""
@@ -623,7 +640,9 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 too; or the per-layer-type dict of prepared masks that `generate()` passes with a static cache.
             position_ids: `(B, T)` RoPE positions; default: counting on from the cached length.
             cache: a transformers `Cache` built from `config.layer_types` (`past_key_values` is accepted as an alias).
-            use_cache: create a `DynamicCache` when none is given (default `config.use_cache`).
+            use_cache: create a `DynamicCache` when none is given (default `config.use_cache` in eval mode, False in
+                training mode, so `Trainer(args=TrainingArguments(use_cache=True))` keeps `use_cache: true` in the
+                checkpoints it saves without building a cache per training step).
             linear_attention_mask: `(B, T)` extra mask for the linear-attention layers only (0 = ignore the token as
                 a key, e.g. the pads of the JRT prefix that the other layers read as ordinary tokens). Inside a row's
                 encoder range these keys are removed as `config.prefix_pad_masking` says, elsewhere always.
@@ -646,7 +665,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 f"The input has 0 tokens (shape {tuple(inputs_embeds.shape[:2])}): pass at least one token; "
                 "`generate()` without a prompt starts from `bos_token_id`."
             )
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache is None:  # config.use_cache is the inference default: training builds no cache unless asked
+            use_cache = self.config.use_cache and not self.training
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False
         if use_cache and cache is None:
@@ -942,6 +962,11 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
                 model_inputs["linear_attention_mask"] = aligned
         return model_inputs
 
+
+# The auto classes each model class is saved under (`auto_map`); registered so that `save_pretrained` ships the code.
+_AUTO_CLASSES = {JRTRNNModel: "AutoModel", JRTRNNForCausalLM: "AutoModelForCausalLM"}
+for _cls, _auto_class in _AUTO_CLASSES.items():
+    _cls.register_for_auto_class(_auto_class)
 
 __all__ = [
     "JRTRNNCausalLMOutput",
