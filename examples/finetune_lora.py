@@ -27,13 +27,8 @@ from peft import PeftModel, get_peft_model
 from tiny_setup import EOS_ID, builtin_corpus, decode, encode, end_distributed, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
-from modeling_jrt import (
-    JRTDataCollator,
-    JRTRNNForCausalLM,
-    default_lora_config,
-    ignore_prefix_targets,
-    pack_token_blocks,
-)
+from jrt_train import JRTDataCollator, default_lora_config, ignore_prefix_targets, pack_token_blocks
+from modeling_jrt import JRTRNNForCausalLM
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -21,7 +21,8 @@ import torch
 from tiny_setup import EOS_ID, builtin_corpus, decode, encode, end_distributed, tiny_config
 from transformers import Trainer, TrainingArguments, set_seed
 
-from modeling_jrt import JRTDataCollator, JRTRNNForCausalLM, pack_token_blocks
+from jrt_train import JRTDataCollator, pack_token_blocks
+from modeling_jrt import JRTRNNForCausalLM
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -4,7 +4,7 @@ There is one evaluation code path: this module writes two task YAMLs that includ
 (`jrt_eval/tasks`) with your file as their data, runs them with lm-eval's `simple_evaluate` on the `JRTLM` model
 (leak-free JRT scoring; any other causal LM works as under lm-eval's `hf`), and turns lm-eval's logged samples into
 the summary table and the per-record file. Record format and validation: `jrt_eval.recall.load_records`; prompts:
-`modeling_jrt.prompting` via `jrt_eval.recall`. Needs the `eval` extra (lm-eval).
+`jrt_prompt` via `jrt_eval.recall`. Needs the `eval` extra (lm-eval).
 
 Protocol (REFERENCE.md §6): each document is cut to `context_tokens - answer_tokens` tokens around the answer (or
 the key), the read-once and/or JRT prompt is built, greedy generation of `max_new_tokens` stops at the first newline,
@@ -31,7 +31,7 @@ from jrt_eval.recall import (
     load_records,
     twice_prompt,
 )
-from modeling_jrt.prompting import EXTRACTION_TEMPLATES, truncate_context
+from jrt_prompt import EXTRACTION_TEMPLATES, truncate_context
 
 PROMPT_KINDS: tuple[str, ...] = ("default", "jrt")
 """`default`: the read-once prompt; `jrt`: the JRT-Prompt (document twice)."""

@@ -22,6 +22,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM
+from modeling_jrt.generation import never_generated_ids
 
 from .checkpoint import ConversionError, read_reference_checkpoint
 from .families import (
@@ -198,11 +199,11 @@ def _load_weights(model: JRTRNNForCausalLM, weights: dict[str, torch.Tensor]) ->
 
 
 def reference_generation_config(config: JRTRNNConfig) -> GenerationConfig:
-    """Greedy decoding with GPT-2's ids, as the reference evaluation decodes (REFERENCE.md §4).
+    """Greedy decoding with GPT-2's ids, as the reference evaluation decodes, and `suppress_tokens`: the ids past
+    GPT-2's vocabulary (padding rows, JRT's [MASK]) that are never generated, whatever calls `generate`.
 
-    The rest of the protocol lives in the model config and is applied by the model's `generate()`: the JRT prefix
-    strategy (`prefix_strategy="pad"`: left-pad with `prefix_pad_token_id` = 220 to the prefix length and mask the
-    pads) and `generation_vocab_size` (ids past GPT-2's vocabulary, including JRT's [MASK], are never generated).
+    The JRT prefix strategy (`prefix_strategy="pad"`: left-pad with `prefix_pad_token_id` = 220 to the prefix length
+    and mask the pads) lives in the model config and is applied by the model's `generate()`.
     """
     return GenerationConfig(
         do_sample=False,
@@ -210,6 +211,7 @@ def reference_generation_config(config: JRTRNNConfig) -> GenerationConfig:
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
+        suppress_tokens=never_generated_ids(config) or None,
     )
 
 

@@ -9,10 +9,10 @@ schema,
     question  the key (SWDE/FDA) or the completion-style question that ends the prompt
     header    the natural-language question of the JRT prompt ("" = the template's default)
     answers   the gold answers (a non-empty list)
-    template  a `modeling_jrt.PROMPT_TEMPLATES` name
+    template  a `jrt_prompt.PROMPT_TEMPLATES` name
     id, line  the record's id and JSONL line (`jsonl` family; "" and 0 for the Hub data)
 
-and the prompts are `modeling_jrt.jrt_prompt(..., repeats=1)` (default tasks) or `repeats=2` (`_twice` tasks), the
+and the prompts are `jrt_prompt.jrt_prompt(..., repeats=1)` (default tasks) or `repeats=2` (`_twice` tasks), the
 single source of the prompt strings. Generation is greedy, 48 tokens, cut at the first newline; the metric
 `contains` is a case-insensitive match of any gold answer in the generation.
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modeling_jrt.prompting import EXTRACTION_TEMPLATES, PROMPT_TEMPLATES, jrt_prompt, truncate_context
+from jrt_prompt import EXTRACTION_TEMPLATES, PROMPT_TEMPLATES, jrt_prompt, truncate_context
 
 # family -> (Hub path, config name, template, whether the window is centred on the answers)
 FAMILIES: dict[str, tuple[str | None, str | None, str, bool]] = {

@@ -1,7 +1,9 @@
 """jrt-rnn: JRT-RNN (prefix linear attention) and Based models for HuggingFace Transformers.
 
 Importing this package registers `model_type = "jrt_rnn"` with `AutoConfig`, `AutoModel` and
-`AutoModelForCausalLM`.
+`AutoModelForCausalLM`. The package holds the model only (configuration, modeling, linear-attention ops, generation
+glue, the losses forward computes): it is what a saved folder ships as remote code. Training helpers are in
+`jrt_train`, prompt builders in `jrt_prompt`.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -14,24 +16,8 @@ from .linear_attention import (
     prefix_linear_attention_quadratic,
     taylor_feature_map,
 )
+from .loss import IGNORE_INDEX, ignore_prefix_targets, jrt_loss
 from .modeling_jrt import JRTRNNCausalLMOutput, JRTRNNForCausalLM, JRTRNNModel, JRTRNNPreTrainedModel
-from .prompting import (
-    PROMPT_TEMPLATES,
-    default_prompt,
-    default_prompts,
-    jrt_prompt,
-    jrt_prompts,
-    repeat_to_fill,
-    truncate_context,
-)
-from .training import (
-    LORA_TARGET_MODULES,
-    JRTDataCollator,
-    default_lora_config,
-    ignore_prefix_targets,
-    jrt_loss,
-    pack_token_blocks,
-)
 
 AutoConfig.register(JRTRNNConfig.model_type, JRTRNNConfig, exist_ok=True)
 AutoModel.register(JRTRNNConfig, JRTRNNModel, exist_ok=True)
@@ -40,28 +26,18 @@ AutoModelForCausalLM.register(JRTRNNConfig, JRTRNNForCausalLM, exist_ok=True)
 __version__ = "0.1.0"
 
 __all__ = [
-    "LORA_TARGET_MODULES",
-    "JRTDataCollator",
+    "IGNORE_INDEX",
     "JRTRNNCausalLMOutput",
     "JRTRNNConfig",
     "JRTRNNForCausalLM",
     "JRTRNNModel",
     "JRTRNNPreTrainedModel",
-    "PROMPT_TEMPLATES",
-    "default_prompt",
-    "default_prompts",
     "default_layer_types",
-    "default_lora_config",
     "ignore_prefix_targets",
     "jrt_loss",
-    "jrt_prompt",
-    "jrt_prompts",
     "linear_attention_step",
-    "pack_token_blocks",
     "prefix_linear_attention",
     "prefix_linear_attention_chunked",
     "prefix_linear_attention_quadratic",
-    "repeat_to_fill",
     "taylor_feature_map",
-    "truncate_context",
 ]

@@ -138,7 +138,7 @@ class JRTRNNConfig(PreTrainedConfig):
             50257 for the released GPT-2-tokenized models); the LM-head rows from this index on only pad the
             embedding and are never generated. None: every row may be generated.
         mlm_weight: Weight of the masked-LM term of the JRT objective, `loss = NTP + mlm_weight * MLM` (0.25 in the
-            reference); used when `forward()` gets `mlm_labels` (see `modeling_jrt.training`).
+            reference); used when `forward()` gets `mlm_labels` (see `modeling_jrt.loss`).
         initializer_range: Standard deviation of the normal initialisation.
     """
 

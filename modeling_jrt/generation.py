@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
@@ -53,42 +54,73 @@ from transformers.generation import (
 from transformers.generation.utils import GenerateOutput
 
 from .configuration_jrt import PREFIX_STRATEGIES, JRTRNNConfig
-from .prompting import repeat_to_fill
 
-# Arguments of `GenerationMixin.generate` that ask for assisted (speculative) decoding.
-ASSISTED_DECODING_ARGUMENTS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+def never_generated_ids(config: JRTRNNConfig) -> list[int]:
+    """The ids generation must never emit, sorted: every id `>= config.generation_vocab_size` (LM-head rows that only
+    pad the vocabulary, e.g. 50257..50263 of the released models) and `config.mask_token_id` (the [MASK] token of the
+    JRT training objective). The model's generation config carries them as `suppress_tokens` (saved in
+    `generation_config.json`), so transformers' own `SuppressTokensLogitsProcessor` applies them on every path."""
+    ids = set() if config.generation_vocab_size is None else set(range(config.generation_vocab_size, config.vocab_size))
+    if config.mask_token_id is not None:
+        ids.add(config.mask_token_id)
+    return sorted(ids)
 
 
-class VocabularyMaskLogitsProcessor(LogitsProcessor):
-    """Sets to -inf the scores of ids that must never be generated: every id `>= num_generatable` (LM-head rows that
-    only pad the vocabulary, e.g. 50257..50263 of the released models) and the ids in `suppressed_ids` (the [MASK]
-    token of the JRT training objective).
+def suppress_never_generated(config: JRTRNNConfig, generation_config: GenerationConfig, kwargs: dict) -> None:
+    """Add `never_generated_ids(config)` to the `suppress_tokens` of this call (in `kwargs`) when the generation config
+    in use lacks some, e.g. a `generation_config.json` saved before they were recorded or a config changed since."""
+    given = kwargs.get("suppress_tokens")
+    current = set(given if given is not None else (generation_config.suppress_tokens or []))
+    missing = set(never_generated_ids(config)) - current
+    if missing:
+        kwargs["suppress_tokens"] = sorted(current | missing)
+
+
+@overload
+def repeat_to_fill(prompt_ids: torch.Tensor, length: int) -> torch.Tensor: ...
+@overload
+def repeat_to_fill(prompt_ids: list[int], length: int) -> list[int]: ...
+def repeat_to_fill(prompt_ids: torch.Tensor | list[int], length: int) -> torch.Tensor | list[int]:
+    """Fill `length` tokens by repeating the prompt so that its last full copy ends at the end.
+
+    `out[i] = prompt[(i - length) mod T]`: the result ends with the whole prompt, is preceded by as many whole
+    copies as fit, and starts with the tail of one more copy when `length` is not a multiple of `T`. JRT-RNN's
+    `"repeat"` prefix strategy fills its non-causal prefix this way, so that the prompt is read twice (or more)
+    and generation continues right after an intact copy.
 
     Args:
-        num_generatable: Leading vocabulary rows that may be generated, or None for all.
-        suppressed_ids: Further ids that are never generated.
+        prompt_ids: `(T,)` tensor or list of token ids, or a `(B, T)` tensor whose rows are repeated independently
+            (every row as it is: strip left padding first and call once per row when the lengths differ).
+        length: Output length along the last dimension; at least `T`.
+
+    Returns:
+        `(length,)` or `(B, length)` tensor on `prompt_ids`' device and dtype, or a list for a list input.
+
+    Example:
+        >>> repeat_to_fill([1, 2, 3], 8)
+        [2, 3, 1, 2, 3, 1, 2, 3]
     """
-
-    def __init__(self, num_generatable: int | None, suppressed_ids: tuple[int, ...] = ()):
-        self.num_generatable = num_generatable
-        self.suppressed_ids = tuple(suppressed_ids)
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        """scores `(B, vocab)` -> scores with the forbidden columns at -inf (a new tensor)."""
-        scores = scores.clone()
-        if self.num_generatable is not None:
-            scores[:, self.num_generatable :] = -float("inf")
-        if self.suppressed_ids:
-            scores[:, list(self.suppressed_ids)] = -float("inf")
-        return scores
-
-
-def vocabulary_mask_processor(config: JRTRNNConfig) -> VocabularyMaskLogitsProcessor | None:
-    """The processor for `config.generation_vocab_size` and `config.mask_token_id`, or None when nothing is masked."""
-    suppressed = () if config.mask_token_id is None else (config.mask_token_id,)
-    if config.generation_vocab_size in (None, config.vocab_size) and not suppressed:
-        return None
-    return VocabularyMaskLogitsProcessor(config.generation_vocab_size, suppressed)
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() not in (1, 2):
+            raise ValueError(
+                f"`prompt_ids` must be a (T,) or (B, T) tensor, got shape {tuple(prompt_ids.shape)}."
+            )
+        prompt_length = prompt_ids.shape[-1]
+    elif isinstance(prompt_ids, list):
+        prompt_length = len(prompt_ids)
+    else:
+        raise TypeError(f"`prompt_ids` must be a torch.Tensor or a list of ints, got {type(prompt_ids).__name__}.")
+    if prompt_length == 0:
+        raise ValueError("`prompt_ids` is empty: there is nothing to repeat.")
+    if length < prompt_length:
+        raise ValueError(
+            f"`length` ({length}) is shorter than the prompt ({prompt_length} tokens): repeating cannot keep a "
+            f"whole copy; truncate the prompt or use a longer length."
+        )
+    if isinstance(prompt_ids, list):
+        return [prompt_ids[(i - length) % prompt_length] for i in range(length)]
+    index = (torch.arange(length, device=prompt_ids.device) - length) % prompt_length  # (length,)
+    return prompt_ids[..., index]  # (length,) or (B, length)
 
 
 @dataclass
@@ -414,19 +446,12 @@ def generate_with_prefix(
     prefix_pad_token_id: int | None,
     kwargs: dict,
 ) -> GenerateOutput | torch.LongTensor:
-    """`JRTRNNForCausalLM.generate`: prefix strategy, caller's view and vocabulary mask around
-    `GenerationMixin.generate`, and the `CachedPrompt` on the returned cache."""
+    """`JRTRNNForCausalLM.generate`: prefix strategy and caller's view around `GenerationMixin.generate`, and the
+    `CachedPrompt` on the returned cache. Everything else (assisted decoding on this stateful model, unknown
+    arguments, suppressed ids) is transformers' own handling."""
     config: JRTRNNConfig = model.config
     effective_config = generation_config if generation_config is not None else model.generation_config
-    for name in ASSISTED_DECODING_ARGUMENTS:
-        if kwargs.get(name) is not None or getattr(effective_config, name, None) is not None:
-            raise ValueError(
-                f"{type(model).__name__} cannot use assisted (speculative) decoding (`{name}` was given): its "
-                "recurrent state cannot be rolled back to drop rejected draft tokens. Generate without it."
-            )
-    mask_processor = vocabulary_mask_processor(config)
-    if mask_processor is not None:
-        logits_processor = LogitsProcessorList([*(logits_processor or []), mask_processor])
+    suppress_never_generated(config, effective_config, kwargs)
     if inputs is not None:
         if "input_ids" in kwargs or "inputs_embeds" in kwargs:
             raise ValueError("Pass the prompt once: as `inputs` or as `input_ids=`/`inputs_embeds=`, not both.")
@@ -566,11 +591,12 @@ __all__ = [
     "CallerViewStoppingCriteria",
     "PreparedPrompt",
     "PromptStrippingStreamer",
-    "VocabularyMaskLogitsProcessor",
     "align_linear_attention_mask",
     "cache_has_state",
     "cached_prompt",
+    "never_generated_ids",
     "generate_with_prefix",
     "prepare_prefix",
-    "vocabulary_mask_processor",
+    "repeat_to_fill",
+    "suppress_never_generated",
 ]

@@ -52,9 +52,10 @@ from .generation import (
     cache_has_state,
     cached_prompt,
     generate_with_prefix,
+    never_generated_ids,
 )
 from .linear_attention import linear_attention_step, prefix_linear_attention
-from .training import ignore_prefix_targets, jrt_loss
+from .loss import ignore_prefix_targets, jrt_loss
 
 logger = logging.get_logger(__name__)
 
@@ -769,6 +770,8 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        if never_generated_ids(config):  # padded vocabulary rows and [MASK]: saved in generation_config.json
+            self.generation_config.suppress_tokens = never_generated_ids(config)
 
     def forward(
         self,
@@ -792,11 +795,11 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
                 Leak-free: a prefix (JRT) model ignores the targets its encoder read, i.e. the label at index j of a
                 row is not scored when j < the row's prefix end (its first real token + its prefix length), so the
                 loss is the cross-entropy over the targets after each row's prefix. (With `Trainer`, mask those labels
-                in the collator, e.g. with `training.ignore_prefix_targets`, so that its `num_items_in_batch` counts
+                in the collator, e.g. with `jrt_train.ignore_prefix_targets`, so that its `num_items_in_batch` counts
                 only the scored targets.)
             mlm_labels: (keyword, through `**kwargs`) `(B, T)` masked-LM targets of the JRT objective, predicted at
                 their own position (-100 elsewhere), as `JRTDataCollator` builds them. With them the loss is
-                `NTP + config.mlm_weight * MLM` (see `modeling_jrt.training`), with the labels as given. They travel in
+                `NTP + config.mlm_weight * MLM` (see `modeling_jrt.loss`), with the labels as given. They travel in
                 `**kwargs`, like `shift_labels`, so that `Trainer` keeps `label_names == ["labels"]` and still
                 reports the loss of plain causal-LM evaluation batches. The collator's batches carry its
                 `prefix_length`; one that differs from `config.prefix_length` raises `ValueError`.
@@ -865,7 +868,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
             logger.warning_once(
                 "The labels of this batch include targets that the JRT encoder reads (inside each row's prefix): the "
                 "loss ignores them, but `num_items_in_batch` (from Trainer) still counts them, which scales the loss "
-                "down. Set them to -100 in the data collator (`modeling_jrt.training.ignore_prefix_targets`, or "
+                "down. Set them to -100 in the data collator (`jrt_train.ignore_prefix_targets`, or "
                 "`labels[:, :prefix_length] = -100` for unpadded blocks), or use `JRTDataCollator`."
             )
         return masked, kwargs
@@ -897,8 +900,9 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         The prompt is read in parallel (prefix linear attention prefill), then tokens are decoded one by one from the
         constant-size recurrent state. Prompts shorter than `prefix_length` are filled as `prefix_strategy` says; the
         fill never appears in the returned sequences, the streamer or the scores. Every other argument is the
-        standard one. Ids `>= config.generation_vocab_size` and `config.mask_token_id` are never generated.
-        Assisted decoding raises `ValueError` (the recurrent state cannot be rolled back).
+        standard one. Ids `>= config.generation_vocab_size` and `config.mask_token_id` are never generated
+        (`suppress_tokens` of the generation config). transformers refuses assisted decoding for this stateful model
+        (`_is_stateful`: the recurrent state cannot be rolled back).
 
         Args:
             prefix_strategy: `"pad"`, `"repeat"` or `"none"`; default `config.prefix_strategy`.

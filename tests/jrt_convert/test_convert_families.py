@@ -205,6 +205,7 @@ def test_cli_convert_with_tokenizer_shards_and_dtype(tmp_path, capsys):
     assert saved["mask_token_id"] == PADDED_VOCAB - 1 and saved["prefix_length"] == config["enc_length"]
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["do_sample"] is False and generation["eos_token_id"] == EOS
+    assert generation["suppress_tokens"] == list(range(VOCAB, PADDED_VOCAB))  # padding rows, [MASK] the last one
     assert saved["generation_vocab_size"] == VOCAB and saved["pad_token_id"] == EOS
     card = ModelCard.load(out / "README.md")
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"

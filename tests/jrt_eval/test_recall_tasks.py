@@ -16,7 +16,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 import modeling_jrt  # noqa: E402
 from jrt_eval import TASKS_DIR, JRTLM  # noqa: E402
 from jrt_eval.recall import default_prompt, load_recall_dataset, normalize_document, twice_prompt  # noqa: E402
-from modeling_jrt import jrt_prompt, truncate_context  # noqa: E402
+from jrt_prompt import jrt_prompt, truncate_context  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 

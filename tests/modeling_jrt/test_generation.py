@@ -4,6 +4,7 @@ strategies, cache continuation and memory, the vocabulary mask and transformers 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from transformers import (
     pipeline,
 )
 
-from transformers.generation import BaseStreamer
+from transformers.generation import BaseStreamer, GenerationMixin
 
 from modeling_jrt import JRTRNNForCausalLM
 from modeling_jrt.generation import cached_prompt
@@ -236,8 +237,14 @@ def test_prefix_errors_are_clear(make_config):
         greedy(model, prompt(3), 2, prefix_pad_token_id=220)
     with pytest.raises(ValueError, match="prefill_chunk_size"):
         greedy(model, prompt(10), 2, prefill_chunk_size=4)
-    with pytest.raises(ValueError, match="cannot be rolled back"):
-        greedy(model, prompt(10), 2, prompt_lookup_num_tokens=2)
+
+
+def test_transformers_refuses_assisted_decoding_for_the_stateful_model(make_config):
+    """`generate()` has no check of its own: `_is_stateful` makes transformers refuse assistants and prompt lookup."""
+    model = build(make_config)
+    for kwargs in (dict(prompt_lookup_num_tokens=2), dict(assistant_model=build(make_config))):
+        with pytest.raises(ValueError, match="assisted generation is not supported with stateful models"):
+            greedy(model, prompt(10), 2, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ memory and vocab
@@ -273,6 +280,24 @@ def test_vocabulary_padding_rows_and_mask_token_are_never_generated(make_config)
     for settings in (dict(do_sample=False), dict(do_sample=True, temperature=5.0), dict(num_beams=2)):
         generated = model.generate(prompt(10), max_new_tokens=6, **NO_EOS, **settings)[:, 10:]
         assert generated.max() < 90 and not (generated == 5).any()
+
+
+def test_never_generated_ids_are_suppress_tokens_of_the_saved_generation_config(make_config, tmp_path):
+    """Saved as `suppress_tokens`, so transformers' own generate (pipelines, lm-eval, `GenerationMixin.generate`
+    called directly) never emits them either."""
+    model = build(make_config, generation_vocab_size=90, mask_token_id=5)
+    assert model.generation_config.suppress_tokens == [5, *range(90, 99)]
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "generation_config.json").read_text())
+    assert saved["suppress_tokens"] == [5, *range(90, 99)]
+    reloaded = JRTRNNForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():  # make ids 95 (a padding row) and 5 (the mask token) the argmax everywhere
+        reloaded.lm_head.weight[95] = reloaded.lm_head.weight[5] = 0
+        reloaded.model.norm.weight.fill_(1.0)
+        reloaded.lm_head.weight[95, 0] = reloaded.lm_head.weight[5, 1] = 1e3
+    plain = GenerationMixin.generate(reloaded, prompt(10), max_new_tokens=6, do_sample=False, **NO_EOS)[:, 10:]
+    assert plain.max() < 90 and not (plain == 5).any()
+    assert build(make_config).generation_config.suppress_tokens is None  # nothing to suppress
 
 
 # ----------------------------------------------------------------------------------- streamers, criteria, pipeline

@@ -29,14 +29,7 @@ Decisions (and where they differ from the reference):
   how it is split into micro-batches and processes (see `jrt_loss`), so gradient accumulation and DDP give the same
   update as one large batch.
 
-Gradient accumulation and `num_items_in_batch`: `Trainer` counts the NTP targets of all micro-batches of one
-optimizer step (and of all processes) as `num_items_in_batch` = N, and sums the micro-batch losses. The NTP part is
-`sum(CE) / N`, an exact global mean. The MLM part has its own count, which `Trainer` does not collect, so each
-micro-batch contributes `mlm_weight * mean_MLM(micro-batch) * n_ntp(micro-batch) / N`: the micro-batch MLM means
-weighted by their share of the NTP targets (i.e. of the sequences, for packed blocks). With a fixed mask count per
-sequence this is the exact MLM mean of the whole batch; with Bernoulli masking it is the average of the micro-batch
-means, which is what the reference computes across its GPUs. Without `num_items_in_batch` (plain forward, custom
-loops) the loss is the reference's `mean NTP + mlm_weight * mean MLM` over the given batch.
+The loss itself is `modeling_jrt.loss.jrt_loss` (the model computes it when a batch has `mlm_labels`).
 """
 
 from __future__ import annotations
@@ -46,80 +39,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from .configuration_jrt import JRTRNNConfig
+from modeling_jrt import JRTRNNConfig
+from modeling_jrt.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 MASK_SAMPLINGS = ("fixed", "bernoulli")
-
-# Every `nn.Linear` of the mixers and MLPs. `JRTRNNShortConv.conv` is a depthwise Conv1d (groups = channels): a
-# low-rank update of a (channels, 1, kernel) weight is meaningless, and PEFT rejects it unless the rank divides the
-# number of groups. The tied `lm_head` / `embed_tokens` are left out so the adapter does not untie them.
-LORA_TARGET_MODULES = (
-    "q_proj", "k_proj", "v_proj", "o_proj",  # sliding-window and linear attention
-    "k_enc_proj", "v_enc_proj",  # JRT prefix encoder projections
-    "in_proj", "out_proj",  # gated short convolution
-    "gate_proj", "up_proj", "down_proj",  # SwiGLU MLP
-)
-
-
-def ignore_prefix_targets(labels: torch.Tensor, prefix_end: torch.Tensor | int) -> torch.Tensor:
-    """`labels` `(B, T)` with the targets a JRT encoder reads set to -100: index `j < prefix_end[b]` in row b.
-
-    `prefix_end` is an int or a `(B,)` tensor: the absolute index after each row's prefix (its first real token plus
-    its prefix length; just `prefix_length` for unpadded or right-padded rows). The model's loss does this itself;
-    call it in a data collator so that `Trainer`'s `num_items_in_batch` counts only the scored targets.
-    """
-    positions = torch.arange(labels.shape[-1], device=labels.device)
-    prefix_end = torch.as_tensor(prefix_end, device=labels.device).reshape(-1, 1)  # (B, 1) or (1, 1)
-    return labels.masked_fill(positions[None, :] < prefix_end, IGNORE_INDEX)
-
-
-def jrt_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    mlm_labels: torch.Tensor,
-    *,
-    mlm_weight: float,
-    num_items_in_batch: torch.Tensor | int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The JRT objective: next-token loss plus `mlm_weight` times the masked-LM loss on the prefix.
-
-    Args:
-        logits: `(B, T, V)` scores.
-        labels: `(B, T)` next-token targets in the HF convention (unshifted: position t predicts `labels[t + 1]`),
-            -100 where there is none.
-        mlm_labels: `(B, T)` masked-LM targets, predicted at their own position, -100 where there is none.
-        mlm_weight: weight of the masked-LM term (0.25 in the reference).
-        num_items_in_batch: NTP targets of the whole optimizer step (all micro-batches and processes), as `Trainer`
-            passes it. See the module docstring for how the MLM term is normalised then.
-
-    Returns:
-        `(loss, ntp_loss, mlm_loss)`: the scalar to optimise, and the detached NTP and MLM means of this batch for
-        logging. A part with no targets contributes 0.
-    """
-    if labels.shape != logits.shape[:2] or mlm_labels.shape != logits.shape[:2]:
-        raise ValueError(
-            f"`labels` {tuple(labels.shape)} and `mlm_labels` {tuple(mlm_labels.shape)} must both have the shape "
-            f"(batch, seq_len) of the logits {tuple(logits.shape[:2])}; with `logits_to_keep` no loss is computed."
-        )
-    logits = logits.float()
-    vocab_size = logits.shape[-1]
-    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].to(logits.device)  # (B, T)
-    mlm_labels = mlm_labels.to(logits.device)
-    ntp_sum = F.cross_entropy(logits.view(-1, vocab_size), shift_labels.reshape(-1), reduction="sum")
-    mlm_sum = F.cross_entropy(logits.view(-1, vocab_size), mlm_labels.reshape(-1), reduction="sum")
-    ntp_count = (shift_labels != IGNORE_INDEX).sum()
-    mlm_count = (mlm_labels != IGNORE_INDEX).sum()
-    ntp_mean = ntp_sum / ntp_count.clamp(min=1)
-    mlm_mean = mlm_sum / mlm_count.clamp(min=1)
-    if num_items_in_batch is None:
-        loss = ntp_mean + mlm_weight * mlm_mean
-    else:
-        # This micro-batch's share of the step: exact NTP sum over N, MLM mean weighted by the NTP share.
-        loss = (ntp_sum + mlm_weight * mlm_mean * ntp_count) / num_items_in_batch
-    return loss, ntp_mean.detach(), mlm_mean.detach()
 
 
 @dataclass
@@ -305,32 +229,4 @@ def pack_token_blocks(token_ids: Sequence[int] | torch.Tensor, block_size: int) 
     return token_ids[: num_blocks * block_size].view(num_blocks, block_size)
 
 
-def default_lora_config(**overrides: Any):
-    """A `peft.LoraConfig` for JRT-RNN / Based models: rank 8, alpha 16, on every Linear projection.
-
-    Targets `LORA_TARGET_MODULES` (attention, prefix-encoder, convolution-block and MLP projections). The depthwise
-    convolution cannot take LoRA (its weight is one kernel per channel, and PEFT rejects grouped convolutions); it
-    stays frozen unless you list `"conv"` in `modules_to_save`. Keyword arguments override any `LoraConfig` field.
-
-    Example:
-        >>> from peft import get_peft_model
-        >>> model = get_peft_model(model, default_lora_config(r=16))
-    """
-    try:
-        from peft import LoraConfig
-    except ImportError as error:
-        raise ImportError("`default_lora_config` needs PEFT: `pip install peft`.") from error
-    values = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(LORA_TARGET_MODULES), task_type="CAUSAL_LM")
-    values.update(overrides)
-    return LoraConfig(**values)
-
-
-__all__ = [
-    "IGNORE_INDEX",
-    "LORA_TARGET_MODULES",
-    "JRTDataCollator",
-    "default_lora_config",
-    "ignore_prefix_targets",
-    "jrt_loss",
-    "pack_token_blocks",
-]
+__all__ = ["MASK_SAMPLINGS", "JRTDataCollator", "pack_token_blocks"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeling_jrt import JRTDataCollator, JRTRNNForCausalLM, pack_token_blocks
+from jrt_train import JRTDataCollator, pack_token_blocks
+from modeling_jrt import JRTRNNForCausalLM
 
 MASK_ID = 98
 IGNORE = -100

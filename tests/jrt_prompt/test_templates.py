@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeling_jrt import (
+from jrt_prompt import (
     PROMPT_TEMPLATES,
     default_prompt,
     default_prompts,

@@ -22,10 +22,7 @@ handling, one template per task:
 `"extraction"` is an alias of `"swde"` and `"qa"` an alias of `"drop"`: use them for your own documents.
 
 `truncate_context` cuts a long document to a token window around the answer, as the reference's
-`--cutting_context` does, so that both prompt kinds see the same information. `repeat_to_fill` fills a token budget
-by repeating a prompt; JRT-RNN's `"repeat"` prefix strategy uses it to fill the non-causal prefix.
-
-Only the standard library, torch and transformers are imported: this file ships as Hub remote code.
+`--cutting_context` does, so that both prompt kinds see the same information.
 """
 
 from __future__ import annotations
@@ -33,9 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, overload
-
-import torch
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -290,58 +285,6 @@ def truncate_context(
     return text
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Repeating a prompt to fill a length (JRT-RNN "repeat" prefix strategy)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@overload
-def repeat_to_fill(prompt_ids: torch.Tensor, length: int) -> torch.Tensor: ...
-@overload
-def repeat_to_fill(prompt_ids: list[int], length: int) -> list[int]: ...
-def repeat_to_fill(prompt_ids: torch.Tensor | list[int], length: int) -> torch.Tensor | list[int]:
-    """Fill `length` tokens by repeating the prompt so that its last full copy ends at the end.
-
-    `out[i] = prompt[(i - length) mod T]`: the result ends with the whole prompt, is preceded by as many whole
-    copies as fit, and starts with the tail of one more copy when `length` is not a multiple of `T`. JRT-RNN's
-    `"repeat"` prefix strategy fills its non-causal prefix this way, so that the prompt is read twice (or more)
-    and generation continues right after an intact copy.
-
-    Args:
-        prompt_ids: `(T,)` tensor or list of token ids, or a `(B, T)` tensor whose rows are repeated independently
-            (every row as it is: strip left padding first and call once per row when the lengths differ).
-        length: Output length along the last dimension; at least `T`.
-
-    Returns:
-        `(length,)` or `(B, length)` tensor on `prompt_ids`' device and dtype, or a list for a list input.
-
-    Example:
-        >>> repeat_to_fill([1, 2, 3], 8)
-        [2, 3, 1, 2, 3, 1, 2, 3]
-    """
-    if isinstance(prompt_ids, torch.Tensor):
-        if prompt_ids.dim() not in (1, 2):
-            raise ValueError(
-                f"`prompt_ids` must be a (T,) or (B, T) tensor, got shape {tuple(prompt_ids.shape)}."
-            )
-        prompt_length = prompt_ids.shape[-1]
-    elif isinstance(prompt_ids, list):
-        prompt_length = len(prompt_ids)
-    else:
-        raise TypeError(f"`prompt_ids` must be a torch.Tensor or a list of ints, got {type(prompt_ids).__name__}.")
-    if prompt_length == 0:
-        raise ValueError("`prompt_ids` is empty: there is nothing to repeat.")
-    if length < prompt_length:
-        raise ValueError(
-            f"`length` ({length}) is shorter than the prompt ({prompt_length} tokens): repeating cannot keep a "
-            f"whole copy; truncate the prompt or use a longer length."
-        )
-    if isinstance(prompt_ids, list):
-        return [prompt_ids[(i - length) % prompt_length] for i in range(length)]
-    index = (torch.arange(length, device=prompt_ids.device) - length) % prompt_length  # (length,)
-    return prompt_ids[..., index]  # (length,) or (B, length)
-
-
 __all__ = [
     "EXTRACTION_TEMPLATES",
     "PROMPT_TEMPLATES",
@@ -350,6 +293,5 @@ __all__ = [
     "find_answer",
     "jrt_prompt",
     "jrt_prompts",
-    "repeat_to_fill",
     "truncate_context",
 ]

@@ -8,8 +8,9 @@ from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import modeling_jrt
-from modeling_jrt import JRTDataCollator, JRTRNNForCausalLM, default_lora_config, jrt_loss, pack_token_blocks
-from modeling_jrt.training import ignore_prefix_targets
+import jrt_train
+from jrt_train import JRTDataCollator, default_lora_config, ignore_prefix_targets, jrt_loss, pack_token_blocks
+from modeling_jrt import JRTRNNForCausalLM
 
 MASK_ID = 98
 
@@ -225,7 +226,7 @@ def test_lora_trains_only_the_adapter_and_merges_exactly(make_config, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     model = get_peft_model(base, default_lora_config())
     targeted = {name.split(".")[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
-    assert targeted == set(modeling_jrt.LORA_TARGET_MODULES)  # every projection kind of the tiny model; no conv
+    assert targeted == set(jrt_train.LORA_TARGET_MODULES)  # every projection kind of the tiny model; no conv
 
     batch = JRTDataCollator.from_config(config, seed=0)(list(random_blocks(2, 15)))
     model(**batch).loss.backward()

@@ -1,0 +1,30 @@
+"""jrt_prompt: JRT-Prompt (read the document twice before answering) and the reference's prompt builders.
+
+Text only: nothing here is part of the model (a converted folder ships none of it). `repeat_to_fill`, which the
+model's `"repeat"` prefix strategy uses, lives with the generation code and is re-exported here.
+"""
+
+from modeling_jrt.generation import repeat_to_fill
+
+from .templates import (
+    EXTRACTION_TEMPLATES,
+    PROMPT_TEMPLATES,
+    default_prompt,
+    default_prompts,
+    find_answer,
+    jrt_prompt,
+    jrt_prompts,
+    truncate_context,
+)
+
+__all__ = [
+    "EXTRACTION_TEMPLATES",
+    "PROMPT_TEMPLATES",
+    "default_prompt",
+    "default_prompts",
+    "find_answer",
+    "jrt_prompt",
+    "jrt_prompts",
+    "repeat_to_fill",
+    "truncate_context",
+]
