@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jrt_convert import DTYPES, FAMILIES
+from modeling_jrt.configuration_jrt import PREFIX_PAD_MASKINGS
+
 from .main import UsageError
 
 
@@ -19,18 +22,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("source", metavar="SRC", help="local folder / weights file, or a Hub repo id")
     parser.add_argument("destination", metavar="DST", help="output folder (must not exist unless --overwrite)")
     parser.add_argument(
-        "--family", default="auto", choices=["auto", "jrt", "based-jrt-release", "based-original"],
+        "--family", default="auto", choices=["auto", *FAMILIES],
         help="checkpoint family (default: detected from the config and the weights)",
     )
     parser.add_argument(
-        "--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights dtype (default fp32)"
+        "--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default float32)"
     )
     parser.add_argument(
         "--tokenizer", metavar="PATH_OR_ID",
         help="GPT-2 tokenizer to ship (folder or Hub id); default: GPT-2 from the local Hub cache if present",
     )
     parser.add_argument(
-        "--prefix-pad-masking", default="reference", choices=["reference", "strict"],
+        "--prefix-pad-masking", default="reference", choices=PREFIX_PAD_MASKINGS,
         help="JRT prefix pads: 'reference' reproduces the published evaluation (pads keep a constant-term "
         "contribution), 'strict' removes them entirely (default: reference)",
     )

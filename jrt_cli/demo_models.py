@@ -26,6 +26,12 @@ DEMO_SLICES = ((4, 16), (16, 4))  # the set sizes the models were trained on
 LONGER_SLICES = ((8, 24), (24, 8))  # longer sets never seen in training (prompt of 35 tokens)
 
 
+# The shipped demo models (folders of `MODELS_DIR`), by the model kind they demonstrate.
+JRT_DEMO_MODEL = "jrt-rnn-sd"
+BASED_DEMO_MODEL = "based-sd"
+DEMO_MODELS = {"JRT-RNN": JRT_DEMO_MODEL, "causal Based": BASED_DEMO_MODEL}
+
+
 @dataclass
 class DemoArm:
     """A model and the prompt format it is given (`repeat = 2` is JRT-Prompt: the context read twice)."""
@@ -36,9 +42,9 @@ class DemoArm:
 
 
 DEMO_ARMS = (
-    DemoArm("JRT-RNN (prefix linear attention)", "jrt-rnn-sd"),
-    DemoArm("Based (causal linear attention)", "based-sd"),
-    DemoArm("Based + JRT-Prompt (input twice)", "based-sd", repeat=2),
+    DemoArm("JRT-RNN (prefix linear attention)", JRT_DEMO_MODEL),
+    DemoArm("Based (causal linear attention)", BASED_DEMO_MODEL),
+    DemoArm("Based + JRT-Prompt (input twice)", BASED_DEMO_MODEL, repeat=2),
 )
 
 

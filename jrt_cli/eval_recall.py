@@ -1,6 +1,6 @@
 """`jrt eval-recall`: read-once vs JRT-Prompt recall accuracy of any causal LM on a JSONL file of documents.
 
-A thin front end over the lm-eval recall tasks (`jrt_cli.recall_eval`): it checks every argument, the data file and
+A thin front end over the lm-eval recall tasks (`jrt_eval.jsonl_recall`): it checks every argument, the data file and
 the output path before loading the model, then prints the summary table to stdout and writes the per-record file.
 """
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .recall_eval import (
+from jrt_convert import DTYPES
+from jrt_eval.jsonl_recall import (
     PROMPT_KINDS,
     check_output_writable,
     evaluate_recall,
@@ -66,7 +67,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="the model window; longer prompts are left-truncated by lm-eval (default: the "
                              "model's max_position_embeddings, else 2048)")
     parser.add_argument("--output", default=None, help="write one JSON line per record and prompt kind here")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="float32")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow Hub remote code for model/tokenizer")
     parser.add_argument("--no-progress", action="store_true", help="only errors from lm-eval's log")

@@ -13,17 +13,14 @@ from __future__ import annotations
 import argparse
 import os
 
-from .main import UsageError, one_line
+from jrt_prompt import read_twice
 from modeling_jrt.configuration_jrt import PREFIX_STRATEGIES
+
+from .main import UsageError, one_line
 
 
 # Files of which a saved tokenizer has at least one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
-def read_twice(prompt: str) -> str:
-    """JRT-Prompt in its simplest form: the prompt, a newline, the prompt again (REFERENCE.md §6)."""
-    return f"{prompt}\n{prompt}"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from modeling_jrt.loss import IGNORE_INDEX
 
 # Set disjointness specials (JRT paper, Algorithm 1).
 SD_MASK, SD_BOS, SD_SET_SEP, SD_ANSWER_SEP = 0, 1, 2, 3

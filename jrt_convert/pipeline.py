@@ -22,6 +22,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM
+from modeling_jrt.configuration_jrt import PREFIX_PAD_MASKINGS
 from modeling_jrt.generation import never_generated_ids
 
 from .checkpoint import ConversionError, read_reference_checkpoint
@@ -45,8 +46,8 @@ from .safety import (
     terminate_cleanly,
 )
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PREFIX_PAD_MASKINGS = ("reference", "strict")
+# Weight dtypes of a conversion, by torch's names (as `from_pretrained(dtype=...)` and the other commands spell them).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # The verification forward: a few ordinary GPT-2 ids (all < 257, so it also fits tiny test vocabularies).
 _VERIFY_IDS = [40, 101, 220, 84, 111, 119, 46, 10, 65]
@@ -71,7 +72,7 @@ def convert_checkpoint(
     destination: str | Path,
     *,
     family: str = "auto",
-    dtype: str = "fp32",
+    dtype: str = "float32",
     tokenizer: str | None = None,
     prefix_pad_masking: str = "reference",
     max_shard_size: str | int = "5GB",
@@ -86,7 +87,7 @@ def convert_checkpoint(
         destination: the output folder; must not exist unless `overwrite`.
         family: `"auto"` (detected, see `families.detect_family`), `"jrt"`, `"based-jrt-release"` or
             `"based-original"`.
-        dtype: `"fp32"` (the released weights), `"bf16"` or `"fp16"`.
+        dtype: `"float32"` (the released weights), `"bfloat16"` or `"float16"`.
         tokenizer: a local folder or Hub id of the GPT-2 tokenizer to ship; default: GPT-2 from the local Hub cache
             when present (never downloaded implicitly), else no tokenizer files.
         prefix_pad_masking: `"reference"` (pads of the JRT prefix keep the reference's constant-term leak, which

@@ -7,6 +7,7 @@ model's `"repeat"` prefix strategy uses, lives with the generation code and is r
 from modeling_jrt.generation import repeat_to_fill
 
 from .templates import (
+    DOCUMENT_SEPARATOR,
     EXTRACTION_TEMPLATES,
     PROMPT_TEMPLATES,
     default_prompt,
@@ -14,10 +15,12 @@ from .templates import (
     find_answer,
     jrt_prompt,
     jrt_prompts,
+    read_twice,
     truncate_context,
 )
 
 __all__ = [
+    "DOCUMENT_SEPARATOR",
     "EXTRACTION_TEMPLATES",
     "PROMPT_TEMPLATES",
     "default_prompt",
@@ -25,6 +28,7 @@ __all__ = [
     "find_answer",
     "jrt_prompt",
     "jrt_prompts",
+    "read_twice",
     "repeat_to_fill",
     "truncate_context",
 ]

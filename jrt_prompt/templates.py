@@ -143,6 +143,18 @@ def _resolve_template(template: str) -> Callable[[str, str, str | None], _Docume
     return _TEMPLATES[name]
 
 
+# Between two copies of the document in a JRT-Prompt (the reference's `*_twice` tasks).
+DOCUMENT_SEPARATOR = "\n"
+
+
+def read_twice(text: str, repeats: int = 2) -> str:
+    """JRT-Prompt in its simplest form, for text without a separate question: `text` `repeats` times, joined by
+    `DOCUMENT_SEPARATOR` (what `jrt generate --jrt-prompt` feeds the model)."""
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"`repeats` must be a positive integer (1 = read once, 2 = JRT-Prompt), got {repeats!r}.")
+    return DOCUMENT_SEPARATOR.join([text] * repeats)
+
+
 def jrt_prompt(
     context: str,
     question: str,
@@ -181,7 +193,7 @@ def jrt_prompt(
     document = _resolve_template(template)(context, question, header)
     if repeats == 1:
         return document.read_once
-    return document.header + " " + "\n".join([document.text] * (repeats - 1) + [document.last])
+    return document.header + " " + DOCUMENT_SEPARATOR.join([document.text] * (repeats - 1) + [document.last])
 
 
 def default_prompt(context: str, question: str, *, template: str = "qa") -> str:
@@ -286,6 +298,7 @@ def truncate_context(
 
 
 __all__ = [
+    "DOCUMENT_SEPARATOR",
     "EXTRACTION_TEMPLATES",
     "PROMPT_TEMPLATES",
     "default_prompt",
@@ -293,5 +306,6 @@ __all__ = [
     "find_answer",
     "jrt_prompt",
     "jrt_prompts",
+    "read_twice",
     "truncate_context",
 ]

@@ -262,11 +262,6 @@ class JRTRNNConfig(PreTrainedConfig):
         """Size of the 2nd-order Taylor feature map: 1 + f + f**2 (273 for f = 16)."""
         return 1 + self.feature_dim + self.feature_dim**2
 
-    @property
-    def encoder_length(self) -> int:
-        """Prefix length the linear attention layers use (0 for causal Based)."""
-        return self.prefix_length if self.linear_attention_type == "prefix" else 0
-
 
 def default_layer_types(num_hidden_layers: int) -> list[str]:
     """The released Based/JRT pattern: linear attention at 1, 6, 11, 16, 21, then every 6th layer from 27

@@ -62,10 +62,11 @@ import os
 import torch
 from transformers.utils import logging
 
+from .configuration_jrt import PREFIX_PAD_MASKINGS
+
 logger = logging.get_logger(__name__)
 
 IMPLEMENTATION_ENV_VAR = "JRT_LINEAR_ATTENTION_IMPL"
-PAD_MASKINGS = ("strict", "reference")
 
 
 def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
@@ -136,8 +137,8 @@ def validate_linear_attention_inputs(
         raise ValueError(f"v must be (B, T, H, V) = ({batch_size}, {seq_len}, {num_heads}, V); got {tuple(v.shape)}.")
     if (k_enc is None) != (v_enc is None):
         raise ValueError("k_enc and v_enc must be given together (or both None for causal linear attention).")
-    if pad_masking not in PAD_MASKINGS:
-        raise ValueError(f"pad_masking must be one of {list(PAD_MASKINGS)}, got {pad_masking!r}.")
+    if pad_masking not in PREFIX_PAD_MASKINGS:
+        raise ValueError(f"pad_masking must be one of {list(PREFIX_PAD_MASKINGS)}, got {pad_masking!r}.")
     if key_mask is not None:
         if key_mask.shape != (batch_size, seq_len):
             raise ValueError(f"key_mask must be (B, T) = ({batch_size}, {seq_len}); got {tuple(key_mask.shape)}.")
@@ -667,7 +668,6 @@ def prefix_linear_attention(
 
 
 __all__ = [
-    "PAD_MASKINGS",
     "linear_attention_step",
     "num_taylor_features",
     "prefix_linear_attention",

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import modeling_jrt
 from jrt_cli import eval_recall
 from jrt_cli.main import main
-from jrt_cli.recall_eval import (
+from jrt_eval.jsonl_recall import (
     RecallRecord,
     RecallReport,
     RecallResult,

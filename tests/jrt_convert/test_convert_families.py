@@ -184,7 +184,7 @@ def test_cli_convert_with_tokenizer_shards_and_dtype(tmp_path, capsys):
     source, config, _ = _make_source(tmp_path, "jrt", "JRT-360M-30B", lightning=True)
     tokenizer_dir = _tiny_gpt2_tokenizer(tmp_path / "tok")
     code = jrt_main([
-        "convert", str(source), str(tmp_path / "out"), "--dtype", "bf16", "--tokenizer", str(tokenizer_dir),
+        "convert", str(source), str(tmp_path / "out"), "--dtype", "bfloat16", "--tokenizer", str(tokenizer_dir),
         "--max-shard-size", "200KB", "--prefix-pad-masking", "strict",
     ])
     assert code == 0

@@ -273,3 +273,13 @@ def test_repeat_to_fill_2d_is_row_wise():
 def test_repeat_to_fill_errors(prompt, length, error, match):
     with pytest.raises(error, match=match):
         repeat_to_fill(prompt, length)
+
+
+def test_read_twice_repeats_the_text_with_the_jrt_prompt_separator():
+    """`jrt generate --jrt-prompt` and `jrt_prompt` join the copies of a document the same way."""
+    from jrt_prompt import DOCUMENT_SEPARATOR, read_twice
+
+    assert read_twice("a b") == "a b\na b" == DOCUMENT_SEPARATOR.join(["a b"] * 2)
+    assert read_twice("x", 3) == "x\nx\nx"
+    with pytest.raises(ValueError, match="repeats"):
+        read_twice("x", 0)

@@ -68,7 +68,7 @@ def test_small_valid_configs_give_finite_logits_and_cached_equals_parallel(seed)
     with torch.no_grad():
         parallel = model(input_ids, use_cache=False).logits  # (B, T, vocab)
         # The encoder reads the first forward only, so the prefill covers the whole prefix (at least one token).
-        prefill = max(config.encoder_length, 1)
+        prefill = max(config.prefix_length if config.linear_attention_type == "prefix" else 0, 1)
         output = model(input_ids[:, :prefill], use_cache=True)
         steps = [output.logits]
         for t in range(prefill, SEQ_LEN):

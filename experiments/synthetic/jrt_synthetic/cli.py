@@ -23,7 +23,6 @@ from .experiments import (
     write_summary,
 )
 
-DEMO_MODEL_DIRS = {"JRT-RNN": "jrt-rnn-sd", "causal Based": "based-sd"}
 # `export` writes here unless told otherwise: never into an installed package.
 DEFAULT_EXPORT_DIR = Path("runs") / "demo-models"
 
@@ -131,9 +130,10 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from jrt_cli.demo_models import DEMO_MODELS
     from jrt_cli.set_disjointness import sd_token_map, sd_tokenizer
 
-    for arm, name in DEMO_MODEL_DIRS.items():
+    for arm, name in DEMO_MODELS.items():
         source = args.out / run_directory_name(arm, args.seed)
         if not (source / "model" / "config.json").exists():
             raise FileNotFoundError(f"No trained model in {source / 'model'}: run the e1 experiment first.")

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from modeling_jrt.loss import IGNORE_INDEX
 
 from jrt_cli.set_disjointness import (  # noqa: F401  (re-exported)
-    IGNORE_INDEX,
     SD_ANSWER_SEP,
     SD_BOS,
     SD_MASK,

@@ -18,8 +18,6 @@ import numpy as np
 
 from .train import RunSpec, TaskSpec, machine_description
 
-EXPERIMENTS = ("e1", "e2")
-
 
 def e1_task(repeat: int = 1) -> TaskSpec:
     """Set disjointness, V = 68, train and eval on (|A|, |B|) in {(4, 16), (16, 4)} (input length 23)."""

@@ -1,4 +1,4 @@
-"""`jrt eval-recall`'s engine: your JSONL documents through the lm-eval recall tasks `jrt_jsonl` / `jrt_jsonl_twice`.
+"""Recall evaluation of a JSONL file (the engine of `jrt eval-recall`): your JSONL documents through the lm-eval recall tasks `jrt_jsonl` / `jrt_jsonl_twice`.
 
 There is one evaluation code path: this module writes two task YAMLs that include the shipped `jrt_jsonl` tasks
 (`jrt_eval/tasks`) with your file as their data, runs them with lm-eval's `simple_evaluate` on the `JRTLM` model
