@@ -453,9 +453,9 @@ def generate_with_prefix(
     effective_config = generation_config if generation_config is not None else model.generation_config
     suppress_never_generated(config, effective_config, kwargs)
     if inputs is not None:
-        if "input_ids" in kwargs or "inputs_embeds" in kwargs:
-            raise ValueError("Pass the prompt once: as `inputs` or as `input_ids=`/`inputs_embeds=`, not both.")
-        kwargs["input_ids"] = inputs
+        if kwargs.get("input_ids") is not None:  # the prompt twice: transformers' own error
+            return base_generate(inputs, generation_config=generation_config, **kwargs)
+        kwargs["input_ids"] = inputs  # with `inputs_embeds` too: the ids of those embeddings, as in transformers
     input_ids = kwargs.get("input_ids")
     inputs_embeds = kwargs.get("inputs_embeds")
     if input_ids is None and inputs_embeds is None:

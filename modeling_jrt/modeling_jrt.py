@@ -41,8 +41,10 @@ from transformers.generation.utils import GenerateOutput
 from transformers.masking_utils import create_recurrent_attention_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.utils import logging
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.utils import can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_jrt import JRTRNNConfig
 from .generation import (
@@ -206,7 +208,7 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         cache: Cache | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch_size, seq_len, _ = hidden_states.shape
         hidden_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
@@ -220,11 +222,11 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         attention_interface: Callable = eager_attention_forward
         if self.config._attn_implementation != "eager":
             attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-        output, _ = attention_interface(
+        output, weights = attention_interface(
             self, query, key, value, attention_mask,
-            dropout=0.0, scaling=self.scaling, sliding_window=self.sliding_window,
-        )  # (B, T, H, D)
-        return self.o_proj(output.reshape(batch_size, seq_len, -1))
+            dropout=0.0, scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
+        )  # (B, T, H, D); weights (B, H, T, S) with eager attention, else None
+        return self.o_proj(output.reshape(batch_size, seq_len, -1)), weights
 
 
 class JRTRNNSlidingWindowCacheLayer(DynamicSlidingWindowLayer):
@@ -493,7 +495,8 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         encoder_range: JRTRNNEncoderRange | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """hidden_states: (B, T, hidden) fp32 residual stream; returns the updated fp32 residual."""
+        """hidden_states: (B, T, hidden) fp32 residual stream; returns the updated fp32 residual. `kwargs` (e.g.
+        `output_attentions`) reach the mixer and, for sliding attention, transformers' attention function."""
         mixed = self.mixer(
             self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
@@ -501,7 +504,10 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             linear_attention_mask=linear_attention_mask,
             encoder_range=encoder_range,
+            **kwargs,
         )
+        if self.layer_type == "sliding_attention":  # (output, weights): output capturing records the weights
+            mixed = mixed[0]
         hidden_states = hidden_states + mixed.float()
         if self.mlp is None:
             return hidden_states
@@ -516,6 +522,12 @@ class JRTRNNPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["JRTRNNDecoderLayer"]
     _supports_sdpa = True
     _is_stateful = True  # the recurrent state cannot be rolled back: no assisted decoding
+    # `output_hidden_states`: the input of the first block, then every block's output (the last one after the final
+    # norm); `output_attentions`: the weights of each sliding-window layer (eager attention only; sdpa refuses).
+    _can_record_outputs = {
+        "hidden_states": JRTRNNDecoderLayer,
+        "attentions": OutputRecorder(JRTRNNSlidingWindowAttention, index=1),
+    }
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, whose folder always loads with `trust_remote_code=True` alone.
@@ -621,6 +633,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -631,7 +645,6 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         use_cache: bool | None = None,
         linear_attention_mask: torch.Tensor | None = None,
         prefix_length: int | torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """
@@ -640,7 +653,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             attention_mask: `(B, T_total)` 1 for real tokens, 0 for padding (left padding), covering the cached tokens
                 too; or the per-layer-type dict of prepared masks that `generate()` passes with a static cache.
             position_ids: `(B, T)` RoPE positions; default: counting on from the cached length.
-            cache: a transformers `Cache` built from `config.layer_types` (`past_key_values` is accepted as an alias).
+            cache: a transformers `Cache` built from `config.layer_types` (`past_key_values` is accepted as a
+                deprecated alias, as in transformers' own models).
             use_cache: create a `DynamicCache` when none is given (default `config.use_cache` in eval mode, False in
                 training mode, so `Trainer(args=TrainingArguments(use_cache=True))` keeps `use_cache: true` in the
                 checkpoints it saves without building a cache per training step).
@@ -653,9 +667,9 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 `min(prefix_length_b, real tokens)` tokens, never padding, in the first forward of a sequence (a cache
                 without linear-attention state). So the outputs at positions `>= prefix_length_b - 1` of a row never
                 depend on later tokens.
+            output_hidden_states, output_attentions, return_dict: (keywords) transformers' output capturing
+                (`_can_record_outputs`); `return_dict=False` returns a tuple.
         """
-        if cache is None:
-            cache = past_key_values
         _check_cache_layout(cache, self.config)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
@@ -704,6 +718,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 cache=cache,
                 linear_attention_mask=linear_attention_mask,
                 encoder_range=prefix_range,
+                **kwargs,
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
@@ -773,6 +788,8 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         if never_generated_ids(config):  # padded vocabulary rows and [MASK]: saved in generation_config.json
             self.generation_config.suppress_tokens = never_generated_ids(config)
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -785,7 +802,6 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         linear_attention_mask: torch.Tensor | None = None,
         prefix_length: int | torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
         **kwargs,
     ) -> JRTRNNCausalLMOutput:
         """
@@ -803,15 +819,16 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
                 `**kwargs`, like `shift_labels`, so that `Trainer` keeps `label_names == ["labels"]` and still
                 reports the loss of plain causal-LM evaluation batches. The collator's batches carry its
                 `prefix_length`; one that differs from `config.prefix_length` raises `ValueError`.
-            logits_to_keep: compute logits for the last `logits_to_keep` positions only (0 = all).
-            Other arguments: see `JRTRNNModel.forward`.
+            logits_to_keep: compute logits for the last `logits_to_keep` positions only (0 = all), or for the
+                positions a tensor selects (`transformers.modeling_utils.slice_logits_to_keep`).
+            Other arguments: see `JRTRNNModel.forward` (`output_hidden_states`, `output_attentions` and
+                `return_dict=False` as in transformers' models).
 
         Returns:
             `JRTRNNCausalLMOutput` with `loss`, `logits` `(B, T, vocab_size)`, `cache`, and `ntp_loss` / `mlm_loss`
             when `mlm_labels` are given.
         """
         mlm_labels = kwargs.pop("mlm_labels", None)
-        cache = cache if cache is not None else past_key_values
         _check_cache_layout(cache, self.config)
         prefix_range = None  # the encoder range of this forward, for the loss
         if labels is not None:
@@ -832,13 +849,9 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             linear_attention_mask=linear_attention_mask,
             prefix_length=prefix_length,
+            **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            hidden_states = hidden_states[:, -logits_to_keep:]
-        elif isinstance(logits_to_keep, torch.Tensor):
-            hidden_states = hidden_states[:, logits_to_keep]
-        logits = self.lm_head(hidden_states)
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
 
         loss = ntp_loss = mlm_loss = None
         if mlm_labels is not None:
@@ -853,7 +866,8 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
                 labels, kwargs = self._ignore_encoder_targets(labels, prefix_range.end, kwargs)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return JRTRNNCausalLMOutput(
-            loss=loss, logits=logits, cache=outputs.cache, ntp_loss=ntp_loss, mlm_loss=mlm_loss
+            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions, ntp_loss=ntp_loss, mlm_loss=mlm_loss,
         )
 
     def _ignore_encoder_targets(
