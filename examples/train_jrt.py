@@ -1,4 +1,5 @@
-"""Train a small JRT-RNN from scratch with the JRT objective (REFERENCE.md §5) and the transformers `Trainer`.
+"""Train a small JRT-RNN from scratch with the JRT objective (docs/reference_architecture.md §1.5) and the
+transformers `Trainer`.
 
 Next-token loss after the prefix + 0.25 x masked-LM loss on the prefix (15% of its tokens -> [MASK]), on packed
 blocks of byte-level tokens. Runs offline on CPU; one process or several:

@@ -1,7 +1,7 @@
 """Reading a reference checkpoint safely: `config.json` plus `pytorch_model.bin` or a Lightning `.ckpt`.
 
-The released checkpoints are pickles (REFERENCE.md §1.1, §1.5). They are read with `torch.load(weights_only=True)`
-only, which restores tensors and plain containers and refuses everything else, so a checkpoint cannot run code on
+The released checkpoints are pickles (docs/reference_architecture.md §2). They are read with
+`torch.load(weights_only=True)` only, which restores tensors and plain containers and refuses everything else, so a checkpoint cannot run code on
 the converting machine. The state dict is then normalised as the reference loader does (§1.5, §2.3):
 
 1. strip a leading `model.` (the Lightning module's attribute name),
@@ -167,7 +167,8 @@ def check_file_integrity(path: Path) -> None:
 
 
 def normalise_keys(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Strip a leading `model.` and drop the `metrics` counters, as the reference loader does (REFERENCE.md §1.5).
+    """Strip a leading `model.` and drop the `metrics` counters, as the reference loader does
+    (docs/reference_architecture.md §2.1).
 
     Returns:
         (normalised state dict, dropped keys).

@@ -1,6 +1,6 @@
 """The released checkpoint families: how to recognise each, read its reference config, and name its tensors.
 
-Three families (REFERENCE.md §1.1, §1.3, §1.5):
+Three families (docs/reference_architecture.md §2, §2.1):
 
     family              checkpoints                           reference loader     linear attention
     jrt                 JRT-360M-30B, JRT-1B-50B              [JRT] gpt.py         prefix (PLA)
@@ -170,7 +170,7 @@ def _target(mixer: dict | None) -> str:
 
 @dataclass
 class ReferenceArchitecture:
-    """What the reference config says about the network, in reference terms (REFERENCE.md §1.2, §1.3)."""
+    """What the reference config says about the network, in reference terms (docs/reference_architecture.md §2.1)."""
 
     num_layers: int
     hidden_size: int
@@ -213,7 +213,8 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
     num_heads = _int(_get(config, "n_head", "num_attention_heads"), "n_head")
     _check_backbone(config)
 
-    # Layer kinds: alt_mixer_2 is checked first, then alt_mixer, else the default mixer (REFERENCE.md §1.2).
+    # Layer kinds: alt_mixer_2 is checked first, then alt_mixer, else the default mixer
+    # (docs/reference_architecture.md §1).
     sliding_layers = _layer_list(config, "alt_mixer_2_layers")
     linear_layers = _layer_list(config, "alt_mixer_layers")
     both = sorted(sliding_layers & linear_layers)
@@ -294,7 +295,7 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
     if n_inner is None:
         n_inner = 4 * hidden_size
         notes.append(f"n_inner not set: using GPT-2's default 4 * n_embd = {n_inner}.")
-    # GatedMlp rounds its hidden width up to a multiple of 256 (REFERENCE.md §3.7).
+    # GatedMlp rounds its hidden width up to a multiple of 256.
     intermediate_size = math.ceil(_int(n_inner, "n_inner") / 256) * 256
 
     fixed_decay = bool(config.get("fixed_decay", (alt_mixer or {}).get("fixed_decay", False)))
@@ -485,7 +486,8 @@ def translate_config(
         layer_types=list(arch.layer_kinds),
         rms_norm_eps=arch.rms_norm_eps,
         tie_word_embeddings=True,
-        # The reference window W means W // 2 previous tokens plus the token itself (REFERENCE.md §3.6).
+        # The reference window W means W // 2 previous tokens plus the token itself
+        # (docs/reference_architecture.md §1.2).
         sliding_window=(arch.window_size // 2 + 1) if arch.window_size is not None else 129,
         rope_theta=arch.rope_theta,
         conv_kernel_size=arch.conv_kernel_size,

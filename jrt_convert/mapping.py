@@ -36,7 +36,7 @@ def full_key_table(spec: FamilySpec, arch: ReferenceArchitecture) -> dict[str, t
 def apply_family_renames(
     state_dict: dict[str, torch.Tensor], spec: FamilySpec, arch: ReferenceArchitecture
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The renames the family's reference loader performs (REFERENCE.md §1.5 step 5, §2.3 step 3).
+    """The renames the family's reference loader performs (docs/reference_architecture.md §2.1, "Key renames").
 
     [JRT]'s loader replaces `conv1` by `conv` in every key (`BaseConvWithSiLU4` naming); a bare `mixer.conv.weight`
     of a convolution layer is the same tensor as `mixer.conv.conv.weight`.

@@ -1,4 +1,5 @@
-"""Recall evaluation of a JSONL file (the engine of `jrt eval-recall`): your JSONL documents through the lm-eval recall tasks `jrt_jsonl` / `jrt_jsonl_twice`.
+"""Recall evaluation of a JSONL file (the engine of `jrt eval-recall`): your documents through the lm-eval recall
+tasks `jrt_jsonl` / `jrt_jsonl_twice`.
 
 There is one evaluation code path: this module writes two task YAMLs that include the shipped `jrt_jsonl` tasks
 (`jrt_eval/tasks`) with your file as their data, runs them with lm-eval's `simple_evaluate` on the `JRTLM` model
@@ -6,8 +7,8 @@ There is one evaluation code path: this module writes two task YAMLs that includ
 the summary table and the per-record file. Record format and validation: `jrt_eval.recall.load_records`; prompts:
 `jrt_prompt` via `jrt_eval.recall`. Needs the `eval` extra (lm-eval).
 
-Protocol (REFERENCE.md §6): each document is cut to `context_tokens - answer_tokens` tokens around the answer (or
-the key), the read-once and/or JRT prompt is built, greedy generation of `max_new_tokens` stops at the first newline,
+Protocol (docs/reference_architecture.md §2.2): each document is cut to `context_tokens - answer_tokens` tokens
+around the answer (or the key), the read-once and/or JRT prompt is built, greedy generation of `max_new_tokens` stops at the first newline,
 and "contains" scores a case-insensitive match of any gold answer. Prompts longer than the model's window
 (`max_length`: `max_position_embeddings`, else 2048) are left-truncated by lm-eval.
 """

@@ -1,4 +1,5 @@
-"""Data, prompts and metric of the recall-intensive lm-eval tasks (JRT paper, REFERENCE.md §6), default and twice.
+"""Data, prompts and metric of the recall-intensive lm-eval tasks (JRT paper; docs/reference_architecture.md
+§2.2), default and twice.
 
 Each task loads its data through `load_recall_dataset` (lm-eval's `custom_dataset` hook, which receives the task's
 `dataset_kwargs` and the run's metadata, i.e. `--model_args` and `--metadata`), which maps every document to one

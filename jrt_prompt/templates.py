@@ -1,4 +1,4 @@
-"""JRT-Prompt: read the document twice before answering (REFERENCE.md §6).
+"""JRT-Prompt: read the document twice before answering (docs/reference_architecture.md §2.2).
 
 A recurrent LM has to decide what to keep from a document before it knows the question. JRT-Prompt repeats the
 document after the question has been stated, so the second read happens knowing what is asked:
@@ -166,7 +166,7 @@ def jrt_prompt(
     """Build a JRT-Prompt (the document `repeats` times) or, with `repeats=1`, the default read-once prompt.
 
     With `repeats=2` the result is exactly the reference `*_twice` task prompt and with `repeats=1` the reference
-    default prompt (REFERENCE.md §6). Larger values repeat the document more often:
+    default prompt. Larger values repeat the document more often:
     `header + " " + "\\n".join([document] * repeats) + " " + query`.
 
     Args:
@@ -253,8 +253,8 @@ def truncate_context(
 ) -> str:
     """Cut `context` to a window of `context_tokens - answer_tokens` tokens around the first answer occurrence.
 
-    The reference `--cutting_context` rule (REFERENCE.md §6): with W = `context_tokens - answer_tokens` and `a` the
-    token index where the first case-insensitive occurrence of any answer starts, keep the tokens
+    The reference `--cutting_context` rule (docs/reference_architecture.md §2.2): with
+    W = `context_tokens - answer_tokens` and `a` the token index where the first case-insensitive occurrence of any answer starts, keep the tokens
     `[max(0, a - W // 2), max(0, a - W // 2) + W)` of the stripped document, decoded back to text. Truncating
     *before* building the prompts gives the read-once and the JRT prompt the same information; the JRT prompt then
     holds about twice as many tokens (the reference evaluates it with a 2048-token model window).

@@ -1,4 +1,4 @@
-"""The JRT-RNN training objective (REFERENCE.md §5): a data collator and the combined loss.
+"""The JRT-RNN training objective (docs/reference_architecture.md §1.5): a data collator and the combined loss.
 
 A packed block of tokens `s` of length T is split at the prefix length E (`config.prefix_length`):
 

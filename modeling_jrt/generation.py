@@ -1,4 +1,5 @@
-"""JRT prefix handling for `JRTRNNForCausalLM.generate()` (REFERENCE.md §4.3, DESIGN.md §3).
+"""JRT prefix handling for `JRTRNNForCausalLM.generate()` (docs/reference_architecture.md §2.1 "Prefix padding
+leaks" for the reference protocol, §3 for what differs).
 
 `forward()` never pads: its linear-attention encoder reads each row's first `min(prefix_length, tokens)` tokens, counted
 from the row's first real token (`prefix_length` may be per row). `generate()` prepares short prompts so that the

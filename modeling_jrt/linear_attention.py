@@ -1,7 +1,7 @@
 """Prefix linear attention (JRT-RNN) and causal linear attention (Based) with the 2nd-order Taylor feature map.
 
-Math (REFERENCE.md §3.3-3.5). For per-head queries/keys of dimension K (the feature dim, 16 in the released
-models) the Taylor feature map is
+Math (docs/reference_architecture.md §1.3-1.5; the algorithms and numerics: docs/prefill.md). For per-head
+queries/keys of dimension K (the feature dim, 16 in the released models) the Taylor feature map is
 
     phi(x) = [1, x / K**(1/4), vec(x x^T) / (sqrt(2) sqrt(K))]        (F = 1 + K + K**2 features)
 
@@ -37,10 +37,11 @@ ends. Without a range every row reads all M encoder positions. Positions outside
 
 Padding: `key_mask` `(B, T)` marks real tokens (its first M columns also describe the encoder positions). A masked
 key outside the row's encoder range (batch padding, which lies before the range or after the row) never contributes.
-A masked key inside the range (the fill of the JRT prefix, REFERENCE.md §4.3) is removed as `pad_masking` says:
+A masked key inside the range (the fill of the JRT prefix) is removed as `pad_masking` says:
 `"strict"` removes it (phi(k) is zeroed *after* the feature map: phi(0) is not 0, its constant term is 1); with
 `"reference"` the raw key is zeroed *before* the feature map as the original code does, so the pad still adds its
-value with weight 1, to the encoder and to the decoder sums (the leak of REFERENCE.md §3.5).
+value with weight 1, to the encoder and to the decoder sums (the leak of the reference,
+docs/reference_architecture.md §2.1).
 
 Layouts at every function boundary: q, k `(B, T, H, K)`, v and outputs `(B, T, H, V)`, encoder tensors
 `(B, M, H, K)` / `(B, M, H, V)` for the first M tokens, encoder_start / encoder_end `(B,)` int64, key_mask `(B, T)`
@@ -70,7 +71,7 @@ IMPLEMENTATION_ENV_VAR = "JRT_LINEAR_ATTENTION_IMPL"
 
 
 def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
-    """2nd-order Taylor feature map of REFERENCE.md §3.3.
+    """2nd-order Taylor feature map (docs/reference_architecture.md §1.3).
 
     Args:
         x: `(..., K)` queries or keys of one head.
@@ -320,7 +321,8 @@ def _add_matmul(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
 
 
 class _SymmetricFeatures:
-    """The 2nd-order Taylor features without duplicates, for the chunked scan (KERNELS.md §2.7).
+    """The 2nd-order Taylor features without duplicates, for the chunked scan (docs/prefill.md §4.2, "Symmetric
+    second order").
 
     x_i x_j = x_j x_i, so the K**2 ordered pairs hold only P = K (K + 1) / 2 distinct features. The chunked scan
     keeps its state compact, with F' = 1 + K + P rows: row (i, j), i <= j, of the compact state holds
@@ -394,7 +396,7 @@ def prefix_linear_attention_chunked(
     """Chunked scan: O(T) time, O(state) memory, differentiable. Same arguments and results as the oracle.
 
     Letters: b batch, h head, c/i/j positions inside a chunk, k feature dim K, f Taylor features F,
-    v value dim (+1 for the denominator column). Per chunk of C tokens (KERNELS.md §2.1):
+    v value dim (+1 for the denominator column). Per chunk of C tokens (docs/prefill.md §4.2):
 
         inter-chunk  o_c  = phi(Q_c) @ state                          everything before the chunk (and the encoder)
         intra-chunk  o_c += tril(1 + S + S**2 / 2) @ [V_c, 1]          S = Q_c K_c^T / sqrt(K): no (C, F) features needed

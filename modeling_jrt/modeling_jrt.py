@@ -1,6 +1,7 @@
 """JRT-RNN / Based for HuggingFace Transformers: layers, `JRTRNNModel` and `JRTRNNForCausalLM`.
 
-The stack (REFERENCE.md §3): token embedding -> N pre-norm blocks -> RMSNorm -> tied LM head. Each block is
+The stack (docs/reference_architecture.md §1): token embedding -> N pre-norm blocks -> RMSNorm -> tied LM head.
+Each block is
     residual += mixer(RMSNorm(residual));  residual += SwiGLU(RMSNorm(residual))
 with an fp32 residual stream, where the mixer is picked by `config.layer_types[i]`:
     "conv"               gated short convolution (depthwise causal conv, SiLU, multiplicative gate)
@@ -135,7 +136,7 @@ def eager_attention_forward(
 
 
 class JRTRNNShortConv(nn.Module):
-    """Gated short convolution (Based `BaseConv`, REFERENCE.md §3.2).
+    """Gated short convolution (Based `BaseConv`, docs/reference_architecture.md §1.1).
 
         u, g = in_proj(x).chunk(2)              u, g: (B, T, D) with D = conv_expansion * hidden_size
         c = causal depthwise conv_K(u)          tap K-1 multiplies u_t, tap 0 multiplies u_{t-K+1}
@@ -270,7 +271,7 @@ def read_linear_attention_state(cache: Cache | None, layer_idx: int) -> torch.Te
     """The (B, H, F, V + 1) fp32 state of a linear-attention layer, or None before its first forward.
 
     Read the slot directly: `Cache.get_recurrent_state()` returns None for a layer without a conv state, which
-    would silently restart every decode step from an empty state (HF_INTEGRATION.md §1.4).
+    would silently restart every decode step from an empty state.
     """
     if cache is None:
         return None
@@ -310,7 +311,7 @@ def prefix_encoder_range(
     seq_len: int,
     device: torch.device,
 ) -> JRTRNNEncoderRange:
-    """The per-row encoder range of a first forward (DESIGN.md §3: the prefix is an explicit, per-row quantity).
+    """The per-row encoder range of a first forward (the prefix is an explicit, per-row quantity).
 
     Args:
         prefix_length: an int for every row, or a `(B,)` integer tensor of per-row prefix lengths, counted from each
@@ -351,7 +352,8 @@ def prefix_encoder_range(
 
 
 class JRTRNNLinearAttention(nn.Module):
-    """Taylor-feature linear attention: prefix (JRT-RNN, REFERENCE.md §3.5) or causal (Based, §3.4).
+    """Taylor-feature linear attention: prefix (JRT-RNN, docs/reference_architecture.md §1.5) or causal (Based,
+    §1.4).
 
     Prefix form: in the first forward of a sequence, each row's prefix (its `JRTRNNEncoderRange`) is also read
     non-causally through `k_enc_proj` / `v_enc_proj`; every query sees that encoder sum plus the causal sum over the
@@ -909,7 +911,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         prefix_pad_token_id: int | None = None,
         **kwargs,
     ) -> GenerateOutput | torch.LongTensor:
-        """`GenerationMixin.generate` with the JRT prefix handling of `generation.py` (REFERENCE.md §4.3).
+        """`GenerationMixin.generate` with the JRT prefix handling of `generation.py`.
 
         The prompt is read in parallel (prefix linear attention prefill), then tokens are decoded one by one from the
         constant-size recurrent state. Prompts shorter than `prefix_length` are filled as `prefix_strategy` says; the

@@ -47,7 +47,7 @@ def test_prefill_benchmark_writes_rows(prefill_benchmark, tmp_path, capsys, impl
 
 
 def test_flop_model_matches_kernels_md(prefill_benchmark):
-    """KERNELS.md §3: about 80.8k FLOP per decoder token and 35.2k per encoder token at K=16, V=64, C=64."""
+    """The FLOP model: about 80.8k FLOP per decoder token and 35.2k per encoder token at K=16, V=64, C=64."""
     decoder = prefill_benchmark.pla_flops(1, 0, 16, 64)
     encoder = prefill_benchmark.pla_flops(0, 1, 16, 64)
     assert decoder == pytest.approx(80.8e3, rel=0.01)

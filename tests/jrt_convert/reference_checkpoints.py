@@ -1,8 +1,9 @@
-"""Tiny checkpoints in the exact reference format, and an independent reference forward (REFERENCE.md §1-§3).
+"""Tiny checkpoints in the exact reference format, and an independent reference forward
+(docs/reference_architecture.md §1-§2).
 
 Nothing here imports `modeling_jrt` or `jrt_convert`: the configs copy the layout of the hub config.json files
-(a GPT2Config dump with mixer dicts, REFERENCE.md §1.5), the state dicts use the reference key names and shapes
-(§2.2, §2.3) at small sizes, and `reference_forward` is a plain quadratic fp64 transcription of §3.
+(a GPT2Config dump with mixer dicts, docs/reference_architecture.md §2), the state dicts use the reference key names
+and shapes at small sizes, and `reference_forward` is a plain quadratic fp64 transcription of §1.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 HIDDEN = 64
 HEADS = 4
 FEATURE_DIM = 4
-N_INNER = 128  # GatedMlp rounds it up to a multiple of 256 (REFERENCE.md §3.7)
+N_INNER = 128  # GatedMlp rounds it up to a multiple of 256
 MLP_HIDDEN = 256
 VOCAB = 257  # byte-level alphabet + <|endoftext|> = 256, so the tiny tokenizer fits
 PADDED_VOCAB = 264
@@ -39,7 +40,7 @@ _GPT2_DUMP = {
 
 
 def reference_config(family: str) -> dict:
-    """config.json of one family, laid out like the hub files (REFERENCE.md §1.5)."""
+    """config.json of one family, laid out like the hub files (docs/reference_architecture.md §2)."""
     config = dict(_GPT2_DUMP)
     if family == "jrt":  # JRT-360M-30B / JRT-1B-50B
         config["mixer"] = {"l_max": 2048, "_target_": "based.models.mixers.convolution.BaseConv", "use_bias": True,
@@ -75,7 +76,8 @@ def reference_config(family: str) -> dict:
         config["alt_mixer_2"] = {"_target_": "based.models.mixers.slide_attention.SlidingAttention",
                                  "window_size": WINDOW_SIZE if family == "based-1b-50b" else 4, "num_heads": HEADS,
                                  "causal": True}
-        # based-1b's yaml sets fixed_decay, which its (Based-repo) loader never applies (REFERENCE.md §8.3).
+        # based-1b's yaml sets fixed_decay, which its (Based-repo) loader never applies
+        # (docs/reference_architecture.md §2.1, "Decay").
         config.update(fixed_decay=family == "based-original", decay_const=-3, decay_denom=False)
     else:
         raise ValueError(family)
@@ -83,7 +85,7 @@ def reference_config(family: str) -> dict:
 
 
 def reference_state_dict(config: dict, *, seed: int = 0, conv_key: str = "conv.conv") -> dict[str, torch.Tensor]:
-    """Random weights under the exact reference names and shapes (REFERENCE.md §2.2, §2.3), fp32."""
+    """Random weights under the exact reference names and shapes (docs/reference_architecture.md §2.1), fp32."""
     generator = torch.Generator().manual_seed(seed)
 
     def linear(out_features: int, in_features: int) -> torch.Tensor:
@@ -154,7 +156,7 @@ def write_reference_checkpoint(folder: Path, config: dict, state_dict: dict, *, 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Reference forward (REFERENCE.md §3), plain and quadratic, in fp64, on reference key names.
+# Reference forward (docs/reference_architecture.md §1), plain and quadratic, in fp64, on reference key names.
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:  # §3.1

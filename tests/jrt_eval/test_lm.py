@@ -147,7 +147,7 @@ def test_causal_based_model_scores_like_hflm(byte_bpe_tokenizer):
 @torch.no_grad()
 def test_reference_scoring_is_the_reference_protocol(tiny_jrt, byte_bpe_tokenizer):
     """Reference mode = context + continuation left-filled to `prefix_length` with the prefix pad token, last token
-    dropped, fill masked in the linear attention, default prefix (REFERENCE.md §4.5)."""
+    dropped, fill masked in the linear attention, default prefix (docs/reference_architecture.md §2.1)."""
     lm = make_lm(tiny_jrt, byte_bpe_tokenizer, scoring="reference")
     pair = ("Kalo Company", " was")
     context, continuation = lm._encode_pair(*pair)

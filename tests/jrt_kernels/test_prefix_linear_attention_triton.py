@@ -1,8 +1,8 @@
 """The fused Triton prefill against the fp64 oracle: compiled on a CUDA machine, in triton's CPU interpreter elsewhere.
 
-tests/conftest.py sets TRITON_INTERPRET=1 when there is no CUDA, before transformers imports triton (STYLE.md §24).
-Inputs follow KERNELS.md §5: q, k ~ randn so that s = q.k / sqrt(K) ~ N(0, 1) and the 2nd-order term matters,
-v ~ N(0.5, 1) so that a wrong count or a leaked pad shows. Outputs are compared on real (unpadded) rows only.
+tests/conftest.py sets TRITON_INTERPRET=1 when there is no CUDA, before transformers imports triton.
+Inputs follow docs/prefill.md §5 (item 5): q, k ~ randn so that s = q.k / sqrt(K) ~ N(0, 1) and the 2nd-order term
+matters, v ~ N(0.5, 1) so that a wrong count or a leaked pad shows. Outputs are compared on real (unpadded) rows only.
 """
 
 from __future__ import annotations

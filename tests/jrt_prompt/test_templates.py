@@ -1,4 +1,5 @@
-"""JRT-Prompt builders against hand-written reference strings (REFERENCE.md §6), truncation, repeat_to_fill."""
+"""JRT-Prompt builders against hand-written reference strings (docs/reference_architecture.md §2.2), truncation,
+repeat_to_fill."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Prefix / causal Taylor linear attention: chunked scan and decode step against the fp64 oracle, and the oracle
-against a scalar-kernel loop written from REFERENCE.md §3.3-3.5 (independent of the feature-map code)."""
+against a scalar-kernel loop written from docs/reference_architecture.md §1.3-1.5 (independent of the feature-map
+code)."""
 
 from __future__ import annotations
 
@@ -171,7 +172,8 @@ def test_strict_padding_equals_unpadded_row():
 
 
 def test_reference_padding_reproduces_the_constant_term_leak():
-    """reference masking: each pad adds its value with weight exactly 1 (phi(q).phi(0) = 1), REFERENCE.md §3.5."""
+    """reference masking: each pad adds its value with weight exactly 1 (phi(q).phi(0) = 1),
+    docs/reference_architecture.md §2.1."""
     pads, seq_len = 3, 10
     q, k, v, k_enc, v_enc = make_inputs(1, seq_len, 1, 4, 2, seq_len)
     key_mask = torch.ones(1, seq_len, dtype=torch.bool)

@@ -149,8 +149,8 @@ def test_every_saved_folder_loads_without_the_package(tmp_path):
 
 
 def test_save_pretrained_ships_the_model_files_with_relative_imports_only(tmp_path):
-    """The shipped files are the model's only (no prompt builders, collator or LoRA helpers), and none imports this distribution's packages (a remote-code folder could not
-    load it); `jrt_kernels` is imported inside a function, as an optional fast path."""
+    """The shipped files are the model's only (no prompt builders, collator or LoRA helpers), and none imports this
+    distribution's packages (a remote-code folder could not load it); `jrt_kernels` is imported inside a function, as an optional fast path."""
     modeling_jrt.JRTRNNForCausalLM(tiny_config()).save_pretrained(tmp_path)
     shipped = sorted(p.name for p in tmp_path.glob("*.py"))
     assert shipped == ["configuration_jrt.py", "generation.py", "linear_attention.py", "loss.py", "modeling_jrt.py"]
