@@ -497,7 +497,6 @@ def translate_config(
         linear_attention_type=spec.linear_attention_type,
         prefix_length=prefix_length if is_prefix else 0,
         prefix_pad_masking=prefix_pad_masking,
-        prefix_strategy="pad" if is_prefix else "none",
         prefix_pad_token_id=220,
         linear_attention_decay=decay,
         decay_const=arch.decay_const,

@@ -200,11 +200,10 @@ def _load_weights(model: JRTRNNForCausalLM, weights: dict[str, torch.Tensor]) ->
 
 
 def reference_generation_config(config: JRTRNNConfig) -> GenerationConfig:
-    """Greedy decoding with GPT-2's ids, as the reference evaluation decodes, and `suppress_tokens`: the ids past
-    GPT-2's vocabulary (padding rows, JRT's [MASK]) that are never generated, whatever calls `generate`.
-
-    The JRT prefix strategy (`prefix_strategy="pad"`: left-pad with `prefix_pad_token_id` = 220 to the prefix length
-    and mask the pads) lives in the model config and is applied by the model's `generate()`.
+    """Greedy decoding with GPT-2's ids, as the reference evaluation decodes; the reference's JRT prefix strategy
+    (`prefix_strategy="pad"`: left-pad with `config.prefix_pad_token_id` = 220 to the prefix length and mask the pads,
+    applied by the model's `generate()`); and `suppress_tokens`: the ids past GPT-2's vocabulary (padding rows,
+    JRT's [MASK]) that are never generated, whatever calls `generate`.
     """
     return GenerationConfig(
         do_sample=False,
@@ -213,6 +212,7 @@ def reference_generation_config(config: JRTRNNConfig) -> GenerationConfig:
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
         suppress_tokens=never_generated_ids(config) or None,
+        prefix_strategy="pad" if config.linear_attention_type == "prefix" else "none",
     )
 
 
@@ -334,7 +334,8 @@ def render_model_card(
     prefix_text = (
         f"Prompts shorter than the prefix ({config.prefix_length} tokens) are left-padded with token "
         f"{config.prefix_pad_token_id} (\" \") and the pads are masked in the linear attention "
-        f"(`prefix_strategy=\"{config.prefix_strategy}\"`, `prefix_pad_masking=\"{config.prefix_pad_masking}\"`), "
+        f"(`prefix_strategy=\"pad\"` in `generation_config.json`, "
+        f"`prefix_pad_masking=\"{config.prefix_pad_masking}\"`), "
         "as in the reference evaluation.\n"
         if is_prefix
         else ""

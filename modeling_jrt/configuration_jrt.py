@@ -10,7 +10,6 @@ from transformers.configuration_utils import PreTrainedConfig
 LAYER_TYPES = ("conv", "sliding_attention", "linear_attention")
 LINEAR_ATTENTION_TYPES = ("prefix", "causal")
 PREFIX_PAD_MASKINGS = ("strict", "reference")
-PREFIX_STRATEGIES = ("pad", "repeat", "none")
 LINEAR_ATTENTION_IMPLEMENTATIONS = ("auto", "chunked", "triton", "quadratic")
 
 
@@ -119,10 +118,9 @@ class JRTRNNConfig(PreTrainedConfig):
             attention: `"strict"` (pads contribute nothing) or `"reference"` (raw keys are zeroed before the feature
             map, so each pad still adds its value with weight 1, as the original code does). Batch padding
             (`attention_mask = 0`) is always removed entirely, so a left-padded row equals the row alone.
-        prefix_strategy: What `generate()` does with prompts shorter than `prefix_length`: `"pad"` (left-pad with
-            `prefix_pad_token_id` and mask the pads, the reference protocol), `"repeat"` (fill the prefix by
-            repeating the prompt) or `"none"` (the prompt is the prefix).
-        prefix_pad_token_id: Token used by the `"pad"` strategy (GPT-2's " " = 220 in the reference).
+        prefix_pad_token_id: The token that fills a JRT prefix (GPT-2's " " = 220 in the reference): `generate()`'s
+            `"pad"` prefix strategy and the reference's loglikelihood scoring (`jrt_eval`) left-pad with it. How
+            `generate()` fills short prompts (`prefix_strategy`) is a generation default: `generation_config.json`.
         linear_attention_decay: Fixed per-head decay `gamma_h = 1 - 2**(decay_const - h)` of the numerator state
             (based-360M-30B). Only with `linear_attention_type="causal"`.
         decay_const: Exponent offset of the fixed decay (-3 in the released model).
@@ -162,7 +160,6 @@ class JRTRNNConfig(PreTrainedConfig):
     linear_attention_type: str = "prefix"
     prefix_length: int = 1024
     prefix_pad_masking: str = "strict"
-    prefix_strategy: str = "pad"
     prefix_pad_token_id: int | None = 220
     linear_attention_decay: bool = False
     decay_const: float = -3.0
@@ -243,7 +240,6 @@ class JRTRNNConfig(PreTrainedConfig):
             )
         _check_choice("linear_attention_type", self.linear_attention_type, LINEAR_ATTENTION_TYPES)
         _check_choice("prefix_pad_masking", self.prefix_pad_masking, PREFIX_PAD_MASKINGS)
-        _check_choice("prefix_strategy", self.prefix_strategy, PREFIX_STRATEGIES)
         _check_choice(
             "linear_attention_implementation", self.linear_attention_implementation, LINEAR_ATTENTION_IMPLEMENTATIONS
         )

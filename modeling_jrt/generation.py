@@ -54,7 +54,13 @@ from transformers.generation import (
 )
 from transformers.generation.utils import GenerateOutput
 
-from .configuration_jrt import PREFIX_STRATEGIES, JRTRNNConfig
+from .configuration_jrt import JRTRNNConfig
+
+# How `generate()` can fill prompts shorter than the JRT prefix (`prefix_strategy`, a generation default), and the
+# strategy used when neither the call nor the generation config says.
+PREFIX_STRATEGIES = ("pad", "repeat", "none")
+DEFAULT_PREFIX_STRATEGY = "pad"
+
 
 def never_generated_ids(config: JRTRNNConfig) -> list[int]:
     """The ids generation must never emit, sorted: every id `>= config.generation_vocab_size` (LM-head rows that only
@@ -521,7 +527,7 @@ def generate_with_prefix(
         return output
 
     # 2. A new prompt: fill the encoder prefix as `prefix_strategy` says (prefix linear attention only).
-    strategy = config.prefix_strategy if prefix_strategy is None else prefix_strategy
+    strategy = prefix_strategy or getattr(effective_config, "prefix_strategy", None) or DEFAULT_PREFIX_STRATEGY
     if strategy not in PREFIX_STRATEGIES:
         raise ValueError(f"`prefix_strategy` must be one of {list(PREFIX_STRATEGIES)}, got {strategy!r}.")
     prompt = input_ids if input_ids is not None else inputs_embeds
@@ -586,6 +592,8 @@ def align_linear_attention_mask(
 
 __all__ = [
     "CACHE_PROMPT_ATTRIBUTE",
+    "DEFAULT_PREFIX_STRATEGY",
+    "PREFIX_STRATEGIES",
     "CachedPrompt",
     "CallerView",
     "CallerViewLogitsProcessor",

@@ -53,6 +53,7 @@ from .generation import (
     CallerViewLogitsProcessor,
     align_linear_attention_mask,
     cache_has_state,
+    DEFAULT_PREFIX_STRATEGY,
     cached_prompt,
     generate_with_prefix,
     never_generated_ids,
@@ -787,7 +788,12 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-        if never_generated_ids(config):  # padded vocabulary rows and [MASK]: saved in generation_config.json
+        # Generation defaults, saved in generation_config.json: how short prompts fill the JRT prefix, and the ids
+        # never generated (padded vocabulary rows, [MASK]). Not a mere copy of the model config any more: without
+        # the flag, transformers would drop `prefix_strategy` when it loads the file.
+        self.generation_config.prefix_strategy = DEFAULT_PREFIX_STRATEGY
+        self.generation_config._from_model_config = False
+        if never_generated_ids(config):
             self.generation_config.suppress_tokens = never_generated_ids(config)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -921,7 +927,10 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         (`_is_stateful`: the recurrent state cannot be rolled back).
 
         Args:
-            prefix_strategy: `"pad"`, `"repeat"` or `"none"`; default `config.prefix_strategy`.
+            prefix_strategy: `"pad"` (left-pad with `prefix_pad_token_id` and mask the pads in the linear attention,
+                the reference protocol), `"repeat"` (fill the prefix by repeating the prompt) or `"none"` (the prompt
+                is the prefix); default: `generation_config.prefix_strategy` (saved in `generation_config.json`),
+                else `"pad"`.
             prefix_pad_token_id: Fill token of `"pad"`; default `config.prefix_pad_token_id`.
 
         Example:

@@ -33,7 +33,6 @@ def test_default_layer_types_for_36_layers():
         (dict(num_attention_heads=5), r"`hidden_size` \(1024\) must be divisible by `num_attention_heads` \(5\)"),
         (dict(linear_attention_type="bidirectional"), r"`linear_attention_type` must be one of \['prefix', 'causal'\]"),
         (dict(prefix_pad_masking="none"), r"`prefix_pad_masking` must be one of \['strict', 'reference'\]"),
-        (dict(prefix_strategy="truncate"), r"`prefix_strategy` must be one of \['pad', 'repeat', 'none'\]"),
         (dict(linear_attention_implementation="cuda"), r"`linear_attention_implementation` must be one of"),
         (dict(linear_attention_decay=True), r"need `linear_attention_type='causal'`"),
         (dict(sliding_window=0), r"`sliding_window` must be a positive integer"),

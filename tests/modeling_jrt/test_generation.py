@@ -198,7 +198,7 @@ def test_repeat_and_none_strategies_equal_hand_built_prompts(make_config):
     torch.testing.assert_close(greedy(model, short, 10, prefix_strategy="none")[:, 3:], expected_none)
     assert not torch.equal(expected_repeat, expected_none)
     # Per call overrides the config; the config default is used otherwise.
-    model.config.prefix_strategy = "repeat"
+    model.generation_config.prefix_strategy = "repeat"
     torch.testing.assert_close(greedy(model, short, 10)[:, 3:], expected_repeat)
 
 
@@ -495,3 +495,26 @@ def test_left_padded_batch_without_a_cache_keeps_each_rows_prefix(make_config, s
     cached = model.generate(batch, use_cache=True, **settings)
     uncached = model.generate(batch, use_cache=False, **settings)
     torch.testing.assert_close(uncached, cached, rtol=0, atol=0)
+
+
+def test_prefix_strategy_is_a_generation_default_saved_in_generation_config(make_config, tmp_path):
+    """The model config holds architecture only; `prefix_strategy` is read from `generation_config.json`."""
+    model = build(make_config)
+    assert "prefix_strategy" not in model.config.to_dict()
+    model.generation_config.prefix_strategy = "repeat"
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "generation_config.json").read_text())["prefix_strategy"] == "repeat"
+    reloaded = JRTRNNForCausalLM.from_pretrained(tmp_path).eval()
+    short = prompt(3)
+    assert torch.equal(greedy(reloaded, short, 6), greedy(reloaded, short, 6, prefix_strategy="repeat"))
+    assert not torch.equal(greedy(reloaded, short, 6), greedy(reloaded, short, 6, prefix_strategy="pad"))
+    reloaded.generation_config.prefix_strategy = "truncate"
+    with pytest.raises(ValueError, match=r"`prefix_strategy` must be one of \['pad', 'repeat', 'none'\]"):
+        greedy(reloaded, short, 2)
+
+
+def test_a_config_json_with_the_former_prefix_strategy_key_still_loads(make_config, tmp_path):
+    build(make_config).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "prefix_strategy": "none"}))
+    assert JRTRNNForCausalLM.from_pretrained(tmp_path).generation_config.prefix_strategy == "pad"

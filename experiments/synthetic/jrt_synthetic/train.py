@@ -125,7 +125,6 @@ def build_model_config(spec: RunSpec, prefix_length: int) -> JRTRNNConfig:
         conv_expansion=1,
         linear_attention_type=spec.linear_attention_type,
         prefix_length=prefix_length,
-        prefix_strategy="none",
         prefix_pad_token_id=None,
         pad_token_id=0,
         bos_token_id=1,
@@ -213,6 +212,7 @@ def train_run(spec: RunSpec, out_dir: str | Path | None = None, progress_positio
     eval_sets = spec.task.eval_sets()
     config = build_model_config(spec, prefix_length=next(iter(eval_sets.values())).prefix_length)
     model = JRTRNNForCausalLM(config)
+    model.generation_config.prefix_strategy = "none"  # the task's inputs are the prompts, never filled
     if spec.embedding_init_std is not None:
         torch.nn.init.normal_(model.model.embed_tokens.weight, std=spec.embedding_init_std)
     model.train()
