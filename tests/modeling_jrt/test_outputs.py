@@ -115,3 +115,14 @@ def test_generate_returns_hidden_states_when_asked(make_config):
     assert len(out.hidden_states) == 3  # one entry per step
     assert all(len(step) == model.config.num_hidden_layers + 1 for step in out.hidden_states)
     assert out.hidden_states[0][0].shape == (1, 10, 32) and out.hidden_states[1][-1].shape == (1, 1, 32)
+
+
+def test_an_unavailable_attention_backend_gets_transformers_own_error(make_config):
+    """No error of the package's own: transformers refuses an unsupported or uninstalled backend, naming it."""
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        with pytest.raises((ValueError, ImportError), match="(?i)flash ?attention ?2"):
+            build(make_config, attn_implementation="flash_attention_2")
+    with pytest.raises(ValueError, match='attn_implementation="nonsense"` is not supported'):
+        build(make_config, attn_implementation="nonsense")
