@@ -1,0 +1,120 @@
+"""The fused Triton backward against autograd through the fp64 oracle (interpreted on CPU, compiled on CUDA).
+
+Inputs follow KERNELS.md §5 (q, k ~ randn so the 2nd-order term matters, v ~ N(0.5, 1)); the loss is
+<y, dy> + <S_T, dS>, so the final state's gradient path is exercised too. Shapes are tiny (interpreter).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux: pip install -e '.[dev]')")
+
+from jrt_kernels import prefix_linear_attention as kernel_module  # noqa: E402
+from jrt_kernels.prefix_linear_attention_backward import prefix_linear_attention_backward  # noqa: E402
+from modeling_jrt.linear_attention import num_taylor_features, prefix_linear_attention_quadratic  # noqa: E402
+
+# Tolerance relative to each gradient's largest magnitude: fp32 end to end; bf16 operands with fp32 accumulation.
+TOLERANCES = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+NAMES = ("q", "k", "v", "k_enc", "v_enc", "initial_state")
+
+
+@pytest.fixture(scope="module")
+def device() -> torch.device:
+    if kernel_module.INTERPRETED:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.fail("Without CUDA the kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it).")
+    return torch.device("cuda")
+
+
+def make_case(B, T, H, K, V, M, *, dtype, device, seed=0, initial_state=False, grad_state=True):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, mean=0.0):
+        return (torch.randn(*shape, generator=generator) + mean).to(device=device, dtype=dtype)
+
+    inputs = dict(q=randn(B, T, H, K), k=randn(B, T, H, K), v=randn(B, T, H, V, mean=0.5))
+    inputs["k_enc"], inputs["v_enc"] = (randn(B, M, H, K), randn(B, M, H, V, mean=0.5)) if M else (None, None)
+    F = num_taylor_features(K)
+    inputs["initial_state"] = (
+        (torch.randn(B, H, F, V + 1, generator=generator).abs() * 2).to(device) if initial_state else None
+    )
+    grad_output = randn(B, T, H, V)
+    grad_state = torch.randn(B, H, F, V + 1, generator=generator).to(device) if grad_state else None
+    return inputs, grad_output, grad_state
+
+
+def oracle_grads(inputs, grad_output, grad_state, **kwargs):
+    """Autograd through the quadratic reference in fp64."""
+    leaves = {name: None if t is None else t.detach().double().requires_grad_() for name, t in inputs.items()}
+    output, state = prefix_linear_attention_quadratic(
+        leaves["q"], leaves["k"], leaves["v"], leaves["k_enc"], leaves["v_enc"],
+        initial_state=leaves["initial_state"], **kwargs,
+    )
+    loss = (output * grad_output.double()).sum()
+    if grad_state is not None:
+        loss = loss + (state * grad_state.double()).sum()
+    loss.backward()
+    return [None if leaves[name] is None else leaves[name].grad for name in NAMES]
+
+
+def assert_grads_match(inputs, grad_output, grad_state, *, key_mask=None, pad_masking="strict"):
+    grads = prefix_linear_attention_backward(
+        inputs["q"], inputs["k"], inputs["v"], inputs["k_enc"], inputs["v_enc"], grad_output, grad_state,
+        key_mask=key_mask, strict=pad_masking == "strict", initial_state=inputs["initial_state"],
+    )
+    expected = oracle_grads(inputs, grad_output, grad_state, key_mask=key_mask, pad_masking=pad_masking)
+    tol = TOLERANCES[inputs["q"].dtype]
+    for name, actual, reference in zip(NAMES, grads, expected):
+        assert (actual is None) == (reference is None), name
+        if actual is None:
+            continue
+        source = inputs[name]
+        assert actual.shape == source.shape and actual.dtype == source.dtype, name
+        assert torch.isfinite(actual).all(), name
+        scale = reference.abs().max().item()
+        torch.testing.assert_close(actual.cpu().double(), reference.cpu(), rtol=0, atol=tol * scale, msg=name)
+
+
+@pytest.mark.parametrize(
+    "B, T, H, K, V, M",
+    [
+        pytest.param(1, 45, 2, 4, 6, 0, id="causal-B1-T45-K4-V6"),
+        pytest.param(2, 33, 1, 16, 20, 17, id="prefix-B2-T33-K16-V20"),
+    ],
+)
+@pytest.mark.parametrize("grad_state", [True, False], ids=["dS", "no-dS"])
+def test_backward_matches_oracle_fp32(device, B, T, H, K, V, M, grad_state):
+    inputs, grad_output, dstate = make_case(B, T, H, K, V, M, dtype=torch.float32, device=device,
+                                            grad_state=grad_state)
+    assert_grads_match(inputs, grad_output, dstate)
+
+
+@pytest.mark.parametrize("pad_masking", ["strict", "reference"])
+def test_backward_left_padding_and_initial_state(device, pad_masking):
+    """Left-padded rows (pads inside the encoder prefix) and an initial state: every gradient, both maskings."""
+    inputs, grad_output, dstate = make_case(2, 40, 2, 4, 6, 12, dtype=torch.float32, device=device, seed=1,
+                                            initial_state=True)
+    key_mask = torch.ones(2, 40, dtype=torch.bool, device=device)
+    key_mask[1, :5] = False
+    assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, pad_masking=pad_masking)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_backward_low_precision_operands(device, dtype):
+    """bf16 / fp16 inputs: the operands are rounded as on tensor cores (emulated in the interpreter)."""
+    inputs, grad_output, dstate = make_case(1, 40, 2, 4, 6, 12, dtype=dtype, device=device, seed=2)
+    assert_grads_match(inputs, grad_output, dstate)
+
+
+def test_backward_strided_inputs(device):
+    """Heads split from a fused projection (non-contiguous views): gradients keep each input's shape."""
+    B, T, H, K, V = 1, 20, 2, 4, 6
+    generator = torch.Generator().manual_seed(3)
+    fused = torch.randn(B, T, H, 2 * K + V, generator=generator).to(device)
+    q, k, v = fused[..., :K], fused[..., K : 2 * K], fused[..., 2 * K :] + 0.5
+    inputs = dict(q=q, k=k, v=v, k_enc=None, v_enc=None, initial_state=None)
+    grad_output = torch.randn(B, T, H, V, generator=generator).to(device)
+    assert_grads_match(inputs, grad_output, None)
