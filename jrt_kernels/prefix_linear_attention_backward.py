@@ -100,7 +100,7 @@ def _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK: tl.constexpr, STRICT
 
 @triton.jit(do_not_specialize=["T", "M"])
 def _pla_bwd_dq_kernel(
-    q, k, v, k_enc, v_enc, key_mask, enc_start, enc_end, state_in, do, dq, rden, dcol,
+    q, k, v, k_enc, v_enc, key_mask, enc_start, enc_end, state_in, log_decay, gate, do, dq, rden, dcol, dgate,
     s_qb, s_qt, s_qh, s_qk,
     s_kb, s_kt, s_kh, s_kk,
     s_vb, s_vt, s_vh, s_vv,
@@ -112,9 +112,15 @@ def _pla_bwd_dq_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """dq (stored in dq's dtype), 1 / (den + eps) and c = -(dy . y) / (den + eps) (fp32, (B, T, H)) per token."""
+    """dq (stored in dq's dtype), 1 / (den + eps), c = -(dy . y) / (den + eps) and d gate (fp32, (B, T, H)).
+
+    With the Based decay (HAS_DECAY; never with an encoder) the numerator state is decayed by gamma per token and
+    the intra-chunk numerator weights by gamma**(i - j); the denominator has no decay. The gate multiplies the
+    numerator of each query (HAS_GATE).
+    """
     i_bh = tl.program_id(0)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     F: tl.constexpr = 1 + K + K * K
@@ -174,6 +180,9 @@ def _pla_bwd_dq_kernel(
     p_dq = dq + i_b * s_qb + i_h * s_qh
     p_r = rden + (i_b * T * H + i_h)
     p_c = dcol + (i_b * T * H + i_h)
+    p_g = gate + (i_b * T * H + i_h)
+    p_dg = dgate + (i_b * T * H + i_h)
+    b_lg = tl.load(log_decay + i_h).to(tl.float32) if HAS_DECAY else 0.0
     for i_t in range(0, tl.cdiv(T, BT)):
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
@@ -186,60 +195,89 @@ def _pla_bwd_dq_kernel(
         b_do = _tile(p_do, o_t, m_t, s_ot, o_v, m_v, s_ov)
         b_q2 = _outer(b_q, BT, BK)
 
-        # forward recompute (fp32): numerator [BT, BV] and denominator [BT]
+        # forward recompute (fp32): numerator [BT, BV] (before the gate) and denominator [BT]
         b_num = b_h0[None, :] + _dot(b_q, b_h1, SDOT, EMULATE, PRECISION)
         b_num += 0.5 * _dot(b_q2, b_h2, SDOT, EMULATE, PRECISION)
         b_den = tl.sum(b_z0) + tl.sum(b_q * b_z1[None, :], axis=1) + 0.5 * tl.sum(b_q2 * b_z2[None, :], axis=1)
         b_s = _dot(b_q, tl.trans(b_k), DOT, EMULATE, PRECISION)  # [BT, BT]
         b_keep = (o_c[:, None] >= o_c[None, :]) & b_w[None, :]
         b_a = tl.where(b_keep, 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
-        b_num += _dot(b_a, b_v, DOT, EMULATE, PRECISION)
+        if HAS_DECAY:
+            b_dqv = tl.exp(b_lg * (o_c + 1).to(tl.float32))  # [BT] gamma**(p + 1): the state's age at query p
+            b_num = b_num * b_dqv[:, None]
+            b_gap = tl.exp(b_lg * tl.maximum(o_c[:, None] - o_c[None, :], 0).to(tl.float32))  # [BT, BT]
+            b_num += _dot(b_a * b_gap, b_v, DOT, EMULATE, PRECISION)
+        else:
+            b_num += _dot(b_a, b_v, DOT, EMULATE, PRECISION)
         b_den += tl.sum(b_a, axis=1)
         b_rden = 1.0 / (b_den + eps)
-        # G = [g, c]: the gradient with respect to the numerator and the denominator. [BT, BV], [BT]
+        # G = [g, c]: the gradient with respect to the (ungated) numerator and the denominator. [BT, BV], [BT]
         b_g = b_do * b_rden[:, None]
+        if HAS_GATE:
+            b_gate = tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+            tl.store(p_dg + o_t * H, tl.sum(b_g * b_num, axis=1), mask=m_t)
+            b_g = b_g * b_gate[:, None]
         b_c = -tl.sum(b_g * b_num, axis=1) * b_rden
         tl.store(p_r + o_t * H, b_rden, mask=m_t)
         tl.store(p_c + o_t * H, b_c, mask=m_t)
 
         # inter-chunk: d(phi(q).S G)/dq'. [BT, BK]
-        b_dq = _dot(b_g, tl.trans(b_h1), SDOT, EMULATE, PRECISION) + b_c[:, None] * b_z1[None, :]
-        b_p = _dot(b_g, tl.trans(b_h2), SDOT, EMULATE, PRECISION) + b_c[:, None] * b_z2[None, :]  # [BT, BK*BK]
+        b_gs = b_g * b_dqv[:, None] if HAS_DECAY else b_g
+        b_dq = _dot(b_gs, tl.trans(b_h1), SDOT, EMULATE, PRECISION) + b_c[:, None] * b_z1[None, :]
+        b_p = _dot(b_gs, tl.trans(b_h2), SDOT, EMULATE, PRECISION) + b_c[:, None] * b_z2[None, :]  # [BT, BK*BK]
         b_dq += _sym_contract(b_p, b_q, BT, BK)
-        # intra-chunk: dw_ij = G_i . [v_j, 1], ds_ij = dw_ij (1 + s_ij). [BT, BT]
-        b_dw = _dot(b_g, tl.trans(b_v), DOT, EMULATE, PRECISION) + b_c[:, None]
+        # intra-chunk: dw_ij = G_i . [gamma**(i - j) v_j, 1], ds_ij = dw_ij (1 + s_ij). [BT, BT]
+        b_dw = _dot(b_g, tl.trans(b_v), DOT, EMULATE, PRECISION)
+        if HAS_DECAY:
+            b_dw = b_dw * b_gap
+        b_dw += b_c[:, None]
         b_ds = tl.where(b_keep, b_dw * (1.0 + b_s), 0.0)
         b_dq += _dot(b_ds, b_k, DOT, EMULATE, PRECISION)
         p_out = p_dq + o_t[:, None] * s_qt + o_k[None, :] * s_qk
         tl.store(p_out, (b_dq * key_scale).to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
-        # state update with the chunk's (weighted) keys
+        # state update with the chunk's (weighted) keys; decayed: gamma**L old + gamma**(L - 1 - p) new
         b_kw = tl.where(b_w[:, None], b_k, 0.0)
         b_k2w = _outer(b_k, BT, BK) * b_w.to(tl.float32)[:, None]
-        b_h0 += tl.sum(b_v, axis=0)
-        b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
-        b_h2 += _dot(tl.trans(b_k2w), b_v, DOT, EMULATE, PRECISION)
-        b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
         b_z1 += tl.sum(b_kw, axis=0)
         b_z2 += tl.sum(b_k2w, axis=0)
+        if HAS_DECAY:
+            b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
+            b_vd = b_v * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[:, None]
+            b_chunk = tl.exp(b_lg * b_len)
+            b_h0 = b_h0 * b_chunk + tl.sum(b_vd, axis=0)
+            b_h1 = b_h1 * b_chunk + _dot(tl.trans(b_kw), b_vd, DOT, EMULATE, PRECISION)
+            b_h2 = b_h2 * b_chunk + _dot(tl.trans(b_k2w), b_vd, DOT, EMULATE, PRECISION)
+        else:
+            b_h0 += tl.sum(b_v, axis=0)
+            b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
+            b_h2 += _dot(tl.trans(b_k2w), b_v, DOT, EMULATE, PRECISION)
+        b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
 
 
 @triton.jit
-def _key_grads(b_k, b_v, b_w, b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT: tl.constexpr, BK: tl.constexpr,
-               SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
-    """(dv [BT, BV], dk' [BT, BK]) of keys through the reverse state R (queries after them and dS), times w."""
+def _key_grads(b_k, b_v, b_w, b_kd, b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT: tl.constexpr, BK: tl.constexpr,
+               HAS_DECAY: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+    """(dv [BT, BV], dk' [BT, BK]) of keys through the reverse state R (queries after them and dS), times w.
+
+    With HAS_DECAY the numerator path is scaled by b_kd [BT] = gamma**(L - 1 - p), the decay from the key to the
+    chunk's end, where R is anchored; the denominator path (rz*) has no decay.
+    """
     b_k2 = _outer(b_k, BT, BK)
     b_dv = b_r0[None, :] + _dot(b_k, b_r1, SDOT, EMULATE, PRECISION) + 0.5 * _dot(b_k2, b_r2, SDOT, EMULATE, PRECISION)
-    b_dk = _dot(b_v, tl.trans(b_r1), SDOT, EMULATE, PRECISION) + b_rz1[None, :]
-    b_p = _dot(b_v, tl.trans(b_r2), SDOT, EMULATE, PRECISION) + b_rz2[None, :]  # [BT, BK * BK]
+    b_vd = b_v * b_kd[:, None] if HAS_DECAY else b_v
+    b_dk = _dot(b_vd, tl.trans(b_r1), SDOT, EMULATE, PRECISION) + b_rz1[None, :]
+    b_p = _dot(b_vd, tl.trans(b_r2), SDOT, EMULATE, PRECISION) + b_rz2[None, :]  # [BT, BK * BK]
     b_dk += _sym_contract(b_p, b_k, BT, BK)
     b_wf = b_w.to(tl.float32)[:, None]
+    if HAS_DECAY:
+        b_dv = b_dv * b_kd[:, None]
     return b_dv * b_wf, b_dk * b_wf
 
 
 @triton.jit(do_not_specialize=["T", "M"])
 def _pla_bwd_dkv_kernel(
-    q, k, v, k_enc, v_enc, key_mask, enc_start, enc_end, rden, dcol, do, dstate,
+    q, k, v, k_enc, v_enc, key_mask, enc_start, enc_end, rden, dcol, log_decay, gate, do, dstate,
     dk, dv, dk_enc, dv_enc, dstate_in,
     s_qb, s_qt, s_qh, s_qk,
     s_kb, s_kt, s_kh, s_kk,
@@ -252,6 +290,7 @@ def _pla_bwd_dkv_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_MASK: tl.constexpr, STRICT: tl.constexpr, HAS_DSTATE: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dk, dv (decoder), dk_enc, dv_enc (encoder range of the row) and d initial state, by a reverse scan."""
@@ -296,6 +335,8 @@ def _pla_bwd_dkv_kernel(
     p_dv = dv + i_b * s_vb + i_h * s_vh
     p_r = rden + (i_b * T * H + i_h)
     p_c = dcol + (i_b * T * H + i_h)
+    p_g = gate + (i_b * T * H + i_h)
+    b_lg = tl.load(log_decay + i_h).to(tl.float32) if HAS_DECAY else 0.0
     o_c = tl.arange(0, BT)
     n_t = tl.cdiv(T, BT)
     # 1. Decoder chunks, last to first.
@@ -310,16 +351,28 @@ def _pla_bwd_dkv_kernel(
         b_rden = tl.load(p_r + o_t * H, mask=m_t, other=0.0)
         b_c = tl.load(p_c + o_t * H, mask=m_t, other=0.0)
         b_g = _tile(p_do, o_t, m_t, s_ot, o_v, m_v, s_ov) * b_rden[:, None]  # [BT, BV]
+        if HAS_GATE:
+            b_g = b_g * tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)[:, None]
+        b_kd = tl.zeros([BT], dtype=tl.float32)
+        if HAS_DECAY:
+            b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
+            b_kd = tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))  # [BT] gamma**(L - 1 - p)
 
         # through the reverse state (later queries, dS)
-        b_dv, b_dk = _key_grads(b_k, b_v, b_w, b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT, BK, SDOT, EMULATE,
-                                PRECISION)
+        b_dv, b_dk = _key_grads(b_k, b_v, b_w, b_kd, b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT, BK, HAS_DECAY,
+                                SDOT, EMULATE, PRECISION)
         # intra-chunk, transposed: row j = key, column i = query. [BT, BT]
         b_st = _dot(b_k, tl.trans(b_q), DOT, EMULATE, PRECISION)
         b_keep = (o_c[:, None] <= o_c[None, :]) & b_w[:, None] & m_t[None, :]
         b_at = tl.where(b_keep, 1.0 + b_st + 0.5 * b_st * b_st, 0.0)
-        b_dv += _dot(b_at, b_g, DOT, EMULATE, PRECISION)
-        b_dwt = _dot(b_v, tl.trans(b_g), DOT, EMULATE, PRECISION) + b_c[None, :]
+        b_dwt = _dot(b_v, tl.trans(b_g), DOT, EMULATE, PRECISION)
+        if HAS_DECAY:
+            b_gap = tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))  # gamma**(i - j)
+            b_dv += _dot(b_at * b_gap, b_g, DOT, EMULATE, PRECISION)
+            b_dwt = b_dwt * b_gap
+        else:
+            b_dv += _dot(b_at, b_g, DOT, EMULATE, PRECISION)
+        b_dwt += b_c[None, :]
         b_dst = tl.where(b_keep, b_dwt * (1.0 + b_st), 0.0)
         b_dk += _dot(b_dst, b_q, DOT, EMULATE, PRECISION)
         b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
@@ -328,11 +381,18 @@ def _pla_bwd_dkv_kernel(
         tl.store(p_dv + o_t[:, None] * s_vt + o_v[None, :] * s_vv, b_dv.to(dv.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
 
-        # R += phi(Q_c)^T G_c
+        # R += phi(Q_c)^T G_c; decayed: R <- gamma**L R + sum_i gamma**(p_i + 1) phi(q_i) g_i
         b_q2 = _outer(b_q, BT, BK)
-        b_r0 += tl.sum(b_g, axis=0)
-        b_r1 += _dot(tl.trans(b_q), b_g, DOT, EMULATE, PRECISION)
-        b_r2 += _dot(tl.trans(b_q2), b_g, DOT, EMULATE, PRECISION)
+        if HAS_DECAY:
+            b_gd = b_g * tl.exp(b_lg * (o_c + 1).to(tl.float32))[:, None]
+            b_chunk = tl.exp(b_lg * b_len)
+            b_r0 = b_r0 * b_chunk + tl.sum(b_gd, axis=0)
+            b_r1 = b_r1 * b_chunk + _dot(tl.trans(b_q), b_gd, DOT, EMULATE, PRECISION)
+            b_r2 = b_r2 * b_chunk + _dot(tl.trans(b_q2), b_gd, DOT, EMULATE, PRECISION)
+        else:
+            b_r0 += tl.sum(b_g, axis=0)
+            b_r1 += _dot(tl.trans(b_q), b_g, DOT, EMULATE, PRECISION)
+            b_r2 += _dot(tl.trans(b_q2), b_g, DOT, EMULATE, PRECISION)
         b_rz0 += tl.sum(b_c)
         b_rz1 += tl.sum(b_q * b_c[:, None], axis=0)
         b_rz2 += tl.sum(b_q2 * b_c[:, None], axis=0)
@@ -348,8 +408,8 @@ def _pla_bwd_dkv_kernel(
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, True)
         b_k = tl.where(b_raw[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek) * key_scale, 0.0)
         b_v = _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev)
-        b_dv, b_dk = _key_grads(b_k, b_v, b_w, b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT, BK, SDOT, EMULATE,
-                                PRECISION)
+        b_dv, b_dk = _key_grads(b_k, b_v, b_w, b_w.to(tl.float32), b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT, BK,
+                                False, SDOT, EMULATE, PRECISION)
         b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
         tl.store(p_dke + o_t[:, None] * s_ket + o_k[None, :] * s_kek, (b_dk * key_scale).to(dk_enc.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
@@ -397,10 +457,12 @@ def prefix_linear_attention_backward(
     key_mask: torch.Tensor | None = None,
     strict: bool = True,
     initial_state: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
     eps: float = 1e-12,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Gradients of `prefix_linear_attention` (no decay) from validated inputs; launches the two scans.
+    """Gradients of `prefix_linear_attention` from validated inputs; launches the two scans.
 
     Args:
         q, k, v, k_enc, v_enc, key_mask, initial_state, eps: the forward's inputs (k_enc / v_enc may be None).
@@ -408,10 +470,13 @@ def prefix_linear_attention_backward(
         grad_state: `(B, H, F, V + 1)` gradient of the final state, or None (zero).
         encoder_start, encoder_end: `(B,)` int64 encoder range per row (default `[0, M)`).
         strict: pad_masking == "strict".
+        log_decay: `(H,)` log gamma of the Based decay (no gradient: the decay is fixed), or None.
+        gate: `(B, T, H)` Based numerator gate, or None.
         chunk_size: BT (default 32 in the interpreter, 64 compiled).
 
     Returns:
-        `(dq, dk, dv, dk_enc or None, dv_enc or None, d initial_state fp32 or None)`, in the inputs' dtypes.
+        `(dq, dk, dv, dk_enc, dv_enc, d initial_state, d gate)` in the inputs' dtypes (fp32 for the state), None
+        for absent inputs.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -434,6 +499,9 @@ def prefix_linear_attention_backward(
     dstate_in = torch.empty(B, H, 1 + K + K * K, V + 1, dtype=torch.float32, device=device)
     rden = torch.empty(B, T, H, dtype=torch.float32, device=device)
     dcol = torch.empty(B, T, H, dtype=torch.float32, device=device)
+    dgate = None if gate is None else torch.empty(B, T, H, dtype=torch.float32, device=device)
+    gate_in = rden if gate is None else gate.contiguous()
+    decay_in = rden if log_decay is None else log_decay.to(torch.float32).contiguous()
     # Absent optional tensors are never read (flags off, empty ranges); any pointer of the right kind will do.
     ke = k if k_enc is None else k_enc
     ve = v if v_enc is None else v_enc
@@ -445,21 +513,23 @@ def prefix_linear_attention_backward(
     dstate = dstate_in if grad_state is None else grad_state.contiguous()
     grad_output = grad_output if grad_output.stride(-1) == 1 else grad_output.contiguous()
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_MASK=key_mask is not None, STRICT=strict,
-                  **_dot_types(q.dtype))
+                  HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **_dot_types(q.dtype))
     strides = (*q.stride(), *k.stride(), *v.stride(), *ke.stride(), *ve.stride(), *mask_strides,
                *grad_output.stride())
     num_warps = 4 if INTERPRETED else 8
     _pla_bwd_dq_kernel[(B * H,)](
-        q, k, v, ke, ve, mask, encoder_start, encoder_end, state_in, grad_output, dq, rden, dcol,
+        q, k, v, ke, ve, mask, encoder_start, encoder_end, state_in, decay_in, gate_in, grad_output, dq, rden, dcol,
+        rden if dgate is None else dgate,
         *strides, T, M, eps, K**-0.25, HAS_INITIAL_STATE=initial_state is not None, num_warps=num_warps, **common,
     )
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
     _pla_bwd_dkv_kernel[(B * H,)](
-        q, k, v, ke, ve, mask, encoder_start, encoder_end, rden, dcol, grad_output, dstate,
+        q, k, v, ke, ve, mask, encoder_start, encoder_end, rden, dcol, decay_in, gate_in, grad_output, dstate,
         dk, dv, dke, dve, dstate_in,
         *strides, T, M, K**-0.25, HAS_DSTATE=grad_state is not None, num_warps=num_warps, **common,
     )
-    return dq, dk, dv, dk_enc, dv_enc, (None if initial_state is None else dstate_in)
+    dgate = None if dgate is None else dgate.to(gate.dtype)
+    return dq, dk, dv, dk_enc, dv_enc, (None if initial_state is None else dstate_in), dgate
 
 
 __all__ = ["prefix_linear_attention_backward"]

@@ -17,7 +17,7 @@ from modeling_jrt.linear_attention import num_taylor_features, prefix_linear_att
 
 # Tolerance relative to each gradient's largest magnitude: fp32 end to end; bf16 operands with fp32 accumulation.
 TOLERANCES = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-2}
-NAMES = ("q", "k", "v", "k_enc", "v_enc", "initial_state")
+NAMES = ("q", "k", "v", "k_enc", "v_enc", "initial_state", "gate")
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,7 @@ def make_case(B, T, H, K, V, M, *, dtype, device, seed=0, initial_state=False, g
     inputs["initial_state"] = (
         (torch.randn(B, H, F, V + 1, generator=generator).abs() * 2).to(device) if initial_state else None
     )
+    inputs["gate"] = None
     grad_output = randn(B, T, H, V)
     grad_state = torch.randn(B, H, F, V + 1, generator=generator).to(device) if grad_state else None
     return inputs, grad_output, grad_state
@@ -51,7 +52,7 @@ def oracle_grads(inputs, grad_output, grad_state, **kwargs):
     leaves = {name: None if t is None else t.detach().double().requires_grad_() for name, t in inputs.items()}
     output, state = prefix_linear_attention_quadratic(
         leaves["q"], leaves["k"], leaves["v"], leaves["k_enc"], leaves["v_enc"],
-        initial_state=leaves["initial_state"], **kwargs,
+        initial_state=leaves["initial_state"], gate=leaves["gate"], **kwargs,
     )
     loss = (output * grad_output.double()).sum()
     if grad_state is not None:
@@ -60,12 +61,14 @@ def oracle_grads(inputs, grad_output, grad_state, **kwargs):
     return [None if leaves[name] is None else leaves[name].grad for name in NAMES]
 
 
-def assert_grads_match(inputs, grad_output, grad_state, *, key_mask=None, pad_masking="strict"):
+def assert_grads_match(inputs, grad_output, grad_state, *, key_mask=None, pad_masking="strict", log_decay=None):
     grads = prefix_linear_attention_backward(
         inputs["q"], inputs["k"], inputs["v"], inputs["k_enc"], inputs["v_enc"], grad_output, grad_state,
         key_mask=key_mask, strict=pad_masking == "strict", initial_state=inputs["initial_state"],
+        log_decay=log_decay, gate=inputs["gate"],
     )
-    expected = oracle_grads(inputs, grad_output, grad_state, key_mask=key_mask, pad_masking=pad_masking)
+    expected = oracle_grads(inputs, grad_output, grad_state, key_mask=key_mask, pad_masking=pad_masking,
+                            log_decay=None if log_decay is None else log_decay.double())
     tol = TOLERANCES[inputs["q"].dtype]
     for name, actual, reference in zip(NAMES, grads, expected):
         assert (actual is None) == (reference is None), name
@@ -115,6 +118,20 @@ def test_backward_strided_inputs(device):
     generator = torch.Generator().manual_seed(3)
     fused = torch.randn(B, T, H, 2 * K + V, generator=generator).to(device)
     q, k, v = fused[..., :K], fused[..., K : 2 * K], fused[..., 2 * K :] + 0.5
-    inputs = dict(q=q, k=k, v=v, k_enc=None, v_enc=None, initial_state=None)
+    inputs = dict(q=q, k=k, v=v, k_enc=None, v_enc=None, initial_state=None, gate=None)
     grad_output = torch.randn(B, T, H, V, generator=generator).to(device)
     assert_grads_match(inputs, grad_output, None)
+
+
+@pytest.mark.parametrize("use_gate", [False, True], ids=["decay", "decay+gate"])
+def test_backward_based_decay_and_gate(device, use_gate):
+    """The Based variant: fixed per-head decay (strong for head 0), optional gate, initial state, left padding."""
+    B, T, H, K, V = 2, 45, 2, 4, 6
+    inputs, grad_output, dstate = make_case(B, T, H, K, V, 0, dtype=torch.float32, device=device, seed=4,
+                                            initial_state=True)
+    if use_gate:
+        inputs["gate"] = torch.randn(B, T, H, generator=torch.Generator().manual_seed(5)).to(device)
+    log_decay = torch.log1p(-torch.tensor([2.0**-3, 2.0**-6])).to(device)
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    key_mask[0, :7] = False
+    assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, log_decay=log_decay)
