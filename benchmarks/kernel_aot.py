@@ -108,9 +108,17 @@ def capture_launches(kernels: list[Autotuner | JITFunction], call: Callable[[], 
     return launches
 
 
-def configs_of(kernel: Autotuner | JITFunction) -> list[triton.Config]:
-    """The autotune configs (or the launch's own options for a plain jit kernel)."""
-    return list(kernel.configs) if isinstance(kernel, Autotuner) else [triton.Config({})]
+def configs_of(launch: Launch) -> list[triton.Config]:
+    """The autotune configs, or the launch's own options for a plain jit kernel."""
+    if isinstance(launch.kernel, Autotuner):
+        return list(launch.kernel.configs)
+    options = {name: launch.kwargs.pop(name) for name in ("num_warps", "num_stages") if name in launch.kwargs}
+    return [triton.Config({}, **options)]
+
+
+def kernel_name(launch: Launch) -> str:
+    fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
+    return fn.__name__
 
 
 def compile_launch(launch: Launch, config: triton.Config, arch: int):
@@ -216,14 +224,15 @@ def sass_loops(sass: str) -> tuple[list[dict], dict[str, int]]:
 class Case:
     """A kernel launch to build: how to trigger it, and its per-program loop trip counts and grid at a shape.
 
-    `trips(meta, T, M)` gives the trip count of each top-level loop in source order; `programs(meta, B, H, T, M)`
-    the number of programs. `flops(T, M)` / `bytes(T, M, element_size)` per (batch, head) give the floors.
+    `trips(kernel, meta, T, M)` gives the trip count of each top-level loop of the named kernel in source order;
+    `programs(meta, B, H, T, M)` the number of programs. `flops(T, M)` / `bytes(T, M, element_size)` per
+    (batch, head) give the floors of the whole case (all its launches).
     """
 
     name: str
     kernels: Callable[[], list]
     launch: Callable[[torch.dtype, bool], None]
-    trips: Callable[[dict, int, int], list[int]]
+    trips: Callable[[str, dict, int, int], list[int]]
     programs: Callable[[dict, int, int, int, int], int]
     flops: Callable[[int, int], float]
     bytes: Callable[[int, int, int], float]
@@ -256,15 +265,44 @@ def _forward_case() -> Case:
         name="prefix_linear_attention_fwd",
         kernels=lambda: [module._prefix_linear_attention_fwd_kernel],
         launch=launch,
-        trips=lambda meta, T, M: [math.ceil(M / meta["BT"]), math.ceil(T / meta["BT"])],
+        trips=lambda kernel, meta, T, M: [math.ceil(M / meta["BT"]), math.ceil(T / meta["BT"])],
         programs=lambda meta, B, H, T, M: math.ceil(PAPER["V"] / meta["BV"]) * B * H,
         flops=lambda T, M: _pla_flops(T, M),
         bytes=lambda T, M, size: _pla_bytes(T, M, size),
     )
 
 
+def _backward_case() -> Case:
+    from jrt_kernels import prefix_linear_attention_backward as module
+
+    def launch(dtype: torch.dtype, padded: bool) -> None:
+        B, H, K, V = PAPER["B"], PAPER["H"], PAPER["K"], PAPER["V"]
+        T, M = 64, 32
+        q, k = torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype)
+        v, do = torch.randn(B, T, H, V, dtype=dtype), torch.randn(B, T, H, V, dtype=dtype)
+        k_enc, v_enc = torch.randn(B, M, H, K, dtype=dtype), torch.randn(B, M, H, V, dtype=dtype)
+        mask = torch.ones(B, T, dtype=torch.bool) if padded else None
+        state = torch.zeros(B, H, 1 + K + K * K, V + 1) if padded else None
+        module.prefix_linear_attention_backward(q, k, v, k_enc, v_enc, do, state, key_mask=mask,
+                                                initial_state=state)
+
+    def trips(kernel: str, meta: dict, T: int, M: int) -> list[int]:
+        encoder, decoder = math.ceil(M / meta["BT"]), math.ceil(T / meta["BT"])
+        return [encoder, decoder] if "dq" in kernel else [decoder, encoder]
+
+    return Case(
+        name="prefix_linear_attention_bwd",
+        kernels=lambda: [module._pla_bwd_dq_kernel, module._pla_bwd_dkv_kernel],
+        launch=launch,
+        trips=trips,
+        programs=lambda meta, B, H, T, M: math.ceil(PAPER["V"] / meta.get("BV", PAPER["V"])) * B * H,
+        flops=lambda T, M: 2.5 * _pla_flops(T, M),  # recompute + dq + dk/dv: about 2.5 forwards
+        bytes=lambda T, M, size: 2 * _pla_bytes(T, M, size),
+    )
+
+
 def all_cases() -> list[Case]:
-    return [_forward_case()]
+    return [_forward_case(), _backward_case()]
 
 
 # ------------------------------------------------------------------------------------------------------ the report
@@ -274,7 +312,7 @@ def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtyp
     """Compile one (launch, config, arch) and measure it; a build error becomes the row's `error`."""
     meta = {**launch.kwargs, **config.kwargs}
     row = dict(
-        kernel=case.name, arch=arch, dtype=dtype, variant="mask+state" if padded else "plain",
+        kernel=kernel_name(launch), arch=arch, dtype=dtype, variant="mask+state" if padded else "plain",
         config=" ".join(f"{key}={value}" for key, value in config.kwargs.items())
         + f" w{config.num_warps} s{config.num_stages}",
         num_warps=config.num_warps,
@@ -309,7 +347,7 @@ def estimates(case: Case, row: dict, meta: dict, arch: int, dtype: str) -> dict[
     out = {}
     for T in PAPER_LENGTHS:
         M = T // 2
-        trips = case.trips(meta, T, M)
+        trips = case.trips(row["kernel"], meta, T, M)
         if len(trips) != len(row["loops"]):
             out[T] = dict(issue_ms=float("nan"))
             continue
@@ -323,7 +361,7 @@ def estimates(case: Case, row: dict, meta: dict, arch: int, dtype: str) -> dict[
 
 
 def format_row(row: dict) -> str:
-    head = f"{row['kernel']:<28} sm_{row['arch']} {row['dtype']:<4} {row['variant']:<10} {row['config']:<22}"
+    head = f"{row['kernel'].strip('_'):<28} sm_{row['arch']} {row['dtype']:<4} {row['variant']:<10} {row['config']:<22}"
     if "error" in row:
         return f"{head} BUILD ERROR {row['error']}"
     smem = f"{row['shared'] / 1024:6.1f}KB" + ("" if row["smem_ok"] else " OVER")
@@ -347,7 +385,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--arch", type=int, nargs="*", default=sorted(ARCHS, reverse=True), choices=sorted(ARCHS))
     parser.add_argument("--dtype", nargs="*", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--variant", nargs="*", default=["plain", "mask+state"], choices=["plain", "mask+state"])
-    parser.add_argument("--kernel", nargs="*", default=None, help="kernel names (default: all)")
+    parser.add_argument("--kernel", nargs="*", default=None,
+                        help="cases: prefix_linear_attention_fwd, prefix_linear_attention_bwd (default: all)")
     parser.add_argument("--configs", type=int, default=None, help="only the first N autotune configs")
     parser.add_argument("--json", default=None, help="also write every row to this JSON file")
     args = parser.parse_args(argv)
@@ -367,7 +406,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for variant in args.variant:
                 launches = capture_launches(case.kernels(), lambda: case.launch(DTYPES[dtype], variant != "plain"))
                 for launch in launches:
-                    configs = configs_of(launch.kernel)[: args.configs]
+                    configs = configs_of(launch)[: args.configs]
                     for config in configs:
                         for arch in args.arch:
                             row = build_row(case, launch, config, arch, dtype, variant != "plain")
