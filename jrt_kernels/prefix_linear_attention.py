@@ -1,9 +1,12 @@
 """Fused Triton prefill of prefix linear attention (JRT-RNN) and causal Taylor linear attention (Based).
 
-The math, the state layout and the reference are in `modeling_jrt.linear_attention` (KERNELS.md §2.1, §2.6):
-one program per (value block, batch x head) keeps the whole fp32 state on chip and
+The math, the state layout, the argument checks and the reference (`prefix_linear_attention_chunked`) are in
+`modeling_jrt.linear_attention` (KERNELS.md §2.1, §2.6). This module imports torch and triton only: the dispatcher
+`modeling_jrt.linear_attention.prefix_linear_attention(..., implementation="triton")` validates the arguments with
+`validate_linear_attention_inputs` and then calls `prefix_linear_attention_triton`, which only asserts them.
+One program per (value block, batch x head) keeps the whole fp32 state on chip and
 
-    1. reduces the encoder: state = initial_state + sum_{m<M} phi(ke_m) [ve_m, 1]       (no queries, no mask)
+    1. reduces the encoder over the row's range: state = initial_state + sum_{start<=m<end} phi(ke_m) [ve_m, 1]
     2. scans the T decoder tokens in chunks of BT, starting from that state:
            inter  o_c  = h0 + Q'_c h1 + 1/2 (Q'_c (x) Q'_c) h2                        state of everything before
            intra  o_c += tril(1 + S + S**2 / 2) [V_c, 1]     S = Q'_c K'_c^T           no (BT, F) features needed
@@ -15,7 +18,8 @@ Here x' = x / K**(1/4) and (x) is the row-wise outer product, so phi(x) = [1, x'
 phi(q).phi(k) = 1 + s + s**2 / 2. The 2nd-order features (BK * BK per token) exist only per chunk, in registers:
 the Taylor feature map is never written to HBM. State and denominators are fp32; only the operands of `tl.dot`
 are cast to the input dtype (KERNELS.md §5). Padded keys are removed in all three orders (strict masking) or,
-with `pad_masking="reference"`, keep their weight-1 constant term as the original code does.
+with `pad_masking="reference"` and inside the row's encoder range, keep their weight-1 constant term as the original
+code does.
 
 Scope: forward only (a gradient request raises; training uses the chunked PyTorch path), no Based decay or gate
 (`prefix_linear_attention(..., implementation="auto")` sends those to the chunked path). Inputs are read through
@@ -33,8 +37,6 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from modeling_jrt.linear_attention import PAD_MASKINGS, num_taylor_features
-from modeling_jrt.linear_attention import prefix_linear_attention_chunked as prefix_linear_attention_ref
 
 # Few configs (a 15-minute GPU lease must not be spent tuning), keyed on (K, V) and, through the tensor
 # arguments, on the input dtype. h2 is a (BK * BK, BV) fp32 accumulator: 64 registers per thread for
@@ -65,13 +67,14 @@ def _load_chunk(p_base, o_t, m_t, s_t, o_d, m_d, s_d):
 
 @triton.jit
 def _load_keys_values(
-    p_k, p_v, p_m, o_t, m_t, s_kt, s_kk, s_vt, s_vv, s_mt, o_k, m_k, o_v, m_v, key_scale,
+    p_k, p_v, p_m, o_t, m_t, m_r, s_kt, s_kk, s_vt, s_vv, s_mt, o_k, m_k, o_v, m_v, key_scale,
     HAS_MASK: tl.constexpr, STRICT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     """Scaled keys k' (fp32), values (matmul dtype) and key weights (0/1) of one chunk.
 
-    A padded key has k' = 0 under both maskings. phi(0) = [1, 0, ...] is not 0, so strict masking also gives it
-    weight 0, which removes its value and its count (the 0th order); "reference" keeps both, as the original code.
+    A padded key has k' = 0 under both maskings. phi(0) = [1, 0, ...] is not 0, so a padded key also gets weight 0,
+    which removes its value and its count (the 0th order), unless the masking is "reference" and the key lies in the
+    row's encoder range (`m_r`): then both stay, as in the original code.
     """
     b_w = m_t
     # [BT, BK]
@@ -81,6 +84,8 @@ def _load_keys_values(
         b_k = tl.where(b_m[:, None], b_k, 0.0)
         if STRICT:
             b_w = b_w & b_m
+        else:
+            b_w = b_w & (b_m | m_r)
     # [BT, BV]
     b_v = _load_chunk(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
     b_v = tl.where(b_w[:, None], b_v, 0.0).to(tl.float32 if DOT_FP32 else b_v.dtype)
@@ -107,9 +112,9 @@ def _accumulate(b_h0, b_h1, b_h2, b_z0, b_z1, b_z2, b_k, b_k2, b_v, b_w, DOT_PRE
     return b_h0, b_h1, b_h2, b_z0, b_z1, b_z2
 
 
-@triton.jit(do_not_specialize=["T", "M"])
+@triton.jit(do_not_specialize=["T"])
 def _prefix_linear_attention_fwd_kernel(
-    q, k, v, k_enc, v_enc, key_mask, state_in, o, state_out,
+    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, state_in, o, state_out,
     s_qb, s_qt, s_qh, s_qk,
     s_kb, s_kt, s_kh, s_kk,
     s_vb, s_vt, s_vh, s_vv,
@@ -117,7 +122,7 @@ def _prefix_linear_attention_fwd_kernel(
     s_veb, s_vet, s_veh, s_vev,
     s_mb, s_mt,
     s_ob, s_ot, s_oh, s_ov,
-    T, M, eps, key_scale,
+    T, eps, key_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
@@ -156,14 +161,18 @@ def _prefix_linear_attention_fwd_kernel(
         b_z1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
         b_z2 += tl.load(p_s + r_k2 * W + V, mask=m_k2, other=0.0) * SQRT2
 
-    # 1. Encoder reduction over the first M tokens: state updates only, no queries, no causal mask.
+    # 1. Encoder reduction over the row's range [start, end) of the first M tokens: state updates only, no queries,
+    #    no causal mask. Chunks are aligned on BT; positions outside the range weigh 0.
+    b_start = tl.load(encoder_start + i_b)
+    b_end = tl.load(encoder_end + i_b)
     p_ke = k_enc + i_b * s_keb + i_h * s_keh
     p_ve = v_enc + i_b * s_veb + i_h * s_veh
     o_c = tl.arange(0, BT)
-    for i_t in range(0, tl.cdiv(M, BT)):
+    for i_t in range(b_start // BT, tl.cdiv(b_end, BT)):
         o_t = (i_t * BT + o_c).to(tl.int64)
+        m_e = (o_t >= b_start) & (o_t < b_end)
         b_k, b_v, b_w = _load_keys_values(
-            p_ke, p_ve, p_m, o_t, o_t < M, s_ket, s_kek, s_vet, s_vev, s_mt, o_k, m_k, o_v, m_v, key_scale,
+            p_ke, p_ve, p_m, o_t, m_e, m_e, s_ket, s_kek, s_vet, s_vev, s_mt, o_k, m_k, o_v, m_v, key_scale,
             HAS_MASK, STRICT, DOT_FP32,
         )
         b_h0, b_h1, b_h2, b_z0, b_z1, b_z2 = _accumulate(
@@ -181,8 +190,8 @@ def _prefix_linear_attention_fwd_kernel(
         # [BT, BK]
         b_q = _load_chunk(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk).to(tl.float32) * key_scale
         b_k, b_v, b_w = _load_keys_values(
-            p_k, p_v, p_m, o_t, m_t, s_kt, s_kk, s_vt, s_vv, s_mt, o_k, m_k, o_v, m_v, key_scale,
-            HAS_MASK, STRICT, DOT_FP32,
+            p_k, p_v, p_m, o_t, m_t, (o_t >= b_start) & (o_t < b_end), s_kt, s_kk, s_vt, s_vv, s_mt,
+            o_k, m_k, o_v, m_v, key_scale, HAS_MASK, STRICT, DOT_FP32,
         )
         # [BT, BK * BK]
         b_q2 = _outer(b_q, BT, BK)
@@ -228,6 +237,9 @@ _prefix_linear_attention_fwd_kernel = triton.autotune(
 )(_prefix_linear_attention_fwd_kernel)
 
 
+PAD_MASKINGS = ("strict", "reference")  # as in modeling_jrt.linear_attention (this module imports no modeling_jrt)
+
+
 @torch.library.triton_op("jrt_kernels::prefix_linear_attention_fwd", mutates_args=())
 def _prefix_linear_attention_fwd(
     q: torch.Tensor,
@@ -235,6 +247,8 @@ def _prefix_linear_attention_fwd(
     v: torch.Tensor,
     k_enc: torch.Tensor | None,
     v_enc: torch.Tensor | None,
+    encoder_start: torch.Tensor,
+    encoder_end: torch.Tensor,
     key_mask: torch.Tensor | None,
     initial_state: torch.Tensor | None,
     strict: bool,
@@ -243,11 +257,9 @@ def _prefix_linear_attention_fwd(
     """Launch the kernel on validated inputs (any strides). Returns `(o (B, T, H, V) in v.dtype, state fp32)`."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    M = 0 if k_enc is None else k_enc.shape[1]
-    assert T >= M and k.shape == q.shape and v.shape[:3] == q.shape[:3]
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
-    state = torch.empty(B, H, num_taylor_features(K), V + 1, dtype=torch.float32, device=v.device)
-    # Absent optional tensors: never read (M = 0, HAS_MASK / HAS_INITIAL_STATE False); any pointer will do.
+    state = torch.empty(B, H, 1 + K + K * K, V + 1, dtype=torch.float32, device=v.device)
+    # Absent optional tensors: never read (empty encoder ranges, HAS_MASK / HAS_INITIAL_STATE False).
     k_enc = k if k_enc is None else k_enc
     v_enc = v if v_enc is None else v_enc
     mask = q if key_mask is None else key_mask.view(torch.uint8)
@@ -258,9 +270,10 @@ def _prefix_linear_attention_fwd(
         return (triton.cdiv(V, meta["BV"]), B * H)
 
     torch.library.wrap_triton(_prefix_linear_attention_fwd_kernel)[grid](
-        q, k, v, k_enc, v_enc, mask, state if initial_state is None else initial_state, o, state,
+        q, k, v, k_enc, v_enc, encoder_start, encoder_end, mask,
+        state if initial_state is None else initial_state, o, state,
         *q.stride(), *k.stride(), *v.stride(), *k_enc.stride(), *v_enc.stride(), *mask_strides, *o.stride(),
-        T, M, eps, K**-0.25,
+        T, eps, K**-0.25,
         H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)),
         HAS_MASK=key_mask is not None, STRICT=strict, HAS_INITIAL_STATE=initial_state is not None,
         # Matmul operands are cast to the input dtype, except in the interpreter with bf16 (triton 3.9 multiplies
@@ -278,6 +291,8 @@ def prefix_linear_attention_triton(
     k_enc: torch.Tensor | None = None,
     v_enc: torch.Tensor | None = None,
     *,
+    encoder_start: torch.Tensor | None = None,
+    encoder_end: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
     pad_masking: str = "strict",
     initial_state: torch.Tensor | None = None,
@@ -287,15 +302,20 @@ def prefix_linear_attention_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused prefill of prefix linear attention (JRT-RNN) or, with `k_enc = v_enc = None`, causal Based attention.
 
-    Same arguments and results as `modeling_jrt.linear_attention.prefix_linear_attention_chunked` (its reference),
-    forward only. Inputs may be any strided views (e.g. heads split from a fused projection): nothing is copied.
+    The keyword signature and the results of `modeling_jrt.linear_attention.prefix_linear_attention_chunked` (its
+    reference), forward only. Call it through `prefix_linear_attention(..., implementation="triton")`, which checks
+    the arguments (`validate_linear_attention_inputs`: shapes, the encoder range) and passes them normalised; this
+    function only asserts them. Inputs may be any strided views (e.g. heads split from a fused projection).
 
     Args:
         q, k: `(B, T, H, K)` decoder queries and keys (fp32, bf16 or fp16, one dtype for every input).
         v: `(B, T, H, V)` decoder values; V need not be a power of two.
         k_enc, v_enc: `(B, M, H, K)` / `(B, M, H, V)` encoder keys and values of the first M <= T tokens, or None.
-        key_mask: `(B, T)`, True (non-zero) for real tokens; its first M columns also mask the encoder keys.
-        pad_masking: `"strict"` (a pad contributes nothing) or `"reference"` (a pad keeps its constant term).
+        encoder_start, encoder_end: `(B,)` int64, row b's encoder range `[start, end)` within `[0, M]`; None =
+            `[0, M)` for every row.
+        key_mask: `(B, T)` bool, True for real tokens.
+        pad_masking: `"strict"` (a pad contributes nothing) or `"reference"` (a pad inside the encoder range keeps
+            its constant term).
         initial_state: `(B, H, F, V + 1)` fp32 state of earlier tokens, or None.
         log_decay, gate: the Based decay variant; not supported by the kernel (must be None).
         eps: added to the fp32 denominator.
@@ -304,7 +324,7 @@ def prefix_linear_attention_triton(
         `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) fp32)`.
 
     Raises:
-        ValueError: unsupported arguments (decay, gate, dtype, device) with the way out.
+        ValueError: what the kernel does not support (decay, gate, dtype, device) with the way out.
         RuntimeError: a gradient is required (the kernel has no backward).
     """
     if log_decay is not None or gate is not None:
@@ -312,44 +332,24 @@ def prefix_linear_attention_triton(
             "The Triton prefill kernel does not implement the Based decay (log_decay) or gate: use "
             "implementation='chunked' (implementation='auto' does so automatically)."
         )
-    if pad_masking not in PAD_MASKINGS:
-        raise ValueError(f"pad_masking must be one of {list(PAD_MASKINGS)}, got {pad_masking!r}.")
-    if q.ndim != 4 or k.shape != q.shape:
-        raise ValueError(f"q and k must both be (B, T, H, K); got q {tuple(q.shape)} and k {tuple(k.shape)}.")
     B, T, H, K = q.shape
-    if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be (B, T, H, V) = ({B}, {T}, {H}, V); got {tuple(v.shape)}.")
-    V = v.shape[-1]
-    if (k_enc is None) != (v_enc is None):
-        raise ValueError("k_enc and v_enc must be given together (or both None for causal linear attention).")
-    if k_enc is not None:
-        M = k_enc.shape[1]
-        if k_enc.shape != (B, M, H, K) or v_enc.shape != (B, M, H, V):
-            raise ValueError(
-                f"k_enc and v_enc must be (B, M, H, K) / (B, M, H, V) with B, H, K, V of q and v; got "
-                f"{tuple(k_enc.shape)} and {tuple(v_enc.shape)}."
-            )
-        if M > T:
-            raise ValueError(f"The encoder covers the first M tokens, so M ({M}) must be <= T ({T}).")
-    if key_mask is not None:
-        if key_mask.shape != (B, T):
-            raise ValueError(f"key_mask must be (B, T) = ({B}, {T}); got {tuple(key_mask.shape)}.")
-        key_mask = key_mask if key_mask.dtype == torch.bool else key_mask != 0  # (B, T): a 0/1 mask is fine too
-    state_shape = (B, H, num_taylor_features(K), V + 1)
-    if initial_state is not None and (
-        tuple(initial_state.shape) != state_shape or initial_state.dtype != torch.float32
-    ):
-        raise ValueError(
-            f"initial_state must be fp32 (B, H, F, V + 1) = {state_shape}; got {initial_state.dtype} "
-            f"{tuple(initial_state.shape)}."
-        )
+    M = 0 if k_enc is None else k_enc.shape[1]
+    assert pad_masking in PAD_MASKINGS and k.shape == q.shape and v.shape[:3] == q.shape[:3] and M <= T
+    assert key_mask is None or (key_mask.dtype == torch.bool and key_mask.shape == (B, T))
+    if encoder_start is None or k_enc is None:
+        encoder_start = torch.zeros(B, dtype=torch.long, device=q.device)
+    if encoder_end is None or k_enc is None:
+        encoder_end = torch.full((B,), M, dtype=torch.long, device=q.device)
+    assert encoder_start.shape == encoder_end.shape == (B,) and encoder_start.dtype == encoder_end.dtype == torch.long
     inputs = [t for t in (q, k, v, k_enc, v_enc) if t is not None]
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in inputs):
         raise ValueError(
             f"The Triton prefill kernel takes fp32, bf16 or fp16 inputs of one dtype; got "
             f"{sorted({str(t.dtype) for t in inputs})}. Cast them, or use implementation='chunked' (fp64 works there)."
         )
-    tensors = [t for t in (*inputs, key_mask, initial_state) if t is not None]
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise ValueError(f"The Triton prefill kernel keeps its state in fp32; got an {initial_state.dtype} initial_state.")
+    tensors = [t for t in (*inputs, key_mask, initial_state, encoder_start, encoder_end) if t is not None]
     if any(t.device != q.device for t in tensors):
         raise ValueError(f"All inputs must be on one device; got {sorted({str(t.device) for t in tensors})}.")
     if q.device.type != "cuda" and not INTERPRETED:
@@ -363,8 +363,8 @@ def prefix_linear_attention_triton(
             "are needed, or run under torch.no_grad()."
         )
     return _prefix_linear_attention_fwd(
-        q, k, v, k_enc, v_enc, key_mask, initial_state, pad_masking == "strict", float(eps)
+        q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, pad_masking == "strict", float(eps)
     )
 
 
-__all__ = ["prefix_linear_attention_ref", "prefix_linear_attention_triton"]
+__all__ = ["prefix_linear_attention_triton"]

@@ -30,14 +30,22 @@ Recurrent state (shared by every implementation and stored in the generation cac
 i.e. one tensor of shape (B, H, F, V + 1), with the encoder sum included. Decoding is then
     state <- state (decayed) + phi(k_t) [v_t, 1];  y_t = g_t phi(q_t).state[:, :V] / (phi(q_t).state[:, V] + eps).
 
-Padding (left padding of batched prompts, the JRT prefix padding): `key_mask` marks real tokens. With
-`pad_masking="strict"` a masked key contributes nothing (phi(k) is zeroed *after* the feature map: phi(0) is not 0,
-its constant term is 1). With `"reference"` the raw key is zeroed *before* the feature map as the original code
-does, so each pad still adds its value with weight 1 (the leak of REFERENCE.md §3.5).
+The encoder range (per row). Row b's encoder reads the positions `encoder_start[b] <= m < encoder_end[b]` of k_enc /
+v_enc, which cover the first M positions of the same sequence (`0 <= start <= end <= M <= T`). The rows of a batch
+can so have different prefixes: a left-padded row starts after its padding, a scored row ends where its context
+ends. Without a range every row reads all M encoder positions. Positions outside the range are no encoder keys.
+
+Padding: `key_mask` `(B, T)` marks real tokens (its first M columns also describe the encoder positions). A masked
+key outside the row's encoder range (batch padding, which lies before the range or after the row) never contributes.
+A masked key inside the range (the fill of the JRT prefix, REFERENCE.md §4.3) is removed as `pad_masking` says:
+`"strict"` removes it (phi(k) is zeroed *after* the feature map: phi(0) is not 0, its constant term is 1); with
+`"reference"` the raw key is zeroed *before* the feature map as the original code does, so the pad still adds its
+value with weight 1, to the encoder and to the decoder sums (the leak of REFERENCE.md §3.5).
 
 Layouts at every function boundary: q, k `(B, T, H, K)`, v and outputs `(B, T, H, V)`, encoder tensors
-`(B, M, H, K)` / `(B, M, H, V)` for the first M tokens, key_mask `(B, T)` bool (True = real token; its first M
-columns also mask the encoder keys), gate `(B, T, H)`, log_decay `(H,)` = log gamma.
+`(B, M, H, K)` / `(B, M, H, V)` for the first M tokens, encoder_start / encoder_end `(B,)` int64, key_mask `(B, T)`
+bool (True = real token), gate `(B, T, H)`, log_decay `(H,)` = log gamma. `validate_linear_attention_inputs` checks
+them once for every implementation (the Triton kernel too: the dispatcher validates before it calls the kernel).
 
 Implementations behind `prefix_linear_attention(..., implementation=...)`:
     "quadratic"  materialises the (T, T) weights and the full feature map: the oracle of the tests (use fp64).
@@ -85,19 +93,42 @@ def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
-def _validate(
+def _as_row_index(value: torch.Tensor | int, batch_size: int, device: torch.device, name: str) -> torch.Tensor:
+    """An int or a `(B,)` integer tensor -> `(B,)` int64 on `device`."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
+        raise TypeError(f"{name} must be an int or a (B,) integer tensor; got {type(value).__name__}.")
+    if isinstance(value, int):
+        return torch.full((batch_size,), value, dtype=torch.long, device=device)
+    if value.dtype.is_floating_point or value.dtype == torch.bool or value.shape != (batch_size,):
+        raise ValueError(
+            f"{name} must be a (B,) = ({batch_size},) integer tensor; got {value.dtype} {tuple(value.shape)}."
+        )
+    return value.to(device=device, dtype=torch.long)
+
+
+def validate_linear_attention_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_enc: torch.Tensor | None,
-    v_enc: torch.Tensor | None,
-    key_mask: torch.Tensor | None,
-    pad_masking: str,
-    initial_state: torch.Tensor | None,
-    log_decay: torch.Tensor | None,
-    gate: torch.Tensor | None,
-) -> int:
-    """Check shapes of the public arguments; return the encoder length M."""
+    k_enc: torch.Tensor | None = None,
+    v_enc: torch.Tensor | None = None,
+    *,
+    encoder_start: torch.Tensor | int | None = None,
+    encoder_end: torch.Tensor | int | None = None,
+    key_mask: torch.Tensor | None = None,
+    pad_masking: str = "strict",
+    initial_state: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Check the arguments shared by every implementation (oracle, chunked, step, Triton) and normalise them.
+
+    Raises `ValueError` / `TypeError` naming the argument, the expected and the actual value.
+
+    Returns:
+        `(encoder_start, encoder_end, key_mask)`: the encoder range as `(B,)` int64 tensors (`[0, M)` for every row
+        when none is given; both None without an encoder) and the key mask as `(B, T)` bool (or None).
+    """
     if q.ndim != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must both be (B, T, H, K); got q {tuple(q.shape)} and k {tuple(k.shape)}.")
     batch_size, seq_len, num_heads, feature_dim = q.shape
@@ -105,21 +136,12 @@ def _validate(
         raise ValueError(f"v must be (B, T, H, V) = ({batch_size}, {seq_len}, {num_heads}, V); got {tuple(v.shape)}.")
     if (k_enc is None) != (v_enc is None):
         raise ValueError("k_enc and v_enc must be given together (or both None for causal linear attention).")
-    encoder_length = 0
-    if k_enc is not None:
-        encoder_length = k_enc.shape[1]
-        if k_enc.shape != (batch_size, encoder_length, num_heads, feature_dim):
-            raise ValueError(f"k_enc must be (B, M, H, K) with B, H, K of q; got {tuple(k_enc.shape)}.")
-        if v_enc.shape != (batch_size, encoder_length, num_heads, v.shape[-1]):
-            raise ValueError(f"v_enc must be (B, M, H, V) with B, H, V of v; got {tuple(v_enc.shape)}.")
-        if encoder_length > seq_len:
-            raise ValueError(f"The encoder covers the first M tokens, so M ({encoder_length}) must be <= T ({seq_len}).")
-        if log_decay is not None or gate is not None:
-            raise ValueError("Decay and gate are Based (causal) options; they cannot be combined with an encoder prefix.")
-    if key_mask is not None and key_mask.shape != (batch_size, seq_len):
-        raise ValueError(f"key_mask must be (B, T) = ({batch_size}, {seq_len}); got {tuple(key_mask.shape)}.")
     if pad_masking not in PAD_MASKINGS:
         raise ValueError(f"pad_masking must be one of {list(PAD_MASKINGS)}, got {pad_masking!r}.")
+    if key_mask is not None:
+        if key_mask.shape != (batch_size, seq_len):
+            raise ValueError(f"key_mask must be (B, T) = ({batch_size}, {seq_len}); got {tuple(key_mask.shape)}.")
+        key_mask = key_mask if key_mask.dtype == torch.bool else key_mask != 0  # a 0/1 mask is fine too
     state_shape = (batch_size, num_heads, num_taylor_features(feature_dim), v.shape[-1] + 1)
     if initial_state is not None and tuple(initial_state.shape) != state_shape:
         raise ValueError(f"initial_state must be (B, H, F, V + 1) = {state_shape}; got {tuple(initial_state.shape)}.")
@@ -127,23 +149,59 @@ def _validate(
         raise ValueError(f"log_decay must be (H,) = ({num_heads},); got {tuple(log_decay.shape)}.")
     if gate is not None and gate.shape != (batch_size, seq_len, num_heads):
         raise ValueError(f"gate must be (B, T, H) = ({batch_size}, {seq_len}, {num_heads}); got {tuple(gate.shape)}.")
-    return encoder_length
+    if k_enc is None:
+        if encoder_start is not None or encoder_end is not None:
+            raise ValueError("encoder_start / encoder_end describe the encoder keys: pass k_enc and v_enc with them.")
+        return None, None, key_mask
+
+    encoder_length = k_enc.shape[1]
+    if k_enc.ndim != 4 or k_enc.shape != (batch_size, encoder_length, num_heads, feature_dim):
+        raise ValueError(f"k_enc must be (B, M, H, K) with B, H, K of q; got {tuple(k_enc.shape)}.")
+    if v_enc.shape != (batch_size, encoder_length, num_heads, v.shape[-1]):
+        raise ValueError(f"v_enc must be (B, M, H, V) with B, H, V of v; got {tuple(v_enc.shape)}.")
+    if encoder_length > seq_len:
+        raise ValueError(f"The encoder covers the first M tokens, so M ({encoder_length}) must be <= T ({seq_len}).")
+    if log_decay is not None or gate is not None:
+        raise ValueError("Decay and gate are Based (causal) options; they cannot be combined with an encoder prefix.")
+    start = _as_row_index(0 if encoder_start is None else encoder_start, batch_size, q.device, "encoder_start")
+    end = _as_row_index(encoder_length if encoder_end is None else encoder_end, batch_size, q.device, "encoder_end")
+    if not torch.compiler.is_compiling() and bool(((start < 0) | (start > end) | (end > encoder_length)).any()):
+        raise ValueError(
+            f"The encoder range must satisfy 0 <= encoder_start <= encoder_end <= M = {encoder_length} in every row; "
+            f"got encoder_start {start.tolist()} and encoder_end {end.tolist()}."
+        )
+    return start, end, key_mask
 
 
-def _masked_key_features(
-    keys: torch.Tensor, key_mask: torch.Tensor | None, pad_masking: str
-) -> torch.Tensor:
-    """phi(keys) with padded keys removed. keys: (B, T, H, K) -> (B, T, H, F).
+def _key_masks(
+    key_mask: torch.Tensor | None,
+    encoder_start: torch.Tensor | None,
+    encoder_end: torch.Tensor | None,
+    seq_len: int,
+    encoder_length: int,
+    pad_masking: str,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Which keys count, from validated inputs (see the module docstring).
 
-    strict:    phi(k) * mask   -- phi(0) = [1, 0, ...] is not 0, so the mask must come after the feature map.
-    reference: phi(k * mask)   -- the original code; a pad keeps weight 1 through the constant feature.
+    Returns:
+        `(raw, decoder, encoder)`: `raw` `(B, T)` bool, False where the raw key is zeroed before the feature map;
+        `decoder` `(B, T)` / `encoder` `(B, M)` bool, True where phi(k) enters the decoder / encoder sums. None means
+        "all True" (no key mask; no encoder).
     """
+    in_range = None  # (B, T): inside the row's encoder range
+    if encoder_start is not None:
+        positions = torch.arange(seq_len, device=encoder_start.device)
+        in_range = (positions >= encoder_start[:, None]) & (positions < encoder_end[:, None])
+    encoder = None if in_range is None else in_range[:, :encoder_length]
     if key_mask is None:
-        return taylor_feature_map(keys)
-    mask = key_mask[:, :, None, None].to(keys.dtype)
-    if pad_masking == "strict":
-        return taylor_feature_map(keys) * mask
-    return taylor_feature_map(keys * mask)
+        return None, None, encoder
+    if pad_masking == "strict" or in_range is None:
+        decoder = key_mask
+    else:  # "reference": a masked key inside the encoder range keeps its weight-1 constant term
+        decoder = key_mask | in_range
+    if encoder is not None and pad_masking == "strict":
+        encoder = encoder & key_mask[:, :encoder_length]
+    return key_mask, decoder, encoder
 
 
 def prefix_linear_attention_quadratic(
@@ -153,6 +211,8 @@ def prefix_linear_attention_quadratic(
     k_enc: torch.Tensor | None = None,
     v_enc: torch.Tensor | None = None,
     *,
+    encoder_start: torch.Tensor | int | None = None,
+    encoder_end: torch.Tensor | int | None = None,
     key_mask: torch.Tensor | None = None,
     pad_masking: str = "strict",
     initial_state: torch.Tensor | None = None,
@@ -162,17 +222,26 @@ def prefix_linear_attention_quadratic(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The O(T^2) oracle: materialises phi (F features) and the (T, T) weights. Tests only; pass fp64 inputs.
 
+    Same arguments as `prefix_linear_attention`.
+
     Returns:
         `(output (B, T, H, V) in v.dtype, state (B, H, F, V + 1))`; the state is fp64 for fp64 inputs, else fp32.
     """
-    encoder_length = _validate(q, k, v, k_enc, v_enc, key_mask, pad_masking, initial_state, log_decay, gate)
+    encoder_start, encoder_end, key_mask = validate_linear_attention_inputs(
+        q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
+        pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate,
+    )
     output_dtype = v.dtype
     dtype = _compute_dtype(q)
     seq_len, value_dim = q.shape[1], v.shape[-1]
+    encoder_length = 0 if k_enc is None else k_enc.shape[1]
+    raw, decoder_keys, encoder_keys = _key_masks(
+        key_mask, encoder_start, encoder_end, seq_len, encoder_length, pad_masking
+    )
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
 
     phi_q = taylor_feature_map(q)  # (B, T, H, F)
-    phi_k = _masked_key_features(k, key_mask, pad_masking)  # (B, T, H, F)
+    phi_k = _features_of_keys(k, raw, decoder_keys)  # (B, T, H, F)
     weights = torch.einsum("bihf,bjhf->bhij", phi_q, phi_k)  # (B, H, T, T)
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
     weights = weights.masked_fill(~causal, 0.0)
@@ -196,9 +265,9 @@ def prefix_linear_attention_quadratic(
         numerator = numerator + previous_numerator
         denominator = denominator + torch.einsum("bihf,bhf->bih", phi_q, previous[..., value_dim])
 
-    if encoder_length > 0:
-        encoder_mask = None if key_mask is None else key_mask[:, :encoder_length]
-        phi_k_enc = _masked_key_features(k_enc.to(dtype), encoder_mask, pad_masking)  # (B, M, H, F)
+    if k_enc is not None:
+        raw_enc = None if raw is None else raw[:, :encoder_length]
+        phi_k_enc = _features_of_keys(k_enc.to(dtype), raw_enc, encoder_keys)  # (B, M, H, F)
         encoder_weights = torch.einsum("bihf,bmhf->bhim", phi_q, phi_k_enc)  # (B, H, T, M)
         numerator = numerator + torch.einsum("bhim,bmhv->bihv", encoder_weights, v_enc.to(dtype))
         denominator = denominator + encoder_weights.sum(-1).transpose(1, 2)
@@ -224,10 +293,21 @@ def prefix_linear_attention_quadratic(
             decay_all = torch.exp(log_decay.to(dtype) * seq_len)[None, :, None, None]
             previous = torch.cat([previous[..., :value_dim] * decay_all, previous[..., value_dim:]], dim=-1)
         state = state + previous
-    if encoder_length > 0:
+    if k_enc is not None:
         v_enc_and_one = torch.cat([v_enc.to(dtype), torch.ones_like(v_enc[..., :1], dtype=dtype)], dim=-1)
         state = state + torch.einsum("bmhf,bmhv->bhfv", phi_k_enc, v_enc_and_one)
     return output.to(output_dtype), state
+
+
+def _features_of_keys(keys: torch.Tensor, raw: torch.Tensor | None, counted: torch.Tensor | None) -> torch.Tensor:
+    """phi of keys `(B, T, H, K)` -> `(B, T, H, F)`: raw keys zeroed where `raw` is False (the reference's masking,
+    before the feature map), features zeroed where `counted` is False (after it: phi(0) = [1, 0, ...] is not 0)."""
+    if raw is not None:
+        keys = keys * raw[:, :, None, None].to(keys.dtype)
+    features = taylor_feature_map(keys)
+    if counted is not None:
+        features = features * counted[:, :, None, None].to(features.dtype)
+    return features
 
 
 def _add_matmul(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -298,6 +378,8 @@ def prefix_linear_attention_chunked(
     k_enc: torch.Tensor | None = None,
     v_enc: torch.Tensor | None = None,
     *,
+    encoder_start: torch.Tensor | int | None = None,
+    encoder_end: torch.Tensor | int | None = None,
     key_mask: torch.Tensor | None = None,
     pad_masking: str = "strict",
     initial_state: torch.Tensor | None = None,
@@ -315,33 +397,38 @@ def prefix_linear_attention_chunked(
         intra-chunk  o_c += tril(1 + S + S**2 / 2) @ [V_c, 1]          S = Q_c K_c^T / sqrt(K): no (C, F) features needed
         update       state += phi(K_c)^T @ [V_c, 1]
 
-    The encoder sum over the first M tokens is accumulated into the state before the scan, so the prefix's
+    The encoder sum over each row's encoder range is accumulated into the state before the scan, so the prefix's
     non-causal read costs one extra update per encoder token. The scan keeps its state with the duplicate
     2nd-order features merged (`_SymmetricFeatures`, 1 + K + K (K + 1) / 2 rows) and returns it in the full layout.
     """
-    encoder_length = _validate(q, k, v, k_enc, v_enc, key_mask, pad_masking, initial_state, log_decay, gate)
+    encoder_start, encoder_end, key_mask = validate_linear_attention_inputs(
+        q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
+        pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate,
+    )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
     output_dtype = v.dtype
     dtype = _compute_dtype(q)
     batch_size, seq_len, num_heads, feature_dim = q.shape
     value_dim = v.shape[-1]
+    encoder_length = 0 if k_enc is None else k_enc.shape[1]
     scale = 1.0 / math.sqrt(feature_dim)
+    raw, decoder_keys, encoder_keys = _key_masks(
+        key_mask, encoder_start, encoder_end, seq_len, encoder_length, pad_masking
+    )
 
     # Heads first and contiguous for the per-chunk matmuls (one copy each, instead of one per chunk).
     q = q.transpose(1, 2).to(dtype).contiguous()  # (B, H, T, K)
     k = k.transpose(1, 2).to(dtype).contiguous()  # (B, H, T, K)
     v = v.transpose(1, 2).to(dtype)  # (B, H, T, V)
     value_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, T, V + 1)
-    key_columns = None  # (B, 1, 1, T): zeroes the intra-chunk weight of a padded key (strict masking)
-    key_rows = None  # (B, 1, T, 1): zeroes phi(k) of a padded key in the state update (strict masking)
-    if key_mask is not None:
-        mask = key_mask.to(dtype)
-        if pad_masking == "strict":
-            key_columns = mask[:, None, None, :]
-            key_rows = mask[:, None, :, None]
-        else:
-            k = k * mask[:, None, :, None]  # reference: zero the raw key, phi(0) keeps weight 1
+    if raw is not None:
+        k = k * raw[:, None, :, None].to(dtype)  # a masked raw key is 0 ("reference": phi(0) keeps weight 1)
+    key_columns = None  # (B, 1, 1, T): zeroes the intra-chunk weight of a key that does not count
+    key_rows = None  # (B, 1, T, 1): zeroes its phi(k) in the state update
+    if decoder_keys is not None:
+        key_columns = decoder_keys.to(dtype)[:, None, None, :]
+        key_rows = decoder_keys.to(dtype)[:, None, :, None]
 
     symmetric = _SymmetricFeatures(feature_dim, q.device)
     residual = None  # the antisymmetric part of the initial state, which the compact state cannot hold
@@ -351,19 +438,18 @@ def prefix_linear_attention_chunked(
         state = symmetric.compress(initial_state.to(dtype))  # (B, H, F', V + 1)
         residual = initial_state.to(dtype) - symmetric.expand(state)  # (B, H, F, V + 1)
 
-    # 1. Encoder reduction: state += sum_m phi(k_enc_m) [v_enc_m, 1]. No (c, c) term, so longer chunks.
-    if encoder_length > 0:
+    # 1. Encoder reduction: state += sum_m phi(k_enc_m) [v_enc_m, 1] over each row's range. No (c, c) term, so
+    #    longer chunks.
+    if k_enc is not None:
         k_enc = k_enc.transpose(1, 2).to(dtype)  # (B, H, M, K)
         v_enc = v_enc.transpose(1, 2).to(dtype)  # (B, H, M, V)
+        if raw is not None:
+            k_enc = k_enc * raw[:, None, :encoder_length, None].to(dtype)
+        encoder_rows = encoder_keys.to(dtype)[:, None, :, None]  # (B, 1, M, 1)
         encoder_chunk = max(chunk_size, 256)
         for start in range(0, encoder_length, encoder_chunk):
             end = min(start + encoder_chunk, encoder_length)
-            keys = k_enc[:, :, start:end]
-            if key_mask is not None and key_rows is None:
-                keys = keys * key_mask[:, None, start:end, None].to(dtype)
-            phi_k = symmetric.features(keys, key=True)  # (B, H, c, F')
-            if key_rows is not None:
-                phi_k = phi_k * key_rows[:, :, start:end]
+            phi_k = symmetric.features(k_enc[:, :, start:end], key=True) * encoder_rows[:, :, start:end]  # (B, H, c, F')
             values = v_enc[:, :, start:end]
             values_and_one = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # (B, H, c, V + 1)
             state = _add_matmul(state, phi_k.transpose(-1, -2), values_and_one)  # (B, H, F', V + 1)
@@ -441,7 +527,19 @@ def linear_attention_step(
 
     Returns:
         `(output (B, H, V) in v.dtype, new state (B, H, F, V + 1))`.
+
+    There is no encoder here: the prefill folded it into `state`. The arguments are checked by the same
+    `validate_linear_attention_inputs` as the prefill (as one token, T = 1).
     """
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(
+            f"q, k and v of a decode step must be (B, H, K) / (B, H, V); got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}."
+        )
+    validate_linear_attention_inputs(
+        q[:, None], k[:, None], v[:, None], initial_state=state, log_decay=log_decay,
+        gate=None if gate is None else gate[:, None],
+    )
     value_dim = v.shape[-1]
     dtype = state.dtype
     phi_q = taylor_feature_map(q.to(dtype))  # (B, H, F)
@@ -513,6 +611,8 @@ def prefix_linear_attention(
     k_enc: torch.Tensor | None = None,
     v_enc: torch.Tensor | None = None,
     *,
+    encoder_start: torch.Tensor | int | None = None,
+    encoder_end: torch.Tensor | int | None = None,
     key_mask: torch.Tensor | None = None,
     pad_masking: str = "strict",
     initial_state: torch.Tensor | None = None,
@@ -528,8 +628,12 @@ def prefix_linear_attention(
         q, k: `(B, T, H, K)` decoder queries and keys.
         v: `(B, T, H, V)` decoder values.
         k_enc, v_enc: `(B, M, H, K)` / `(B, M, H, V)` encoder keys and values of the first M <= T tokens, or None.
-        key_mask: `(B, T)` bool, True for real tokens; padded keys are removed according to `pad_masking`.
-        pad_masking: `"strict"` (pads contribute nothing) or `"reference"` (the original code's leak).
+        encoder_start, encoder_end: `(B,)` int64 (or ints): row b's encoder reads positions
+            `encoder_start[b] <= m < encoder_end[b]` of k_enc / v_enc; default `[0, M)` for every row.
+        key_mask: `(B, T)` bool, True for real tokens. A masked key outside its row's encoder range never counts;
+            one inside it is removed as `pad_masking` says.
+        pad_masking: `"strict"` (pads contribute nothing) or `"reference"` (the original code's leak, for the masked
+            keys inside the encoder range).
         initial_state: `(B, H, F, V + 1)` state of earlier tokens (continuing from a cache), or None.
         log_decay: `(H,)` log gamma of the Based fixed decay, or None.
         gate: `(B, T, H)` input-dependent numerator gate of the Based decay variant, or None.
@@ -540,13 +644,17 @@ def prefix_linear_attention(
     Returns:
         `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) in fp32)`.
     """
+    encoder_start, encoder_end, key_mask = validate_linear_attention_inputs(
+        q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
+        pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate,
+    )
     tensors = (q, k, v, k_enc, v_enc, gate, initial_state)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     has_decay = log_decay is not None or gate is not None
     chosen = resolve_implementation(implementation, q, needs_grad, has_decay=has_decay)
     kwargs = dict(
-        key_mask=key_mask, pad_masking=pad_masking, initial_state=initial_state,
-        log_decay=log_decay, gate=gate, eps=eps,
+        encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask, pad_masking=pad_masking,
+        initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps,
     )
     if chosen == "quadratic":
         return prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
@@ -556,6 +664,7 @@ def prefix_linear_attention(
 
 
 __all__ = [
+    "PAD_MASKINGS",
     "linear_attention_step",
     "num_taylor_features",
     "prefix_linear_attention",
@@ -563,4 +672,5 @@ __all__ = [
     "prefix_linear_attention_quadratic",
     "resolve_implementation",
     "taylor_feature_map",
+    "validate_linear_attention_inputs",
 ]

@@ -40,7 +40,7 @@ from transformers.utils import logging
 
 from .configuration_jrt import JRTRNNConfig
 from .generation import align_linear_attention_mask, generate_with_prefix
-from .linear_attention import linear_attention_step, prefix_linear_attention, taylor_feature_map
+from .linear_attention import linear_attention_step, prefix_linear_attention
 from .training import jrt_loss
 
 logger = logging.get_logger(__name__)
@@ -230,12 +230,79 @@ def write_linear_attention_state(cache: Cache, layer_idx: int, state: torch.Tens
     cache.layers[layer_idx].has_previous_state[0] = True
 
 
+@dataclass
+class JRTRNNEncoderRange:
+    """Where the JRT encoder reads in one forward: row b reads positions `start[b] <= m < end[b]`.
+
+    Attributes:
+        start: `(B,)` int64, each row's first real token (after its left padding; 0 with right padding).
+        end: `(B,)` int64, `start + min(prefix_length_b, real tokens of row b)`: padding never enters the encoder.
+        length: `M = max(end)`, the leading positions the encoder projections are computed for.
+    """
+
+    start: torch.Tensor
+    end: torch.Tensor
+    length: int
+
+    @property
+    def prefix_lengths(self) -> torch.Tensor:
+        """`(B,)` tokens each row's encoder reads (its prefix, counted from its first real token)."""
+        return self.end - self.start
+
+
+def encoder_range(
+    prefix_length: int | torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+) -> JRTRNNEncoderRange:
+    """The per-row encoder range of a first forward (DESIGN.md §3: the prefix is an explicit, per-row quantity).
+
+    Args:
+        prefix_length: an int for every row, or a `(B,)` integer tensor of per-row prefix lengths, counted from each
+            row's first real token.
+        attention_mask: `(B, T)` 1 for real tokens, 0 for padding (left or right), or None (no padding).
+        batch_size, seq_len: B and T of the forward.
+        device: where the range lives (the device of the hidden states).
+    """
+    if isinstance(prefix_length, torch.Tensor):
+        if prefix_length.shape != (batch_size,) or prefix_length.dtype.is_floating_point or prefix_length.dtype == torch.bool:
+            raise ValueError(
+                f"prefix_length must be an int or a (B,) = ({batch_size},) integer tensor of per-row prefix lengths; "
+                f"got a {prefix_length.dtype} tensor of shape {tuple(prefix_length.shape)}."
+            )
+        lengths = prefix_length.to(device=device, dtype=torch.long)
+        if bool((lengths < 0).any()):
+            raise ValueError(f"prefix_length must be >= 0 in every row; got {lengths.tolist()}.")
+    elif isinstance(prefix_length, int) and not isinstance(prefix_length, bool):
+        if prefix_length < 0:
+            raise ValueError(f"prefix_length must be >= 0; got {prefix_length}.")
+        if attention_mask is None:  # the common case: no padding, no host sync
+            length = min(prefix_length, seq_len)
+            start = torch.zeros(batch_size, dtype=torch.long, device=device)
+            return JRTRNNEncoderRange(start=start, end=start + length, length=length)
+        lengths = torch.full((batch_size,), prefix_length, dtype=torch.long, device=device)
+    else:
+        raise TypeError(f"prefix_length must be an int or a (B,) LongTensor; got {type(prefix_length).__name__}.")
+    if attention_mask is None:
+        start = torch.zeros(batch_size, dtype=torch.long, device=device)
+        real = torch.full((batch_size,), seq_len, dtype=torch.long, device=device)
+    else:
+        mask = attention_mask[:, -seq_len:].to(device=device).bool()  # (B, T)
+        start = mask.long().argmax(-1)  # first real token; 0 for a row without any
+        real = mask.sum(-1)
+    end = start + torch.minimum(lengths, real)
+    return JRTRNNEncoderRange(start=start, end=end, length=int(end.max()) if batch_size > 0 else 0)
+
+
 class JRTRNNLinearAttention(nn.Module):
     """Taylor-feature linear attention: prefix (JRT-RNN, REFERENCE.md §3.5) or causal (Based, §3.4).
 
-    Prefix form: the first `min(prefix_length, T)` tokens of the first forward are also read non-causally through
-    `k_enc_proj` / `v_enc_proj`; every query sees that encoder sum plus the causal sum over the decoder keys, under
-    one shared denominator. Decoding continues from the state of both sums with one O(1) step per token.
+    Prefix form: in the first forward of a sequence, each row's prefix (its `JRTRNNEncoderRange`) is also read
+    non-causally through `k_enc_proj` / `v_enc_proj`; every query sees that encoder sum plus the causal sum over the
+    decoder keys, under one shared denominator. Decoding continues from the state of both sums with one O(1) step
+    per token. The layer computes projections only: the attention math is `linear_attention.py`'s.
 
     Based decay variant: a fixed per-head decay gamma_h = 1 - 2**(decay_const - h) on the numerator state and an
     input-dependent numerator gate `decay_proj(x)` (one unbounded value per head).
@@ -267,47 +334,17 @@ class JRTRNNLinearAttention(nn.Module):
         heads = torch.arange(self.num_heads, device=device, dtype=torch.float64)
         return torch.log1p(-torch.pow(2.0, self.config.decay_const - heads)).float()
 
-    def encoder_projections(
-        self, prefix: torch.Tensor, zeroed_keys: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encoder keys `(B, M, H, K)` and values `(B, M, H, V)` of the prefix `(B, M, hidden)`; the keys of
-        `zeroed_keys` `(B, >= M)` are zeroed ("reference" pad masking)."""
-        batch_size, length, _ = prefix.shape
-        k_enc = self.k_enc_proj(prefix).view(batch_size, length, self.num_heads, self.feature_dim)  # (B, M, H, K)
-        v_enc = self.v_enc_proj(prefix).view(batch_size, length, self.num_heads, self.head_dim)  # (B, M, H, V)
-        if zeroed_keys is not None:
-            k_enc = k_enc.masked_fill(zeroed_keys[:, :length, None, None], 0.0)
-        return k_enc, v_enc
-
-    def encoder_state(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        encoder_length: int,
-        zeroed_keys: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """fp32 state `(B, H, F, V + 1)` = sum of phi(k_enc) [v_enc, 1] over each row's first `encoder_length`
-        non-padding tokens (`attention_mask` `(B, T)` bool, left padding); `key_mask` `(B, T)` removes keys."""
-        in_encoder = attention_mask & (attention_mask.cumsum(-1) <= encoder_length)  # (B, T)
-        if key_mask is not None:
-            in_encoder = in_encoder & key_mask
-        length = int(in_encoder.any(0).nonzero().max()) + 1 if bool(in_encoder.any()) else 0
-        k_enc, v_enc = self.encoder_projections(hidden_states[:, :length], zeroed_keys)
-        # phi(0) = [1, 0, ...] is not 0: keys outside the encoder are removed after the feature map.
-        features = taylor_feature_map(k_enc.float()) * in_encoder[:, :length, None, None]  # (B, M, H, F)
-        values = torch.cat([v_enc.float(), torch.ones_like(v_enc[..., :1], dtype=torch.float32)], dim=-1)
-        return torch.einsum("bmhf,bmhv->bhfv", features, values)  # (B, H, F, V + 1)
-
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         linear_attention_mask: torch.Tensor | None = None,
-        prefix_length: int | None = None,
+        encoder_range: JRTRNNEncoderRange | None = None,
         **kwargs,
     ) -> torch.Tensor:
+        """hidden_states `(B, T, hidden)`; attention_mask `(B, T)` batch padding (0) of this forward's tokens;
+        linear_attention_mask `(B, >= T)` the JRT prefix fill (0); encoder_range: the prefix of a first forward."""
         batch_size, seq_len, _ = hidden_states.shape
         heads = self.num_heads
         # 1. Decoder projections (and the Based gate).
@@ -327,33 +364,25 @@ class JRTRNNLinearAttention(nn.Module):
             )
             output = output[:, None]  # (B, 1, H, V)
         else:
-            # 2b. Prefill (parallel form). Batch padding (`attention_mask`) is always removed entirely; the JRT prefix
-            # pads (`linear_attention_mask`) follow `prefix_pad_masking`: "reference" zeroes their raw keys, so they
-            # keep weight 1 through phi(0) = [1, 0, ...] as in the original code.
-            real = None if attention_mask is None else attention_mask[:, -seq_len:].bool()  # (B, T)
-            prefix_pads = None if linear_attention_mask is None else ~linear_attention_mask[:, -seq_len:].bool()
-            zeroed_keys = None  # (B, T) keys zeroed before the feature map ("reference" masking)
-            if prefix_pads is not None and self.config.prefix_pad_masking == "reference":
-                zeroed_keys = prefix_pads
-                key = key.masked_fill(prefix_pads[:, :, None, None], 0.0)
-            elif prefix_pads is not None:
-                real = ~prefix_pads if real is None else real & ~prefix_pads
-            k_enc = v_enc = None
-            if self.is_prefix and state is None:
-                # The encoder reads the prefix only in the first forward of a sequence.
-                encoder_length = self.config.prefix_length if prefix_length is None else prefix_length
-                if attention_mask is None or bool(attention_mask[:, -seq_len:].all()):
-                    prefix = hidden_states[:, : min(encoder_length, seq_len)]
-                    k_enc, v_enc = self.encoder_projections(prefix, zeroed_keys)
-                else:
-                    # Left-padded batch: each row's encoder is its own first `encoder_length` tokens, so the row gives
-                    # the same result as alone. Its sum enters the scan as the initial state.
-                    state = self.encoder_state(
-                        hidden_states, attention_mask[:, -seq_len:].bool(), real, encoder_length, zeroed_keys
-                    )
+            # 2b. Prefill (parallel form). Masked keys: batch padding (outside every encoder range, always removed)
+            # and the JRT prefix fill (inside the range, removed as `prefix_pad_masking` says).
+            key_mask = None if attention_mask is None else attention_mask[:, -seq_len:].bool()  # (B, T)
+            if linear_attention_mask is not None:
+                fill = linear_attention_mask[:, -seq_len:].bool()
+                key_mask = fill if key_mask is None else key_mask & fill
+            k_enc = v_enc = start = end = None
+            if self.is_prefix and state is None and encoder_range is not None and encoder_range.length > 0:
+                # 3. Encoder projections of the positions the encoder ranges cover (the first forward only).
+                prefix = hidden_states[:, : encoder_range.length]
+                k_enc = self.k_enc_proj(prefix).view(batch_size, -1, heads, self.feature_dim)  # (B, M, H, K)
+                v_enc = self.v_enc_proj(prefix).view(batch_size, -1, heads, self.head_dim)  # (B, M, H, V)
+                start, end = encoder_range.start, encoder_range.end
             output, state = prefix_linear_attention(
                 query, key, value, k_enc, v_enc,
-                key_mask=real,
+                encoder_start=start,
+                encoder_end=end,
+                key_mask=key_mask,
+                pad_masking=self.config.prefix_pad_masking,
                 initial_state=state,
                 log_decay=log_decay,
                 gate=gate,
@@ -363,7 +392,7 @@ class JRTRNNLinearAttention(nn.Module):
             )
         if cache is not None:
             write_linear_attention_state(cache, self.layer_idx, state)
-        # 3. Merge heads, output projection.
+        # 4. Merge heads, output projection.
         return self.o_proj(output.reshape(batch_size, seq_len, -1).to(hidden_states.dtype))
 
 
@@ -409,7 +438,7 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
         linear_attention_mask: torch.Tensor | None = None,
-        prefix_length: int | None = None,
+        encoder_range: JRTRNNEncoderRange | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """hidden_states: (B, T, hidden) fp32 residual stream; returns the updated fp32 residual."""
@@ -419,7 +448,7 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
             cache=cache,
             position_embeddings=position_embeddings,
             linear_attention_mask=linear_attention_mask,
-            prefix_length=prefix_length,
+            encoder_range=encoder_range,
         )
         hidden_states = hidden_states + mixed.float()
         if self.mlp is None:
@@ -473,7 +502,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         linear_attention_mask: torch.Tensor | None = None,
-        prefix_length: int | None = None,
+        prefix_length: int | torch.LongTensor | None = None,
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
@@ -487,8 +516,12 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             use_cache: create a `DynamicCache` when none is given (default `config.use_cache`).
             linear_attention_mask: `(B, T)` extra mask for the linear-attention layers only (0 = ignore the token as
                 a key, e.g. the pads of the JRT prefix that the other layers read as ordinary tokens).
-            prefix_length: overrides `config.prefix_length` for this forward (the encoder reads the first
-                `min(prefix_length, T)` tokens of the first forward of a sequence).
+            prefix_length: the JRT prefix of this forward: an int, or a `(B,)` LongTensor of per-row prefix lengths,
+                counted from each row's first real token (after its left padding; with right padding the first real
+                token is position 0); default `config.prefix_length`. The encoder reads each row's first
+                `min(prefix_length_b, real tokens)` tokens, never padding, in the first forward of a sequence (a cache
+                without linear-attention state). So the outputs at positions `>= prefix_length_b - 1` of a row never
+                depend on later tokens.
         """
         if cache is None:
             cache = past_key_values
@@ -518,6 +551,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                     self.config, inputs_embeds, attention_mask, cache, position_ids
                 )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if has_sliding else None
+        prefix_range = self.encoder_range(prefix_length, mask_mapping.get("linear_attention"), inputs_embeds, cache)
 
         hidden_states = inputs_embeds.float()  # the residual stream stays fp32
         for layer in self.layers:
@@ -527,10 +561,33 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 position_embeddings=position_embeddings,
                 cache=cache,
                 linear_attention_mask=linear_attention_mask,
-                prefix_length=prefix_length,
+                encoder_range=prefix_range,
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+    def encoder_range(
+        self,
+        prefix_length: int | torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        inputs_embeds: torch.Tensor,
+        cache: Cache | None,
+    ) -> JRTRNNEncoderRange | None:
+        """The per-row encoder range of this forward, or None when the encoder reads nothing: a causal (Based)
+        model, or a cache whose linear-attention layers already hold the state of earlier tokens.
+
+        `attention_mask` is the `(B, T)` padding mask of this forward's tokens (the linear-attention entry of the mask
+        mapping) or None.
+        """
+        config = self.config
+        if config.linear_attention_type != "prefix" or "linear_attention" not in config.layer_types:
+            return None
+        first_linear = config.layer_types.index("linear_attention")
+        if read_linear_attention_state(cache, first_linear) is not None:
+            return None
+        batch_size, seq_len = inputs_embeds.shape[:2]
+        prefix_length = config.prefix_length if prefix_length is None else prefix_length
+        return encoder_range(prefix_length, attention_mask, batch_size, seq_len, inputs_embeds.device)
 
 
 @dataclass
@@ -580,7 +637,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         linear_attention_mask: torch.Tensor | None = None,
-        prefix_length: int | None = None,
+        prefix_length: int | torch.LongTensor | None = None,
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> JRTRNNCausalLMOutput:
@@ -698,6 +755,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
 __all__ = [
     "JRTRNNCausalLMOutput",
     "JRTRNNDecoderLayer",
+    "JRTRNNEncoderRange",
     "JRTRNNForCausalLM",
     "JRTRNNLinearAttention",
     "JRTRNNMLP",
@@ -706,6 +764,7 @@ __all__ = [
     "JRTRNNRMSNorm",
     "JRTRNNShortConv",
     "JRTRNNSlidingWindowAttention",
+    "encoder_range",
     "read_linear_attention_state",
     "write_linear_attention_state",
 ]

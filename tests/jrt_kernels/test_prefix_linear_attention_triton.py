@@ -66,8 +66,13 @@ def oracle(q, k, v, k_enc=None, v_enc=None, **kwargs):
     return prefix_linear_attention_quadratic(*as64, **kwargs)
 
 
+def triton_prefill(q, k, v, k_enc=None, v_enc=None, **kwargs):
+    """The kernel through the dispatcher, which validates the arguments (the kernel module only asserts them)."""
+    return prefix_linear_attention(q, k, v, k_enc, v_enc, implementation="triton", **kwargs)
+
+
 def assert_matches_oracle(q, k, v, k_enc=None, v_enc=None, **kwargs):
-    output, state = prefix_linear_attention_triton(q, k, v, k_enc, v_enc, **kwargs)
+    output, state = triton_prefill(q, k, v, k_enc, v_enc, **kwargs)
     expected_output, expected_state = oracle(q, k, v, k_enc, v_enc, **kwargs)
     tol = TOLERANCES[q.dtype]
     assert output.dtype == v.dtype and output.shape == v.shape
@@ -109,6 +114,30 @@ def test_left_padding(device, pad_masking, pads):
     assert_matches_oracle(*make_inputs(B, T, H, V, M, device=device), key_mask=key_mask, pad_masking=pad_masking)
 
 
+@pytest.mark.parametrize("pad_masking", ["strict", "reference"])
+def test_per_row_encoder_ranges(device, pad_masking):
+    """Rows with different encoder ranges: empty, one token, the whole row (= T), left-padded rows whose range starts
+    after their padding (inside and across a BT block), the padding masked in `key_mask`."""
+    T = 70
+    starts = torch.tensor([0, 0, 0, 5, BT + 3], device=device)
+    ends = torch.tensor([0, 1, T, 40, BT + 23], device=device)
+    key_mask = torch.arange(T, device=device)[None, :] >= starts[:, None]
+    key_mask[2, 10:13] = False  # masked keys inside a range: removed or kept as `pad_masking` says
+    inputs = make_inputs(5, T, 2, 32, T, device=device)
+    assert_matches_oracle(*inputs, encoder_start=starts, encoder_end=ends, key_mask=key_mask, pad_masking=pad_masking)
+
+
+def test_kernel_module_imports_no_modeling_code():
+    """jrt_kernels needs torch and triton only; modeling_jrt dispatches to it (not the other way round)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(kernel_module))
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert {name.split(".")[0] for name in imported} <= {"os", "torch", "triton"}
+
+
 @pytest.mark.parametrize("M", [0, 20])
 def test_fully_padded_row(device, M):
     B, T, H, V = 2, 40, 1, 32
@@ -126,13 +155,13 @@ def test_strict_padding_equals_unpadded_run(device):
     q, k, v, k_enc, v_enc = make_inputs(1, T, 2, 32, M, device=device)
     key_mask = torch.ones(1, T, dtype=torch.bool, device=device)
     key_mask[:, :pads] = False
-    output, state = prefix_linear_attention_triton(q, k, v, k_enc, v_enc, key_mask=key_mask)
-    unpadded, unpadded_state = prefix_linear_attention_triton(
+    output, state = triton_prefill(q, k, v, k_enc, v_enc, key_mask=key_mask)
+    unpadded, unpadded_state = triton_prefill(
         q[:, pads:], k[:, pads:], v[:, pads:], k_enc[:, pads:], v_enc[:, pads:]
     )
     torch.testing.assert_close(output[:, pads:], unpadded, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, unpadded_state, rtol=1e-5, atol=1e-4)
-    integer_mask_output, _ = prefix_linear_attention_triton(q, k, v, k_enc, v_enc, key_mask=key_mask.long())
+    integer_mask_output, _ = triton_prefill(q, k, v, k_enc, v_enc, key_mask=key_mask.long())
     torch.testing.assert_close(integer_mask_output, output, rtol=0, atol=0)
 
 
@@ -157,7 +186,7 @@ def test_strided_inputs(device):
     assert not any(t.is_contiguous() for t in (q, k, v, k_enc, v_enc, key_mask))
     output, state = assert_matches_oracle(q, k, v, k_enc, v_enc, key_mask=key_mask)
     contiguous = [t.contiguous() for t in (q, k, v, k_enc, v_enc)]
-    expected_output, expected_state = prefix_linear_attention_triton(*contiguous, key_mask=key_mask.contiguous())
+    expected_output, expected_state = triton_prefill(*contiguous, key_mask=key_mask.contiguous())
     torch.testing.assert_close(output, expected_output, rtol=0, atol=0)
     torch.testing.assert_close(state, expected_state, rtol=0, atol=0)
 
@@ -166,8 +195,8 @@ def test_initial_state_continues_a_prefill(device):
     """Prefill in two pieces, the second from the first's state, equals one prefill."""
     T, split, M = 90, 37, 30
     q, k, v, k_enc, v_enc = make_inputs(2, T, 2, 32, M, device=device)
-    output, state = prefix_linear_attention_triton(q, k, v, k_enc, v_enc)
-    _, first_state = prefix_linear_attention_triton(q[:, :split], k[:, :split], v[:, :split], k_enc, v_enc)
+    output, state = triton_prefill(q, k, v, k_enc, v_enc)
+    _, first_state = triton_prefill(q[:, :split], k[:, :split], v[:, :split], k_enc, v_enc)
     second, second_state = assert_matches_oracle(
         q[:, split:], k[:, split:], v[:, split:], initial_state=first_state
     )
@@ -180,18 +209,18 @@ def test_decode_consistency(device, M):
     """The kernel's final state after T tokens plus one recurrent step equals row T of a prefill over T + 1."""
     T = 40
     q, k, v, k_enc, v_enc = make_inputs(2, T + 1, 2, 32, M, device=device)
-    full, full_state = prefix_linear_attention_triton(q, k, v, k_enc, v_enc)
-    _, state = prefix_linear_attention_triton(q[:, :T], k[:, :T], v[:, :T], k_enc, v_enc)
+    full, full_state = triton_prefill(q, k, v, k_enc, v_enc)
+    _, state = triton_prefill(q[:, :T], k[:, :T], v[:, :T], k_enc, v_enc)
     step, step_state = linear_attention_step(q[:, T], k[:, T], v[:, T], state)
     torch.testing.assert_close(step, full[:, T], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(step_state, full_state, rtol=1e-5, atol=1e-4)
 
 
 def test_matches_chunked_reference(device):
-    """The module's named reference (`prefix_linear_attention_ref`, the chunked PyTorch path) agrees in fp32."""
+    """The kernel's reference (the chunked PyTorch path) agrees in fp32."""
     inputs = make_inputs(1, 75, 2, 32, 30, device=device)
-    output, state = prefix_linear_attention_triton(*inputs)
-    expected_output, expected_state = kernel_module.prefix_linear_attention_ref(*inputs)
+    output, state = triton_prefill(*inputs)
+    expected_output, expected_state = prefix_linear_attention_chunked(*inputs)
     torch.testing.assert_close(output, expected_output, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-4)
 
@@ -205,7 +234,9 @@ def test_rejects_what_it_does_not_implement(device):
     with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
         prefix_linear_attention_triton(q.double(), k.double(), v.double())
     with pytest.raises(ValueError, match="pad_masking"):
-        prefix_linear_attention_triton(q, k, v, pad_masking="leaky")
+        triton_prefill(q, k, v, pad_masking="leaky")
+    with pytest.raises(ValueError, match="encoder_start <= encoder_end"):
+        triton_prefill(q, k, v, k[:, :3], v[:, :3], encoder_end=torch.tensor([4], device=device))
     with pytest.raises(RuntimeError, match="no backward"):
         prefix_linear_attention_triton(q.requires_grad_(), k, v)
     with torch.no_grad():
@@ -283,12 +314,14 @@ def test_model_logits_with_kernel(device, make_config, padded):
     model = modeling_jrt.JRTRNNForCausalLM(config).to(device).eval()
     input_ids = torch.randint(4, config.vocab_size, (2, 13), device=device)
     attention_mask = torch.ones_like(input_ids)
+    prefix_length = None
     if padded:
         attention_mask[0, :3] = 0
+        prefix_length = torch.tensor([4, 13], device=device)  # per-row prefixes, one of them the whole row
     with torch.no_grad():
-        expected = model(input_ids, attention_mask=attention_mask).logits
+        expected = model(input_ids, attention_mask=attention_mask, prefix_length=prefix_length).logits
         model.config.linear_attention_implementation = "triton"
-        logits = model(input_ids, attention_mask=attention_mask).logits
+        logits = model(input_ids, attention_mask=attention_mask, prefix_length=prefix_length).logits
     rows = attention_mask.bool()
     torch.testing.assert_close(logits[rows], expected[rows], rtol=1e-4, atol=1e-4)
 

@@ -31,13 +31,18 @@ def make_inputs(batch=2, seq_len=37, heads=2, feature_dim=4, value_dim=8, encode
     return q, k, v, k_enc, v_enc
 
 
-def scalar_kernel_reference(q, k, v, k_enc, v_enc, key_mask=None, pad_masking="strict", log_decay=None, gate=None):
+def scalar_kernel_reference(
+    q, k, v, k_enc, v_enc, key_mask=None, pad_masking="strict", log_decay=None, gate=None, starts=None, ends=None
+):
     """y_i = [sum_m w(q_i, ke_m) ve_m + sum_{j<=i} d_ij g_i w(q_i, k_j) v_j] / [sum_m w + sum_{j<=i} w], loops only.
 
-    w(q, k) = 1 + s + s^2 / 2 with s = q.k / sqrt(K). strict: a padded key is skipped; reference: its raw key
-    is zeroed, so it still gets weight 1."""
+    w(q, k) = 1 + s + s^2 / 2 with s = q.k / sqrt(K). The encoder of row b is m in [starts[b], ends[b]) (default
+    [0, M)). A padded key is skipped, except under reference masking inside the row's encoder range: there its raw
+    key is zeroed, so it still gets weight 1."""
     batch, seq_len, heads, feature_dim = q.shape
     encoder_length = 0 if k_enc is None else k_enc.shape[1]
+    starts = [0] * batch if starts is None else starts
+    ends = [encoder_length] * batch if ends is None else ends
     out = torch.zeros_like(v)
 
     def weight(query, key):
@@ -49,12 +54,12 @@ def scalar_kernel_reference(q, k, v, k_enc, v_enc, key_mask=None, pad_masking="s
             for i in range(seq_len):
                 numerator = torch.zeros(v.shape[-1], dtype=v.dtype)
                 denominator = 0.0
-                keys = [("enc", m) for m in range(encoder_length)] + [("dec", j) for j in range(i + 1)]
+                keys = [("enc", m) for m in range(starts[b], ends[b])] + [("dec", j) for j in range(i + 1)]
                 for kind, j in keys:
                     key = (k_enc if kind == "enc" else k)[b, j, h]
                     value = (v_enc if kind == "enc" else v)[b, j, h]
                     if key_mask is not None and not key_mask[b, j]:
-                        if pad_masking == "strict":
+                        if pad_masking == "strict" or not starts[b] <= j < ends[b]:
                             continue
                         key = torch.zeros_like(key)
                     w = weight(q[b, i, h], key)
@@ -82,16 +87,25 @@ def test_taylor_feature_map_kernel_identity():
 
 
 @pytest.mark.parametrize("pad_masking", ["strict", "reference"])
-@pytest.mark.parametrize("encoder_length", [0, 4])
-def test_oracle_matches_scalar_kernel_loop(encoder_length, pad_masking):
-    q, k, v, k_enc, v_enc = make_inputs(batch=2, seq_len=9, heads=2, feature_dim=3, value_dim=3,
+@pytest.mark.parametrize(
+    "encoder_length,starts,ends",
+    [(0, None, None), (4, None, None), (6, [0, 1, 2], [0, 4, 6])],
+    ids=["causal", "M4-all-rows", "per-row-ranges"],
+)
+def test_oracle_matches_scalar_kernel_loop(encoder_length, starts, ends, pad_masking):
+    q, k, v, k_enc, v_enc = make_inputs(batch=3, seq_len=9, heads=2, feature_dim=3, value_dim=3,
                                         encoder_length=encoder_length)
-    key_mask = torch.ones(2, 9, dtype=torch.bool)
-    key_mask[1, :3] = False
-    expected = scalar_kernel_reference(q, k, v, k_enc, v_enc, key_mask, pad_masking)
-    actual, _ = prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, key_mask=key_mask, pad_masking=pad_masking)
+    key_mask = torch.ones(3, 9, dtype=torch.bool)
+    key_mask[1, :3] = False  # row 1: a masked key before (0) and inside (1, 2) its range
+    key_mask[2, 1:4] = False  # row 2: outside (1) and inside (2, 3) its range
+    expected = scalar_kernel_reference(q, k, v, k_enc, v_enc, key_mask, pad_masking, starts=starts, ends=ends)
+    ranges = {} if starts is None else dict(encoder_start=torch.tensor(starts), encoder_end=torch.tensor(ends))
+    actual, _ = prefix_linear_attention_quadratic(
+        q, k, v, k_enc, v_enc, key_mask=key_mask, pad_masking=pad_masking, **ranges
+    )
     torch.testing.assert_close(actual[0], expected[0])
     torch.testing.assert_close(actual[1, 3:], expected[1, 3:])  # valid query positions
+    torch.testing.assert_close(actual[2, 4:], expected[2, 4:])
 
 
 def test_oracle_decay_and_gate_match_scalar_kernel_loop():
@@ -275,3 +289,102 @@ def test_dispatcher_on_cpu(monkeypatch):
     monkeypatch.setenv("JRT_LINEAR_ATTENTION_IMPL", "gpu")
     with pytest.raises(ValueError, match="JRT_LINEAR_ATTENTION_IMPL"):
         resolve_implementation("auto", q, needs_grad=False)
+
+
+# ------------------------------------------------------------------------------------------ per-row encoder ranges
+
+# Rows of one batch with different encoder ranges over M = T = 12 positions: empty (0), one token, the whole row
+# (= T), and left-padded rows whose range starts after their padding.
+ROW_RANGES = pytest.param([0, 0, 0, 3, 5], [0, 1, 12, 9, 6], [0, 0, 0, 3, 5], id="0-1-T-leftpad")
+
+
+def ranged_inputs(pads, dtype=torch.float64):
+    """Inputs for len(pads) rows of T = M = 12 tokens; row b has `pads[b]` left pads, masked in `key_mask`."""
+    q, k, v, k_enc, v_enc = make_inputs(len(pads), 12, 2, 4, 5, 12, dtype=dtype)
+    key_mask = torch.ones(len(pads), 12, dtype=torch.bool)
+    for row, count in enumerate(pads):
+        key_mask[row, :count] = False
+    return q, k, v, k_enc, v_enc, key_mask
+
+
+@pytest.mark.parametrize("pad_masking", ["strict", "reference"])
+@pytest.mark.parametrize("starts,ends,pads", [ROW_RANGES])
+def test_every_implementation_takes_per_row_ranges(starts, ends, pads, pad_masking):
+    """Oracle vs scalar loop, chunked (fp32) vs oracle, and decode steps after a ranged prefill vs the oracle."""
+    q, k, v, k_enc, v_enc, key_mask = ranged_inputs(pads)
+    ranges = dict(encoder_start=torch.tensor(starts), encoder_end=torch.tensor(ends))
+    kwargs = dict(key_mask=key_mask, pad_masking=pad_masking, **ranges)
+    expected, expected_state = prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
+    loop = scalar_kernel_reference(q, k, v, k_enc, v_enc, key_mask, pad_masking, starts=starts, ends=ends)
+    real = key_mask
+    torch.testing.assert_close(expected[real], loop[real])
+
+    as32 = [t.float() for t in (q, k, v, k_enc, v_enc)]
+    chunked, chunked_state = prefix_linear_attention_chunked(*as32, chunk_size=5, **kwargs)
+    torch.testing.assert_close(chunked[real], expected.float()[real], **FP32_TOL)
+    scale = expected_state.abs().max().item()
+    torch.testing.assert_close(chunked_state, expected_state.float(), rtol=1e-5, atol=1e-5 * scale)
+
+    # Decode: prefill the first 10 tokens (ranges cut at 10), then steps for tokens 10 and 11 == the oracle.
+    cut = dict(kwargs, encoder_end=torch.tensor(ends).clamp(max=10))
+    expected, expected_state = prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **cut)
+    _, state = prefix_linear_attention_chunked(
+        q[:, :10], k[:, :10], v[:, :10], k_enc[:, :10], v_enc[:, :10], chunk_size=4,
+        **dict(cut, key_mask=key_mask[:, :10]),
+    )
+    for t in (10, 11):
+        out, state = linear_attention_step(q[:, t], k[:, t], v[:, t], state)
+        torch.testing.assert_close(out, expected[:, t])
+    torch.testing.assert_close(state, expected_state)
+
+
+@pytest.mark.parametrize("pad_masking", ["strict", "reference"])
+def test_ranged_row_equals_the_row_alone(pad_masking):
+    """A left-padded row with range [pads, pads + P) == the unpadded row with its first P tokens as encoder."""
+    pads, prefix = [0, 4, 2], [7, 3, 0]
+    q, k, v, k_enc, v_enc, key_mask = ranged_inputs(pads)
+    starts = torch.tensor(pads)
+    batched, batched_state = prefix_linear_attention_chunked(
+        q, k, v, k_enc, v_enc, encoder_start=starts, encoder_end=starts + torch.tensor(prefix), key_mask=key_mask,
+        pad_masking=pad_masking, chunk_size=4,
+    )
+    for row, (count, length) in enumerate(zip(pads, prefix)):
+        alone = [t[row : row + 1, count:] for t in (q, k, v)]
+        encoder = [t[row : row + 1, count : count + length] for t in (k_enc, v_enc)]
+        expected, expected_state = prefix_linear_attention_quadratic(*alone, *encoder)
+        torch.testing.assert_close(batched[row, count:], expected[0])
+        torch.testing.assert_close(batched_state[row], expected_state[0])
+
+
+def test_reference_masking_applies_inside_the_encoder_range_only():
+    """Under "reference" a masked key inside the range keeps weight 1; outside it (batch padding) it is removed."""
+    q, k, v, k_enc, v_enc, key_mask = ranged_inputs([3])
+    strict = dict(key_mask=key_mask, pad_masking="strict")
+    reference = dict(key_mask=key_mask, pad_masking="reference")
+    outside = dict(encoder_start=3, encoder_end=8)  # the pads 0..2 lie before the range
+    inside = dict(encoder_start=0, encoder_end=8)
+    torch.testing.assert_close(
+        prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **reference, **outside)[0],
+        prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **strict, **outside)[0],
+    )
+    leak = (
+        prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **reference, **inside)[0]
+        - prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **strict, **inside)[0]
+    )
+    assert leak[:, 3:].abs().max() > 1e-3
+
+
+def test_bad_encoder_ranges_raise_clear_errors():
+    q, k, v, k_enc, v_enc = make_inputs(2, 6, 2, 4, 4, 3, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"0 <= encoder_start <= encoder_end <= M = 3"):
+        prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, encoder_end=torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match=r"0 <= encoder_start <= encoder_end"):
+        prefix_linear_attention(q, k, v, k_enc, v_enc, encoder_start=torch.tensor([2, 0]), encoder_end=1)
+    with pytest.raises(ValueError, match=r"encoder_end must be a \(B,\) = \(2,\) integer tensor"):
+        prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, encoder_end=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="pass k_enc and v_enc"):
+        prefix_linear_attention_chunked(q, k, v, encoder_end=2)
+    with pytest.raises(ValueError, match=r"decode step must be \(B, H, K\)"):
+        linear_attention_step(q, k, v, torch.zeros(2, 2, 21, 5))
+    with pytest.raises(ValueError, match="initial_state must be"):
+        linear_attention_step(q[:, 0], k[:, 0], v[:, 0], torch.zeros(2, 2, 21, 4))

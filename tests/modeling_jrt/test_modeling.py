@@ -123,6 +123,75 @@ def test_prefix_longer_than_input_uses_the_whole_input(make_config):
     )
 
 
+def _batch_of(rows: list[torch.Tensor], length: int, left: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pads 1-D rows to `length` (on the left or the right, per row) with id 0; returns ids and attention mask."""
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for index, (row, on_left) in enumerate(zip(rows, left)):
+        where = slice(length - row.numel(), length) if on_left else slice(0, row.numel())
+        ids[index, where], mask[index, where] = row, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("masking", ["strict", "reference"])
+def test_per_row_prefix_lengths_equal_each_row_alone(make_config, masking):
+    """forward(prefix_length=(B,) tensor): each row of a left- and right-padded batch gives the logits of the row
+    alone with its own prefix length (0, 1, shorter than, equal to and longer than the row)."""
+    model = build(make_config, prefix_length=8, prefix_pad_masking=masking)
+    rows = [torch.randint(4, 99, (n,), generator=torch.Generator().manual_seed(n)) for n in (13, 9, 11, 6, 13)]
+    prefix = torch.tensor([0, 1, 5, 6, 13])
+    input_ids, mask = _batch_of(rows, 13, left=[True, True, False, True, False])
+    position_ids = ((mask.cumsum(-1) - 1) * mask).clamp(min=0)  # left pads: positions count from the first token
+    batched = model(input_ids, attention_mask=mask, position_ids=position_ids, prefix_length=prefix).logits
+    for index, row in enumerate(rows):
+        alone = model(row[None], prefix_length=int(prefix[index])).logits[0]
+        torch.testing.assert_close(batched[index][mask[index].bool()], alone, rtol=1e-5, atol=1e-5)
+    # An int is the same prefix for every row; padding never enters the encoder (a prefix past the row's end).
+    as_int = model(input_ids, attention_mask=mask, position_ids=position_ids, prefix_length=12).logits
+    as_tensor = model(input_ids, attention_mask=mask, position_ids=position_ids, prefix_length=torch.full((5,), 12))
+    torch.testing.assert_close(as_int, as_tensor.logits, rtol=0, atol=0)
+
+
+def test_no_logit_after_the_prefix_reads_a_later_token(make_config):
+    """Changing the token at index j changes no logit at a position p < j with p >= the row's prefix end - 1; inside
+    the prefix it does (the non-causal encoder)."""
+    model = build(make_config, prefix_length=8)
+    rows = [torch.randint(4, 99, (n,), generator=torch.Generator().manual_seed(n)) for n in (12, 10)]
+    input_ids, mask = _batch_of(rows, 12, left=[True, True])
+    position_ids = ((mask.cumsum(-1) - 1) * mask).clamp(min=0)
+    prefix = torch.tensor([3, 6])
+    prefix_end = (mask.argmax(-1) + prefix).tolist()  # absolute index after each row's prefix
+    forward = lambda ids: model(ids, attention_mask=mask, position_ids=position_ids, prefix_length=prefix).logits
+    base = forward(input_ids)
+    read_ahead = False
+    for j in range(12):
+        changed_ids = input_ids.clone()
+        changed_ids[:, j] = (input_ids[:, j] + 7) % 95 + 4
+        changed = forward(changed_ids)
+        for row in range(2):
+            first_free = max(prefix_end[row] - 1, 0)
+            if j > first_free:
+                torch.testing.assert_close(changed[row, first_free:j], base[row, first_free:j], rtol=0, atol=1e-6)
+            if j < prefix_end[row] and j > 2 + mask[row].argmax():
+                read_ahead |= bool((changed[row, mask[row].argmax() : j] - base[row, mask[row].argmax() : j]).abs().max() > 1e-5)
+    assert read_ahead  # the test can see a look-ahead: the encoder does read forward inside the prefix
+
+
+def test_bad_prefix_lengths_raise_clear_errors(make_config):
+    model = build(make_config)
+    input_ids = torch.randint(4, 99, (2, 7))
+    with pytest.raises(ValueError, match=r"\(B,\) = \(2,\) integer tensor"):
+        model(input_ids, prefix_length=torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"\(B,\) = \(2,\) integer tensor"):
+        model(input_ids, prefix_length=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match=">= 0 in every row"):
+        model(input_ids, prefix_length=torch.tensor([1, -1]))
+    with pytest.raises(ValueError, match=">= 0"):
+        model(input_ids, prefix_length=-2)
+    with pytest.raises(TypeError, match="int or a \\(B,\\) LongTensor"):
+        model(input_ids, prefix_length=2.5)
+
+
 def _with_prefix(model: JRTRNNForCausalLM, prefix_length: int) -> JRTRNNForCausalLM:
     clone = copy.deepcopy(model)
     clone.config.prefix_length = prefix_length
