@@ -259,14 +259,15 @@ def _forward_case() -> Case:
         k_enc, v_enc = torch.randn(B, M, H, K, dtype=dtype), torch.randn(B, M, H, V, dtype=dtype)
         mask = torch.ones(B, T, dtype=torch.bool) if padded else None
         state = torch.zeros(B, H, 1 + K + K * K, V + 1) if padded else None
-        module._prefix_linear_attention_fwd(q, k, v, k_enc, v_enc, mask, state, True, 1e-12)
+        start, end = torch.zeros(B, dtype=torch.long), torch.full((B,), M, dtype=torch.long)
+        module._prefix_linear_attention_fwd(q, k, v, k_enc, v_enc, start, end, mask, state, None, None, True, 1e-12)
 
     return Case(
         name="prefix_linear_attention_fwd",
         kernels=lambda: [module._prefix_linear_attention_fwd_kernel],
         launch=launch,
         trips=lambda kernel, meta, T, M: [math.ceil(M / meta["BT"]), math.ceil(T / meta["BT"])],
-        programs=lambda meta, B, H, T, M: math.ceil(PAPER["V"] / meta["BV"]) * B * H,
+        programs=lambda meta, B, H, T, M: math.ceil(PAPER["V"] / meta.get("BV", PAPER["V"])) * B * H,
         flops=lambda T, M: _pla_flops(T, M),
         bytes=lambda T, M, size: _pla_bytes(T, M, size),
     )

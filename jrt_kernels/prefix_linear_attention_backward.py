@@ -34,68 +34,12 @@ BK (feature dim, power of two >= 16), BV (whole value dim, power of two).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-INV_SQRT2 = 1.0 / math.sqrt(2.0)
-
-
-@triton.jit
-def _tile(p_base, o_t, m_t, s_t, o_d, m_d, s_d):
-    """A (BT, BD) tile of a (T, D) slice with strides (s_t, s_d), zeros outside (as fp32)."""
-    p = p_base + o_t[:, None] * s_t + o_d[None, :] * s_d
-    return tl.load(p, mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _op(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    """A matmul operand in DTYPE; under EMULATE, rounded to DTYPE and kept fp32 (exact products, fp32 sums)."""
-    if EMULATE:
-        return x.to(DTYPE).to(tl.float32)
-    return x.to(DTYPE)
-
-
-@triton.jit
-def _dot(a, b, DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
-    """a @ b with operands in DTYPE, fp32 result."""
-    return tl.dot(_op(a, DTYPE, EMULATE), _op(b, DTYPE, EMULATE), input_precision=PRECISION)
-
-
-@triton.jit
-def _outer(b_x, BT: tl.constexpr, BK: tl.constexpr):
-    """Row-wise outer product [BT, BK] -> [BT, BK * BK] (2nd-order features of one chunk, on chip)."""
-    return tl.reshape(b_x[:, :, None] * b_x[:, None, :], [BT, BK * BK])
-
-
-@triton.jit
-def _sym_contract(b_p, b_x, BT: tl.constexpr, BK: tl.constexpr):
-    """1/2 (P + P^T) x per row: [BT, BK * BK] (row-major BK x BK per token), [BT, BK] -> [BT, BK]."""
-    b_p3 = tl.reshape(b_p, [BT, BK, BK])
-    return 0.5 * (tl.sum(b_p3 * b_x[:, None, :], axis=2) + tl.sum(b_p3 * b_x[:, :, None], axis=1))
-
-
-@triton.jit
-def _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK: tl.constexpr, STRICT: tl.constexpr,
-                 ENCODER: tl.constexpr):
-    """(raw, weight) of the keys at positions o_t: raw False zeroes the raw key, weight is its 0/1 weight.
-
-    Decoder keys: weight = key_mask, or under "reference" masking key_mask | in the encoder range.
-    Encoder keys: weight = in the range [start, end), and key_mask under strict masking.
-    """
-    in_range = (o_t >= start) & (o_t < end) & m_t
-    if HAS_MASK:
-        b_m = (tl.load(p_m + o_t * s_mt, mask=m_t, other=0) != 0) & m_t
-    else:
-        b_m = m_t
-    if ENCODER:
-        b_w = in_range & b_m if STRICT else in_range
-    else:
-        b_w = b_m if STRICT else b_m | in_range
-    return b_m, b_w
+from ._common import _dot, _key_weights, _outer, _sym_contract, _tile, dot_types
 
 
 @triton.jit(do_not_specialize=["T", "M"])
@@ -427,15 +371,6 @@ def _pla_bwd_dkv_kernel(
 
 
 INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
-_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def _dot_types(dtype: torch.dtype) -> dict:
-    """Operand dtypes: chunk operands in the input dtype, state operands bf16 for fp16 (range), fp32 as tf32x3."""
-    if dtype == torch.float32:
-        return dict(DOT=tl.float32, SDOT=tl.float32, EMULATE=False, PRECISION="tf32x3")
-    state = tl.bfloat16 if dtype == torch.float16 else _DTYPES[dtype]
-    return dict(DOT=_DTYPES[dtype], SDOT=state, EMULATE=INTERPRETED, PRECISION="tf32")
 
 
 def _dense(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -513,7 +448,7 @@ def prefix_linear_attention_backward(
     dstate = dstate_in if grad_state is None else grad_state.contiguous()
     grad_output = grad_output if grad_output.stride(-1) == 1 else grad_output.contiguous()
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_MASK=key_mask is not None, STRICT=strict,
-                  HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **_dot_types(q.dtype))
+                  HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **dot_types(q.dtype, INTERPRETED))
     strides = (*q.stride(), *k.stride(), *v.stride(), *ke.stride(), *ve.stride(), *mask_strides,
                *grad_output.stride())
     num_warps = 4 if INTERPRETED else 8

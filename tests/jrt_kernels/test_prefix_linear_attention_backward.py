@@ -135,3 +135,63 @@ def test_backward_based_decay_and_gate(device, use_gate):
     key_mask = torch.ones(B, T, dtype=torch.bool, device=device)
     key_mask[0, :7] = False
     assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, log_decay=log_decay)
+
+
+# Through the dispatcher: the kernel's autograd registration (torch.library.register_autograd) in a training step.
+
+from modeling_jrt.linear_attention import prefix_linear_attention  # noqa: E402
+
+
+def _autograd_grads(implementation, inputs, grad_output, grad_state, dtype, **kwargs):
+    leaves = {name: None if t is None else t.detach().to(dtype).requires_grad_() for name, t in inputs.items()}
+    output, state = prefix_linear_attention(
+        leaves["q"], leaves["k"], leaves["v"], leaves["k_enc"], leaves["v_enc"],
+        initial_state=leaves["initial_state"], gate=leaves["gate"], implementation=implementation, **kwargs,
+    )
+    loss = (output * grad_output.to(dtype)).sum() + (state * grad_state.to(dtype)).sum()
+    loss.backward()
+    return output, state, [None if leaves[name] is None else leaves[name].grad for name in NAMES]
+
+
+@pytest.mark.parametrize("pad_masking", ["strict", "reference"])
+def test_training_through_the_dispatcher_per_row_prefixes(device, pad_masking):
+    """implementation="triton" with gradients: per-row encoder ranges, left padding and an initial state, against
+    autograd through the fp64 oracle."""
+    B, T, H, K, V, M = 3, 37, 2, 4, 6, 16
+    inputs, grad_output, grad_state = make_case(B, T, H, K, V, M, dtype=torch.float32, device=device, seed=6,
+                                                initial_state=True)
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    key_mask[0, :4] = False  # left padding inside the prefix
+    key_mask[2, :9] = False
+    kwargs = dict(
+        key_mask=key_mask, pad_masking=pad_masking,
+        encoder_start=torch.tensor([4, 0, 2], device=device), encoder_end=torch.tensor([16, 5, 16], device=device),
+    )
+    output, state, grads = _autograd_grads("triton", inputs, grad_output, grad_state, torch.float32, **kwargs)
+    ref_output, ref_state, ref_grads = _autograd_grads("quadratic", inputs, grad_output, grad_state, torch.float64,
+                                                       **kwargs)
+    torch.testing.assert_close(output.double(), ref_output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state.double(), ref_state, rtol=1e-5, atol=1e-5 * ref_state.abs().max().item())
+    for name, actual, reference in zip(NAMES, grads, ref_grads):
+        assert (actual is None) == (reference is None), name
+        if actual is not None:
+            scale = reference.abs().max().item()
+            torch.testing.assert_close(actual.double(), reference, rtol=0, atol=2e-6 * scale, msg=name)
+
+
+def test_based_decay_and_gate_run_fused(device):
+    """The Based variant (decay + gate) through implementation="triton": output, state and gradients."""
+    B, T, H, K, V = 2, 41, 2, 4, 6
+    inputs, grad_output, grad_state = make_case(B, T, H, K, V, 0, dtype=torch.float32, device=device, seed=7)
+    inputs["gate"] = torch.randn(B, T, H, generator=torch.Generator().manual_seed(8)).to(device)
+    log_decay = torch.log1p(-torch.tensor([2.0**-2, 2.0**-5])).to(device)
+    output, state, grads = _autograd_grads("triton", inputs, grad_output, grad_state, torch.float32,
+                                           log_decay=log_decay)
+    ref_output, ref_state, ref_grads = _autograd_grads("quadratic", inputs, grad_output, grad_state, torch.float64,
+                                                       log_decay=log_decay.double())
+    torch.testing.assert_close(output.double(), ref_output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state.double(), ref_state, rtol=1e-5, atol=1e-5 * ref_state.abs().max().item())
+    for name, actual, reference in zip(NAMES, grads, ref_grads):
+        if actual is not None:
+            scale = reference.abs().max().item()
+            torch.testing.assert_close(actual.double(), reference, rtol=0, atol=2e-6 * scale, msg=name)
