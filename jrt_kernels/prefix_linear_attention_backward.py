@@ -407,7 +407,7 @@ def prefix_linear_attention_backward(
         strict: pad_masking == "strict".
         log_decay: `(H,)` log gamma of the Based decay (no gradient: the decay is fixed), or None.
         gate: `(B, T, H)` Based numerator gate, or None.
-        chunk_size: BT (default 32 in the interpreter, 64 compiled).
+        chunk_size: BT (default 32).
 
     Returns:
         `(dq, dk, dv, dk_enc, dv_enc, d initial_state, d gate)` in the inputs' dtypes (fp32 for the state), None
@@ -423,7 +423,9 @@ def prefix_linear_attention_backward(
     # The kernels store each gradient with its input's strides: inputs whose layout empty_like cannot reproduce
     # (e.g. heads split from a fused projection) are copied once.
     q, k, v, k_enc, v_enc = _dense(q, k, v, k_enc, v_enc)
-    BT = chunk_size or (32 if INTERPRETED else 64)
+    # BT = 32, 8 warps, 1 stage: half the spills and shared memory of BT = 64 at the same issue estimate
+    # (benchmarks/kernel_aot.py, docs/kernels.md).
+    BT = chunk_size or 32
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, triton.next_power_of_2(V))
     dq = torch.empty_like(q)
@@ -452,16 +454,19 @@ def prefix_linear_attention_backward(
     strides = (*q.stride(), *k.stride(), *v.stride(), *ke.stride(), *ve.stride(), *mask_strides,
                *grad_output.stride())
     num_warps = 4 if INTERPRETED else 8
+    num_stages = 1
     _pla_bwd_dq_kernel[(B * H,)](
         q, k, v, ke, ve, mask, encoder_start, encoder_end, state_in, decay_in, gate_in, grad_output, dq, rden, dcol,
         rden if dgate is None else dgate,
-        *strides, T, M, eps, K**-0.25, HAS_INITIAL_STATE=initial_state is not None, num_warps=num_warps, **common,
+        *strides, T, M, eps, K**-0.25, HAS_INITIAL_STATE=initial_state is not None, num_warps=num_warps,
+        num_stages=num_stages, **common,
     )
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
     _pla_bwd_dkv_kernel[(B * H,)](
         q, k, v, ke, ve, mask, encoder_start, encoder_end, rden, dcol, decay_in, gate_in, grad_output, dstate,
         dk, dv, dke, dve, dstate_in,
-        *strides, T, M, K**-0.25, HAS_DSTATE=grad_state is not None, num_warps=num_warps, **common,
+        *strides, T, M, K**-0.25, HAS_DSTATE=grad_state is not None, num_warps=num_warps, num_stages=num_stages,
+        **common,
     )
     dgate = None if dgate is None else dgate.to(gate.dtype)
     return dq, dk, dv, dk_enc, dv_enc, (None if initial_state is None else dstate_in), dgate
