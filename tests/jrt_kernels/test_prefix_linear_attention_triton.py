@@ -392,3 +392,42 @@ def test_bf16_long_prefill_matches_fp32_chunked(device, M):
     expected_output, expected_state = prefix_linear_attention_chunked(*as32, key_mask=key_mask)
     torch.testing.assert_close(output.float()[key_mask], expected_output[key_mask], rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(state, expected_state, rtol=1e-2, atol=1e-2 * expected_state.abs().max().item())
+
+
+def test_fp16_large_state_does_not_overflow(device):
+    """fp16 inputs after about 1M earlier tokens (256 tokens, each repeated 4096 times: the state is the exact
+    state of such a sequence, with 2nd-order numerator sums past fp16's 65504). The state operands are bf16, so the output
+    stays finite and at fp16/bf16 accuracy (an fp16 cast of the state would give inf)."""
+    earlier = make_inputs(1, 256, 2, 6, 0, dtype=torch.float16, device=device, seed=5)
+    _, earlier_state = oracle(*earlier[:3])
+    initial_state = (earlier_state * 4096).float()
+    assert initial_state[:, :, 7:, :-1].abs().max() > 65504  # the rows that multiply q' (x) q' in a matmul
+    q, k, v, k_enc, v_enc = make_inputs(1, 40, 2, 6, 9, dtype=torch.float16, device=device, seed=3)
+    output, state = prefix_linear_attention_triton(q, k, v, k_enc, v_enc, initial_state=initial_state)
+    expected_output, expected_state = oracle(q, k, v, k_enc, v_enc, initial_state=initial_state)
+    assert torch.isfinite(output).all() and torch.isfinite(state).all()
+    torch.testing.assert_close(output.double(), expected_output, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(state.double(), expected_state, rtol=1e-3, atol=1e-3 * expected_state.abs().max().item())
+
+
+def test_model_training_step_with_kernel(device, make_config):
+    """A training step of the whole model with the (interpreted) kernel and its fused backward: the loss and every
+    parameter gradient match the chunked PyTorch path."""
+    torch.manual_seed(0)
+    config = make_config(linear_attention_implementation="chunked")
+    model = modeling_jrt.JRTRNNForCausalLM(config).to(device).train()
+    input_ids = torch.randint(4, config.vocab_size, (2, 13), device=device)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    losses, grads = [], []
+    for implementation in ("chunked", "triton"):
+        model.config.linear_attention_implementation = implementation
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids, attention_mask=attention_mask, labels=input_ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    assert grads[1].keys() == grads[0].keys()
+    for name, expected in grads[0].items():
+        torch.testing.assert_close(grads[1][name], expected, rtol=1e-4, atol=1e-5, msg=name)
