@@ -18,6 +18,7 @@ with the plain next-token loss (`--objective` overrides).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -26,7 +27,13 @@ from peft import PeftModel, get_peft_model
 from tiny_setup import EOS_ID, builtin_corpus, decode, encode, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
-from modeling_jrt import JRTDataCollator, JRTRNNForCausalLM, default_lora_config, pack_token_blocks
+from modeling_jrt import (
+    JRTDataCollator,
+    JRTRNNForCausalLM,
+    default_lora_config,
+    ignore_prefix_targets,
+    pack_token_blocks,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,9 +70,10 @@ def load_documents(args: argparse.Namespace) -> list[str]:
     return builtin_corpus()
 
 
-def causal_lm_collator(examples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+def causal_lm_collator(examples: list[torch.Tensor], prefix_length: int = 0) -> dict[str, torch.Tensor]:
+    """Plain next-token labels; the targets a JRT encoder reads (the first `prefix_length`) are not scored."""
     input_ids = torch.stack(examples)
-    return {"input_ids": input_ids, "labels": input_ids.clone()}
+    return {"input_ids": input_ids, "labels": ignore_prefix_targets(input_ids.clone(), prefix_length)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if objective == "jrt":
         collator = JRTDataCollator.from_config(model.config, seed=args.seed)
     else:
-        collator = causal_lm_collator
+        has_prefix = model.config.linear_attention_type == "prefix"
+        collator = functools.partial(causal_lm_collator, prefix_length=model.config.prefix_length if has_prefix else 0)
 
     model = get_peft_model(model, default_lora_config(r=args.lora_rank))
     trainer = Trainer(model=model, args=training_args, train_dataset=list(blocks), data_collator=collator)

@@ -24,7 +24,14 @@ from .prompting import (
     repeat_to_fill,
     truncate_context,
 )
-from .training import LORA_TARGET_MODULES, JRTDataCollator, default_lora_config, jrt_loss, pack_token_blocks
+from .training import (
+    LORA_TARGET_MODULES,
+    JRTDataCollator,
+    default_lora_config,
+    ignore_prefix_targets,
+    jrt_loss,
+    pack_token_blocks,
+)
 
 AutoConfig.register(JRTRNNConfig.model_type, JRTRNNConfig, exist_ok=True)
 AutoModel.register(JRTRNNConfig, JRTRNNModel, exist_ok=True)
@@ -45,6 +52,7 @@ __all__ = [
     "default_prompts",
     "default_layer_types",
     "default_lora_config",
+    "ignore_prefix_targets",
     "jrt_loss",
     "jrt_prompt",
     "jrt_prompts",

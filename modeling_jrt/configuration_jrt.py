@@ -50,8 +50,9 @@ class JRTRNNConfig(PreTrainedConfig):
             `1 + f + f**2` features.
         linear_attention_type: `"prefix"` (JRT-RNN: the first `prefix_length` tokens are also read non-causally
             through encoder projections) or `"causal"` (Based).
-        prefix_length: Length `M` of the non-causal prefix (1024 in the released JRT models). `forward()` uses the
-            first `min(prefix_length, seq_len)` tokens it is given.
+        prefix_length: Length `M` of the non-causal prefix (1024 in the released JRT models). By default
+            `forward()` reads each row's first `min(prefix_length, tokens)` tokens (counted from its first real
+            token); `forward(prefix_length=...)` sets it per call and per row.
         prefix_pad_masking: How the JRT prefix pads (`linear_attention_mask = 0`) are removed from the linear
             attention: `"strict"` (pads contribute nothing) or `"reference"` (raw keys are zeroed before the feature
             map, so each pad still adds its value with weight 1, as the original code does). Batch padding

@@ -1,9 +1,10 @@
 """JRT prefix handling for `JRTRNNForCausalLM.generate()` (REFERENCE.md §4.3, DESIGN.md §3).
 
-`forward()` never pads: its linear-attention encoder reads the first `min(prefix_length, T)` tokens it is given (per
-row, after the row's left padding). `generate()` prepares short prompts so that the encoder region is filled, then
-hands over to transformers' standard `GenerationMixin.generate` (greedy, sampling, beam search, streamers, stopping
-criteria and static caches are untouched). For a prompt of `L < prefix_length` real tokens, `prefix_strategy` is
+`forward()` never pads: its linear-attention encoder reads each row's first `min(prefix_length, tokens)` tokens, counted
+from the row's first real token (`prefix_length` may be per row). `generate()` prepares short prompts so that the
+encoder region is filled, then hands over to transformers' standard `GenerationMixin.generate` (greedy, sampling, beam
+search, streamers, stopping criteria and static caches are untouched). For a prompt of `L < prefix_length` real
+tokens, `prefix_strategy` is
 
     "pad"     prepend `prefix_length - L` copies of `prefix_pad_token_id`. Convolutions and sliding attention read them
               as ordinary tokens and RoPE positions count from the first pad (the reference's protocol); the linear
@@ -12,23 +13,29 @@ criteria and static caches are untouched). For a prompt of `L < prefix_length` r
     "none"    leave the prompt as it is: the encoder reads the prompt only.
 
 Prompts of `L >= prefix_length` tokens are never changed. In a left-padded batch each row is filled on its own and the
-batch is re-padded on the left, so every row generates as it would alone:
+batch is re-padded on the left; the prefill reads each row's own prefix (the per-row encoder range of `forward()`), so
+every row generates as it would alone:
 
     row (L=3, prefix 6):    [batch pads, attention_mask 0] [fill x 3] [p0 p1 p2] -> generated tokens
     row (L=7):                                              [p0 ... p6]          -> generated tokens
 
 The fill never reaches the caller: returned `sequences` are the caller's prompt followed by the generated tokens, the
-streamer sees the caller's prompt, and `scores`/`logits` cover generated tokens only (as always). The prepared prompt
-is remembered per cache, so `generate(cache=out.cache, input_ids=<out.sequences + new tokens>)` continues
-seamlessly. Counting limits: `max_length`/`min_length` still count the caller's prompt (they are shifted by the fill);
-custom stopping criteria and logits processors see the prepared (filled) `input_ids`.
+streamer sees the caller's prompt, `scores`/`logits` cover generated tokens only (as always), and logits processors
+(`repetition_penalty`, `no_repeat_ngram_size`, ...) and the caller's stopping criteria see the caller's tokens
+(`CallerView`). Counting limits: `max_length`/`min_length` count the caller's prompt (they are shifted by the fill).
+
+The cache carries what it has read (`CachedPrompt`, the attribute `cache.jrt_prompt`: the fill, the caller's tokens,
+the encoder's per-row prefix), so it survives `copy.deepcopy` and `reorder_cache`. `generate(cache=out.cache,
+input_ids=<out.sequences + new tokens>)` continues seamlessly; `input_ids` that do not start with the tokens the cache
+read raise `ValueError` (they would be read a second time). A second turn appended this way is read causally: the JRT
+encoder read the first turn's prefix only. To let the encoder read the whole conversation, generate from the full
+text with a fresh cache.
 
 This file ships with the Hub remote code: torch and transformers only.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +47,8 @@ from transformers.generation import (
     GenerationMixin,
     LogitsProcessor,
     LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
 )
 from transformers.generation.utils import GenerateOutput
 
@@ -231,8 +240,79 @@ def cache_has_state(cache: Cache) -> bool:
     return False
 
 
-# Prepared prompt of each cache that `generate()` returned, for continuing from it (weak keys: no leak).
-_PREPARED_PROMPTS: weakref.WeakKeyDictionary[Cache, PreparedPrompt] = weakref.WeakKeyDictionary()
+# Attribute of a `Cache` that holds its `CachedPrompt` (a plain attribute: `copy.deepcopy` and `reorder_cache` keep it).
+CACHE_PROMPT_ATTRIBUTE = "jrt_prompt"
+
+
+@dataclass
+class CachedPrompt:
+    """What a cache returned by `generate()` has read, stored on the cache itself (`cache.jrt_prompt`).
+
+    Attributes:
+        prepared: The prompt of the first call after the prefix strategy (the fill), or None when nothing was filled.
+        tokens: `(B, N)` the caller's tokens the cache has read (prompt and generated tokens but the last one), in
+            the caller's layout: a continuation must start with them.
+        num_read: Columns of the model's (prepared) layout the cache has read: `N` plus the fill.
+        prefix_lengths: `(B,)` tokens the JRT encoder read per row in the first call (counted from the row's first
+            read token, fill included), or None for a causal (Based) model. Later calls never add to the encoder.
+    """
+
+    prepared: PreparedPrompt | None
+    tokens: torch.LongTensor
+    num_read: int
+    prefix_lengths: torch.LongTensor | None
+
+    @property
+    def fill_length(self) -> int:
+        """Columns the prepared layout adds in front of the caller's tokens."""
+        return 0 if self.prepared is None else self.prepared.length - self.prepared.original_length
+
+
+def cached_prompt(cache: Cache | None) -> CachedPrompt | None:
+    """The `CachedPrompt` of a cache that `generate()` returned, or None."""
+    return None if cache is None else getattr(cache, CACHE_PROMPT_ATTRIBUTE, None)
+
+
+@dataclass
+class CallerView:
+    """Maps the model's `input_ids` (prepared prompt, then generated tokens) to what the caller sees (the caller's
+    prompt, then the generated tokens), so that logits processors and stopping criteria never see the fill.
+
+    Attributes:
+        caller_ids: `(B, T)` the caller's `input_ids` of this call.
+        prepared_length: Columns of the prepared prompt that replace them in the model's `input_ids`.
+    """
+
+    caller_ids: torch.LongTensor
+    prepared_length: int
+
+    def __call__(self, input_ids: torch.LongTensor) -> torch.LongTensor:
+        """`(B', T')` model ids -> `(B', T + T' - prepared_length)` caller ids (rows expanded for beams/samples)."""
+        caller = _expand_rows(self.caller_ids, input_ids.shape[0]).to(input_ids.device)
+        return torch.cat([caller, input_ids[:, self.prepared_length :]], dim=1)
+
+
+class CallerViewLogitsProcessor(LogitsProcessor):
+    """Runs `processors` (all of `generate()`'s, built-in ones such as `repetition_penalty` included) on the caller's
+    view of the tokens, so that the JRT fill never counts as a previous token."""
+
+    def __init__(self, processors: LogitsProcessorList, view: CallerView):
+        self.processors = processors
+        self.view = view
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return self.processors(self.view(input_ids), scores)
+
+
+class CallerViewStoppingCriteria(StoppingCriteria):
+    """A caller's stopping criterion, run on the caller's view of the tokens."""
+
+    def __init__(self, criterion: StoppingCriteria, view: CallerView):
+        self.criterion = criterion
+        self.view = view
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return self.criterion(self.view(input_ids), scores, **kwargs)
 
 
 def _expand_rows(tensor: torch.Tensor | None, batch_size: int) -> torch.Tensor | None:
@@ -244,6 +324,25 @@ def _expand_rows(tensor: torch.Tensor | None, batch_size: int) -> torch.Tensor |
             f"Cannot continue from this cache: it holds {tensor.shape[0]} prompts, the new input has {batch_size} rows."
         )
     return tensor.repeat_interleave(batch_size // tensor.shape[0], dim=0)
+
+
+def _check_continuation(record: CachedPrompt, input_ids: torch.LongTensor | None) -> None:
+    """A call on a cache with state must pass the tokens the cache read, then new ones: anything else would be read a
+    second time on top of the old state."""
+    read = record.tokens.shape[1]
+    how = (
+        "pass the sequences the previous generate() returned (plus any new tokens) with this cache, or start a new "
+        "prompt with a fresh cache (or a `copy.deepcopy` of a cache saved before it was used)."
+    )
+    if input_ids is None:
+        raise ValueError(f"This cache has already read {read} tokens: continuing from it needs `input_ids`; {how}")
+    if input_ids.shape[1] <= read:
+        raise ValueError(
+            f"This cache has already read {read} tokens, but `input_ids` has only {input_ids.shape[1]}: {how}"
+        )
+    expected = _expand_rows(record.tokens, input_ids.shape[0]).to(input_ids.device)
+    if not torch.equal(input_ids[:, :read], expected):
+        raise ValueError(f"`input_ids` do not start with the {read} tokens this cache was built from: {how}")
 
 
 def _continued_prompt(
@@ -286,6 +385,13 @@ def _shift_length_limits(kwargs: dict, generation_config: GenerationConfig, shif
             kwargs[name] = getattr(generation_config, name) + shift
 
 
+def _encoder_lengths(config: JRTRNNConfig, attention_mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """`(B,)` tokens each row's encoder reads in the prefill: min(prefix_length, the row's tokens)."""
+    if attention_mask is None:
+        return torch.full((ids.shape[0],), min(config.prefix_length, ids.shape[1]), dtype=torch.long, device=ids.device)
+    return attention_mask.sum(-1).clamp(max=config.prefix_length).to(device=ids.device, dtype=torch.long)
+
+
 def generate_with_prefix(
     model: GenerationMixin,
     base_generate: Callable,
@@ -297,7 +403,8 @@ def generate_with_prefix(
     prefix_pad_token_id: int | None,
     kwargs: dict,
 ) -> GenerateOutput | torch.LongTensor:
-    """`JRTRNNForCausalLM.generate`: prefix strategy and vocabulary mask around `GenerationMixin.generate`."""
+    """`JRTRNNForCausalLM.generate`: prefix strategy, caller's view and vocabulary mask around
+    `GenerationMixin.generate`, and the `CachedPrompt` on the returned cache."""
     config: JRTRNNConfig = model.config
     effective_config = generation_config if generation_config is not None else model.generation_config
     for name in ASSISTED_DECODING_ARGUMENTS:
@@ -306,20 +413,9 @@ def generate_with_prefix(
                 f"{type(model).__name__} cannot use assisted (speculative) decoding (`{name}` was given): its "
                 "recurrent state cannot be rolled back to drop rejected draft tokens. Generate without it."
             )
-
     mask_processor = vocabulary_mask_processor(config)
     if mask_processor is not None:
         logits_processor = LogitsProcessorList([*(logits_processor or []), mask_processor])
-
-    def run(**overrides):
-        call_kwargs = {**kwargs, **overrides}
-        return base_generate(
-            generation_config=generation_config,
-            logits_processor=logits_processor,
-            streamer=call_kwargs.pop("streamer", streamer),
-            **call_kwargs,
-        )
-
     if inputs is not None:
         if "input_ids" in kwargs or "inputs_embeds" in kwargs:
             raise ValueError("Pass the prompt once: as `inputs` or as `input_ids=`/`inputs_embeds=`, not both.")
@@ -328,28 +424,67 @@ def generate_with_prefix(
     inputs_embeds = kwargs.get("inputs_embeds")
     attention_mask = kwargs.get("attention_mask")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    is_prefix = config.linear_attention_type == "prefix" and "linear_attention" in config.layer_types
 
-    # 1. Continuing from a cache that `generate()` returned: put its prepared prompt back in front.
+    def run(prepared_length: int, **overrides) -> GenerateOutput | torch.LongTensor:
+        """The standard generate on the model's layout; processors and criteria see the caller's layout."""
+        call_kwargs = {**kwargs, **overrides}
+        if input_ids is not None and prepared_length != input_ids.shape[1]:
+            view = CallerView(input_ids, prepared_length)
+            call_kwargs["caller_view"] = view
+            criteria = call_kwargs.get("stopping_criteria")
+            if criteria:
+                call_kwargs["stopping_criteria"] = StoppingCriteriaList(
+                    [CallerViewStoppingCriteria(criterion, view) for criterion in criteria]
+                )
+        return base_generate(
+            generation_config=generation_config,
+            logits_processor=logits_processor,
+            streamer=call_kwargs.pop("streamer", streamer),
+            **call_kwargs,
+        )
+
+    def remember(output, returned_cache: Cache | None, prepared: PreparedPrompt | None, prefix_lengths) -> None:
+        """Store what the returned cache has read on the cache itself."""
+        if returned_cache is None or input_ids is None or inputs_embeds is not None:
+            return
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences  # caller's layout
+        fill = 0 if prepared is None else prepared.length - prepared.original_length
+        setattr(returned_cache, CACHE_PROMPT_ATTRIBUTE, CachedPrompt(
+            prepared=prepared, tokens=sequences[:, :-1], num_read=sequences.shape[1] - 1 + fill,
+            prefix_lengths=prefix_lengths,
+        ))
+
+    # 1. Continuing from a cache that holds a sequence: check it, put the prepared prompt back in front.
     if cache is not None and cache_has_state(cache):
-        prepared = _PREPARED_PROMPTS.get(cache)
-        if prepared is None or input_ids is None or inputs_embeds is not None:
-            return run()
-        if input_ids.shape[1] < prepared.original_length:
+        record = cached_prompt(cache)
+        if record is None:
             raise ValueError(
-                f"To continue from this cache pass the returned sequences (at least {prepared.original_length} "
-                f"tokens) followed by any new tokens; got {input_ids.shape[1]} tokens."
+                "This cache already holds a sequence that generate() did not record (e.g. from a plain forward), so "
+                "the tokens it read are unknown and would be read twice: generate from the prompt with a fresh "
+                "cache, or continue from a cache that generate() returned."
             )
-        ids, mask = _continued_prompt(prepared, input_ids, attention_mask)
-        _shift_length_limits(kwargs, effective_config, prepared.length - prepared.original_length)
-        output = run(input_ids=ids, attention_mask=mask)
-        return _restore_caller_prompt(output, input_ids, ids.shape[1])
+        if inputs_embeds is not None:
+            raise ValueError("Continuing from a cache needs `input_ids` (the returned sequences plus new tokens).")
+        _check_continuation(record, input_ids)
+        ids, mask = input_ids, attention_mask
+        if record.prepared is not None:
+            ids, mask = _continued_prompt(record.prepared, input_ids, attention_mask)
+            _shift_length_limits(kwargs, effective_config, record.fill_length)
+        output = run(ids.shape[1], input_ids=ids, attention_mask=mask)
+        output = _restore_caller_prompt(output, input_ids, ids.shape[1])
+        remember(output, cache, record.prepared, record.prefix_lengths)
+        return output
 
     # 2. A new prompt: fill the encoder prefix as `prefix_strategy` says (prefix linear attention only).
     strategy = config.prefix_strategy if prefix_strategy is None else prefix_strategy
     if strategy not in PREFIX_STRATEGIES:
         raise ValueError(f"`prefix_strategy` must be one of {list(PREFIX_STRATEGIES)}, got {strategy!r}.")
-    if config.linear_attention_type != "prefix" or "linear_attention" not in config.layer_types:
-        return run()
+    prompt = input_ids if input_ids is not None else inputs_embeds
+    if not is_prefix or prompt is None:
+        output = run(0 if prompt is None else prompt.shape[1])
+        remember(output, cache if cache is not None else getattr(output, "cache", None), None, None)
+        return output
     pad_id = config.prefix_pad_token_id if prefix_pad_token_id is None else prefix_pad_token_id
     batch_pad_id = effective_config.pad_token_id if effective_config.pad_token_id is not None else config.pad_token_id
     prepared = prepare_prefix(
@@ -363,38 +498,34 @@ def generate_with_prefix(
         embed=model.get_input_embeddings(),
         vocab_size=config.vocab_size,
     )
+    prompt_length = prepared.length if prepared is not None else prompt.shape[1]
     chunk = kwargs.get("prefill_chunk_size", getattr(effective_config, "prefill_chunk_size", None))
-    prompt = input_ids if input_ids is not None else inputs_embeds
-    prompt_length = prepared.length if prepared is not None else (0 if prompt is None else prompt.shape[1])
     if chunk is not None and chunk < min(config.prefix_length, prompt_length):
         raise ValueError(
             f"prefill_chunk_size={chunk} would split the JRT encoder prefix ({config.prefix_length} tokens): the "
             "encoder reads the first forward only. Use prefill_chunk_size >= prefix_length or None."
         )
-    # Without a cache every step recomputes the whole sequence: keep the encoder on the prompt, as in the prefill.
-    kwargs.setdefault("prefix_length", min(config.prefix_length, prompt_length))
-    if prepared is None:
-        output = run()
-        if cache is not None:
-            _PREPARED_PROMPTS.pop(cache, None)
-        return output
-
-    _shift_length_limits(kwargs, effective_config, prepared.length - prepared.original_length)
-    overrides = {"attention_mask": prepared.attention_mask}
-    if prepared.input_ids is not None:
-        overrides["input_ids"] = prepared.input_ids
-    if prepared.inputs_embeds is not None:
-        overrides["inputs_embeds"] = prepared.inputs_embeds
-    if prepared.linear_attention_mask is not None:
-        overrides["linear_attention_mask"] = prepared.linear_attention_mask
-    if streamer is not None:
-        overrides["streamer"] = PromptStrippingStreamer(streamer, prepared.length, prepared.original_length)
-    output = run(**overrides)
-    returned_cache = cache if cache is not None else getattr(output, "cache", None)
-    if returned_cache is not None and prepared.input_ids is not None:
-        _PREPARED_PROMPTS[returned_cache] = prepared
-    prepared_length = prepared.length if prepared.input_ids is not None else 0
-    return _restore_caller_prompt(output, input_ids, prepared_length)
+    overrides = {}
+    if prepared is not None:
+        _shift_length_limits(kwargs, effective_config, prepared.length - prepared.original_length)
+        overrides["attention_mask"] = prepared.attention_mask
+        if prepared.input_ids is not None:
+            overrides["input_ids"] = prepared.input_ids
+        if prepared.inputs_embeds is not None:
+            overrides["inputs_embeds"] = prepared.inputs_embeds
+        if prepared.linear_attention_mask is not None:
+            overrides["linear_attention_mask"] = prepared.linear_attention_mask
+        if streamer is not None:
+            overrides["streamer"] = PromptStrippingStreamer(streamer, prepared.length, prepared.original_length)
+    # Per-row prefix of the prefill. Without a cache every step recomputes the whole sequence: the same per-row
+    # prefix keeps the encoder on the prompt (it would otherwise grow into the generated tokens).
+    prefix_lengths = _encoder_lengths(config, overrides.get("attention_mask", attention_mask), prompt)
+    kwargs.setdefault("prefix_length", prefix_lengths)
+    prepared_length = prompt_length if prepared is None or prepared.input_ids is not None else 0
+    output = run(prepared_length if input_ids is not None else 0, **overrides)
+    output = _restore_caller_prompt(output, input_ids, prepared_length) if prepared is not None else output
+    remember(output, cache if cache is not None else getattr(output, "cache", None), prepared, prefix_lengths)
+    return output
 
 
 def align_linear_attention_mask(
@@ -410,11 +541,17 @@ def align_linear_attention_mask(
 
 
 __all__ = [
+    "CACHE_PROMPT_ATTRIBUTE",
+    "CachedPrompt",
+    "CallerView",
+    "CallerViewLogitsProcessor",
+    "CallerViewStoppingCriteria",
     "PreparedPrompt",
     "PromptStrippingStreamer",
     "VocabularyMaskLogitsProcessor",
     "align_linear_attention_mask",
     "cache_has_state",
+    "cached_prompt",
     "generate_with_prefix",
     "prepare_prefix",
     "vocabulary_mask_processor",

@@ -166,7 +166,9 @@ def validate_linear_attention_inputs(
         raise ValueError("Decay and gate are Based (causal) options; they cannot be combined with an encoder prefix.")
     start = _as_row_index(0 if encoder_start is None else encoder_start, batch_size, q.device, "encoder_start")
     end = _as_row_index(encoder_length if encoder_end is None else encoder_end, batch_size, q.device, "encoder_end")
-    if not torch.compiler.is_compiling() and bool(((start < 0) | (start > end) | (end > encoder_length)).any()):
+    given = encoder_start is not None or encoder_end is not None  # the default [0, M) needs no check (no host sync)
+    invalid = (start < 0) | (start > end) | (end > encoder_length)
+    if given and not torch.compiler.is_compiling() and bool(invalid.any()):
         raise ValueError(
             f"The encoder range must satisfy 0 <= encoder_start <= encoder_end <= M = {encoder_length} in every row; "
             f"got encoder_start {start.tolist()} and encoder_end {end.tolist()}."
@@ -450,7 +452,8 @@ def prefix_linear_attention_chunked(
         encoder_chunk = max(chunk_size, 256)
         for start in range(0, encoder_length, encoder_chunk):
             end = min(start + encoder_chunk, encoder_length)
-            phi_k = symmetric.features(k_enc[:, :, start:end], key=True) * encoder_rows[:, :, start:end]  # (B, H, c, F')
+            phi_k = symmetric.features(k_enc[:, :, start:end], key=True)  # (B, H, c, F')
+            phi_k = phi_k * encoder_rows[:, :, start:end]  # outside the row's range: not an encoder key
             values = v_enc[:, :, start:end]
             values_and_one = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # (B, H, c, V + 1)
             state = _add_matmul(state, phi_k.transpose(-1, -2), values_and_one)  # (B, H, F', V + 1)

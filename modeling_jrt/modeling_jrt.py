@@ -39,9 +39,16 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import logging
 
 from .configuration_jrt import JRTRNNConfig
-from .generation import align_linear_attention_mask, generate_with_prefix
+from .generation import (
+    CallerView,
+    CallerViewLogitsProcessor,
+    align_linear_attention_mask,
+    cache_has_state,
+    cached_prompt,
+    generate_with_prefix,
+)
 from .linear_attention import linear_attention_step, prefix_linear_attention
-from .training import jrt_loss
+from .training import ignore_prefix_targets, jrt_loss
 
 logger = logging.get_logger(__name__)
 
@@ -250,7 +257,7 @@ class JRTRNNEncoderRange:
         return self.end - self.start
 
 
-def encoder_range(
+def prefix_encoder_range(
     prefix_length: int | torch.Tensor,
     attention_mask: torch.Tensor | None,
     batch_size: int,
@@ -267,7 +274,8 @@ def encoder_range(
         device: where the range lives (the device of the hidden states).
     """
     if isinstance(prefix_length, torch.Tensor):
-        if prefix_length.shape != (batch_size,) or prefix_length.dtype.is_floating_point or prefix_length.dtype == torch.bool:
+        dtype = prefix_length.dtype
+        if prefix_length.shape != (batch_size,) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             raise ValueError(
                 f"prefix_length must be an int or a (B,) = ({batch_size},) integer tensor of per-row prefix lengths; "
                 f"got a {prefix_length.dtype} tensor of shape {tuple(prefix_length.shape)}."
@@ -515,7 +523,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             cache: a transformers `Cache` built from `config.layer_types` (`past_key_values` is accepted as an alias).
             use_cache: create a `DynamicCache` when none is given (default `config.use_cache`).
             linear_attention_mask: `(B, T)` extra mask for the linear-attention layers only (0 = ignore the token as
-                a key, e.g. the pads of the JRT prefix that the other layers read as ordinary tokens).
+                a key, e.g. the pads of the JRT prefix that the other layers read as ordinary tokens). Inside a row's
+                encoder range these keys are removed as `config.prefix_pad_masking` says, elsewhere always.
             prefix_length: the JRT prefix of this forward: an int, or a `(B,)` LongTensor of per-row prefix lengths,
                 counted from each row's first real token (after its left padding; with right padding the first real
                 token is position 0); default `config.prefix_length`. The encoder reads each row's first
@@ -570,14 +579,17 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         self,
         prefix_length: int | torch.Tensor | None,
         attention_mask: torch.Tensor | None,
-        inputs_embeds: torch.Tensor,
+        inputs: torch.Tensor,
         cache: Cache | None,
     ) -> JRTRNNEncoderRange | None:
         """The per-row encoder range of this forward, or None when the encoder reads nothing: a causal (Based)
         model, or a cache whose linear-attention layers already hold the state of earlier tokens.
 
-        `attention_mask` is the `(B, T)` padding mask of this forward's tokens (the linear-attention entry of the mask
-        mapping) or None.
+        Args:
+            prefix_length: as in `forward` (None = `config.prefix_length`).
+            attention_mask: `(B, >= T)` padding mask whose last T columns cover this forward's tokens, or None.
+            inputs: `(B, T)` input ids or `(B, T, hidden)` embeddings of this forward (for B, T and the device).
+            cache: the cache this forward continues, or None.
         """
         config = self.config
         if config.linear_attention_type != "prefix" or "linear_attention" not in config.layer_types:
@@ -585,9 +597,9 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         first_linear = config.layer_types.index("linear_attention")
         if read_linear_attention_state(cache, first_linear) is not None:
             return None
-        batch_size, seq_len = inputs_embeds.shape[:2]
+        batch_size, seq_len = inputs.shape[:2]
         prefix_length = config.prefix_length if prefix_length is None else prefix_length
-        return encoder_range(prefix_length, attention_mask, batch_size, seq_len, inputs_embeds.device)
+        return prefix_encoder_range(prefix_length, attention_mask, batch_size, seq_len, inputs.device)
 
 
 @dataclass
@@ -645,11 +657,17 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         Args:
             labels: `(B, T)` token ids; the loss is the mean next-token cross-entropy (labels are shifted inside,
                 -100 is ignored), through `self.loss_function` so that `Trainer`'s `num_items_in_batch` applies.
+                Leak-free: a prefix (JRT) model ignores the targets its encoder read, i.e. the label at index j of a
+                row is not scored when j < the row's prefix end (its first real token + its prefix length), so the
+                loss is the cross-entropy over the targets after each row's prefix. (With `Trainer`, mask those labels
+                in the collator, e.g. with `training.ignore_prefix_targets`, so that its `num_items_in_batch` counts
+                only the scored targets.)
             mlm_labels: (keyword, through `**kwargs`) `(B, T)` masked-LM targets of the JRT objective, predicted at
                 their own position (-100 elsewhere), as `JRTDataCollator` builds them. With them the loss is
-                `NTP + config.mlm_weight * MLM` (see `modeling_jrt.training`). They travel in `**kwargs`, like
-                `shift_labels`, so that `Trainer` keeps `label_names == ["labels"]` and still reports the loss of
-                plain causal-LM evaluation batches.
+                `NTP + config.mlm_weight * MLM` (see `modeling_jrt.training`), with the labels as given. They travel in
+                `**kwargs`, like `shift_labels`, so that `Trainer` keeps `label_names == ["labels"]` and still
+                reports the loss of plain causal-LM evaluation batches. The collator's batches carry its
+                `prefix_length`; one that differs from `config.prefix_length` raises `ValueError`.
             logits_to_keep: compute logits for the last `logits_to_keep` positions only (0 = all).
             Other arguments: see `JRTRNNModel.forward`.
 
@@ -657,11 +675,23 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
             `JRTRNNCausalLMOutput` with `loss`, `logits` `(B, T, vocab_size)`, `cache`, and `ntp_loss` / `mlm_loss`
             when `mlm_labels` are given.
         """
+        mlm_labels = kwargs.pop("mlm_labels", None)
+        cache = cache if cache is not None else past_key_values
+        prefix_range = None  # the encoder range of this forward, for the loss
+        if labels is not None:
+            prefix_range = self.model.encoder_range(
+                prefix_length,
+                attention_mask if isinstance(attention_mask, torch.Tensor) else None,
+                input_ids if input_ids is not None else inputs_embeds,
+                cache,
+            )
+        if mlm_labels is not None:
+            self._check_jrt_objective_prefix(prefix_length)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache if cache is not None else past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             linear_attention_mask=linear_attention_mask,
@@ -675,7 +705,6 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states)
 
         loss = ntp_loss = mlm_loss = None
-        mlm_labels = kwargs.pop("mlm_labels", None)
         if mlm_labels is not None:
             if labels is None:
                 raise ValueError("`mlm_labels` need `labels` (the next-token targets) as well: see JRTDataCollator.")
@@ -684,10 +713,41 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
                 mlm_weight=self.config.mlm_weight, num_items_in_batch=kwargs.get("num_items_in_batch"),
             )
         elif labels is not None:
+            if prefix_range is not None:
+                labels, kwargs = self._ignore_encoder_targets(labels, prefix_range.end, kwargs)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return JRTRNNCausalLMOutput(
             loss=loss, logits=logits, cache=outputs.cache, ntp_loss=ntp_loss, mlm_loss=mlm_loss
         )
+
+    def _ignore_encoder_targets(
+        self, labels: torch.LongTensor, prefix_end: torch.Tensor, kwargs: dict
+    ) -> tuple[torch.LongTensor, dict]:
+        """`labels` (and `shift_labels`, if given) without the targets the encoder read (index < `prefix_end`)."""
+        masked = ignore_prefix_targets(labels, prefix_end)
+        shift_labels = kwargs.get("shift_labels")
+        if shift_labels is not None:  # pre-shifted: column t holds the target at index t + 1
+            kwargs = {**kwargs, "shift_labels": ignore_prefix_targets(shift_labels, prefix_end - 1)}
+        if kwargs.get("num_items_in_batch") is not None and bool(((labels != masked)[:, 1:]).any()):
+            logger.warning_once(
+                "The labels of this batch include targets that the JRT encoder reads (inside each row's prefix): the "
+                "loss ignores them, but `num_items_in_batch` (from Trainer) still counts them, which scales the loss "
+                "down. Set them to -100 in the data collator (`modeling_jrt.training.ignore_prefix_targets`, or "
+                "`labels[:, :prefix_length] = -100` for unpadded blocks), or use `JRTDataCollator`."
+            )
+        return masked, kwargs
+
+    def _check_jrt_objective_prefix(self, prefix_length: int | torch.Tensor | None) -> None:
+        """The JRT objective's batch layout follows the collator's prefix length: it must be the model's."""
+        if prefix_length is None:
+            return
+        values = prefix_length.unique().tolist() if isinstance(prefix_length, torch.Tensor) else [prefix_length]
+        if values != [self.config.prefix_length]:
+            raise ValueError(
+                f"This JRT training batch was built for prefix_length {values}, but the model's "
+                f"config.prefix_length is {self.config.prefix_length}: build the collator with "
+                "`JRTDataCollator.from_config(model.config)` (or give it the model's prefix_length)."
+            )
 
     def generate(
         self,
@@ -720,6 +780,15 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
             prefix_strategy, prefix_pad_token_id, kwargs,
         )
 
+    def _get_logits_processor(self, *args, **kwargs) -> LogitsProcessorList:
+        """transformers' processors (built-in and the caller's), run on the caller's tokens when `generate()` filled
+        the JRT prefix: `repetition_penalty`, `no_repeat_ngram_size` and the like never see the fill."""
+        processors = super()._get_logits_processor(*args, **kwargs)
+        view = (kwargs.get("model_kwargs") or {}).get("caller_view")
+        if view is None or len(processors) == 0:
+            return processors
+        return LogitsProcessorList([CallerViewLogitsProcessor(processors, view)])
+
     def prepare_inputs_for_generation(
         self,
         input_ids: torch.LongTensor,
@@ -729,10 +798,19 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         is_first_iteration: bool | None = False,
         linear_attention_mask: torch.Tensor | None = None,
+        caller_view: CallerView | None = None,
         **kwargs,
     ) -> dict:
         """The standard inputs, plus the columns of the prompt's `linear_attention_mask` for the tokens of this
-        forward (the whole sequence without a cache, nothing for a decode step)."""
+        forward (the whole sequence without a cache, nothing for a decode step).
+
+        `caller_view` (set by `generate()` when it fills the prefix) is for the logits processors only, never an
+        input. A cache whose layers are all recurrent has no sequence length for `GenerationMixin` to skip the tokens
+        it has read; `generate()` records them on the cache (`CachedPrompt`), and only the new ones are fed here.
+        """
+        record = cached_prompt(cache)
+        if next_sequence_length is None and is_first_iteration and record is not None and cache_has_state(cache):
+            next_sequence_length = (input_ids if inputs_embeds is None else inputs_embeds).shape[1] - record.num_read
         model_inputs = super().prepare_inputs_for_generation(
             input_ids,
             next_sequence_length=next_sequence_length,
@@ -764,7 +842,7 @@ __all__ = [
     "JRTRNNRMSNorm",
     "JRTRNNShortConv",
     "JRTRNNSlidingWindowAttention",
-    "encoder_range",
+    "prefix_encoder_range",
     "read_linear_attention_state",
     "write_linear_attention_state",
 ]

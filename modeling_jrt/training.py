@@ -64,6 +64,18 @@ LORA_TARGET_MODULES = (
 )
 
 
+def ignore_prefix_targets(labels: torch.Tensor, prefix_end: torch.Tensor | int) -> torch.Tensor:
+    """`labels` `(B, T)` with the targets a JRT encoder reads set to -100: index `j < prefix_end[b]` in row b.
+
+    `prefix_end` is an int or a `(B,)` tensor: the absolute index after each row's prefix (its first real token plus
+    its prefix length; just `prefix_length` for unpadded or right-padded rows). The model's loss does this itself;
+    call it in a data collator so that `Trainer`'s `num_items_in_batch` counts only the scored targets.
+    """
+    positions = torch.arange(labels.shape[-1], device=labels.device)
+    prefix_end = torch.as_tensor(prefix_end, device=labels.device).reshape(-1, 1)  # (B, 1) or (1, 1)
+    return labels.masked_fill(positions[None, :] < prefix_end, IGNORE_INDEX)
+
+
 def jrt_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -115,7 +127,9 @@ class JRTDataCollator:
     """Builds JRT training batches from packed blocks of token ids (all of one length T > prefix_length + 1).
 
     Each example is a sequence of token ids or a mapping with an `"input_ids"` entry. Returns `input_ids`, `labels`
-    and `mlm_labels`, each `(B, T)` int64, laid out as in the module docstring.
+    and `mlm_labels`, each `(B, T)` int64, laid out as in the module docstring, and `prefix_length` `(B,)`: the
+    model's forward reads it as each row's prefix and refuses a batch whose prefix differs from its own
+    `config.prefix_length` (the layout would not match the encoder).
 
     Args:
         prefix_length: length E of the non-causal prefix; must equal the model's `config.prefix_length`.
@@ -181,6 +195,7 @@ class JRTDataCollator:
             "input_ids": tokens.masked_fill(mask, self.mask_token_id),
             "labels": labels,
             "mlm_labels": tokens.masked_fill(~mask, IGNORE_INDEX),
+            "prefix_length": torch.full((tokens.shape[0],), self.prefix_length, dtype=torch.long),
         }
 
     @staticmethod
@@ -247,6 +262,7 @@ __all__ = [
     "LORA_TARGET_MODULES",
     "JRTDataCollator",
     "default_lora_config",
+    "ignore_prefix_targets",
     "jrt_loss",
     "pack_token_blocks",
 ]

@@ -3,10 +3,14 @@ strategies, cache continuation and memory, the vocabulary mask and transformers 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import (
     DynamicCache,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
     PreTrainedTokenizerFast,
     StoppingCriteria,
     StoppingCriteriaList,
@@ -16,6 +20,7 @@ from transformers import (
 from transformers.generation import BaseStreamer
 
 from modeling_jrt import JRTRNNForCausalLM
+from modeling_jrt.generation import cached_prompt
 
 # The tiny config of conftest: prefix_length 8, sliding_window 5, vocab 99, pad 0, eos 2, prefix pad 3.
 PREFIX = 8
@@ -355,3 +360,113 @@ def test_generation_vocab_size_is_validated(make_config):
     with pytest.raises(ValueError, match="generation_vocab_size"):
         make_config(generation_vocab_size=100)
     assert make_config(generation_vocab_size=99).generation_vocab_size == 99
+
+
+# ------------------------------------------------------------------------------- the prompt record on the cache
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+@pytest.mark.parametrize("strategy", ["pad", "repeat"])
+def test_deepcopy_of_a_cache_continues_like_the_original(make_config, kind, strategy):
+    """The fill and what the cache read live on the cache: a deep copy continues exactly like the original."""
+    model = build(make_config, **kind)
+    input_ids = prompt(3, batch=2)  # shorter than the prefix: the fill applies
+    settings = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, prefix_strategy=strategy,
+                    **NO_EOS)
+    first = model.generate(input_ids, max_new_tokens=4, **settings)
+    saved = copy.deepcopy(first.cache)
+    from_copy = model.generate(first.sequences, cache=saved, max_new_tokens=5, **settings)
+    from_original = model.generate(first.sequences, cache=first.cache, max_new_tokens=5, **settings)
+    torch.testing.assert_close(from_copy.sequences, from_original.sequences, rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(from_copy.scores), torch.stack(from_original.scores), rtol=0, atol=0)
+    record = cached_prompt(saved)
+    assert record is not None and record.tokens.shape == (2, 3 + 4 + 5 - 1)
+    if kind["linear_attention_type"] == "prefix":
+        assert record.prefix_lengths.tolist() == [PREFIX, PREFIX]  # the encoder read the filled first turn only
+
+
+def test_reusing_a_cache_for_another_prompt_raises(make_config):
+    model = build(make_config)
+    first = model.generate(prompt(5), max_new_tokens=3, do_sample=False, return_dict_in_generate=True, **NO_EOS)
+    with pytest.raises(ValueError, match="do not start with the 7 tokens this cache was built from"):
+        greedy(model, prompt(9, seed=5), 3, cache=first.cache)
+    with pytest.raises(ValueError, match="already read 7 tokens, but `input_ids` has only 5"):
+        greedy(model, prompt(5), 3, cache=first.cache)
+    used = DynamicCache(config=model.config)
+    model(prompt(5), cache=used)  # a plain forward: generate() cannot know what it read
+    with pytest.raises(ValueError, match="did not record"):
+        greedy(model, prompt(6), 3, cache=used)
+
+
+@pytest.mark.parametrize("prompt_length", [3, 10])
+def test_continuation_on_an_all_recurrent_cache_reads_each_token_once(make_config, prompt_length):
+    """No sliding-attention layer: transformers cannot tell which tokens such a cache has read; the record can."""
+    model = build(make_config, layer_types=["conv", "linear_attention", "linear_attention"], num_hidden_layers=3)
+    input_ids = prompt(prompt_length, batch=2)
+    settings = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
+    one_shot = model.generate(input_ids, max_new_tokens=9, **settings)
+    first = model.generate(input_ids, max_new_tokens=4, **settings)
+    second = model.generate(first.sequences, cache=first.cache, max_new_tokens=5, **settings)
+    torch.testing.assert_close(second.sequences, one_shot.sequences, rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.stack(first.scores + second.scores), torch.stack(one_shot.scores), rtol=1e-4, atol=1e-4
+    )
+
+
+@pytest.mark.parametrize(
+    "processor_kwargs,processor",
+    [
+        (dict(repetition_penalty=2.0), lambda: RepetitionPenaltyLogitsProcessor(2.0)),
+        (dict(no_repeat_ngram_size=1), lambda: NoRepeatNGramLogitsProcessor(1)),
+    ],
+    ids=["repetition_penalty", "no_repeat_ngram_size"],
+)
+def test_logits_processors_never_see_the_fill(make_config, processor_kwargs, processor):
+    """Under "pad", a short prompt's scores equal a hand loop over the padded prompt whose processor sees only the
+    caller's prompt and the generated tokens (not the fill token, id 3)."""
+    model = build(make_config)
+    short = prompt(3)
+    padded = torch.cat([torch.full((1, PREFIX - 3), 3), short], dim=1)
+    generated = model.generate(short, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+                               output_scores=True, prefix_strategy="pad", **processor_kwargs, **NO_EOS)
+    hand = processor()
+    sequence, visible, scores = padded, short, []
+    for _ in range(6):
+        mask = torch.cat([(padded != 3).long(), torch.ones(1, sequence.shape[1] - PREFIX, dtype=torch.long)], dim=1)
+        logits = model(sequence, use_cache=False, linear_attention_mask=mask).logits[:, -1]
+        step_scores = hand(visible, logits)
+        scores.append(step_scores)
+        token = step_scores.argmax(-1, keepdim=True)
+        sequence, visible = torch.cat([sequence, token], 1), torch.cat([visible, token], 1)
+    torch.testing.assert_close(generated.sequences, visible, rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(generated.scores), torch.stack(scores), rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(generated.scores[0][0, 3])  # the fill token is neither banned nor penalised
+
+
+def test_stopping_criteria_see_the_callers_tokens(make_config):
+    model = build(make_config)
+    short = prompt(3)
+    seen = []
+
+    class Record(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            seen.append(input_ids.clone())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    generated = greedy(model, short, 4, stopping_criteria=StoppingCriteriaList([Record()]))
+    assert [ids.shape[1] for ids in seen] == [4, 5, 6, 7]
+    torch.testing.assert_close(seen[-1], generated, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("strategy", ["pad", "none"])
+def test_left_padded_batch_without_a_cache_keeps_each_rows_prefix(make_config, strategy):
+    """use_cache=False recomputes the whole sequence each step: each row's encoder must stay on its own prompt."""
+    model = build(make_config)
+    batch = torch.zeros(2, 6, dtype=torch.long)
+    mask = torch.zeros(2, 6, dtype=torch.long)
+    batch[0, 3:], mask[0, 3:] = prompt(3, seed=4)[0], 1
+    batch[1], mask[1] = prompt(6, seed=5)[0], 1
+    settings = dict(max_new_tokens=6, do_sample=False, prefix_strategy=strategy, attention_mask=mask, **NO_EOS)
+    cached = model.generate(batch, use_cache=True, **settings)
+    uncached = model.generate(batch, use_cache=False, **settings)
+    torch.testing.assert_close(uncached, cached, rtol=0, atol=0)

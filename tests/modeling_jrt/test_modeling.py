@@ -34,15 +34,42 @@ def test_auto_classes(make_config, tmp_path):
     assert kinds == [JRTRNNShortConv, JRTRNNLinearAttention, JRTRNNSlidingWindowAttention, JRTRNNShortConv]
 
 
-def test_forward_shapes_and_loss_is_shifted_cross_entropy(make_config):
-    model = build(make_config)
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_forward_shapes_and_loss_is_shifted_cross_entropy(make_config, kind):
+    """The loss is the next-token cross-entropy over the targets after each row's prefix (the JRT encoder reads the
+    first prefix_length = 8 tokens: their targets are not scored); a causal (Based) model scores every target."""
+    model = build(make_config, **kind)
     input_ids = torch.randint(0, 99, (3, 13))
     labels = input_ids.clone()
     labels[0, :4] = -100
+    labels[1, 10] = -100
     out = model(input_ids, labels=labels, use_cache=False)
     assert out.logits.shape == (3, 13, 99) and out.cache is None
-    expected = F.cross_entropy(out.logits[:, :-1].reshape(-1, 99), labels[:, 1:].reshape(-1), ignore_index=-100)
+    targets = labels[:, 1:].clone()  # (B, T - 1): the target of position t is the label at index t + 1
+    if kind["linear_attention_type"] == "prefix":
+        targets[:, : 8 - 1] = -100  # label indices 1..7 lie inside the prefix
+    expected = F.cross_entropy(out.logits[:, :-1].reshape(-1, 99), targets.reshape(-1), ignore_index=-100)
     torch.testing.assert_close(out.loss, expected)
+
+
+def test_loss_ignores_the_targets_of_each_rows_own_prefix(make_config):
+    """Per-row prefixes and left padding: the loss equals a hand-computed cross-entropy over the targets after each
+    row's prefix."""
+    model = build(make_config)
+    input_ids = torch.randint(4, 99, (2, 12))
+    mask = torch.ones_like(input_ids)
+    mask[1, :3] = 0
+    position_ids = ((mask.cumsum(-1) - 1) * mask).clamp(min=0)
+    labels = input_ids.masked_fill(mask == 0, -100)
+    prefix = torch.tensor([5, 2])  # row 1: prefix end at index 3 + 2 = 5
+    inputs = dict(attention_mask=mask, position_ids=position_ids, prefix_length=prefix)
+    out = model(input_ids, labels=labels, **inputs)
+    log_probs = out.logits.double().log_softmax(-1)
+    terms = [-log_probs[b, j - 1, input_ids[b, j]] for b, end in ((0, 5), (1, 5)) for j in range(end, 12)]
+    torch.testing.assert_close(out.loss.double(), torch.stack(terms).mean())
+    # Pre-shifted labels (shift_labels, as some trainers pass them) are masked the same way.
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    torch.testing.assert_close(model(input_ids, labels=labels, shift_labels=shifted, **inputs).loss, out.loss)
 
 
 def test_logits_to_keep_and_inputs_embeds(make_config):
@@ -172,8 +199,9 @@ def test_no_logit_after_the_prefix_reads_a_later_token(make_config):
             first_free = max(prefix_end[row] - 1, 0)
             if j > first_free:
                 torch.testing.assert_close(changed[row, first_free:j], base[row, first_free:j], rtol=0, atol=1e-6)
-            if j < prefix_end[row] and j > 2 + mask[row].argmax():
-                read_ahead |= bool((changed[row, mask[row].argmax() : j] - base[row, mask[row].argmax() : j]).abs().max() > 1e-5)
+            start = int(mask[row].argmax())
+            if start + 2 < j < prefix_end[row]:
+                read_ahead |= bool((changed[row, start:j] - base[row, start:j]).abs().max() > 1e-5)
     assert read_ahead  # the test can see a look-ahead: the encoder does read forward inside the prefix
 
 

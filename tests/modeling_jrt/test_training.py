@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import modeling_jrt
 from modeling_jrt import JRTDataCollator, JRTRNNForCausalLM, default_lora_config, jrt_loss, pack_token_blocks
+from modeling_jrt.training import ignore_prefix_targets
 
 MASK_ID = 98
 
@@ -63,6 +64,8 @@ def test_collator_labels_are_aligned():
     assert (batch["mlm_labels"][~masked] == -100).all()
     # Unmasked inputs are the original tokens.
     torch.testing.assert_close(batch["input_ids"][~masked], blocks[~masked])
+    prefix = batch.pop("prefix_length")
+    assert prefix.dtype == torch.long and prefix.tolist() == [prefix_length] * blocks.shape[0]
     assert all(value.dtype == torch.long and value.shape == blocks.shape for value in batch.values())
 
 
@@ -120,6 +123,23 @@ def test_combined_loss_matches_a_hand_computation(make_config):
     plain = model(input_ids=batch["input_ids"], labels=batch["labels"])
     torch.testing.assert_close(plain.loss.double(), ntp)
     assert plain.ntp_loss is None and plain.mlm_loss is None
+
+
+def test_a_collator_with_another_prefix_length_is_refused(make_config):
+    config = make_config(mask_token_id=MASK_ID)
+    model = JRTRNNForCausalLM(config).eval()
+    blocks = list(random_blocks(2, 13))
+    model(**JRTDataCollator.from_config(config, seed=0)(blocks))  # the model's own prefix length: accepted
+    other = JRTDataCollator(prefix_length=config.prefix_length - 2, mask_token_id=MASK_ID, seed=0)
+    with pytest.raises(ValueError, match=r"built for prefix_length \[6\].*config.prefix_length is 8.*from_config"):
+        model(**other(blocks))
+
+
+def test_ignore_prefix_targets():
+    labels = torch.arange(12).view(2, 6)
+    expected = torch.tensor([[-100, -100, 2, 3, 4, 5], [-100, -100, -100, -100, 10, 11]])
+    torch.testing.assert_close(ignore_prefix_targets(labels, torch.tensor([2, 4])), expected)
+    torch.testing.assert_close(ignore_prefix_targets(labels, 2)[0], expected[0])
 
 
 def test_mlm_labels_need_labels(make_config):
