@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ._common import _dot, _dot_fp32, _key_weights, _outer, _tile, dot_types
+from ._common import _dot, _dot_fp32, _key_weights, _outer, _outer_t, _tile, dot_types
 from .prefix_linear_attention_backward import prefix_linear_attention_backward
 
 # Few configs (a 15-minute GPU lease must not be spent tuning), chosen from benchmarks/kernel_aot.py (docs/kernels.md):
@@ -124,7 +124,7 @@ def _prefix_linear_attention_fwd_kernel(
         b_v = tl.where(b_w[:, None], _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev), 0.0)
         b_h0 += tl.sum(b_v, axis=0)
         b_h1 += _dot(tl.trans(b_k), b_v, DOT, EMULATE, PRECISION)
-        b_h2 += _dot(tl.trans(_outer(b_k, BT, BK)), b_v, DOT, EMULATE, PRECISION)
+        b_h2 += _dot(_outer_t(b_k, BT, BK), b_v, DOT, EMULATE, PRECISION)
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
         b_z1 += tl.sum(b_k, axis=0)
         b_zz += _dot_fp32(tl.trans(b_k), b_k)  # [BK, BK]
@@ -180,7 +180,7 @@ def _prefix_linear_attention_fwd_kernel(
             b_h2 = b_h2 * b_chunk
         b_h0 += tl.sum(b_v, axis=0)
         b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
-        b_h2 += _dot(tl.trans(_outer(b_kw, BT, BK)), b_v, DOT, EMULATE, PRECISION)
+        b_h2 += _dot(_outer_t(b_kw, BT, BK), b_v, DOT, EMULATE, PRECISION)
 
     # 3. Final state in the cache layout (B, H, F, V + 1); the denominator column is written once, by i_v = 0.
     p_s = state_out + p_state
