@@ -10,17 +10,20 @@ fp32 state on chip and
 
     1. reduces the encoder over the row's range: state = initial_state + sum_{start<=m<end} phi(ke_m) [ve_m, 1]
     2. scans the T decoder tokens in chunks of BT, starting from that state:
-           inter  num  = h0 + Q'_c h1 + 1/2 (Q'_c (x) Q'_c) h2                       (tensor cores)
+           inter  num  = h0 + Q'_c h1 + 1/2 (Q'_c**2 hd + P(Q'_c) ho)                 (tensor cores)
                   den  = z0 + Q'_c z1 + 1/2 rowsum(Q'_c * (Q'_c Z))                   Z = sum k' k'^T, (K, K)
            intra  num += tril(1 + S + S**2 / 2) V_c,  den += rowsum(tril(...))      S = Q'_c K'_c^T
-           update h0 += 1^T V_c,  h1 += K'_c^T V_c,  h2 += (K'_c (x) K'_c)^T V_c,  z0, z1, Z += K'_c^T K'_c
+           update h0 += 1^T V_c,  h1 += K'_c^T V_c,  hd += (K'_c**2)^T V_c,  ho += P(K'_c)^T V_c,
+                  z0, z1, Z += K'_c^T K'_c
            y_c = num / (den + eps)
     3. writes the final state (sum over all keys, fp32) in the layout of the generation cache.
 
-Here x' = x / K**(1/4) and (x) is the row-wise outer product, so phi(x) = [1, x', vec(x' x'^T) / sqrt(2)] and
-phi(q).phi(k) = 1 + s + s**2 / 2. The 2nd-order denominator state is kept as the (K, K) matrix Z, so its read and
-update are two small matmuls instead of reductions over (BT, K**2) tiles; only the numerator needs the (BT, K**2)
-features. State and denominators are fp32; matmul operands follow `_common` (fp16 inputs multiply the state as
+Here x' = x / K**(1/4), so phi(x) = [1, x', vec(x' x'^T) / sqrt(2)] and phi(q).phi(k) = 1 + s + s**2 / 2. The
+2nd order uses its symmetry (KERNELS.md §2.7): (q.k)**2 = sum_i q_i**2 k_i**2 + sum_{i<j} 2 q_i q_j k_i k_j, so the
+numerator state holds K diagonal rows (hd) and K (K - 1) / 2 pair rows (ho, features P(x) = sqrt(2) x_i x_j,
+gathered by 0/1 selection matmuls): 136 rows instead of 256 for K = 16. The final state is written back in the full
+layout (S_ij = S_ji; an initial state's antisymmetric part passes through). The 2nd-order denominator state is the
+(K, K) matrix Z, so its read and update are two small matmuls instead of reductions over (BT, K**2) tiles. State and denominators are fp32; matmul operands follow `_common` (fp16 inputs multiply the state as
 bf16, which cannot overflow; fp32 inputs run as 3xTF32). Padded keys are removed in all three orders (strict
 masking) or, with `pad_masking="reference"` and inside the row's encoder range, keep their weight-1 constant term.
 
@@ -41,19 +44,49 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ._common import _dot, _dot_fp32, _key_weights, _outer, _outer_t, _tile, dot_types
+from ._common import _dot, _dot_fp32, _key_weights, _tile, dot_types
 from .prefix_linear_attention_backward import prefix_linear_attention_backward
 
 # Few configs (a 15-minute GPU lease must not be spent tuning), chosen from benchmarks/kernel_aot.py (docs/kernels.md):
-# 8 warps (4 warps spill heavily, and ptxas drops to 32 registers with tens of KB of spills on sm_80), BT of 32 or
-# 64 (128 spills more), 1-2 stages; all within the shared-memory limits of sm_80 and sm_90. The first is the one
-# with the lowest instruction-issue estimate at the paper shape. The interpreter (CPU tests) gets BT = 32, which
+# (64, 8 warps) balances spills and instruction issue, (32, 8) has almost no spills, (64, 4) the lowest issue
+# estimate but more spills; the GPU's autotuning decides. 16 warps and BT = 128 spill more (and fall to 64 registers
+# on sm_80). All fit the shared-memory limits of sm_80 and sm_90. The interpreter (CPU tests) gets BT = 32, which
 # keeps the per-step numpy cost low.
 _GPU_CONFIGS = [
     triton.Config({"BT": BT}, num_warps=num_warps, num_stages=num_stages)
-    for BT, num_warps, num_stages in [(64, 8, 1), (64, 8, 2), (32, 8, 1), (32, 8, 2)]
+    for BT, num_warps, num_stages in [(64, 8, 1), (32, 8, 1), (64, 4, 1), (64, 8, 2)]
 ]
 _INTERPRETER_CONFIGS = [triton.Config({"BT": 32}, num_warps=4, num_stages=1)]
+
+
+@triton.jit
+def _select(b_x, b_e, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    """b_x [BT, BK] @ b_e [BK, BP] for a 0/1 selection matrix: gathers columns of b_x on the tensor cores (exact for
+    fp16/bf16 operands; 3xTF32 for fp32, whose error is below fp32 rounding here)."""
+    if DOT == tl.float32:
+        return tl.dot(b_x, b_e, input_precision="tf32x3")
+    return _dot(b_x, b_e, DOT, EMULATE, "tf32")
+
+
+@triton.jit
+def _pair_features(b_x, b_ei, b_ej, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    """[BT, BK] -> [BT, BP]: sqrt(2) x_i x_j for the pairs i < j (0 in the padding)."""
+    return 1.4142135623730951 * _select(b_x, b_ei, DOT, EMULATE) * _select(b_x, b_ej, DOT, EMULATE)
+
+
+@triton.jit
+def _pair_features_t(b_x, b_ei, b_ej, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    """The transposed pair features [BP, BT] (the A operand of the state update), from the small transposes."""
+    b_xt = tl.trans(b_x)
+    return 1.4142135623730951 * _select_t(b_ei, b_xt, DOT, EMULATE) * _select_t(b_ej, b_xt, DOT, EMULATE)
+
+
+@triton.jit
+def _select_t(b_e, b_xt, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    """b_e^T [BP, BK] @ b_xt [BK, BT]."""
+    if DOT == tl.float32:
+        return tl.dot(tl.trans(b_e), b_xt, input_precision="tf32x3")
+    return _dot(tl.trans(b_e), b_xt, DOT, EMULATE, "tf32")
 
 
 @triton.jit(do_not_specialize=["T", "T_BUCKET"])
@@ -68,7 +101,7 @@ def _prefix_linear_attention_fwd_kernel(
     s_ob, s_ot, s_oh, s_ov,
     T, T_BUCKET, eps, key_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
     HAS_MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
@@ -83,10 +116,20 @@ def _prefix_linear_attention_fwd_kernel(
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    # 2nd-order feature f = BK * i + j <-> state row 1 + K + K * i + j (only i, j < K exist).
-    o_k2 = tl.arange(0, BK * BK)
-    m_k2 = ((o_k2 // BK) < K) & ((o_k2 % BK) < K)
-    r_k2 = 1 + K + (o_k2 // BK) * K + (o_k2 % BK)
+    # 2nd order, symmetric (KERNELS.md §2.7): K diagonal features x_i**2 (state rows 1 + K + (K + 1) i) and the
+    # K (K - 1) / 2 pairs {i, j}, sqrt(2) x_i x_j (rows 1 + K + K i + j and 1 + K + K j + i), padded to BP. Pair p
+    # is (i, i + d mod K) with i = p mod K, d = p // K + 1: bands d = 1 .. (K - 1) // 2 hold K pairs each and, for
+    # even K, the band d = K / 2 its first K / 2 (the rest repeat them), which is exactly p < K (K - 1) / 2.
+    r_d = 1 + K + o_k * (K + 1)
+    o_p = tl.arange(0, BP)
+    m_p = o_p < (K * (K - 1)) // 2
+    p_i = o_p % K
+    p_j = (p_i + o_p // K + 1) % K
+    r_ij = 1 + K + p_i * K + p_j
+    r_ji = 1 + K + p_j * K + p_i
+    # [BK, BP] 0/1 selection matrices: x @ e_i gathers x_i of every pair on the tensor cores.
+    b_ei = ((o_k[:, None] == p_i[None, :]) & m_p[None, :]).to(tl.float32)
+    b_ej = ((o_k[:, None] == p_j[None, :]) & m_p[None, :]).to(tl.float32)
     m_kk = m_k[:, None] & m_k[None, :]
     r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
     p_m = key_mask + i_b * s_mb
@@ -94,7 +137,8 @@ def _prefix_linear_attention_fwd_kernel(
     # fp32 state; h2 and Z hold sums of k' (x) k' without the 1/sqrt(2) of phi, applied on read and on write.
     b_h0 = tl.zeros([BV], dtype=tl.float32)
     b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
-    b_h2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+    b_hd = tl.zeros([BK, BV], dtype=tl.float32)
+    b_ho = tl.zeros([BP, BV], dtype=tl.float32)
     b_z0 = tl.zeros([1], dtype=tl.float32)
     b_z1 = tl.zeros([BK], dtype=tl.float32)
     b_zz = tl.zeros([BK, BK], dtype=tl.float32)
@@ -103,7 +147,10 @@ def _prefix_linear_attention_fwd_kernel(
         p_s = state_in + p_state
         b_h0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
         b_h1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_h2 += tl.load(p_s + r_k2[:, None] * W + o_v[None, :], mask=m_k2[:, None] & m_v[None, :], other=0.0) * SQRT2
+        b_hd += tl.load(p_s + r_d[:, None] * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0) * SQRT2
+        m_pv = m_p[:, None] & m_v[None, :]
+        b_ho += tl.load(p_s + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
+        b_ho += tl.load(p_s + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
         b_z0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
         b_z1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
         b_zz += tl.load(p_s + r_kk * W + V, mask=m_kk, other=0.0) * SQRT2
@@ -124,7 +171,8 @@ def _prefix_linear_attention_fwd_kernel(
         b_v = tl.where(b_w[:, None], _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev), 0.0)
         b_h0 += tl.sum(b_v, axis=0)
         b_h1 += _dot(tl.trans(b_k), b_v, DOT, EMULATE, PRECISION)
-        b_h2 += _dot(_outer_t(b_k, BT, BK), b_v, DOT, EMULATE, PRECISION)
+        b_hd += _dot(tl.trans(b_k * b_k), b_v, DOT, EMULATE, PRECISION)
+        b_ho += _dot(_pair_features_t(b_k, b_ei, b_ej, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
         b_z1 += tl.sum(b_k, axis=0)
         b_zz += _dot_fp32(tl.trans(b_k), b_k)  # [BK, BK]
@@ -148,7 +196,8 @@ def _prefix_linear_attention_fwd_kernel(
 
         # inter-chunk: the state of everything before the chunk, encoder included. [BT, BV], [BT]
         b_num = b_h0[None, :] + _dot(b_q, b_h1, SDOT, EMULATE, PRECISION)
-        b_num += 0.5 * _dot(_outer(b_q, BT, BK), b_h2, SDOT, EMULATE, PRECISION)
+        b_qo = _pair_features(b_q, b_ei, b_ej, DOT, EMULATE)  # [BT, BP]
+        b_num += 0.5 * (_dot(b_q * b_q, b_hd, SDOT, EMULATE, PRECISION) + _dot(b_qo, b_ho, SDOT, EMULATE, PRECISION))
         b_den = tl.sum(b_z0) + tl.sum(b_q * (b_z1[None, :] + 0.5 * _dot_fp32(b_q, b_zz)), axis=1)
         # intra-chunk: 1 + s + s^2 / 2 on the causal part, counted keys only. [BT, BT]
         b_s = _dot(b_q, tl.trans(b_k), DOT, EMULATE, PRECISION)
@@ -177,16 +226,30 @@ def _prefix_linear_attention_fwd_kernel(
             b_chunk = tl.exp(b_lg * b_len)
             b_h0 = b_h0 * b_chunk
             b_h1 = b_h1 * b_chunk
-            b_h2 = b_h2 * b_chunk
+            b_hd = b_hd * b_chunk
+            b_ho = b_ho * b_chunk
         b_h0 += tl.sum(b_v, axis=0)
         b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
-        b_h2 += _dot(_outer_t(b_kw, BT, BK), b_v, DOT, EMULATE, PRECISION)
+        b_hd += _dot(tl.trans(b_kw * b_kw), b_v, DOT, EMULATE, PRECISION)
+        b_ho += _dot(_pair_features_t(b_kw, b_ei, b_ej, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
 
     # 3. Final state in the cache layout (B, H, F, V + 1); the denominator column is written once, by i_v = 0.
     p_s = state_out + p_state
     tl.store(p_s + o_v, b_h0, mask=m_v)
     tl.store(p_s + (1 + o_k[:, None]) * W + o_v[None, :], b_h1, mask=m_k[:, None] & m_v[None, :])
-    tl.store(p_s + r_k2[:, None] * W + o_v[None, :], b_h2 / SQRT2, mask=m_k2[:, None] & m_v[None, :])
+    tl.store(p_s + r_d[:, None] * W + o_v[None, :], b_hd / SQRT2, mask=m_k[:, None] & m_v[None, :])
+    # S_ij = S_ji = ho / 2 from the keys; an initial state's antisymmetric part (S_ij - S_ji) / 2 passes unchanged.
+    m_pv = m_p[:, None] & m_v[None, :]
+    b_half = b_ho * 0.5
+    if HAS_INITIAL_STATE:
+        p_s0 = state_in + p_state
+        b_anti = 0.5 * (tl.load(p_s0 + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
+                        - tl.load(p_s0 + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0))
+        tl.store(p_s + r_ij[:, None] * W + o_v[None, :], b_half + b_anti, mask=m_pv)
+        tl.store(p_s + r_ji[:, None] * W + o_v[None, :], b_half - b_anti, mask=m_pv)
+    else:
+        tl.store(p_s + r_ij[:, None] * W + o_v[None, :], b_half, mask=m_pv)
+        tl.store(p_s + r_ji[:, None] * W + o_v[None, :], b_half, mask=m_pv)
     if i_v == 0:
         tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_z0)
         tl.store(p_s + (1 + o_k) * W + V, b_z1, mask=m_k)
@@ -236,6 +299,7 @@ def _prefix_linear_attention_fwd(
     decay = state if log_decay is None else log_decay.to(torch.float32).contiguous()
     gate_in = state if gate is None else gate.contiguous()  # (B, T, H)
     BV = max(16, triton.next_power_of_2(V))
+    BP = max(16, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))
 
     def grid(meta):
         return (triton.cdiv(V, BV), B * H)
@@ -245,7 +309,7 @@ def _prefix_linear_attention_fwd(
         state if initial_state is None else initial_state, decay, gate_in, o, state,
         *q.stride(), *k.stride(), *v.stride(), *k_enc.stride(), *v_enc.stride(), *mask_strides, *o.stride(),
         T, triton.next_power_of_2(max(T, 1)), eps, K**-0.25,
-        H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=BV,
+        H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=BV, BP=BP,
         HAS_MASK=key_mask is not None, STRICT=strict, HAS_INITIAL_STATE=initial_state is not None,
         HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **dot_types(v.dtype, INTERPRETED),
     )
