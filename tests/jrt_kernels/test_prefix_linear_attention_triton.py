@@ -99,9 +99,19 @@ def test_matches_oracle_value_dims(device, V):
     assert_matches_oracle(*make_inputs(2, 70, 2, V, 35, device=device))
 
 
-@pytest.mark.parametrize("K", [4, 16], ids=["K4", "K16"])
+@pytest.mark.parametrize("K", [1, 4, 5, 16], ids=["K1", "K4", "K5", "K16"])
 def test_matches_oracle_feature_dims(device, K):
+    """K = 1 has no 2nd-order pairs, K = 5 (odd) only full bands of the pair enumeration, K = 4 / 16 a half band."""
     assert_matches_oracle(*make_inputs(1, 40, 2, 16, 9, K=K, device=device))
+
+
+def test_asymmetric_initial_state_passes_through(device):
+    """The kernel keeps the 2nd order symmetric: an arbitrary initial state's antisymmetric part must reach the final
+    state unchanged, and the outputs must see only its symmetric part (as phi(q) does)."""
+    q, k, v, k_enc, v_enc = make_inputs(2, 40, 2, 16, 9, K=4, device=device, seed=6)
+    generator = torch.Generator().manual_seed(7)
+    initial_state = (torch.randn(2, 2, 21, 17, generator=generator) * 3).to(device)
+    assert_matches_oracle(q, k, v, k_enc, v_enc, initial_state=initial_state)
 
 
 @pytest.mark.parametrize("pad_masking", ["strict", "reference"])
