@@ -247,7 +247,7 @@ def train_step_benchmark(args, device: torch.device, dtype: torch.dtype) -> list
         ) if args.train_length > 64 else modeling_jrt.JRTRNNConfig(  # a tiny model for smoke tests
             vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
             layer_types=["linear_attention", "conv"], feature_dim=4, prefix_length=8, sliding_window=5,
-            linear_attention_implementation=implementation,
+            linear_attention_implementation=implementation, bos_token_id=1, eos_token_id=2, prefix_pad_token_id=3,
         )
         model = modeling_jrt.JRTRNNForCausalLM(config).to(device=device, dtype=dtype).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
