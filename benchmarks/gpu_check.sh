@@ -3,8 +3,9 @@
 #
 #   benchmarks/gpu_check.sh OUT_DIR
 #
-# 1. the kernel tests (tests/kernels), compiled, not interpreted: fp32/bf16/fp16 against the fp64 oracle, and bf16 at
-#    4k tokens against the fp32 PyTorch path (one kernel config, JRT_TRITON_AUTOTUNE=0, so compiling stays short);
+# 1. the kernel tests (tests/jrt_kernels: forward, fused backward, decay/gate, safe fallback), compiled, not
+#    interpreted: fp32/bf16/fp16 against the fp64 oracle, and bf16 at 4k tokens against the fp32 PyTorch path (one
+#    kernel config, JRT_TRITON_AUTOTUNE=0, so compiling stays short);
 # 2. the prefill benchmark at the paper's shapes (B=16, H=16, K=16, V=64, M=N/2, bf16, N=1k..32k; B=2..64 at 16k),
 #    autotuned, then B=1 at 32k with the deployed prefix M=1024.
 # Writes OUT_DIR/env.txt, tests.txt, prefill.txt, prefill.json, prefill_b1.txt, prefill_b1.json, summary.txt.
@@ -43,17 +44,18 @@ if ! "$python" -c "import modeling_jrt, jrt_kernels" > /dev/null 2>&1; then
     exit 3
 fi
 if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "no CUDA device: this script is for a GPU machine (CPU tests: pytest tests/kernels)" | tee "$out/summary.txt"
+    echo "no CUDA device: this script is for a GPU machine (CPU tests: pytest tests/jrt_kernels)" | tee "$out/summary.txt"
     exit 2
 fi
 
 echo "== 1. compiled kernel tests" | tee "$out/tests.txt"
-JRT_TRITON_AUTOTUNE=0 timeout 170 "$python" -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels \
+JRT_TRITON_AUTOTUNE=0 timeout 170 "$python" -m pytest -q -p no:cacheprovider -o addopts="" tests/jrt_kernels \
     2>&1 | tee -a "$out/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== 2. prefill benchmark (paper shapes)" | tee "$out/prefill.txt"
-timeout 200 "$python" benchmarks/prefill.py --batch-sweep --repeats 10 --warmup 3 --json "$out/prefill.json" \
+timeout 240 "$python" benchmarks/prefill.py --batch-sweep --train-step --repeats 10 --warmup 3 \
+    --json "$out/prefill.json" \
     2>&1 | tee -a "$out/prefill.txt"
 bench_rc=${PIPESTATUS[0]}
 

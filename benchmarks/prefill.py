@@ -7,6 +7,9 @@ One run prints, for each shape, the time of
     sdpa        causal `scaled_dot_product_attention` with the same B, H, N and head dim (flash backend on CUDA)
     fla_chunk / fla_parallel   flash-linear-attention's Based kernels (causal, no encoder) when `fla` imports
 and the ratios to SDPA, achieved TFLOP/s and the fraction of the roofline floor (KERNELS.md §3 FLOP/byte model).
+With --backward (the CUDA default) it also times forward + backward (`*_fb` columns: the fused backward for ours,
+the flash backward for SDPA, autograd for chunked and fla). --train-step times a training step of a small model
+(forward + backward + AdamW, tokens per second) with the chunked and the Triton linear attention.
 
     python benchmarks/prefill.py                       # CPU: N = 1k..8k, B = 1, fp32, one thread
     python benchmarks/prefill.py --quick               # a few small shapes
@@ -86,7 +89,8 @@ def time_methods(
             if name in results:  # failed earlier
                 continue
             try:
-                with torch.no_grad(), sdpa_context(device) if name == "sdpa" else contextlib.nullcontext():
+                grad = torch.enable_grad() if name.endswith("_fb") else torch.no_grad()
+                with grad, sdpa_context(device) if name.startswith("sdpa") else contextlib.nullcontext():
                     synchronize(device)
                     start = clock()
                     fn()
@@ -157,6 +161,8 @@ def measure_shape(args, device, dtype, B: int, T: int, kernel, fla) -> dict:
     methods["sdpa"] = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
     for name, fn in fla.items():
         methods[name] = lambda fn=fn: fn(q, k, v)
+    if args.backward:
+        add_backward_methods(methods, args, kernel, fla, (q, k, v, k_enc, v_enc), (qs, ks, vs))
 
     for name, result in time_methods(methods, device, args).items():
         if isinstance(result, str):
@@ -184,7 +190,86 @@ def measure_shape(args, device, dtype, B: int, T: int, kernel, fla) -> dict:
         for name in ("ours", "chunked", "quadratic", "fla_chunk", "fla_parallel"):
             if row.get(name):
                 row[f"sdpa_over_{name}"] = row["sdpa"] / row[name]
+    if row.get("sdpa_fb") and row.get("ours_fb"):
+        row["sdpa_fb_over_ours_fb"] = row["sdpa_fb"] / row["ours_fb"]
     return row
+
+
+def _forward_backward(fn: Callable, inputs: tuple) -> Callable[[], None]:
+    """A method that runs `fn` on leaf copies of `inputs` and back-propagates a fixed output gradient."""
+    leaves = tuple(None if t is None else t.detach().clone().requires_grad_() for t in inputs)
+    first = fn(*leaves)
+    output = first[0] if isinstance(first, tuple) else first
+    grad = torch.randn_like(output)
+
+    def run() -> None:
+        result = fn(*leaves)
+        (result[0] if isinstance(result, tuple) else result).backward(grad)
+        for leaf in leaves:
+            if leaf is not None:
+                leaf.grad = None
+
+    return run
+
+
+def add_backward_methods(methods: dict, args, kernel, fla: dict, pla_inputs: tuple, sdpa_inputs: tuple) -> None:
+    """`*_fb` methods: forward + backward of ours (fused backward on CUDA), chunked, SDPA (flash) and fla."""
+    if args.impl == "triton" and kernel is not None:
+        methods["ours_fb"] = _forward_backward(kernel, pla_inputs)
+    elif args.impl != "triton":
+        methods["ours_fb"] = _forward_backward(prefix_linear_attention_chunked, pla_inputs)
+    if args.impl == "triton" and args.chunked:
+        methods["chunked_fb"] = _forward_backward(prefix_linear_attention_chunked, pla_inputs)
+    with sdpa_context(pla_inputs[0].device):
+        methods["sdpa_fb"] = _forward_backward(
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), sdpa_inputs
+        )
+    for name, fn in fla.items():
+        try:
+            methods[f"{name}_fb"] = _forward_backward(fn, pla_inputs[:3])
+        except Exception as error:  # noqa: BLE001 - an optional baseline without a backward is skipped
+            print(f"# {name} forward+backward unavailable ({type(error).__name__})", file=sys.stderr)
+
+
+def train_step_benchmark(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Tokens per second of a training step (forward, backward, AdamW) of a small JRT-RNN, per implementation."""
+    import modeling_jrt
+
+    implementations = ["chunked", "triton"] if device.type == "cuda" else ["chunked"]
+    rows = []
+    for implementation in implementations:
+        torch.manual_seed(0)
+        config = modeling_jrt.JRTRNNConfig(
+            vocab_size=50304, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=16,
+            layer_types=["conv", "linear_attention", "sliding_attention", "linear_attention"], feature_dim=16,
+            prefix_length=args.train_length // 2, sliding_window=64,
+            linear_attention_implementation=implementation,
+        ) if args.train_length > 64 else modeling_jrt.JRTRNNConfig(  # a tiny model for smoke tests
+            vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            layer_types=["linear_attention", "conv"], feature_dim=4, prefix_length=8, sliding_window=5,
+            linear_attention_implementation=implementation, bos_token_id=1, eos_token_id=2, prefix_pad_token_id=3,
+        )
+        model = modeling_jrt.JRTRNNForCausalLM(config).to(device=device, dtype=dtype).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        length = args.train_length
+        input_ids = torch.randint(4, config.vocab_size, (args.train_batch, length), device=device)
+
+        def step() -> None:
+            loss = model(input_ids, labels=input_ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        result = time_methods({f"train_{implementation}_fb": step}, device, args)[f"train_{implementation}_fb"]
+        row = {"implementation": implementation, "B": args.train_batch, "T": length}
+        if isinstance(result, str):
+            row["error"] = result
+        else:
+            row["ms"] = result
+            row["tokens_per_s"] = args.train_batch * length / (result * 1e-3)
+        rows.append(row)
+        print(f"# train step {implementation}: {row}", flush=True)
+    return rows
 
 
 def format_table(rows: list[dict]) -> str:
@@ -195,6 +280,9 @@ def format_table(rows: list[dict]) -> str:
         ("fla_parallel", "fla parallel ms", "{:.2f}"), ("sdpa_over_ours", "sdpa/ours", "{:.2f}x"),
         ("ours_tflops", "ours TFLOP/s", "{:.3f}"), ("sdpa_tflops", "sdpa TFLOP/s", "{:.3f}"),
         ("ours_pct_floor", "% floor", "{:.1f}"), ("growth", "ours x per 2N", "{:.2f}"),
+        ("ours_fb", "ours fwd+bwd ms", "{:.2f}"), ("chunked_fb", "chunked fwd+bwd ms", "{:.2f}"),
+        ("sdpa_fb", "sdpa fwd+bwd ms", "{:.2f}"), ("fla_chunk_fb", "fla chunk fwd+bwd ms", "{:.2f}"),
+        ("sdpa_fb_over_ours_fb", "sdpa/ours fwd+bwd", "{:.2f}x"),
     ]
     columns = [c for c in columns if any(row.get(c[0]) is not None for row in rows)]
     header = "| " + " | ".join(title for _, title, _ in columns) + " |"
@@ -244,6 +332,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="roofline compute peak (default by GPU)")
     parser.add_argument("--peak-gbps", type=float, default=None, help="roofline bandwidth in GB/s (default by GPU)")
+    parser.add_argument("--backward", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time forward + backward (default: on for CUDA, off on CPU)")
+    parser.add_argument("--train-step", action="store_true",
+                        help="also time a training step of a small model, chunked vs Triton (tokens/s)")
+    parser.add_argument("--train-batch", type=int, default=4)
+    parser.add_argument("--train-length", type=int, default=2048, help="tokens per row (<= 64: a tiny model)")
     parser.add_argument("--quick", action="store_true", help="two short lengths, fewer repeats")
     parser.add_argument("--json", default=None, help="write the environment and every row to this file")
     return parser.parse_args(argv)
@@ -256,6 +350,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     args.batch = args.batch or (16 if cuda else 1)
+    args.backward = cuda if args.backward is None else args.backward
     args.repeats = args.repeats or (20 if cuda else 3)
     args.stat = args.stat or ("median" if cuda else "min")
     args.quadratic_max_gib = args.quadratic_max_gib or (8 if cuda else 2)
@@ -302,10 +397,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"# done B={B} N={T}", file=sys.stderr, flush=True)
     add_growth(rows)
     print(format_table(rows))
+    train_rows = train_step_benchmark(args, device, dtype) if args.train_step else []
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:
-            json.dump({"environment": environment, "arguments": vars(args), "rows": rows}, handle, indent=2)
+            json.dump({"environment": environment, "arguments": vars(args), "rows": rows, "train_steps": train_rows},
+                      handle, indent=2)
         print(f"# wrote {args.json}")
     return rows
 

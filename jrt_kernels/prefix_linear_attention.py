@@ -1,33 +1,40 @@
-"""Fused Triton prefill of prefix linear attention (JRT-RNN) and causal Taylor linear attention (Based).
+"""Fused Triton prefill of prefix linear attention (JRT-RNN) and causal Taylor linear attention (Based), with a
+fused backward (autograd through `torch.library`) and the Based decay / gate.
 
 The math, the state layout, the argument checks and the reference (`prefix_linear_attention_chunked`) are in
 `modeling_jrt.linear_attention` (KERNELS.md §2.1, §2.6). This module imports torch and triton only: the dispatcher
 `modeling_jrt.linear_attention.prefix_linear_attention(..., implementation="triton")` validates the arguments with
 `validate_linear_attention_inputs` and then calls `prefix_linear_attention_triton`, which only asserts them.
-One program per (value block, batch x head) keeps the whole fp32 state on chip and
+One program per batch x head (the whole value dim, so the feature expansions of a chunk are built once) keeps the
+fp32 state on chip and
 
     1. reduces the encoder over the row's range: state = initial_state + sum_{start<=m<end} phi(ke_m) [ve_m, 1]
     2. scans the T decoder tokens in chunks of BT, starting from that state:
-           inter  o_c  = h0 + Q'_c h1 + 1/2 (Q'_c (x) Q'_c) h2                        state of everything before
-           intra  o_c += tril(1 + S + S**2 / 2) [V_c, 1]     S = Q'_c K'_c^T           no (BT, F) features needed
-           update h0 += 1^T V_c,  h1 += K'_c^T V_c,  h2 += (K'_c (x) K'_c)^T V_c        (and z* with V -> 1)
-           y_c = o_c[:, :V] / (o_c[:, V] + eps)
+           inter  num  = h0 + Q'_c h1 + 1/2 (Q'_c**2 hd + P(Q'_c) ho)                 (tensor cores)
+                  den  = z0 + Q'_c z1 + 1/2 rowsum(Q'_c * (Q'_c Z))                   Z = sum k' k'^T, (K, K)
+           intra  num += tril(1 + S + S**2 / 2) V_c,  den += rowsum(tril(...))      S = Q'_c K'_c^T
+           update h0 += 1^T V_c,  h1 += K'_c^T V_c,  hd += (K'_c**2)^T V_c,  ho += P(K'_c)^T V_c,
+                  z0, z1, Z += K'_c^T K'_c
+           y_c = num / (den + eps)
     3. writes the final state (sum over all keys, fp32) in the layout of the generation cache.
 
-Here x' = x / K**(1/4) and (x) is the row-wise outer product, so phi(x) = [1, x', vec(x' x'^T) / sqrt(2)] and
-phi(q).phi(k) = 1 + s + s**2 / 2. The 2nd-order features (BK * BK per token) exist only per chunk, in registers:
-the Taylor feature map is never written to HBM. State and denominators are fp32; only the operands of `tl.dot`
-are cast to the input dtype (KERNELS.md §5). Padded keys are removed in all three orders (strict masking) or,
-with `pad_masking="reference"` and inside the row's encoder range, keep their weight-1 constant term as the original
-code does.
+Here x' = x / K**(1/4), so phi(x) = [1, x', vec(x' x'^T) / sqrt(2)] and phi(q).phi(k) = 1 + s + s**2 / 2. The
+2nd order uses its symmetry (KERNELS.md §2.7): (q.k)**2 = sum_i q_i**2 k_i**2 + sum_{i<j} 2 q_i q_j k_i k_j, so the
+numerator state holds K diagonal rows (hd) and K (K - 1) / 2 pair rows (ho, features P(x) = sqrt(2) x_i x_j,
+gathered by 0/1 selection matmuls): 136 rows instead of 256 for K = 16. The final state is written back in the full
+layout (S_ij = S_ji; an initial state's antisymmetric part passes through). The 2nd-order denominator state is the
+(K, K) matrix Z, so its read and update are two small matmuls instead of reductions over (BT, K**2) tiles. State and denominators are fp32; matmul operands follow `_common` (fp16 inputs multiply the state as
+bf16, which cannot overflow; fp32 inputs run as 3xTF32). Padded keys are removed in all three orders (strict
+masking) or, with `pad_masking="reference"` and inside the row's encoder range, keep their weight-1 constant term.
 
-Scope: forward only (a gradient request raises; training uses the chunked PyTorch path), no Based decay or gate
-(`prefix_linear_attention(..., implementation="auto")` sends those to the chunked path). Inputs are read through
-their strides (no copies). Grid (cdiv(V, BV), B * H); autotuned over a few (BT, BV, warps, stages) per (K, V, dtype)
-unless JRT_TRITON_AUTOTUNE=0.
+Based decay (no encoder): the numerator weights are multiplied by gamma**(i - j) and the state's numerator by gamma
+per token; the gate multiplies each query's numerator. Inputs are read through their strides (no copies).
+Grid (1, B * H); autotuned over a few (BT, warps, stages) per (K, V, dtype, power-of-two bucket of T) unless
+JRT_TRITON_AUTOTUNE=0.
 
 Dims (fla naming): B batch, T decoder length, M encoder length, H heads, K feature dim, V value dim,
-F = 1 + K + K**2 Taylor features; tiles BT (tokens), BK (feature dim, a power of two >= 16), BV (value dim).
+F = 1 + K + K**2 Taylor features; tiles BT (tokens), BK (feature dim, a power of two >= 16), BV (value dim, a
+power of two >= V).
 """
 
 import os
@@ -37,84 +44,54 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from ._common import _dot, _dot_fp32, _key_weights, _tile, dot_types
+from .prefix_linear_attention_backward import prefix_linear_attention_backward
 
-# Few configs (a 15-minute GPU lease must not be spent tuning), keyed on (K, V) and, through the tensor
-# arguments, on the input dtype. h2 is a (BK * BK, BV) fp32 accumulator: 64 registers per thread for
-# BV = 32 on 4 warps, hence 8 warps for BV = 64. The interpreter (CPU tests) gets a single config: BT = 32
-# keeps the per-step numpy cost low, and BV = 64 exercises the value split for V = 112.
+# Few configs (a 15-minute GPU lease must not be spent tuning), chosen from benchmarks/kernel_aot.py (docs/kernels.md):
+# (64, 8 warps) balances spills and instruction issue, (32, 8) has almost no spills, (64, 4) the lowest issue
+# estimate but more spills; the GPU's autotuning decides. 16 warps and BT = 128 spill more (and fall to 64 registers
+# on sm_80). All fit the shared-memory limits of sm_80 and sm_90. The interpreter (CPU tests) gets BT = 32, which
+# keeps the per-step numpy cost low.
 _GPU_CONFIGS = [
-    triton.Config({"BT": BT, "BV": BV}, num_warps=num_warps, num_stages=num_stages)
-    for BT, BV, num_warps, num_stages in [
-        (64, 32, 4, 2),
-        (64, 32, 4, 3),
-        (64, 64, 8, 2),
-        (64, 64, 4, 2),
-        (32, 32, 4, 2),
-        (32, 64, 4, 2),
-        (128, 32, 8, 2),
-        (128, 64, 8, 2),
-    ]
+    triton.Config({"BT": BT}, num_warps=num_warps, num_stages=num_stages)
+    for BT, num_warps, num_stages in [(64, 8, 1), (32, 8, 1), (64, 4, 1), (64, 8, 2)]
 ]
-_INTERPRETER_CONFIGS = [triton.Config({"BT": 32, "BV": 64}, num_warps=4, num_stages=1)]
+_INTERPRETER_CONFIGS = [triton.Config({"BT": 32}, num_warps=4, num_stages=1)]
 
 
 @triton.jit
-def _load_chunk(p_base, o_t, m_t, s_t, o_d, m_d, s_d):
-    """A (BT, BD) tile of a (T, D) slice with strides (s_t, s_d); zeros outside."""
-    p = p_base + o_t[:, None] * s_t + o_d[None, :] * s_d
-    return tl.load(p, mask=m_t[:, None] & m_d[None, :], other=0.0)
+def _select(b_x, b_e, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    """b_x [BT, BK] @ b_e [BK, BP] for a 0/1 selection matrix: gathers columns of b_x on the tensor cores (exact for
+    fp16/bf16 operands; 3xTF32 for fp32, whose error is below fp32 rounding here)."""
+    if DOT == tl.float32:
+        return tl.dot(b_x, b_e, input_precision="tf32x3")
+    return _dot(b_x, b_e, DOT, EMULATE, "tf32")
 
 
 @triton.jit
-def _load_keys_values(
-    p_k, p_v, p_m, o_t, m_t, m_r, s_kt, s_kk, s_vt, s_vv, s_mt, o_k, m_k, o_v, m_v, key_scale,
-    HAS_MASK: tl.constexpr, STRICT: tl.constexpr, DOT_FP32: tl.constexpr,
-):
-    """Scaled keys k' (fp32), values (matmul dtype) and key weights (0/1) of one chunk.
-
-    A padded key has k' = 0 under both maskings. phi(0) = [1, 0, ...] is not 0, so a padded key also gets weight 0,
-    which removes its value and its count (the 0th order), unless the masking is "reference" and the key lies in the
-    row's encoder range (`m_r`): then both stay, as in the original code.
-    """
-    b_w = m_t
-    # [BT, BK]
-    b_k = _load_chunk(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk).to(tl.float32) * key_scale
-    if HAS_MASK:
-        b_m = tl.load(p_m + o_t * s_mt, mask=m_t, other=0) != 0
-        b_k = tl.where(b_m[:, None], b_k, 0.0)
-        if STRICT:
-            b_w = b_w & b_m
-        else:
-            b_w = b_w & (b_m | m_r)
-    # [BT, BV]
-    b_v = _load_chunk(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
-    b_v = tl.where(b_w[:, None], b_v, 0.0).to(tl.float32 if DOT_FP32 else b_v.dtype)
-    return b_k, b_v, b_w
+def _pair_features(b_x, b_ei, b_ej, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    """[BT, BK] -> [BT, BP]: sqrt(2) x_i x_j for the pairs i < j (0 in the padding)."""
+    return 1.4142135623730951 * _select(b_x, b_ei, DOT, EMULATE) * _select(b_x, b_ej, DOT, EMULATE)
 
 
 @triton.jit
-def _outer(b_x, BT: tl.constexpr, BK: tl.constexpr):
-    """Row-wise outer product [BT, BK] -> [BT, BK * BK]: the 2nd-order Taylor features of one chunk, on chip."""
-    return tl.reshape(b_x[:, :, None] * b_x[:, None, :], [BT, BK * BK])
+def _pair_features_t(b_x, b_ei, b_ej, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    """The transposed pair features [BP, BT] (the A operand of the state update), from the small transposes."""
+    b_xt = tl.trans(b_x)
+    return 1.4142135623730951 * _select_t(b_ei, b_xt, DOT, EMULATE) * _select_t(b_ej, b_xt, DOT, EMULATE)
 
 
 @triton.jit
-def _accumulate(b_h0, b_h1, b_h2, b_z0, b_z1, b_z2, b_k, b_k2, b_v, b_w, DOT_PRECISION: tl.constexpr):
-    """state += phi(K_c)^T [V_c, 1], order by order (h2 and z2 without the 1/sqrt(2) of phi)."""
-    b_h0 += tl.sum(b_v.to(tl.float32), axis=0)
-    # [BK, BV]
-    b_h1 += tl.dot(tl.trans(b_k).to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-    # [BK * BK, BV]
-    b_h2 += tl.dot(tl.trans(b_k2).to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-    b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
-    b_z1 += tl.sum(b_k, axis=0)
-    b_z2 += tl.sum(b_k2, axis=0)
-    return b_h0, b_h1, b_h2, b_z0, b_z1, b_z2
+def _select_t(b_e, b_xt, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    """b_e^T [BP, BK] @ b_xt [BK, BT]."""
+    if DOT == tl.float32:
+        return tl.dot(tl.trans(b_e), b_xt, input_precision="tf32x3")
+    return _dot(tl.trans(b_e), b_xt, DOT, EMULATE, "tf32")
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "T_BUCKET"])
 def _prefix_linear_attention_fwd_kernel(
-    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, state_in, o, state_out,
+    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, state_in, log_decay, gate, o, state_out,
     s_qb, s_qt, s_qh, s_qk,
     s_kb, s_kt, s_kh, s_kk,
     s_vb, s_vt, s_vh, s_vv,
@@ -122,11 +99,12 @@ def _prefix_linear_attention_fwd_kernel(
     s_veb, s_vet, s_veh, s_vev,
     s_mb, s_mt,
     s_ob, s_ot, s_oh, s_ov,
-    T, eps, key_scale,
+    T, T_BUCKET, eps, key_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
     HAS_MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
+    DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
@@ -138,28 +116,44 @@ def _prefix_linear_attention_fwd_kernel(
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    # 2nd-order feature f = BK * i + j <-> state row 1 + K + K * i + j (only i, j < K exist).
-    o_k2 = tl.arange(0, BK * BK)
-    m_k2 = ((o_k2 // BK) < K) & ((o_k2 % BK) < K)
-    r_k2 = 1 + K + (o_k2 // BK) * K + (o_k2 % BK)
+    # 2nd order, symmetric (KERNELS.md §2.7): K diagonal features x_i**2 (state rows 1 + K + (K + 1) i) and the
+    # K (K - 1) / 2 pairs {i, j}, sqrt(2) x_i x_j (rows 1 + K + K i + j and 1 + K + K j + i), padded to BP. Pair p
+    # is (i, i + d mod K) with i = p mod K, d = p // K + 1: bands d = 1 .. (K - 1) // 2 hold K pairs each and, for
+    # even K, the band d = K / 2 its first K / 2 (the rest repeat them), which is exactly p < K (K - 1) / 2.
+    r_d = 1 + K + o_k * (K + 1)
+    o_p = tl.arange(0, BP)
+    m_p = o_p < (K * (K - 1)) // 2
+    p_i = o_p % K
+    p_j = (p_i + o_p // K + 1) % K
+    r_ij = 1 + K + p_i * K + p_j
+    r_ji = 1 + K + p_j * K + p_i
+    # [BK, BP] 0/1 selection matrices: x @ e_i gathers x_i of every pair on the tensor cores.
+    b_ei = ((o_k[:, None] == p_i[None, :]) & m_p[None, :]).to(tl.float32)
+    b_ej = ((o_k[:, None] == p_j[None, :]) & m_p[None, :]).to(tl.float32)
+    m_kk = m_k[:, None] & m_k[None, :]
+    r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
     p_m = key_mask + i_b * s_mb
 
-    # fp32 state; h2 and z2 hold sums of k' (x) k' without the 1/sqrt(2) of phi, applied on read and on write.
+    # fp32 state; h2 and Z hold sums of k' (x) k' without the 1/sqrt(2) of phi, applied on read and on write.
     b_h0 = tl.zeros([BV], dtype=tl.float32)
     b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
-    b_h2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+    b_hd = tl.zeros([BK, BV], dtype=tl.float32)
+    b_ho = tl.zeros([BP, BV], dtype=tl.float32)
     b_z0 = tl.zeros([1], dtype=tl.float32)
     b_z1 = tl.zeros([BK], dtype=tl.float32)
-    b_z2 = tl.zeros([BK * BK], dtype=tl.float32)
+    b_zz = tl.zeros([BK, BK], dtype=tl.float32)
     p_state = i_bh.to(tl.int64) * F * W
     if HAS_INITIAL_STATE:
         p_s = state_in + p_state
         b_h0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
         b_h1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_h2 += tl.load(p_s + r_k2[:, None] * W + o_v[None, :], mask=m_k2[:, None] & m_v[None, :], other=0.0) * SQRT2
+        b_hd += tl.load(p_s + r_d[:, None] * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0) * SQRT2
+        m_pv = m_p[:, None] & m_v[None, :]
+        b_ho += tl.load(p_s + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
+        b_ho += tl.load(p_s + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
         b_z0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
         b_z1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
-        b_z2 += tl.load(p_s + r_k2 * W + V, mask=m_k2, other=0.0) * SQRT2
+        b_zz += tl.load(p_s + r_kk * W + V, mask=m_kk, other=0.0) * SQRT2
 
     # 1. Encoder reduction over the row's range [start, end) of the first M tokens: state updates only, no queries,
     #    no causal mask. Chunks are aligned on BT; positions outside the range weigh 0.
@@ -170,61 +164,96 @@ def _prefix_linear_attention_fwd_kernel(
     o_c = tl.arange(0, BT)
     for i_t in range(b_start // BT, tl.cdiv(b_end, BT)):
         o_t = (i_t * BT + o_c).to(tl.int64)
-        m_e = (o_t >= b_start) & (o_t < b_end)
-        b_k, b_v, b_w = _load_keys_values(
-            p_ke, p_ve, p_m, o_t, m_e, m_e, s_ket, s_kek, s_vet, s_vev, s_mt, o_k, m_k, o_v, m_v, key_scale,
-            HAS_MASK, STRICT, DOT_FP32,
-        )
-        b_h0, b_h1, b_h2, b_z0, b_z1, b_z2 = _accumulate(
-            b_h0, b_h1, b_h2, b_z0, b_z1, b_z2, b_k, _outer(b_k, BT, BK), b_v, b_w, DOT_PRECISION
-        )
+        m_t = o_t < b_end
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, b_start, b_end, HAS_MASK, STRICT, True)
+        # [BT, BK] weighted keys (w is 0 or 1), [BT, BV] values
+        b_k = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek) * key_scale, 0.0)
+        b_v = tl.where(b_w[:, None], _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev), 0.0)
+        b_h0 += tl.sum(b_v, axis=0)
+        b_h1 += _dot(tl.trans(b_k), b_v, DOT, EMULATE, PRECISION)
+        b_hd += _dot(tl.trans(b_k * b_k), b_v, DOT, EMULATE, PRECISION)
+        b_ho += _dot(_pair_features_t(b_k, b_ei, b_ej, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
+        b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
+        b_z1 += tl.sum(b_k, axis=0)
+        b_zz += _dot_fp32(tl.trans(b_k), b_k)  # [BK, BK]
 
     # 2. Causal chunk scan over the T decoder tokens, starting from the encoder state.
     p_q = q + i_b * s_qb + i_h * s_qh
     p_k = k + i_b * s_kb + i_h * s_kh
     p_v = v + i_b * s_vb + i_h * s_vh
     p_o = o + i_b * s_ob + i_h * s_oh
+    p_g = gate + (i_b * T * H + i_h)
+    b_lg = tl.load(log_decay + i_h).to(tl.float32) if HAS_DECAY else 0.0
     for i_t in range(0, tl.cdiv(T, BT)):
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, b_start, b_end, HAS_MASK, STRICT, False)
         # [BT, BK]
-        b_q = _load_chunk(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk).to(tl.float32) * key_scale
-        b_k, b_v, b_w = _load_keys_values(
-            p_k, p_v, p_m, o_t, m_t, (o_t >= b_start) & (o_t < b_end), s_kt, s_kk, s_vt, s_vv, s_mt,
-            o_k, m_k, o_v, m_v, key_scale, HAS_MASK, STRICT, DOT_FP32,
-        )
-        # [BT, BK * BK]
-        b_q2 = _outer(b_q, BT, BK)
-        b_k2 = _outer(b_k, BT, BK)
-
-        # inter-chunk: the state of everything before the chunk, encoder included. [BT, BV]
-        b_o = b_h0[None, :] + tl.dot(b_q.to(b_v.dtype), b_h1.to(b_v.dtype), input_precision=DOT_PRECISION)
-        b_o += 0.5 * tl.dot(b_q2.to(b_v.dtype), b_h2.to(b_v.dtype), input_precision=DOT_PRECISION)
-        # [BT]
-        b_z = b_z0 + tl.sum(b_q * b_z1[None, :], axis=1) + 0.5 * tl.sum(b_q2 * b_z2[None, :], axis=1)
-        # intra-chunk: 1 + s + s^2 / 2 on the causal part, valid keys only. [BT, BT]
-        b_s = tl.dot(b_q.to(b_v.dtype), tl.trans(b_k).to(b_v.dtype), input_precision=DOT_PRECISION)
-        b_a = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :], 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
+        b_q = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk) * key_scale
+        b_k = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk) * key_scale, 0.0)
         # [BT, BV]
-        b_o += tl.dot(b_a.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-        b_z += tl.sum(b_a, axis=1)
-        # fp32 division; a row without any valid key gives 0 / (0 + eps) = 0.
-        p_y = p_o + o_t[:, None] * s_ot + o_v[None, :] * s_ov
-        tl.store(p_y, (b_o / (b_z[:, None] + eps)).to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        b_v = tl.where(b_w[:, None], _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv), 0.0)
 
-        b_h0, b_h1, b_h2, b_z0, b_z1, b_z2 = _accumulate(
-            b_h0, b_h1, b_h2, b_z0, b_z1, b_z2, b_k, b_k2, b_v, b_w, DOT_PRECISION
-        )
+        # inter-chunk: the state of everything before the chunk, encoder included. [BT, BV], [BT]
+        b_num = b_h0[None, :] + _dot(b_q, b_h1, SDOT, EMULATE, PRECISION)
+        b_qo = _pair_features(b_q, b_ei, b_ej, DOT, EMULATE)  # [BT, BP]
+        b_num += 0.5 * (_dot(b_q * b_q, b_hd, SDOT, EMULATE, PRECISION) + _dot(b_qo, b_ho, SDOT, EMULATE, PRECISION))
+        b_den = tl.sum(b_z0) + tl.sum(b_q * (b_z1[None, :] + 0.5 * _dot_fp32(b_q, b_zz)), axis=1)
+        # intra-chunk: 1 + s + s^2 / 2 on the causal part, counted keys only. [BT, BT]
+        b_s = _dot(b_q, tl.trans(b_k), DOT, EMULATE, PRECISION)
+        b_a = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :], 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
+        b_den += tl.sum(b_a, axis=1)
+        if HAS_DECAY:
+            b_num = b_num * tl.exp(b_lg * (o_c + 1).to(tl.float32))[:, None]  # the state is gamma**(p + 1) old
+            b_gap = tl.exp(b_lg * tl.maximum(o_c[:, None] - o_c[None, :], 0).to(tl.float32))  # gamma**(i - j)
+            b_num += _dot(b_a * b_gap, b_v, DOT, EMULATE, PRECISION)
+        else:
+            b_num += _dot(b_a, b_v, DOT, EMULATE, PRECISION)
+        if HAS_GATE:
+            b_num = b_num * tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)[:, None]
+        # fp32 division; a row without any counted key gives 0 / (0 + eps) = 0.
+        p_y = p_o + o_t[:, None] * s_ot + o_v[None, :] * s_ov
+        tl.store(p_y, (b_num / (b_den[:, None] + eps)).to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+        # state update with the chunk's counted keys; decayed: gamma**L old + gamma**(L - 1 - p) new
+        b_kw = tl.where(b_w[:, None], b_k, 0.0)
+        b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
+        b_z1 += tl.sum(b_kw, axis=0)
+        b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
+        if HAS_DECAY:
+            b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
+            b_v = b_v * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[:, None]
+            b_chunk = tl.exp(b_lg * b_len)
+            b_h0 = b_h0 * b_chunk
+            b_h1 = b_h1 * b_chunk
+            b_hd = b_hd * b_chunk
+            b_ho = b_ho * b_chunk
+        b_h0 += tl.sum(b_v, axis=0)
+        b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
+        b_hd += _dot(tl.trans(b_kw * b_kw), b_v, DOT, EMULATE, PRECISION)
+        b_ho += _dot(_pair_features_t(b_kw, b_ei, b_ej, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
 
     # 3. Final state in the cache layout (B, H, F, V + 1); the denominator column is written once, by i_v = 0.
     p_s = state_out + p_state
     tl.store(p_s + o_v, b_h0, mask=m_v)
     tl.store(p_s + (1 + o_k[:, None]) * W + o_v[None, :], b_h1, mask=m_k[:, None] & m_v[None, :])
-    tl.store(p_s + r_k2[:, None] * W + o_v[None, :], b_h2 / SQRT2, mask=m_k2[:, None] & m_v[None, :])
+    tl.store(p_s + r_d[:, None] * W + o_v[None, :], b_hd / SQRT2, mask=m_k[:, None] & m_v[None, :])
+    # S_ij = S_ji = ho / 2 from the keys; an initial state's antisymmetric part (S_ij - S_ji) / 2 passes unchanged.
+    m_pv = m_p[:, None] & m_v[None, :]
+    b_half = b_ho * 0.5
+    if HAS_INITIAL_STATE:
+        p_s0 = state_in + p_state
+        b_anti = 0.5 * (tl.load(p_s0 + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
+                        - tl.load(p_s0 + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0))
+        tl.store(p_s + r_ij[:, None] * W + o_v[None, :], b_half + b_anti, mask=m_pv)
+        tl.store(p_s + r_ji[:, None] * W + o_v[None, :], b_half - b_anti, mask=m_pv)
+    else:
+        tl.store(p_s + r_ij[:, None] * W + o_v[None, :], b_half, mask=m_pv)
+        tl.store(p_s + r_ji[:, None] * W + o_v[None, :], b_half, mask=m_pv)
     if i_v == 0:
         tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_z0)
         tl.store(p_s + (1 + o_k) * W + V, b_z1, mask=m_k)
-        tl.store(p_s + r_k2 * W + V, b_z2 / SQRT2, mask=m_k2)
+        tl.store(p_s + r_kk * W + V, b_zz / SQRT2, mask=m_kk)
 
 
 # TRITON_INTERPRET=1 when this module is first imported makes `triton.jit` return the CPU interpreter's function.
@@ -233,7 +262,7 @@ INTERPRETED = isinstance(_prefix_linear_attention_fwd_kernel, InterpretedFunctio
 AUTOTUNE = os.environ.get("JRT_TRITON_AUTOTUNE", "1") != "0"
 _prefix_linear_attention_fwd_kernel = triton.autotune(
     configs=_INTERPRETER_CONFIGS if INTERPRETED else (_GPU_CONFIGS if AUTOTUNE else _GPU_CONFIGS[:1]),
-    key=["K", "V"],
+    key=["K", "V", "T_BUCKET"],
 )(_prefix_linear_attention_fwd_kernel)
 
 
@@ -251,6 +280,8 @@ def _prefix_linear_attention_fwd(
     encoder_end: torch.Tensor,
     key_mask: torch.Tensor | None,
     initial_state: torch.Tensor | None,
+    log_decay: torch.Tensor | None,
+    gate: torch.Tensor | None,
     strict: bool,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,29 +290,55 @@ def _prefix_linear_attention_fwd(
     V = v.shape[-1]
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     state = torch.empty(B, H, 1 + K + K * K, V + 1, dtype=torch.float32, device=v.device)
-    # Absent optional tensors: never read (empty encoder ranges, HAS_MASK / HAS_INITIAL_STATE False).
+    # Absent optional tensors: never read (empty encoder ranges, HAS_* flags False); any pointer will do.
     k_enc = k if k_enc is None else k_enc
     v_enc = v if v_enc is None else v_enc
     mask = q if key_mask is None else key_mask.view(torch.uint8)
     initial_state = None if initial_state is None else initial_state.contiguous()  # small: 70 KB per (b, h)
     mask_strides = (0, 0) if key_mask is None else mask.stride()
+    decay = state if log_decay is None else log_decay.to(torch.float32).contiguous()
+    gate_in = state if gate is None else gate.contiguous()  # (B, T, H)
+    BV = max(16, triton.next_power_of_2(V))
+    BP = max(16, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))
 
     def grid(meta):
-        return (triton.cdiv(V, meta["BV"]), B * H)
+        return (triton.cdiv(V, BV), B * H)
 
     torch.library.wrap_triton(_prefix_linear_attention_fwd_kernel)[grid](
         q, k, v, k_enc, v_enc, encoder_start, encoder_end, mask,
-        state if initial_state is None else initial_state, o, state,
+        state if initial_state is None else initial_state, decay, gate_in, o, state,
         *q.stride(), *k.stride(), *v.stride(), *k_enc.stride(), *v_enc.stride(), *mask_strides, *o.stride(),
-        T, eps, K**-0.25,
-        H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)),
+        T, triton.next_power_of_2(max(T, 1)), eps, K**-0.25,
+        H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=BV, BP=BP,
         HAS_MASK=key_mask is not None, STRICT=strict, HAS_INITIAL_STATE=initial_state is not None,
-        # Matmul operands are cast to the input dtype, except in the interpreter with bf16 (triton 3.9 multiplies
-        # the raw uint16 bits there): fp32 operands, i.e. the same loads and stores with exact products.
-        DOT_FP32=v.dtype == torch.float32 or (INTERPRETED and v.dtype == torch.bfloat16),
-        DOT_PRECISION="ieee" if v.dtype == torch.float32 else "tf32",
+        HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **dot_types(v.dtype, INTERPRETED),
     )
     return o, state
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
+    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, strict, eps = inputs
+    ctx.save_for_backward(q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate)
+    ctx.strict, ctx.eps = strict, eps
+
+
+def _backward(ctx, grad_output: torch.Tensor | None, grad_state: torch.Tensor | None) -> tuple:
+    """The fused backward (`prefix_linear_attention_backward`): gradients of q, k, v, k_enc, v_enc, initial_state
+    and gate; none for the encoder range, the key mask, the (fixed) decay and the flags."""
+    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate = ctx.saved_tensors
+    if grad_output is None:
+        grad_output = torch.zeros_like(v)
+    dq, dk, dv, dk_enc, dv_enc, dinitial, dgate = prefix_linear_attention_backward(
+        q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start, encoder_end=encoder_end,
+        key_mask=key_mask, strict=ctx.strict, initial_state=initial_state, log_decay=log_decay, gate=gate,
+        eps=ctx.eps,
+    )
+    return dq, dk, dv, dk_enc, dv_enc, None, None, None, dinitial, None, dgate, None, None
+
+
+torch.library.register_autograd(
+    "jrt_kernels::prefix_linear_attention_fwd", _backward, setup_context=_setup_context
+)
 
 
 def prefix_linear_attention_triton(
@@ -303,9 +360,10 @@ def prefix_linear_attention_triton(
     """Fused prefill of prefix linear attention (JRT-RNN) or, with `k_enc = v_enc = None`, causal Based attention.
 
     The keyword signature and the results of `modeling_jrt.linear_attention.prefix_linear_attention_chunked` (its
-    reference), forward only. Call it through `prefix_linear_attention(..., implementation="triton")`, which checks
-    the arguments (`validate_linear_attention_inputs`: shapes, the encoder range) and passes them normalised; this
-    function only asserts them. Inputs may be any strided views (e.g. heads split from a fused projection).
+    reference), differentiable (a fused backward kernel, registered with `torch.library.register_autograd`).
+    Call it through `prefix_linear_attention(..., implementation="triton")`, which checks the arguments
+    (`validate_linear_attention_inputs`: shapes, the encoder range) and passes them normalised; this function only
+    asserts them. Inputs may be any strided views (e.g. heads split from a fused projection).
 
     Args:
         q, k: `(B, T, H, K)` decoder queries and keys (fp32, bf16 or fp16, one dtype for every input).
@@ -317,25 +375,23 @@ def prefix_linear_attention_triton(
         pad_masking: `"strict"` (a pad contributes nothing) or `"reference"` (a pad inside the encoder range keeps
             its constant term).
         initial_state: `(B, H, F, V + 1)` fp32 state of earlier tokens, or None.
-        log_decay, gate: the Based decay variant; not supported by the kernel (must be None).
+        log_decay: `(H,)` log gamma of the Based fixed decay (no gradient), or None; not with an encoder.
+        gate: `(B, T, H)` Based numerator gate, or None.
         eps: added to the fp32 denominator.
 
     Returns:
         `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) fp32)`.
 
     Raises:
-        ValueError: what the kernel does not support (decay, gate, dtype, device) with the way out.
-        RuntimeError: a gradient is required (the kernel has no backward).
+        ValueError: what the kernel does not support (dtype, device) with the way out.
     """
-    if log_decay is not None or gate is not None:
-        raise ValueError(
-            "The Triton prefill kernel does not implement the Based decay (log_decay) or gate: use "
-            "implementation='chunked' (implementation='auto' does so automatically)."
-        )
     B, T, H, K = q.shape
     M = 0 if k_enc is None else k_enc.shape[1]
     assert pad_masking in PAD_MASKINGS and k.shape == q.shape and v.shape[:3] == q.shape[:3] and M <= T
     assert key_mask is None or (key_mask.dtype == torch.bool and key_mask.shape == (B, T))
+    assert k_enc is None or (log_decay is None and gate is None), "the Based decay has no encoder"
+    assert log_decay is None or log_decay.shape == (H,)
+    assert gate is None or gate.shape == (B, T, H)
     if encoder_start is None or k_enc is None:
         encoder_start = torch.zeros(B, dtype=torch.long, device=q.device)
     if encoder_end is None or k_enc is None:
@@ -351,7 +407,8 @@ def prefix_linear_attention_triton(
         raise ValueError(
             f"The Triton prefill kernel keeps its state in fp32; got an {initial_state.dtype} initial_state."
         )
-    tensors = [t for t in (*inputs, key_mask, initial_state, encoder_start, encoder_end) if t is not None]
+    tensors = [t for t in (*inputs, key_mask, initial_state, encoder_start, encoder_end, log_decay, gate)
+               if t is not None]
     if any(t.device != q.device for t in tensors):
         raise ValueError(f"All inputs must be on one device; got {sorted({str(t.device) for t in tensors})}.")
     if q.device.type != "cuda" and not INTERPRETED:
@@ -359,13 +416,9 @@ def prefix_linear_attention_triton(
             f"The Triton prefill kernel runs on CUDA tensors (got {q.device}); on CPU use implementation='chunked', "
             "or set TRITON_INTERPRET=1 before importing triton to run it in the interpreter (tests)."
         )
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise RuntimeError(
-            "The Triton prefill kernel has no backward: use implementation='chunked' (or 'auto') when gradients "
-            "are needed, or run under torch.no_grad()."
-        )
     return _prefix_linear_attention_fwd(
-        q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, pad_masking == "strict", float(eps)
+        q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate,
+        pad_masking == "strict", float(eps),
     )
 
 

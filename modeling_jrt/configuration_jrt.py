@@ -127,8 +127,9 @@ class JRTRNNConfig(PreTrainedConfig):
         use_decay_proj: Input-dependent gate `g = x W` (one value per head, unbounded) on the numerator
             (based-360M-30B). Only with `linear_attention_type="causal"`.
         linear_attention_eps: Added to the linear-attention denominator (1e-12 as in the reference).
-        linear_attention_implementation: Prefill implementation: `"auto"` (Triton kernel on CUDA without gradients,
-            chunked PyTorch otherwise), `"chunked"`, `"triton"` or `"quadratic"` (the O(N^2) oracle; tests only).
+        linear_attention_implementation: Prefill implementation: `"auto"` (the Triton kernel on CUDA, forward and
+            backward, with a one-time warning and the chunked path if it fails to compile or launch there; chunked
+            PyTorch on CPU), `"chunked"`, `"triton"` or `"quadratic"` (the O(N^2) oracle; tests only).
         linear_attention_chunk_size: Chunk length of the chunked PyTorch prefill.
         mask_token_id: The [MASK] id of the JRT masked-LM objective (50263 in the released models), or None.
             `generate()` never samples it.

@@ -51,8 +51,9 @@ them once for every implementation (the Triton kernel too: the dispatcher valida
 Implementations behind `prefix_linear_attention(..., implementation=...)`:
     "quadratic"  materialises the (T, T) weights and the full feature map: the oracle of the tests (use fp64).
     "chunked"    O(T) time, O(state) memory chunked scan in PyTorch; the encoder sum is its initial state.
-    "triton"     the fused GPU kernel of `jrt_kernels` (optional dependency).
-    "auto"       "triton" on CUDA tensors when no gradient is needed and the kernel imports, else "chunked".
+    "triton"     the fused GPU kernel of `jrt_kernels` (optional dependency; forward and backward, decay and gate).
+    "auto"       "triton" on CUDA tensors when the kernel imports, else "chunked"; a kernel that fails to compile or
+                 launch on the device warns once and the call (and every later one) runs "chunked".
 """
 
 from __future__ import annotations
@@ -573,17 +574,23 @@ def _load_triton_prefill():
     return prefix_linear_attention_triton
 
 
+# Set when the kernel failed to compile or launch under "auto": later "auto" calls go straight to "chunked".
+_triton_failure: str | None = None
+
+
 def resolve_implementation(
-    implementation: str, q: torch.Tensor, needs_grad: bool, *, has_decay: bool = False
+    implementation: str, q: torch.Tensor, needs_grad: bool = False, *, has_decay: bool = False
 ) -> str:
     """Pick the prefill implementation.
 
     An explicit `implementation` wins; `"auto"` can be overridden by the environment variable
     `JRT_LINEAR_ATTENTION_IMPL` (`chunked` | `triton` | `quadratic`); otherwise `"auto"` picks `"triton"` for CUDA
-    tensors when no gradient is needed, there is no Based decay or gate (`has_decay`, which the kernel does not
-    implement) and the kernel imports, and `"chunked"` everywhere else. A forced `"triton"` also accepts CPU
-    tensors, which the kernel runs in triton's interpreter when `TRITON_INTERPRET=1` (tests).
+    tensors when the kernel imports and has not failed on this device before (`prefix_linear_attention` falls back
+    then), and `"chunked"` everywhere else (the CPU default). The kernel has a fused backward and the Based decay and
+    gate, so neither `needs_grad` nor `has_decay` changes the choice any more (both kept for callers). A forced
+    `"triton"` also accepts CPU tensors, which the kernel runs in triton's interpreter when `TRITON_INTERPRET=1`.
     """
+    del needs_grad, has_decay  # the kernel covers training and the decay variants
     allowed = ("auto", "chunked", "triton", "quadratic")
     if implementation not in allowed:
         raise ValueError(f"implementation must be one of {list(allowed)}, got {implementation!r}.")
@@ -594,20 +601,36 @@ def resolve_implementation(
                 raise ValueError(f"{IMPLEMENTATION_ENV_VAR} must be one of {list(allowed)}, got {forced!r}.")
             implementation = forced
     if implementation == "auto":
-        if q.is_cuda and not needs_grad and not has_decay and _load_triton_prefill() is not None:
+        if q.is_cuda and _triton_failure is None and _load_triton_prefill() is not None:
             return "triton"
         return "chunked"
-    if implementation == "triton":
-        if _load_triton_prefill() is None:
-            raise RuntimeError(
-                "implementation='triton' needs the fused kernel: install it with `pip install 'jrt-rnn[triton]'` "
-                "(the `jrt_kernels` package and triton), or use implementation='chunked'."
-            )
-        if needs_grad:
-            raise RuntimeError(
-                "The Triton prefill kernel has no backward: use implementation='chunked' (or 'auto') for training."
-            )
+    if implementation == "triton" and _load_triton_prefill() is None:
+        raise RuntimeError(
+            "implementation='triton' needs the fused kernel: install it with `pip install 'jrt-rnn[triton]'` "
+            "(the `jrt_kernels` package and triton), or use implementation='chunked'."
+        )
     return implementation
+
+
+def _run_triton_or_fall_back(explicit: bool, run_triton, run_chunked) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel; under "auto", a kernel that fails to compile or launch here warns once and runs chunked.
+
+    The failures are of many types (triton's CompilationError / OutOfResources / PTXASError, RuntimeError from the
+    driver or an unsupported architecture), hence `except Exception`. An explicit "triton" re-raises.
+    """
+    global _triton_failure
+    if explicit:
+        return run_triton()
+    try:
+        return run_triton()
+    except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
+        _triton_failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        logger.warning_once(
+            f"The fused Triton linear-attention kernel failed on this device ({_triton_failure[:300]}). Falling back "
+            "to the PyTorch implementation for the rest of this process; set "
+            "linear_attention_implementation='chunked' in the config to skip the kernel, or 'triton' to see the error."
+        )
+    return run_chunked()
 
 
 def prefix_linear_attention(
@@ -654,10 +677,7 @@ def prefix_linear_attention(
         q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
         pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate,
     )
-    tensors = (q, k, v, k_enc, v_enc, gate, initial_state)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    has_decay = log_decay is not None or gate is not None
-    chosen = resolve_implementation(implementation, q, needs_grad, has_decay=has_decay)
+    chosen = resolve_implementation(implementation, q)
     kwargs = dict(
         encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask, pad_masking=pad_masking,
         initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps,
@@ -665,7 +685,12 @@ def prefix_linear_attention(
     if chosen == "quadratic":
         return prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
     if chosen == "triton":
-        return _load_triton_prefill()(q, k, v, k_enc, v_enc, **kwargs)
+        explicit = implementation == "triton" or os.environ.get(IMPLEMENTATION_ENV_VAR, "").strip().lower() == "triton"
+        return _run_triton_or_fall_back(
+            explicit,
+            lambda: _load_triton_prefill()(q, k, v, k_enc, v_enc, **kwargs),
+            lambda: prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, chunk_size=chunk_size, **kwargs),
+        )
     return prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, chunk_size=chunk_size, **kwargs)
 
 

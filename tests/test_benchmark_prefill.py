@@ -52,3 +52,21 @@ def test_flop_model_matches_kernels_md(prefill_benchmark):
     encoder = prefill_benchmark.pla_flops(0, 1, 16, 64)
     assert decoder == pytest.approx(80.8e3, rel=0.01)
     assert encoder == pytest.approx(35.2e3, rel=0.01)
+
+
+def test_prefill_benchmark_forward_backward_and_train_step(prefill_benchmark, tmp_path, capsys):
+    """--backward adds the forward+backward columns; --train-step times a (quick, tiny) training step."""
+    output = tmp_path / "prefill.json"
+    prefill_benchmark.main([
+        "--device", "cpu", "--impl", "chunked", "--seq-lens", "32", "--heads", "2", "--head-dim", "16",
+        "--repeats", "1", "--warmup", "0", "--no-quadratic", "--backward", "--train-step",
+        "--train-length", "32", "--train-batch", "2", "--json", str(output),
+    ])
+    table = capsys.readouterr().out
+    assert "| ours fwd+bwd ms |" in table and "sdpa/ours fwd+bwd" in table
+    result = json.loads(output.read_text())
+    row = result["rows"][0]
+    assert row["ours_fb"] > 0 and row["sdpa_fb"] > 0
+    assert row["sdpa_fb_over_ours_fb"] == pytest.approx(row["sdpa_fb"] / row["ours_fb"])
+    (train,) = result["train_steps"]
+    assert train["implementation"] == "chunked" and train["tokens_per_s"] > 0

@@ -1,0 +1,423 @@
+"""Ahead-of-time build report of the Triton kernels: registers, spills, shared memory and SASS loops, no GPU needed.
+
+Every kernel of `jrt_kernels` is compiled for sm_90 and sm_80 (one build per autotune config) from the exact
+arguments its launcher passes: the launcher runs on small CPU tensors with the paper's B, H, K and V (strides and
+constexprs are what the real call specialises on; T and M are not specialised), the launch is intercepted, and
+triton's own binder turns the arguments into the compile signature. Then
+
+    ptxas -v        registers per thread, spill stores/loads, stack frame (spills make slow local-memory traffic)
+    metadata        shared memory per program, checked against the architecture's per-block limit
+    nvdisasm        the cubin's SASS; loops are the ranges closed by a backward branch. Each top-level loop is
+                    counted by instruction class (tensor core, fp32, integer/move, shuffles, shared/global/local
+                    memory, control) so that CUDA-core work and spill traffic inside the hot loops are visible.
+
+Issue estimate: a warp issues at most one instruction per cycle per scheduler (4 per SM). For one program,
+instructions = prologue/epilogue + sum over loops (trip count x loop length), times num_warps, times the number of
+programs, divided by SMs x 4 x clock. It ignores latency and tensor-core occupancy (so it is a lower bound for a
+kernel limited by issue), next to the tensor-core floor (FLOPs / dense bf16 peak) and the memory floor
+(bytes / HBM bandwidth); the largest of the three is the best time this build can reach.
+
+    python benchmarks/kernel_aot.py                          # every kernel, config, arch, dtype and variant
+    python benchmarks/kernel_aot.py --arch 90 --dtype bf16   # a subset
+    python benchmarks/kernel_aot.py --json aot.json          # also write every row as JSON
+
+Needs only triton (with its bundled ptxas/nvdisasm) and torch; TRITON_INTERPRET must be unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, without its warning
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+# Per architecture: max dynamic shared memory per block (bytes), SMs, boost clock (Hz), dense bf16 peak, HBM B/s.
+ARCHS = {
+    90: dict(name="sm_90 (H100 SXM)", smem=232448, sms=132, clock=1.98e9, peak=989e12, bandwidth=3.35e12),
+    80: dict(name="sm_80 (A100 SXM)", smem=166912, sms=108, clock=1.41e9, peak=312e12, bandwidth=2.0e12),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PAPER = dict(B=16, H=16, K=16, V=64)
+PAPER_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+
+# SASS opcode (first dot-separated part) -> class.
+CLASSES = {
+    "tensor": {"HMMA", "HGMMA", "IMMA", "BMMA", "QGMMA", "UTCHMMA"},
+    "fp32": {"FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "FSETP", "MUFU", "FCHK", "FSET", "FSWZADD"},
+    "convert": {"F2F", "F2FP", "F2I", "I2F", "I2FP", "HADD2", "HMUL2", "HFMA2", "PRMT"},
+    "shuffle": {"SHFL"},
+    "global": {"LDG", "STG", "LDGSTS", "LDGDEPBAR", "RED", "ATOM", "ATOMG", "REDG", "UTMALDG", "UTMASTG", "UBLKCP"},
+    "shared": {"LDS", "STS", "LDSM", "STSM", "ATOMS"},
+    "local": {"LDL", "STL"},
+    "sync": {"BAR", "DEPBAR", "WARPSYNC", "WARPGROUP", "SYNCS", "MEMBAR", "ARRIVES", "FENCE", "BSYNC", "BSSY"},
+    "control": {"BRA", "EXIT", "RET", "CALL", "JMP", "NOP", "BPT"},
+}
+OPCODE_CLASS = {opcode: name for name, opcodes in CLASSES.items() for opcode in opcodes}
+CLASS_ORDER = ["tensor", "fp32", "int", "convert", "shuffle", "global", "shared", "local", "sync", "control"]
+
+
+# ----------------------------------------------------------------------------------------------- capture and build
+
+
+@dataclasses.dataclass
+class Launch:
+    """One intercepted kernel launch: the (autotuned) kernel, its arguments and its grid."""
+
+    kernel: Autotuner | JITFunction
+    args: tuple
+    kwargs: dict
+    grid: Callable | tuple
+
+
+def capture_launches(kernels: list[Autotuner | JITFunction], call: Callable[[], object]) -> list[Launch]:
+    """Run `call` with the kernels' launches replaced by a recorder; return the launches in order."""
+    launches: list[Launch] = []
+    saved = []
+    for kernel in kernels:
+        saved.append((kernel, kernel.__dict__.get("run")))
+
+        def record(*args, grid, warmup=False, _kernel=kernel, **kwargs):
+            launches.append(Launch(_kernel, args, kwargs, grid))
+
+        kernel.run = record
+    try:
+        call()
+    finally:
+        for kernel, run in saved:
+            if run is None:
+                del kernel.run
+            else:
+                kernel.run = run
+    return launches
+
+
+def configs_of(launch: Launch) -> list[triton.Config]:
+    """The autotune configs, or the launch's own options for a plain jit kernel."""
+    if isinstance(launch.kernel, Autotuner):
+        return list(launch.kernel.configs)
+    options = {name: launch.kwargs.pop(name) for name in ("num_warps", "num_stages") if name in launch.kwargs}
+    return [triton.Config({}, **options)]
+
+
+def kernel_name(launch: Launch) -> str:
+    fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
+    return fn.__name__
+
+
+def compile_launch(launch: Launch, config: triton.Config, arch: int):
+    """Compile one launch with one config for `arch` exactly as triton's JIT would; returns the CompiledKernel."""
+    fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = {**launch.kwargs, **config.all_kwargs()}
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def _nvidia_tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def ptxas_report(ptx: str, arch: int) -> dict[str, int]:
+    """Registers, spill bytes and stack frame from `ptxas -v` with the flags triton uses."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    gpu_name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as handle:
+            handle.write(ptx)
+        command = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu_name}", path,
+                   "-o", path + ".o"]
+        log = subprocess.run(command, check=True, capture_output=True, text=True).stderr
+
+    def number(pattern: str) -> int:
+        match = re.search(pattern, log)
+        return int(match.group(1)) if match else 0
+
+    return dict(
+        registers=number(r"Used (\d+) registers"),
+        spill_stores=number(r"(\d+) bytes spill stores"),
+        spill_loads=number(r"(\d+) bytes spill loads"),
+        stack=number(r"(\d+) bytes stack frame"),
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ SASS loops
+
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(\S*)\s*(.*?);")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+def parse_sass(sass: str) -> list[tuple[int, str, str]]:
+    """nvdisasm text -> [(address, opcode, branch target label or "")], labels resolved to addresses later."""
+    instructions = []
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    for line in sass.splitlines():
+        label = _LABEL.match(line.strip())
+        if label:
+            pending.append(label.group(1))
+            continue
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        address = int(match.group(1), 16)
+        for name in pending:
+            labels[name] = address
+        pending = []
+        target = _TARGET.search(match.group(4))
+        instructions.append((address, match.group(2), target.group(1) if target else ""))
+    return [(address, opcode, str(labels.get(target, -1)) if target else "") for address, opcode, target in
+            instructions]
+
+
+def classify(opcode: str) -> str:
+    return OPCODE_CLASS.get(opcode, "int")
+
+
+def sass_loops(sass: str) -> tuple[list[dict], dict[str, int]]:
+    """Top-level loops (ranges closed by a backward branch, not nested in another) and the whole kernel's mix.
+
+    Returns ([{"start", "end", "count", "mix"} per loop in address order], mix of the whole kernel), where a mix
+    maps an instruction class to its count.
+    """
+    instructions = parse_sass(sass)
+    ranges = []
+    for address, opcode, target in instructions:
+        if opcode == "BRA" and target and 0 <= int(target) < address:  # not the trailing `BRA self` trap
+            ranges.append((int(target), address))
+    top = [r for r in ranges if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in ranges)]
+    top = sorted(set(top))
+    loops = []
+    for start, end in top:
+        mix = collections.Counter(classify(op) for address, op, _ in instructions if start <= address <= end)
+        loops.append(dict(start=start, end=end, count=sum(mix.values()), mix=dict(mix)))
+    whole = collections.Counter(classify(op) for _, op, _ in instructions)
+    return loops, dict(whole)
+
+
+# ------------------------------------------------------------------------------------------------------ the cases
+
+
+@dataclasses.dataclass
+class Case:
+    """A kernel launch to build: how to trigger it, and its per-program loop trip counts and grid at a shape.
+
+    `trips(kernel, meta, T, M)` gives the trip count of each top-level loop of the named kernel in source order;
+    `programs(meta, B, H, T, M)` the number of programs. `flops(T, M)` / `bytes(T, M, element_size)` per
+    (batch, head) give the floors of the whole case (all its launches).
+    """
+
+    name: str
+    kernels: Callable[[], list]
+    launch: Callable[[torch.dtype, bool], None]
+    trips: Callable[[str, dict, int, int], list[int]]
+    programs: Callable[[dict, int, int, int, int], int]
+    flops: Callable[[int, int], float]
+    bytes: Callable[[int, int, int], float]
+
+
+def _pla_flops(T: int, M: int, K: int = 16, V: int = 64, chunk: int = 64) -> float:
+    """Chunked-algorithm FLOPs per (batch, head) (benchmarks/prefill.py's model, KERNELS.md §2.1)."""
+    update = 2 * (K + K * K) * (V + 1)
+    return T * (2 * chunk * (K + V + 1) + 2 * update) + M * update
+
+
+def _pla_bytes(T: int, M: int, element_size: int, K: int = 16, V: int = 64) -> float:
+    return (T * (2 * K + 2 * V) + M * (K + V)) * element_size + (1 + K + K * K) * (V + 1) * 4
+
+
+def _forward_case() -> Case:
+    from jrt_kernels import prefix_linear_attention as module
+
+    def launch(dtype: torch.dtype, padded: bool) -> None:
+        B, H, K, V = PAPER["B"], PAPER["H"], PAPER["K"], PAPER["V"]
+        T, M = 64, 32
+        q, k = torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype)
+        v = torch.randn(B, T, H, V, dtype=dtype)
+        k_enc, v_enc = torch.randn(B, M, H, K, dtype=dtype), torch.randn(B, M, H, V, dtype=dtype)
+        mask = torch.ones(B, T, dtype=torch.bool) if padded else None
+        state = torch.zeros(B, H, 1 + K + K * K, V + 1) if padded else None
+        start, end = torch.zeros(B, dtype=torch.long), torch.full((B,), M, dtype=torch.long)
+        module._prefix_linear_attention_fwd(q, k, v, k_enc, v_enc, start, end, mask, state, None, None, True, 1e-12)
+
+    return Case(
+        name="prefix_linear_attention_fwd",
+        kernels=lambda: [module._prefix_linear_attention_fwd_kernel],
+        launch=launch,
+        trips=lambda kernel, meta, T, M: [math.ceil(M / meta["BT"]), math.ceil(T / meta["BT"])],
+        programs=lambda meta, B, H, T, M: math.ceil(PAPER["V"] / meta.get("BV", PAPER["V"])) * B * H,
+        flops=lambda T, M: _pla_flops(T, M),
+        bytes=lambda T, M, size: _pla_bytes(T, M, size),
+    )
+
+
+def _backward_case() -> Case:
+    from jrt_kernels import prefix_linear_attention_backward as module
+
+    def launch(dtype: torch.dtype, padded: bool) -> None:
+        B, H, K, V = PAPER["B"], PAPER["H"], PAPER["K"], PAPER["V"]
+        T, M = 64, 32
+        q, k = torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype)
+        v, do = torch.randn(B, T, H, V, dtype=dtype), torch.randn(B, T, H, V, dtype=dtype)
+        k_enc, v_enc = torch.randn(B, M, H, K, dtype=dtype), torch.randn(B, M, H, V, dtype=dtype)
+        mask = torch.ones(B, T, dtype=torch.bool) if padded else None
+        state = torch.zeros(B, H, 1 + K + K * K, V + 1) if padded else None
+        module.prefix_linear_attention_backward(q, k, v, k_enc, v_enc, do, state, key_mask=mask,
+                                                initial_state=state)
+
+    def trips(kernel: str, meta: dict, T: int, M: int) -> list[int]:
+        encoder, decoder = math.ceil(M / meta["BT"]), math.ceil(T / meta["BT"])
+        return [encoder, decoder] if "dq" in kernel else [decoder, encoder]
+
+    return Case(
+        name="prefix_linear_attention_bwd",
+        kernels=lambda: [module._pla_bwd_dq_kernel, module._pla_bwd_dkv_kernel],
+        launch=launch,
+        trips=trips,
+        programs=lambda meta, B, H, T, M: math.ceil(PAPER["V"] / meta.get("BV", PAPER["V"])) * B * H,
+        flops=lambda T, M: 2.5 * _pla_flops(T, M),  # recompute + dq + dk/dv: about 2.5 forwards
+        bytes=lambda T, M, size: 2 * _pla_bytes(T, M, size),
+    )
+
+
+def all_cases() -> list[Case]:
+    return [_forward_case(), _backward_case()]
+
+
+# ------------------------------------------------------------------------------------------------------ the report
+
+
+def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtype: str, padded: bool) -> dict:
+    """Compile one (launch, config, arch) and measure it; a build error becomes the row's `error`."""
+    meta = {**launch.kwargs, **config.kwargs}
+    row = dict(
+        kernel=kernel_name(launch), arch=arch, dtype=dtype, variant="mask+state" if padded else "plain",
+        config=" ".join(f"{key}={value}" for key, value in config.kwargs.items())
+        + f" w{config.num_warps} s{config.num_stages}",
+        num_warps=config.num_warps,
+    )
+    started = time.perf_counter()
+    try:
+        compiled = compile_launch(launch, config, arch)
+    except Exception as error:  # noqa: BLE001 -- any compiler failure is reported, not fatal
+        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
+        return row
+    row.update(ptxas_report(compiled.asm["ptx"], arch))
+    row["shared"] = compiled.metadata.shared
+    row["smem_ok"] = compiled.metadata.shared <= ARCHS[arch]["smem"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(compiled.asm["cubin"])
+        handle.flush()
+        sass = subprocess.run([_nvidia_tool("nvdisasm"), "-c", handle.name], check=True, capture_output=True,
+                              text=True).stdout
+    loops, whole = sass_loops(sass)
+    row["loops"] = loops
+    row["total_instructions"] = sum(whole.values())
+    row["compile_s"] = round(time.perf_counter() - started, 1)
+    row["estimates"] = estimates(case, row, meta, arch, dtype)
+    return row
+
+
+def estimates(case: Case, row: dict, meta: dict, arch: int, dtype: str) -> dict[int, dict[str, float]]:
+    """Issue-bound, tensor-core and memory floors (ms) at the paper shape for each N (M = N / 2)."""
+    spec = ARCHS[arch]
+    size = DTYPES[dtype].itemsize
+    in_loops = sum(loop["count"] for loop in row["loops"])
+    out = {}
+    for T in PAPER_LENGTHS:
+        M = T // 2
+        trips = case.trips(row["kernel"], meta, T, M)
+        if len(trips) != len(row["loops"]):
+            out[T] = dict(issue_ms=float("nan"))
+            continue
+        per_warp = row["total_instructions"] - in_loops + sum(t * loop["count"] for t, loop in zip(trips, row["loops"]))
+        programs = case.programs(meta, PAPER["B"], PAPER["H"], T, M)
+        issue = per_warp * row["num_warps"] * programs / (spec["sms"] * 4 * spec["clock"])
+        tensor = case.flops(T, M) * PAPER["B"] * PAPER["H"] / spec["peak"]
+        memory = case.bytes(T, M, size) * PAPER["B"] * PAPER["H"] / spec["bandwidth"]
+        out[T] = dict(issue_ms=issue * 1e3, tensor_ms=tensor * 1e3, memory_ms=memory * 1e3)
+    return out
+
+
+def format_row(row: dict) -> str:
+    head = f"{row['kernel'].strip('_'):<28} sm_{row['arch']} {row['dtype']:<4} {row['variant']:<10} {row['config']:<22}"
+    if "error" in row:
+        return f"{head} BUILD ERROR {row['error']}"
+    smem = f"{row['shared'] / 1024:6.1f}KB" + ("" if row["smem_ok"] else " OVER")
+    text = (f"{head} regs {row['registers']:3d} spill st/ld {row['spill_stores']:6d}/{row['spill_loads']:6d} B "
+            f"smem {smem} instr {row['total_instructions']}")
+    for index, loop in enumerate(row["loops"]):
+        mix = " ".join(f"{name} {loop['mix'][name]}" for name in CLASS_ORDER if loop["mix"].get(name))
+        text += f"\n    loop {index}: {loop['count']:5d} instr | {mix}"
+    if row["estimates"]:
+        last = row["estimates"][PAPER_LENGTHS[-1]]
+        text += "\n    issue-bound ms at N=" + " ".join(
+            f"{T // 1024}k:{row['estimates'][T]['issue_ms']:.3g}" for T in PAPER_LENGTHS
+        )
+        if "tensor_ms" in last:
+            text += f" | N=32k floors: tensor {last['tensor_ms']:.3g} ms, memory {last['memory_ms']:.3g} ms"
+    return text
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", type=int, nargs="*", default=sorted(ARCHS, reverse=True), choices=sorted(ARCHS))
+    parser.add_argument("--dtype", nargs="*", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--variant", nargs="*", default=["plain", "mask+state"], choices=["plain", "mask+state"])
+    parser.add_argument("--kernel", nargs="*", default=None,
+                        help="cases: prefix_linear_attention_fwd, prefix_linear_attention_bwd (default: all)")
+    parser.add_argument("--configs", type=int, default=None, help="only the first N autotune configs")
+    parser.add_argument("--json", default=None, help="also write every row to this JSON file")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("kernel_aot.py compiles real GPU code: unset TRITON_INTERPRET (it makes triton.jit interpret on CPU).")
+
+    print(f"triton {triton.__version__}, torch {torch.__version__}; paper shape B={PAPER['B']} H={PAPER['H']} "
+          f"K={PAPER['K']} V={PAPER['V']}, M=N/2; issue bound = instructions x warps x programs / (SMs x 4 x clock)")
+    for arch in args.arch:
+        spec = ARCHS[arch]
+        print(f"  {spec['name']}: {spec['sms']} SMs, {spec['clock'] / 1e9:.2f} GHz, smem/block {spec['smem']} B")
+    rows = []
+    for case in all_cases():
+        if args.kernel and case.name not in args.kernel:
+            continue
+        for dtype in args.dtype:
+            for variant in args.variant:
+                launches = capture_launches(case.kernels(), lambda: case.launch(DTYPES[dtype], variant != "plain"))
+                for launch in launches:
+                    configs = configs_of(launch)[: args.configs]
+                    for config in configs:
+                        for arch in args.arch:
+                            row = build_row(case, launch, config, arch, dtype, variant != "plain")
+                            print(format_row(row), flush=True)
+                            rows.append(row)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(rows, handle, indent=1, default=str)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

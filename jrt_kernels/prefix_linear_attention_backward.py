@@ -1,0 +1,475 @@
+"""Fused Triton backward of prefix linear attention (JRT-RNN) and causal Taylor linear attention (Based).
+
+Forward (see `prefix_linear_attention.py`): with x' = x / K**(1/4), phi(q).phi(k) = 1 + q'.k' + (q'.k')**2 / 2 and
+
+    o_i = [num_i, den_i] = phi(q_i) . S_0 + sum_{keys j of query i} w_j (1 + s_ij + s_ij**2 / 2) [v_j, 1]
+    y_i = num_i / (den_i + eps),        final state S_T = S_0 + sum_{all keys j} w_j phi(k_j) [v_j, 1]
+
+where the keys of query i are the encoder keys of its row and the decoder keys j <= i, and w_j is the key's weight
+(0 for a removed pad). Given dy and dS (the gradient of S_T), the output's gradient with respect to [num_i, den_i]
+is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (KERNELS.md §2.1 run backwards):
+
+    dq kernel  (forward in time, one program per batch x head): rebuilds the forward state S (initial state, encoder,
+               decoder keys < chunk) and per chunk
+                   den, y           exactly as the forward (fp32), then g and c;      stores 1 / (den + eps) and c
+                   dq'_i  = S1 G_i + 1/2 (A_i + A_i^T) q'_i,  A_i = reshape(S2 G_i)    inter-chunk
+                          + sum_{j <= i} w_j (G_i . [v_j, 1]) (1 + s_ij) k'_j              intra-chunk
+    dkv kernel (backward in time, one program per batch x head): the reverse state R = dS + sum phi(q_i) G_i^T over
+               the queries after the chunk; per chunk (last to first)
+                   dv_j   = w_j (R0 + k'_j R1 + 1/2 (k'_j (x) k'_j) R2)[:V] + sum_{i >= j} a_ij g_i
+                   dk'_j  = w_j (R1 [v_j, 1] + 1/2 (B_j + B_j^T) k'_j) + sum_{i >= j} (G_i . [v_j, 1]) a'_ij q'_i
+               then the encoder keys of the row (they see every query: R after the whole scan), and
+               dS_0 = R at the end (the initial state is seen by every query and passes into S_T).
+
+State rows use the kernel's convention (2nd order without phi's 1/sqrt(2), applied when reading or writing the
+(B, H, F, V + 1) cache layout). Key masks follow `modeling_jrt.linear_attention`: a key's raw value is zeroed where
+key_mask is False (so its raw-key gradient is 0), and its weight w is 1 or 0 as the encoder range and pad_masking
+say. State, denominators and every accumulator are fp32; matmul operands are cast to the input dtype (bf16 state
+operands for fp16 inputs: the state can exceed fp16's range), or, in the CPU interpreter, rounded to it and
+multiplied in fp32 (`EMULATE`: the interpreter's bf16 dot is wrong), which is the same arithmetic.
+
+Dims: B batch, T decoder length, M encoder length, H heads, K feature dim, V value dim; tiles BT (tokens),
+BK (feature dim, power of two >= 16), BV (whole value dim, power of two).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from ._common import _dot, _key_weights, _outer, _sym_contract, _tile, dot_types
+
+
+@triton.jit(do_not_specialize=["T", "M"])
+def _pla_bwd_dq_kernel(
+    q, k, v, k_enc, v_enc, key_mask, enc_start, enc_end, state_in, log_decay, gate, do, dq, rden, dcol, dgate,
+    s_qb, s_qt, s_qh, s_qk,
+    s_kb, s_kt, s_kh, s_kk,
+    s_vb, s_vt, s_vh, s_vv,
+    s_keb, s_ket, s_keh, s_kek,
+    s_veb, s_vet, s_veh, s_vev,
+    s_mb, s_mt,
+    s_ob, s_ot, s_oh, s_ov,
+    T, M, eps, key_scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
+    DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dq (stored in dq's dtype), 1 / (den + eps), c = -(dy . y) / (den + eps) and d gate (fp32, (B, T, H)).
+
+    With the Based decay (HAS_DECAY; never with an encoder) the numerator state is decayed by gamma per token and
+    the intra-chunk numerator weights by gamma**(i - j); the denominator has no decay. The gate multiplies the
+    numerator of each query (HAS_GATE).
+    """
+    i_bh = tl.program_id(0)
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    F: tl.constexpr = 1 + K + K * K
+    W: tl.constexpr = V + 1
+    SQRT2: tl.constexpr = 1.4142135623730951
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+    o_k2 = tl.arange(0, BK * BK)
+    m_k2 = ((o_k2 // BK) < K) & ((o_k2 % BK) < K)
+    r_k2 = 1 + K + (o_k2 // BK) * K + (o_k2 % BK)
+    p_m = key_mask + i_b * s_mb
+    start = tl.load(enc_start + i_b)
+    end = tl.load(enc_end + i_b)
+
+    b_h0 = tl.zeros([BV], dtype=tl.float32)
+    b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
+    b_h2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+    b_z0 = tl.zeros([1], dtype=tl.float32)
+    b_z1 = tl.zeros([BK], dtype=tl.float32)
+    b_z2 = tl.zeros([BK * BK], dtype=tl.float32)
+    if HAS_INITIAL_STATE:
+        p_s = state_in + i_bh.to(tl.int64) * F * W
+        b_h0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
+        b_h1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_h2 += tl.load(p_s + r_k2[:, None] * W + o_v[None, :], mask=m_k2[:, None] & m_v[None, :], other=0.0) * SQRT2
+        b_z0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
+        b_z1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
+        b_z2 += tl.load(p_s + r_k2 * W + V, mask=m_k2, other=0.0) * SQRT2
+
+    # 1. The encoder keys of this row (positions [start, end) of k_enc / v_enc): state updates only.
+    p_ke = k_enc + i_b * s_keb + i_h * s_keh
+    p_ve = v_enc + i_b * s_veb + i_h * s_veh
+    o_c = tl.arange(0, BT)
+    for i_t in range(start // BT, tl.cdiv(end, BT)):
+        o_t = (i_t * BT + o_c).to(tl.int64)
+        m_t = o_t < M
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, True)
+        # [BT, BK], [BT, BV]
+        b_k = tl.where(b_raw[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek) * key_scale, 0.0)
+        b_v = tl.where(b_w[:, None], _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev), 0.0)
+        b_kw = tl.where(b_w[:, None], b_k, 0.0)
+        b_k2w = _outer(b_k, BT, BK) * b_w.to(tl.float32)[:, None]
+        b_h0 += tl.sum(b_v, axis=0)
+        b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
+        b_h2 += _dot(tl.trans(b_k2w), b_v, DOT, EMULATE, PRECISION)
+        b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
+        b_z1 += tl.sum(b_kw, axis=0)
+        b_z2 += tl.sum(b_k2w, axis=0)
+
+    # 2. The decoder scan: den and y as in the forward, then dq; the state moves past the chunk at the end.
+    p_q = q + i_b * s_qb + i_h * s_qh
+    p_k = k + i_b * s_kb + i_h * s_kh
+    p_v = v + i_b * s_vb + i_h * s_vh
+    p_do = do + i_b * s_ob + i_h * s_oh
+    p_dq = dq + i_b * s_qb + i_h * s_qh
+    p_r = rden + (i_b * T * H + i_h)
+    p_c = dcol + (i_b * T * H + i_h)
+    p_g = gate + (i_b * T * H + i_h)
+    p_dg = dgate + (i_b * T * H + i_h)
+    b_lg = tl.load(log_decay + i_h).to(tl.float32) if HAS_DECAY else 0.0
+    for i_t in range(0, tl.cdiv(T, BT)):
+        o_t = (i_t * BT + o_c).to(tl.int64)
+        m_t = o_t < T
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, False)
+        # [BT, BK]
+        b_q = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk) * key_scale
+        b_k = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk) * key_scale, 0.0)
+        # [BT, BV]
+        b_v = tl.where(b_w[:, None], _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv), 0.0)
+        b_do = _tile(p_do, o_t, m_t, s_ot, o_v, m_v, s_ov)
+        b_q2 = _outer(b_q, BT, BK)
+
+        # forward recompute (fp32): numerator [BT, BV] (before the gate) and denominator [BT]
+        b_num = b_h0[None, :] + _dot(b_q, b_h1, SDOT, EMULATE, PRECISION)
+        b_num += 0.5 * _dot(b_q2, b_h2, SDOT, EMULATE, PRECISION)
+        b_den = tl.sum(b_z0) + tl.sum(b_q * b_z1[None, :], axis=1) + 0.5 * tl.sum(b_q2 * b_z2[None, :], axis=1)
+        b_s = _dot(b_q, tl.trans(b_k), DOT, EMULATE, PRECISION)  # [BT, BT]
+        b_keep = (o_c[:, None] >= o_c[None, :]) & b_w[None, :]
+        b_a = tl.where(b_keep, 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
+        if HAS_DECAY:
+            b_dqv = tl.exp(b_lg * (o_c + 1).to(tl.float32))  # [BT] gamma**(p + 1): the state's age at query p
+            b_num = b_num * b_dqv[:, None]
+            b_gap = tl.exp(b_lg * tl.maximum(o_c[:, None] - o_c[None, :], 0).to(tl.float32))  # [BT, BT]
+            b_num += _dot(b_a * b_gap, b_v, DOT, EMULATE, PRECISION)
+        else:
+            b_num += _dot(b_a, b_v, DOT, EMULATE, PRECISION)
+        b_den += tl.sum(b_a, axis=1)
+        b_rden = 1.0 / (b_den + eps)
+        # G = [g, c]: the gradient with respect to the (ungated) numerator and the denominator. [BT, BV], [BT]
+        b_g = b_do * b_rden[:, None]
+        if HAS_GATE:
+            b_gate = tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+            tl.store(p_dg + o_t * H, tl.sum(b_g * b_num, axis=1), mask=m_t)
+            b_g = b_g * b_gate[:, None]
+        b_c = -tl.sum(b_g * b_num, axis=1) * b_rden
+        tl.store(p_r + o_t * H, b_rden, mask=m_t)
+        tl.store(p_c + o_t * H, b_c, mask=m_t)
+
+        # inter-chunk: d(phi(q).S G)/dq'. [BT, BK]
+        b_gs = b_g * b_dqv[:, None] if HAS_DECAY else b_g
+        b_dq = _dot(b_gs, tl.trans(b_h1), SDOT, EMULATE, PRECISION) + b_c[:, None] * b_z1[None, :]
+        b_p = _dot(b_gs, tl.trans(b_h2), SDOT, EMULATE, PRECISION) + b_c[:, None] * b_z2[None, :]  # [BT, BK*BK]
+        b_dq += _sym_contract(b_p, b_q, BT, BK)
+        # intra-chunk: dw_ij = G_i . [gamma**(i - j) v_j, 1], ds_ij = dw_ij (1 + s_ij). [BT, BT]
+        b_dw = _dot(b_g, tl.trans(b_v), DOT, EMULATE, PRECISION)
+        if HAS_DECAY:
+            b_dw = b_dw * b_gap
+        b_dw += b_c[:, None]
+        b_ds = tl.where(b_keep, b_dw * (1.0 + b_s), 0.0)
+        b_dq += _dot(b_ds, b_k, DOT, EMULATE, PRECISION)
+        p_out = p_dq + o_t[:, None] * s_qt + o_k[None, :] * s_qk
+        tl.store(p_out, (b_dq * key_scale).to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+
+        # state update with the chunk's (weighted) keys; decayed: gamma**L old + gamma**(L - 1 - p) new
+        b_kw = tl.where(b_w[:, None], b_k, 0.0)
+        b_k2w = _outer(b_k, BT, BK) * b_w.to(tl.float32)[:, None]
+        b_z1 += tl.sum(b_kw, axis=0)
+        b_z2 += tl.sum(b_k2w, axis=0)
+        if HAS_DECAY:
+            b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
+            b_vd = b_v * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[:, None]
+            b_chunk = tl.exp(b_lg * b_len)
+            b_h0 = b_h0 * b_chunk + tl.sum(b_vd, axis=0)
+            b_h1 = b_h1 * b_chunk + _dot(tl.trans(b_kw), b_vd, DOT, EMULATE, PRECISION)
+            b_h2 = b_h2 * b_chunk + _dot(tl.trans(b_k2w), b_vd, DOT, EMULATE, PRECISION)
+        else:
+            b_h0 += tl.sum(b_v, axis=0)
+            b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
+            b_h2 += _dot(tl.trans(b_k2w), b_v, DOT, EMULATE, PRECISION)
+        b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
+
+
+@triton.jit
+def _key_grads(b_k, b_v, b_w, b_kd, b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT: tl.constexpr, BK: tl.constexpr,
+               HAS_DECAY: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+    """(dv [BT, BV], dk' [BT, BK]) of keys through the reverse state R (queries after them and dS), times w.
+
+    With HAS_DECAY the numerator path is scaled by b_kd [BT] = gamma**(L - 1 - p), the decay from the key to the
+    chunk's end, where R is anchored; the denominator path (rz*) has no decay.
+    """
+    b_k2 = _outer(b_k, BT, BK)
+    b_dv = b_r0[None, :] + _dot(b_k, b_r1, SDOT, EMULATE, PRECISION) + 0.5 * _dot(b_k2, b_r2, SDOT, EMULATE, PRECISION)
+    b_vd = b_v * b_kd[:, None] if HAS_DECAY else b_v
+    b_dk = _dot(b_vd, tl.trans(b_r1), SDOT, EMULATE, PRECISION) + b_rz1[None, :]
+    b_p = _dot(b_vd, tl.trans(b_r2), SDOT, EMULATE, PRECISION) + b_rz2[None, :]  # [BT, BK * BK]
+    b_dk += _sym_contract(b_p, b_k, BT, BK)
+    b_wf = b_w.to(tl.float32)[:, None]
+    if HAS_DECAY:
+        b_dv = b_dv * b_kd[:, None]
+    return b_dv * b_wf, b_dk * b_wf
+
+
+@triton.jit(do_not_specialize=["T", "M"])
+def _pla_bwd_dkv_kernel(
+    q, k, v, k_enc, v_enc, key_mask, enc_start, enc_end, rden, dcol, log_decay, gate, do, dstate,
+    dk, dv, dk_enc, dv_enc, dstate_in,
+    s_qb, s_qt, s_qh, s_qk,
+    s_kb, s_kt, s_kh, s_kk,
+    s_vb, s_vt, s_vh, s_vv,
+    s_keb, s_ket, s_keh, s_kek,
+    s_veb, s_vet, s_veh, s_vev,
+    s_mb, s_mt,
+    s_ob, s_ot, s_oh, s_ov,
+    T, M, key_scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_MASK: tl.constexpr, STRICT: tl.constexpr, HAS_DSTATE: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
+    DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dk, dv (decoder), dk_enc, dv_enc (encoder range of the row) and d initial state, by a reverse scan."""
+    i_bh = tl.program_id(0)
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    F: tl.constexpr = 1 + K + K * K
+    W: tl.constexpr = V + 1
+    SQRT2: tl.constexpr = 1.4142135623730951
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+    o_k2 = tl.arange(0, BK * BK)
+    m_k2 = ((o_k2 // BK) < K) & ((o_k2 % BK) < K)
+    r_k2 = 1 + K + (o_k2 // BK) * K + (o_k2 % BK)
+    p_m = key_mask + i_b * s_mb
+    start = tl.load(enc_start + i_b)
+    end = tl.load(enc_end + i_b)
+    p_state = i_bh.to(tl.int64) * F * W
+
+    # Reverse state R = dS (in the kernel's convention: 2nd order times sqrt(2)); r* numerator, rz* denominator.
+    b_r0 = tl.zeros([BV], dtype=tl.float32)
+    b_r1 = tl.zeros([BK, BV], dtype=tl.float32)
+    b_r2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+    b_rz0 = tl.zeros([1], dtype=tl.float32)
+    b_rz1 = tl.zeros([BK], dtype=tl.float32)
+    b_rz2 = tl.zeros([BK * BK], dtype=tl.float32)
+    if HAS_DSTATE:
+        p_s = dstate + p_state
+        b_r0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
+        b_r1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_r2 += tl.load(p_s + r_k2[:, None] * W + o_v[None, :], mask=m_k2[:, None] & m_v[None, :], other=0.0) * SQRT2
+        b_rz0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
+        b_rz1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
+        b_rz2 += tl.load(p_s + r_k2 * W + V, mask=m_k2, other=0.0) * SQRT2
+
+    p_q = q + i_b * s_qb + i_h * s_qh
+    p_k = k + i_b * s_kb + i_h * s_kh
+    p_v = v + i_b * s_vb + i_h * s_vh
+    p_do = do + i_b * s_ob + i_h * s_oh
+    p_dk = dk + i_b * s_kb + i_h * s_kh
+    p_dv = dv + i_b * s_vb + i_h * s_vh
+    p_r = rden + (i_b * T * H + i_h)
+    p_c = dcol + (i_b * T * H + i_h)
+    p_g = gate + (i_b * T * H + i_h)
+    b_lg = tl.load(log_decay + i_h).to(tl.float32) if HAS_DECAY else 0.0
+    o_c = tl.arange(0, BT)
+    n_t = tl.cdiv(T, BT)
+    # 1. Decoder chunks, last to first.
+    for i_r in range(0, n_t):
+        i_t = n_t - 1 - i_r
+        o_t = (i_t * BT + o_c).to(tl.int64)
+        m_t = o_t < T
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, False)
+        b_q = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk) * key_scale  # [BT, BK]
+        b_k = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk) * key_scale, 0.0)
+        b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)  # [BT, BV]
+        b_rden = tl.load(p_r + o_t * H, mask=m_t, other=0.0)
+        b_c = tl.load(p_c + o_t * H, mask=m_t, other=0.0)
+        b_g = _tile(p_do, o_t, m_t, s_ot, o_v, m_v, s_ov) * b_rden[:, None]  # [BT, BV]
+        if HAS_GATE:
+            b_g = b_g * tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)[:, None]
+        b_kd = tl.zeros([BT], dtype=tl.float32)
+        if HAS_DECAY:
+            b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
+            b_kd = tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))  # [BT] gamma**(L - 1 - p)
+
+        # through the reverse state (later queries, dS)
+        b_dv, b_dk = _key_grads(b_k, b_v, b_w, b_kd, b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT, BK, HAS_DECAY,
+                                SDOT, EMULATE, PRECISION)
+        # intra-chunk, transposed: row j = key, column i = query. [BT, BT]
+        b_st = _dot(b_k, tl.trans(b_q), DOT, EMULATE, PRECISION)
+        b_keep = (o_c[:, None] <= o_c[None, :]) & b_w[:, None] & m_t[None, :]
+        b_at = tl.where(b_keep, 1.0 + b_st + 0.5 * b_st * b_st, 0.0)
+        b_dwt = _dot(b_v, tl.trans(b_g), DOT, EMULATE, PRECISION)
+        if HAS_DECAY:
+            b_gap = tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))  # gamma**(i - j)
+            b_dv += _dot(b_at * b_gap, b_g, DOT, EMULATE, PRECISION)
+            b_dwt = b_dwt * b_gap
+        else:
+            b_dv += _dot(b_at, b_g, DOT, EMULATE, PRECISION)
+        b_dwt += b_c[None, :]
+        b_dst = tl.where(b_keep, b_dwt * (1.0 + b_st), 0.0)
+        b_dk += _dot(b_dst, b_q, DOT, EMULATE, PRECISION)
+        b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
+        tl.store(p_dk + o_t[:, None] * s_kt + o_k[None, :] * s_kk, (b_dk * key_scale).to(dk.dtype.element_ty),
+                 mask=m_t[:, None] & m_k[None, :])
+        tl.store(p_dv + o_t[:, None] * s_vt + o_v[None, :] * s_vv, b_dv.to(dv.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
+
+        # R += phi(Q_c)^T G_c; decayed: R <- gamma**L R + sum_i gamma**(p_i + 1) phi(q_i) g_i
+        b_q2 = _outer(b_q, BT, BK)
+        if HAS_DECAY:
+            b_gd = b_g * tl.exp(b_lg * (o_c + 1).to(tl.float32))[:, None]
+            b_chunk = tl.exp(b_lg * b_len)
+            b_r0 = b_r0 * b_chunk + tl.sum(b_gd, axis=0)
+            b_r1 = b_r1 * b_chunk + _dot(tl.trans(b_q), b_gd, DOT, EMULATE, PRECISION)
+            b_r2 = b_r2 * b_chunk + _dot(tl.trans(b_q2), b_gd, DOT, EMULATE, PRECISION)
+        else:
+            b_r0 += tl.sum(b_g, axis=0)
+            b_r1 += _dot(tl.trans(b_q), b_g, DOT, EMULATE, PRECISION)
+            b_r2 += _dot(tl.trans(b_q2), b_g, DOT, EMULATE, PRECISION)
+        b_rz0 += tl.sum(b_c)
+        b_rz1 += tl.sum(b_q * b_c[:, None], axis=0)
+        b_rz2 += tl.sum(b_q2 * b_c[:, None], axis=0)
+
+    # 2. The encoder keys of the row see every query: gradients through the complete R.
+    p_ke = k_enc + i_b * s_keb + i_h * s_keh
+    p_ve = v_enc + i_b * s_veb + i_h * s_veh
+    p_dke = dk_enc + i_b * s_keb + i_h * s_keh
+    p_dve = dv_enc + i_b * s_veb + i_h * s_veh
+    for i_t in range(start // BT, tl.cdiv(end, BT)):
+        o_t = (i_t * BT + o_c).to(tl.int64)
+        m_t = o_t < M
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, True)
+        b_k = tl.where(b_raw[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek) * key_scale, 0.0)
+        b_v = _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev)
+        b_dv, b_dk = _key_grads(b_k, b_v, b_w, b_w.to(tl.float32), b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT, BK,
+                                False, SDOT, EMULATE, PRECISION)
+        b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
+        tl.store(p_dke + o_t[:, None] * s_ket + o_k[None, :] * s_kek, (b_dk * key_scale).to(dk_enc.dtype.element_ty),
+                 mask=m_t[:, None] & m_k[None, :])
+        tl.store(p_dve + o_t[:, None] * s_vet + o_v[None, :] * s_vev, b_dv.to(dv_enc.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
+
+    # 3. d initial state = R, in the cache layout.
+    p_s = dstate_in + p_state
+    tl.store(p_s + o_v, b_r0, mask=m_v)
+    tl.store(p_s + (1 + o_k[:, None]) * W + o_v[None, :], b_r1, mask=m_k[:, None] & m_v[None, :])
+    tl.store(p_s + r_k2[:, None] * W + o_v[None, :], b_r2 / SQRT2, mask=m_k2[:, None] & m_v[None, :])
+    tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_rz0)
+    tl.store(p_s + (1 + o_k) * W + V, b_rz1, mask=m_k)
+    tl.store(p_s + r_k2 * W + V, b_rz2 / SQRT2, mask=m_k2)
+
+
+INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
+
+
+def _dense(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Each tensor as is when `empty_like` keeps its strides, else a contiguous copy."""
+    return [t if t is None or torch.empty_like(t).stride() == t.stride() else t.contiguous() for t in tensors]
+
+
+def prefix_linear_attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_enc: torch.Tensor | None,
+    v_enc: torch.Tensor | None,
+    grad_output: torch.Tensor,
+    grad_state: torch.Tensor | None,
+    *,
+    encoder_start: torch.Tensor | None = None,
+    encoder_end: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    strict: bool = True,
+    initial_state: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    eps: float = 1e-12,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Gradients of `prefix_linear_attention` from validated inputs; launches the two scans.
+
+    Args:
+        q, k, v, k_enc, v_enc, key_mask, initial_state, eps: the forward's inputs (k_enc / v_enc may be None).
+        grad_output: `(B, T, H, V)` gradient of the output.
+        grad_state: `(B, H, F, V + 1)` gradient of the final state, or None (zero).
+        encoder_start, encoder_end: `(B,)` int64 encoder range per row (default `[0, M)`).
+        strict: pad_masking == "strict".
+        log_decay: `(H,)` log gamma of the Based decay (no gradient: the decay is fixed), or None.
+        gate: `(B, T, H)` Based numerator gate, or None.
+        chunk_size: BT (default 32).
+
+    Returns:
+        `(dq, dk, dv, dk_enc, dv_enc, d initial_state, d gate)` in the inputs' dtypes (fp32 for the state), None
+        for absent inputs.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    M = 0 if k_enc is None else k_enc.shape[1]
+    device = q.device
+    if encoder_start is None:
+        encoder_start = torch.zeros(B, dtype=torch.long, device=device)
+        encoder_end = torch.full((B,), M, dtype=torch.long, device=device)
+    # The kernels store each gradient with its input's strides: inputs whose layout empty_like cannot reproduce
+    # (e.g. heads split from a fused projection) are copied once.
+    q, k, v, k_enc, v_enc = _dense(q, k, v, k_enc, v_enc)
+    # BT = 32, 8 warps, 1 stage: half the spills and shared memory of BT = 64 at the same issue estimate
+    # (benchmarks/kernel_aot.py, docs/kernels.md).
+    BT = chunk_size or 32
+    BK = max(16, triton.next_power_of_2(K))
+    BV = max(16, triton.next_power_of_2(V))
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dk_enc = None if k_enc is None else torch.zeros_like(k_enc)
+    dv_enc = None if v_enc is None else torch.zeros_like(v_enc)
+    dstate_in = torch.empty(B, H, 1 + K + K * K, V + 1, dtype=torch.float32, device=device)
+    rden = torch.empty(B, T, H, dtype=torch.float32, device=device)
+    dcol = torch.empty(B, T, H, dtype=torch.float32, device=device)
+    dgate = None if gate is None else torch.empty(B, T, H, dtype=torch.float32, device=device)
+    gate_in = rden if gate is None else gate.contiguous()
+    decay_in = rden if log_decay is None else log_decay.to(torch.float32).contiguous()
+    # Absent optional tensors are never read (flags off, empty ranges); any pointer of the right kind will do.
+    ke = k if k_enc is None else k_enc
+    ve = v if v_enc is None else v_enc
+    dke = dk if dk_enc is None else dk_enc
+    dve = dv if dv_enc is None else dv_enc
+    mask = q if key_mask is None else key_mask.view(torch.uint8)
+    mask_strides = (0, 0) if key_mask is None else mask.stride()
+    state_in = dstate_in if initial_state is None else initial_state.contiguous()
+    dstate = dstate_in if grad_state is None else grad_state.contiguous()
+    grad_output = grad_output if grad_output.stride(-1) == 1 else grad_output.contiguous()
+    common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_MASK=key_mask is not None, STRICT=strict,
+                  HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **dot_types(q.dtype, INTERPRETED))
+    strides = (*q.stride(), *k.stride(), *v.stride(), *ke.stride(), *ve.stride(), *mask_strides,
+               *grad_output.stride())
+    num_warps = 4 if INTERPRETED else 8
+    num_stages = 1
+    _pla_bwd_dq_kernel[(B * H,)](
+        q, k, v, ke, ve, mask, encoder_start, encoder_end, state_in, decay_in, gate_in, grad_output, dq, rden, dcol,
+        rden if dgate is None else dgate,
+        *strides, T, M, eps, K**-0.25, HAS_INITIAL_STATE=initial_state is not None, num_warps=num_warps,
+        num_stages=num_stages, **common,
+    )
+    assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
+    _pla_bwd_dkv_kernel[(B * H,)](
+        q, k, v, ke, ve, mask, encoder_start, encoder_end, rden, dcol, decay_in, gate_in, grad_output, dstate,
+        dk, dv, dke, dve, dstate_in,
+        *strides, T, M, K**-0.25, HAS_DSTATE=grad_state is not None, num_warps=num_warps, num_stages=num_stages,
+        **common,
+    )
+    dgate = None if dgate is None else dgate.to(gate.dtype)
+    return dq, dk, dv, dk_enc, dv_enc, (None if initial_state is None else dstate_in), dgate
+
+
+__all__ = ["prefix_linear_attention_backward"]

@@ -1,0 +1,197 @@
+"""The fused Triton backward against autograd through the fp64 oracle (interpreted on CPU, compiled on CUDA).
+
+Inputs follow KERNELS.md §5 (q, k ~ randn so the 2nd-order term matters, v ~ N(0.5, 1)); the loss is
+<y, dy> + <S_T, dS>, so the final state's gradient path is exercised too. Shapes are tiny (interpreter).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux: pip install -e '.[dev]')")
+
+from jrt_kernels import prefix_linear_attention as kernel_module  # noqa: E402
+from jrt_kernels.prefix_linear_attention_backward import prefix_linear_attention_backward  # noqa: E402
+from modeling_jrt.linear_attention import num_taylor_features, prefix_linear_attention_quadratic  # noqa: E402
+
+# Tolerance relative to each gradient's largest magnitude: fp32 end to end; bf16 operands with fp32 accumulation.
+TOLERANCES = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+NAMES = ("q", "k", "v", "k_enc", "v_enc", "initial_state", "gate")
+
+
+@pytest.fixture(scope="module")
+def device() -> torch.device:
+    if kernel_module.INTERPRETED:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.fail("Without CUDA the kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it).")
+    return torch.device("cuda")
+
+
+def make_case(B, T, H, K, V, M, *, dtype, device, seed=0, initial_state=False, grad_state=True):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, mean=0.0):
+        return (torch.randn(*shape, generator=generator) + mean).to(device=device, dtype=dtype)
+
+    inputs = dict(q=randn(B, T, H, K), k=randn(B, T, H, K), v=randn(B, T, H, V, mean=0.5))
+    inputs["k_enc"], inputs["v_enc"] = (randn(B, M, H, K), randn(B, M, H, V, mean=0.5)) if M else (None, None)
+    F = num_taylor_features(K)
+    inputs["initial_state"] = (
+        (torch.randn(B, H, F, V + 1, generator=generator).abs() * 2).to(device) if initial_state else None
+    )
+    inputs["gate"] = None
+    grad_output = randn(B, T, H, V)
+    grad_state = torch.randn(B, H, F, V + 1, generator=generator).to(device) if grad_state else None
+    return inputs, grad_output, grad_state
+
+
+def oracle_grads(inputs, grad_output, grad_state, **kwargs):
+    """Autograd through the quadratic reference in fp64."""
+    leaves = {name: None if t is None else t.detach().double().requires_grad_() for name, t in inputs.items()}
+    output, state = prefix_linear_attention_quadratic(
+        leaves["q"], leaves["k"], leaves["v"], leaves["k_enc"], leaves["v_enc"],
+        initial_state=leaves["initial_state"], gate=leaves["gate"], **kwargs,
+    )
+    loss = (output * grad_output.double()).sum()
+    if grad_state is not None:
+        loss = loss + (state * grad_state.double()).sum()
+    loss.backward()
+    return [None if leaves[name] is None else leaves[name].grad for name in NAMES]
+
+
+def assert_grads_match(inputs, grad_output, grad_state, *, key_mask=None, pad_masking="strict", log_decay=None):
+    grads = prefix_linear_attention_backward(
+        inputs["q"], inputs["k"], inputs["v"], inputs["k_enc"], inputs["v_enc"], grad_output, grad_state,
+        key_mask=key_mask, strict=pad_masking == "strict", initial_state=inputs["initial_state"],
+        log_decay=log_decay, gate=inputs["gate"],
+    )
+    expected = oracle_grads(inputs, grad_output, grad_state, key_mask=key_mask, pad_masking=pad_masking,
+                            log_decay=None if log_decay is None else log_decay.double())
+    tol = TOLERANCES[inputs["q"].dtype]
+    for name, actual, reference in zip(NAMES, grads, expected):
+        assert (actual is None) == (reference is None), name
+        if actual is None:
+            continue
+        source = inputs[name]
+        assert actual.shape == source.shape and actual.dtype == source.dtype, name
+        assert torch.isfinite(actual).all(), name
+        scale = reference.abs().max().item()
+        torch.testing.assert_close(actual.cpu().double(), reference.cpu(), rtol=0, atol=tol * scale, msg=name)
+
+
+@pytest.mark.parametrize(
+    "B, T, H, K, V, M",
+    [
+        pytest.param(1, 45, 2, 4, 6, 0, id="causal-B1-T45-K4-V6"),
+        pytest.param(2, 33, 1, 16, 20, 17, id="prefix-B2-T33-K16-V20"),
+    ],
+)
+@pytest.mark.parametrize("grad_state", [True, False], ids=["dS", "no-dS"])
+def test_backward_matches_oracle_fp32(device, B, T, H, K, V, M, grad_state):
+    inputs, grad_output, dstate = make_case(B, T, H, K, V, M, dtype=torch.float32, device=device,
+                                            grad_state=grad_state)
+    assert_grads_match(inputs, grad_output, dstate)
+
+
+@pytest.mark.parametrize("pad_masking", ["strict", "reference"])
+def test_backward_left_padding_and_initial_state(device, pad_masking):
+    """Left-padded rows (pads inside the encoder prefix) and an initial state: every gradient, both maskings."""
+    inputs, grad_output, dstate = make_case(2, 40, 2, 4, 6, 12, dtype=torch.float32, device=device, seed=1,
+                                            initial_state=True)
+    key_mask = torch.ones(2, 40, dtype=torch.bool, device=device)
+    key_mask[1, :5] = False
+    assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, pad_masking=pad_masking)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_backward_low_precision_operands(device, dtype):
+    """bf16 / fp16 inputs: the operands are rounded as on tensor cores (emulated in the interpreter)."""
+    inputs, grad_output, dstate = make_case(1, 40, 2, 4, 6, 12, dtype=dtype, device=device, seed=2)
+    assert_grads_match(inputs, grad_output, dstate)
+
+
+def test_backward_strided_inputs(device):
+    """Heads split from a fused projection (non-contiguous views): gradients keep each input's shape."""
+    B, T, H, K, V = 1, 20, 2, 4, 6
+    generator = torch.Generator().manual_seed(3)
+    fused = torch.randn(B, T, H, 2 * K + V, generator=generator).to(device)
+    q, k, v = fused[..., :K], fused[..., K : 2 * K], fused[..., 2 * K :] + 0.5
+    inputs = dict(q=q, k=k, v=v, k_enc=None, v_enc=None, initial_state=None, gate=None)
+    grad_output = torch.randn(B, T, H, V, generator=generator).to(device)
+    assert_grads_match(inputs, grad_output, None)
+
+
+@pytest.mark.parametrize("use_gate", [False, True], ids=["decay", "decay+gate"])
+def test_backward_based_decay_and_gate(device, use_gate):
+    """The Based variant: fixed per-head decay (strong for head 0), optional gate, initial state, left padding."""
+    B, T, H, K, V = 2, 45, 2, 4, 6
+    inputs, grad_output, dstate = make_case(B, T, H, K, V, 0, dtype=torch.float32, device=device, seed=4,
+                                            initial_state=True)
+    if use_gate:
+        inputs["gate"] = torch.randn(B, T, H, generator=torch.Generator().manual_seed(5)).to(device)
+    log_decay = torch.log1p(-torch.tensor([2.0**-3, 2.0**-6])).to(device)
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    key_mask[0, :7] = False
+    assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, log_decay=log_decay)
+
+
+# Through the dispatcher: the kernel's autograd registration (torch.library.register_autograd) in a training step.
+
+from modeling_jrt.linear_attention import prefix_linear_attention  # noqa: E402
+
+
+def _autograd_grads(implementation, inputs, grad_output, grad_state, dtype, **kwargs):
+    leaves = {name: None if t is None else t.detach().to(dtype).requires_grad_() for name, t in inputs.items()}
+    output, state = prefix_linear_attention(
+        leaves["q"], leaves["k"], leaves["v"], leaves["k_enc"], leaves["v_enc"],
+        initial_state=leaves["initial_state"], gate=leaves["gate"], implementation=implementation, **kwargs,
+    )
+    loss = (output * grad_output.to(dtype)).sum() + (state * grad_state.to(dtype)).sum()
+    loss.backward()
+    return output, state, [None if leaves[name] is None else leaves[name].grad for name in NAMES]
+
+
+@pytest.mark.parametrize("pad_masking", ["strict", "reference"])
+def test_training_through_the_dispatcher_per_row_prefixes(device, pad_masking):
+    """implementation="triton" with gradients: per-row encoder ranges, left padding and an initial state, against
+    autograd through the fp64 oracle."""
+    B, T, H, K, V, M = 3, 37, 2, 4, 6, 16
+    inputs, grad_output, grad_state = make_case(B, T, H, K, V, M, dtype=torch.float32, device=device, seed=6,
+                                                initial_state=True)
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    key_mask[0, :4] = False  # left padding inside the prefix
+    key_mask[2, :9] = False
+    kwargs = dict(
+        key_mask=key_mask, pad_masking=pad_masking,
+        encoder_start=torch.tensor([4, 0, 2], device=device), encoder_end=torch.tensor([16, 5, 16], device=device),
+    )
+    output, state, grads = _autograd_grads("triton", inputs, grad_output, grad_state, torch.float32, **kwargs)
+    ref_output, ref_state, ref_grads = _autograd_grads("quadratic", inputs, grad_output, grad_state, torch.float64,
+                                                       **kwargs)
+    torch.testing.assert_close(output.double(), ref_output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state.double(), ref_state, rtol=1e-5, atol=1e-5 * ref_state.abs().max().item())
+    for name, actual, reference in zip(NAMES, grads, ref_grads):
+        assert (actual is None) == (reference is None), name
+        if actual is not None:
+            scale = reference.abs().max().item()
+            torch.testing.assert_close(actual.double(), reference, rtol=0, atol=2e-6 * scale, msg=name)
+
+
+def test_based_decay_and_gate_run_fused(device):
+    """The Based variant (decay + gate) through implementation="triton": output, state and gradients."""
+    B, T, H, K, V = 2, 41, 2, 4, 6
+    inputs, grad_output, grad_state = make_case(B, T, H, K, V, 0, dtype=torch.float32, device=device, seed=7)
+    inputs["gate"] = torch.randn(B, T, H, generator=torch.Generator().manual_seed(8)).to(device)
+    log_decay = torch.log1p(-torch.tensor([2.0**-2, 2.0**-5])).to(device)
+    output, state, grads = _autograd_grads("triton", inputs, grad_output, grad_state, torch.float32,
+                                           log_decay=log_decay)
+    ref_output, ref_state, ref_grads = _autograd_grads("quadratic", inputs, grad_output, grad_state, torch.float64,
+                                                       log_decay=log_decay.double())
+    torch.testing.assert_close(output.double(), ref_output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state.double(), ref_state, rtol=1e-5, atol=1e-5 * ref_state.abs().max().item())
+    for name, actual, reference in zip(NAMES, grads, ref_grads):
+        if actual is not None:
+            scale = reference.abs().max().item()
+            torch.testing.assert_close(actual.double(), reference, rtol=0, atol=2e-6 * scale, msg=name)
