@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared GPU check of the fused prefill kernel (issue 4), for a CUDA machine; about 4-5 minutes on an H200.
+# Prepared GPU check of the fused prefill kernel, for a CUDA machine; about 4-5 minutes on an H200.
 #
 #   benchmarks/gpu_check.sh OUT_DIR
 #

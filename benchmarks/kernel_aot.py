@@ -239,7 +239,7 @@ class Case:
 
 
 def _pla_flops(T: int, M: int, K: int = 16, V: int = 64, chunk: int = 64) -> float:
-    """Chunked-algorithm FLOPs per (batch, head) (benchmarks/prefill.py's model, KERNELS.md §2.1)."""
+    """Chunked-algorithm FLOPs per (batch, head) (benchmarks/prefill.py's model; the scan of docs/prefill.md §4.2)."""
     update = 2 * (K + K * K) * (V + 1)
     return T * (2 * chunk * (K + V + 1) + 2 * update) + M * update
 

@@ -6,7 +6,7 @@ One run prints, for each shape, the time of
     quadratic   the O(N^2) reference (`prefix_linear_attention_quadratic`), while it fits in memory
     sdpa        causal `scaled_dot_product_attention` with the same B, H, N and head dim (flash backend on CUDA)
     fla_chunk / fla_parallel   flash-linear-attention's Based kernels (causal, no encoder) when `fla` imports
-and the ratios to SDPA, achieved TFLOP/s and the fraction of the roofline floor (KERNELS.md §3 FLOP/byte model).
+and the ratios to SDPA, achieved TFLOP/s and the fraction of the roofline floor (FLOPs from `pla_flops` / `sdpa_flops` below, bytes from the tensors each pass must move).
 With --backward (the CUDA default) it also times forward + backward (`*_fb` columns: the fused backward for ours,
 the flash backward for SDPA, autograd for chunked and fla). --train-step times a training step of a small model
 (forward + backward + AdamW, tokens per second) with the chunked and the Triton linear attention.
@@ -48,7 +48,7 @@ PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2
 
 
 def pla_flops(T: int, M: int, K: int, V: int, chunk: int = 64) -> float:
-    """FLOPs per (batch, head) of the chunked algorithm (KERNELS.md §2.1, denominator column included).
+    """FLOPs per (batch, head) of the chunked algorithm (docs/prefill.md §4.2, denominator column included).
 
     Decoder token: intra-chunk 2 C (K + V + 1), inter-chunk and state update 2 (K + K^2) (V + 1) each;
     encoder token: the update only.
@@ -143,7 +143,7 @@ def measure_shape(args, device, dtype, B: int, T: int, kernel, fla) -> dict:
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
 
-    # KERNELS.md §1: the paper's inputs (q, k ~ randn / K^(1/2) keeps s small; the cost does not depend on it).
+    # docs/prefill.md §5: the paper's inputs (q, k ~ randn / K^(1/2) keeps s small; the cost does not depend on it).
     q, k, v = randn(B, T, H, K, scale=K**-0.5), randn(B, T, H, K, scale=K**-0.5), randn(B, T, H, V)
     k_enc, v_enc = randn(B, M, H, K, scale=K**-0.5), randn(B, M, H, V)
     row: dict = {"B": B, "T": T, "M": M, "H": H, "K": K, "V": V}

@@ -1,6 +1,6 @@
 """Triton helpers shared by the prefill kernels (forward and backward of prefix linear attention).
 
-Operand precision (KERNELS.md §5): state and accumulators are fp32; `tl.dot` operands are cast to DOT (chunk
+Operand precision (docs/prefill.md §5): state and accumulators are fp32; `tl.dot` operands are cast to DOT (chunk
 operands: q, k, v, weights) or SDOT (operands that multiply the state, which grows with the sequence: bf16 for fp16
 inputs, whose range ends at 65504). fp32 inputs run as 3xTF32 (tensor cores, about fp32 accuracy). In triton's CPU
 interpreter a bf16 `tl.dot` multiplies raw bits, so EMULATE rounds each operand to its dtype and multiplies in fp32:

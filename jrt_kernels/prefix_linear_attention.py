@@ -2,7 +2,7 @@
 fused backward (autograd through `torch.library`) and the Based decay / gate.
 
 The math, the state layout, the argument checks and the reference (`prefix_linear_attention_chunked`) are in
-`modeling_jrt.linear_attention` (KERNELS.md §2.1, §2.6). This module imports torch and triton only: the dispatcher
+`modeling_jrt.linear_attention` (docs/prefill.md §4). This module imports torch and triton only: the dispatcher
 `modeling_jrt.linear_attention.prefix_linear_attention(..., implementation="triton")` validates the arguments with
 `validate_linear_attention_inputs` and then calls `prefix_linear_attention_triton`, which only asserts them.
 One program per batch x head (the whole value dim, so the feature expansions of a chunk are built once) keeps the
@@ -19,7 +19,7 @@ fp32 state on chip and
     3. writes the final state (sum over all keys, fp32) in the layout of the generation cache.
 
 Here x' = x / K**(1/4), so phi(x) = [1, x', vec(x' x'^T) / sqrt(2)] and phi(q).phi(k) = 1 + s + s**2 / 2. The
-2nd order uses its symmetry (KERNELS.md §2.7): (q.k)**2 = sum_i q_i**2 k_i**2 + sum_{i<j} 2 q_i q_j k_i k_j, so the
+2nd order uses its symmetry (docs/prefill.md §4.2): (q.k)**2 = sum_i q_i**2 k_i**2 + sum_{i<j} 2 q_i q_j k_i k_j, so the
 numerator state holds K diagonal rows (hd) and K (K - 1) / 2 pair rows (ho, features P(x) = sqrt(2) x_i x_j,
 gathered by 0/1 selection matmuls): 136 rows instead of 256 for K = 16. The final state is written back in the full
 layout (S_ij = S_ji; an initial state's antisymmetric part passes through). The 2nd-order denominator state is the
@@ -47,7 +47,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from ._common import _dot, _dot_fp32, _key_weights, _tile, dot_types
 from .prefix_linear_attention_backward import prefix_linear_attention_backward
 
-# Few configs (a 15-minute GPU lease must not be spent tuning), chosen from benchmarks/kernel_aot.py (docs/kernels.md):
+# Few configs (autotuning at the first launch must stay short), chosen from benchmarks/kernel_aot.py (docs/kernels.md):
 # (64, 8 warps) balances spills and instruction issue, (32, 8) has almost no spills, (64, 4) the lowest issue
 # estimate but more spills; the GPU's autotuning decides. 16 warps and BT = 128 spill more (and fall to 64 registers
 # on sm_80). All fit the shared-memory limits of sm_80 and sm_90. The interpreter (CPU tests) gets BT = 32, which
@@ -116,7 +116,7 @@ def _prefix_linear_attention_fwd_kernel(
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    # 2nd order, symmetric (KERNELS.md §2.7): K diagonal features x_i**2 (state rows 1 + K + (K + 1) i) and the
+    # 2nd order, symmetric (docs/prefill.md §4.2): K diagonal features x_i**2 (state rows 1 + K + (K + 1) i) and the
     # K (K - 1) / 2 pairs {i, j}, sqrt(2) x_i x_j (rows 1 + K + K i + j and 1 + K + K j + i), padded to BP. Pair p
     # is (i, i + d mod K) with i = p mod K, d = p // K + 1: bands d = 1 .. (K - 1) // 2 hold K pairs each and, for
     # even K, the band d = K / 2 its first K / 2 (the rest repeat them), which is exactly p < K (K - 1) / 2.

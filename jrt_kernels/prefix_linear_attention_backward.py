@@ -7,7 +7,7 @@ Forward (see `prefix_linear_attention.py`): with x' = x / K**(1/4), phi(q).phi(k
 
 where the keys of query i are the encoder keys of its row and the decoder keys j <= i, and w_j is the key's weight
 (0 for a removed pad). Given dy and dS (the gradient of S_T), the output's gradient with respect to [num_i, den_i]
-is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (KERNELS.md §2.1 run backwards):
+is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunked scan of docs/prefill.md §4.2, run backwards):
 
     dq kernel  (forward in time, one program per batch x head): rebuilds the forward state S (initial state, encoder,
                decoder keys < chunk) and per chunk

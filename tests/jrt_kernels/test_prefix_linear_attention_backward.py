@@ -1,6 +1,6 @@
 """The fused Triton backward against autograd through the fp64 oracle (interpreted on CPU, compiled on CUDA).
 
-Inputs follow KERNELS.md §5 (q, k ~ randn so the 2nd-order term matters, v ~ N(0.5, 1)); the loss is
+Inputs follow docs/prefill.md §5 (q, k ~ randn so the 2nd-order term matters, v ~ N(0.5, 1)); the loss is
 <y, dy> + <S_T, dS>, so the final state's gradient path is exercised too. Shapes are tiny (interpreter).
 """
 
