@@ -64,7 +64,7 @@ import os
 import torch
 from transformers.utils import logging
 
-from .configuration_jrt import PREFIX_PAD_MASKINGS
+from .configuration_jrt import LINEAR_ATTENTION_IMPLEMENTATIONS, PREFIX_PAD_MASKINGS
 
 logger = logging.get_logger(__name__)
 
@@ -578,20 +578,17 @@ def _load_triton_prefill():
 _triton_failure: str | None = None
 
 
-def resolve_implementation(
-    implementation: str, q: torch.Tensor, needs_grad: bool = False, *, has_decay: bool = False
-) -> str:
+def resolve_implementation(implementation: str, q: torch.Tensor) -> str:
     """Pick the prefill implementation.
 
     An explicit `implementation` wins; `"auto"` can be overridden by the environment variable
     `JRT_LINEAR_ATTENTION_IMPL` (`chunked` | `triton` | `quadratic`); otherwise `"auto"` picks `"triton"` for CUDA
     tensors when the kernel imports and has not failed on this device before (`prefix_linear_attention` falls back
     then), and `"chunked"` everywhere else (the CPU default). The kernel has a fused backward and the Based decay and
-    gate, so neither `needs_grad` nor `has_decay` changes the choice any more (both kept for callers). A forced
+    gate, so training and the decay variants take the same path as inference. A forced
     `"triton"` also accepts CPU tensors, which the kernel runs in triton's interpreter when `TRITON_INTERPRET=1`.
     """
-    del needs_grad, has_decay  # the kernel covers training and the decay variants
-    allowed = ("auto", "chunked", "triton", "quadratic")
+    allowed = LINEAR_ATTENTION_IMPLEMENTATIONS  # ("auto", "chunked", "triton", "quadratic")
     if implementation not in allowed:
         raise ValueError(f"implementation must be one of {list(allowed)}, got {implementation!r}.")
     if implementation == "auto":

@@ -261,31 +261,26 @@ CPU_TENSOR = types.SimpleNamespace(is_cuda=False)
 
 
 @pytest.mark.parametrize(
-    ("q", "needs_grad", "has_decay", "expected"),
-    [
-        pytest.param(CUDA_TENSOR, False, False, "triton", id="cuda-inference"),
-        pytest.param(CUDA_TENSOR, True, False, "triton", id="cuda-training"),
-        pytest.param(CUDA_TENSOR, False, True, "triton", id="cuda-decay"),
-        pytest.param(CPU_TENSOR, False, False, "chunked", id="cpu"),
-    ],
+    ("q", "expected"),
+    [pytest.param(CUDA_TENSOR, "triton", id="cuda"), pytest.param(CPU_TENSOR, "chunked", id="cpu")],
 )
-def test_auto_picks(kernel_available, q, needs_grad, has_decay, expected):
-    assert linear_attention.resolve_implementation("auto", q, needs_grad, has_decay=has_decay) == expected
+def test_auto_picks(kernel_available, q, expected):
+    assert linear_attention.resolve_implementation("auto", q) == expected
 
 
 def test_auto_without_kernel_is_chunked(monkeypatch):
     monkeypatch.delenv(linear_attention.IMPLEMENTATION_ENV_VAR, raising=False)
     monkeypatch.setattr(linear_attention, "_load_triton_prefill", lambda: None)
-    assert linear_attention.resolve_implementation("auto", CUDA_TENSOR, False) == "chunked"
+    assert linear_attention.resolve_implementation("auto", CUDA_TENSOR) == "chunked"
     with pytest.raises(RuntimeError, match="pip install"):
-        linear_attention.resolve_implementation("triton", CUDA_TENSOR, False)
+        linear_attention.resolve_implementation("triton", CUDA_TENSOR)
 
 
 @pytest.mark.parametrize("forced", ["chunked", "triton", "quadratic"])
 def test_environment_forces(kernel_available, monkeypatch, forced):
     monkeypatch.setenv(linear_attention.IMPLEMENTATION_ENV_VAR, forced)
-    assert linear_attention.resolve_implementation("auto", CPU_TENSOR, False) == forced
-    assert linear_attention.resolve_implementation("chunked", CUDA_TENSOR, False) == "chunked"  # explicit wins
+    assert linear_attention.resolve_implementation("auto", CPU_TENSOR) == forced
+    assert linear_attention.resolve_implementation("chunked", CUDA_TENSOR) == "chunked"  # explicit wins
 
 
 @pytest.fixture
