@@ -17,7 +17,7 @@ peak memory and allocator state never leak into the next. Llama runs while N <= 
 
     OMP_NUM_THREADS=1 python benchmarks/model_prefill.py                        # N = 2k .. 64k (long: tens of minutes)
     OMP_NUM_THREADS=1 python benchmarks/model_prefill.py --lengths 2048 4096    # a few points
-    python benchmarks/model_prefill.py --compile --json out.json                # add the compiled column, save JSON
+    python benchmarks/model_prefill.py --compile 8192 --json out.json           # compiled column at 8k, save JSON
 """
 
 from __future__ import annotations
@@ -131,13 +131,16 @@ def measure_point(name: str, length: int, args: argparse.Namespace, *, compiled:
     return {"ms": min(timings) * 1e3, "peak_mib": max(peak - baseline, 0) / 2**20}
 
 
+FORWARDED = ("hidden_size", "layers", "heads", "vocab_size", "sliding_window", "prefix_length", "repeats", "device")
+
+
 def run_point(name: str, length: int, args: argparse.Namespace, *, compiled: bool = False) -> dict | str:
     """One measurement; on CPU in a fresh worker process. Returns the measurement or a short failure reason."""
     if args.device != "cpu":
         return measure_point(name, length, args, compiled=compiled)
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--lengths", str(length)]
     command += [f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items() if key in FORWARDED]
-    command += ["--compile"] if compiled else []
+    command += ["--worker-compiled"] if compiled else []
     environment = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     try:
         result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=args.timeout)
@@ -146,9 +149,6 @@ def run_point(name: str, length: int, args: argparse.Namespace, *, compiled: boo
     if result.returncode != 0:
         return "OOM" if result.returncode in (-9, 137) else f"failed ({result.stderr.strip().splitlines()[-1:]})"
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-FORWARDED = ("hidden_size", "layers", "heads", "vocab_size", "sliding_window", "prefix_length", "repeats", "device")
 
 
 def growth(values: list, index: int, key: str) -> str:
@@ -185,7 +185,8 @@ def print_table(lengths: list[int], results: dict[str, list], compiled: bool) ->
         )
         if compiled:
             fast = results["jrt_compiled"][i]
-            speedup = f"{jrt[i]['ms'] / fast['ms']:.2f}x" if isinstance(fast, dict) and isinstance(jrt[i], dict) else "-"
+            both = isinstance(fast, dict) and isinstance(jrt[i], dict)
+            speedup = f"{jrt[i]['ms'] / fast['ms']:.2f}x" if both else "-"
             row += f" {cell(fast, 'ms')} | {speedup} |"
         print(row, flush=True)
 
@@ -194,7 +195,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768, 65536])
     parser.add_argument("--llama-max-length", type=int, default=32768, help="longest N Llama runs at")
-    parser.add_argument("--compile", action="store_true", help="add a torch.compile column for JRT-RNN")
+    parser.add_argument(
+        "--compile", type=int, nargs="*", metavar="N",
+        help="add a torch.compile column for JRT-RNN at these lengths (all of --lengths when none are given)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each CPU worker")
     parser.add_argument("--repeats", type=int, default=3, help="timed prefills per point up to 8k (1 beyond)")
@@ -207,6 +211,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefix-length", type=int, default=1024)
     parser.add_argument("--json", type=Path, help="also write every measurement to this file")
     parser.add_argument("--worker", choices=("jrt", "llama"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker-compiled", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -214,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:  # one point, in this (fresh) process: print its JSON line
         torch.set_num_threads(args.threads)
-        print(json.dumps(measure_point(args.worker, args.lengths[0], args, compiled=args.compile)))
+        print(json.dumps(measure_point(args.worker, args.lengths[0], args, compiled=args.worker_compiled)))
         return
     environment = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
@@ -229,10 +234,11 @@ def main(argv: list[str] | None = None) -> None:
     for length in args.lengths:
         results["jrt"].append(run_point("jrt", length, args))
         results["llama"].append(run_point("llama", length, args) if length <= args.llama_max_length else None)
-        if args.compile:
-            results["jrt_compiled"].append(run_point("jrt", length, args, compiled=True))
+        if args.compile is not None:
+            compiled = not args.compile or length in args.compile
+            results["jrt_compiled"].append(run_point("jrt", length, args, compiled=True) if compiled else None)
         print(f"N={length}: " + ", ".join(f"{k} {v[-1]}" for k, v in results.items() if v), file=sys.stderr, flush=True)
-    print_table(args.lengths, results, args.compile)
+    print_table(args.lengths, results, args.compile is not None)
     if args.json:
         args.json.write_text(json.dumps({"environment": environment, "lengths": args.lengths, **results}, indent=1))
 
