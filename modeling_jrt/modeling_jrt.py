@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,9 @@ from .generation import align_linear_attention_mask, generate_with_prefix
 from .linear_attention import linear_attention_step, prefix_linear_attention, taylor_feature_map
 from .sliding_window import BLOCKED_IMPLEMENTATIONS, blocked_sliding_window_attention
 from .training import jrt_loss
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 logger = logging.get_logger(__name__)
 
@@ -236,8 +240,8 @@ def _key_padding_mask(attention_mask: torch.Tensor | None, num_keys: int) -> tor
         return None
     if attention_mask.shape[1] < num_keys:
         raise ValueError(
-            f"attention_mask covers {attention_mask.shape[1]} tokens but the sliding-window layer attends to {num_keys} "
-            "(cached window + new tokens): pass the mask of the whole sequence, past tokens included."
+            f"attention_mask covers {attention_mask.shape[1]} tokens but the sliding-window layer attends to "
+            f"{num_keys} (cached window + new tokens): pass the mask of the whole sequence, past tokens included."
         )
     return attention_mask[:, -num_keys:].bool()
 
@@ -506,7 +510,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         attention_mask: torch.Tensor | None,
         cache: Cache | None,
         position_ids: torch.Tensor,
-    ) -> torch.Tensor | object | None:
+    ) -> torch.Tensor | BlockMask | None:
         """The mask of the `sliding_attention` layers for this forward.
 
         A multi-token forward with eager or SDPA attention and a dynamic (or no) cache gets the 2D padding mask

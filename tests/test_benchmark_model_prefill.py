@@ -1,4 +1,4 @@
-"""benchmarks/model_prefill.py runs end to end on a tiny model, one fresh worker process per point (no timing asserts)."""
+"""benchmarks/model_prefill.py runs end to end on a tiny model, a fresh worker process per point (no timing asserts)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def test_model_prefill_models_have_the_same_size(model_prefill):
     args = model_prefill.parse_args(["--hidden-size", "32", "--layers", "3", "--heads", "2", "--vocab-size", "64"])
     jrt, llama = model_prefill.build_model("jrt", args), model_prefill.build_model("llama", args)
     assert jrt.config.layer_types == ["conv", "linear_attention", "sliding_attention"]
-    assert (jrt.config.hidden_size, jrt.config.num_hidden_layers) == (llama.config.hidden_size, llama.config.num_hidden_layers)
+    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        assert getattr(jrt.config, field) == getattr(llama.config, field), field
     with pytest.raises(ValueError, match="unknown model 'gpt'"):
         model_prefill.build_model("gpt", args)

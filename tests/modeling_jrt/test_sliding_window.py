@@ -158,7 +158,7 @@ def test_key_mask_shorter_than_the_keys_is_a_clear_error(make_config):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids[:, :8], cache=cache)
-        with pytest.raises(ValueError, match="attention_mask covers 4 tokens but the sliding-window layer attends to 8"):
+        with pytest.raises(ValueError, match="covers 4 tokens but the sliding-window layer attends to 8"):
             model(input_ids[:, 8:], attention_mask=torch.ones(1, 4, dtype=torch.long), cache=cache)
 
 
