@@ -264,3 +264,16 @@ def test_blocked_gradients_equal_masked_full_attention(implementation):
     (masked_full_attention(*reference, key_mask, window) * grad).sum().backward()
     for name, actual, expected in zip("qkv", inputs, reference):
         torch.testing.assert_close(actual.grad, expected.grad, rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.slow
+def test_generate_reads_a_64k_prompt_without_quadratic_tensors(make_config):
+    """A 65536-token prompt through `generate()`: before the blocked path the sliding mask alone had 2**32 elements
+    (4 GiB as bool, 16 GiB as eager's float mask). Now no op output reaches 256 * T elements (T * T = 65536 * T)."""
+    length = 65536
+    model = build(make_config, "sdpa")
+    input_ids = torch.randint(4, 99, (1, length))
+    with torch.no_grad(), LargestTensor() as largest:
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, length + 3)
+    assert largest.numel < 256 * length, (largest.numel, largest.op)
