@@ -277,3 +277,29 @@ def test_generate_reads_a_64k_prompt_without_quadratic_tensors(make_config):
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=3, do_sample=False)
     assert out.shape == (1, length + 3)
     assert largest.numel < 256 * length, (largest.numel, largest.op)
+
+
+GENERATE_CHUNKS = [
+    # (linear attention type, left pads of row 1, prefill_chunk_size); the tiny config's prefix is 8 tokens
+    pytest.param("prefix", 3, 11, id="jrt-pads3-chunk11"),  # the padded row's encoder ends at 3 + 8 = 11
+    pytest.param("prefix", 3, 64, id="jrt-pads3-chunk64"),
+    pytest.param("causal", 9, 8, id="based-pads9-chunk8"),
+]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind, pads, chunk", GENERATE_CHUNKS)
+def test_generate_with_prefill_chunk_size_equals_one_shot(make_config, implementation, kind, pads, chunk):
+    """transformers' chunked prefill runs the blocked attention with the cached window in front of each chunk: the
+    same scores and tokens as one prefill, for a left-padded batch whose encoder fits in the first chunk."""
+    model = build(make_config, implementation, sliding_window=5, linear_attention_type=kind)
+    input_ids = torch.randint(4, 99, (2, 150))
+    mask = torch.ones_like(input_ids)
+    mask[1, :pads] = 0
+    settings = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, output_scores=True,
+                    return_dict_in_generate=True)
+    with torch.no_grad():
+        one_shot = model.generate(input_ids, **settings)
+        chunked = model.generate(input_ids, prefill_chunk_size=chunk, **settings)
+    assert torch.equal(chunked.sequences, one_shot.sequences)
+    torch.testing.assert_close(torch.stack(chunked.scores), torch.stack(one_shot.scores), rtol=1e-4, atol=1e-4)
