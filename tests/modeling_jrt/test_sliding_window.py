@@ -202,7 +202,9 @@ def test_the_largest_tensor_hook_sees_a_dense_mask(make_config, monkeypatch):
     assert largest.numel >= length * length
 
 
-@pytest.mark.parametrize("implementation", ["eager", "flex_attention"])
+@pytest.mark.parametrize(
+    "implementation", ["eager", pytest.param("flex_attention", marks=pytest.mark.slow)]  # flex compiles on CPU
+)
 def test_set_attn_implementation_switches_the_sliding_layers(make_config, implementation, caplog):
     if implementation == "flex_attention":
         pytest.importorskip("torch.nn.attention.flex_attention", reason="flex attention needs torch >= 2.5")
