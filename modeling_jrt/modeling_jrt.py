@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,11 @@ from .generation import (
     never_generated_ids,
 )
 from .linear_attention import linear_attention_step, prefix_linear_attention
+from .sliding_window import BLOCKED_IMPLEMENTATIONS, blocked_sliding_window_attention
 from .loss import ignore_prefix_targets, jrt_loss
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 logger = logging.get_logger(__name__)
 
@@ -185,6 +190,12 @@ class JRTRNNSlidingWindowAttention(nn.Module):
     """Causal softmax attention over the last `sliding_window` tokens (itself included), RoPE on q and k.
 
     The reference's fused `Wqkv` is split into `q_proj`, `k_proj`, `v_proj` (rows q | k | v) by the converter.
+
+    Two paths, picked by the mask `JRTRNNModel.forward` hands over:
+    - a 2D key padding mask `(B, T_total)` or None, with the `"eager"` or `"sdpa"` implementation: the blocked
+      O(T * W) attention of `sliding_window.py` (prefill, chunked prefill, training);
+    - anything else (the small 4D mask of a decode step, a static cache's prepared mask, a flash-attention padding
+      mask, a flex `BlockMask`): the implementation transformers registers under `config._attn_implementation`.
     """
 
     def __init__(self, config: JRTRNNConfig, layer_idx: int):
@@ -213,17 +224,24 @@ class JRTRNNSlidingWindowAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch_size, seq_len, _ = hidden_states.shape
         hidden_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
+        # 1. Projections and RoPE.
         query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
         key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        # 2. The cached window goes in front of the new keys.
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)  # (B, H, S, D): cached window + new tokens
-
-        attention_interface: Callable = eager_attention_forward
-        if self.config._attn_implementation != "eager":
-            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        # 3. Attention: blocked for a padding mask, the registered implementation otherwise.
+        implementation = self.config._attn_implementation
+        if implementation in BLOCKED_IMPLEMENTATIONS and (attention_mask is None or attention_mask.dim() == 2):
+            output = blocked_sliding_window_attention(
+                query, key, value, _key_padding_mask(attention_mask, key.shape[2]),
+                sliding_window=self.sliding_window, scaling=self.scaling, implementation=implementation,
+            )  # (B, T, H, D)
+            return self.o_proj(output.reshape(batch_size, seq_len, -1)), None
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         output, weights = attention_interface(
             self, query, key, value, attention_mask,
             dropout=0.0, scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
@@ -266,6 +284,19 @@ def use_exact_sliding_window_layers(cache: Cache) -> None:
     for layer in cache.layers:
         if type(layer) is DynamicSlidingWindowLayer:
             layer.__class__ = JRTRNNSlidingWindowCacheLayer
+
+
+def _key_padding_mask(attention_mask: torch.Tensor | None, num_keys: int) -> torch.Tensor | None:
+    """The `(B, S)` bool padding mask of the S keys a sliding layer attends to (the last S tokens of the sequence),
+    from the `(B, T_total)` mask of the whole sequence."""
+    if attention_mask is None:
+        return None
+    if attention_mask.shape[1] < num_keys:
+        raise ValueError(
+            f"attention_mask covers {attention_mask.shape[1]} tokens but the sliding-window layer attends to "
+            f"{num_keys} (cached window + new tokens): pass the mask of the whole sequence, past tokens included."
+        )
+    return attention_mask[:, -num_keys:].bool()
 
 
 def read_linear_attention_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
@@ -524,6 +555,13 @@ class JRTRNNPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["JRTRNNDecoderLayer"]
     _supports_sdpa = True
+    # Windowed kernels: the sliding layers pass `sliding_window` to transformers' flash-attention and flex-attention
+    # functions (through `ALL_ATTENTION_FUNCTIONS`), which build their own window from it.
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    # `torch.compile(model, fullgraph=True)` traces prefill without padding and every decode step (with or without
+    # padding). A left-padded prefill still graph-breaks on data-dependent checks in the linear-attention layer.
+    _can_compile_fullgraph = True
     _is_stateful = True  # the recurrent state cannot be rolled back: no assisted decoding
     # `output_hidden_states`: the input of the first block, then every block's output (the last one after the final
     # norm); `output_attentions`: the weights of each sliding-window layer (eager attention only; sdpa refuses).
@@ -636,6 +674,34 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    def sliding_window_mask(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None,
+        position_ids: torch.Tensor,
+        output_attentions: bool = False,
+    ) -> torch.Tensor | BlockMask | None:
+        """The mask of the `sliding_attention` layers for this forward.
+
+        A multi-token forward with eager or SDPA attention and a dynamic (or no) cache gets the 2D padding mask
+        `(B, T_total)` itself (or None): the layers run the blocked O(T * W) attention and build only
+        `(block, block + W - 1)` masks. Everything else gets transformers' `create_sliding_window_causal_mask`: a
+        decode step (a `(B, 1, 1, <= W)` mask), a static cache (fixed-size buffers whose slots the mask tracks),
+        a custom 4D mask, flash attention (a 2D mask or None) and flex attention (a `BlockMask`), and a forward that
+        returns the attention weights (`output_attentions`: eager `(B, H, T, S)` weights are quadratic by nature).
+        """
+        blocked = (
+            self.config._attn_implementation in BLOCKED_IMPLEMENTATIONS
+            and inputs_embeds.shape[1] > 1
+            and (attention_mask is None or attention_mask.dim() == 2)
+            and (cache is None or not cache.is_compileable)
+            and not output_attentions
+        )
+        if blocked:
+            return attention_mask
+        return create_sliding_window_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
+
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @capture_outputs
     def forward(
@@ -706,8 +772,9 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             recurrent_mask = create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache)
             mask_mapping = {"conv": recurrent_mask, "linear_attention": recurrent_mask}
             if has_sliding:
-                mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(
-                    self.config, inputs_embeds, attention_mask, cache, position_ids
+                mask_mapping["sliding_attention"] = self.sliding_window_mask(
+                    inputs_embeds, attention_mask, cache, position_ids,
+                    output_attentions=bool(kwargs.get("output_attentions", self.config.output_attentions)),
                 )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if has_sliding else None
         prefix_range = self.encoder_range(prefix_length, mask_mapping.get("linear_attention"), inputs_embeds, cache)

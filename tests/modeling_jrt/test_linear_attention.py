@@ -283,14 +283,14 @@ def test_bad_arguments_raise_clear_errors():
 def test_dispatcher_on_cpu(monkeypatch):
     q = torch.randn(1, 4, 1, 2)
     monkeypatch.delenv("JRT_LINEAR_ATTENTION_IMPL", raising=False)
-    assert resolve_implementation("auto", q, needs_grad=False) == "chunked"
-    assert resolve_implementation("quadratic", q, needs_grad=False) == "quadratic"
+    assert resolve_implementation("auto", q) == "chunked"
+    assert resolve_implementation("quadratic", q) == "quadratic"
     monkeypatch.setenv("JRT_LINEAR_ATTENTION_IMPL", "quadratic")
-    assert resolve_implementation("auto", q, needs_grad=True) == "quadratic"
-    assert resolve_implementation("chunked", q, needs_grad=True) == "chunked"  # explicit beats the environment
+    assert resolve_implementation("auto", q) == "quadratic"
+    assert resolve_implementation("chunked", q) == "chunked"  # explicit beats the environment
     monkeypatch.setenv("JRT_LINEAR_ATTENTION_IMPL", "gpu")
     with pytest.raises(ValueError, match="JRT_LINEAR_ATTENTION_IMPL"):
-        resolve_implementation("auto", q, needs_grad=False)
+        resolve_implementation("auto", q)
 
 
 # ------------------------------------------------------------------------------------------ per-row encoder ranges

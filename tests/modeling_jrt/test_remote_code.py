@@ -153,7 +153,9 @@ def test_save_pretrained_ships_the_model_files_with_relative_imports_only(tmp_pa
     distribution's packages (a remote-code folder could not load it); `jrt_kernels` is imported inside a function, as an optional fast path."""
     modeling_jrt.JRTRNNForCausalLM(tiny_config()).save_pretrained(tmp_path)
     shipped = sorted(p.name for p in tmp_path.glob("*.py"))
-    assert shipped == ["configuration_jrt.py", "generation.py", "linear_attention.py", "loss.py", "modeling_jrt.py"]
+    assert shipped == [
+        "configuration_jrt.py", "generation.py", "linear_attention.py", "loss.py", "modeling_jrt.py", "sliding_window.py"
+    ]
     for path in tmp_path.glob("*.py"):
         absolute = [name for name in get_imports(str(path)) if name.startswith(LOCAL_PACKAGES)]
         assert not absolute, f"{path.name} imports {absolute}"

@@ -1,0 +1,249 @@
+"""Whole-model prefill: JRT-RNN against a Llama of the same width and depth, N = 2k ... 64k tokens.
+
+Both models have random weights built from configs (hidden 256, 8 layers, 8 heads, SwiGLU 512 by default; JRT-RNN
+uses its default layer pattern `conv, linear_attention, sliding_attention, conv, conv, conv, linear_attention,
+sliding_attention`, window 129, prefix 1024). One prefill is one forward of a single sequence with a fresh cache and
+`logits_to_keep=1`, as `generate()` does it. Reported per length N:
+
+    ms          prefill time: on CPU the process CPU time (the machine may be shared), minimum of the repeats;
+                on CUDA the synchronised wall time
+    peak MiB    the peak memory the prefill adds on top of the loaded model: on CPU the peak RSS of the worker
+                process (VmHWM, reset before the timed runs), on CUDA `torch.cuda.max_memory_allocated`
+    Llama/JRT   time ratio;  x per 2N: growth from the previous (half) length, 2.0 is linear
+    compiled    optional (`--compile`): JRT-RNN under `torch.compile(model)`, warmed up at the same length
+
+On CPU every (model, N) point runs in a fresh process with `OMP_NUM_THREADS=--threads` (default 1), so one point's
+peak memory and allocator state never leak into the next. Llama runs while N <= --llama-max-length.
+
+    OMP_NUM_THREADS=1 python benchmarks/model_prefill.py                        # N = 2k .. 64k (long: tens of minutes)
+    OMP_NUM_THREADS=1 python benchmarks/model_prefill.py --lengths 2048 4096    # a few points
+    python benchmarks/model_prefill.py --compile 8192 --json out.json           # compiled column at 8k, save JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM  # noqa: E402
+
+WARMUP_LENGTH = 256
+
+
+def build_model(name: str, args: argparse.Namespace) -> torch.nn.Module:
+    """`"jrt"` or `"llama"`, random weights (seed 0), eval mode, on `args.device`."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, bos_token_id=0, eos_token_id=0,
+    )
+    if name == "jrt":
+        config = JRTRNNConfig(
+            **common, sliding_window=args.sliding_window, prefix_length=args.prefix_length, prefix_pad_token_id=0
+        )
+        model = JRTRNNForCausalLM(config)
+    elif name == "llama":
+        config = LlamaConfig(**common, num_key_value_heads=args.heads, max_position_embeddings=1 << 17)
+        model = LlamaForCausalLM(config)
+    else:
+        raise ValueError(f"unknown model {name!r}; expected 'jrt' or 'llama'")
+    return model.to(args.device).eval()
+
+
+def current_rss() -> int:
+    """Resident set size of this process in bytes."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) of this process; False where Linux does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process in bytes (VmHWM, or ru_maxrss without /proc)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
+    model(input_ids, cache=DynamicCache(config=model.config), logits_to_keep=1)
+
+
+@torch.no_grad()
+def measure_point(name: str, length: int, args: argparse.Namespace, *, compiled: bool) -> dict:
+    """Time and peak memory of one prefill of `length` tokens, in this process."""
+    device = torch.device(args.device)
+    model = build_model(name, args)
+    if compiled:
+        model = torch.compile(model)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, args.vocab_size, (1, length), generator=generator).to(device)
+    # Warm-up: a short prompt (kernel selection, allocator), or the same length under torch.compile (one graph).
+    prefill(model, input_ids if compiled else input_ids[:, :WARMUP_LENGTH])
+    synchronize(device)
+    repeats = args.repeats if length <= 8192 else 1
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+    else:
+        reset_peak_rss()
+        baseline = current_rss()
+    timings = []
+    for _ in range(repeats):
+        synchronize(device)
+        start_wall, start_cpu = time.perf_counter(), time.process_time()
+        prefill(model, input_ids)
+        synchronize(device)
+        elapsed = time.perf_counter() - start_wall if device.type == "cuda" else time.process_time() - start_cpu
+        timings.append(elapsed)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
+    return {"ms": min(timings) * 1e3, "peak_mib": max(peak - baseline, 0) / 2**20}
+
+
+FORWARDED = ("hidden_size", "layers", "heads", "vocab_size", "sliding_window", "prefix_length", "repeats", "device")
+
+
+def run_point(name: str, length: int, args: argparse.Namespace, *, compiled: bool = False) -> dict | str:
+    """One measurement; on CPU in a fresh worker process. Returns the measurement or a short failure reason."""
+    if args.device != "cpu":
+        return measure_point(name, length, args, compiled=compiled)
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--lengths", str(length)]
+    command += [f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items() if key in FORWARDED]
+    command += ["--worker-compiled"] if compiled else []
+    environment = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    if result.returncode != 0:
+        return "OOM" if result.returncode in (-9, 137) else f"failed ({result.stderr.strip().splitlines()[-1:]})"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def growth(values: list, index: int, key: str) -> str:
+    """`x per 2N` cell: the ratio to the previous length when that one is exactly half."""
+    if index == 0 or not isinstance(values[index], dict) or not isinstance(values[index - 1], dict):
+        return "-"
+    return f"{values[index][key] / values[index - 1][key]:.2f}"
+
+
+def cell(value: dict | str | None, key: str, fmt: str = ".0f") -> str:
+    if value is None:
+        return "-"
+    return format(value[key], fmt) if isinstance(value, dict) else value
+
+
+def print_table(lengths: list[int], results: dict[str, list], compiled: bool) -> None:
+    jrt, llama = results["jrt"], results["llama"]
+    header = (
+        "| N | JRT ms | Llama ms | Llama/JRT | JRT x per 2N | Llama x per 2N "
+        "| JRT peak MiB | Llama peak MiB | JRT mem x per 2N | Llama mem x per 2N |"
+    )
+    if compiled:
+        header += " JRT compiled ms | eager/compiled |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for i, length in enumerate(lengths):
+        ratio = "-"
+        if isinstance(jrt[i], dict) and isinstance(llama[i], dict):
+            ratio = f"{llama[i]['ms'] / jrt[i]['ms']:.2f}x"
+        row = (
+            f"| {length} | {cell(jrt[i], 'ms')} | {cell(llama[i], 'ms')} | {ratio} | {growth(jrt, i, 'ms')} "
+            f"| {growth(llama, i, 'ms')} | {cell(jrt[i], 'peak_mib')} | {cell(llama[i], 'peak_mib')} "
+            f"| {growth(jrt, i, 'peak_mib')} | {growth(llama, i, 'peak_mib')} |"
+        )
+        if compiled:
+            fast = results["jrt_compiled"][i]
+            both = isinstance(fast, dict) and isinstance(jrt[i], dict)
+            speedup = f"{jrt[i]['ms'] / fast['ms']:.2f}x" if both else "-"
+            row += f" {cell(fast, 'ms')} | {speedup} |"
+        print(row, flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--llama-max-length", type=int, default=32768, help="longest N Llama runs at")
+    parser.add_argument(
+        "--compile", type=int, nargs="*", metavar="N",
+        help="add a torch.compile column for JRT-RNN at these lengths (all of --lengths when none are given)",
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each CPU worker")
+    parser.add_argument("--repeats", type=int, default=3, help="timed prefills per point up to 8k (1 beyond)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per CPU point")
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--sliding-window", type=int, default=129)
+    parser.add_argument("--prefix-length", type=int, default=1024)
+    parser.add_argument("--json", type=Path, help="also write every measurement to this file")
+    parser.add_argument("--worker", choices=("jrt", "llama"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker-compiled", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:  # one point, in this (fresh) process: print its JSON line
+        torch.set_num_threads(args.threads)
+        print(json.dumps(measure_point(args.worker, args.lengths[0], args, compiled=args.worker_compiled)))
+        return
+    environment = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
+        "threads": args.threads if args.device == "cpu" else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "model": f"hidden {args.hidden_size}, {args.layers} layers, {args.heads} heads, window {args.sliding_window}, "
+        f"prefix {args.prefix_length}, fp32, batch 1, logits_to_keep=1",
+    }
+    print(", ".join(f"{key} {value}" for key, value in environment.items() if value is not None))
+    results: dict[str, list] = {"jrt": [], "llama": [], "jrt_compiled": []}
+    for length in args.lengths:
+        results["jrt"].append(run_point("jrt", length, args))
+        results["llama"].append(run_point("llama", length, args) if length <= args.llama_max_length else None)
+        if args.compile is not None:
+            compiled = not args.compile or length in args.compile
+            results["jrt_compiled"].append(run_point("jrt", length, args, compiled=True) if compiled else None)
+        print(f"N={length}: " + ", ".join(f"{k} {v[-1]}" for k, v in results.items() if v), file=sys.stderr, flush=True)
+    print_table(args.lengths, results, args.compile is not None)
+    if args.json:
+        args.json.write_text(json.dumps({"environment": environment, "lengths": args.lengths, **results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
