@@ -549,12 +549,6 @@ def generate_with_prefix(
         vocab_size=config.vocab_size,
     )
     prompt_length = prepared.length if prepared is not None else prompt.shape[1]
-    chunk = kwargs.get("prefill_chunk_size", getattr(effective_config, "prefill_chunk_size", None))
-    if chunk is not None and chunk < min(config.prefix_length, prompt_length):
-        raise ValueError(
-            f"prefill_chunk_size={chunk} would split the JRT encoder prefix ({config.prefix_length} tokens): the "
-            "encoder reads the first forward only. Use prefill_chunk_size >= prefix_length or None."
-        )
     overrides = {}
     if prepared is not None:
         _shift_length_limits(kwargs, effective_config, prepared.length - prepared.original_length)
@@ -576,6 +570,84 @@ def generate_with_prefix(
     output = _restore_caller_prompt(output, input_ids, prepared_length) if prepared is not None else output
     remember(output, cache if cache is not None else getattr(output, "cache", None), prepared, prefix_lengths)
     return output
+
+
+def prefill_segments(total: int, past: int, chunk_size: int, encoder_end: int = 0) -> list[tuple[int, int]]:
+    """The `[start, end)` column ranges of a chunked prefill of the columns `past <= c < total`.
+
+    The first forward is the only one the JRT encoder reads, so it spans at least the encoder region `encoder_end`
+    (for a left-padded batch the largest `pads_b + prefix_b`; 0 for a causal model or a cache that already holds a
+    state), and at least `chunk_size` columns; the rest goes in chunks of `chunk_size`.
+
+    Example:
+        >>> prefill_segments(total=30, past=0, chunk_size=4, encoder_end=11)
+        [(0, 11), (11, 15), (15, 19), (19, 23), (23, 27), (27, 30)]
+    """
+    if chunk_size < 1:
+        raise ValueError(f"prefill_chunk_size must be a positive number of tokens, got {chunk_size}.")
+    segments, start = [], past
+    end = min(max(encoder_end, past + chunk_size), total)
+    while start < total:
+        segments.append((start, end))
+        start, end = end, min(end + chunk_size, total)
+    return segments
+
+
+def chunked_prefill(
+    model: GenerationMixin,
+    input_ids: torch.LongTensor,
+    generation_config: GenerationConfig,
+    model_kwargs: dict,
+    is_first_iteration: bool,
+    encoder_end: int,
+):
+    """`GenerationMixin._prefill` with `prefill_chunk_size` for JRT-RNN: the forwards of `prefill_segments`.
+
+    Unlike transformers' loop, the first forward covers the whole encoder region of every row (`encoder_end`), the
+    tokens the cache has read are counted from its `CachedPrompt` (a purely recurrent cache has no sequence length),
+    and each forward gets its own columns of the prompt's `linear_attention_mask` and of `inputs_embeds`.
+
+    Args:
+        input_ids: `(B, T)` the whole sequence in the model's layout (`(B, 0)` when generating from embeddings).
+        model_kwargs: generate's model kwargs (`cache` is updated in place, as transformers does).
+        encoder_end: the columns the encoder reads in the first forward (0 when it reads nothing).
+
+    Returns:
+        The model output of the last forward (its logits give the first generated token).
+    """
+    cache = model_kwargs["cache"]
+    inputs_embeds = model_kwargs.get("inputs_embeds") if is_first_iteration else None
+    total = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
+    record = cached_prompt(cache)
+    past = record.num_read if record is not None and cache_has_state(cache) else 0
+    attention_mask = model_kwargs.get("attention_mask")
+    position_ids = model_kwargs.get("position_ids")
+    linear_attention_mask = model_kwargs.get("linear_attention_mask")
+    model_forward = (
+        model.get_compiled_call(generation_config.compile_config)
+        if model._valid_auto_compile_criteria(model_kwargs, generation_config)
+        else model.__call__
+    )
+    outputs = None
+    for start, end in prefill_segments(total, past, generation_config.prefill_chunk_size, encoder_end):
+        kwargs = {**model_kwargs, "cache": cache}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask[:, :end]
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids[..., start:end]
+        if inputs_embeds is not None:
+            kwargs["inputs_embeds"] = inputs_embeds[:, start:end]
+        kwargs.pop("linear_attention_mask", None)
+        if linear_attention_mask is not None:
+            aligned = align_linear_attention_mask(linear_attention_mask, end, end - start)
+            if aligned is not None:
+                kwargs["linear_attention_mask"] = aligned
+        model_inputs = model.prepare_inputs_for_generation(
+            input_ids[:, start:end], next_sequence_length=end - start, is_first_iteration=is_first_iteration, **kwargs
+        )
+        outputs = model_forward(**model_inputs, return_dict=True)
+        cache = model_kwargs["cache"] = outputs.cache
+    return outputs
 
 
 def align_linear_attention_mask(
@@ -603,8 +675,10 @@ __all__ = [
     "align_linear_attention_mask",
     "cache_has_state",
     "cached_prompt",
+    "chunked_prefill",
     "never_generated_ids",
     "generate_with_prefix",
+    "prefill_segments",
     "prepare_prefix",
     "repeat_to_fill",
     "suppress_never_generated",

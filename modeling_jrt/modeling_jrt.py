@@ -56,6 +56,7 @@ from .generation import (
     cache_has_state,
     DEFAULT_PREFIX_STRATEGY,
     cached_prompt,
+    chunked_prefill,
     generate_with_prefix,
     never_generated_ids,
 )
@@ -1017,6 +1018,26 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         if view is None or len(processors) == 0:
             return processors
         return LogitsProcessorList([CallerViewLogitsProcessor(processors, view)])
+
+    def _prefill(
+        self,
+        input_ids: torch.LongTensor,
+        generation_config: GenerationConfig,
+        model_kwargs: dict,
+        is_first_iteration: bool = True,
+    ):
+        """transformers' prefill; with `prefill_chunk_size`, the first chunk spans the JRT encoder region of every
+        row (left padding included), so that chunked and one-shot prefills read the same prefix (`chunked_prefill`)."""
+        cache = model_kwargs.get("cache")
+        if generation_config.prefill_chunk_size is None or cache is None:
+            return super()._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=is_first_iteration)
+        inputs_embeds = model_kwargs.get("inputs_embeds") if is_first_iteration else None
+        inputs = inputs_embeds if inputs_embeds is not None else input_ids
+        encoder_range = self.model.encoder_range(
+            model_kwargs.get("prefix_length"), model_kwargs.get("attention_mask"), inputs, cache
+        )
+        encoder_end = 0 if encoder_range is None or encoder_range.length == 0 else int(encoder_range.end.max())
+        return chunked_prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration, encoder_end)
 
     def prepare_inputs_for_generation(
         self,

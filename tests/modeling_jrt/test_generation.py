@@ -21,7 +21,7 @@ from transformers import (
 from transformers.generation import BaseStreamer, GenerationMixin
 
 from modeling_jrt import JRTRNNForCausalLM
-from modeling_jrt.generation import cached_prompt
+from modeling_jrt.generation import cached_prompt, prefill_segments
 
 # The tiny config of conftest: prefix_length 8, sliding_window 5, vocab 99, pad 0, eos 2, prefix pad 3.
 PREFIX = 8
@@ -214,6 +214,87 @@ def test_chunked_prefill_equals_one_forward(make_config, kind):
     torch.testing.assert_close(torch.stack(chunked.scores), torch.stack(one.scores), rtol=1e-4, atol=1e-4)
 
 
+def one_shot_and_chunked(model, input_ids, chunk, **kwargs):
+    settings = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
+    with torch.no_grad():
+        return model.generate(input_ids, **settings, **kwargs), model.generate(
+            input_ids, prefill_chunk_size=chunk, **settings, **kwargs
+        )
+
+
+def assert_same_generation(chunked, one):
+    torch.testing.assert_close(chunked.sequences, one.sequences, rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(chunked.scores), torch.stack(one.scores), rtol=1e-4, atol=1e-4)
+
+
+CHUNKS_BELOW_PREFIX = [
+    # (kind, prompt length, left pads of row 1, prefill_chunk_size); the prefix is 8 tokens
+    pytest.param("jrt-prefix", 23, 0, 3, id="jrt-chunk3"),
+    pytest.param("jrt-prefix", 23, 5, 1, id="jrt-pads5-chunk1"),
+    # 8 <= chunk < pads + 8: transformers' own loop splits row 1's encoder (it ends at 3 + 8 = 11)
+    pytest.param("jrt-prefix", 23, 3, 10, id="jrt-pads3-chunk10"),
+    pytest.param("based-causal", 23, 4, 3, id="based-pads4-chunk3"),
+    pytest.param("based-decay", 23, 0, 5, id="based-decay-chunk5"),
+]
+
+
+@pytest.mark.parametrize("kind, length, pads, chunk", CHUNKS_BELOW_PREFIX)
+def test_prefill_chunk_size_below_the_encoder_region_equals_one_shot(make_config, kind, length, pads, chunk):
+    """Chunks of any size: the first forward spans every row's encoder region (pads + prefix), the rest are chunks."""
+    model = build(make_config, **KINDS[kind])
+    input_ids = prompt(length, batch=2)
+    mask = torch.ones_like(input_ids)
+    mask[1, :pads] = 0
+    one, chunked = one_shot_and_chunked(model, input_ids, chunk, attention_mask=mask)
+    assert_same_generation(chunked, one)
+
+
+def test_prefill_chunk_size_with_mixed_lengths_and_the_pad_fill(make_config):
+    """A left-padded batch of a short prompt (filled to the prefix with masked pads) and longer ones, chunk 2: the
+    fill's `linear_attention_mask` columns follow each chunk."""
+    model = build(make_config)
+    input_ids = prompt(14, batch=3)
+    mask = torch.ones_like(input_ids)
+    mask[0, :11] = 0  # 3 tokens: filled with 5 pads
+    mask[1, :4] = 0  # 10 tokens: encoder ends at column 4 + 8 = 12
+    for chunk in (2, 9):
+        one, chunked = one_shot_and_chunked(model, input_ids, chunk, attention_mask=mask, prefix_strategy="pad")
+        assert_same_generation(chunked, one)
+    # The short prompt alone: the fill is the whole first forward, the prompt generated as without chunks.
+    one, chunked = one_shot_and_chunked(model, input_ids[:1, 11:], 1, prefix_strategy="pad")
+    assert_same_generation(chunked, one)
+
+
+@pytest.mark.parametrize(
+    "layer_types", [None, ["conv", "linear_attention", "conv", "linear_attention"]], ids=["with-sliding", "recurrent-only"]
+)
+def test_prefill_chunk_size_with_embeddings_and_continuation(make_config, layer_types):
+    """Chunked prefill of `inputs_embeds` (sliced per chunk) and of a continuation from a returned cache (the tokens
+    the cache read are skipped, the new ones chunked; a purely recurrent cache has no sequence length to count them)."""
+    model = build(make_config, **({} if layer_types is None else dict(layer_types=layer_types)))
+    input_ids = prompt(17)
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(input_ids)
+    one, chunked = one_shot_and_chunked(model, None, 3, inputs_embeds=embeds)
+    assert_same_generation(chunked, one)
+    settings = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, **NO_EOS)
+    with torch.no_grad():
+        first = model.generate(input_ids, **settings)
+        longer = torch.cat([first.sequences, prompt(9, seed=2)], dim=1)
+        expected = model.generate(longer, cache=copy.deepcopy(first.cache), **settings)
+        chunked = model.generate(longer, cache=first.cache, prefill_chunk_size=2, **settings)
+    torch.testing.assert_close(chunked.sequences, expected.sequences, rtol=0, atol=0)
+
+
+def test_prefill_segments():
+    assert prefill_segments(total=30, past=0, chunk_size=4, encoder_end=11) == [
+        (0, 11), (11, 15), (15, 19), (19, 23), (23, 27), (27, 30)
+    ]
+    assert prefill_segments(total=10, past=0, chunk_size=4, encoder_end=3) == [(0, 4), (4, 8), (8, 10)]
+    assert prefill_segments(total=10, past=0, chunk_size=64, encoder_end=8) == [(0, 10)]
+    assert prefill_segments(total=10, past=6, chunk_size=3) == [(6, 9), (9, 10)]
+
+
 def test_generation_lengths_count_the_callers_prompt(make_config):
     model = build(make_config)
     short = prompt(3)
@@ -235,8 +316,8 @@ def test_prefix_errors_are_clear(make_config):
         greedy(model, prompt(4, batch=2), 2, attention_mask=right_padded)
     with pytest.raises(ValueError, match="vocab_size=99"):
         greedy(model, prompt(3), 2, prefix_pad_token_id=220)
-    with pytest.raises(ValueError, match="prefill_chunk_size"):
-        greedy(model, prompt(10), 2, prefill_chunk_size=4)
+    with pytest.raises(ValueError, match="prefill_chunk_size must be a positive"):
+        prefill_segments(total=10, past=0, chunk_size=0)
 
 
 def test_transformers_refuses_assisted_decoding_for_the_stateful_model(make_config):
