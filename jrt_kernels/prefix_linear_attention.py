@@ -71,15 +71,16 @@ def _select(b_x, b_e, DOT: tl.constexpr, EMULATE: tl.constexpr):
 
 @triton.jit
 def _pair_features(b_x, b_ei, b_ej, DOT: tl.constexpr, EMULATE: tl.constexpr):
-    """[BT, BK] -> [BT, BP]: sqrt(2) x_i x_j for the pairs i < j (0 in the padding)."""
-    return 1.4142135623730951 * _select(b_x, b_ei, DOT, EMULATE) * _select(b_x, b_ej, DOT, EMULATE)
+    """[BT, BK] -> [BT, BP]: x_i x_j for the pairs i < j (0 in the padding). The sqrt(2) of the pair features is
+    folded into the state (ho holds sum k_i k_j v, read with weight 1 instead of 1/2): one multiply less per entry."""
+    return _select(b_x, b_ei, DOT, EMULATE) * _select(b_x, b_ej, DOT, EMULATE)
 
 
 @triton.jit
 def _pair_features_t(b_x, b_ei, b_ej, DOT: tl.constexpr, EMULATE: tl.constexpr):
     """The transposed pair features [BP, BT] (the A operand of the state update), from the small transposes."""
     b_xt = tl.trans(b_x)
-    return 1.4142135623730951 * _select_t(b_ei, b_xt, DOT, EMULATE) * _select_t(b_ej, b_xt, DOT, EMULATE)
+    return _select_t(b_ei, b_xt, DOT, EMULATE) * _select_t(b_ej, b_xt, DOT, EMULATE)
 
 
 @triton.jit
@@ -150,8 +151,8 @@ def _prefix_linear_attention_fwd_kernel(
         b_h1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_hd += tl.load(p_s + r_d[:, None] * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0) * SQRT2
         m_pv = m_p[:, None] & m_v[None, :]
-        b_ho += tl.load(p_s + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
-        b_ho += tl.load(p_s + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
+        b_ho += (tl.load(p_s + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
+                 + tl.load(p_s + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)) / SQRT2
         b_z0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
         b_z1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
         b_zz += tl.load(p_s + r_kk * W + V, mask=m_kk, other=0.0) * SQRT2
@@ -198,7 +199,8 @@ def _prefix_linear_attention_fwd_kernel(
         # inter-chunk: the state of everything before the chunk, encoder included. [BT, BV], [BT]
         b_num = b_h0[None, :] + _dot(b_q, b_h1, SDOT, EMULATE, PRECISION)
         b_qo = _pair_features(b_q, b_ei, b_ej, DOT, EMULATE)  # [BT, BP]
-        b_num += 0.5 * (_dot(b_q * b_q, b_hd, SDOT, EMULATE, PRECISION) + _dot(b_qo, b_ho, SDOT, EMULATE, PRECISION))
+        # the 1/2 on the [BT, BK] operand (exact) rather than the [BT, BV] product
+        b_num += _dot(0.5 * (b_q * b_q), b_hd, SDOT, EMULATE, PRECISION) + _dot(b_qo, b_ho, SDOT, EMULATE, PRECISION)
         b_den = tl.sum(b_z0) + tl.sum(b_q * (b_z1[None, :] + 0.5 * _dot_fp32(b_q, b_zz)), axis=1)
         # intra-chunk: 1 + s + s^2 / 2 on the causal part, counted keys only. [BT, BT]
         b_s = _dot(b_q, tl.trans(b_k), DOT, EMULATE, PRECISION)
@@ -239,9 +241,9 @@ def _prefix_linear_attention_fwd_kernel(
     tl.store(p_s + o_v, b_h0, mask=m_v)
     tl.store(p_s + (1 + o_k[:, None]) * W + o_v[None, :], b_h1, mask=m_k[:, None] & m_v[None, :])
     tl.store(p_s + r_d[:, None] * W + o_v[None, :], b_hd / SQRT2, mask=m_k[:, None] & m_v[None, :])
-    # S_ij = S_ji = ho / 2 from the keys; an initial state's antisymmetric part (S_ij - S_ji) / 2 passes unchanged.
+    # S_ij = S_ji = ho / sqrt(2) from the keys; an initial state's antisymmetric part (S_ij - S_ji) / 2 passes unchanged.
     m_pv = m_p[:, None] & m_v[None, :]
-    b_half = b_ho * 0.5
+    b_half = b_ho / SQRT2
     if HAS_INITIAL_STATE:
         p_s0 = state_in + p_state
         b_anti = 0.5 * (tl.load(p_s0 + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
