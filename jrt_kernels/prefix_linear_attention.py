@@ -91,6 +91,42 @@ def _select_t(b_e, b_xt, DOT: tl.constexpr, EMULATE: tl.constexpr):
     return _dot(tl.trans(b_e), b_xt, DOT, EMULATE, "tf32")
 
 
+@triton.jit
+def _pair_index(o_p, o_k, K: tl.constexpr):
+    """Pairs o_p [BH] (docs in the kernel): (valid, state row of (i, j), state row of (j, i), [BK, BH] selection
+    matrices e_i, e_j with x @ e_i gathering x_i of every pair on the tensor cores)."""
+    m_p = o_p < (K * (K - 1)) // 2
+    p_i = o_p % K
+    p_j = (p_i + o_p // K + 1) % K
+    b_ei = ((o_k[:, None] == p_i[None, :]) & m_p[None, :]).to(tl.float32)
+    b_ej = ((o_k[:, None] == p_j[None, :]) & m_p[None, :]).to(tl.float32)
+    return m_p, 1 + K + p_i * K + p_j, 1 + K + p_j * K + p_i, b_ei, b_ej
+
+
+@triton.jit
+def _load_pairs(p_s, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
+    """ho rows [BH, BV] of a full-layout state: (S_ij + S_ji) / sqrt(2) = sum k_i k_j v."""
+    m_pv = m_p[:, None] & m_v[None, :]
+    return (tl.load(p_s + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
+            + tl.load(p_s + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)) * 0.7071067811865476
+
+
+@triton.jit
+def _store_pairs(p_s, p_s0, b_ho, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr):
+    """S_ij = S_ji = ho / sqrt(2) from the keys; an initial state's antisymmetric part (S_ij - S_ji) / 2 (p_s0)
+    passes unchanged."""
+    m_pv = m_p[:, None] & m_v[None, :]
+    b_half = b_ho * 0.7071067811865476
+    if HAS_INITIAL_STATE:
+        b_anti = 0.5 * (tl.load(p_s0 + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
+                        - tl.load(p_s0 + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0))
+        tl.store(p_s + r_ij[:, None] * W + o_v[None, :], b_half + b_anti, mask=m_pv)
+        tl.store(p_s + r_ji[:, None] * W + o_v[None, :], b_half - b_anti, mask=m_pv)
+    else:
+        tl.store(p_s + r_ij[:, None] * W + o_v[None, :], b_half, mask=m_pv)
+        tl.store(p_s + r_ji[:, None] * W + o_v[None, :], b_half, mask=m_pv)
+
+
 @triton.jit(do_not_specialize=["T", "T_BUCKET"])
 def _prefix_linear_attention_fwd_kernel(
     q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, state_in, log_decay, gate, o, state_out,
@@ -122,16 +158,12 @@ def _prefix_linear_attention_fwd_kernel(
     # K (K - 1) / 2 pairs {i, j}, sqrt(2) x_i x_j (rows 1 + K + K i + j and 1 + K + K j + i), padded to BP. Pair p
     # is (i, i + d mod K) with i = p mod K, d = p // K + 1: bands d = 1 .. (K - 1) // 2 hold K pairs each and, for
     # even K, the band d = K / 2 its first K / 2 (the rest repeat them), which is exactly p < K (K - 1) / 2.
+    # The pairs are held in two halves a, b of BH = BP / 2 rows each: each product's (BT, BH) feature operand is half
+    # as large, which lowers the peak register use (the state itself is the same size).
     r_d = 1 + K + o_k * (K + 1)
-    o_p = tl.arange(0, BP)
-    m_p = o_p < (K * (K - 1)) // 2
-    p_i = o_p % K
-    p_j = (p_i + o_p // K + 1) % K
-    r_ij = 1 + K + p_i * K + p_j
-    r_ji = 1 + K + p_j * K + p_i
-    # [BK, BP] 0/1 selection matrices: x @ e_i gathers x_i of every pair on the tensor cores.
-    b_ei = ((o_k[:, None] == p_i[None, :]) & m_p[None, :]).to(tl.float32)
-    b_ej = ((o_k[:, None] == p_j[None, :]) & m_p[None, :]).to(tl.float32)
+    BH: tl.constexpr = BP // 2
+    m_pa, r_ija, r_jia, b_eia, b_eja = _pair_index(tl.arange(0, BH), o_k, K)
+    m_pb, r_ijb, r_jib, b_eib, b_ejb = _pair_index(BH + tl.arange(0, BH), o_k, K)
     m_kk = m_k[:, None] & m_k[None, :]
     r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
     p_m = key_mask + i_b * s_mb
@@ -140,7 +172,8 @@ def _prefix_linear_attention_fwd_kernel(
     b_h0 = tl.zeros([BV], dtype=tl.float32)
     b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
     b_hd = tl.zeros([BK, BV], dtype=tl.float32)
-    b_ho = tl.zeros([BP, BV], dtype=tl.float32)
+    b_hoa = tl.zeros([BH, BV], dtype=tl.float32)
+    b_hob = tl.zeros([BH, BV], dtype=tl.float32)
     b_z0 = tl.zeros([1], dtype=tl.float32)
     b_z1 = tl.zeros([BK], dtype=tl.float32)
     b_zz = tl.zeros([BK, BK], dtype=tl.float32)
@@ -150,9 +183,8 @@ def _prefix_linear_attention_fwd_kernel(
         b_h0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
         b_h1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_hd += tl.load(p_s + r_d[:, None] * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0) * SQRT2
-        m_pv = m_p[:, None] & m_v[None, :]
-        b_ho += (tl.load(p_s + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
-                 + tl.load(p_s + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)) / SQRT2
+        b_hoa += _load_pairs(p_s, r_ija, r_jia, m_pa, o_v, m_v, W)
+        b_hob += _load_pairs(p_s, r_ijb, r_jib, m_pb, o_v, m_v, W)
         b_z0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
         b_z1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
         b_zz += tl.load(p_s + r_kk * W + V, mask=m_kk, other=0.0) * SQRT2
@@ -174,7 +206,8 @@ def _prefix_linear_attention_fwd_kernel(
         b_h0 += tl.sum(b_v, axis=0)
         b_h1 += _dot(tl.trans(b_k), b_v, DOT, EMULATE, PRECISION)
         b_hd += _dot(tl.trans(b_k * b_k), b_v, DOT, EMULATE, PRECISION)
-        b_ho += _dot(_pair_features_t(b_k, b_ei, b_ej, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
+        b_hoa += _dot(_pair_features_t(b_k, b_eia, b_eja, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
+        b_hob += _dot(_pair_features_t(b_k, b_eib, b_ejb, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
         b_z1 += tl.sum(b_k, axis=0)
         b_zz += _dot_fp32(tl.trans(b_k), b_k)  # [BK, BK]
@@ -198,9 +231,10 @@ def _prefix_linear_attention_fwd_kernel(
 
         # inter-chunk: the state of everything before the chunk, encoder included. [BT, BV], [BT]
         b_num = b_h0[None, :] + _dot(b_q, b_h1, SDOT, EMULATE, PRECISION)
-        b_qo = _pair_features(b_q, b_ei, b_ej, DOT, EMULATE)  # [BT, BP]
         # the 1/2 on the [BT, BK] operand (exact) rather than the [BT, BV] product
-        b_num += _dot(0.5 * (b_q * b_q), b_hd, SDOT, EMULATE, PRECISION) + _dot(b_qo, b_ho, SDOT, EMULATE, PRECISION)
+        b_num += _dot(0.5 * (b_q * b_q), b_hd, SDOT, EMULATE, PRECISION)
+        b_num += _dot(_pair_features(b_q, b_eia, b_eja, DOT, EMULATE), b_hoa, SDOT, EMULATE, PRECISION)  # [BT, BH]
+        b_num += _dot(_pair_features(b_q, b_eib, b_ejb, DOT, EMULATE), b_hob, SDOT, EMULATE, PRECISION)
         b_den = tl.sum(b_z0) + tl.sum(b_q * (b_z1[None, :] + 0.5 * _dot_fp32(b_q, b_zz)), axis=1)
         # intra-chunk: 1 + s + s^2 / 2 on the causal part, counted keys only. [BT, BT]
         b_s = _dot(b_q, tl.trans(b_k), DOT, EMULATE, PRECISION)
@@ -230,29 +264,21 @@ def _prefix_linear_attention_fwd_kernel(
             b_h0 = b_h0 * b_chunk
             b_h1 = b_h1 * b_chunk
             b_hd = b_hd * b_chunk
-            b_ho = b_ho * b_chunk
+            b_hoa = b_hoa * b_chunk
+            b_hob = b_hob * b_chunk
         b_h0 += tl.sum(b_v, axis=0)
         b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
         b_hd += _dot(tl.trans(b_kw * b_kw), b_v, DOT, EMULATE, PRECISION)
-        b_ho += _dot(_pair_features_t(b_kw, b_ei, b_ej, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
+        b_hoa += _dot(_pair_features_t(b_kw, b_eia, b_eja, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
+        b_hob += _dot(_pair_features_t(b_kw, b_eib, b_ejb, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
 
     # 3. Final state in the cache layout (B, H, F, V + 1); the denominator column is written once, by i_v = 0.
     p_s = state_out + p_state
     tl.store(p_s + o_v, b_h0, mask=m_v)
     tl.store(p_s + (1 + o_k[:, None]) * W + o_v[None, :], b_h1, mask=m_k[:, None] & m_v[None, :])
     tl.store(p_s + r_d[:, None] * W + o_v[None, :], b_hd / SQRT2, mask=m_k[:, None] & m_v[None, :])
-    # S_ij = S_ji = ho / sqrt(2) from the keys; an initial state's antisymmetric part (S_ij - S_ji) / 2 passes unchanged.
-    m_pv = m_p[:, None] & m_v[None, :]
-    b_half = b_ho / SQRT2
-    if HAS_INITIAL_STATE:
-        p_s0 = state_in + p_state
-        b_anti = 0.5 * (tl.load(p_s0 + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
-                        - tl.load(p_s0 + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0))
-        tl.store(p_s + r_ij[:, None] * W + o_v[None, :], b_half + b_anti, mask=m_pv)
-        tl.store(p_s + r_ji[:, None] * W + o_v[None, :], b_half - b_anti, mask=m_pv)
-    else:
-        tl.store(p_s + r_ij[:, None] * W + o_v[None, :], b_half, mask=m_pv)
-        tl.store(p_s + r_ji[:, None] * W + o_v[None, :], b_half, mask=m_pv)
+    _store_pairs(p_s, state_in + p_state, b_hoa, r_ija, r_jia, m_pa, o_v, m_v, W, HAS_INITIAL_STATE)
+    _store_pairs(p_s, state_in + p_state, b_hob, r_ijb, r_jib, m_pb, o_v, m_v, W, HAS_INITIAL_STATE)
     if i_v == 0:
         tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_z0)
         tl.store(p_s + (1 + o_k) * W + V, b_z1, mask=m_k)
@@ -302,7 +328,7 @@ def _prefix_linear_attention_fwd(
     decay = state if log_decay is None else log_decay.to(torch.float32).contiguous()
     gate_in = state if gate is None else gate.contiguous()  # (B, T, H)
     BV = max(16, triton.next_power_of_2(V))
-    BP = max(16, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))
+    BP = max(32, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))  # two halves of >= 16 rows (tl.dot)
 
     def grid(meta):
         return (triton.cdiv(V, BV), B * H)
