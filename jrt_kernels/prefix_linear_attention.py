@@ -20,8 +20,9 @@ fp32 state on chip and
 
 Here x' = x / K**(1/4), so phi(x) = [1, x', vec(x' x'^T) / sqrt(2)] and phi(q).phi(k) = 1 + s + s**2 / 2. The
 2nd order uses its symmetry (docs/prefill.md §4.2): (q.k)**2 = sum_i q_i**2 k_i**2 + sum_{i<j} 2 q_i q_j k_i k_j, so the
-numerator state holds K diagonal rows (hd) and K (K - 1) / 2 pair rows (ho, features P(x) = sqrt(2) x_i x_j,
-gathered by 0/1 selection matmuls): 136 rows instead of 256 for K = 16. The final state is written back in the full
+numerator state holds K diagonal rows (hd, read with the 1/2 of s**2 / 2) and K (K - 1) / 2 pair rows (ho = sum
+k_i k_j v, read with weight 1 by the features P(x) = x_i x_j, gathered by 0/1 selection matmuls and held in two
+halves to keep the feature operands small): 136 rows instead of 256 for K = 16. The final state is written back in the full
 layout (S_ij = S_ji; an initial state's antisymmetric part passes through). The 2nd-order denominator state is the
 (K, K) matrix Z, so its read and update are two small matmuls instead of reductions over (BT, K**2) tiles. State and denominators are fp32; matmul operands follow `_common` (fp16 inputs multiply the state as
 bf16, which cannot overflow; fp32 inputs run as 3xTF32). Padded keys are removed in all three orders (strict
@@ -48,14 +49,14 @@ from ._common import _dot, _dot_fp32, _key_weights, _tile, dot_types
 from .prefix_linear_attention_backward import prefix_linear_attention_backward
 
 # Few configs (autotuning at the first launch must stay short), chosen from benchmarks/kernel_aot.py (docs/kernels.md):
-# (32, 4 warps), the default, has the lowest issue estimate on sm_90 and sm_80 with ~0.6 KB of spills; (32, 8) almost
-# no spills; (64, 8) and (64, 4) fewer loop trips; (16, 8) is the one build without spills (sm_90, no mask) at a
-# higher issue estimate. The GPU's autotuning decides. 16 warps and BT = 128 spill more (and fall to 64 registers on
-# sm_80). All fit the shared-memory limits of sm_80 and sm_90. The interpreter (CPU tests) gets BT = 32, which keeps
-# the per-step numpy cost low.
+# (16, 4 warps), the default, is the build without spills on sm_90 (no mask); (32, 4) and (64, 4) have lower issue
+# estimates with some spills (64, 4 the lowest), (32, 8) few spills with a mask and an initial state. The GPU's
+# autotuning decides. 16 warps and BT = 128 spill more (and fall to 64 registers on sm_80). All fit the
+# shared-memory limits of sm_80 and sm_90. The interpreter (CPU tests) gets BT = 32, which keeps the per-step numpy
+# cost low.
 _GPU_CONFIGS = [
     triton.Config({"BT": BT}, num_warps=num_warps, num_stages=num_stages)
-    for BT, num_warps, num_stages in [(32, 4, 1), (32, 8, 1), (64, 8, 1), (64, 4, 1), (16, 8, 1)]
+    for BT, num_warps, num_stages in [(16, 4, 1), (32, 4, 1), (64, 4, 1), (32, 8, 1)]
 ]
 _INTERPRETER_CONFIGS = [triton.Config({"BT": 32}, num_warps=4, num_stages=1)]
 
@@ -155,7 +156,7 @@ def _prefix_linear_attention_fwd_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     # 2nd order, symmetric (docs/prefill.md §4.2): K diagonal features x_i**2 (state rows 1 + K + (K + 1) i) and the
-    # K (K - 1) / 2 pairs {i, j}, sqrt(2) x_i x_j (rows 1 + K + K i + j and 1 + K + K j + i), padded to BP. Pair p
+    # K (K - 1) / 2 pairs {i, j}, x_i x_j (rows 1 + K + K i + j and 1 + K + K j + i), padded to BP. Pair p
     # is (i, i + d mod K) with i = p mod K, d = p // K + 1: bands d = 1 .. (K - 1) // 2 hold K pairs each and, for
     # even K, the band d = K / 2 its first K / 2 (the rest repeat them), which is exactly p < K (K - 1) / 2.
     # The pairs are held in two halves a, b of BH = BP / 2 rows each: each product's (BT, BH) feature operand is half
@@ -168,7 +169,7 @@ def _prefix_linear_attention_fwd_kernel(
     r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
     p_m = key_mask + i_b * s_mb
 
-    # fp32 state; h2 and Z hold sums of k' (x) k' without the 1/sqrt(2) of phi, applied on read and on write.
+    # fp32 state; hd, ho and Z hold sums of k'_i k'_j without the 1/sqrt(2) of phi, applied on read and on write.
     b_h0 = tl.zeros([BV], dtype=tl.float32)
     b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
     b_hd = tl.zeros([BK, BV], dtype=tl.float32)
