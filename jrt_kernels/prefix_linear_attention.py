@@ -22,8 +22,8 @@ Here x' = x / K**(1/4), so phi(x) = [1, x', vec(x' x'^T) / sqrt(2)] and phi(q).p
 2nd order uses its symmetry (docs/prefill.md §4.2): (q.k)**2 = sum_i q_i**2 k_i**2 + sum_{i<j} 2 q_i q_j k_i k_j, so the
 numerator state holds K diagonal rows (hd, read with the 1/2 of s**2 / 2) and K (K - 1) / 2 pair rows (ho = sum
 k_i k_j v, read with weight 1 by the features P(x) = x_i x_j, gathered by 0/1 selection matmuls and held in two
-halves to keep the feature operands small): 136 rows instead of 256 for K = 16. The final state is written back in the full
-layout (S_ij = S_ji; an initial state's antisymmetric part passes through). The 2nd-order denominator state is the
+halves to keep the feature operands small): 136 rows instead of 256 for K = 16. The final state is written back in
+the full layout (S_ij = S_ji; an initial state's antisymmetric part passes through). The 2nd-order denominator state is the
 (K, K) matrix Z, so its read and update are two small matmuls instead of reductions over (BT, K**2) tiles. State and denominators are fp32; matmul operands follow `_common` (fp16 inputs multiply the state as
 bf16, which cannot overflow; fp32 inputs run as 3xTF32). Padded keys are removed in all three orders (strict
 masking) or, with `pad_masking="reference"` and inside the row's encoder range, keep their weight-1 constant term.
