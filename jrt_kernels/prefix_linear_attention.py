@@ -20,9 +20,10 @@ fp32 state on chip and
 
 Here x' = x / K**(1/4), so phi(x) = [1, x', vec(x' x'^T) / sqrt(2)] and phi(q).phi(k) = 1 + s + s**2 / 2. The
 2nd order uses its symmetry (docs/prefill.md §4.2): (q.k)**2 = sum_i q_i**2 k_i**2 + sum_{i<j} 2 q_i q_j k_i k_j, so the
-numerator state holds K diagonal rows (hd) and K (K - 1) / 2 pair rows (ho, features P(x) = sqrt(2) x_i x_j,
-gathered by 0/1 selection matmuls): 136 rows instead of 256 for K = 16. The final state is written back in the full
-layout (S_ij = S_ji; an initial state's antisymmetric part passes through). The 2nd-order denominator state is the
+numerator state holds K diagonal rows (hd, read with the 1/2 of s**2 / 2) and K (K - 1) / 2 pair rows (ho = sum
+k_i k_j v, read with weight 1 by the features P(x) = x_i x_j, gathered by 0/1 selection matmuls and held in two
+halves to keep the feature operands small): 136 rows instead of 256 for K = 16. The final state is written back in
+the full layout (S_ij = S_ji; an initial state's antisymmetric part passes through). The 2nd-order denominator state is the
 (K, K) matrix Z, so its read and update are two small matmuls instead of reductions over (BT, K**2) tiles. State and denominators are fp32; matmul operands follow `_common` (fp16 inputs multiply the state as
 bf16, which cannot overflow; fp32 inputs run as 3xTF32). Padded keys are removed in all three orders (strict
 masking) or, with `pad_masking="reference"` and inside the row's encoder range, keep their weight-1 constant term.
@@ -48,13 +49,14 @@ from ._common import _dot, _dot_fp32, _key_weights, _tile, dot_types
 from .prefix_linear_attention_backward import prefix_linear_attention_backward
 
 # Few configs (autotuning at the first launch must stay short), chosen from benchmarks/kernel_aot.py (docs/kernels.md):
-# (64, 8 warps) balances spills and instruction issue, (32, 8) has almost no spills, (64, 4) the lowest issue
-# estimate but more spills; the GPU's autotuning decides. 16 warps and BT = 128 spill more (and fall to 64 registers
-# on sm_80). All fit the shared-memory limits of sm_80 and sm_90. The interpreter (CPU tests) gets BT = 32, which
-# keeps the per-step numpy cost low.
+# (16, 4 warps), the default, is the build without spills on sm_90 (no mask); (32, 4) and (64, 4) have lower issue
+# estimates with some spills (64, 4 the lowest), (32, 8) few spills with a mask and an initial state. The GPU's
+# autotuning decides. 16 warps and BT = 128 spill more (and fall to 64 registers on sm_80). All fit the
+# shared-memory limits of sm_80 and sm_90. The interpreter (CPU tests) gets BT = 32, which keeps the per-step numpy
+# cost low.
 _GPU_CONFIGS = [
     triton.Config({"BT": BT}, num_warps=num_warps, num_stages=num_stages)
-    for BT, num_warps, num_stages in [(64, 8, 1), (32, 8, 1), (64, 4, 1), (64, 8, 2)]
+    for BT, num_warps, num_stages in [(16, 4, 1), (32, 4, 1), (64, 4, 1), (32, 8, 1)]
 ]
 _INTERPRETER_CONFIGS = [triton.Config({"BT": 32}, num_warps=4, num_stages=1)]
 
@@ -70,15 +72,16 @@ def _select(b_x, b_e, DOT: tl.constexpr, EMULATE: tl.constexpr):
 
 @triton.jit
 def _pair_features(b_x, b_ei, b_ej, DOT: tl.constexpr, EMULATE: tl.constexpr):
-    """[BT, BK] -> [BT, BP]: sqrt(2) x_i x_j for the pairs i < j (0 in the padding)."""
-    return 1.4142135623730951 * _select(b_x, b_ei, DOT, EMULATE) * _select(b_x, b_ej, DOT, EMULATE)
+    """[BT, BK] -> [BT, BP]: x_i x_j for the pairs i < j (0 in the padding). The sqrt(2) of the pair features is
+    folded into the state (ho holds sum k_i k_j v, read with weight 1 instead of 1/2): one multiply less per entry."""
+    return _select(b_x, b_ei, DOT, EMULATE) * _select(b_x, b_ej, DOT, EMULATE)
 
 
 @triton.jit
 def _pair_features_t(b_x, b_ei, b_ej, DOT: tl.constexpr, EMULATE: tl.constexpr):
     """The transposed pair features [BP, BT] (the A operand of the state update), from the small transposes."""
     b_xt = tl.trans(b_x)
-    return 1.4142135623730951 * _select_t(b_ei, b_xt, DOT, EMULATE) * _select_t(b_ej, b_xt, DOT, EMULATE)
+    return _select_t(b_ei, b_xt, DOT, EMULATE) * _select_t(b_ej, b_xt, DOT, EMULATE)
 
 
 @triton.jit
@@ -87,6 +90,42 @@ def _select_t(b_e, b_xt, DOT: tl.constexpr, EMULATE: tl.constexpr):
     if DOT == tl.float32:
         return tl.dot(tl.trans(b_e), b_xt, input_precision="tf32x3")
     return _dot(tl.trans(b_e), b_xt, DOT, EMULATE, "tf32")
+
+
+@triton.jit
+def _pair_index(o_p, o_k, K: tl.constexpr):
+    """Pairs o_p [BH] (docs in the kernel): (valid, state row of (i, j), state row of (j, i), [BK, BH] selection
+    matrices e_i, e_j with x @ e_i gathering x_i of every pair on the tensor cores)."""
+    m_p = o_p < (K * (K - 1)) // 2
+    p_i = o_p % K
+    p_j = (p_i + o_p // K + 1) % K
+    b_ei = ((o_k[:, None] == p_i[None, :]) & m_p[None, :]).to(tl.float32)
+    b_ej = ((o_k[:, None] == p_j[None, :]) & m_p[None, :]).to(tl.float32)
+    return m_p, 1 + K + p_i * K + p_j, 1 + K + p_j * K + p_i, b_ei, b_ej
+
+
+@triton.jit
+def _load_pairs(p_s, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
+    """ho rows [BH, BV] of a full-layout state: (S_ij + S_ji) / sqrt(2) = sum k_i k_j v."""
+    m_pv = m_p[:, None] & m_v[None, :]
+    return (tl.load(p_s + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
+            + tl.load(p_s + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)) * 0.7071067811865476
+
+
+@triton.jit
+def _store_pairs(p_s, p_s0, b_ho, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr):
+    """S_ij = S_ji = ho / sqrt(2) from the keys; an initial state's antisymmetric part (S_ij - S_ji) / 2 (p_s0)
+    passes unchanged."""
+    m_pv = m_p[:, None] & m_v[None, :]
+    b_half = b_ho * 0.7071067811865476
+    if HAS_INITIAL_STATE:
+        b_anti = 0.5 * (tl.load(p_s0 + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
+                        - tl.load(p_s0 + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0))
+        tl.store(p_s + r_ij[:, None] * W + o_v[None, :], b_half + b_anti, mask=m_pv)
+        tl.store(p_s + r_ji[:, None] * W + o_v[None, :], b_half - b_anti, mask=m_pv)
+    else:
+        tl.store(p_s + r_ij[:, None] * W + o_v[None, :], b_half, mask=m_pv)
+        tl.store(p_s + r_ji[:, None] * W + o_v[None, :], b_half, mask=m_pv)
 
 
 @triton.jit(do_not_specialize=["T", "T_BUCKET"])
@@ -117,28 +156,25 @@ def _prefix_linear_attention_fwd_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     # 2nd order, symmetric (docs/prefill.md §4.2): K diagonal features x_i**2 (state rows 1 + K + (K + 1) i) and the
-    # K (K - 1) / 2 pairs {i, j}, sqrt(2) x_i x_j (rows 1 + K + K i + j and 1 + K + K j + i), padded to BP. Pair p
+    # K (K - 1) / 2 pairs {i, j}, x_i x_j (rows 1 + K + K i + j and 1 + K + K j + i), padded to BP. Pair p
     # is (i, i + d mod K) with i = p mod K, d = p // K + 1: bands d = 1 .. (K - 1) // 2 hold K pairs each and, for
     # even K, the band d = K / 2 its first K / 2 (the rest repeat them), which is exactly p < K (K - 1) / 2.
+    # The pairs are held in two halves a, b of BH = BP / 2 rows each: each product's (BT, BH) feature operand is half
+    # as large, which lowers the peak register use (the state itself is the same size).
     r_d = 1 + K + o_k * (K + 1)
-    o_p = tl.arange(0, BP)
-    m_p = o_p < (K * (K - 1)) // 2
-    p_i = o_p % K
-    p_j = (p_i + o_p // K + 1) % K
-    r_ij = 1 + K + p_i * K + p_j
-    r_ji = 1 + K + p_j * K + p_i
-    # [BK, BP] 0/1 selection matrices: x @ e_i gathers x_i of every pair on the tensor cores.
-    b_ei = ((o_k[:, None] == p_i[None, :]) & m_p[None, :]).to(tl.float32)
-    b_ej = ((o_k[:, None] == p_j[None, :]) & m_p[None, :]).to(tl.float32)
+    BH: tl.constexpr = BP // 2
+    m_pa, r_ija, r_jia, b_eia, b_eja = _pair_index(tl.arange(0, BH), o_k, K)
+    m_pb, r_ijb, r_jib, b_eib, b_ejb = _pair_index(BH + tl.arange(0, BH), o_k, K)
     m_kk = m_k[:, None] & m_k[None, :]
     r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
     p_m = key_mask + i_b * s_mb
 
-    # fp32 state; h2 and Z hold sums of k' (x) k' without the 1/sqrt(2) of phi, applied on read and on write.
+    # fp32 state; hd, ho and Z hold sums of k'_i k'_j without the 1/sqrt(2) of phi, applied on read and on write.
     b_h0 = tl.zeros([BV], dtype=tl.float32)
     b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
     b_hd = tl.zeros([BK, BV], dtype=tl.float32)
-    b_ho = tl.zeros([BP, BV], dtype=tl.float32)
+    b_hoa = tl.zeros([BH, BV], dtype=tl.float32)
+    b_hob = tl.zeros([BH, BV], dtype=tl.float32)
     b_z0 = tl.zeros([1], dtype=tl.float32)
     b_z1 = tl.zeros([BK], dtype=tl.float32)
     b_zz = tl.zeros([BK, BK], dtype=tl.float32)
@@ -148,9 +184,8 @@ def _prefix_linear_attention_fwd_kernel(
         b_h0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
         b_h1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_hd += tl.load(p_s + r_d[:, None] * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0) * SQRT2
-        m_pv = m_p[:, None] & m_v[None, :]
-        b_ho += tl.load(p_s + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
-        b_ho += tl.load(p_s + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
+        b_hoa += _load_pairs(p_s, r_ija, r_jia, m_pa, o_v, m_v, W)
+        b_hob += _load_pairs(p_s, r_ijb, r_jib, m_pb, o_v, m_v, W)
         b_z0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
         b_z1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
         b_zz += tl.load(p_s + r_kk * W + V, mask=m_kk, other=0.0) * SQRT2
@@ -172,7 +207,8 @@ def _prefix_linear_attention_fwd_kernel(
         b_h0 += tl.sum(b_v, axis=0)
         b_h1 += _dot(tl.trans(b_k), b_v, DOT, EMULATE, PRECISION)
         b_hd += _dot(tl.trans(b_k * b_k), b_v, DOT, EMULATE, PRECISION)
-        b_ho += _dot(_pair_features_t(b_k, b_ei, b_ej, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
+        b_hoa += _dot(_pair_features_t(b_k, b_eia, b_eja, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
+        b_hob += _dot(_pair_features_t(b_k, b_eib, b_ejb, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
         b_z1 += tl.sum(b_k, axis=0)
         b_zz += _dot_fp32(tl.trans(b_k), b_k)  # [BK, BK]
@@ -196,8 +232,10 @@ def _prefix_linear_attention_fwd_kernel(
 
         # inter-chunk: the state of everything before the chunk, encoder included. [BT, BV], [BT]
         b_num = b_h0[None, :] + _dot(b_q, b_h1, SDOT, EMULATE, PRECISION)
-        b_qo = _pair_features(b_q, b_ei, b_ej, DOT, EMULATE)  # [BT, BP]
-        b_num += 0.5 * (_dot(b_q * b_q, b_hd, SDOT, EMULATE, PRECISION) + _dot(b_qo, b_ho, SDOT, EMULATE, PRECISION))
+        # the 1/2 on the [BT, BK] operand (exact) rather than the [BT, BV] product
+        b_num += _dot(0.5 * (b_q * b_q), b_hd, SDOT, EMULATE, PRECISION)
+        b_num += _dot(_pair_features(b_q, b_eia, b_eja, DOT, EMULATE), b_hoa, SDOT, EMULATE, PRECISION)  # [BT, BH]
+        b_num += _dot(_pair_features(b_q, b_eib, b_ejb, DOT, EMULATE), b_hob, SDOT, EMULATE, PRECISION)
         b_den = tl.sum(b_z0) + tl.sum(b_q * (b_z1[None, :] + 0.5 * _dot_fp32(b_q, b_zz)), axis=1)
         # intra-chunk: 1 + s + s^2 / 2 on the causal part, counted keys only. [BT, BT]
         b_s = _dot(b_q, tl.trans(b_k), DOT, EMULATE, PRECISION)
@@ -227,29 +265,21 @@ def _prefix_linear_attention_fwd_kernel(
             b_h0 = b_h0 * b_chunk
             b_h1 = b_h1 * b_chunk
             b_hd = b_hd * b_chunk
-            b_ho = b_ho * b_chunk
+            b_hoa = b_hoa * b_chunk
+            b_hob = b_hob * b_chunk
         b_h0 += tl.sum(b_v, axis=0)
         b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
         b_hd += _dot(tl.trans(b_kw * b_kw), b_v, DOT, EMULATE, PRECISION)
-        b_ho += _dot(_pair_features_t(b_kw, b_ei, b_ej, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
+        b_hoa += _dot(_pair_features_t(b_kw, b_eia, b_eja, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
+        b_hob += _dot(_pair_features_t(b_kw, b_eib, b_ejb, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
 
     # 3. Final state in the cache layout (B, H, F, V + 1); the denominator column is written once, by i_v = 0.
     p_s = state_out + p_state
     tl.store(p_s + o_v, b_h0, mask=m_v)
     tl.store(p_s + (1 + o_k[:, None]) * W + o_v[None, :], b_h1, mask=m_k[:, None] & m_v[None, :])
     tl.store(p_s + r_d[:, None] * W + o_v[None, :], b_hd / SQRT2, mask=m_k[:, None] & m_v[None, :])
-    # S_ij = S_ji = ho / 2 from the keys; an initial state's antisymmetric part (S_ij - S_ji) / 2 passes unchanged.
-    m_pv = m_p[:, None] & m_v[None, :]
-    b_half = b_ho * 0.5
-    if HAS_INITIAL_STATE:
-        p_s0 = state_in + p_state
-        b_anti = 0.5 * (tl.load(p_s0 + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
-                        - tl.load(p_s0 + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0))
-        tl.store(p_s + r_ij[:, None] * W + o_v[None, :], b_half + b_anti, mask=m_pv)
-        tl.store(p_s + r_ji[:, None] * W + o_v[None, :], b_half - b_anti, mask=m_pv)
-    else:
-        tl.store(p_s + r_ij[:, None] * W + o_v[None, :], b_half, mask=m_pv)
-        tl.store(p_s + r_ji[:, None] * W + o_v[None, :], b_half, mask=m_pv)
+    _store_pairs(p_s, state_in + p_state, b_hoa, r_ija, r_jia, m_pa, o_v, m_v, W, HAS_INITIAL_STATE)
+    _store_pairs(p_s, state_in + p_state, b_hob, r_ijb, r_jib, m_pb, o_v, m_v, W, HAS_INITIAL_STATE)
     if i_v == 0:
         tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_z0)
         tl.store(p_s + (1 + o_k) * W + V, b_z1, mask=m_k)
@@ -299,7 +329,7 @@ def _prefix_linear_attention_fwd(
     decay = state if log_decay is None else log_decay.to(torch.float32).contiguous()
     gate_in = state if gate is None else gate.contiguous()  # (B, T, H)
     BV = max(16, triton.next_power_of_2(V))
-    BP = max(16, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))
+    BP = max(32, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))  # two halves of >= 16 rows (tl.dot)
 
     def grid(meta):
         return (triton.cdiv(V, BV), B * H)
