@@ -626,15 +626,20 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         )
         if self.layer_type == "sliding_attention":  # (output, weights): output capturing records the weights
             mixed = mixed[0]
-        hidden_states = hidden_states + mixed.float()
+        hidden_states = hidden_states + mixed.float()  # a new tensor, owned here
         if self.mlp is None:
             return hidden_states
-        # Norm, MLP and residual add are position-wise: one pass per token chunk during inference.
-        return map_position_chunks(self._mlp_block, hidden_states, self.mlp.gate_proj.out_features)
-
-    def _mlp_block(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """residual + SwiGLU(RMSNorm(residual)), fp32 residual (..., hidden)."""
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)).float()
+        # Norm, MLP and residual add are position-wise: during inference one pass per token chunk, added in place
+        # into the residual this layer just made (no second (B, T, hidden) tensor).
+        rows = hidden_states.numel() // hidden_states.shape[-1]
+        chunk = inference_chunk_rows(rows, self.mlp.gate_proj.out_features)
+        if chunk is None:
+            return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)).float()
+        flat = hidden_states.view(rows, hidden_states.shape[-1])
+        for start in range(0, rows, chunk):
+            part = flat[start : start + chunk]
+            part += self.mlp(self.post_attention_layernorm(part)).float()
+        return hidden_states
 
 
 class JRTRNNPreTrainedModel(PreTrainedModel):
