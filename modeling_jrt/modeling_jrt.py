@@ -69,6 +69,44 @@ if TYPE_CHECKING:
 
 logger = logging.get_logger(__name__)
 
+# Inference-time token chunking of the position-wise parts (RMSNorm, SwiGLU MLP, the short-conv block). A long prefill
+# would otherwise build `(B, T, width)` intermediates that grow with T: at 16k tokens the conv and MLP ones pass glibc's
+# largest mmap threshold (32 MiB), so each is a fresh mmap that is page-faulted in, and the peak memory grows with them.
+# Chunking keeps every such intermediate below INFERENCE_CHUNK_ELEMENTS elements (8 MiB in fp32), never shorter than
+# MIN_INFERENCE_CHUNK rows. It runs only when autograd is off (`torch.no_grad` / `torch.inference_mode`, as in
+# `generate()`) and outside `torch.compile` tracing, so training and compiled graphs see the unchunked ops.
+INFERENCE_CHUNK_ELEMENTS = 1 << 21
+MIN_INFERENCE_CHUNK = 64
+
+
+def inference_chunk_rows(rows: int, width: int) -> int | None:
+    """Rows per chunk for `rows` positions whose widest intermediate has `width` elements per row, or None when the
+    op should run unchunked (autograd on, `torch.compile` tracing, or `rows` already fits one chunk)."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    chunk = max(MIN_INFERENCE_CHUNK, INFERENCE_CHUNK_ELEMENTS // max(width, 1))
+    return chunk if rows > chunk else None
+
+
+def map_position_chunks(
+    fn: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor, width: int
+) -> torch.Tensor:
+    """`fn(hidden_states)` for a position-wise `fn` (each output row depends on its own input row only), computed over
+    row chunks of `hidden_states` `(..., C)` viewed as `(rows, C)` when `inference_chunk_rows` says so; the rows land
+    in one preallocated output `(..., C_out)`. `width`: the widest intermediate of `fn` per row, in elements."""
+    rows = hidden_states.numel() // max(hidden_states.shape[-1], 1)
+    chunk = inference_chunk_rows(rows, width)
+    if chunk is None:
+        return fn(hidden_states)
+    flat = hidden_states.reshape(rows, hidden_states.shape[-1])
+    output = None
+    for start in range(0, rows, chunk):
+        part = fn(flat[start : start + chunk])
+        if output is None:
+            output = part.new_empty(rows, part.shape[-1])
+        output[start : start + chunk] = part
+    return output.view(*hidden_states.shape[:-1], output.shape[-1])
+
 
 class JRTRNNRMSNorm(nn.Module):
     """RMSNorm with weight only: y = x / sqrt(mean(x**2) + eps) * w, computed in fp32, returned in w's dtype."""
@@ -79,6 +117,10 @@ class JRTRNNRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., hidden); in token chunks during inference (`map_position_chunks`)."""
+        return map_position_chunks(self._normalize, hidden_states, hidden_states.shape[-1])
+
+    def _normalize(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = hidden_states.float()
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
@@ -170,21 +212,59 @@ class JRTRNNShortConv(nn.Module):
         cache: Cache | None = None,
         **kwargs,
     ) -> torch.Tensor:
+        """hidden_states (B, T, hidden), attention_mask (B, >= T) -> (B, T, hidden).
+
+        During inference a long input goes through in token chunks (`inference_chunk_rows`), each chunk's convolution
+        reading the last K - 1 inputs before it (through the cache, or carried here without one), so that no
+        `(B, T, 2 * D)` intermediate is built; the result equals the one-pass forward. A cache that records its whole
+        past (`record_past`) keeps the one-pass forward, as chunking it would copy the growing past per chunk."""
+        batch_size, seq_len = hidden_states.shape[:2]
+        mask = None if attention_mask is None else attention_mask[:, -seq_len:]  # (B, T)
+        chunk = inference_chunk_rows(seq_len, batch_size * 2 * self.inner_size)
+        if chunk is not None and cache is not None and getattr(cache.layers[self.layer_idx], "record_past", False):
+            chunk = None
+        if chunk is None:
+            return self._mix(hidden_states, mask, cache, None)[0]
+        output = None
+        past_inputs = None  # (B, D, K - 1) the convolution inputs before the chunk, without a cache
+        for start in range(0, seq_len, chunk):
+            end = min(start + chunk, seq_len)
+            part, past_inputs = self._mix(
+                hidden_states[:, start:end], None if mask is None else mask[:, start:end], cache, past_inputs
+            )
+            if output is None:
+                output = part.new_empty(batch_size, seq_len, part.shape[-1])
+            output[:, start:end] = part
+        return output
+
+    def _mix(
+        self,
+        hidden_states: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: Cache | None,
+        past_inputs: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass over hidden_states (B, t, hidden) with its mask (B, t); past_inputs (B, D, K - 1): the convolution
+        inputs before these tokens when no cache holds them. Returns the output (B, t, hidden) and the last K - 1
+        convolution inputs (B, D, <= K - 1) for the next chunk."""
         seq_len = hidden_states.shape[1]
         # 1. Input projection into the convolution branch and the gate.
-        conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, T, D) each
+        conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, t, D) each
         # 2. Padded positions enter the convolution as zeros, so pads never reach the window of a real token.
-        if attention_mask is not None:
-            conv_input = conv_input * attention_mask[:, -seq_len:, None].to(conv_input.dtype)
-        conv_input = conv_input.transpose(1, 2)  # (B, D, T)
-        # 3. Causal depthwise convolution over [cached inputs, new inputs]; the cache keeps the last K inputs.
+        if mask is not None:
+            conv_input = conv_input * mask[:, :, None].to(conv_input.dtype)
+        conv_input = conv_input.transpose(1, 2)  # (B, D, t)
+        # 3. Causal depthwise convolution over [earlier inputs, new inputs]; the cache keeps the last K inputs.
         if cache is not None:
             conv_input = cache.update_conv_state(conv_input, self.layer_idx, conv_kernel_size=self.kernel_size)
+        elif past_inputs is not None:
+            conv_input = torch.cat([past_inputs, conv_input], dim=-1)
         conv_output = F.conv1d(
             F.pad(conv_input, (self.kernel_size - 1, 0)), self.conv.weight, groups=self.inner_size
-        )[..., -seq_len:]  # (B, D, T)
+        )[..., -seq_len:]  # (B, D, t)
+        tail = conv_input[..., max(conv_input.shape[-1] - (self.kernel_size - 1), 0) :]
         # 4. SiLU, multiplicative gate, output projection.
-        return self.out_proj(F.silu(conv_output).transpose(1, 2) * gate)
+        return self.out_proj(F.silu(conv_output).transpose(1, 2) * gate), tail
 
 
 class JRTRNNSlidingWindowAttention(nn.Module):
@@ -495,6 +575,10 @@ class JRTRNNMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., hidden); in token chunks during inference (`map_position_chunks`)."""
+        return map_position_chunks(self._swiglu, x, self.gate_proj.out_features)
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -543,10 +627,20 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         )
         if self.layer_type == "sliding_attention":  # (output, weights): output capturing records the weights
             mixed = mixed[0]
-        hidden_states = hidden_states + mixed.float()
+        hidden_states = hidden_states + mixed.float()  # a new tensor, owned here
         if self.mlp is None:
             return hidden_states
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)).float()
+        # Norm, MLP and residual add are position-wise: during inference one pass per token chunk, added in place
+        # into the residual this layer just made (no second (B, T, hidden) tensor).
+        rows = hidden_states.numel() // hidden_states.shape[-1]
+        chunk = inference_chunk_rows(rows, self.mlp.gate_proj.out_features)
+        if chunk is None:
+            return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)).float()
+        flat = hidden_states.view(rows, hidden_states.shape[-1])
+        for start in range(0, rows, chunk):
+            part = flat[start : start + chunk]
+            part += self.mlp(self.post_attention_layernorm(part)).float()
+        return hidden_states
 
 
 class JRTRNNPreTrainedModel(PreTrainedModel):

@@ -1,0 +1,83 @@
+"""Inference-time token chunking of the position-wise parts (RMSNorm, MLP, short-conv block): equal to one pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import modeling_jrt.modeling_jrt as modeling
+from modeling_jrt import JRTRNNForCausalLM
+
+ATOL = RTOL = 1e-5  # fp32
+
+
+def set_chunking(monkeypatch: pytest.MonkeyPatch, elements: int) -> None:
+    """Chunks of `elements // width` rows (no floor), so tiny shapes split into several uneven chunks."""
+    monkeypatch.setattr(modeling, "INFERENCE_CHUNK_ELEMENTS", elements)
+    monkeypatch.setattr(modeling, "MIN_INFERENCE_CHUNK", 1)
+
+
+def in_proj_lengths(model: JRTRNNForCausalLM) -> list[int]:
+    """A list that records the token count of every later conv `in_proj` call of `model`."""
+    lengths: list[int] = []
+    for layer in model.model.layers:
+        if layer.layer_type == "conv":
+            layer.mixer.in_proj.register_forward_hook(lambda module, args, out: lengths.append(args[0].shape[1]))
+    return lengths
+
+
+def run(model: JRTRNNForCausalLM, input_ids: torch.Tensor, mask: torch.Tensor, decode: int = 3) -> list[torch.Tensor]:
+    """Logits of a full prefill (all positions) through a fresh cache, then of `decode` greedy single-token steps."""
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids, attention_mask=mask, cache=cache)
+    logits = [out.logits]
+    for _ in range(decode):
+        token = out.logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        out = model(token, attention_mask=mask, cache=cache)
+        logits.append(out.logits)
+    return logits
+
+
+@pytest.mark.parametrize("kernel_size", [4, 1])
+def test_chunked_prefill_equals_one_pass(monkeypatch, make_config, kernel_size):
+    """Left-padded batch of 2, 50 tokens: conv chunks of 3 tokens, MLP chunks of 12 rows, norm chunks of 24 rows
+    (uneven last chunks); prefill logits, cached decode after it and the forward without a cache all match."""
+    model = JRTRNNForCausalLM(make_config(conv_kernel_size=kernel_size)).eval()
+    input_ids = torch.randint(4, 99, (2, 50))
+    mask = torch.ones(2, 50, dtype=torch.long)
+    mask[1, :9] = 0
+    with torch.no_grad():
+        set_chunking(monkeypatch, 1 << 40)
+        reference = run(model, input_ids, mask)
+        reference_nocache = model(input_ids, attention_mask=mask, use_cache=False).logits
+        set_chunking(monkeypatch, 3 * 2 * 2 * 64)  # conv width B * 2 * D = 256 -> 3 rows
+        lengths = in_proj_lengths(model)
+        chunked = run(model, input_ids, mask)
+        chunked_nocache = model(input_ids, attention_mask=mask, use_cache=False).logits
+    assert max(lengths) == 3  # the conv really ran in chunks (decode steps are single tokens)
+    for expected, actual in zip(reference, chunked):
+        torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(chunked_nocache, reference_nocache, atol=ATOL, rtol=RTOL)
+
+
+def test_autograd_forward_is_not_chunked(monkeypatch, make_config):
+    """With autograd on (training, or eval without `no_grad`) every op sees the whole sequence."""
+    model = JRTRNNForCausalLM(make_config())
+    set_chunking(monkeypatch, 1)
+    lengths = in_proj_lengths(model)
+    input_ids = torch.randint(4, 99, (2, 30))
+    model(input_ids, labels=input_ids).loss.backward()
+    assert lengths and set(lengths) == {30}
+    assert modeling.inference_chunk_rows(1000, 8) is None
+    with torch.no_grad():
+        assert modeling.inference_chunk_rows(1000, 8) == 1
+
+
+def test_default_chunk_bounds_intermediates():
+    """The default budget: at most 2**21 elements (8 MiB in fp32) per chunk, never fewer than 64 rows."""
+    with torch.inference_mode():
+        assert modeling.inference_chunk_rows(65536, 1024) == 2048
+        assert modeling.inference_chunk_rows(2048, 1024) is None  # fits one chunk: the one-pass forward
+        assert modeling.inference_chunk_rows(65536, 1 << 20) == 64
