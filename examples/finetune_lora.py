@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel, get_peft_model
-from tiny_setup import EOS_ID, builtin_corpus, decode, encode, end_distributed, tiny_config
+from tiny_setup import EOS_ID, builtin_corpus, decode, encode, run_distributed, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
 from jrt_train import JRTDataCollator, default_lora_config, ignore_prefix_targets, pack_token_blocks
@@ -72,13 +72,7 @@ def causal_lm_collator(examples: list[torch.Tensor], prefix_length: int = 0) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        code = finetune(argv)
-    except BaseException:
-        end_distributed(synchronize=False)
-        raise
-    end_distributed(synchronize=True)  # every rank waits for rank 0's saving and sampling, then exits cleanly
-    return code
+    return run_distributed(finetune, argv)
 
 
 def finetune(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ the config of a tiny JRT-RNN. Nothing here is downloaded; replace them with your
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -65,3 +66,15 @@ def end_distributed(*, synchronize: bool) -> None:
         if synchronize:
             torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def run_distributed(entry: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Run an example's `entry(argv)` and tear the process group down after it (see `end_distributed`): every rank
+    waits for the others after a success, and a failing rank leaves at once with its exception."""
+    try:
+        code = entry(argv)
+    except BaseException:
+        end_distributed(synchronize=False)
+        raise
+    end_distributed(synchronize=True)  # every rank waits for rank 0's saving and sampling, then exits cleanly
+    return code

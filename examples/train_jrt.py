@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
-from tiny_setup import EOS_ID, builtin_corpus, decode, encode, end_distributed, tiny_config
+from tiny_setup import EOS_ID, builtin_corpus, decode, encode, run_distributed, tiny_config
 from transformers import Trainer, TrainingArguments, set_seed
 
 from jrt_train import JRTDataCollator, pack_token_blocks
@@ -116,13 +116,7 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        code = train(argv)
-    except BaseException:
-        end_distributed(synchronize=False)
-        raise
-    end_distributed(synchronize=True)  # every rank waits for rank 0's saving and sampling, then exits cleanly
-    return code
+    return run_distributed(train, argv)
 
 
 def train(argv: list[str] | None = None) -> int:
