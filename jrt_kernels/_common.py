@@ -46,14 +46,6 @@ def _outer(b_x, BT: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _outer_t(b_x, BT: tl.constexpr, BK: tl.constexpr):
-    """The transposed row-wise outer product [BT, BK] -> [BK * BK, BT], built from the small transpose of b_x
-    (the A operand of the state update; transposing the (BT, BK * BK) product instead costs a big layout change)."""
-    b_xt = tl.trans(b_x)
-    return tl.reshape(b_xt[:, None, :] * b_xt[None, :, :], [BK * BK, BT])
-
-
-@triton.jit
 def _sym_contract(b_p, b_x, BT: tl.constexpr, BK: tl.constexpr):
     """1/2 (P + P^T) x per row: [BT, BK * BK] (row-major BK x BK per token), [BT, BK] -> [BT, BK]."""
     b_p3 = tl.reshape(b_p, [BT, BK, BK])
