@@ -999,9 +999,10 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
             when `mlm_labels` are given.
         """
         mlm_labels = kwargs.pop("mlm_labels", None)
-        _check_cache_layout(cache, self.config)
         prefix_range = None  # the encoder range of this forward, for the loss
         if labels is not None:
+            # The range reads the cache before `self.model` checks it: check it here (only then) for the same error.
+            _check_cache_layout(cache, self.config)
             prefix_range = self.model.encoder_range(
                 prefix_length,
                 attention_mask if isinstance(attention_mask, torch.Tensor) else None,
