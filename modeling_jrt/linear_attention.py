@@ -588,14 +588,17 @@ def resolve_implementation(implementation: str, q: torch.Tensor) -> str:
     gate, so training and the decay variants take the same path as inference. A forced
     `"triton"` also accepts CPU tensors, which the kernel runs in triton's interpreter when `TRITON_INTERPRET=1`.
     """
-    allowed = LINEAR_ATTENTION_IMPLEMENTATIONS  # ("auto", "chunked", "triton", "quadratic")
-    if implementation not in allowed:
-        raise ValueError(f"implementation must be one of {list(allowed)}, got {implementation!r}.")
+    if implementation not in LINEAR_ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {list(LINEAR_ATTENTION_IMPLEMENTATIONS)}, got {implementation!r}."
+        )
     if implementation == "auto":
         forced = os.environ.get(IMPLEMENTATION_ENV_VAR, "").strip().lower()
         if forced and forced != "auto":
-            if forced not in allowed:
-                raise ValueError(f"{IMPLEMENTATION_ENV_VAR} must be one of {list(allowed)}, got {forced!r}.")
+            if forced not in LINEAR_ATTENTION_IMPLEMENTATIONS:
+                raise ValueError(
+                    f"{IMPLEMENTATION_ENV_VAR} must be one of {list(LINEAR_ATTENTION_IMPLEMENTATIONS)}, got {forced!r}."
+                )
             implementation = forced
     if implementation == "auto":
         if q.is_cuda and _triton_failure is None and _load_triton_prefill() is not None:
