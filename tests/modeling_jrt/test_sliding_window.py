@@ -110,7 +110,7 @@ def test_model_blocked_prefill_equals_dense_masked_prefill(make_config, monkeypa
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("window", [2, 3, 4, 5, 70])  # window 1 decode: the cache sizing fix of #11
+@pytest.mark.parametrize("window", [1, 2, 3, 4, 5, 70])
 def test_decode_and_chunked_prefill_after_blocked_prefill_equal_the_parallel_forward(
     make_config, implementation, window
 ):
