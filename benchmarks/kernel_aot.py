@@ -108,8 +108,11 @@ def capture_launches(kernels: list[Autotuner | JITFunction], call: Callable[[], 
     return launches
 
 
-def configs_of(launch: Launch) -> list[triton.Config]:
-    """The autotune configs, or the launch's own options for a plain jit kernel."""
+def configs_of(case: Case, launch: Launch, arch: int) -> list[triton.Config]:
+    """The configs `arch` would autotune over (the case's own list per architecture, else the autotuner's), or the
+    launch's own options for a plain jit kernel."""
+    if case.configs is not None:
+        return case.configs(arch)
     if isinstance(launch.kernel, Autotuner):
         return list(launch.kernel.configs)
     options = {name: launch.kwargs.pop(name) for name in ("num_warps", "num_stages") if name in launch.kwargs}
@@ -226,7 +229,8 @@ class Case:
 
     `trips(kernel, meta, T, M)` gives the trip count of each top-level loop of the named kernel in source order;
     `programs(meta, B, H, T, M)` the number of programs. `flops(T, M)` / `bytes(T, M, element_size)` per
-    (batch, head) give the floors of the whole case (all its launches).
+    (batch, head) give the floors of the whole case (all its launches). `configs(arch)`, when given, is the list a
+    GPU of that architecture autotunes over (default first); otherwise the autotuner's own list.
     """
 
     name: str
@@ -236,6 +240,7 @@ class Case:
     programs: Callable[[dict, int, int, int, int], int]
     flops: Callable[[int, int], float]
     bytes: Callable[[int, int, int], float]
+    configs: Callable[[int], list[triton.Config]] | None = None  # per architecture (sm 90 -> list), default first
 
 
 def _pla_flops(T: int, M: int, K: int = 16, V: int = 64, chunk: int = 64) -> float:
@@ -264,12 +269,13 @@ def _forward_case() -> Case:
 
     return Case(
         name="prefix_linear_attention_fwd",
-        kernels=lambda: [module._prefix_linear_attention_fwd_kernel],
+        kernels=lambda: list(module._KERNELS.values()),
         launch=launch,
         trips=lambda kernel, meta, T, M: [math.ceil(M / meta["BT"]), math.ceil(T / meta["BT"])],
         programs=lambda meta, B, H, T, M: math.ceil(PAPER["V"] / meta.get("BV", PAPER["V"])) * B * H,
         flops=lambda T, M: _pla_flops(T, M),
         bytes=lambda T, M, size: _pla_bytes(T, M, size),
+        configs=lambda arch: module.configs_for_architecture(arch // 10),
     )
 
 
@@ -366,6 +372,7 @@ def format_row(row: dict) -> str:
     if "error" in row:
         return f"{head} BUILD ERROR {row['error']}"
     smem = f"{row['shared'] / 1024:6.1f}KB" + ("" if row["smem_ok"] else " OVER")
+    head += " default" if row.get("default") else " " * 8
     text = (f"{head} regs {row['registers']:3d} spill st/ld {row['spill_stores']:6d}/{row['spill_loads']:6d} B "
             f"smem {smem} instr {row['total_instructions']}")
     for index, loop in enumerate(row["loops"]):
@@ -407,10 +414,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for variant in args.variant:
                 launches = capture_launches(case.kernels(), lambda: case.launch(DTYPES[dtype], variant != "plain"))
                 for launch in launches:
-                    configs = configs_of(launch)[: args.configs]
-                    for config in configs:
-                        for arch in args.arch:
+                    for arch in args.arch:
+                        for index, config in enumerate(configs_of(case, launch, arch)[: args.configs]):
                             row = build_row(case, launch, config, arch, dtype, variant != "plain")
+                            row["default"] = index == 0
                             print(format_row(row), flush=True)
                             rows.append(row)
     if args.json:

@@ -48,17 +48,41 @@ from triton.runtime.interpreter import InterpretedFunction
 from ._common import _dot, _dot_fp32, _key_weights, _tile, dot_types
 from .prefix_linear_attention_backward import prefix_linear_attention_backward
 
-# Few configs (autotuning at the first launch must stay short), chosen from benchmarks/kernel_aot.py (docs/kernels.md):
-# (16, 4 warps), the default, is the build without spills on sm_90 (no mask); (32, 4) and (64, 4) have lower issue
-# estimates with some spills (64, 4 the lowest), (32, 8) few spills with a mask and an initial state. The GPU's
-# autotuning decides. 16 warps and BT = 128 spill more (and fall to 64 registers on sm_80). All fit the
-# shared-memory limits of sm_80 and sm_90. The interpreter (CPU tests) gets BT = 32, which keeps the per-step numpy
-# cost low.
-_GPU_CONFIGS = [
-    triton.Config({"BT": BT}, num_warps=num_warps, num_stages=num_stages)
-    for BT, num_warps, num_stages in [(16, 4, 1), (32, 4, 1), (64, 4, 1), (32, 8, 1)]
-]
-_INTERPRETER_CONFIGS = [triton.Config({"BT": 32}, num_warps=4, num_stages=1)]
+# Configs per GPU generation, from benchmarks/kernel_aot.py (docs/kernels.md), as (BT, BV, num_warps); the first of
+# each list is the default (JRT_TRITON_AUTOTUNE=0), the others are what the autotuner may pick at the first launch.
+# A program covers BV value columns, so V = 64 takes one program per (batch, head) with BV = 64 and two with BV = 32
+# (the features of a chunk are then built twice, but the fp32 state per program is half as large).
+# - sm_90 (Hopper): (32, 64, 4) builds without spills at the lowest issue estimate; (16, 64, 4) and (32, 64, 8) are
+#   spill-free with a key mask and an initial state too.
+# - every other architecture (sm_80 Ampere, Ada, Blackwell): mma.sync holds both operands in registers, and only
+#   BV = 32 builds without spills on sm_80 (BT = 16); (32, 32, 4) and (16, 64, 4) issue fewer instructions with a
+#   few spills.
+# All fit every architecture's shared memory. BT = 64, BV = 128 and 16 warps spill more.
+_ARCH_CONFIGS = {
+    "sm_90": [(32, 64, 4), (16, 64, 4), (32, 64, 8)],
+    "other": [(16, 32, 4), (32, 32, 4), (16, 64, 4)],
+}
+
+
+def _config(BT: int, BV: int, num_warps: int) -> triton.Config:
+    return triton.Config({"BT": BT, "BV": BV}, num_warps=num_warps, num_stages=1)
+
+
+def configs_for_architecture(major: int) -> list[triton.Config]:
+    """The autotune configs for a GPU of compute capability `major`.x, the default first."""
+    return [_config(*config) for config in _ARCH_CONFIGS["sm_90" if major == 9 else "other"]]
+
+
+def _cap_value_block(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Autotuner hook: BV at most V's power of two (a V = 16 head never takes a program of 64 columns)."""
+    width = max(16, triton.next_power_of_2(kwargs["V"]))
+    capped = {(c.kwargs["BT"], min(c.kwargs["BV"], width), c.num_warps): None for c in configs}
+    return [_config(*config) for config in capped]
+
+
+# The interpreter (CPU tests) gets BT = 32, which keeps the per-step numpy cost low, and BV = 32, so that the tests'
+# value dims above 32 run the split over programs.
+_INTERPRETER_CONFIGS = [_config(32, 32, 4)]
 
 
 @triton.jit
@@ -78,9 +102,8 @@ def _pair_features(b_x, b_ei, b_ej, DOT: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _pair_features_t(b_x, b_ei, b_ej, DOT: tl.constexpr, EMULATE: tl.constexpr):
-    """The transposed pair features [BP, BT] (the A operand of the state update), from the small transposes."""
-    b_xt = tl.trans(b_x)
+def _pair_features_t(b_xt, b_ei, b_ej, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    """The transposed pair features [BP, BT] from the transposed chunk b_xt [BK, BT]."""
     return _select_t(b_ei, b_xt, DOT, EMULATE) * _select_t(b_ej, b_xt, DOT, EMULATE)
 
 
@@ -105,27 +128,30 @@ def _pair_index(o_p, o_k, K: tl.constexpr):
 
 
 @triton.jit
-def _load_pairs(p_s, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
-    """ho rows [BH, BV] of a full-layout state: (S_ij + S_ji) / sqrt(2) = sum k_i k_j v."""
-    m_pv = m_p[:, None] & m_v[None, :]
-    return (tl.load(p_s + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
-            + tl.load(p_s + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)) * 0.7071067811865476
+def _load_pairs_t(p_s, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
+    """ho^T [BV, BH] of a full-layout state: (S_ij + S_ji) / sqrt(2) = sum k_i k_j v."""
+    m_vp = m_v[:, None] & m_p[None, :]
+    return (tl.load(p_s + r_ij[None, :] * W + o_v[:, None], mask=m_vp, other=0.0)
+            + tl.load(p_s + r_ji[None, :] * W + o_v[:, None], mask=m_vp, other=0.0)) * 0.7071067811865476
 
 
 @triton.jit
-def _store_pairs(p_s, p_s0, b_ho, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr):
-    """S_ij = S_ji = ho / sqrt(2) from the keys; an initial state's antisymmetric part (S_ij - S_ji) / 2 (p_s0)
-    passes unchanged."""
-    m_pv = m_p[:, None] & m_v[None, :]
-    b_half = b_ho * 0.7071067811865476
+def _store_pairs_t(p_s, p_s0, b_hot, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr, anti_scale,
+                   HAS_INITIAL_STATE: tl.constexpr):
+    """S_ij = S_ji = ho / sqrt(2) from the keys (b_hot = ho^T [BV, BH]); an initial state's antisymmetric part
+    (S_ij - S_ji) / 2 (p_s0), which no query reads, passes through times anti_scale (the decay over the T tokens)."""
+    m_vp = m_v[:, None] & m_p[None, :]
+    b_half = b_hot * 0.7071067811865476
+    p_ij = p_s + r_ij[None, :] * W + o_v[:, None]
+    p_ji = p_s + r_ji[None, :] * W + o_v[:, None]
     if HAS_INITIAL_STATE:
-        b_anti = 0.5 * (tl.load(p_s0 + r_ij[:, None] * W + o_v[None, :], mask=m_pv, other=0.0)
-                        - tl.load(p_s0 + r_ji[:, None] * W + o_v[None, :], mask=m_pv, other=0.0))
-        tl.store(p_s + r_ij[:, None] * W + o_v[None, :], b_half + b_anti, mask=m_pv)
-        tl.store(p_s + r_ji[:, None] * W + o_v[None, :], b_half - b_anti, mask=m_pv)
+        b_anti = (0.5 * anti_scale) * (tl.load(p_s0 + r_ij[None, :] * W + o_v[:, None], mask=m_vp, other=0.0)
+                        - tl.load(p_s0 + r_ji[None, :] * W + o_v[:, None], mask=m_vp, other=0.0))
+        tl.store(p_ij, b_half + b_anti, mask=m_vp)
+        tl.store(p_ji, b_half - b_anti, mask=m_vp)
     else:
-        tl.store(p_s + r_ij[:, None] * W + o_v[None, :], b_half, mask=m_pv)
-        tl.store(p_s + r_ji[:, None] * W + o_v[None, :], b_half, mask=m_pv)
+        tl.store(p_ij, b_half, mask=m_vp)
+        tl.store(p_ji, b_half, mask=m_vp)
 
 
 @triton.jit(do_not_specialize=["T", "T_BUCKET"])
@@ -155,6 +181,7 @@ def _prefix_linear_attention_fwd_kernel(
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
+    m_vk = m_v[:, None] & m_k[None, :]
     # 2nd order, symmetric (docs/prefill.md §4.2): K diagonal features x_i**2 (state rows 1 + K + (K + 1) i) and the
     # K (K - 1) / 2 pairs {i, j}, x_i x_j (rows 1 + K + K i + j and 1 + K + K j + i), padded to BP. Pair p
     # is (i, i + d mod K) with i = p mod K, d = p // K + 1: bands d = 1 .. (K - 1) // 2 hold K pairs each and, for
@@ -169,12 +196,15 @@ def _prefix_linear_attention_fwd_kernel(
     r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
     p_m = key_mask + i_b * s_mb
 
-    # fp32 state; hd, ho and Z hold sums of k'_i k'_j without the 1/sqrt(2) of phi, applied on read and on write.
+    # The numerator state is held transposed, value dim first ([BV, features]): the read `num^T = h^T @ phi(Q)^T`
+    # then takes the state as the A operand of the tensor-core product, straight from the registers it accumulates
+    # in (as flash attention's P @ V), instead of staging a converted copy in shared memory every chunk.
+    # fp32; hd, ho and Z hold sums of k'_i k'_j without the 1/sqrt(2) of phi, applied on read and on write.
     b_h0 = tl.zeros([BV], dtype=tl.float32)
-    b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
-    b_hd = tl.zeros([BK, BV], dtype=tl.float32)
-    b_hoa = tl.zeros([BH, BV], dtype=tl.float32)
-    b_hob = tl.zeros([BH, BV], dtype=tl.float32)
+    b_h1 = tl.zeros([BV, BK], dtype=tl.float32)
+    b_hd = tl.zeros([BV, BK], dtype=tl.float32)
+    b_hoa = tl.zeros([BV, BH], dtype=tl.float32)
+    b_hob = tl.zeros([BV, BH], dtype=tl.float32)
     b_z0 = tl.zeros([1], dtype=tl.float32)
     b_z1 = tl.zeros([BK], dtype=tl.float32)
     b_zz = tl.zeros([BK, BK], dtype=tl.float32)
@@ -182,10 +212,10 @@ def _prefix_linear_attention_fwd_kernel(
     if HAS_INITIAL_STATE:
         p_s = state_in + p_state
         b_h0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
-        b_h1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_hd += tl.load(p_s + r_d[:, None] * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0) * SQRT2
-        b_hoa += _load_pairs(p_s, r_ija, r_jia, m_pa, o_v, m_v, W)
-        b_hob += _load_pairs(p_s, r_ijb, r_jib, m_pb, o_v, m_v, W)
+        b_h1 += tl.load(p_s + (1 + o_k[None, :]) * W + o_v[:, None], mask=m_vk, other=0.0)
+        b_hd += tl.load(p_s + r_d[None, :] * W + o_v[:, None], mask=m_vk, other=0.0) * SQRT2
+        b_hoa += _load_pairs_t(p_s, r_ija, r_jia, m_pa, o_v, m_v, W)
+        b_hob += _load_pairs_t(p_s, r_ijb, r_jib, m_pb, o_v, m_v, W)
         b_z0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
         b_z1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
         b_zz += tl.load(p_s + r_kk * W + V, mask=m_kk, other=0.0) * SQRT2
@@ -201,19 +231,20 @@ def _prefix_linear_attention_fwd_kernel(
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < b_end
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, b_start, b_end, HAS_MASK, STRICT, True)
-        # [BT, BK] weighted keys (w is 0 or 1), [BT, BV] values
+        # [BT, BK] weighted keys (w is 0 or 1), [BV, BT] values
         b_k = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek) * key_scale, 0.0)
-        b_v = tl.where(b_w[:, None], _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev), 0.0)
-        b_h0 += tl.sum(b_v, axis=0)
-        b_h1 += _dot(tl.trans(b_k), b_v, DOT, EMULATE, PRECISION)
-        b_hd += _dot(tl.trans(b_k * b_k), b_v, DOT, EMULATE, PRECISION)
-        b_hoa += _dot(_pair_features_t(b_k, b_eia, b_eja, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
-        b_hob += _dot(_pair_features_t(b_k, b_eib, b_ejb, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
+        b_vt = tl.where(b_w[None, :], _tile(p_ve, o_v, m_v, s_vev, o_t, m_t, s_vet), 0.0)
+        b_h0 += tl.sum(b_vt, axis=1)
+        b_h1 += _dot(b_vt, b_k, DOT, EMULATE, PRECISION)
+        b_hd += _dot(b_vt, b_k * b_k, DOT, EMULATE, PRECISION)
+        b_hoa += _dot(b_vt, _pair_features(b_k, b_eia, b_eja, DOT, EMULATE), DOT, EMULATE, PRECISION)
+        b_hob += _dot(b_vt, _pair_features(b_k, b_eib, b_ejb, DOT, EMULATE), DOT, EMULATE, PRECISION)
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
         b_z1 += tl.sum(b_k, axis=0)
         b_zz += _dot_fp32(tl.trans(b_k), b_k)  # [BK, BK]
 
-    # 2. Causal chunk scan over the T decoder tokens, starting from the encoder state.
+    # 2. Causal chunk scan over the T decoder tokens, starting from the encoder state. Outputs are computed
+    #    transposed, [BV, BT] (queries along the columns).
     p_q = q + i_b * s_qb + i_h * s_qh
     p_k = k + i_b * s_kb + i_h * s_kh
     p_v = v + i_b * s_vb + i_h * s_vh
@@ -224,34 +255,33 @@ def _prefix_linear_attention_fwd_kernel(
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, b_start, b_end, HAS_MASK, STRICT, False)
-        # [BT, BK]
-        b_q = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk) * key_scale
+        # [BK, BT] queries, [BT, BK] keys, [BV, BT] values
+        b_qt = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt) * key_scale
         b_k = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk) * key_scale, 0.0)
-        # [BT, BV]
-        b_v = tl.where(b_w[:, None], _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv), 0.0)
+        b_vt = tl.where(b_w[None, :], _tile(p_v, o_v, m_v, s_vv, o_t, m_t, s_vt), 0.0)
 
-        # inter-chunk: the state of everything before the chunk, encoder included. [BT, BV], [BT]
-        b_num = b_h0[None, :] + _dot(b_q, b_h1, SDOT, EMULATE, PRECISION)
-        # the 1/2 on the [BT, BK] operand (exact) rather than the [BT, BV] product
-        b_num += _dot(0.5 * (b_q * b_q), b_hd, SDOT, EMULATE, PRECISION)
-        b_num += _dot(_pair_features(b_q, b_eia, b_eja, DOT, EMULATE), b_hoa, SDOT, EMULATE, PRECISION)  # [BT, BH]
-        b_num += _dot(_pair_features(b_q, b_eib, b_ejb, DOT, EMULATE), b_hob, SDOT, EMULATE, PRECISION)
-        b_den = tl.sum(b_z0) + tl.sum(b_q * (b_z1[None, :] + 0.5 * _dot_fp32(b_q, b_zz)), axis=1)
-        # intra-chunk: 1 + s + s^2 / 2 on the causal part, counted keys only. [BT, BT]
-        b_s = _dot(b_q, tl.trans(b_k), DOT, EMULATE, PRECISION)
-        b_a = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :], 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
-        b_den += tl.sum(b_a, axis=1)
+        # inter-chunk: the state of everything before the chunk, encoder included. [BV, BT], [BT]
+        b_num = b_h0[:, None] + _dot(b_h1, b_qt, SDOT, EMULATE, PRECISION)
+        # the 1/2 on the [BK, BT] operand (exact) rather than the [BV, BT] product
+        b_num += _dot(b_hd, 0.5 * (b_qt * b_qt), SDOT, EMULATE, PRECISION)
+        b_num += _dot(b_hoa, _pair_features_t(b_qt, b_eia, b_eja, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_num += _dot(b_hob, _pair_features_t(b_qt, b_eib, b_ejb, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_den = tl.sum(b_z0) + tl.sum(b_qt * (b_z1[:, None] + 0.5 * _dot_fp32(b_zz, b_qt)), axis=0)  # Z = Z^T
+        # intra-chunk: 1 + s + s^2 / 2 on the causal part, counted keys only; transposed, [BT keys, BT queries]
+        b_s = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)
+        b_a = tl.where((o_c[None, :] >= o_c[:, None]) & b_w[:, None], 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
+        b_den += tl.sum(b_a, axis=0)
         if HAS_DECAY:
-            b_num = b_num * tl.exp(b_lg * (o_c + 1).to(tl.float32))[:, None]  # the state is gamma**(p + 1) old
-            b_gap = tl.exp(b_lg * tl.maximum(o_c[:, None] - o_c[None, :], 0).to(tl.float32))  # gamma**(i - j)
-            b_num += _dot(b_a * b_gap, b_v, DOT, EMULATE, PRECISION)
+            b_num = b_num * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]  # the state is gamma**(p + 1) old
+            b_gap = tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))  # gamma**(i - j)
+            b_num += _dot(b_vt, b_a * b_gap, DOT, EMULATE, PRECISION)
         else:
-            b_num += _dot(b_a, b_v, DOT, EMULATE, PRECISION)
+            b_num += _dot(b_vt, b_a, DOT, EMULATE, PRECISION)
         if HAS_GATE:
-            b_num = b_num * tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)[:, None]
+            b_num = b_num * tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)[None, :]
         # fp32 division; a row without any counted key gives 0 / (0 + eps) = 0.
-        p_y = p_o + o_t[:, None] * s_ot + o_v[None, :] * s_ov
-        tl.store(p_y, (b_num / (b_den[:, None] + eps)).to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        p_y = p_o + o_t[None, :] * s_ot + o_v[:, None] * s_ov
+        tl.store(p_y, (b_num / (b_den[None, :] + eps)).to(o.dtype.element_ty), mask=m_v[:, None] & m_t[None, :])
 
         # state update with the chunk's counted keys; decayed: gamma**L old + gamma**(L - 1 - p) new
         b_kw = tl.where(b_w[:, None], b_k, 0.0)
@@ -260,26 +290,27 @@ def _prefix_linear_attention_fwd_kernel(
         b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
         if HAS_DECAY:
             b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
-            b_v = b_v * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[:, None]
+            b_vt = b_vt * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[None, :]
             b_chunk = tl.exp(b_lg * b_len)
             b_h0 = b_h0 * b_chunk
             b_h1 = b_h1 * b_chunk
             b_hd = b_hd * b_chunk
             b_hoa = b_hoa * b_chunk
             b_hob = b_hob * b_chunk
-        b_h0 += tl.sum(b_v, axis=0)
-        b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
-        b_hd += _dot(tl.trans(b_kw * b_kw), b_v, DOT, EMULATE, PRECISION)
-        b_hoa += _dot(_pair_features_t(b_kw, b_eia, b_eja, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
-        b_hob += _dot(_pair_features_t(b_kw, b_eib, b_ejb, DOT, EMULATE), b_v, DOT, EMULATE, PRECISION)
+        b_h0 += tl.sum(b_vt, axis=1)
+        b_h1 += _dot(b_vt, b_kw, DOT, EMULATE, PRECISION)
+        b_hd += _dot(b_vt, b_kw * b_kw, DOT, EMULATE, PRECISION)
+        b_hoa += _dot(b_vt, _pair_features(b_kw, b_eia, b_eja, DOT, EMULATE), DOT, EMULATE, PRECISION)
+        b_hob += _dot(b_vt, _pair_features(b_kw, b_eib, b_ejb, DOT, EMULATE), DOT, EMULATE, PRECISION)
 
     # 3. Final state in the cache layout (B, H, F, V + 1); the denominator column is written once, by i_v = 0.
     p_s = state_out + p_state
+    b_anti_scale = tl.exp(b_lg * T.to(tl.float32)) if HAS_DECAY else 1.0
     tl.store(p_s + o_v, b_h0, mask=m_v)
-    tl.store(p_s + (1 + o_k[:, None]) * W + o_v[None, :], b_h1, mask=m_k[:, None] & m_v[None, :])
-    tl.store(p_s + r_d[:, None] * W + o_v[None, :], b_hd / SQRT2, mask=m_k[:, None] & m_v[None, :])
-    _store_pairs(p_s, state_in + p_state, b_hoa, r_ija, r_jia, m_pa, o_v, m_v, W, HAS_INITIAL_STATE)
-    _store_pairs(p_s, state_in + p_state, b_hob, r_ijb, r_jib, m_pb, o_v, m_v, W, HAS_INITIAL_STATE)
+    tl.store(p_s + (1 + o_k[None, :]) * W + o_v[:, None], b_h1, mask=m_vk)
+    tl.store(p_s + r_d[None, :] * W + o_v[:, None], b_hd / SQRT2, mask=m_vk)
+    _store_pairs_t(p_s, state_in + p_state, b_hoa, r_ija, r_jia, m_pa, o_v, m_v, W, b_anti_scale, HAS_INITIAL_STATE)
+    _store_pairs_t(p_s, state_in + p_state, b_hob, r_ijb, r_jib, m_pb, o_v, m_v, W, b_anti_scale, HAS_INITIAL_STATE)
     if i_v == 0:
         tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_z0)
         tl.store(p_s + (1 + o_k) * W + V, b_z1, mask=m_k)
@@ -288,12 +319,28 @@ def _prefix_linear_attention_fwd_kernel(
 
 # TRITON_INTERPRET=1 when this module is first imported makes `triton.jit` return the CPU interpreter's function.
 INTERPRETED = isinstance(_prefix_linear_attention_fwd_kernel, InterpretedFunction)
-# JRT_TRITON_AUTOTUNE=0 keeps the first GPU config only (quick compiled test runs; no tuning at first call).
+# JRT_TRITON_AUTOTUNE=0 keeps the default config of the device's architecture (quick compiled test runs; no tuning).
 AUTOTUNE = os.environ.get("JRT_TRITON_AUTOTUNE", "1") != "0"
-_prefix_linear_attention_fwd_kernel = triton.autotune(
-    configs=_INTERPRETER_CONFIGS if INTERPRETED else (_GPU_CONFIGS if AUTOTUNE else _GPU_CONFIGS[:1]),
-    key=["K", "V", "T_BUCKET"],
-)(_prefix_linear_attention_fwd_kernel)
+
+
+def _autotuned(configs: list[triton.Config]):
+    return triton.autotune(
+        configs=configs if AUTOTUNE else configs[:1], key=["K", "V", "T_BUCKET"],
+        prune_configs_by={"early_config_prune": _cap_value_block},
+    )(_prefix_linear_attention_fwd_kernel)
+
+
+# One autotuned kernel per architecture family (the launcher picks the device's); the CPU interpreter's for tests.
+_KERNELS = {"interpreter": _autotuned(_INTERPRETER_CONFIGS)} if INTERPRETED else {
+    "sm_90": _autotuned(configs_for_architecture(9)), "other": _autotuned(configs_for_architecture(8)),
+}
+
+
+def _kernel_for(device: torch.device):
+    if INTERPRETED:
+        return _KERNELS["interpreter"]
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return _KERNELS["sm_90" if hopper else "other"]  # not CUDA: benchmarks/kernel_aot.py's CPU capture
 
 
 PAD_MASKINGS = ("strict", "reference")  # as in modeling_jrt.linear_attention (this module imports no modeling_jrt)
@@ -328,18 +375,17 @@ def _prefix_linear_attention_fwd(
     mask_strides = (0, 0) if key_mask is None else mask.stride()
     decay = state if log_decay is None else log_decay.to(torch.float32).contiguous()
     gate_in = state if gate is None else gate.contiguous()  # (B, T, H)
-    BV = max(16, triton.next_power_of_2(V))
     BP = max(32, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))  # two halves of >= 16 rows (tl.dot)
 
     def grid(meta):
-        return (triton.cdiv(V, BV), B * H)
+        return (triton.cdiv(V, meta["BV"]), B * H)
 
-    torch.library.wrap_triton(_prefix_linear_attention_fwd_kernel)[grid](
+    torch.library.wrap_triton(_kernel_for(q.device))[grid](
         q, k, v, k_enc, v_enc, encoder_start, encoder_end, mask,
         state if initial_state is None else initial_state, decay, gate_in, o, state,
         *q.stride(), *k.stride(), *v.stride(), *k_enc.stride(), *v_enc.stride(), *mask_strides, *o.stride(),
         T, triton.next_power_of_2(max(T, 1)), eps, K**-0.25,
-        H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=BV, BP=BP,
+        H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BP=BP,
         HAS_MASK=key_mask is not None, STRICT=strict, HAS_INITIAL_STATE=initial_state is not None,
         HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **dot_types(v.dtype, INTERPRETED),
     )

@@ -114,6 +114,16 @@ def test_asymmetric_initial_state_passes_through(device):
     assert_matches_oracle(q, k, v, k_enc, v_enc, initial_state=initial_state)
 
 
+def test_asymmetric_initial_state_decays(device):
+    """With the Based decay every part of the state, the antisymmetric part of an initial state included, is gamma**T
+    old at the end."""
+    q, k, v, _, _ = make_inputs(2, 40, 2, 16, 0, K=4, device=device, seed=8)
+    generator = torch.Generator().manual_seed(9)
+    initial_state = (torch.randn(2, 2, 21, 17, generator=generator) * 3).to(device)
+    log_decay = torch.log1p(-torch.tensor([2.0**-3, 2.0**-6])).to(device)
+    assert_matches_oracle(q, k, v, initial_state=initial_state, log_decay=log_decay)
+
+
 @pytest.mark.parametrize("pad_masking", ["strict", "reference"])
 @pytest.mark.parametrize("pads", [0, 5, BT + 7], ids=["no-pad", "pad-lt-block", "pad-gt-block"])
 def test_left_padding(device, pad_masking, pads):
