@@ -585,6 +585,8 @@ def _load_triton_backward():
 
 # Set when the kernel failed to compile or launch under "auto": later "auto" calls go straight to "chunked".
 _triton_failure: str | None = None
+# Set when the fused backward failed under "auto"; it becomes `_triton_failure` when that backward pass ends.
+_backward_failure: str | None = None
 
 
 def resolve_implementation(implementation: str, q: torch.Tensor) -> str:
@@ -621,16 +623,16 @@ def resolve_implementation(implementation: str, q: torch.Tensor) -> str:
     return implementation
 
 
-def _record_triton_failure(error: Exception, stage: str) -> None:
-    """Mark the kernel failed for the rest of the process (later "auto" calls resolve to "chunked") and warn once."""
-    global _triton_failure
+def _warn_kernel_failure(error: Exception, stage: str) -> str:
+    """Warn once that the `stage` ("kernel" or "backward kernel") failed; returns the error in one line."""
     message = str(error).strip()
-    _triton_failure = f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
+    failure = f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
     logger.warning_once(
-        f"The fused Triton linear-attention {stage} failed on this device ({_triton_failure[:300]}). Falling back "
+        f"The fused Triton linear-attention {stage} failed on this device ({failure[:300]}). Falling back "
         "to the PyTorch implementation for the rest of this process; set "
         "linear_attention_implementation='chunked' in the config to skip the kernel, or 'triton' to see the error."
     )
+    return failure
 
 
 def _run_triton_or_fall_back(explicit: bool, run_triton, run_chunked) -> tuple[torch.Tensor, torch.Tensor]:
@@ -639,13 +641,38 @@ def _run_triton_or_fall_back(explicit: bool, run_triton, run_chunked) -> tuple[t
     The failures are of many types (triton's CompilationError / OutOfResources / PTXASError, RuntimeError from the
     driver or an unsupported architecture), hence `except Exception`. An explicit "triton" re-raises.
     """
+    global _triton_failure
     if explicit:
         return run_triton()
     try:
         return run_triton()
     except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
-        _record_triton_failure(error, "kernel")
+        _triton_failure = _warn_kernel_failure(error, "kernel")
     return run_chunked()
+
+
+def _fused_backward_or_none(*args, **kwargs) -> tuple[torch.Tensor | None, ...] | None:
+    """The fused backward's gradients, or None when it fails (warns once) or failed before in this process.
+
+    The failure marks the kernel failed for new "auto" calls (`_triton_failure`) only when this backward pass ends:
+    activation checkpointing recomputes the forwards of earlier layers later in the same pass, and each
+    recomputation must take the path of its original forward (non-reentrant checkpointing checks the saved tensors).
+    """
+    global _backward_failure
+    if _triton_failure is None and _backward_failure is None:
+        try:
+            return _load_triton_backward()(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
+            _backward_failure = _warn_kernel_failure(error, "backward kernel")
+    if _triton_failure is None:  # runs _mark_backward_failure once the engine finishes this backward pass
+        torch.autograd.Variable._execution_engine.queue_callback(_mark_backward_failure)
+    return None
+
+
+def _mark_backward_failure() -> None:
+    """Run at the end of the backward pass in which the fused backward failed: later "auto" calls go chunked."""
+    global _triton_failure
+    _triton_failure = _triton_failure or _backward_failure
 
 
 def _chunked_gradients(
@@ -685,7 +712,7 @@ class _KernelWithSafeBackward(torch.autograd.Function):
 
     The fused backward compiles at the first backward call, after the forward has returned, so a failure there
     (ptxas error, `OutOfResources`, an unsupported architecture) is out of `_run_triton_or_fall_back`'s reach. Here
-    it warns once, marks the kernel failed (`_triton_failure`) and returns the gradients of the chunked path,
+    it warns once, marks the kernel failed (`_fused_backward_or_none`) and returns the gradients of the chunked path,
     computed by autograd through a recomputed chunked forward. A failed forward propagates out of `apply`, to
     `_run_triton_or_fall_back`. Arguments are those of `prefix_linear_attention`, positional (as `apply` wants).
     """
@@ -706,16 +733,11 @@ class _KernelWithSafeBackward(torch.autograd.Function):
     def backward(ctx, grad_output, grad_state):
         q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask, log_decay = ctx.saved_tensors
         grad_output = torch.zeros_like(v) if grad_output is None else grad_output
-        grads = None
-        if _triton_failure is None:  # after a failure anywhere, skip the kernel (as "auto" does for new calls)
-            try:
-                grads = _load_triton_backward()(
-                    q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start,
-                    encoder_end=encoder_end, key_mask=key_mask, strict=ctx.pad_masking == "strict",
-                    initial_state=initial_state, log_decay=log_decay, gate=gate, eps=ctx.eps,
-                )
-            except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
-                _record_triton_failure(error, "backward kernel")
+        grads = _fused_backward_or_none(
+            q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start, encoder_end=encoder_end,
+            key_mask=key_mask, strict=ctx.pad_masking == "strict", initial_state=initial_state, log_decay=log_decay,
+            gate=gate, eps=ctx.eps,
+        )
         if grads is None:
             grads = _chunked_gradients(
                 (q, k, v, k_enc, v_enc, initial_state, gate), ctx.needs_input_grad[:7], grad_output, grad_state,

@@ -225,6 +225,7 @@ def backward_launches(monkeypatch):
 
     monkeypatch.setattr(kernel, "run", counted)
     monkeypatch.setattr(linear_attention, "_triton_failure", None)
+    monkeypatch.setattr(linear_attention, "_backward_failure", None)
     hf_logging.warning_once.cache_clear()  # "once" per process: each test sees its own warning
     monkeypatch.delenv(linear_attention.IMPLEMENTATION_ENV_VAR, raising=False)
     resolve = linear_attention.resolve_implementation
@@ -336,3 +337,28 @@ def test_auto_training_uses_the_fused_backward(device, backward_launches, grad_s
     assert backward_launches.count == 1 and linear_attention._triton_failure is None
     *_, expected = _training_step("chunked", inputs, grad_output, dstate, **kwargs)
     _assert_same_grads(grads, expected)
+
+
+def test_auto_backward_fallback_with_activation_checkpointing(device, backward_launches, make_config):
+    """transformers' default (non-reentrant) activation checkpointing recomputes each layer's forward during the
+    backward pass and checks that it saves what the original forward saved: the layers recomputed after the failure
+    must keep the kernel's path. The gradients equal those of the chunked model; later steps run chunked."""
+    import copy
+
+    import modeling_jrt
+
+    backward_launches.fail = True
+    config = make_config(layer_types=["linear_attention", "conv", "linear_attention", "sliding_attention"])
+    model = modeling_jrt.JRTRNNForCausalLM(config).to(device).train()
+    reference = copy.deepcopy(model)
+    reference.config.linear_attention_implementation = "chunked"
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    input_ids = torch.randint(4, 99, (2, 13), device=device)
+    model(input_ids, labels=input_ids).loss.backward()
+    reference(input_ids, labels=input_ids, use_cache=False).loss.backward()
+    assert backward_launches.count == 1 and linear_attention._triton_failure is not None
+    for (name, param), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    model(input_ids, labels=input_ids).loss.backward()  # the next step: chunked, recomputations included
+    assert backward_launches.count == 1
