@@ -577,9 +577,15 @@ def _load_triton_prefill():
 
 
 def _load_triton_backward():
-    """The fused backward launcher of `jrt_kernels` (only called after the fused forward ran, so it imports)."""
-    from jrt_kernels.prefix_linear_attention_backward import prefix_linear_attention_backward
+    """The fused backward launcher of `jrt_kernels`, or None (never in practice: it runs after the fused forward).
 
+    The import sits in `try` like the forward's: transformers' remote-code check skips imports in `try` blocks, so
+    a Hub folder loads without `jrt_kernels`.
+    """
+    try:
+        from jrt_kernels.prefix_linear_attention_backward import prefix_linear_attention_backward
+    except ImportError:
+        return None
     return prefix_linear_attention_backward
 
 
