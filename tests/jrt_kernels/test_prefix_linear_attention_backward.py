@@ -249,7 +249,8 @@ def _safe_dispatch_case(device, variant="prefix"):
     key_mask[1, :3] = False
     kwargs = dict(key_mask=key_mask)
     if variant == "prefix":
-        kwargs.update(encoder_start=torch.tensor([0, 3], device=device), encoder_end=torch.tensor([5, 8], device=device))
+        kwargs.update(encoder_start=torch.tensor([0, 3], device=device),
+                      encoder_end=torch.tensor([5, 8], device=device))
     else:
         inputs["gate"] = torch.randn(B, T, H, generator=torch.Generator().manual_seed(10)).to(device)
         kwargs.update(log_decay=torch.log1p(-torch.tensor([2.0**-3])).to(device))
