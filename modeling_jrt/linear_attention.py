@@ -53,11 +53,13 @@ Implementations behind `prefix_linear_attention(..., implementation=...)`:
     "chunked"    O(T) time, O(state) memory chunked scan in PyTorch; the encoder sum is its initial state.
     "triton"     the fused GPU kernel of `jrt_kernels` (optional dependency; forward and backward, decay and gate).
     "auto"       "triton" on CUDA tensors when the kernel imports, else "chunked"; a kernel that fails to compile or
-                 launch on the device warns once and the call (and every later one) runs "chunked".
+                 launch on the device (forward or backward) warns once and the call (and every later one) runs
+                 "chunked" (a failed backward: its gradients are those of the chunked path).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -574,8 +576,23 @@ def _load_triton_prefill():
     return prefix_linear_attention_triton
 
 
+def _load_triton_backward():
+    """The fused backward launcher of `jrt_kernels`, or None (never in practice: it runs after the fused forward).
+
+    The import sits in `try` like the forward's: transformers' remote-code check skips imports in `try` blocks, so
+    a Hub folder loads without `jrt_kernels`.
+    """
+    try:
+        from jrt_kernels.prefix_linear_attention_backward import prefix_linear_attention_backward
+    except ImportError:
+        return None
+    return prefix_linear_attention_backward
+
+
 # Set when the kernel failed to compile or launch under "auto": later "auto" calls go straight to "chunked".
 _triton_failure: str | None = None
+# Set when the fused backward failed under "auto"; it becomes `_triton_failure` when that backward pass ends.
+_backward_failure: str | None = None
 
 
 def resolve_implementation(implementation: str, q: torch.Tensor) -> str:
@@ -612,6 +629,18 @@ def resolve_implementation(implementation: str, q: torch.Tensor) -> str:
     return implementation
 
 
+def _warn_kernel_failure(error: Exception, stage: str) -> str:
+    """Warn once that the `stage` ("kernel" or "backward kernel") failed; returns the error in one line."""
+    message = str(error).strip()
+    failure = f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
+    logger.warning_once(
+        f"The fused Triton linear-attention {stage} failed on this device ({failure[:300]}). Falling back "
+        "to the PyTorch implementation for the rest of this process; set "
+        "linear_attention_implementation='chunked' in the config to skip the kernel, or 'triton' to see the error."
+    )
+    return failure
+
+
 def _run_triton_or_fall_back(explicit: bool, run_triton, run_chunked) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernel; under "auto", a kernel that fails to compile or launch here warns once and runs chunked.
 
@@ -624,13 +653,104 @@ def _run_triton_or_fall_back(explicit: bool, run_triton, run_chunked) -> tuple[t
     try:
         return run_triton()
     except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
-        _triton_failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-        logger.warning_once(
-            f"The fused Triton linear-attention kernel failed on this device ({_triton_failure[:300]}). Falling back "
-            "to the PyTorch implementation for the rest of this process; set "
-            "linear_attention_implementation='chunked' in the config to skip the kernel, or 'triton' to see the error."
-        )
+        _triton_failure = _warn_kernel_failure(error, "kernel")
     return run_chunked()
+
+
+def _fused_backward_or_none(*args, **kwargs) -> tuple[torch.Tensor | None, ...] | None:
+    """The fused backward's gradients, or None when it fails (warns once) or failed before in this process.
+
+    The failure marks the kernel failed for new "auto" calls (`_triton_failure`) only when this backward pass ends:
+    activation checkpointing recomputes the forwards of earlier layers later in the same pass, and each
+    recomputation must take the path of its original forward (non-reentrant checkpointing checks the saved tensors).
+    """
+    global _backward_failure
+    if _triton_failure is None and _backward_failure is None:
+        try:
+            return _load_triton_backward()(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
+            _backward_failure = _warn_kernel_failure(error, "backward kernel")
+    if _triton_failure is None:  # runs _mark_backward_failure once the engine finishes this backward pass
+        torch.autograd.Variable._execution_engine.queue_callback(_mark_backward_failure)
+    return None
+
+
+def _mark_backward_failure() -> None:
+    """Run at the end of the backward pass in which the fused backward failed: later "auto" calls go chunked."""
+    global _triton_failure
+    _triton_failure = _triton_failure or _backward_failure
+
+
+def _chunked_gradients(
+    inputs: tuple[torch.Tensor | None, ...],
+    needs_grad: tuple[bool, ...],
+    grad_output: torch.Tensor,
+    grad_state: torch.Tensor | None,
+    **kwargs,
+) -> list[torch.Tensor | None]:
+    """Gradients of `prefix_linear_attention_chunked` by autograd, recomputing its forward (a failed fused backward).
+
+    Args:
+        inputs: `(q, k, v, k_enc, v_enc, initial_state, gate)`, the differentiable inputs (None where absent).
+        needs_grad: one flag per input: whether its gradient is wanted.
+        grad_output: `(B, T, H, V)` gradient of the output; grad_state: `(B, H, F, V + 1)` of the state, or None.
+        kwargs: the remaining keyword arguments of `prefix_linear_attention_chunked`.
+
+    Returns:
+        One gradient per input, None where it is not wanted (or absent).
+    """
+    leaves = [None if t is None else t.detach().requires_grad_(needed) for t, needed in zip(inputs, needs_grad)]
+    q, k, v, k_enc, v_enc, initial_state, gate = leaves
+    with torch.enable_grad():
+        output, state = prefix_linear_attention_chunked(
+            q, k, v, k_enc, v_enc, initial_state=initial_state, gate=gate, **kwargs
+        )
+    wanted = [t for t, needed in zip(leaves, needs_grad) if needed and t is not None]
+    outputs, grads = (output, state), (grad_output, grad_state)
+    if grad_state is None:
+        outputs, grads = outputs[:1], grads[:1]
+    computed = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True))
+    return [next(computed) if needed and t is not None else None for t, needed in zip(leaves, needs_grad)]
+
+
+class _KernelWithSafeBackward(torch.autograd.Function):
+    """The fused forward and backward for "auto" training, whose backward falls back to the chunked path.
+
+    The fused backward compiles at the first backward call, after the forward has returned, so a failure there
+    (ptxas error, `OutOfResources`, an unsupported architecture) is out of `_run_triton_or_fall_back`'s reach. Here
+    it warns once, marks the kernel failed (`_fused_backward_or_none`) and returns the gradients of the chunked path,
+    computed by autograd through a recomputed chunked forward. A failed forward propagates out of `apply`, to
+    `_run_triton_or_fall_back`. Arguments are those of `prefix_linear_attention`, positional (as `apply` wants).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask, log_decay,
+                pad_masking, eps, chunk_size):
+        ctx.save_for_backward(q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask,
+                              log_decay)
+        ctx.pad_masking, ctx.eps, ctx.chunk_size = pad_masking, eps, chunk_size
+        ctx.set_materialize_grads(False)  # no grad_state: the fused backward skips that term
+        return _load_triton_prefill()(
+            q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
+            pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps,
+        )
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_state):
+        q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask, log_decay = ctx.saved_tensors
+        grad_output = torch.zeros_like(v) if grad_output is None else grad_output
+        grads = _fused_backward_or_none(
+            q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start, encoder_end=encoder_end,
+            key_mask=key_mask, strict=ctx.pad_masking == "strict", initial_state=initial_state, log_decay=log_decay,
+            gate=gate, eps=ctx.eps,
+        )
+        if grads is None:
+            grads = _chunked_gradients(
+                (q, k, v, k_enc, v_enc, initial_state, gate), ctx.needs_input_grad[:7], grad_output, grad_state,
+                encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
+                pad_masking=ctx.pad_masking, log_decay=log_decay, eps=ctx.eps, chunk_size=ctx.chunk_size,
+            )
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def prefix_linear_attention(
@@ -686,9 +806,19 @@ def prefix_linear_attention(
         return prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
     if chosen == "triton":
         explicit = implementation == "triton" or os.environ.get(IMPLEMENTATION_ENV_VAR, "").strip().lower() == "triton"
+        differentiable = (q, k, v, k_enc, v_enc, initial_state, gate)
+        training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+        if explicit or not training or torch.compiler.is_compiling():
+            # The op's own autograd (the fused backward, which raises on failure); torch.compile traces the op.
+            run_triton = functools.partial(_load_triton_prefill(), q, k, v, k_enc, v_enc, **kwargs)
+        else:  # "auto" training: a failed fused backward falls back to the chunked gradients
+            run_triton = functools.partial(
+                _KernelWithSafeBackward.apply, q, k, v, k_enc, v_enc, initial_state, gate, encoder_start,
+                encoder_end, key_mask, log_decay, pad_masking, eps, chunk_size,
+            )
         return _run_triton_or_fall_back(
             explicit,
-            lambda: _load_triton_prefill()(q, k, v, k_enc, v_enc, **kwargs),
+            run_triton,
             lambda: prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, chunk_size=chunk_size, **kwargs),
         )
     return prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, chunk_size=chunk_size, **kwargs)

@@ -6,13 +6,17 @@ Inputs follow docs/prefill.md §5 (q, k ~ randn so the 2nd-order term matters, v
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux: pip install -e '.[dev]')")
 
 from jrt_kernels import prefix_linear_attention as kernel_module  # noqa: E402
+from jrt_kernels import prefix_linear_attention_backward as backward_module  # noqa: E402
 from jrt_kernels.prefix_linear_attention_backward import prefix_linear_attention_backward  # noqa: E402
+from modeling_jrt import linear_attention  # noqa: E402
 from modeling_jrt.linear_attention import num_taylor_features, prefix_linear_attention_quadratic  # noqa: E402
 
 # Tolerance relative to each gradient's largest magnitude: fp32 end to end; bf16 operands with fp32 accumulation.
@@ -195,3 +199,167 @@ def test_based_decay_and_gate_run_fused(device):
         if actual is not None:
             scale = reference.abs().max().item()
             torch.testing.assert_close(actual.double(), reference, rtol=0, atol=2e-6 * scale, msg=name)
+
+
+# Safe dispatch of the backward: under "auto", a fused backward that fails to compile or launch falls back to the
+# chunked path's gradients (modeling_jrt.linear_attention._KernelWithSafeBackward).
+
+
+@pytest.fixture
+def backward_launches(monkeypatch):
+    """Counts the fused backward's launches (its first kernel); "auto" resolves to the kernel on CPU too until it
+    fails, and the failure flag starts clear. `launches.fail = True` makes the launch raise as on a GPU without
+    enough shared memory."""
+    from transformers.utils import logging as hf_logging
+    from triton.runtime.errors import OutOfResources
+
+    kernel = backward_module._pla_bwd_dq_kernel
+    run = kernel.run
+    launches = types.SimpleNamespace(count=0, fail=False)
+
+    def counted(*args, **kwargs):
+        launches.count += 1
+        if launches.fail:
+            raise OutOfResources(262144, 232448, "shared memory")
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "run", counted)
+    monkeypatch.setattr(linear_attention, "_triton_failure", None)
+    monkeypatch.setattr(linear_attention, "_backward_failure", None)
+    hf_logging.warning_once.cache_clear()  # "once" per process: each test sees its own warning
+    monkeypatch.delenv(linear_attention.IMPLEMENTATION_ENV_VAR, raising=False)
+    resolve = linear_attention.resolve_implementation
+    monkeypatch.setattr(
+        linear_attention, "resolve_implementation",
+        lambda implementation, q, *args, **kwargs: (
+            "triton" if implementation == "auto" and linear_attention._triton_failure is None
+            else resolve(implementation, q, *args, **kwargs)
+        ),
+    )
+    return launches
+
+
+def _safe_dispatch_case(device, variant="prefix"):
+    """Tiny fp32 cases with left padding and an initial state (from an earlier prefill, like a cache's): "prefix"
+    has per-row encoder ranges (padding inside the prefix), "based" the decay and the gate."""
+    B, T, H, K, V = 2, 21, 1, 4, 6
+    M = 8 if variant == "prefix" else 0
+    inputs, grad_output, grad_state = make_case(B, T, H, K, V, M, dtype=torch.float32, device=device, seed=9)
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    key_mask[1, :3] = False
+    kwargs = dict(key_mask=key_mask)
+    if variant == "prefix":
+        kwargs.update(encoder_start=torch.tensor([0, 3], device=device),
+                      encoder_end=torch.tensor([5, 8], device=device))
+    else:
+        inputs["gate"] = torch.randn(B, T, H, generator=torch.Generator().manual_seed(10)).to(device)
+        kwargs.update(log_decay=torch.log1p(-torch.tensor([2.0**-3])).to(device))
+    earlier, *_ = make_case(B, 5, H, K, V, 0, dtype=torch.float32, device=device, seed=11)
+    _, inputs["initial_state"] = prefix_linear_attention(
+        earlier["q"], earlier["k"], earlier["v"], log_decay=kwargs.get("log_decay"), implementation="chunked"
+    )
+    return inputs, grad_output, grad_state, kwargs
+
+
+def _training_step(implementation, inputs, grad_output, grad_state, *, calls=1, **kwargs):
+    """`calls` dispatcher calls on the same leaves (like layers), loss <y, dy> (+ <S_T, dS>) of the first; returns
+    its output, state and the leaves' gradients. No `grad_state`: the state gets no gradient at all (None)."""
+    leaves = {name: None if t is None else t.detach().clone().requires_grad_() for name, t in inputs.items()}
+    args = [leaves[name] for name in ("q", "k", "v", "k_enc", "v_enc")]
+    results = [
+        prefix_linear_attention(*args, initial_state=leaves["initial_state"], gate=leaves["gate"],
+                                implementation=implementation, **kwargs)
+        for _ in range(calls)
+    ]
+    (output, state), others = results[0], results[1:]
+    loss = (output * grad_output).sum() + sum((other * 0).sum() for other, _ in others)
+    if grad_state is not None:
+        loss = loss + (state * grad_state).sum()
+    loss.backward()
+    return output, state, [None if leaves[name] is None else leaves[name].grad for name in NAMES]
+
+
+def _assert_same_grads(actual, expected):
+    for name, got, reference in zip(NAMES, actual, expected):
+        assert (got is None) == (reference is None), name
+        if got is not None:
+            torch.testing.assert_close(got, reference, rtol=0, atol=2e-6 * reference.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("variant", ["prefix", "based"])
+def test_auto_backward_falls_back_when_the_kernel_fails(device, backward_launches, variant):
+    """A fused backward that raises under "auto": one warning (the error, the config switch), the chunked path's
+    gradients, the kernel marked failed; the second call's backward (another layer) and later calls skip it."""
+    from transformers.testing_utils import CaptureLogger
+
+    backward_launches.fail = True
+    inputs, grad_output, grad_state, kwargs = _safe_dispatch_case(device, variant)
+    expected_output, expected_state, expected = _training_step("chunked", inputs, grad_output, grad_state, **kwargs)
+    with CaptureLogger(linear_attention.logger) as captured:
+        output, state, grads = _training_step("auto", inputs, grad_output, grad_state, calls=2, **kwargs)
+    assert type(output.grad_fn).__name__ == "_KernelWithSafeBackwardBackward"  # the fused forward ran
+    torch.testing.assert_close(output, expected_output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5 * expected_state.abs().max().item())
+    _assert_same_grads(grads, expected)
+    assert backward_launches.count == 1  # tried once, by the first backward that ran
+    assert linear_attention._triton_failure is not None and "OutOfResources" in linear_attention._triton_failure
+    assert "OutOfResources" in captured.out and "linear_attention_implementation='chunked'" in captured.out
+    assert captured.out.count("backward kernel failed on this device") == 1
+
+    output, _, later = _training_step("auto", inputs, grad_output, grad_state, **kwargs)
+    assert output.grad_fn is not None and "KernelWithSafeBackward" not in type(output.grad_fn).__name__
+    assert backward_launches.count == 1  # "auto" now resolves to the chunked path
+    _assert_same_grads(later, expected)
+
+
+@pytest.mark.parametrize("forced_by", ["argument", "environment"])
+def test_explicit_triton_backward_still_raises(device, backward_launches, monkeypatch, forced_by):
+    """An explicit "triton" (argument or JRT_LINEAR_ATTENTION_IMPL) surfaces the backward's error."""
+    from triton.runtime.errors import OutOfResources
+
+    backward_launches.fail = True
+    implementation = "triton"
+    if forced_by == "environment":
+        monkeypatch.setenv(linear_attention.IMPLEMENTATION_ENV_VAR, "triton")
+        implementation = "auto"
+    inputs, grad_output, grad_state, kwargs = _safe_dispatch_case(device)
+    with pytest.raises(OutOfResources):
+        _training_step(implementation, inputs, grad_output, grad_state, **kwargs)
+    assert backward_launches.count == 1 and linear_attention._triton_failure is None
+
+
+@pytest.mark.parametrize("grad_state", [True, False], ids=["dS", "no-dS"])
+def test_auto_training_uses_the_fused_backward(device, backward_launches, grad_state):
+    """Without a failure, "auto" training runs the fused backward, with the chunked path's gradients."""
+    inputs, grad_output, dstate, kwargs = _safe_dispatch_case(device)
+    dstate = dstate if grad_state else None
+    output, _, grads = _training_step("auto", inputs, grad_output, dstate, **kwargs)
+    assert type(output.grad_fn).__name__ == "_KernelWithSafeBackwardBackward"
+    assert backward_launches.count == 1 and linear_attention._triton_failure is None
+    *_, expected = _training_step("chunked", inputs, grad_output, dstate, **kwargs)
+    _assert_same_grads(grads, expected)
+
+
+def test_auto_backward_fallback_with_activation_checkpointing(device, backward_launches, make_config):
+    """transformers' default (non-reentrant) activation checkpointing recomputes each layer's forward during the
+    backward pass and checks that it saves what the original forward saved: the layers recomputed after the failure
+    must keep the kernel's path. The gradients equal those of the chunked model; later steps run chunked."""
+    import copy
+
+    import modeling_jrt
+
+    backward_launches.fail = True
+    config = make_config(layer_types=["linear_attention", "conv", "linear_attention", "sliding_attention"])
+    model = modeling_jrt.JRTRNNForCausalLM(config).to(device).train()
+    reference = copy.deepcopy(model)
+    reference.config.linear_attention_implementation = "chunked"
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    input_ids = torch.randint(4, 99, (2, 13), device=device)
+    model(input_ids, labels=input_ids).loss.backward()
+    reference(input_ids, labels=input_ids, use_cache=False).loss.backward()
+    assert backward_launches.count == 1 and linear_attention._triton_failure is not None
+    for (name, param), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    model(input_ids, labels=input_ids).loss.backward()  # the next step: chunked, recomputations included
+    assert backward_launches.count == 1
