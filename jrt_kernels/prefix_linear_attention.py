@@ -5,39 +5,46 @@ The math, the state layout, the argument checks and the reference (`prefix_linea
 `modeling_jrt.linear_attention` (docs/prefill.md §4). This module imports torch and triton only: the dispatcher
 `modeling_jrt.linear_attention.prefix_linear_attention(..., implementation="triton")` validates the arguments with
 `validate_linear_attention_inputs` and then calls `prefix_linear_attention_triton`, which only asserts them.
-One program per batch x head (the whole value dim, so the feature expansions of a chunk are built once) keeps the
-fp32 state on chip and
+One program per (value block of BV columns, batch x head) keeps its columns of the fp32 state on chip and
 
     1. reduces the encoder over the row's range: state = initial_state + sum_{start<=m<end} phi(ke_m) [ve_m, 1]
-    2. scans the T decoder tokens in chunks of BT, starting from that state:
-           inter  num  = h0 + Q'_c h1 + 1/2 (Q'_c**2 hd + P(Q'_c) ho)                 (tensor cores)
-                  den  = z0 + Q'_c z1 + 1/2 rowsum(Q'_c * (Q'_c Z))                   Z = sum k' k'^T, (K, K)
-           intra  num += tril(1 + S + S**2 / 2) V_c,  den += rowsum(tril(...))      S = Q'_c K'_c^T
-           update h0 += 1^T V_c,  h1 += K'_c^T V_c,  hd += (K'_c**2)^T V_c,  ho += P(K'_c)^T V_c,
+    2. scans the T decoder tokens in chunks of BT, starting from that state, transposed (value dim first):
+           inter  num^T  = h0 + h1^T Q'_c^T + 1/2 (hd^T (Q'_c**2)^T + ho^T P(Q'_c)^T)    (tensor cores)
+                  den    = z0 + Q'_c z1 + 1/2 colsum(Q'_c^T * (Z Q'_c^T))                Z = sum k' k'^T, (K, K)
+           intra  num^T += V_c^T tril(1 + S + S**2 / 2)^T,  den += colsum(...)          S^T = K'_c Q'_c^T
+           update h0 += V_c^T 1,  h1^T += V_c^T K'_c,  hd^T += V_c^T K'_c**2,  ho^T += V_c^T P(K'_c),
                   z0, z1, Z += K'_c^T K'_c
            y_c = num / (den + eps)
     3. writes the final state (sum over all keys, fp32) in the layout of the generation cache.
 
+The numerator state is held as h^T, [BV, features]: the read `h^T @ phi(Q)^T` takes it as the A operand of the
+tensor-core product straight from the registers it accumulates in (as flash attention's P @ V), instead of staging a
+converted copy in shared memory for every chunk; this is what removed most spills (docs/kernels.md).
+
 Here x' = x / K**(1/4), so phi(x) = [1, x', vec(x' x'^T) / sqrt(2)] and phi(q).phi(k) = 1 + s + s**2 / 2. The
-2nd order uses its symmetry (docs/prefill.md §4.2): (q.k)**2 = sum_i q_i**2 k_i**2 + sum_{i<j} 2 q_i q_j k_i k_j, so the
-numerator state holds K diagonal rows (hd, read with the 1/2 of s**2 / 2) and K (K - 1) / 2 pair rows (ho = sum
+2nd order uses its symmetry (docs/prefill.md §4.2): (q.k)**2 = sum_i q_i**2 k_i**2 + sum_{i<j} 2 q_i q_j k_i k_j, so
+the numerator state holds K diagonal rows (hd, read with the 1/2 of s**2 / 2) and K (K - 1) / 2 pair rows (ho = sum
 k_i k_j v, read with weight 1 by the features P(x) = x_i x_j, gathered by 0/1 selection matmuls and held in two
 halves to keep the feature operands small): 136 rows instead of 256 for K = 16. The final state is written back in
-the full layout (S_ij = S_ji; an initial state's antisymmetric part passes through). The 2nd-order denominator state is the
-(K, K) matrix Z, so its read and update are two small matmuls instead of reductions over (BT, K**2) tiles. State and denominators are fp32; matmul operands follow `_common` (fp16 inputs multiply the state as
-bf16, which cannot overflow; fp32 inputs run as 3xTF32). Padded keys are removed in all three orders (strict
-masking) or, with `pad_masking="reference"` and inside the row's encoder range, keep their weight-1 constant term.
+the full layout (S_ij = S_ji; an initial state's antisymmetric part, which no query reads, passes through, decayed
+with the Based decay). The 2nd-order denominator state is the (K, K) matrix Z, so its read and update are two small
+matmuls instead of reductions over (BT, K**2) tiles. State and denominators are fp32; matmul operands follow
+`_common` (fp16 inputs multiply the state as bf16, which cannot overflow; fp32 inputs run as 3xTF32). Padded keys
+are removed in all three orders (strict masking) or, with `pad_masking="reference"` and inside the row's encoder
+range, keep their weight-1 constant term.
 
 Based decay (no encoder): the numerator weights are multiplied by gamma**(i - j) and the state's numerator by gamma
 per token; the gate multiplies each query's numerator. Inputs are read through their strides (no copies).
-Grid (1, B * H); autotuned over a few (BT, warps, stages) per (K, V, dtype, power-of-two bucket of T) unless
-JRT_TRITON_AUTOTUNE=0.
+Grid (cdiv(V, BV), B * H): a value block's program rebuilds the chunk's features (the denominator column is written
+by the first). Autotuned over a few (BT, BV, warps) per GPU architecture (`configs_for_architecture`) and per (K, V,
+dtype, power-of-two bucket of T), unless JRT_TRITON_AUTOTUNE=0 (the architecture's default config).
 
 Dims (fla naming): B batch, T decoder length, M encoder length, H heads, K feature dim, V value dim,
-F = 1 + K + K**2 Taylor features; tiles BT (tokens), BK (feature dim, a power of two >= 16), BV (value dim, a
-power of two >= V).
+F = 1 + K + K**2 Taylor features; tiles BT (tokens), BK (feature dim, a power of two >= 16), BV (value columns per
+program, a power of two), BP (pair rows, two halves of BP / 2).
 """
 
+import functools
 import os
 
 import torch
@@ -68,16 +75,12 @@ def _config(BT: int, BV: int, num_warps: int) -> triton.Config:
     return triton.Config({"BT": BT, "BV": BV}, num_warps=num_warps, num_stages=1)
 
 
-def configs_for_architecture(major: int) -> list[triton.Config]:
-    """The autotune configs for a GPU of compute capability `major`.x, the default first."""
-    return [_config(*config) for config in _ARCH_CONFIGS["sm_90" if major == 9 else "other"]]
-
-
-def _cap_value_block(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Autotuner hook: BV at most V's power of two (a V = 16 head never takes a program of 64 columns)."""
-    width = max(16, triton.next_power_of_2(kwargs["V"]))
-    capped = {(c.kwargs["BT"], min(c.kwargs["BV"], width), c.num_warps): None for c in configs}
-    return [_config(*config) for config in capped]
+def configs_for_architecture(major: int, V: int = 64) -> list[triton.Config]:
+    """The autotune configs for a GPU of compute capability `major`.x and value dim V, the default first (BV is capped
+    at V's power of two: a V = 16 head never takes a program of 64 columns)."""
+    width = max(16, triton.next_power_of_2(V))
+    table = _ARCH_CONFIGS["sm_90" if major == 9 else "other"]
+    return [_config(*config) for config in dict.fromkeys((BT, min(BV, width), warps) for BT, BV, warps in table)]
 
 
 # The interpreter (CPU tests) gets BT = 32, which keeps the per-step numpy cost low, and BV = 32, so that the tests'
@@ -323,24 +326,23 @@ INTERPRETED = isinstance(_prefix_linear_attention_fwd_kernel, InterpretedFunctio
 AUTOTUNE = os.environ.get("JRT_TRITON_AUTOTUNE", "1") != "0"
 
 
-def _autotuned(configs: list[triton.Config]):
-    return triton.autotune(
-        configs=configs if AUTOTUNE else configs[:1], key=["K", "V", "T_BUCKET"],
-        prune_configs_by={"early_config_prune": _cap_value_block},
-    )(_prefix_linear_attention_fwd_kernel)
+@functools.cache
+def _autotuned_kernel(major: int, width: int):
+    """The kernel autotuned over the configs of architecture family `major` (9: sm_90, 8: any other GPU, 0: the CPU
+    interpreter) for value dims of power of two `width`."""
+    configs = _INTERPRETER_CONFIGS if major == 0 else configs_for_architecture(major, width)
+    return triton.autotune(configs=configs if AUTOTUNE else configs[:1], key=["K", "V", "T_BUCKET"])(
+        _prefix_linear_attention_fwd_kernel
+    )
 
 
-# One autotuned kernel per architecture family (the launcher picks the device's); the CPU interpreter's for tests.
-_KERNELS = {"interpreter": _autotuned(_INTERPRETER_CONFIGS)} if INTERPRETED else {
-    "sm_90": _autotuned(configs_for_architecture(9)), "other": _autotuned(configs_for_architecture(8)),
-}
-
-
-def _kernel_for(device: torch.device):
+def _kernel_for(device: torch.device, V: int):
+    """The launching device's autotuned kernel (a non-CUDA device only in benchmarks/kernel_aot.py's CPU capture)."""
     if INTERPRETED:
-        return _KERNELS["interpreter"]
-    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    return _KERNELS["sm_90" if hopper else "other"]  # not CUDA: benchmarks/kernel_aot.py's CPU capture
+        major = 0
+    else:
+        major = 9 if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 else 8
+    return _autotuned_kernel(major, max(16, triton.next_power_of_2(V)))
 
 
 PAD_MASKINGS = ("strict", "reference")  # as in modeling_jrt.linear_attention (this module imports no modeling_jrt)
@@ -380,7 +382,7 @@ def _prefix_linear_attention_fwd(
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), B * H)
 
-    torch.library.wrap_triton(_kernel_for(q.device))[grid](
+    torch.library.wrap_triton(_kernel_for(q.device, V))[grid](
         q, k, v, k_enc, v_enc, encoder_start, encoder_end, mask,
         state if initial_state is None else initial_state, decay, gate_in, o, state,
         *q.stride(), *k.stride(), *v.stride(), *k_enc.stride(), *v_enc.stride(), *mask_strides, *o.stride(),
