@@ -318,8 +318,11 @@ def all_cases() -> list[Case]:
 def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtype: str, padded: bool) -> dict:
     """Compile one (launch, config, arch) and measure it; a build error becomes the row's `error`."""
     meta = {**launch.kwargs, **config.kwargs}
+    variant = "mask+state" if padded else "plain"
+    if launch.kwargs.get("MASK") == 1:  # the forward's launch for the rows whose key mask is one range
+        variant = "range+state"
     row = dict(
-        kernel=kernel_name(launch), arch=arch, dtype=dtype, variant="mask+state" if padded else "plain",
+        kernel=kernel_name(launch), arch=arch, dtype=dtype, variant=variant,
         config=" ".join(f"{key}={value}" for key, value in config.kwargs.items())
         + f" w{config.num_warps} s{config.num_stages}",
         num_warps=config.num_warps,

@@ -36,7 +36,9 @@ range, keep their weight-1 constant term.
 Based decay (no encoder): the numerator weights are multiplied by gamma**(i - j) and the state's numerator by gamma
 per token; the gate multiplies each query's numerator. Inputs are read through their strides (no copies).
 Grid (cdiv(V, BV), B * H): a value block's program rebuilds the chunk's features (the denominator column is written
-by the first). Autotuned over a few (BT, BV, warps) per GPU architecture (`configs_for_architecture`) and per (K, V,
+by the first). A key mask takes two launches (`_key_rows`): one for the rows whose mask is a single range (no, left
+or right padding: two comparisons per token), one for the others (the mask loaded per chunk); each skips the other's
+rows. Autotuned over a few (BT, BV, warps) per GPU architecture (`configs_for_architecture`) and per (K, V,
 dtype, power-of-two bucket of T), unless JRT_TRITON_AUTOTUNE=0 (the architecture's default config).
 
 Dims (fla naming): B batch, T decoder length, M encoder length, H heads, K feature dim, V value dim,
@@ -45,6 +47,7 @@ program, a power of two), BP (pair rows, two halves of BP / 2).
 """
 
 import functools
+import math
 import os
 
 import torch
@@ -52,7 +55,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ._common import _dot, _dot_fp32, _key_weights, _tile, dot_types
+from ._common import _dot, _dot_fp32, _tile, dot_types
 from .prefix_linear_attention_backward import prefix_linear_attention_backward
 
 # Configs per GPU generation, from benchmarks/kernel_aot.py (docs/kernels.md), as (BT, BV, num_warps); the first of
@@ -139,27 +142,42 @@ def _load_pairs_t(p_s, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
 
 
 @triton.jit
-def _store_pairs_t(p_s, p_s0, b_hot, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr, anti_scale,
-                   HAS_INITIAL_STATE: tl.constexpr):
-    """S_ij = S_ji = ho / sqrt(2) from the keys (b_hot = ho^T [BV, BH]); an initial state's antisymmetric part
-    (S_ij - S_ji) / 2 (p_s0), which no query reads, passes through times anti_scale (the decay over the T tokens)."""
+def _store_pairs_t(p_s, b_hot, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
+    """S_ij = S_ji = ho / sqrt(2) (b_hot = ho^T [BV, BH]): the symmetric state of the keys. An initial state's
+    antisymmetric part is added by the launcher (`_add_antisymmetric_part`), so no pointer to it stays live here."""
     m_vp = m_v[:, None] & m_p[None, :]
     b_half = b_hot * 0.7071067811865476
-    p_ij = p_s + r_ij[None, :] * W + o_v[:, None]
-    p_ji = p_s + r_ji[None, :] * W + o_v[:, None]
-    if HAS_INITIAL_STATE:
-        b_anti = (0.5 * anti_scale) * (tl.load(p_s0 + r_ij[None, :] * W + o_v[:, None], mask=m_vp, other=0.0)
-                        - tl.load(p_s0 + r_ji[None, :] * W + o_v[:, None], mask=m_vp, other=0.0))
-        tl.store(p_ij, b_half + b_anti, mask=m_vp)
-        tl.store(p_ji, b_half - b_anti, mask=m_vp)
+    tl.store(p_s + r_ij[None, :] * W + o_v[:, None], b_half, mask=m_vp)
+    tl.store(p_s + r_ji[None, :] * W + o_v[:, None], b_half, mask=m_vp)
+
+
+@triton.jit
+def _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK: tl.constexpr, STRICT: tl.constexpr,
+                 ENCODER: tl.constexpr):
+    """(raw, weight) of the keys at positions o_t: raw False zeroes the raw key, weight is its 0/1 weight.
+
+    The key mask is read as MASK says: 0 none, 1 the row's range [key_lo, key_hi) (two comparisons), 2 the (B, T)
+    mask itself (a load per chunk, repeated for every register layout that uses it). Decoder keys: weight = key
+    mask, or under "reference" masking key mask | in the encoder range. Encoder keys: weight = in the range
+    [start, end), and the key mask under strict masking.
+    """
+    in_range = (o_t >= start) & (o_t < end) & m_t
+    if MASK == 1:
+        b_m = (o_t >= key_lo) & (o_t < key_hi) & m_t
+    elif MASK == 2:
+        b_m = (tl.load(p_m + o_t * s_mt, mask=m_t, other=0) != 0) & m_t
     else:
-        tl.store(p_ij, b_half, mask=m_vp)
-        tl.store(p_ji, b_half, mask=m_vp)
+        b_m = m_t
+    if ENCODER:
+        b_w = in_range & b_m if STRICT else in_range
+    else:
+        b_w = b_m if STRICT else b_m | in_range
+    return b_m, b_w
 
 
 @triton.jit(do_not_specialize=["T", "T_BUCKET"])
 def _prefix_linear_attention_fwd_kernel(
-    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, state_in, log_decay, gate, o, state_out,
+    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, key_rows, state_in, log_decay, gate, o, state_out,
     s_qb, s_qt, s_qh, s_qk,
     s_kb, s_kt, s_kh, s_kk,
     s_vb, s_vt, s_vh, s_vv,
@@ -170,12 +188,22 @@ def _prefix_linear_attention_fwd_kernel(
     T, T_BUCKET, eps, key_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
-    HAS_MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
+    MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    # With a key mask the launcher runs this kernel twice, MASK = 1 for the rows whose mask is one range [lo, hi)
+    # (padding on the left or the right, or none), MASK = 2 for the others; each launch skips the other's rows.
+    b_key_lo, b_key_hi = 0, 0
+    if MASK != 0:
+        b_is_range = tl.load(key_rows + i_b * 3)
+        if (MASK == 1 and b_is_range == 0) or (MASK == 2 and b_is_range != 0):
+            return
+        if MASK == 1:
+            b_key_lo = tl.load(key_rows + i_b * 3 + 1)
+            b_key_hi = tl.load(key_rows + i_b * 3 + 2)
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1  # state row length: V numerator columns and the denominator column
     SQRT2: tl.constexpr = 1.4142135623730951
@@ -233,7 +261,7 @@ def _prefix_linear_attention_fwd_kernel(
     for i_t in range(b_start // BT, tl.cdiv(b_end, BT)):
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < b_end
-        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, b_start, b_end, HAS_MASK, STRICT, True)
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, b_start, b_end, b_key_lo, b_key_hi, MASK, STRICT, True)
         # [BT, BK] weighted keys (w is 0 or 1), [BV, BT] values
         b_k = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek) * key_scale, 0.0)
         b_vt = tl.where(b_w[None, :], _tile(p_ve, o_v, m_v, s_vev, o_t, m_t, s_vet), 0.0)
@@ -257,7 +285,7 @@ def _prefix_linear_attention_fwd_kernel(
     for i_t in range(0, tl.cdiv(T, BT)):
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
-        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, b_start, b_end, HAS_MASK, STRICT, False)
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, b_start, b_end, b_key_lo, b_key_hi, MASK, STRICT, False)
         # [BK, BT] queries, [BT, BK] keys, [BV, BT] values
         b_qt = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt) * key_scale
         b_k = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk) * key_scale, 0.0)
@@ -308,12 +336,11 @@ def _prefix_linear_attention_fwd_kernel(
 
     # 3. Final state in the cache layout (B, H, F, V + 1); the denominator column is written once, by i_v = 0.
     p_s = state_out + p_state
-    b_anti_scale = tl.exp(b_lg * T.to(tl.float32)) if HAS_DECAY else 1.0
     tl.store(p_s + o_v, b_h0, mask=m_v)
     tl.store(p_s + (1 + o_k[None, :]) * W + o_v[:, None], b_h1, mask=m_vk)
     tl.store(p_s + r_d[None, :] * W + o_v[:, None], b_hd / SQRT2, mask=m_vk)
-    _store_pairs_t(p_s, state_in + p_state, b_hoa, r_ija, r_jia, m_pa, o_v, m_v, W, b_anti_scale, HAS_INITIAL_STATE)
-    _store_pairs_t(p_s, state_in + p_state, b_hob, r_ijb, r_jib, m_pb, o_v, m_v, W, b_anti_scale, HAS_INITIAL_STATE)
+    _store_pairs_t(p_s, b_hoa, r_ija, r_jia, m_pa, o_v, m_v, W)
+    _store_pairs_t(p_s, b_hob, r_ijb, r_jib, m_pb, o_v, m_v, W)
     if i_v == 0:
         tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_z0)
         tl.store(p_s + (1 + o_k) * W + V, b_z1, mask=m_k)
@@ -331,7 +358,7 @@ def _autotuned_kernel(major: int, width: int):
     """The kernel autotuned over the configs of architecture family `major` (9: sm_90, 8: any other GPU, 0: the CPU
     interpreter) for value dims of power of two `width`."""
     configs = _INTERPRETER_CONFIGS if major == 0 else configs_for_architecture(major, width)
-    return triton.autotune(configs=configs if AUTOTUNE else configs[:1], key=["K", "V", "T_BUCKET"])(
+    return triton.autotune(configs=configs if AUTOTUNE else configs[:1], key=["K", "V", "T_BUCKET", "MASK"])(
         _prefix_linear_attention_fwd_kernel
     )
 
@@ -379,19 +406,54 @@ def _prefix_linear_attention_fwd(
     gate_in = state if gate is None else gate.contiguous()  # (B, T, H)
     BP = max(32, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))  # two halves of >= 16 rows (tl.dot)
 
+    key_rows = state if key_mask is None else _key_rows(key_mask)
+
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), B * H)
 
-    torch.library.wrap_triton(_kernel_for(q.device, V))[grid](
-        q, k, v, k_enc, v_enc, encoder_start, encoder_end, mask,
-        state if initial_state is None else initial_state, decay, gate_in, o, state,
-        *q.stride(), *k.stride(), *v.stride(), *k_enc.stride(), *v_enc.stride(), *mask_strides, *o.stride(),
-        T, triton.next_power_of_2(max(T, 1)), eps, K**-0.25,
-        H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BP=BP,
-        HAS_MASK=key_mask is not None, STRICT=strict, HAS_INITIAL_STATE=initial_state is not None,
-        HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **dot_types(v.dtype, INTERPRETED),
-    )
+    # A key mask takes two launches, the range rows and the other rows (each skips the other's programs at once).
+    for mask_kind in (0,) if key_mask is None else (1, 2):
+        torch.library.wrap_triton(_kernel_for(q.device, V))[grid](
+            q, k, v, k_enc, v_enc, encoder_start, encoder_end, mask, key_rows,
+            state if initial_state is None else initial_state, decay, gate_in, o, state,
+            *q.stride(), *k.stride(), *v.stride(), *k_enc.stride(), *v_enc.stride(), *mask_strides, *o.stride(),
+            T, triton.next_power_of_2(max(T, 1)), eps, K**-0.25,
+            H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BP=BP,
+            MASK=mask_kind, STRICT=strict, HAS_INITIAL_STATE=initial_state is not None,
+            HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **dot_types(v.dtype, INTERPRETED),
+        )
+    if initial_state is not None:
+        _add_antisymmetric_part(state, initial_state, log_decay, T)
     return o, state
+
+
+def _add_antisymmetric_part(
+    state: torch.Tensor, initial_state: torch.Tensor, log_decay: torch.Tensor | None, T: int
+) -> None:
+    """Add to the kernel's final state (B, H, F, V + 1), in place, the antisymmetric part (S_ij - S_ji) / 2 of the
+    initial state's 2nd-order numerator rows, which the kernel (symmetric 2nd order) does not carry and no query
+    reads, times gamma**T with the Based decay. (The denominator column keeps it in the kernel, through Z.)"""
+    B, H, F, W = state.shape
+    K = math.isqrt(F - 1)  # F = 1 + K + K**2
+    second = initial_state[:, :, 1 + K :, : W - 1].view(B, H, K, K, W - 1)
+    anti = 0.5 * (second - second.transpose(2, 3))
+    if log_decay is not None:
+        anti = anti * torch.exp(log_decay.to(torch.float32) * T).view(1, H, 1, 1, 1)
+    state[:, :, 1 + K :, : W - 1] += anti.reshape(B, H, K * K, W - 1)
+
+
+def _key_rows(key_mask: torch.Tensor) -> torch.Tensor:
+    """(B, 3) int32 `[is_range, lo, hi]` of a (B, T) bool key mask: is_range when row b's True entries are exactly
+    the positions lo <= t < hi (padding on the left and/or right, no padding, or no key at all: lo = T, hi = 0).
+
+    Computed on the device without a sync. The kernel then reads those rows' masks as two comparisons per token
+    instead of loading them (docs/kernels.md: the mask loads cost registers and instructions in every chunk)."""
+    T = key_mask.shape[1]
+    positions = torch.arange(T, device=key_mask.device)
+    lo = torch.where(key_mask, positions, T).amin(dim=1)
+    hi = torch.where(key_mask, positions + 1, 0).amax(dim=1)
+    is_range = key_mask.sum(dim=1) == (hi - lo).clamp(min=0)
+    return torch.stack([is_range.to(torch.int32), lo.to(torch.int32), hi.to(torch.int32)], dim=1).contiguous()
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:

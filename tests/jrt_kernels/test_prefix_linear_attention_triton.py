@@ -147,6 +147,43 @@ def test_per_row_encoder_ranges(device, pad_masking):
     assert_matches_oracle(*inputs, encoder_start=starts, encoder_end=ends, key_mask=key_mask, pad_masking=pad_masking)
 
 
+def _mask_of_every_kind(T, device):
+    """Rows: no padding, left padding, right padding, both, no key at all, a hole, two holes (the last two are not
+    one range: the kernel's second launch)."""
+    key_mask = torch.ones(7, T, dtype=torch.bool, device=device)
+    key_mask[1, :BT + 5] = False
+    key_mask[2, T - 9 :] = False
+    key_mask[3, :3] = False
+    key_mask[3, T - 3 :] = False
+    key_mask[4] = False
+    key_mask[5, 10:13] = False
+    key_mask[6, :4] = False
+    key_mask[6, BT : BT + 2] = False
+    return key_mask
+
+
+def test_key_rows_tell_ranges_from_other_masks(device):
+    T = 50
+    rows = kernel_module._key_rows(_mask_of_every_kind(T, device)).cpu()
+    expected = [[1, 0, T], [1, BT + 5, T], [1, 0, T - 9], [1, 3, T - 3], [1, T, 0], [0, 0, T], [0, 4, T]]
+    assert rows.dtype == torch.int32 and rows.tolist() == expected
+
+
+@pytest.mark.parametrize("pad_masking", ["strict", "reference"])
+def test_key_mask_rows_of_every_kind(device, pad_masking):
+    """One batch whose rows take the range launch (padding left, right, both, none, every key masked) and the
+    general-mask launch (holes), with an encoder and an initial state; every row against the oracle."""
+    T, M = 50, 20
+    key_mask = _mask_of_every_kind(T, device)
+    earlier = make_inputs(7, 30, 2, 16, 0, K=4, device=device, seed=11)[:3]
+    initial_state = oracle(*earlier)[1].float()  # a real state (positive denominators), plus an antisymmetric part
+    initial_state[:, :, 5:, :16] += 0.1 * torch.randn(7, 2, 16, 16, generator=torch.Generator().manual_seed(12)).to(
+        device
+    )
+    inputs = make_inputs(7, T, 2, 16, M, K=4, device=device, seed=10)
+    assert_matches_oracle(*inputs, key_mask=key_mask, pad_masking=pad_masking, initial_state=initial_state)
+
+
 def test_kernel_module_imports_no_modeling_code():
     """jrt_kernels needs torch and triton only (and its own modules and the standard library); modeling_jrt dispatches
     to it, not back."""
@@ -158,7 +195,7 @@ def test_kernel_module_imports_no_modeling_code():
         tree = ast.parse(path.read_text())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
-        assert {name.split(".")[0] for name in imported} <= {"__future__", "functools", "os", "torch", "triton"}, path.name
+        assert {name.split(".")[0] for name in imported} <= {"__future__", "functools", "math", "os", "torch", "triton"}, path.name
 
 
 @pytest.mark.parametrize("M", [0, 20])
