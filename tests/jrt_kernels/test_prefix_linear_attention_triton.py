@@ -484,3 +484,22 @@ def test_model_training_step_with_kernel(device, make_config):
     assert grads[1].keys() == grads[0].keys()
     for name, expected in grads[0].items():
         torch.testing.assert_close(grads[1][name], expected, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["pad", "repeat"])
+def test_generation_masks_take_the_range_launch(strategy):
+    """The masks the model builds for a left-padded JRT batch (batch padding, then the fill of short prompts, then
+    the prompt) keep every row one range, so batched generation never takes the general-mask launch."""
+    from modeling_jrt.generation import prepare_prefix
+
+    ids = torch.arange(3 * 9).view(3, 9) % 50 + 1
+    attention_mask = torch.ones(3, 9, dtype=torch.long)
+    attention_mask[0, :6] = 0  # a 3-token prompt: filled up to the prefix length
+    attention_mask[1, :2] = 0
+    prepared = prepare_prefix(ids, None, attention_mask, prefix_length=8, strategy=strategy, prefix_pad_token_id=7,
+                              batch_pad_token_id=0, embed=torch.nn.Embedding(64, 4), vocab_size=64)
+    key_mask = prepared.attention_mask.bool()
+    if prepared.linear_attention_mask is not None:  # as JRTRNNLinearAttention combines them
+        key_mask &= prepared.linear_attention_mask.bool()
+    assert (key_mask.sum(-1) < key_mask.shape[1]).any()  # some rows are padded
+    assert kernel_module._key_rows(key_mask)[:, 0].tolist() == [1, 1, 1]
