@@ -21,12 +21,6 @@ is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunke
                then the encoder keys of the row (they see every query: R after the whole scan), and
                dS_0 = R at the end (the initial state is seen by every query and passes into S_T).
 
-Both states use the symmetric 2nd order of the forward (docs/kernels.md "The backward"): K diagonal rows and
-K (K - 1) / 2 pair rows (in two halves), the pair features q'_i q'_j gathered by 0/1 selection matmuls and the
-pair terms of dq / dk scattered back by their transposes; the denominator's 2nd order is the (K, K) matrix Z
-(forward) or Rz (reverse). The A_i, B_j above are then never formed. dS's antisymmetric 2nd-order part, which no
-query reads, passes into dS_0 as the forward passes the initial state's (times the decay over T in the numerator).
-
 State rows use the kernel's convention (2nd order without phi's 1/sqrt(2), applied when reading or writing the
 (B, H, F, V + 1) cache layout). Key masks follow `modeling_jrt.linear_attention`: a key's raw value is zeroed where
 key_mask is False (so its raw-key gradient is 0), and its weight w is 1 or 0 as the encoder range and pad_masking
@@ -45,10 +39,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ._common import (
-    _dot, _dot_fp32, _key_weights, _load_pairs, _pair_features, _pair_index, _pair_scatter, _select, _store_pairs,
-    _tile, dot_types,
-)
+from ._common import _dot, _key_weights, _outer, _sym_contract, _tile, dot_types
 
 
 @triton.jit(do_not_specialize=["T", "M"])
@@ -63,7 +54,7 @@ def _pla_bwd_dq_kernel(
     s_ob, s_ot, s_oh, s_ov,
     T, M, eps, key_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
@@ -79,41 +70,31 @@ def _pla_bwd_dq_kernel(
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1
     SQRT2: tl.constexpr = 1.4142135623730951
-    BH: tl.constexpr = BP // 2
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = tl.arange(0, BV)
     m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    m_kk = m_k[:, None] & m_k[None, :]
-    r_d = 1 + K + o_k * (K + 1)  # diagonal rows (i, i) of the full layout
-    # the pair rows in two halves a, b of BH = BP / 2 (each product's pair operand half as large; _common)
-    m_pa, r_ija, r_jia, b_eia, b_eja, b_eita, b_ejta = _pair_index(tl.arange(0, BH), o_k, K)
-    m_pb, r_ijb, r_jib, b_eib, b_ejb, b_eitb, b_ejtb = _pair_index(BH + tl.arange(0, BH), o_k, K)
+    o_k2 = tl.arange(0, BK * BK)
+    m_k2 = ((o_k2 // BK) < K) & ((o_k2 % BK) < K)
+    r_k2 = 1 + K + (o_k2 // BK) * K + (o_k2 % BK)
     p_m = key_mask + i_b * s_mb
     start = tl.load(enc_start + i_b)
     end = tl.load(enc_end + i_b)
 
-    # The forward state, symmetric: h1 [BK, BV], diagonal hd [BK, BV] (sum k_i**2 v, read with 1/2), pair halves
-    # hoa, hob [BH, BV] (sum k_i k_j v, read with 1), denominators z0, z1 [BK] and Z [BK, BK] (sum k k^T).
     b_h0 = tl.zeros([BV], dtype=tl.float32)
     b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
-    b_hd = tl.zeros([BK, BV], dtype=tl.float32)
-    b_hoa = tl.zeros([BH, BV], dtype=tl.float32)
-    b_hob = tl.zeros([BH, BV], dtype=tl.float32)
+    b_h2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     b_z0 = tl.zeros([1], dtype=tl.float32)
     b_z1 = tl.zeros([BK], dtype=tl.float32)
-    b_zz = tl.zeros([BK, BK], dtype=tl.float32)
+    b_z2 = tl.zeros([BK * BK], dtype=tl.float32)
     if HAS_INITIAL_STATE:
         p_s = state_in + i_bh.to(tl.int64) * F * W
         b_h0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
-        b_h1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_kv, other=0.0)
-        b_hd += tl.load(p_s + r_d[:, None] * W + o_v[None, :], mask=m_kv, other=0.0) * SQRT2
-        b_hoa += _load_pairs(p_s, r_ija, r_jia, m_pa, o_v, m_v, W)
-        b_hob += _load_pairs(p_s, r_ijb, r_jib, m_pb, o_v, m_v, W)
+        b_h1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_h2 += tl.load(p_s + r_k2[:, None] * W + o_v[None, :], mask=m_k2[:, None] & m_v[None, :], other=0.0) * SQRT2
         b_z0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
         b_z1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
-        b_zz += tl.load(p_s + (1 + K + o_k[:, None] * K + o_k[None, :]) * W + V, mask=m_kk, other=0.0) * SQRT2
+        b_z2 += tl.load(p_s + r_k2 * W + V, mask=m_k2, other=0.0) * SQRT2
 
     # 1. The encoder keys of this row (positions [start, end) of k_enc / v_enc): state updates only.
     p_ke = k_enc + i_b * s_keb + i_h * s_keh
@@ -123,20 +104,17 @@ def _pla_bwd_dq_kernel(
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < M
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, True)
-        # [BT, BK] weighted keys (w is 0 or 1), [BT, BV] values
-        b_kr = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek), 0.0)
-        b_kw = b_kr * key_scale
+        # [BT, BK], [BT, BV]
+        b_k = tl.where(b_raw[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek) * key_scale, 0.0)
         b_v = tl.where(b_w[:, None], _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev), 0.0)
+        b_kw = tl.where(b_w[:, None], b_k, 0.0)
+        b_k2w = _outer(b_k, BT, BK) * b_w.to(tl.float32)[:, None]
         b_h0 += tl.sum(b_v, axis=0)
         b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
-        b_hd += _dot(tl.trans(b_kw * b_kw), b_v, DOT, EMULATE, PRECISION)
-        b_hoa += _dot(tl.trans(_pair_features(b_kr, b_eia, b_eja, key_scale, DOT, EMULATE)), b_v, DOT, EMULATE,
-                      PRECISION)
-        b_hob += _dot(tl.trans(_pair_features(b_kr, b_eib, b_ejb, key_scale, DOT, EMULATE)), b_v, DOT, EMULATE,
-                      PRECISION)
+        b_h2 += _dot(tl.trans(b_k2w), b_v, DOT, EMULATE, PRECISION)
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
         b_z1 += tl.sum(b_kw, axis=0)
-        b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
+        b_z2 += tl.sum(b_k2w, axis=0)
 
     # 2. The decoder scan: den and y as in the forward, then dq; the state moves past the chunk at the end.
     p_q = q + i_b * s_qb + i_h * s_qh
@@ -154,26 +132,17 @@ def _pla_bwd_dq_kernel(
         m_t = o_t < T
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, False)
         # [BT, BK]
-        b_qr = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk)  # raw (unscaled) for the exact pair gathers
-        b_q = b_qr * key_scale
-        b_kr = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk), 0.0)
-        b_k = b_kr * key_scale
+        b_q = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk) * key_scale
+        b_k = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk) * key_scale, 0.0)
         # [BT, BV]
         b_v = tl.where(b_w[:, None], _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv), 0.0)
         b_do = _tile(p_do, o_t, m_t, s_ot, o_v, m_v, s_ov)
-        # the query's pair factors q_i, q_j [BT, BH] per half (gathered once: the read and dq use them)
-        b_qia = _select(b_qr, b_eia, DOT, EMULATE) * key_scale
-        b_qja = _select(b_qr, b_eja, DOT, EMULATE) * key_scale
-        b_qib = _select(b_qr, b_eib, DOT, EMULATE) * key_scale
-        b_qjb = _select(b_qr, b_ejb, DOT, EMULATE) * key_scale
+        b_q2 = _outer(b_q, BT, BK)
 
         # forward recompute (fp32): numerator [BT, BV] (before the gate) and denominator [BT]
         b_num = b_h0[None, :] + _dot(b_q, b_h1, SDOT, EMULATE, PRECISION)
-        b_num += _dot(0.5 * (b_q * b_q), b_hd, SDOT, EMULATE, PRECISION)
-        b_num += _dot(b_qia * b_qja, b_hoa, SDOT, EMULATE, PRECISION)
-        b_num += _dot(b_qib * b_qjb, b_hob, SDOT, EMULATE, PRECISION)
-        b_qz = _dot_fp32(b_q, b_zz)  # [BT, BK] Z q' per query
-        b_den = tl.sum(b_z0) + tl.sum(b_q * (b_z1[None, :] + 0.5 * b_qz), axis=1)
+        b_num += 0.5 * _dot(b_q2, b_h2, SDOT, EMULATE, PRECISION)
+        b_den = tl.sum(b_z0) + tl.sum(b_q * b_z1[None, :], axis=1) + 0.5 * tl.sum(b_q2 * b_z2[None, :], axis=1)
         b_s = _dot(b_q, tl.trans(b_k), DOT, EMULATE, PRECISION)  # [BT, BT]
         b_keep = (o_c[:, None] >= o_c[None, :]) & b_w[None, :]
         b_a = tl.where(b_keep, 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
@@ -196,16 +165,11 @@ def _pla_bwd_dq_kernel(
         tl.store(p_r + o_t * H, b_rden, mask=m_t)
         tl.store(p_c + o_t * H, b_c, mask=m_t)
 
-        # inter-chunk: d(phi(q).S G)/dq' = h1 g + q' * (hd g) + pairs (ho g) scattered, + c (z1 + Z q'). [BT, BK]
+        # inter-chunk: d(phi(q).S G)/dq'. [BT, BK]
         b_gs = b_g * b_dqv[:, None] if HAS_DECAY else b_g
-        if HAS_INITIAL_STATE:  # an initial Z may have an antisymmetric part: d(q' Z q')/dq' = (Z + Z^T) q'
-            b_qz = 0.5 * (b_qz + _dot_fp32(b_q, tl.trans(b_zz)))
-        b_dq = _dot(b_gs, tl.trans(b_h1), SDOT, EMULATE, PRECISION) + b_c[:, None] * (b_z1[None, :] + b_qz)
-        b_dq += b_q * _dot(b_gs, tl.trans(b_hd), SDOT, EMULATE, PRECISION)
-        b_dq += _pair_scatter(_dot(b_gs, tl.trans(b_hoa), SDOT, EMULATE, PRECISION), b_qia, b_qja, b_eita, b_ejta,
-                              SDOT, EMULATE, PRECISION)
-        b_dq += _pair_scatter(_dot(b_gs, tl.trans(b_hob), SDOT, EMULATE, PRECISION), b_qib, b_qjb, b_eitb, b_ejtb,
-                              SDOT, EMULATE, PRECISION)
+        b_dq = _dot(b_gs, tl.trans(b_h1), SDOT, EMULATE, PRECISION) + b_c[:, None] * b_z1[None, :]
+        b_p = _dot(b_gs, tl.trans(b_h2), SDOT, EMULATE, PRECISION) + b_c[:, None] * b_z2[None, :]  # [BT, BK*BK]
+        b_dq += _sym_contract(b_p, b_q, BT, BK)
         # intra-chunk: dw_ij = G_i . [gamma**(i - j) v_j, 1], ds_ij = dw_ij (1 + s_ij). [BT, BT]
         b_dw = _dot(b_g, tl.trans(b_v), DOT, EMULATE, PRECISION)
         if HAS_DECAY:
@@ -217,62 +181,38 @@ def _pla_bwd_dq_kernel(
         tl.store(p_out, (b_dq * key_scale).to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
         # state update with the chunk's (weighted) keys; decayed: gamma**L old + gamma**(L - 1 - p) new
-        b_kr = tl.where(b_w[:, None], b_kr, 0.0)
-        b_kw = b_kr * key_scale
+        b_kw = tl.where(b_w[:, None], b_k, 0.0)
+        b_k2w = _outer(b_k, BT, BK) * b_w.to(tl.float32)[:, None]
         b_z1 += tl.sum(b_kw, axis=0)
-        b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
+        b_z2 += tl.sum(b_k2w, axis=0)
         if HAS_DECAY:
             b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
-            b_v = b_v * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[:, None]
+            b_vd = b_v * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[:, None]
             b_chunk = tl.exp(b_lg * b_len)
-            b_h0 = b_h0 * b_chunk
-            b_h1 = b_h1 * b_chunk
-            b_hd = b_hd * b_chunk
-            b_hoa = b_hoa * b_chunk
-            b_hob = b_hob * b_chunk
-        b_h0 += tl.sum(b_v, axis=0)
-        b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
-        b_hd += _dot(tl.trans(b_kw * b_kw), b_v, DOT, EMULATE, PRECISION)
-        b_hoa += _dot(tl.trans(_pair_features(b_kr, b_eia, b_eja, key_scale, DOT, EMULATE)), b_v, DOT, EMULATE,
-                      PRECISION)
-        b_hob += _dot(tl.trans(_pair_features(b_kr, b_eib, b_ejb, key_scale, DOT, EMULATE)), b_v, DOT, EMULATE,
-                      PRECISION)
+            b_h0 = b_h0 * b_chunk + tl.sum(b_vd, axis=0)
+            b_h1 = b_h1 * b_chunk + _dot(tl.trans(b_kw), b_vd, DOT, EMULATE, PRECISION)
+            b_h2 = b_h2 * b_chunk + _dot(tl.trans(b_k2w), b_vd, DOT, EMULATE, PRECISION)
+        else:
+            b_h0 += tl.sum(b_v, axis=0)
+            b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
+            b_h2 += _dot(tl.trans(b_k2w), b_v, DOT, EMULATE, PRECISION)
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
 
 
 @triton.jit
-def _key_pair_grads(b_kr, key_scale, b_vd, b_ro, b_ei, b_ej, b_eit, b_ejt, b_dv, b_dk, DOT: tl.constexpr,
-                    SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
-    """(dv, dk') plus one half of the pair rows' terms: P(k') ro and the scattered d(P(k') . ro v)/dk'."""
-    b_ki = _select(b_kr, b_ei, DOT, EMULATE) * key_scale
-    b_kj = _select(b_kr, b_ej, DOT, EMULATE) * key_scale
-    b_dv += _dot(b_ki * b_kj, b_ro, SDOT, EMULATE, PRECISION)
-    b_dk += _pair_scatter(_dot(b_vd, tl.trans(b_ro), SDOT, EMULATE, PRECISION), b_ki, b_kj, b_eit, b_ejt,
-                          SDOT, EMULATE, PRECISION)
-    return b_dv, b_dk
-
-
-@triton.jit
-def _key_grads(b_kr, key_scale, b_v, b_w, b_kd, b_r0, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz,
-               b_eia, b_eja, b_eita, b_ejta, b_eib, b_ejb, b_eitb, b_ejtb,
-               HAS_DECAY: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr,
-               PRECISION: tl.constexpr):
+def _key_grads(b_k, b_v, b_w, b_kd, b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT: tl.constexpr, BK: tl.constexpr,
+               HAS_DECAY: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
     """(dv [BT, BV], dk' [BT, BK]) of keys through the reverse state R (queries after them and dS), times w.
 
     With HAS_DECAY the numerator path is scaled by b_kd [BT] = gamma**(L - 1 - p), the decay from the key to the
     chunk's end, where R is anchored; the denominator path (rz*) has no decay.
     """
-    b_k = b_kr * key_scale
+    b_k2 = _outer(b_k, BT, BK)
+    b_dv = b_r0[None, :] + _dot(b_k, b_r1, SDOT, EMULATE, PRECISION) + 0.5 * _dot(b_k2, b_r2, SDOT, EMULATE, PRECISION)
     b_vd = b_v * b_kd[:, None] if HAS_DECAY else b_v
-    b_dv = b_r0[None, :] + _dot(b_k, b_r1, SDOT, EMULATE, PRECISION)
-    b_dv += _dot(0.5 * (b_k * b_k), b_rd, SDOT, EMULATE, PRECISION)
-    b_dk = _dot(b_vd, tl.trans(b_r1), SDOT, EMULATE, PRECISION) + b_rz1[None, :] + _dot_fp32(b_k, b_rzz)
-    b_dk += b_k * _dot(b_vd, tl.trans(b_rd), SDOT, EMULATE, PRECISION)
-    # the pair halves one after the other (fewer (BT, BH) tiles live at once)
-    b_dv, b_dk = _key_pair_grads(b_kr, key_scale, b_vd, b_roa, b_eia, b_eja, b_eita, b_ejta, b_dv, b_dk,
-                                 DOT, SDOT, EMULATE, PRECISION)
-    b_dv, b_dk = _key_pair_grads(b_kr, key_scale, b_vd, b_rob, b_eib, b_ejb, b_eitb, b_ejtb, b_dv, b_dk,
-                                 DOT, SDOT, EMULATE, PRECISION)
+    b_dk = _dot(b_vd, tl.trans(b_r1), SDOT, EMULATE, PRECISION) + b_rz1[None, :]
+    b_p = _dot(b_vd, tl.trans(b_r2), SDOT, EMULATE, PRECISION) + b_rz2[None, :]  # [BT, BK * BK]
+    b_dk += _sym_contract(b_p, b_k, BT, BK)
     b_wf = b_w.to(tl.float32)[:, None]
     if HAS_DECAY:
         b_dv = b_dv * b_kd[:, None]
@@ -292,7 +232,7 @@ def _pla_bwd_dkv_kernel(
     s_ob, s_ot, s_oh, s_ov,
     T, M, key_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_MASK: tl.constexpr, STRICT: tl.constexpr, HAS_DSTATE: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
@@ -303,46 +243,33 @@ def _pla_bwd_dkv_kernel(
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1
     SQRT2: tl.constexpr = 1.4142135623730951
-    BH: tl.constexpr = BP // 2
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = tl.arange(0, BV)
     m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    m_kk = m_k[:, None] & m_k[None, :]
-    r_d = 1 + K + o_k * (K + 1)
-    r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
-    r_kkt = 1 + K + o_k[None, :] * K + o_k[:, None]
-    # the pair rows in two halves a, b of BH = BP / 2 (each product's pair operand half as large; _common)
-    m_pa, r_ija, r_jia, b_eia, b_eja, b_eita, b_ejta = _pair_index(tl.arange(0, BH), o_k, K)
-    m_pb, r_ijb, r_jib, b_eib, b_ejb, b_eitb, b_ejtb = _pair_index(BH + tl.arange(0, BH), o_k, K)
+    o_k2 = tl.arange(0, BK * BK)
+    m_k2 = ((o_k2 // BK) < K) & ((o_k2 % BK) < K)
+    r_k2 = 1 + K + (o_k2 // BK) * K + (o_k2 % BK)
     p_m = key_mask + i_b * s_mb
     start = tl.load(enc_start + i_b)
     end = tl.load(enc_end + i_b)
     p_state = i_bh.to(tl.int64) * F * W
 
-    # Reverse state R = dS + sum phi(q) G^T, symmetric like the forward state (kernel convention: 2nd order times
-    # sqrt(2)): r1 [BK, BV], diagonal rd [BK, BV], pair halves roa, rob [BH, BV] ((R_ij + R_ji) / 2), denominators
-    # rz0, rz1 [BK] and the symmetric part of the 2nd-order block, Rz [BK, BK].
+    # Reverse state R = dS (in the kernel's convention: 2nd order times sqrt(2)); r* numerator, rz* denominator.
     b_r0 = tl.zeros([BV], dtype=tl.float32)
     b_r1 = tl.zeros([BK, BV], dtype=tl.float32)
-    b_rd = tl.zeros([BK, BV], dtype=tl.float32)
-    b_roa = tl.zeros([BH, BV], dtype=tl.float32)
-    b_rob = tl.zeros([BH, BV], dtype=tl.float32)
+    b_r2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     b_rz0 = tl.zeros([1], dtype=tl.float32)
     b_rz1 = tl.zeros([BK], dtype=tl.float32)
-    b_rzz = tl.zeros([BK, BK], dtype=tl.float32)
+    b_rz2 = tl.zeros([BK * BK], dtype=tl.float32)
     if HAS_DSTATE:
         p_s = dstate + p_state
         b_r0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
-        b_r1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_kv, other=0.0)
-        b_rd += tl.load(p_s + r_d[:, None] * W + o_v[None, :], mask=m_kv, other=0.0) * SQRT2
-        b_roa += _load_pairs(p_s, r_ija, r_jia, m_pa, o_v, m_v, W)
-        b_rob += _load_pairs(p_s, r_ijb, r_jib, m_pb, o_v, m_v, W)
+        b_r1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_r2 += tl.load(p_s + r_k2[:, None] * W + o_v[None, :], mask=m_k2[:, None] & m_v[None, :], other=0.0) * SQRT2
         b_rz0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
         b_rz1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
-        b_rzz += (tl.load(p_s + r_kk * W + V, mask=m_kk, other=0.0)
-                  + tl.load(p_s + r_kkt * W + V, mask=m_kk, other=0.0)) * (0.5 * SQRT2)
+        b_rz2 += tl.load(p_s + r_k2 * W + V, mask=m_k2, other=0.0) * SQRT2
 
     p_q = q + i_b * s_qb + i_h * s_qh
     p_k = k + i_b * s_kb + i_h * s_kh
@@ -362,10 +289,8 @@ def _pla_bwd_dkv_kernel(
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, False)
-        b_qr = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk)  # [BT, BK] raw (unscaled) for the exact pair gathers
-        b_q = b_qr * key_scale
-        b_kr = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk), 0.0)
-        b_k = b_kr * key_scale
+        b_q = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk) * key_scale  # [BT, BK]
+        b_k = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk) * key_scale, 0.0)
         b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)  # [BT, BV]
         b_rden = tl.load(p_r + o_t * H, mask=m_t, other=0.0)
         b_c = tl.load(p_c + o_t * H, mask=m_t, other=0.0)
@@ -378,9 +303,8 @@ def _pla_bwd_dkv_kernel(
             b_kd = tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))  # [BT] gamma**(L - 1 - p)
 
         # through the reverse state (later queries, dS)
-        b_dv, b_dk = _key_grads(b_kr, key_scale, b_v, b_w, b_kd, b_r0, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz,
-                                b_eia, b_eja, b_eita, b_ejta, b_eib, b_ejb, b_eitb, b_ejtb,
-                                HAS_DECAY, DOT, SDOT, EMULATE, PRECISION)
+        b_dv, b_dk = _key_grads(b_k, b_v, b_w, b_kd, b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT, BK, HAS_DECAY,
+                                SDOT, EMULATE, PRECISION)
         # intra-chunk, transposed: row j = key, column i = query. [BT, BT]
         b_st = _dot(b_k, tl.trans(b_q), DOT, EMULATE, PRECISION)
         b_keep = (o_c[:, None] <= o_c[None, :]) & b_w[:, None] & m_t[None, :]
@@ -402,24 +326,20 @@ def _pla_bwd_dkv_kernel(
                  mask=m_t[:, None] & m_v[None, :])
 
         # R += phi(Q_c)^T G_c; decayed: R <- gamma**L R + sum_i gamma**(p_i + 1) phi(q_i) g_i
+        b_q2 = _outer(b_q, BT, BK)
         if HAS_DECAY:
-            b_g = b_g * tl.exp(b_lg * (o_c + 1).to(tl.float32))[:, None]
+            b_gd = b_g * tl.exp(b_lg * (o_c + 1).to(tl.float32))[:, None]
             b_chunk = tl.exp(b_lg * b_len)
-            b_r0 = b_r0 * b_chunk
-            b_r1 = b_r1 * b_chunk
-            b_rd = b_rd * b_chunk
-            b_roa = b_roa * b_chunk
-            b_rob = b_rob * b_chunk
-        b_r0 += tl.sum(b_g, axis=0)
-        b_r1 += _dot(tl.trans(b_q), b_g, DOT, EMULATE, PRECISION)
-        b_rd += _dot(tl.trans(b_q * b_q), b_g, DOT, EMULATE, PRECISION)
-        b_roa += _dot(tl.trans(_pair_features(b_qr, b_eia, b_eja, key_scale, DOT, EMULATE)), b_g, DOT, EMULATE,
-                      PRECISION)
-        b_rob += _dot(tl.trans(_pair_features(b_qr, b_eib, b_ejb, key_scale, DOT, EMULATE)), b_g, DOT, EMULATE,
-                      PRECISION)
+            b_r0 = b_r0 * b_chunk + tl.sum(b_gd, axis=0)
+            b_r1 = b_r1 * b_chunk + _dot(tl.trans(b_q), b_gd, DOT, EMULATE, PRECISION)
+            b_r2 = b_r2 * b_chunk + _dot(tl.trans(b_q2), b_gd, DOT, EMULATE, PRECISION)
+        else:
+            b_r0 += tl.sum(b_g, axis=0)
+            b_r1 += _dot(tl.trans(b_q), b_g, DOT, EMULATE, PRECISION)
+            b_r2 += _dot(tl.trans(b_q2), b_g, DOT, EMULATE, PRECISION)
         b_rz0 += tl.sum(b_c)
         b_rz1 += tl.sum(b_q * b_c[:, None], axis=0)
-        b_rzz += _dot_fp32(tl.trans(b_q), b_q * b_c[:, None])
+        b_rz2 += tl.sum(b_q2 * b_c[:, None], axis=0)
 
     # 2. The encoder keys of the row see every query: gradients through the complete R.
     p_ke = k_enc + i_b * s_keb + i_h * s_keh
@@ -430,35 +350,24 @@ def _pla_bwd_dkv_kernel(
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < M
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, True)
-        b_kr = tl.where(b_raw[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek), 0.0)
+        b_k = tl.where(b_raw[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek) * key_scale, 0.0)
         b_v = _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev)
-        b_dv, b_dk = _key_grads(b_kr, key_scale, b_v, b_w, b_w.to(tl.float32), b_r0, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz,
-                                b_eia, b_eja, b_eita, b_ejta, b_eib, b_ejb, b_eitb, b_ejtb,
-                                False, DOT, SDOT, EMULATE, PRECISION)
+        b_dv, b_dk = _key_grads(b_k, b_v, b_w, b_w.to(tl.float32), b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT, BK,
+                                False, SDOT, EMULATE, PRECISION)
         b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
         tl.store(p_dke + o_t[:, None] * s_ket + o_k[None, :] * s_kek, (b_dk * key_scale).to(dk_enc.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
         tl.store(p_dve + o_t[:, None] * s_vet + o_v[None, :] * s_vev, b_dv.to(dv_enc.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
 
-    # 3. d initial state = R, in the cache layout (B, H, F, V + 1). The symmetric 2nd-order rows are written to
-    #    (i, j) and (j, i); dS's antisymmetric part, which no query reads, passes through as in the forward (times
-    #    the decay over the T tokens in the numerator, unchanged in the denominator column).
+    # 3. d initial state = R, in the cache layout.
     p_s = dstate_in + p_state
-    p_ds = dstate + p_state
-    b_anti = tl.exp(b_lg * T.to(tl.float32)) if HAS_DECAY else 1.0
     tl.store(p_s + o_v, b_r0, mask=m_v)
-    tl.store(p_s + (1 + o_k[:, None]) * W + o_v[None, :], b_r1, mask=m_kv)
-    tl.store(p_s + r_d[:, None] * W + o_v[None, :], b_rd / SQRT2, mask=m_kv)
-    _store_pairs(p_s, p_ds, b_roa, r_ija, r_jia, m_pa, o_v, m_v, W, b_anti, HAS_DSTATE)
-    _store_pairs(p_s, p_ds, b_rob, r_ijb, r_jib, m_pb, o_v, m_v, W, b_anti, HAS_DSTATE)
+    tl.store(p_s + (1 + o_k[:, None]) * W + o_v[None, :], b_r1, mask=m_k[:, None] & m_v[None, :])
+    tl.store(p_s + r_k2[:, None] * W + o_v[None, :], b_r2 / SQRT2, mask=m_k2[:, None] & m_v[None, :])
     tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_rz0)
     tl.store(p_s + (1 + o_k) * W + V, b_rz1, mask=m_k)
-    b_zo = b_rzz / SQRT2
-    if HAS_DSTATE:
-        b_zo += 0.5 * (tl.load(p_ds + r_kk * W + V, mask=m_kk, other=0.0)
-                       - tl.load(p_ds + r_kkt * W + V, mask=m_kk, other=0.0))
-    tl.store(p_s + r_kk * W + V, b_zo, mask=m_kk)
+    tl.store(p_s + r_k2 * W + V, b_rz2 / SQRT2, mask=m_k2)
 
 
 INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
@@ -519,7 +428,6 @@ def prefix_linear_attention_backward(
     BT = chunk_size or 32
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, triton.next_power_of_2(V))
-    BP = max(32, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))  # two halves of >= 16 pair rows (tl.dot)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -541,7 +449,7 @@ def prefix_linear_attention_backward(
     state_in = dstate_in if initial_state is None else initial_state.contiguous()
     dstate = dstate_in if grad_state is None else grad_state.contiguous()
     grad_output = grad_output if grad_output.stride(-1) == 1 else grad_output.contiguous()
-    common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BP=BP, HAS_MASK=key_mask is not None, STRICT=strict,
+    common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_MASK=key_mask is not None, STRICT=strict,
                   HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **dot_types(q.dtype, INTERPRETED))
     strides = (*q.stride(), *k.stride(), *v.stride(), *ke.stride(), *ve.stride(), *mask_strides,
                *grad_output.stride())
