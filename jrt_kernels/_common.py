@@ -131,25 +131,6 @@ def _load_pairs_t(p_s, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
 
 
 @triton.jit
-def _store_pairs_t(p_s, p_s0, b_hot, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr, anti_scale,
-                   HAS_ANTI: tl.constexpr):
-    """Transposed pair rows b_hot [BV, BH] back to the full layout: S_ij = S_ji = ho / sqrt(2), plus (HAS_ANTI) the
-    antisymmetric part (S0_ij - S0_ji) / 2 of the block at p_s0 times anti_scale (no query reads it: passed through)."""
-    m_vp = m_v[:, None] & m_p[None, :]
-    b_half = b_hot * 0.7071067811865476
-    p_ij = r_ij[None, :] * W + o_v[:, None]
-    p_ji = r_ji[None, :] * W + o_v[:, None]
-    if HAS_ANTI:
-        b_anti = (0.5 * anti_scale) * (tl.load(p_s0 + p_ij, mask=m_vp, other=0.0)
-                                       - tl.load(p_s0 + p_ji, mask=m_vp, other=0.0))
-        tl.store(p_s + p_ij, b_half + b_anti, mask=m_vp)
-        tl.store(p_s + p_ji, b_half - b_anti, mask=m_vp)
-    else:
-        tl.store(p_s + p_ij, b_half, mask=m_vp)
-        tl.store(p_s + p_ji, b_half, mask=m_vp)
-
-
-@triton.jit
 def _pair_features(b_xr, b_ei, b_ej, scale, DOT: tl.constexpr, EMULATE: tl.constexpr):
     """[BT, BK] raw (unscaled) features -> [BT, BH]: x_i x_j * scale**2 of the pairs (0 in the padding).
 

@@ -10,16 +10,24 @@ where the keys of query i are the encoder keys of its row and the decoder keys j
 is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunked scan of docs/prefill.md §4.2, run backwards):
 
     dq kernel  (forward in time, one program per batch x head): rebuilds the forward state S (initial state, encoder,
-               decoder keys < chunk) and per chunk
+               decoder keys < chunk) in the forward kernel's layout, and per chunk
                    den, y           exactly as the forward (fp32), then g and c;      stores 1 / (den + eps) and c
-                   dq'_i  = S1 G_i + 1/2 (A_i + A_i^T) q'_i,  A_i = reshape(S2 G_i)    inter-chunk
+                   dq'_i  = h1 g_i + q'_i * (hd g_i) + sum_{pairs (a, b)} u_ip (q'_b e_a + q'_a e_b)
+                            + c_i (z1 + Z q'_i),       u_i = ho g_i                    inter-chunk
                           + sum_{j <= i} w_j (G_i . [v_j, 1]) (1 + s_ij) k'_j              intra-chunk
+               with the symmetric 2nd order: diagonal rows hd (sum k_a**2 v) and pair rows ho (sum k_a k_b v, in
+               two halves), the pair features gathered by 0/1 selection matmuls E and the pair sums scattered back
+               by E^T (tensor cores); the numerator state held transposed ([V, features], the A operand of the
+               read); the denominator's 2nd order as the (K, K) matrix Z = sum k' k'^T.
     dkv kernel (backward in time, one program per batch x head): the reverse state R = dS + sum phi(q_i) G_i^T over
                the queries after the chunk; per chunk (last to first)
                    dv_j   = w_j (R0 + k'_j R1 + 1/2 (k'_j (x) k'_j) R2)[:V] + sum_{i >= j} a_ij g_i
                    dk'_j  = w_j (R1 [v_j, 1] + 1/2 (B_j + B_j^T) k'_j) + sum_{i >= j} (G_i . [v_j, 1]) a'_ij q'_i
                then the encoder keys of the row (they see every query: R after the whole scan), and
                dS_0 = R at the end (the initial state is seen by every query and passes into S_T).
+
+The dkv kernel keeps the full K**2-row 2nd order (`_outer`, `_sym_contract`): with the symmetric form its dk pair
+scatter spilled 3x more (docs/kernels.md "The backward").
 
 State rows use the kernel's convention (2nd order without phi's 1/sqrt(2), applied when reading or writing the
 (B, H, F, V + 1) cache layout). Key masks follow `modeling_jrt.linear_attention`: a key's raw value is zeroed where
@@ -40,8 +48,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
-    _dot, _dot_fp32, _key_weights, _load_pairs_t, _pair_features, _pair_features_t, _pair_index, _pair_scatter,
-    _select, _store_pairs_t, _tile, dot_types,
+    _dot, _dot_fp32, _key_weights, _load_pairs_t, _outer, _pair_features, _pair_features_t, _pair_index, _pair_scatter,
+    _select, _sym_contract, _tile, dot_types,
 )
 
 
@@ -239,36 +247,23 @@ def _pla_bwd_dq_kernel(
 
 
 @triton.jit
-def _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_kd, b_r0, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz,
-               b_eia, b_eja, b_eita, b_ejta, b_eib, b_ejb, b_eitb, b_ejtb,
-               HAS_DECAY: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """(dv^T [BV, BT], dk' [BT, BK]) of keys through the reverse state R (queries after them and dS), times w.
+def _key_grads(b_k, b_v, b_w, b_kd, b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT: tl.constexpr, BK: tl.constexpr,
+               HAS_DECAY: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+    """(dv [BT, BV], dk' [BT, BK]) of keys through the reverse state R (queries after them and dS), times w.
 
-    b_kr [BT, BK] / b_ktr [BK, BT]: the raw (unscaled) keys, zero where masked; R transposed ([BV, features]).
     With HAS_DECAY the numerator path is scaled by b_kd [BT] = gamma**(L - 1 - p), the decay from the key to the
-    chunk's end, where R is anchored; the denominator path (rz1, Rz) has no decay.
+    chunk's end, where R is anchored; the denominator path (rz*) has no decay.
     """
-    b_k = b_kr * key_scale
-    b_kt = b_ktr * key_scale
-    # dv^T = R^T phi(k')^T: the state is the A operand, as in the forward's read
-    b_dvt = b_r0[:, None] + _dot(b_r1, b_kt, SDOT, EMULATE, PRECISION)
-    b_dvt += _dot(b_rd, 0.5 * (b_kt * b_kt), SDOT, EMULATE, PRECISION)
-    b_dvt += _dot(b_roa, _pair_features_t(b_ktr, b_eita, b_ejta, key_scale, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-    b_dvt += _dot(b_rob, _pair_features_t(b_ktr, b_eitb, b_ejtb, key_scale, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-    # dk' = R1 v + k' * (Rd v) + pairs (Ro v) scattered + rz1 + Rz k'
+    b_k2 = _outer(b_k, BT, BK)
+    b_dv = b_r0[None, :] + _dot(b_k, b_r1, SDOT, EMULATE, PRECISION) + 0.5 * _dot(b_k2, b_r2, SDOT, EMULATE, PRECISION)
     b_vd = b_v * b_kd[:, None] if HAS_DECAY else b_v
-    b_dk = _dot(b_vd, b_r1, SDOT, EMULATE, PRECISION) + b_rz1[None, :] + _dot_fp32(b_k, b_rzz)
-    b_dk += b_k * _dot(b_vd, b_rd, SDOT, EMULATE, PRECISION)
-    b_dk += _pair_scatter(_dot(b_vd, b_roa, SDOT, EMULATE, PRECISION),
-                          _select(b_kr, b_eia, DOT, EMULATE) * key_scale,
-                          _select(b_kr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION)
-    b_dk += _pair_scatter(_dot(b_vd, b_rob, SDOT, EMULATE, PRECISION),
-                          _select(b_kr, b_eib, DOT, EMULATE) * key_scale,
-                          _select(b_kr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION)
+    b_dk = _dot(b_vd, tl.trans(b_r1), SDOT, EMULATE, PRECISION) + b_rz1[None, :]
+    b_p = _dot(b_vd, tl.trans(b_r2), SDOT, EMULATE, PRECISION) + b_rz2[None, :]  # [BT, BK * BK]
+    b_dk += _sym_contract(b_p, b_k, BT, BK)
+    b_wf = b_w.to(tl.float32)[:, None]
     if HAS_DECAY:
-        b_dvt = b_dvt * b_kd[None, :]
-    return b_dvt * b_w.to(tl.float32)[None, :], b_dk * b_w.to(tl.float32)[:, None]
+        b_dv = b_dv * b_kd[:, None]
+    return b_dv * b_wf, b_dk * b_wf
 
 
 @triton.jit(do_not_specialize=["T", "M"])
@@ -284,7 +279,7 @@ def _pla_bwd_dkv_kernel(
     s_ob, s_ot, s_oh, s_ov,
     T, M, key_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_MASK: tl.constexpr, STRICT: tl.constexpr, HAS_DSTATE: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
@@ -295,46 +290,33 @@ def _pla_bwd_dkv_kernel(
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1
     SQRT2: tl.constexpr = 1.4142135623730951
-    BH: tl.constexpr = BP // 2
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = tl.arange(0, BV)
     m_v = o_v < V
-    m_vk = m_v[:, None] & m_k[None, :]
-    m_kk = m_k[:, None] & m_k[None, :]
-    r_d = 1 + K + o_k * (K + 1)
-    r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
-    r_kkt = 1 + K + o_k[None, :] * K + o_k[:, None]
-    # the pair rows in two halves a, b of BH = BP / 2 (each product's pair operand half as large; _common)
-    m_pa, r_ija, r_jia, b_eia, b_eja, b_eita, b_ejta = _pair_index(tl.arange(0, BH), o_k, K)
-    m_pb, r_ijb, r_jib, b_eib, b_ejb, b_eitb, b_ejtb = _pair_index(BH + tl.arange(0, BH), o_k, K)
+    o_k2 = tl.arange(0, BK * BK)
+    m_k2 = ((o_k2 // BK) < K) & ((o_k2 % BK) < K)
+    r_k2 = 1 + K + (o_k2 // BK) * K + (o_k2 % BK)
     p_m = key_mask + i_b * s_mb
     start = tl.load(enc_start + i_b)
     end = tl.load(enc_end + i_b)
     p_state = i_bh.to(tl.int64) * F * W
 
-    # Reverse state R = dS + sum phi(q) G^T (kernel convention: 2nd order times sqrt(2)), transposed and symmetric
-    # like the forward state: r1 [BV, BK], diagonal rd [BV, BK], pair halves roa, rob [BV, BH] ((R_ij + R_ji) / 2),
-    # denominators rz0, rz1 [BK] and the symmetric part of the 2nd-order block, Rz [BK, BK].
+    # Reverse state R = dS (in the kernel's convention: 2nd order times sqrt(2)); r* numerator, rz* denominator.
     b_r0 = tl.zeros([BV], dtype=tl.float32)
-    b_r1 = tl.zeros([BV, BK], dtype=tl.float32)
-    b_rd = tl.zeros([BV, BK], dtype=tl.float32)
-    b_roa = tl.zeros([BV, BH], dtype=tl.float32)
-    b_rob = tl.zeros([BV, BH], dtype=tl.float32)
+    b_r1 = tl.zeros([BK, BV], dtype=tl.float32)
+    b_r2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     b_rz0 = tl.zeros([1], dtype=tl.float32)
     b_rz1 = tl.zeros([BK], dtype=tl.float32)
-    b_rzz = tl.zeros([BK, BK], dtype=tl.float32)
+    b_rz2 = tl.zeros([BK * BK], dtype=tl.float32)
     if HAS_DSTATE:
         p_s = dstate + p_state
         b_r0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
-        b_r1 += tl.load(p_s + (1 + o_k[None, :]) * W + o_v[:, None], mask=m_vk, other=0.0)
-        b_rd += tl.load(p_s + r_d[None, :] * W + o_v[:, None], mask=m_vk, other=0.0) * SQRT2
-        b_roa += _load_pairs_t(p_s, r_ija, r_jia, m_pa, o_v, m_v, W)
-        b_rob += _load_pairs_t(p_s, r_ijb, r_jib, m_pb, o_v, m_v, W)
+        b_r1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_r2 += tl.load(p_s + r_k2[:, None] * W + o_v[None, :], mask=m_k2[:, None] & m_v[None, :], other=0.0) * SQRT2
         b_rz0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
         b_rz1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
-        b_rzz += (tl.load(p_s + r_kk * W + V, mask=m_kk, other=0.0)
-                  + tl.load(p_s + r_kkt * W + V, mask=m_kk, other=0.0)) * (0.5 * SQRT2)
+        b_rz2 += tl.load(p_s + r_k2 * W + V, mask=m_k2, other=0.0) * SQRT2
 
     p_q = q + i_b * s_qb + i_h * s_qh
     p_k = k + i_b * s_kb + i_h * s_kh
@@ -354,66 +336,57 @@ def _pla_bwd_dkv_kernel(
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, False)
-        # queries [BT, BK] (raw and scaled) and [BK, BT], raw keys [BT, BK] and [BK, BT], values [BT, BV]
-        b_qr = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk)
-        b_q = b_qr * key_scale
-        b_qt = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt) * key_scale
-        b_kr = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk), 0.0)
-        b_ktr = tl.where(b_raw[None, :], _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt), 0.0)
-        b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
+        b_q = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk) * key_scale  # [BT, BK]
+        b_k = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk) * key_scale, 0.0)
+        b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)  # [BT, BV]
         b_rden = tl.load(p_r + o_t * H, mask=m_t, other=0.0)
         b_c = tl.load(p_c + o_t * H, mask=m_t, other=0.0)
-        b_gt = _tile(p_do, o_v, m_v, s_ov, o_t, m_t, s_ot) * b_rden[None, :]  # [BV, BT]
+        b_g = _tile(p_do, o_t, m_t, s_ot, o_v, m_v, s_ov) * b_rden[:, None]  # [BT, BV]
         if HAS_GATE:
-            b_gt = b_gt * tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)[None, :]
+            b_g = b_g * tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)[:, None]
         b_kd = tl.zeros([BT], dtype=tl.float32)
         if HAS_DECAY:
             b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
             b_kd = tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))  # [BT] gamma**(L - 1 - p)
 
         # through the reverse state (later queries, dS)
-        b_dvt, b_dk = _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_kd, b_r0, b_r1, b_rd, b_roa, b_rob, b_rz1,
-                                 b_rzz, b_eia, b_eja, b_eita, b_ejta, b_eib, b_ejb, b_eitb, b_ejtb,
-                                 HAS_DECAY, DOT, SDOT, EMULATE, PRECISION)
-        # intra-chunk. dv^T [BV, keys] += g^T a (a: [queries, keys]); dk from [keys, queries] tiles.
-        b_k = b_kr * key_scale
-        b_s = _dot(b_q, b_ktr * key_scale, DOT, EMULATE, PRECISION)
-        b_a = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :] & m_t[:, None], 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
-        b_st = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)
+        b_dv, b_dk = _key_grads(b_k, b_v, b_w, b_kd, b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT, BK, HAS_DECAY,
+                                SDOT, EMULATE, PRECISION)
+        # intra-chunk, transposed: row j = key, column i = query. [BT, BT]
+        b_st = _dot(b_k, tl.trans(b_q), DOT, EMULATE, PRECISION)
         b_keep = (o_c[:, None] <= o_c[None, :]) & b_w[:, None] & m_t[None, :]
-        b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
+        b_at = tl.where(b_keep, 1.0 + b_st + 0.5 * b_st * b_st, 0.0)
+        b_dwt = _dot(b_v, tl.trans(b_g), DOT, EMULATE, PRECISION)
         if HAS_DECAY:
-            b_dvt += _dot(b_gt, b_a * tl.exp(b_lg * tl.maximum(o_c[:, None] - o_c[None, :], 0).to(tl.float32)),
-                          DOT, EMULATE, PRECISION)
-            b_dwt = b_dwt * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))  # gamma**(i-j)
+            b_gap = tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))  # gamma**(i - j)
+            b_dv += _dot(b_at * b_gap, b_g, DOT, EMULATE, PRECISION)
+            b_dwt = b_dwt * b_gap
         else:
-            b_dvt += _dot(b_gt, b_a, DOT, EMULATE, PRECISION)
+            b_dv += _dot(b_at, b_g, DOT, EMULATE, PRECISION)
         b_dwt += b_c[None, :]
         b_dst = tl.where(b_keep, b_dwt * (1.0 + b_st), 0.0)
         b_dk += _dot(b_dst, b_q, DOT, EMULATE, PRECISION)
         b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
         tl.store(p_dk + o_t[:, None] * s_kt + o_k[None, :] * s_kk, (b_dk * key_scale).to(dk.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
-        tl.store(p_dv + o_t[None, :] * s_vt + o_v[:, None] * s_vv, b_dvt.to(dv.dtype.element_ty),
-                 mask=m_v[:, None] & m_t[None, :])
+        tl.store(p_dv + o_t[:, None] * s_vt + o_v[None, :] * s_vv, b_dv.to(dv.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
 
-        # R += G_c^T phi(Q_c) (transposed); decayed: R <- gamma**L R + sum_i gamma**(p_i + 1) g_i phi(q_i)
+        # R += phi(Q_c)^T G_c; decayed: R <- gamma**L R + sum_i gamma**(p_i + 1) phi(q_i) g_i
+        b_q2 = _outer(b_q, BT, BK)
         if HAS_DECAY:
-            b_gt = b_gt * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]
+            b_gd = b_g * tl.exp(b_lg * (o_c + 1).to(tl.float32))[:, None]
             b_chunk = tl.exp(b_lg * b_len)
-            b_r0 = b_r0 * b_chunk
-            b_r1 = b_r1 * b_chunk
-            b_rd = b_rd * b_chunk
-            b_roa = b_roa * b_chunk
-            b_rob = b_rob * b_chunk
-        b_r0 += tl.sum(b_gt, axis=1)
-        b_r1 += _dot(b_gt, b_q, DOT, EMULATE, PRECISION)
-        b_rd += _dot(b_gt, b_q * b_q, DOT, EMULATE, PRECISION)
-        b_roa += _dot(b_gt, _pair_features(b_qr, b_eia, b_eja, key_scale, DOT, EMULATE), DOT, EMULATE, PRECISION)
-        b_rob += _dot(b_gt, _pair_features(b_qr, b_eib, b_ejb, key_scale, DOT, EMULATE), DOT, EMULATE, PRECISION)
+            b_r0 = b_r0 * b_chunk + tl.sum(b_gd, axis=0)
+            b_r1 = b_r1 * b_chunk + _dot(tl.trans(b_q), b_gd, DOT, EMULATE, PRECISION)
+            b_r2 = b_r2 * b_chunk + _dot(tl.trans(b_q2), b_gd, DOT, EMULATE, PRECISION)
+        else:
+            b_r0 += tl.sum(b_g, axis=0)
+            b_r1 += _dot(tl.trans(b_q), b_g, DOT, EMULATE, PRECISION)
+            b_r2 += _dot(tl.trans(b_q2), b_g, DOT, EMULATE, PRECISION)
         b_rz0 += tl.sum(b_c)
         b_rz1 += tl.sum(b_q * b_c[:, None], axis=0)
-        b_rzz += _dot_fp32(tl.trans(b_q), b_q * b_c[:, None])
+        b_rz2 += tl.sum(b_q2 * b_c[:, None], axis=0)
 
     # 2. The encoder keys of the row see every query: gradients through the complete R.
     p_ke = k_enc + i_b * s_keb + i_h * s_keh
@@ -424,36 +397,24 @@ def _pla_bwd_dkv_kernel(
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < M
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, True)
-        b_kr = tl.where(b_raw[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek), 0.0)
-        b_ktr = tl.where(b_raw[None, :], _tile(p_ke, o_k, m_k, s_kek, o_t, m_t, s_ket), 0.0)
+        b_k = tl.where(b_raw[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek) * key_scale, 0.0)
         b_v = _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev)
-        b_dvt, b_dk = _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_w.to(tl.float32), b_r0, b_r1, b_rd, b_roa,
-                                 b_rob, b_rz1, b_rzz, b_eia, b_eja, b_eita, b_ejta, b_eib, b_ejb, b_eitb, b_ejtb,
-                                 False, DOT, SDOT, EMULATE, PRECISION)
+        b_dv, b_dk = _key_grads(b_k, b_v, b_w, b_w.to(tl.float32), b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT, BK,
+                                False, SDOT, EMULATE, PRECISION)
         b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
         tl.store(p_dke + o_t[:, None] * s_ket + o_k[None, :] * s_kek, (b_dk * key_scale).to(dk_enc.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
-        tl.store(p_dve + o_t[None, :] * s_vet + o_v[:, None] * s_vev, b_dvt.to(dv_enc.dtype.element_ty),
-                 mask=m_v[:, None] & m_t[None, :])
+        tl.store(p_dve + o_t[:, None] * s_vet + o_v[None, :] * s_vev, b_dv.to(dv_enc.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
 
-    # 3. d initial state = R, in the cache layout (B, H, F, V + 1). The symmetric 2nd-order rows are written to
-    #    (i, j) and (j, i); dS's antisymmetric part, which no query reads, passes through as in the forward (times
-    #    the decay over the T tokens in the numerator, unchanged in the denominator column).
+    # 3. d initial state = R, in the cache layout.
     p_s = dstate_in + p_state
-    p_ds = dstate + p_state
-    b_anti = tl.exp(b_lg * T.to(tl.float32)) if HAS_DECAY else 1.0
     tl.store(p_s + o_v, b_r0, mask=m_v)
-    tl.store(p_s + (1 + o_k[None, :]) * W + o_v[:, None], b_r1, mask=m_vk)
-    tl.store(p_s + r_d[None, :] * W + o_v[:, None], b_rd / SQRT2, mask=m_vk)
-    _store_pairs_t(p_s, p_ds, b_roa, r_ija, r_jia, m_pa, o_v, m_v, W, b_anti, HAS_DSTATE)
-    _store_pairs_t(p_s, p_ds, b_rob, r_ijb, r_jib, m_pb, o_v, m_v, W, b_anti, HAS_DSTATE)
+    tl.store(p_s + (1 + o_k[:, None]) * W + o_v[None, :], b_r1, mask=m_k[:, None] & m_v[None, :])
+    tl.store(p_s + r_k2[:, None] * W + o_v[None, :], b_r2 / SQRT2, mask=m_k2[:, None] & m_v[None, :])
     tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_rz0)
     tl.store(p_s + (1 + o_k) * W + V, b_rz1, mask=m_k)
-    b_zo = b_rzz / SQRT2
-    if HAS_DSTATE:
-        b_zo += 0.5 * (tl.load(p_ds + r_kk * W + V, mask=m_kk, other=0.0)
-                       - tl.load(p_ds + r_kkt * W + V, mask=m_kk, other=0.0))
-    tl.store(p_s + r_kk * W + V, b_zo, mask=m_kk)
+    tl.store(p_s + r_k2 * W + V, b_rz2 / SQRT2, mask=m_k2)
 
 
 INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
@@ -536,7 +497,7 @@ def prefix_linear_attention_backward(
     state_in = dstate_in if initial_state is None else initial_state.contiguous()
     dstate = dstate_in if grad_state is None else grad_state.contiguous()
     grad_output = grad_output if grad_output.stride(-1) == 1 else grad_output.contiguous()
-    common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BP=BP, HAS_MASK=key_mask is not None, STRICT=strict,
+    common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_MASK=key_mask is not None, STRICT=strict,
                   HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **dot_types(q.dtype, INTERPRETED))
     strides = (*q.stride(), *k.stride(), *v.stride(), *ke.stride(), *ve.stride(), *mask_strides,
                *grad_output.stride())
@@ -545,7 +506,7 @@ def prefix_linear_attention_backward(
     _pla_bwd_dq_kernel[(B * H,)](
         q, k, v, ke, ve, mask, encoder_start, encoder_end, state_in, decay_in, gate_in, grad_output, dq, rden, dcol,
         rden if dgate is None else dgate,
-        *strides, T, M, eps, K**-0.25, HAS_INITIAL_STATE=initial_state is not None, num_warps=num_warps,
+        *strides, T, M, eps, K**-0.25, BP=BP, HAS_INITIAL_STATE=initial_state is not None, num_warps=num_warps,
         num_stages=num_stages, **common,
     )
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
