@@ -454,7 +454,7 @@ def prefix_linear_attention_backward(
         strict: pad_masking == "strict".
         log_decay: `(H,)` log gamma of the Based decay (no gradient: the decay is fixed), or None.
         gate: `(B, T, H)` Based numerator gate, or None.
-        chunk_size: BT (default 32).
+        chunk_size: BT of both scans (default 16 for dq, 32 for dk/dv).
 
     Returns:
         `(dq, dk, dv, dk_enc, dv_enc, d initial_state, d gate)` in the inputs' dtypes (fp32 for the state), None
@@ -470,9 +470,11 @@ def prefix_linear_attention_backward(
     # The kernels store each gradient with its input's strides: inputs whose layout empty_like cannot reproduce
     # (e.g. heads split from a fused projection) are copied once.
     q, k, v, k_enc, v_enc = _dense(q, k, v, k_enc, v_enc)
-    # BT = 32, 8 warps, 1 stage: half the spills and shared memory of BT = 64 at the same issue estimate
-    # (benchmarks/kernel_aot.py, docs/kernels.md).
-    BT = chunk_size or 32
+    # Launch configs (benchmarks/kernel_aot.py, docs/kernels.md), 1 stage each. dq scan: BT = 16, 4 warps (against
+    # 32 / 8: about the same spills on sm_90, far fewer on sm_80, a lower issue estimate on both). dk/dv scan:
+    # BT = 32, 8 warps (half the spills and shared memory of BT = 64 at the same estimate). chunk_size sets both.
+    BT_DQ = chunk_size or 16
+    BT_DKV = chunk_size or 32
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, triton.next_power_of_2(V))
     BP = max(32, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))  # two halves of >= 16 pair rows (tl.dot)
@@ -497,24 +499,23 @@ def prefix_linear_attention_backward(
     state_in = dstate_in if initial_state is None else initial_state.contiguous()
     dstate = dstate_in if grad_state is None else grad_state.contiguous()
     grad_output = grad_output if grad_output.stride(-1) == 1 else grad_output.contiguous()
-    common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_MASK=key_mask is not None, STRICT=strict,
+    common = dict(H=H, K=K, V=V, BK=BK, BV=BV, HAS_MASK=key_mask is not None, STRICT=strict,
                   HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **dot_types(q.dtype, INTERPRETED))
     strides = (*q.stride(), *k.stride(), *v.stride(), *ke.stride(), *ve.stride(), *mask_strides,
                *grad_output.stride())
-    num_warps = 4 if INTERPRETED else 8
     num_stages = 1
     _pla_bwd_dq_kernel[(B * H,)](
         q, k, v, ke, ve, mask, encoder_start, encoder_end, state_in, decay_in, gate_in, grad_output, dq, rden, dcol,
         rden if dgate is None else dgate,
-        *strides, T, M, eps, K**-0.25, BP=BP, HAS_INITIAL_STATE=initial_state is not None, num_warps=num_warps,
+        *strides, T, M, eps, K**-0.25, BT=BT_DQ, BP=BP, HAS_INITIAL_STATE=initial_state is not None, num_warps=4,
         num_stages=num_stages, **common,
     )
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
     _pla_bwd_dkv_kernel[(B * H,)](
         q, k, v, ke, ve, mask, encoder_start, encoder_end, rden, dcol, decay_in, gate_in, grad_output, dstate,
         dk, dv, dke, dve, dstate_in,
-        *strides, T, M, K**-0.25, HAS_DSTATE=grad_state is not None, num_warps=num_warps, num_stages=num_stages,
-        **common,
+        *strides, T, M, K**-0.25, BT=BT_DKV, HAS_DSTATE=grad_state is not None, num_warps=4 if INTERPRETED else 8,
+        num_stages=num_stages, **common,
     )
     dgate = None if dgate is None else dgate.to(gate.dtype)
     return dq, dk, dv, dk_enc, dv_enc, (None if initial_state is None else dstate_in), dgate
