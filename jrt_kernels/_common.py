@@ -81,3 +81,66 @@ def dot_types(dtype: torch.dtype, interpreted: bool) -> dict:
         return dict(DOT=tl.float32, SDOT=tl.float32, EMULATE=False, PRECISION="tf32x3")
     state = tl.bfloat16 if dtype == torch.float16 else _TL_DTYPES[dtype]
     return dict(DOT=_TL_DTYPES[dtype], SDOT=state, EMULATE=interpreted, PRECISION="tf32")
+
+
+# The symmetric 2nd order (docs/prefill.md §4.2, docs/kernels.md "The backward"): (q.k)**2 = sum_i q_i**2 k_i**2 +
+# sum_{i<j} 2 q_i q_j k_i k_j, so a 2nd-order state keeps K diagonal rows and K (K - 1) / 2 pair rows. Pair p is
+# (i, i + d mod K) with i = p mod K, d = p // K + 1 (bands of K pairs; for even K the last band d = K / 2 holds its
+# first K / 2 pairs), which is exactly p < K (K - 1) / 2. Pair features x_i x_j are gathered by 0/1 selection
+# matmuls, and sums over the pairs containing a feature are scattered back by their transposes (tensor cores).
+
+
+@triton.jit
+def _select(b_x, b_e, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    """b_x [BT, BK] @ b_e [BK, BP] for a 0/1 selection matrix: columns of b_x gathered on the tensor cores (exact
+    for fp16/bf16 operands; 3xTF32 for fp32, whose error is below fp32 rounding here)."""
+    if DOT == tl.float32:
+        return tl.dot(b_x, b_e, input_precision="tf32x3")
+    return _dot(b_x, b_e, DOT, EMULATE, "tf32")
+
+
+@triton.jit
+def _pair_index(o_p, o_k, K: tl.constexpr):
+    """Pairs o_p [BH]: (valid [BH], full-layout state row of (i, j), of (j, i), selection matrices e_i, e_j [BK, BH]
+    with x @ e_i gathering x_i of every pair, and their transposes e_i^T, e_j^T [BH, BK] that scatter back)."""
+    m_p = o_p < (K * (K - 1)) // 2
+    p_i = o_p % K
+    p_j = (p_i + o_p // K + 1) % K
+    b_ei = ((o_k[:, None] == p_i[None, :]) & m_p[None, :]).to(tl.float32)
+    b_ej = ((o_k[:, None] == p_j[None, :]) & m_p[None, :]).to(tl.float32)
+    b_eit = ((p_i[:, None] == o_k[None, :]) & m_p[:, None]).to(tl.float32)
+    b_ejt = ((p_j[:, None] == o_k[None, :]) & m_p[:, None]).to(tl.float32)
+    return m_p, 1 + K + p_i * K + p_j, 1 + K + p_j * K + p_i, b_ei, b_ej, b_eit, b_ejt
+
+
+@triton.jit
+def _pair_scatter(b_u, b_xi, b_xj, b_eit, b_ejt, SDOT: tl.constexpr, EMULATE: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """d/dx of sum_p u_p x_i x_j: [BT, BH] per-pair weights u and gathered x_i, x_j -> [BT, BK]; each pair (i, j)
+    adds u x_j to feature i and u x_i to feature j (operands in SDOT: u grows with the state)."""
+    return _dot_fp32(b_u * b_xj, b_eit) + _dot_fp32(b_u * b_xi, b_ejt)
+
+
+@triton.jit
+def _load_pairs_t(p_s, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
+    """Pair rows, transposed [BV, BH], of a full-layout 2nd-order block in the kernels' convention:
+    (S_ij + S_ji) / sqrt(2)."""
+    m_vp = m_v[:, None] & m_p[None, :]
+    return (tl.load(p_s + r_ij[None, :] * W + o_v[:, None], mask=m_vp, other=0.0)
+            + tl.load(p_s + r_ji[None, :] * W + o_v[:, None], mask=m_vp, other=0.0)) * 0.7071067811865476
+
+
+@triton.jit
+def _pair_features(b_xr, b_ei, b_ej, scale, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    """[BT, BK] raw (unscaled) features -> [BT, BH]: x_i x_j * scale**2 of the pairs (0 in the padding).
+
+    Gathering the raw inputs keeps the selection exact (they are in DOT already); the scale (K**-1/4, not a power of
+    two for most K) is applied in fp32, so each feature is rounded once, as an fp32 outer product would be.
+    """
+    return _select(b_xr, b_ei, DOT, EMULATE) * _select(b_xr, b_ej, DOT, EMULATE) * (scale * scale)
+
+
+@triton.jit
+def _pair_features_t(b_xtr, b_eit, b_ejt, scale, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    """The transposed pair features [BH, BT] from raw (unscaled) features b_xtr [BK, BT]: e_i^T x^T * e_j^T x^T."""
+    return _select(b_eit, b_xtr, DOT, EMULATE) * _select(b_ejt, b_xtr, DOT, EMULATE) * (scale * scale)

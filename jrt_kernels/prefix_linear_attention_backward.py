@@ -10,16 +10,24 @@ where the keys of query i are the encoder keys of its row and the decoder keys j
 is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunked scan of docs/prefill.md §4.2, run backwards):
 
     dq kernel  (forward in time, one program per batch x head): rebuilds the forward state S (initial state, encoder,
-               decoder keys < chunk) and per chunk
+               decoder keys < chunk) in the forward kernel's layout, and per chunk
                    den, y           exactly as the forward (fp32), then g and c;      stores 1 / (den + eps) and c
-                   dq'_i  = S1 G_i + 1/2 (A_i + A_i^T) q'_i,  A_i = reshape(S2 G_i)    inter-chunk
+                   dq'_i  = h1 g_i + q'_i * (hd g_i) + sum_{pairs (a, b)} u_ip (q'_b e_a + q'_a e_b)
+                            + c_i (z1 + Z q'_i),       u_i = ho g_i                    inter-chunk
                           + sum_{j <= i} w_j (G_i . [v_j, 1]) (1 + s_ij) k'_j              intra-chunk
+               with the symmetric 2nd order: diagonal rows hd (sum k_a**2 v) and pair rows ho (sum k_a k_b v, in
+               two halves), the pair features gathered by 0/1 selection matmuls E and the pair sums scattered back
+               by E^T (tensor cores); the numerator state held transposed ([V, features], the A operand of the
+               read); the denominator's 2nd order as the (K, K) matrix Z = sum k' k'^T.
     dkv kernel (backward in time, one program per batch x head): the reverse state R = dS + sum phi(q_i) G_i^T over
                the queries after the chunk; per chunk (last to first)
                    dv_j   = w_j (R0 + k'_j R1 + 1/2 (k'_j (x) k'_j) R2)[:V] + sum_{i >= j} a_ij g_i
                    dk'_j  = w_j (R1 [v_j, 1] + 1/2 (B_j + B_j^T) k'_j) + sum_{i >= j} (G_i . [v_j, 1]) a'_ij q'_i
                then the encoder keys of the row (they see every query: R after the whole scan), and
                dS_0 = R at the end (the initial state is seen by every query and passes into S_T).
+
+The dkv kernel keeps the full K**2-row 2nd order (`_outer`, `_sym_contract`): with the symmetric form its dk pair
+scatter spilled 3x more (docs/kernels.md "The backward").
 
 State rows use the kernel's convention (2nd order without phi's 1/sqrt(2), applied when reading or writing the
 (B, H, F, V + 1) cache layout). Key masks follow `modeling_jrt.linear_attention`: a key's raw value is zeroed where
@@ -39,7 +47,10 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ._common import _dot, _key_weights, _outer, _sym_contract, _tile, dot_types
+from ._common import (
+    _dot, _dot_fp32, _key_weights, _load_pairs_t, _outer, _pair_features, _pair_features_t, _pair_index, _pair_scatter,
+    _select, _sym_contract, _tile, dot_types,
+)
 
 
 @triton.jit(do_not_specialize=["T", "M"])
@@ -54,13 +65,15 @@ def _pla_bwd_dq_kernel(
     s_ob, s_ot, s_oh, s_ov,
     T, M, eps, key_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
     HAS_MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dq (stored in dq's dtype), 1 / (den + eps), c = -(dy . y) / (den + eps) and d gate (fp32, (B, T, H)).
 
+    The forward state is held as the forward kernel holds it: symmetric 2nd order, numerator transposed
+    ([BV, features]: the read num^T = h^T phi(Q)^T takes it as the A operand from registers), Z for the denominator.
     With the Based decay (HAS_DECAY; never with an encoder) the numerator state is decayed by gamma per token and
     the intra-chunk numerator weights by gamma**(i - j); the denominator has no decay. The gate multiplies the
     numerator of each query (HAS_GATE).
@@ -70,31 +83,42 @@ def _pla_bwd_dq_kernel(
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1
     SQRT2: tl.constexpr = 1.4142135623730951
+    BH: tl.constexpr = BP // 2
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = tl.arange(0, BV)
     m_v = o_v < V
-    o_k2 = tl.arange(0, BK * BK)
-    m_k2 = ((o_k2 // BK) < K) & ((o_k2 % BK) < K)
-    r_k2 = 1 + K + (o_k2 // BK) * K + (o_k2 % BK)
+    m_vk = m_v[:, None] & m_k[None, :]
+    m_kk = m_k[:, None] & m_k[None, :]
+    r_d = 1 + K + o_k * (K + 1)  # diagonal rows (i, i) of the full layout
+    # the pair rows in two halves a, b of BH = BP / 2 (each product's pair operand half as large; _common)
+    m_pa, r_ija, r_jia, b_eia, b_eja, b_eita, b_ejta = _pair_index(tl.arange(0, BH), o_k, K)
+    m_pb, r_ijb, r_jib, b_eib, b_ejb, b_eitb, b_ejtb = _pair_index(BH + tl.arange(0, BH), o_k, K)
     p_m = key_mask + i_b * s_mb
     start = tl.load(enc_start + i_b)
     end = tl.load(enc_end + i_b)
 
+    # The forward state, transposed and symmetric: h1 [BV, BK], diagonal hd [BV, BK] (sum k_i**2 v, read with 1/2),
+    # pair halves hoa, hob [BV, BH] (sum k_i k_j v, read with 1), denominators z0, z1 [BK], Z [BK, BK] (sum k k^T).
     b_h0 = tl.zeros([BV], dtype=tl.float32)
-    b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
-    b_h2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+    b_h1 = tl.zeros([BV, BK], dtype=tl.float32)
+    b_hd = tl.zeros([BV, BK], dtype=tl.float32)
+    b_hoa = tl.zeros([BV, BH], dtype=tl.float32)
+    b_hob = tl.zeros([BV, BH], dtype=tl.float32)
     b_z0 = tl.zeros([1], dtype=tl.float32)
     b_z1 = tl.zeros([BK], dtype=tl.float32)
-    b_z2 = tl.zeros([BK * BK], dtype=tl.float32)
+    b_zz = tl.zeros([BK, BK], dtype=tl.float32)
     if HAS_INITIAL_STATE:
         p_s = state_in + i_bh.to(tl.int64) * F * W
         b_h0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
-        b_h1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_h2 += tl.load(p_s + r_k2[:, None] * W + o_v[None, :], mask=m_k2[:, None] & m_v[None, :], other=0.0) * SQRT2
+        b_h1 += tl.load(p_s + (1 + o_k[None, :]) * W + o_v[:, None], mask=m_vk, other=0.0)
+        b_hd += tl.load(p_s + r_d[None, :] * W + o_v[:, None], mask=m_vk, other=0.0) * SQRT2
+        b_hoa += _load_pairs_t(p_s, r_ija, r_jia, m_pa, o_v, m_v, W)
+        b_hob += _load_pairs_t(p_s, r_ijb, r_jib, m_pb, o_v, m_v, W)
         b_z0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
         b_z1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
-        b_z2 += tl.load(p_s + r_k2 * W + V, mask=m_k2, other=0.0) * SQRT2
+        # kept as loaded: symmetrising an initial Z changes the rounding of the cancelling q' Z q' (den)
+        b_zz += tl.load(p_s + (1 + K + o_k[:, None] * K + o_k[None, :]) * W + V, mask=m_kk, other=0.0) * SQRT2
 
     # 1. The encoder keys of this row (positions [start, end) of k_enc / v_enc): state updates only.
     p_ke = k_enc + i_b * s_keb + i_h * s_keh
@@ -104,19 +128,21 @@ def _pla_bwd_dq_kernel(
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < M
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, True)
-        # [BT, BK], [BT, BV]
-        b_k = tl.where(b_raw[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek) * key_scale, 0.0)
-        b_v = tl.where(b_w[:, None], _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev), 0.0)
-        b_kw = tl.where(b_w[:, None], b_k, 0.0)
-        b_k2w = _outer(b_k, BT, BK) * b_w.to(tl.float32)[:, None]
-        b_h0 += tl.sum(b_v, axis=0)
-        b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
-        b_h2 += _dot(tl.trans(b_k2w), b_v, DOT, EMULATE, PRECISION)
+        # [BT, BK] weighted keys (w is 0 or 1; raw = unscaled, for the exact pair gathers), [BV, BT] values
+        b_kr = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek), 0.0)
+        b_kw = b_kr * key_scale
+        b_vt = tl.where(b_w[None, :], _tile(p_ve, o_v, m_v, s_vev, o_t, m_t, s_vet), 0.0)
+        b_h0 += tl.sum(b_vt, axis=1)
+        b_h1 += _dot(b_vt, b_kw, DOT, EMULATE, PRECISION)
+        b_hd += _dot(b_vt, b_kw * b_kw, DOT, EMULATE, PRECISION)
+        b_hoa += _dot(b_vt, _pair_features(b_kr, b_eia, b_eja, key_scale, DOT, EMULATE), DOT, EMULATE, PRECISION)
+        b_hob += _dot(b_vt, _pair_features(b_kr, b_eib, b_ejb, key_scale, DOT, EMULATE), DOT, EMULATE, PRECISION)
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
         b_z1 += tl.sum(b_kw, axis=0)
-        b_z2 += tl.sum(b_k2w, axis=0)
+        b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
 
-    # 2. The decoder scan: den and y as in the forward, then dq; the state moves past the chunk at the end.
+    # 2. The decoder scan: den and y as in the forward (transposed, queries along the columns), then dq (queries
+    #    along the rows); the state moves past the chunk at the end.
     p_q = q + i_b * s_qb + i_h * s_qh
     p_k = k + i_b * s_kb + i_h * s_kh
     p_v = v + i_b * s_vb + i_h * s_vh
@@ -131,71 +157,92 @@ def _pla_bwd_dq_kernel(
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, False)
-        # [BT, BK]
-        b_q = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk) * key_scale
-        b_k = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk) * key_scale, 0.0)
-        # [BT, BV]
-        b_v = tl.where(b_w[:, None], _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv), 0.0)
-        b_do = _tile(p_do, o_t, m_t, s_ot, o_v, m_v, s_ov)
-        b_q2 = _outer(b_q, BT, BK)
+        # queries [BK, BT] (the read) and raw [BT, BK] (dq), keys [BT, BK] and [BK, BT], values [BV, BT]
+        b_qtr = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt)
+        b_qt = b_qtr * key_scale
+        b_qr = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk)
+        b_q = b_qr * key_scale
+        b_kr = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk), 0.0)
+        b_k = b_kr * key_scale
+        b_kt = tl.where(b_raw[None, :], _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt) * key_scale, 0.0)
+        b_vt = tl.where(b_w[None, :], _tile(p_v, o_v, m_v, s_vv, o_t, m_t, s_vt), 0.0)
 
-        # forward recompute (fp32): numerator [BT, BV] (before the gate) and denominator [BT]
-        b_num = b_h0[None, :] + _dot(b_q, b_h1, SDOT, EMULATE, PRECISION)
-        b_num += 0.5 * _dot(b_q2, b_h2, SDOT, EMULATE, PRECISION)
-        b_den = tl.sum(b_z0) + tl.sum(b_q * b_z1[None, :], axis=1) + 0.5 * tl.sum(b_q2 * b_z2[None, :], axis=1)
-        b_s = _dot(b_q, tl.trans(b_k), DOT, EMULATE, PRECISION)  # [BT, BT]
-        b_keep = (o_c[:, None] >= o_c[None, :]) & b_w[None, :]
-        b_a = tl.where(b_keep, 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
+        # forward recompute (fp32), as the forward kernel: numerator [BV, BT] (before the gate), denominator [BT]
+        b_num = b_h0[:, None] + _dot(b_h1, b_qt, SDOT, EMULATE, PRECISION)
+        b_num += _dot(b_hd, 0.5 * (b_qt * b_qt), SDOT, EMULATE, PRECISION)
+        b_num += _dot(b_hoa, _pair_features_t(b_qtr, b_eita, b_ejta, key_scale, DOT, EMULATE), SDOT, EMULATE,
+                      PRECISION)
+        b_num += _dot(b_hob, _pair_features_t(b_qtr, b_eitb, b_ejtb, key_scale, DOT, EMULATE), SDOT, EMULATE,
+                      PRECISION)
+        b_den = tl.sum(b_z0) + tl.sum(b_qt * (b_z1[:, None] + 0.5 * _dot_fp32(b_zz, b_qt)), axis=0)
+        b_st = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)  # [BT keys, BT queries]
+        b_at = tl.where((o_c[None, :] >= o_c[:, None]) & b_w[:, None], 1.0 + b_st + 0.5 * b_st * b_st, 0.0)
+        b_den += tl.sum(b_at, axis=0)
         if HAS_DECAY:
-            b_dqv = tl.exp(b_lg * (o_c + 1).to(tl.float32))  # [BT] gamma**(p + 1): the state's age at query p
-            b_num = b_num * b_dqv[:, None]
-            b_gap = tl.exp(b_lg * tl.maximum(o_c[:, None] - o_c[None, :], 0).to(tl.float32))  # [BT, BT]
-            b_num += _dot(b_a * b_gap, b_v, DOT, EMULATE, PRECISION)
+            b_num = b_num * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]  # the state is gamma**(p + 1) old
+            b_num += _dot(b_vt, b_at * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32)),
+                          DOT, EMULATE, PRECISION)
         else:
-            b_num += _dot(b_a, b_v, DOT, EMULATE, PRECISION)
-        b_den += tl.sum(b_a, axis=1)
+            b_num += _dot(b_vt, b_at, DOT, EMULATE, PRECISION)
         b_rden = 1.0 / (b_den + eps)
-        # G = [g, c]: the gradient with respect to the (ungated) numerator and the denominator. [BT, BV], [BT]
-        b_g = b_do * b_rden[:, None]
+        # G = [g, c]: the gradient with respect to the (ungated) numerator and the denominator. [BV, BT], [BT]
+        b_gt = _tile(p_do, o_v, m_v, s_ov, o_t, m_t, s_ot) * b_rden[None, :]
         if HAS_GATE:
             b_gate = tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)
-            tl.store(p_dg + o_t * H, tl.sum(b_g * b_num, axis=1), mask=m_t)
-            b_g = b_g * b_gate[:, None]
-        b_c = -tl.sum(b_g * b_num, axis=1) * b_rden
+            tl.store(p_dg + o_t * H, tl.sum(b_gt * b_num, axis=0), mask=m_t)
+            b_gt = b_gt * b_gate[None, :]
+        b_c = -tl.sum(b_gt * b_num, axis=0) * b_rden
         tl.store(p_r + o_t * H, b_rden, mask=m_t)
         tl.store(p_c + o_t * H, b_c, mask=m_t)
 
-        # inter-chunk: d(phi(q).S G)/dq'. [BT, BK]
-        b_gs = b_g * b_dqv[:, None] if HAS_DECAY else b_g
-        b_dq = _dot(b_gs, tl.trans(b_h1), SDOT, EMULATE, PRECISION) + b_c[:, None] * b_z1[None, :]
-        b_p = _dot(b_gs, tl.trans(b_h2), SDOT, EMULATE, PRECISION) + b_c[:, None] * b_z2[None, :]  # [BT, BK*BK]
-        b_dq += _sym_contract(b_p, b_q, BT, BK)
-        # intra-chunk: dw_ij = G_i . [gamma**(i - j) v_j, 1], ds_ij = dw_ij (1 + s_ij). [BT, BT]
-        b_dw = _dot(b_g, tl.trans(b_v), DOT, EMULATE, PRECISION)
+        # dq, queries along the rows: g [BT, BV] again from dy (a load instead of a transpose of g^T)
+        b_g = _tile(p_do, o_t, m_t, s_ot, o_v, m_v, s_ov) * b_rden[:, None]
+        if HAS_GATE:
+            b_g = b_g * b_gate[:, None]
+        b_cr = b_c
+        # inter-chunk: d(phi(q).S G)/dq' = h1 g + q' * (hd g) + pairs (ho g) scattered, + c (z1 + Z_sym q'). [BT, BK]
+        b_gs = b_g * tl.exp(b_lg * (o_c + 1).to(tl.float32))[:, None] if HAS_DECAY else b_g
+        b_qz = _dot_fp32(b_q, b_zz)
+        if HAS_INITIAL_STATE:  # an initial Z may have an antisymmetric part: d(q' Z q')/dq' = (Z + Z^T) q'
+            b_qz = 0.5 * (b_qz + _dot_fp32(b_q, tl.trans(b_zz)))
+        b_dq = _dot(b_gs, b_h1, SDOT, EMULATE, PRECISION) + b_cr[:, None] * (b_z1[None, :] + b_qz)
+        b_dq += b_q * _dot(b_gs, b_hd, SDOT, EMULATE, PRECISION)
+        b_dq += _pair_scatter(_dot(b_gs, b_hoa, SDOT, EMULATE, PRECISION),
+                              _select(b_qr, b_eia, DOT, EMULATE) * key_scale,
+                              _select(b_qr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION)
+        b_dq += _pair_scatter(_dot(b_gs, b_hob, SDOT, EMULATE, PRECISION),
+                              _select(b_qr, b_eib, DOT, EMULATE) * key_scale,
+                              _select(b_qr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION)
+        # intra-chunk: dw_ij = G_i . [gamma**(i - j) v_j, 1], ds_ij = dw_ij (1 + s_ij). [BT queries, BT keys]
+        b_s = _dot(b_q, b_kt, DOT, EMULATE, PRECISION)
+        b_dw = _dot(b_g, b_vt, DOT, EMULATE, PRECISION)
         if HAS_DECAY:
-            b_dw = b_dw * b_gap
-        b_dw += b_c[:, None]
-        b_ds = tl.where(b_keep, b_dw * (1.0 + b_s), 0.0)
+            b_dw = b_dw * tl.exp(b_lg * tl.maximum(o_c[:, None] - o_c[None, :], 0).to(tl.float32))
+        b_dw += b_cr[:, None]
+        b_ds = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :], b_dw * (1.0 + b_s), 0.0)
         b_dq += _dot(b_ds, b_k, DOT, EMULATE, PRECISION)
         p_out = p_dq + o_t[:, None] * s_qt + o_k[None, :] * s_qk
         tl.store(p_out, (b_dq * key_scale).to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
-        # state update with the chunk's (weighted) keys; decayed: gamma**L old + gamma**(L - 1 - p) new
-        b_kw = tl.where(b_w[:, None], b_k, 0.0)
-        b_k2w = _outer(b_k, BT, BK) * b_w.to(tl.float32)[:, None]
+        # state update with the chunk's counted keys; decayed: gamma**L old + gamma**(L - 1 - p) new
+        b_kr = tl.where(b_w[:, None], b_kr, 0.0)
+        b_kw = b_kr * key_scale
         b_z1 += tl.sum(b_kw, axis=0)
-        b_z2 += tl.sum(b_k2w, axis=0)
+        b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
         if HAS_DECAY:
             b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
-            b_vd = b_v * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[:, None]
+            b_vt = b_vt * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[None, :]
             b_chunk = tl.exp(b_lg * b_len)
-            b_h0 = b_h0 * b_chunk + tl.sum(b_vd, axis=0)
-            b_h1 = b_h1 * b_chunk + _dot(tl.trans(b_kw), b_vd, DOT, EMULATE, PRECISION)
-            b_h2 = b_h2 * b_chunk + _dot(tl.trans(b_k2w), b_vd, DOT, EMULATE, PRECISION)
-        else:
-            b_h0 += tl.sum(b_v, axis=0)
-            b_h1 += _dot(tl.trans(b_kw), b_v, DOT, EMULATE, PRECISION)
-            b_h2 += _dot(tl.trans(b_k2w), b_v, DOT, EMULATE, PRECISION)
+            b_h0 = b_h0 * b_chunk
+            b_h1 = b_h1 * b_chunk
+            b_hd = b_hd * b_chunk
+            b_hoa = b_hoa * b_chunk
+            b_hob = b_hob * b_chunk
+        b_h0 += tl.sum(b_vt, axis=1)
+        b_h1 += _dot(b_vt, b_kw, DOT, EMULATE, PRECISION)
+        b_hd += _dot(b_vt, b_kw * b_kw, DOT, EMULATE, PRECISION)
+        b_hoa += _dot(b_vt, _pair_features(b_kr, b_eia, b_eja, key_scale, DOT, EMULATE), DOT, EMULATE, PRECISION)
+        b_hob += _dot(b_vt, _pair_features(b_kr, b_eib, b_ejb, key_scale, DOT, EMULATE), DOT, EMULATE, PRECISION)
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
 
 
@@ -407,7 +454,7 @@ def prefix_linear_attention_backward(
         strict: pad_masking == "strict".
         log_decay: `(H,)` log gamma of the Based decay (no gradient: the decay is fixed), or None.
         gate: `(B, T, H)` Based numerator gate, or None.
-        chunk_size: BT (default 32).
+        chunk_size: BT of both scans (default 16 for dq, 32 for dk/dv).
 
     Returns:
         `(dq, dk, dv, dk_enc, dv_enc, d initial_state, d gate)` in the inputs' dtypes (fp32 for the state), None
@@ -423,11 +470,14 @@ def prefix_linear_attention_backward(
     # The kernels store each gradient with its input's strides: inputs whose layout empty_like cannot reproduce
     # (e.g. heads split from a fused projection) are copied once.
     q, k, v, k_enc, v_enc = _dense(q, k, v, k_enc, v_enc)
-    # BT = 32, 8 warps, 1 stage: half the spills and shared memory of BT = 64 at the same issue estimate
-    # (benchmarks/kernel_aot.py, docs/kernels.md).
-    BT = chunk_size or 32
+    # Launch configs (benchmarks/kernel_aot.py, docs/kernels.md), 1 stage each. dq scan: BT = 16, 4 warps (against
+    # 32 / 8: about the same spills on sm_90, far fewer on sm_80, a lower issue estimate on both). dk/dv scan:
+    # BT = 32, 8 warps (half the spills and shared memory of BT = 64 at the same estimate). chunk_size sets both.
+    BT_DQ = chunk_size or 16
+    BT_DKV = chunk_size or 32
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, triton.next_power_of_2(V))
+    BP = max(32, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))  # two halves of >= 16 pair rows (tl.dot)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -449,24 +499,23 @@ def prefix_linear_attention_backward(
     state_in = dstate_in if initial_state is None else initial_state.contiguous()
     dstate = dstate_in if grad_state is None else grad_state.contiguous()
     grad_output = grad_output if grad_output.stride(-1) == 1 else grad_output.contiguous()
-    common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_MASK=key_mask is not None, STRICT=strict,
+    common = dict(H=H, K=K, V=V, BK=BK, BV=BV, HAS_MASK=key_mask is not None, STRICT=strict,
                   HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **dot_types(q.dtype, INTERPRETED))
     strides = (*q.stride(), *k.stride(), *v.stride(), *ke.stride(), *ve.stride(), *mask_strides,
                *grad_output.stride())
-    num_warps = 4 if INTERPRETED else 8
     num_stages = 1
     _pla_bwd_dq_kernel[(B * H,)](
         q, k, v, ke, ve, mask, encoder_start, encoder_end, state_in, decay_in, gate_in, grad_output, dq, rden, dcol,
         rden if dgate is None else dgate,
-        *strides, T, M, eps, K**-0.25, HAS_INITIAL_STATE=initial_state is not None, num_warps=num_warps,
+        *strides, T, M, eps, K**-0.25, BT=BT_DQ, BP=BP, HAS_INITIAL_STATE=initial_state is not None, num_warps=4,
         num_stages=num_stages, **common,
     )
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
     _pla_bwd_dkv_kernel[(B * H,)](
         q, k, v, ke, ve, mask, encoder_start, encoder_end, rden, dcol, decay_in, gate_in, grad_output, dstate,
         dk, dv, dke, dve, dstate_in,
-        *strides, T, M, K**-0.25, HAS_DSTATE=grad_state is not None, num_warps=num_warps, num_stages=num_stages,
-        **common,
+        *strides, T, M, K**-0.25, BT=BT_DKV, HAS_DSTATE=grad_state is not None, num_warps=4 if INTERPRETED else 8,
+        num_stages=num_stages, **common,
     )
     dgate = None if dgate is None else dgate.to(gate.dtype)
     return dq, dk, dv, dk_enc, dv_enc, (None if initial_state is None else dstate_in), dgate
