@@ -53,15 +53,19 @@ def _sym_contract(b_p, b_x, BT: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK: tl.constexpr, STRICT: tl.constexpr,
-                 ENCODER: tl.constexpr):
+def _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK: tl.constexpr,
+                 STRICT: tl.constexpr, ENCODER: tl.constexpr):
     """(raw, weight) of the keys at positions o_t: raw False zeroes the raw key, weight is its 0/1 weight.
 
-    Decoder keys: weight = key_mask, or under "reference" masking key_mask | in the encoder range.
-    Encoder keys: weight = in the range [start, end), and key_mask under strict masking.
+    The key mask is read as MASK says: 0 none, 1 the row's range [key_lo, key_hi) (two comparisons), 2 the (B, T)
+    mask itself (a load per chunk, repeated for every register layout that uses it; the backward always reads it
+    so). Decoder keys: weight = key mask, or under "reference" masking key mask | in the encoder range. Encoder
+    keys: weight = in the range [start, end), and the key mask under strict masking.
     """
     in_range = (o_t >= start) & (o_t < end) & m_t
-    if HAS_MASK:
+    if MASK == 1:
+        b_m = (o_t >= key_lo) & (o_t < key_hi) & m_t
+    elif MASK == 2:
         b_m = (tl.load(p_m + o_t * s_mt, mask=m_t, other=0) != 0) & m_t
     else:
         b_m = m_t

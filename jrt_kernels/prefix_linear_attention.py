@@ -55,7 +55,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ._common import _dot, _dot_fp32, _tile, dot_types
+from ._common import (
+    _dot, _dot_fp32, _key_weights, _load_pairs_t, _pair_features, _pair_features_t, _pair_index, _tile, dot_types,
+)
 from .prefix_linear_attention_backward import prefix_linear_attention_backward
 
 # Configs per GPU generation, from benchmarks/kernel_aot.py (docs/kernels.md), as (BT, BV, num_warps); the first of
@@ -92,56 +94,6 @@ _INTERPRETER_CONFIGS = [_config(32, 32, 4)]
 
 
 @triton.jit
-def _select(b_x, b_e, DOT: tl.constexpr, EMULATE: tl.constexpr):
-    """b_x [BT, BK] @ b_e [BK, BP] for a 0/1 selection matrix: gathers columns of b_x on the tensor cores (exact for
-    fp16/bf16 operands; 3xTF32 for fp32, whose error is below fp32 rounding here)."""
-    if DOT == tl.float32:
-        return tl.dot(b_x, b_e, input_precision="tf32x3")
-    return _dot(b_x, b_e, DOT, EMULATE, "tf32")
-
-
-@triton.jit
-def _pair_features(b_x, b_ei, b_ej, DOT: tl.constexpr, EMULATE: tl.constexpr):
-    """[BT, BK] -> [BT, BP]: x_i x_j for the pairs i < j (0 in the padding). The sqrt(2) of the pair features is
-    folded into the state (ho holds sum k_i k_j v, read with weight 1 instead of 1/2): one multiply less per entry."""
-    return _select(b_x, b_ei, DOT, EMULATE) * _select(b_x, b_ej, DOT, EMULATE)
-
-
-@triton.jit
-def _pair_features_t(b_xt, b_ei, b_ej, DOT: tl.constexpr, EMULATE: tl.constexpr):
-    """The transposed pair features [BP, BT] from the transposed chunk b_xt [BK, BT]."""
-    return _select_t(b_ei, b_xt, DOT, EMULATE) * _select_t(b_ej, b_xt, DOT, EMULATE)
-
-
-@triton.jit
-def _select_t(b_e, b_xt, DOT: tl.constexpr, EMULATE: tl.constexpr):
-    """b_e^T [BP, BK] @ b_xt [BK, BT]."""
-    if DOT == tl.float32:
-        return tl.dot(tl.trans(b_e), b_xt, input_precision="tf32x3")
-    return _dot(tl.trans(b_e), b_xt, DOT, EMULATE, "tf32")
-
-
-@triton.jit
-def _pair_index(o_p, o_k, K: tl.constexpr):
-    """Pairs o_p [BH] (docs in the kernel): (valid, state row of (i, j), state row of (j, i), [BK, BH] selection
-    matrices e_i, e_j with x @ e_i gathering x_i of every pair on the tensor cores)."""
-    m_p = o_p < (K * (K - 1)) // 2
-    p_i = o_p % K
-    p_j = (p_i + o_p // K + 1) % K
-    b_ei = ((o_k[:, None] == p_i[None, :]) & m_p[None, :]).to(tl.float32)
-    b_ej = ((o_k[:, None] == p_j[None, :]) & m_p[None, :]).to(tl.float32)
-    return m_p, 1 + K + p_i * K + p_j, 1 + K + p_j * K + p_i, b_ei, b_ej
-
-
-@triton.jit
-def _load_pairs_t(p_s, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
-    """ho^T [BV, BH] of a full-layout state: (S_ij + S_ji) / sqrt(2) = sum k_i k_j v."""
-    m_vp = m_v[:, None] & m_p[None, :]
-    return (tl.load(p_s + r_ij[None, :] * W + o_v[:, None], mask=m_vp, other=0.0)
-            + tl.load(p_s + r_ji[None, :] * W + o_v[:, None], mask=m_vp, other=0.0)) * 0.7071067811865476
-
-
-@triton.jit
 def _store_pairs_t(p_s, b_hot, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
     """S_ij = S_ji = ho / sqrt(2) (b_hot = ho^T [BV, BH]): the symmetric state of the keys. An initial state's
     antisymmetric part is added by the launcher (`_add_antisymmetric_part`), so no pointer to it stays live here."""
@@ -149,30 +101,6 @@ def _store_pairs_t(p_s, b_hot, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
     b_half = b_hot * 0.7071067811865476
     tl.store(p_s + r_ij[None, :] * W + o_v[:, None], b_half, mask=m_vp)
     tl.store(p_s + r_ji[None, :] * W + o_v[:, None], b_half, mask=m_vp)
-
-
-@triton.jit
-def _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK: tl.constexpr, STRICT: tl.constexpr,
-                 ENCODER: tl.constexpr):
-    """(raw, weight) of the keys at positions o_t: raw False zeroes the raw key, weight is its 0/1 weight.
-
-    The key mask is read as MASK says: 0 none, 1 the row's range [key_lo, key_hi) (two comparisons), 2 the (B, T)
-    mask itself (a load per chunk, repeated for every register layout that uses it). Decoder keys: weight = key
-    mask, or under "reference" masking key mask | in the encoder range. Encoder keys: weight = in the range
-    [start, end), and the key mask under strict masking.
-    """
-    in_range = (o_t >= start) & (o_t < end) & m_t
-    if MASK == 1:
-        b_m = (o_t >= key_lo) & (o_t < key_hi) & m_t
-    elif MASK == 2:
-        b_m = (tl.load(p_m + o_t * s_mt, mask=m_t, other=0) != 0) & m_t
-    else:
-        b_m = m_t
-    if ENCODER:
-        b_w = in_range & b_m if STRICT else in_range
-    else:
-        b_w = b_m if STRICT else b_m | in_range
-    return b_m, b_w
 
 
 @triton.jit(do_not_specialize=["T", "T_BUCKET"])
@@ -221,8 +149,8 @@ def _prefix_linear_attention_fwd_kernel(
     # as large, which lowers the peak register use (the state itself is the same size).
     r_d = 1 + K + o_k * (K + 1)
     BH: tl.constexpr = BP // 2
-    m_pa, r_ija, r_jia, b_eia, b_eja = _pair_index(tl.arange(0, BH), o_k, K)
-    m_pb, r_ijb, r_jib, b_eib, b_ejb = _pair_index(BH + tl.arange(0, BH), o_k, K)
+    m_pa, r_ija, r_jia, b_eia, b_eja, b_eiat, b_ejat = _pair_index(tl.arange(0, BH), o_k, K)
+    m_pb, r_ijb, r_jib, b_eib, b_ejb, b_eibt, b_ejbt = _pair_index(BH + tl.arange(0, BH), o_k, K)
     m_kk = m_k[:, None] & m_k[None, :]
     r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
     p_m = key_mask + i_b * s_mb
@@ -268,8 +196,8 @@ def _prefix_linear_attention_fwd_kernel(
         b_h0 += tl.sum(b_vt, axis=1)
         b_h1 += _dot(b_vt, b_k, DOT, EMULATE, PRECISION)
         b_hd += _dot(b_vt, b_k * b_k, DOT, EMULATE, PRECISION)
-        b_hoa += _dot(b_vt, _pair_features(b_k, b_eia, b_eja, DOT, EMULATE), DOT, EMULATE, PRECISION)
-        b_hob += _dot(b_vt, _pair_features(b_k, b_eib, b_ejb, DOT, EMULATE), DOT, EMULATE, PRECISION)
+        b_hoa += _dot(b_vt, _pair_features(b_k, b_eia, b_eja, 1.0, DOT, EMULATE), DOT, EMULATE, PRECISION)
+        b_hob += _dot(b_vt, _pair_features(b_k, b_eib, b_ejb, 1.0, DOT, EMULATE), DOT, EMULATE, PRECISION)
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
         b_z1 += tl.sum(b_k, axis=0)
         b_zz += _dot_fp32(tl.trans(b_k), b_k)  # [BK, BK]
@@ -295,8 +223,8 @@ def _prefix_linear_attention_fwd_kernel(
         b_num = b_h0[:, None] + _dot(b_h1, b_qt, SDOT, EMULATE, PRECISION)
         # the 1/2 on the [BK, BT] operand (exact) rather than the [BV, BT] product
         b_num += _dot(b_hd, 0.5 * (b_qt * b_qt), SDOT, EMULATE, PRECISION)
-        b_num += _dot(b_hoa, _pair_features_t(b_qt, b_eia, b_eja, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-        b_num += _dot(b_hob, _pair_features_t(b_qt, b_eib, b_ejb, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_num += _dot(b_hoa, _pair_features_t(b_qt, b_eiat, b_ejat, 1.0, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_num += _dot(b_hob, _pair_features_t(b_qt, b_eibt, b_ejbt, 1.0, DOT, EMULATE), SDOT, EMULATE, PRECISION)
         b_den = tl.sum(b_z0) + tl.sum(b_qt * (b_z1[:, None] + 0.5 * _dot_fp32(b_zz, b_qt)), axis=0)  # Z = Z^T
         # intra-chunk: 1 + s + s^2 / 2 on the causal part, counted keys only; transposed, [BT keys, BT queries]
         b_s = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)
@@ -331,8 +259,8 @@ def _prefix_linear_attention_fwd_kernel(
         b_h0 += tl.sum(b_vt, axis=1)
         b_h1 += _dot(b_vt, b_kw, DOT, EMULATE, PRECISION)
         b_hd += _dot(b_vt, b_kw * b_kw, DOT, EMULATE, PRECISION)
-        b_hoa += _dot(b_vt, _pair_features(b_kw, b_eia, b_eja, DOT, EMULATE), DOT, EMULATE, PRECISION)
-        b_hob += _dot(b_vt, _pair_features(b_kw, b_eib, b_ejb, DOT, EMULATE), DOT, EMULATE, PRECISION)
+        b_hoa += _dot(b_vt, _pair_features(b_kw, b_eia, b_eja, 1.0, DOT, EMULATE), DOT, EMULATE, PRECISION)
+        b_hob += _dot(b_vt, _pair_features(b_kw, b_eib, b_ejb, 1.0, DOT, EMULATE), DOT, EMULATE, PRECISION)
 
     # 3. Final state in the cache layout (B, H, F, V + 1); the denominator column is written once, by i_v = 0.
     p_s = state_out + p_state

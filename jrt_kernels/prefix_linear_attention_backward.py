@@ -127,7 +127,7 @@ def _pla_bwd_dq_kernel(
     for i_t in range(start // BT, tl.cdiv(end, BT)):
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < M
-        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, True)
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, 0, 0, HAS_MASK * 2, STRICT, True)
         # [BT, BK] weighted keys (w is 0 or 1; raw = unscaled, for the exact pair gathers), [BV, BT] values
         b_kr = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek), 0.0)
         b_kw = b_kr * key_scale
@@ -156,7 +156,7 @@ def _pla_bwd_dq_kernel(
     for i_t in range(0, tl.cdiv(T, BT)):
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
-        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, False)
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, 0, 0, HAS_MASK * 2, STRICT, False)
         # queries [BK, BT] (the read) and raw [BT, BK] (dq), keys [BT, BK] and [BK, BT], values [BV, BT]
         b_qtr = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt)
         b_qt = b_qtr * key_scale
@@ -335,7 +335,7 @@ def _pla_bwd_dkv_kernel(
         i_t = n_t - 1 - i_r
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
-        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, False)
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, 0, 0, HAS_MASK * 2, STRICT, False)
         b_q = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk) * key_scale  # [BT, BK]
         b_k = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk) * key_scale, 0.0)
         b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)  # [BT, BV]
@@ -396,7 +396,7 @@ def _pla_bwd_dkv_kernel(
     for i_t in range(start // BT, tl.cdiv(end, BT)):
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < M
-        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, HAS_MASK, STRICT, True)
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, 0, 0, HAS_MASK * 2, STRICT, True)
         b_k = tl.where(b_raw[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek) * key_scale, 0.0)
         b_v = _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev)
         b_dv, b_dk = _key_grads(b_k, b_v, b_w, b_w.to(tl.float32), b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT, BK,
