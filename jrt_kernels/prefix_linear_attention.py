@@ -64,11 +64,11 @@ from .prefix_linear_attention_backward import prefix_linear_attention_backward
 # each list is the default (JRT_TRITON_AUTOTUNE=0), the others are what the autotuner may pick at the first launch.
 # A program covers BV value columns, so V = 64 takes one program per (batch, head) with BV = 64 and two with BV = 32
 # (the features of a chunk are then built twice, but the fp32 state per program is half as large).
-# - sm_90 (Hopper): (32, 64, 4) builds without spills at the lowest issue estimate; (16, 64, 4) and (32, 64, 8) are
-#   spill-free with a key mask and an initial state too.
+# - sm_90 (Hopper): (32, 64, 4) builds without spills at the lowest issue estimate, with a padding key mask and an
+#   initial state too; (16, 64, 4) and (32, 64, 8) are spill-free with a general (holed) key mask as well.
 # - every other architecture (sm_80 Ampere, Ada, Blackwell): mma.sync holds both operands in registers, and only
-#   BV = 32 builds without spills on sm_80 (BT = 16); (32, 32, 4) and (16, 64, 4) issue fewer instructions with a
-#   few spills.
+#   BV = 32 builds without spills on sm_80; (32, 32, 4), also spill-free, and (16, 64, 4), with a few spills, issue
+#   fewer instructions than the default (16, 32, 4).
 # All fit every architecture's shared memory. BT = 64, BV = 128 and 16 warps spill more.
 _ARCH_CONFIGS = {
     "sm_90": [(32, 64, 4), (16, 64, 4), (32, 64, 8)],
