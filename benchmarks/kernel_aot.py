@@ -115,7 +115,7 @@ def configs_of(case: Case, launch: Launch, arch: int) -> list[triton.Config]:
         return case.configs(arch)
     if isinstance(launch.kernel, Autotuner):
         return list(launch.kernel.configs)
-    options = {name: launch.kwargs.pop(name) for name in ("num_warps", "num_stages") if name in launch.kwargs}
+    options = {name: launch.kwargs[name] for name in ("num_warps", "num_stages") if name in launch.kwargs}
     return [triton.Config({}, **options)]
 
 

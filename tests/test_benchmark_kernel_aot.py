@@ -68,3 +68,12 @@ def test_one_sm90_build_reports_registers_spills_and_loops(tmp_path):
     assert len(row["loops"]) == 2 and all(loop["mix"].get("tensor", 0) > 0 for loop in row["loops"])
     assert row["estimates"]["32768"]["issue_ms"] > 0
     assert "issue-bound ms at N=" in result.stdout
+
+
+def test_plain_kernel_options_serve_every_architecture(kernel_aot):
+    """A plain jit launch's num_warps / num_stages are read for each architecture, not consumed by the first one."""
+    case = kernel_aot.Case("case", list, lambda *a: None, None, None, None, None)
+    launch = kernel_aot.Launch(None, (), {"BT": 32, "num_warps": 8, "num_stages": 1}, (1,))
+    for arch in (90, 80):
+        (config,) = kernel_aot.configs_of(case, launch, arch)
+        assert (config.num_warps, config.num_stages) == (8, 1)
