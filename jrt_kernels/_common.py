@@ -148,3 +148,44 @@ def _pair_features(b_xr, b_ei, b_ej, scale, DOT: tl.constexpr, EMULATE: tl.const
 def _pair_features_t(b_xtr, b_eit, b_ejt, scale, DOT: tl.constexpr, EMULATE: tl.constexpr):
     """The transposed pair features [BH, BT] from raw (unscaled) features b_xtr [BK, BT]: e_i^T x^T * e_j^T x^T."""
     return _select(b_eit, b_xtr, DOT, EMULATE) * _select(b_ejt, b_xtr, DOT, EMULATE) * (scale * scale)
+
+
+@triton.jit
+def _load_state_t(p_s, o_k, m_k, o_v, m_v, r_d, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, K: tl.constexpr,
+                  V: tl.constexpr, W: tl.constexpr):
+    """The state of a full-layout (F, V + 1) block at p_s in the kernels' form: (h0 [BV], h1 [BV, BK], hd [BV, BK],
+    hoa [BV, BH], hob [BV, BH], z0 [1], z1 [BK], Z [BK, BK]); hd, ho and Z without phi's 1/sqrt(2) (times sqrt(2)
+    here). Z is kept as loaded (symmetrising it changes the rounding of the cancelling q' Z q')."""
+    m_vk = m_v[:, None] & m_k[None, :]
+    b_h0 = tl.load(p_s + o_v, mask=m_v, other=0.0)
+    b_h1 = tl.load(p_s + (1 + o_k[None, :]) * W + o_v[:, None], mask=m_vk, other=0.0)
+    b_hd = tl.load(p_s + r_d[None, :] * W + o_v[:, None], mask=m_vk, other=0.0) * 1.4142135623730951
+    b_hoa = _load_pairs_t(p_s, r_ija, r_jia, m_pa, o_v, m_v, W)
+    b_hob = _load_pairs_t(p_s, r_ijb, r_jib, m_pb, o_v, m_v, W)
+    b_z0 = tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
+    b_z1 = tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
+    r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
+    b_zz = tl.load(p_s + r_kk * W + V, mask=m_k[:, None] & m_k[None, :], other=0.0) * 1.4142135623730951
+    return b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz
+
+
+@triton.jit
+def _add_chunk_t(b_h0, b_h1, b_hd, b_hoa, b_hob, b_vt, b_kw, b_kp, pair_scale, b_eia, b_eja, b_eib, b_ejb,
+                 DOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+    """The numerator state (transposed, symmetric 2nd order) plus one chunk of keys: h0 += V^T 1, h1 += V^T K',
+    hd += V^T K'**2, ho += V^T P(K'), for weighted values b_vt [BV, BT] and scaled keys b_kw = K' [BT, BK]. The
+    pair features are gathered from b_kp times pair_scale**2: K' with 1, or the raw keys with the key scale (one
+    rounding of each feature when the scale is not a power of two)."""
+    return (
+        b_h0 + tl.sum(b_vt, axis=1),
+        b_h1 + _dot(b_vt, b_kw, DOT, EMULATE, PRECISION),
+        b_hd + _dot(b_vt, b_kw * b_kw, DOT, EMULATE, PRECISION),
+        b_hoa + _dot(b_vt, _pair_features(b_kp, b_eia, b_eja, pair_scale, DOT, EMULATE), DOT, EMULATE, PRECISION),
+        b_hob + _dot(b_vt, _pair_features(b_kp, b_eib, b_ejb, pair_scale, DOT, EMULATE), DOT, EMULATE, PRECISION),
+    )
+
+
+@triton.jit
+def _scale_state(b_h0, b_h1, b_hd, b_hoa, b_hob, factor):
+    """The numerator state times a scalar (the Based decay over one chunk)."""
+    return b_h0 * factor, b_h1 * factor, b_hd * factor, b_hoa * factor, b_hob * factor

@@ -56,7 +56,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
-    _dot, _dot_fp32, _key_weights, _load_pairs_t, _pair_features, _pair_features_t, _pair_index, _tile, dot_types,
+    _add_chunk_t, _dot, _dot_fp32, _key_weights, _load_state_t, _pair_features_t, _pair_index, _scale_state, _tile,
+    dot_types,
 )
 from .prefix_linear_attention_backward import prefix_linear_attention_backward
 
@@ -169,15 +170,9 @@ def _prefix_linear_attention_fwd_kernel(
     b_zz = tl.zeros([BK, BK], dtype=tl.float32)
     p_state = i_bh.to(tl.int64) * F * W
     if HAS_INITIAL_STATE:
-        p_s = state_in + p_state
-        b_h0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
-        b_h1 += tl.load(p_s + (1 + o_k[None, :]) * W + o_v[:, None], mask=m_vk, other=0.0)
-        b_hd += tl.load(p_s + r_d[None, :] * W + o_v[:, None], mask=m_vk, other=0.0) * SQRT2
-        b_hoa += _load_pairs_t(p_s, r_ija, r_jia, m_pa, o_v, m_v, W)
-        b_hob += _load_pairs_t(p_s, r_ijb, r_jib, m_pb, o_v, m_v, W)
-        b_z0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
-        b_z1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
-        b_zz += tl.load(p_s + r_kk * W + V, mask=m_kk, other=0.0) * SQRT2
+        b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz = _load_state_t(
+            state_in + p_state, o_k, m_k, o_v, m_v, r_d, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, K, V, W
+        )
 
     # 1. Encoder reduction over the row's range [start, end) of the first M tokens: state updates only, no queries,
     #    no causal mask. Chunks are aligned on BT; positions outside the range weigh 0.
@@ -193,11 +188,10 @@ def _prefix_linear_attention_fwd_kernel(
         # [BT, BK] weighted keys (w is 0 or 1), [BV, BT] values
         b_k = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek) * key_scale, 0.0)
         b_vt = tl.where(b_w[None, :], _tile(p_ve, o_v, m_v, s_vev, o_t, m_t, s_vet), 0.0)
-        b_h0 += tl.sum(b_vt, axis=1)
-        b_h1 += _dot(b_vt, b_k, DOT, EMULATE, PRECISION)
-        b_hd += _dot(b_vt, b_k * b_k, DOT, EMULATE, PRECISION)
-        b_hoa += _dot(b_vt, _pair_features(b_k, b_eia, b_eja, 1.0, DOT, EMULATE), DOT, EMULATE, PRECISION)
-        b_hob += _dot(b_vt, _pair_features(b_k, b_eib, b_ejb, 1.0, DOT, EMULATE), DOT, EMULATE, PRECISION)
+        b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_t(
+            b_h0, b_h1, b_hd, b_hoa, b_hob, b_vt, b_k, b_k, 1.0, b_eia, b_eja, b_eib, b_ejb,
+            DOT, EMULATE, PRECISION,
+        )
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
         b_z1 += tl.sum(b_k, axis=0)
         b_zz += _dot_fp32(tl.trans(b_k), b_k)  # [BK, BK]
@@ -250,17 +244,11 @@ def _prefix_linear_attention_fwd_kernel(
         if HAS_DECAY:
             b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
             b_vt = b_vt * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[None, :]
-            b_chunk = tl.exp(b_lg * b_len)
-            b_h0 = b_h0 * b_chunk
-            b_h1 = b_h1 * b_chunk
-            b_hd = b_hd * b_chunk
-            b_hoa = b_hoa * b_chunk
-            b_hob = b_hob * b_chunk
-        b_h0 += tl.sum(b_vt, axis=1)
-        b_h1 += _dot(b_vt, b_kw, DOT, EMULATE, PRECISION)
-        b_hd += _dot(b_vt, b_kw * b_kw, DOT, EMULATE, PRECISION)
-        b_hoa += _dot(b_vt, _pair_features(b_kw, b_eia, b_eja, 1.0, DOT, EMULATE), DOT, EMULATE, PRECISION)
-        b_hob += _dot(b_vt, _pair_features(b_kw, b_eib, b_ejb, 1.0, DOT, EMULATE), DOT, EMULATE, PRECISION)
+            b_h0, b_h1, b_hd, b_hoa, b_hob = _scale_state(b_h0, b_h1, b_hd, b_hoa, b_hob, tl.exp(b_lg * b_len))
+        b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_t(
+            b_h0, b_h1, b_hd, b_hoa, b_hob, b_vt, b_kw, b_kw, 1.0, b_eia, b_eja, b_eib, b_ejb,
+            DOT, EMULATE, PRECISION,
+        )
 
     # 3. Final state in the cache layout (B, H, F, V + 1); the denominator column is written once, by i_v = 0.
     p_s = state_out + p_state

@@ -48,8 +48,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
-    _dot, _dot_fp32, _key_weights, _load_pairs_t, _outer, _pair_features, _pair_features_t, _pair_index, _pair_scatter,
-    _select, _sym_contract, _tile, dot_types,
+    _add_chunk_t, _dot, _dot_fp32, _key_weights, _load_state_t, _outer, _pair_features_t, _pair_index, _pair_scatter,
+    _scale_state, _select, _sym_contract, _tile, dot_types,
 )
 
 
@@ -82,14 +82,11 @@ def _pla_bwd_dq_kernel(
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1
-    SQRT2: tl.constexpr = 1.4142135623730951
     BH: tl.constexpr = BP // 2
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = tl.arange(0, BV)
     m_v = o_v < V
-    m_vk = m_v[:, None] & m_k[None, :]
-    m_kk = m_k[:, None] & m_k[None, :]
     r_d = 1 + K + o_k * (K + 1)  # diagonal rows (i, i) of the full layout
     # the pair rows in two halves a, b of BH = BP / 2 (each product's pair operand half as large; _common)
     m_pa, r_ija, r_jia, b_eia, b_eja, b_eita, b_ejta = _pair_index(tl.arange(0, BH), o_k, K)
@@ -109,16 +106,10 @@ def _pla_bwd_dq_kernel(
     b_z1 = tl.zeros([BK], dtype=tl.float32)
     b_zz = tl.zeros([BK, BK], dtype=tl.float32)
     if HAS_INITIAL_STATE:
-        p_s = state_in + i_bh.to(tl.int64) * F * W
-        b_h0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
-        b_h1 += tl.load(p_s + (1 + o_k[None, :]) * W + o_v[:, None], mask=m_vk, other=0.0)
-        b_hd += tl.load(p_s + r_d[None, :] * W + o_v[:, None], mask=m_vk, other=0.0) * SQRT2
-        b_hoa += _load_pairs_t(p_s, r_ija, r_jia, m_pa, o_v, m_v, W)
-        b_hob += _load_pairs_t(p_s, r_ijb, r_jib, m_pb, o_v, m_v, W)
-        b_z0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
-        b_z1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
-        # kept as loaded: symmetrising an initial Z changes the rounding of the cancelling q' Z q' (den)
-        b_zz += tl.load(p_s + (1 + K + o_k[:, None] * K + o_k[None, :]) * W + V, mask=m_kk, other=0.0) * SQRT2
+        b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz = _load_state_t(
+            state_in + i_bh.to(tl.int64) * F * W, o_k, m_k, o_v, m_v, r_d, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb,
+            K, V, W,
+        )
 
     # 1. The encoder keys of this row (positions [start, end) of k_enc / v_enc): state updates only.
     p_ke = k_enc + i_b * s_keb + i_h * s_keh
@@ -132,11 +123,10 @@ def _pla_bwd_dq_kernel(
         b_kr = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek), 0.0)
         b_kw = b_kr * key_scale
         b_vt = tl.where(b_w[None, :], _tile(p_ve, o_v, m_v, s_vev, o_t, m_t, s_vet), 0.0)
-        b_h0 += tl.sum(b_vt, axis=1)
-        b_h1 += _dot(b_vt, b_kw, DOT, EMULATE, PRECISION)
-        b_hd += _dot(b_vt, b_kw * b_kw, DOT, EMULATE, PRECISION)
-        b_hoa += _dot(b_vt, _pair_features(b_kr, b_eia, b_eja, key_scale, DOT, EMULATE), DOT, EMULATE, PRECISION)
-        b_hob += _dot(b_vt, _pair_features(b_kr, b_eib, b_ejb, key_scale, DOT, EMULATE), DOT, EMULATE, PRECISION)
+        b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_t(
+            b_h0, b_h1, b_hd, b_hoa, b_hob, b_vt, b_kw, b_kr, key_scale, b_eia, b_eja, b_eib, b_ejb,
+            DOT, EMULATE, PRECISION,
+        )
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
         b_z1 += tl.sum(b_kw, axis=0)
         b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
@@ -232,17 +222,11 @@ def _pla_bwd_dq_kernel(
         if HAS_DECAY:
             b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
             b_vt = b_vt * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[None, :]
-            b_chunk = tl.exp(b_lg * b_len)
-            b_h0 = b_h0 * b_chunk
-            b_h1 = b_h1 * b_chunk
-            b_hd = b_hd * b_chunk
-            b_hoa = b_hoa * b_chunk
-            b_hob = b_hob * b_chunk
-        b_h0 += tl.sum(b_vt, axis=1)
-        b_h1 += _dot(b_vt, b_kw, DOT, EMULATE, PRECISION)
-        b_hd += _dot(b_vt, b_kw * b_kw, DOT, EMULATE, PRECISION)
-        b_hoa += _dot(b_vt, _pair_features(b_kr, b_eia, b_eja, key_scale, DOT, EMULATE), DOT, EMULATE, PRECISION)
-        b_hob += _dot(b_vt, _pair_features(b_kr, b_eib, b_ejb, key_scale, DOT, EMULATE), DOT, EMULATE, PRECISION)
+            b_h0, b_h1, b_hd, b_hoa, b_hob = _scale_state(b_h0, b_h1, b_hd, b_hoa, b_hob, tl.exp(b_lg * b_len))
+        b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_t(
+            b_h0, b_h1, b_hd, b_hoa, b_hob, b_vt, b_kw, b_kr, key_scale, b_eia, b_eja, b_eib, b_ejb,
+            DOT, EMULATE, PRECISION,
+        )
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
 
 
