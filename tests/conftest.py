@@ -78,3 +78,26 @@ def byte_bpe_tokenizer():
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", padding_side="left"
     )
+
+
+@pytest.fixture
+def auto_takes_kernel(monkeypatch):
+    """Kernel tests: makes `implementation="auto"` resolve to the Triton kernel on CPU too (the interpreter), until
+    the kernel is marked failed; the failure flags start clear, the environment override is unset, and transformers'
+    warn-once cache is cleared so that each test sees its own fallback warning."""
+    from transformers.utils import logging as hf_logging
+
+    from modeling_jrt import linear_attention
+
+    monkeypatch.setattr(linear_attention, "_triton_failure", None)
+    monkeypatch.setattr(linear_attention, "_backward_failure", None)
+    monkeypatch.delenv(linear_attention.IMPLEMENTATION_ENV_VAR, raising=False)
+    hf_logging.warning_once.cache_clear()
+    resolve = linear_attention.resolve_implementation
+    monkeypatch.setattr(
+        linear_attention, "resolve_implementation",
+        lambda implementation, q, *args, **kwargs: (
+            "triton" if implementation == "auto" and linear_attention._triton_failure is None
+            else resolve(implementation, q, *args, **kwargs)
+        ),
+    )

@@ -206,11 +206,10 @@ def test_based_decay_and_gate_run_fused(device):
 
 
 @pytest.fixture
-def backward_launches(monkeypatch):
+def backward_launches(monkeypatch, auto_takes_kernel):
     """Counts the fused backward's launches (its first kernel); "auto" resolves to the kernel on CPU too until it
     fails, and the failure flag starts clear. `launches.fail = True` makes the launch raise as on a GPU without
     enough shared memory."""
-    from transformers.utils import logging as hf_logging
     from triton.runtime.errors import OutOfResources
 
     kernel = backward_module._pla_bwd_dq_kernel
@@ -224,18 +223,6 @@ def backward_launches(monkeypatch):
         return run(*args, **kwargs)
 
     monkeypatch.setattr(kernel, "run", counted)
-    monkeypatch.setattr(linear_attention, "_triton_failure", None)
-    monkeypatch.setattr(linear_attention, "_backward_failure", None)
-    hf_logging.warning_once.cache_clear()  # "once" per process: each test sees its own warning
-    monkeypatch.delenv(linear_attention.IMPLEMENTATION_ENV_VAR, raising=False)
-    resolve = linear_attention.resolve_implementation
-    monkeypatch.setattr(
-        linear_attention, "resolve_implementation",
-        lambda implementation, q, *args, **kwargs: (
-            "triton" if implementation == "auto" and linear_attention._triton_failure is None
-            else resolve(implementation, q, *args, **kwargs)
-        ),
-    )
     return launches
 
 

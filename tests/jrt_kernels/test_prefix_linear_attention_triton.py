@@ -332,7 +332,7 @@ def test_environment_forces(kernel_available, monkeypatch, forced):
 
 
 @pytest.fixture
-def failing_launch(monkeypatch):
+def failing_launch(monkeypatch, auto_takes_kernel):
     """The kernel's launch raises as on a GPU without enough shared memory; "auto" resolves to the kernel on CPU."""
     from triton.runtime.errors import OutOfResources
 
@@ -343,16 +343,6 @@ def failing_launch(monkeypatch):
         raise OutOfResources(262144, 232448, "shared memory")
 
     monkeypatch.setattr(kernel_module._prefix_linear_attention_fwd_kernel, "run", fail)
-    monkeypatch.setattr(linear_attention, "_triton_failure", None)
-    monkeypatch.delenv(linear_attention.IMPLEMENTATION_ENV_VAR, raising=False)
-    resolve = linear_attention.resolve_implementation
-    monkeypatch.setattr(
-        linear_attention, "resolve_implementation",
-        lambda implementation, q, *args, **kwargs: (
-            "triton" if implementation == "auto" and linear_attention._triton_failure is None
-            else resolve(implementation, q, *args, **kwargs)
-        ),
-    )
     return launches
 
 
