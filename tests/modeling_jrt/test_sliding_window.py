@@ -109,6 +109,22 @@ def test_model_blocked_prefill_equals_dense_masked_prefill(make_config, monkeypa
     torch.testing.assert_close(blocked_logits[mask.bool()], dense_logits[mask.bool()], rtol=RTOL, atol=ATOL)
 
 
+def assert_cached_forwards_equal_one_shot(model, input_ids, mask, ends):
+    """Forwards of input_ids[:, previous end : end] through one cache, for each end in `ends` (a prefill, then
+    chunks or single-token decode steps), give the logits of one forward over everything (real tokens compared)."""
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=mask, use_cache=False).logits
+        cache = DynamicCache(config=model.config)
+        starts = [0, *ends[:-1]]
+        pieces = [
+            model(input_ids[:, start:end], attention_mask=mask[:, :end], cache=cache).logits
+            for start, end in zip(starts, ends)
+        ]
+    assert ends[-1] == input_ids.shape[1]
+    logits = torch.cat(pieces, dim=1)
+    torch.testing.assert_close(logits[mask.bool()], expected[mask.bool()], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("window", [1, 2, 3, 4, 5, 70])
 def test_decode_and_chunked_prefill_after_blocked_prefill_equal_the_parallel_forward(
@@ -120,15 +136,7 @@ def test_decode_and_chunked_prefill_after_blocked_prefill_equal_the_parallel_for
     input_ids = torch.randint(4, 99, (2, 135))
     mask = torch.ones_like(input_ids)
     mask[1, :11] = 0
-    with torch.no_grad():
-        expected = model(input_ids, attention_mask=mask, use_cache=False).logits
-        cache = DynamicCache(config=model.config)
-        pieces = [model(input_ids[:, :90], attention_mask=mask[:, :90], cache=cache).logits]
-        pieces.append(model(input_ids[:, 90:127], attention_mask=mask[:, :127], cache=cache).logits)
-        for end in range(128, 136):
-            pieces.append(model(input_ids[:, end - 1 : end], attention_mask=mask[:, :end], cache=cache).logits)
-    logits = torch.cat(pieces, dim=1)
-    torch.testing.assert_close(logits[mask.bool()], expected[mask.bool()], rtol=1e-4, atol=1e-4)
+    assert_cached_forwards_equal_one_shot(model, input_ids, mask, ends=[90, 127, *range(128, 136)])
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -141,15 +149,8 @@ def test_chunked_blocked_prefill_equals_one_shot_for_tiny_windows(make_config, i
     input_ids = torch.randint(4, 99, (2, 130))
     mask = torch.ones_like(input_ids)
     mask[0, :6] = 0
-    with torch.no_grad():
-        expected = model(input_ids, attention_mask=mask, use_cache=False).logits
-        cache = DynamicCache(config=model.config)
-        pieces = [model(input_ids[:, :50], attention_mask=mask[:, :50], cache=cache).logits]
-        for start in range(50, 130, chunk):
-            end = min(start + chunk, 130)
-            pieces.append(model(input_ids[:, start:end], attention_mask=mask[:, :end], cache=cache).logits)
-    logits = torch.cat(pieces, dim=1)
-    torch.testing.assert_close(logits[mask.bool()], expected[mask.bool()], rtol=1e-4, atol=1e-4)
+    ends = [50, *(min(start + chunk, 130) for start in range(50, 130, chunk))]
+    assert_cached_forwards_equal_one_shot(model, input_ids, mask, ends=ends)
 
 
 def test_key_mask_shorter_than_the_keys_is_a_clear_error(make_config):
