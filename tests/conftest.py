@@ -80,6 +80,30 @@ def byte_bpe_tokenizer():
     )
 
 
+@pytest.fixture(scope="session")
+def load_benchmark():
+    """Imports a script of benchmarks/ as a module: `load_benchmark("prefill")` (registered in sys.modules under
+    `benchmarks_<name>` while the session runs, as dataclasses look their module up)."""
+    import importlib.util
+    import sys
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    loaded = {}
+
+    def load(name: str):
+        if name not in loaded:
+            spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", folder / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+            loaded[name] = module
+        return loaded[name]
+
+    yield load
+    for name in loaded:
+        sys.modules.pop(f"benchmarks_{name}", None)
+
+
 @pytest.fixture
 def auto_takes_kernel(monkeypatch):
     """Kernel tests: makes `implementation="auto"` resolve to the Triton kernel on CPU too (the interpreter), until

@@ -34,13 +34,8 @@ SASS = """
 
 
 @pytest.fixture(scope="module")
-def kernel_aot():
-    spec = importlib.util.spec_from_file_location("kernel_aot", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_aot"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["kernel_aot"]
+def kernel_aot(load_benchmark):
+    return load_benchmark("kernel_aot")
 
 
 def test_sass_loops_finds_top_level_loops(kernel_aot):

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "model_prefill.py"
-
 
 @pytest.fixture(scope="module")
-def model_prefill():
-    spec = importlib.util.spec_from_file_location("model_prefill_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def model_prefill(load_benchmark):
+    return load_benchmark("model_prefill")
 
 
 @pytest.mark.slow  # three worker processes, each importing transformers

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill.py"
-
 
 @pytest.fixture(scope="module")
-def prefill_benchmark():
-    spec = importlib.util.spec_from_file_location("prefill_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def prefill_benchmark(load_benchmark):
+    return load_benchmark("prefill")
 
 
 NO_TRITON = importlib.util.find_spec("triton") is None
