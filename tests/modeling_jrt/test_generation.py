@@ -156,12 +156,16 @@ def test_static_cache_equals_dynamic_cache(make_config, kind):
 @pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
 @pytest.mark.parametrize("prompt_length", [3, 10])
 def test_continuation_from_returned_cache_equals_one_shot(make_config, kind, prompt_length):
-    model = build(make_config, **kind)
-    input_ids = prompt(prompt_length, batch=2)
+    assert_continuation_equals_one_shot(build(make_config, **kind), prompt(prompt_length, batch=2), 4, 6)
+
+
+def assert_continuation_equals_one_shot(model, input_ids, first_tokens, more_tokens):
+    """Greedy generation of first_tokens, continued from the returned cache for more_tokens: the same tokens and
+    scores as one call for all of them."""
     settings = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
-    one_shot = model.generate(input_ids, max_new_tokens=10, **settings)
-    first = model.generate(input_ids, max_new_tokens=4, **settings)
-    second = model.generate(first.sequences, cache=first.cache, max_new_tokens=6, **settings)
+    one_shot = model.generate(input_ids, max_new_tokens=first_tokens + more_tokens, **settings)
+    first = model.generate(input_ids, max_new_tokens=first_tokens, **settings)
+    second = model.generate(first.sequences, cache=first.cache, max_new_tokens=more_tokens, **settings)
     torch.testing.assert_close(second.sequences, one_shot.sequences, rtol=0, atol=0)
     torch.testing.assert_close(
         torch.stack(first.scores + second.scores), torch.stack(one_shot.scores), rtol=1e-4, atol=1e-4
@@ -508,15 +512,7 @@ def test_reusing_a_cache_for_another_prompt_raises(make_config):
 def test_continuation_on_an_all_recurrent_cache_reads_each_token_once(make_config, prompt_length):
     """No sliding-attention layer: transformers cannot tell which tokens such a cache has read; the record can."""
     model = build(make_config, layer_types=["conv", "linear_attention", "linear_attention"], num_hidden_layers=3)
-    input_ids = prompt(prompt_length, batch=2)
-    settings = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
-    one_shot = model.generate(input_ids, max_new_tokens=9, **settings)
-    first = model.generate(input_ids, max_new_tokens=4, **settings)
-    second = model.generate(first.sequences, cache=first.cache, max_new_tokens=5, **settings)
-    torch.testing.assert_close(second.sequences, one_shot.sequences, rtol=0, atol=0)
-    torch.testing.assert_close(
-        torch.stack(first.scores + second.scores), torch.stack(one_shot.scores), rtol=1e-4, atol=1e-4
-    )
+    assert_continuation_equals_one_shot(model, prompt(prompt_length, batch=2), 4, 5)
 
 
 @pytest.mark.parametrize(
