@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard
+from isolated_python import BLOCK_LOCAL_PACKAGES
 from reference_checkpoints import (
     EOS,
     PADDED_VOCAB,
@@ -96,17 +97,8 @@ def test_jrt_reference_pad_masking_matches_reference(tmp_path):
     assert (expected - unmasked).abs().max() > 1e-2  # the mask matters in this test
 
 
-_REMOTE_LOAD = textwrap.dedent(
+_REMOTE_LOAD = BLOCK_LOCAL_PACKAGES + textwrap.dedent(
     """
-    import importlib.abc, sys
-
-    class Block(importlib.abc.MetaPathFinder):
-        # Make this distribution's packages unimportable, whatever the interpreter's site-packages hold.
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in {"modeling_jrt", "jrt_convert", "jrt_kernels", "jrt_cli"}:
-                raise ModuleNotFoundError(name)
-
-    sys.meta_path.insert(0, Block())
     try:
         import modeling_jrt
     except ModuleNotFoundError:

@@ -7,30 +7,16 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from huggingface_hub import ModelCard
+from isolated_python import BLOCK_LOCAL_PACKAGES
 from reference_checkpoints import EOS, reference_config, reference_state_dict, write_reference_checkpoint
 from transformers import PreTrainedTokenizerFast
 
 from jrt_convert import convert_checkpoint
 
-# Makes this distribution's packages unimportable, whatever the interpreter's site-packages hold, then runs the
-# card's usage block.
-_BLOCKED_PRELUDE = textwrap.dedent(
-    """
-    import importlib.abc, sys
-
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in {"modeling_jrt", "jrt_convert", "jrt_kernels", "jrt_cli"}:
-                raise ModuleNotFoundError(name)
-
-    sys.meta_path.insert(0, Block())
-    """
-)
 
 
 def _byte_tokenizer(folder: Path) -> Path:
@@ -74,7 +60,7 @@ def test_card_usage_runs_without_the_package_and_without_a_prompt(converted, tmp
     card = (converted / "README.md").read_text()
     usage = re.search(r"## Usage\n\n```python\n(.*?)```", card, re.S).group(1)
     script = tmp_path / "usage.py"
-    script.write_text(_BLOCKED_PRELUDE + usage.replace("PATH_OR_REPO", str(converted)) + "print('usage ok')\n")
+    script.write_text(BLOCK_LOCAL_PACKAGES + usage.replace("PATH_OR_REPO", str(converted)) + "print('usage ok')\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1")
     process = subprocess.run(

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_config
+from isolated_python import BLOCK_LOCAL_PACKAGES
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from transformers.dynamic_module_utils import get_imports
 
@@ -25,18 +26,8 @@ TESTS = Path(__file__).resolve().parents[1]
 # This distribution's top-level packages: none may be importable in the isolated interpreter.
 LOCAL_PACKAGES = ("modeling_jrt", "jrt_")
 
-_ISOLATED_LOAD = textwrap.dedent(
+_ISOLATED_LOAD = BLOCK_LOCAL_PACKAGES + textwrap.dedent(
     """
-    import importlib.abc, sys
-
-    class Block(importlib.abc.MetaPathFinder):
-        # This distribution's packages are unimportable, whatever the venv's site-packages hold.
-        def find_spec(self, name, path=None, target=None):
-            top = name.split(".")[0]
-            if top == "modeling_jrt" or top.startswith("jrt_"):
-                raise ModuleNotFoundError(name)
-
-    sys.meta_path.insert(0, Block())
     for name in ("modeling_jrt", "jrt_convert", "jrt_train"):
         try:
             __import__(name)
