@@ -47,7 +47,6 @@ program, a power of two), BP (pair rows, two halves of BP / 2).
 """
 
 import functools
-import math
 import os
 
 import torch
@@ -339,18 +338,17 @@ def _prefix_linear_attention_fwd(
             HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **dot_types(v.dtype, INTERPRETED),
         )
     if initial_state is not None:
-        _add_antisymmetric_part(state, initial_state, log_decay, T)
+        _add_antisymmetric_part(state, initial_state, log_decay, K, T)
     return o, state
 
 
 def _add_antisymmetric_part(
-    state: torch.Tensor, initial_state: torch.Tensor, log_decay: torch.Tensor | None, T: int
+    state: torch.Tensor, initial_state: torch.Tensor, log_decay: torch.Tensor | None, K: int, T: int
 ) -> None:
     """Add to the kernel's final state (B, H, F, V + 1), in place, the antisymmetric part (S_ij - S_ji) / 2 of the
     initial state's 2nd-order numerator rows, which the kernel (symmetric 2nd order) does not carry and no query
     reads, times gamma**T with the Based decay. (The denominator column keeps it in the kernel, through Z.)"""
-    B, H, F, W = state.shape
-    K = math.isqrt(F - 1)  # F = 1 + K + K**2
+    B, H, _, W = state.shape
     second = initial_state[:, :, 1 + K :, : W - 1].view(B, H, K, K, W - 1)
     anti = 0.5 * (second - second.transpose(2, 3))
     if log_decay is not None:
