@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM
 from modeling_jrt.configuration_jrt import PREFIX_PAD_MASKINGS
-from modeling_jrt.generation import never_generated_ids
+from modeling_jrt.prefix_fill import never_generated_ids
 
 from .checkpoint import ConversionError, read_reference_checkpoint
 from .families import (

@@ -26,7 +26,7 @@ def test_zero_tokens_raise_a_clear_error(model):
 def test_generate_refuses_an_empty_prompt(model, empty):
     prompt = torch.zeros(1, 0, 32) if empty == "inputs_embeds" else torch.zeros(1, 0, dtype=torch.long)
     kwargs = {"inputs": prompt} if empty == "inputs" else {empty: prompt}
-    with pytest.raises(ValueError, match=r"generate\(\) got an empty prompt \(0 tokens\)"):
+    with pytest.raises(ValueError, match=r"The input has 0 tokens"):
         model.generate(**kwargs, max_new_tokens=3)
 
 

@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 from transformers import (
-    DynamicCache,
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     PreTrainedTokenizerFast,
@@ -21,7 +20,8 @@ from transformers import (
 from transformers.generation import BaseStreamer, GenerationMixin
 
 from modeling_jrt import JRTRNNForCausalLM
-from modeling_jrt.generation import cached_prompt, prefill_segments
+from modeling_jrt import JRTRNNCache
+
 
 # The tiny config of conftest: prefix_length 8, sliding_window 5, vocab 99, pad 0, eos 2, prefix pad 3.
 PREFIX = 8
@@ -71,7 +71,7 @@ def test_prefill_then_decode_equals_parallel_forward(make_config, kind, prompt_l
     input_ids = prompt(22, batch=2)
     # The prefill's encoder covers the first min(prefix_length, prompt_length) tokens: the same in the full forward.
     full = model(input_ids, prefix_length=min(PREFIX, prompt_length)).logits
-    cache = DynamicCache(config=model.config)
+    cache = JRTRNNCache(model.config)
     pieces = [model(input_ids[:, :prompt_length], cache=cache).logits]
     # A multi-token forward continuing from the state, then single-token steps.
     pieces.append(model(input_ids[:, prompt_length : prompt_length + 3], cache=cache).logits)
@@ -502,7 +502,7 @@ def test_reusing_a_cache_for_another_prompt_raises(make_config):
         greedy(model, prompt(9, seed=5), 3, cache=first.cache)
     with pytest.raises(ValueError, match="already read 7 tokens, but `input_ids` has only 5"):
         greedy(model, prompt(5), 3, cache=first.cache)
-    used = DynamicCache(config=model.config)
+    used = JRTRNNCache(model.config)
     model(prompt(5), cache=used)  # a plain forward: generate() cannot know what it read
     with pytest.raises(ValueError, match="did not record"):
         greedy(model, prompt(6), 3, cache=used)

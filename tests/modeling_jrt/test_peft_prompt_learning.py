@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from modeling_jrt import JRTRNNForCausalLM
+from modeling_jrt import JRTRNNCache
 
 
 @pytest.mark.parametrize("linear_attention_type", ["prefix", "causal"])
@@ -52,4 +52,4 @@ def test_a_cache_without_recurrent_state_slots_is_refused(make_config):
     with pytest.raises(ValueError, match=r"at layer 0, a 'conv' layer .*DynamicCache\(config=model.config\)"):
         model(input_ids=input_ids, cache=DynamicCache())
     # A cache built from the config is accepted (and is what the model builds itself).
-    model(input_ids=input_ids, cache=DynamicCache(config=model.config))
+    model(input_ids=input_ids, cache=JRTRNNCache(model.config))

@@ -7,9 +7,10 @@ import copy
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 from transformers.masking_utils import create_sliding_window_causal_mask
 
+from modeling_jrt import JRTRNNCache
 from modeling_jrt.modeling_jrt import JRTRNNModel, eager_attention_forward
 from modeling_jrt.sliding_window import blocked_sliding_window_attention
 
@@ -114,7 +115,7 @@ def assert_cached_forwards_equal_one_shot(model, input_ids, mask, ends):
     chunks or single-token decode steps), give the logits of one forward over everything (real tokens compared)."""
     with torch.no_grad():
         expected = model(input_ids, attention_mask=mask, use_cache=False).logits
-        cache = DynamicCache(config=model.config)
+        cache = JRTRNNCache(model.config)
         starts = [0, *ends[:-1]]
         pieces = [
             model(input_ids[:, start:end], attention_mask=mask[:, :end], cache=cache).logits
@@ -156,7 +157,7 @@ def test_chunked_blocked_prefill_equals_one_shot_for_tiny_windows(make_config, i
 def test_key_mask_shorter_than_the_keys_is_a_clear_error(make_config):
     model = build(make_config, "sdpa")
     input_ids = torch.randint(4, 99, (1, 12))
-    cache = DynamicCache(config=model.config)
+    cache = JRTRNNCache(model.config)
     with torch.no_grad():
         model(input_ids[:, :8], cache=cache)
         with pytest.raises(ValueError, match="has 4 columns but the cache holds 8 tokens and the input 4"):
@@ -188,7 +189,7 @@ def test_prefill_at_4096_tokens_allocates_no_t_by_t_tensor(make_config, implemen
     mask = torch.ones_like(input_ids)
     mask[0, :3] = 0
     with torch.no_grad(), LargestTensor() as largest:
-        model(input_ids, attention_mask=mask, cache=DynamicCache(config=model.config), logits_to_keep=1)
+        model(input_ids, attention_mask=mask, cache=JRTRNNCache(model.config), logits_to_keep=1)
     assert largest.numel < length * length // 16, (largest.numel, largest.op)
 
 
@@ -246,7 +247,7 @@ def test_fullgraph_compile_of_prefill_and_padded_decode(make_config):
             compiled(input_ids, use_cache=False).logits, model(input_ids, use_cache=False).logits, rtol=1e-5, atol=1e-5
         )
         expected = model(input_ids, attention_mask=mask).logits[:, -1]
-        cache = DynamicCache(config=model.config)
+        cache = JRTRNNCache(model.config)
         model(input_ids[:, :-1], attention_mask=mask[:, :-1], cache=cache)
         step = compiled(input_ids[:, -1:], attention_mask=mask, cache=cache).logits[:, -1]
     torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-4)
