@@ -304,7 +304,7 @@ class JRTRNNSlidingWindowAttention(nn.Module):
                 sliding_window=self.sliding_window, scaling=self.scaling, implementation=implementation,
             )  # (B, T, H, D)
             return self.o_proj(output.reshape(batch_size, seq_len, -1)), None
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS[implementation]
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         output, _ = attention_interface(
             self, query, key, value, None if key_mask is None else key_mask.long(),
             dropout=0.0, scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
@@ -728,8 +728,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             input_ids: `(B, T)` token ids (or `inputs_embeds` `(B, T, hidden)`).
             attention_mask: `(B, past + T)` 1 for real tokens, 0 for padding (left or right), covering the cached
                 tokens too, as transformers' models take it.
-            position_ids: `(B, T)` RoPE positions; default: counting on from the positions the cache has read. Not
-                combinable with a JRT prefix fill (the fill's positions are the model's own).
+            position_ids: `(B, T)` RoPE positions; default: counting on from the positions the cache has read (the
+                JRT fill included). With a fill, the fill's positions count back from each row's first token.
             cache: a `JRTRNNCache` to continue (`past_key_values=` is the same argument under its pre-5.24 name).
             use_cache: create a `JRTRNNCache` when none is given (default `config.use_cache` in eval mode, False in
                 training mode).
@@ -799,15 +799,13 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
 
-        # 2. RoPE positions: the model's own columns, counting on from what the cache has read.
+        # 2. RoPE positions: the model's own columns, counting on from what the cache has read; given positions
+        #    are the caller's (the fill counts back from each row's first token).
         if position_ids is None:
             past_positions = cache.num_positions if continuing else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_positions)[None]
         elif fill_columns:
-            raise ValueError(
-                "`position_ids` cannot be combined with a JRT prefix fill (the fill's positions are the model's own): "
-                "omit them, or pass `prefix_strategy='none'`."
-            )
+            position_ids = filled.positions(position_ids.to(inputs_embeds.device))
         has_sliding = "sliding_attention" in config.layer_types
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if has_sliding else None
 
@@ -1169,6 +1167,18 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
             else:
                 new = sequence  # only the new tokens (a prefill chunk, or new tokens with the full mask)
             mask = attention_mask
+            # Fewer columns than the cache read: generate() says so by a length <= 0, a mask by its width.
+            short = (next_sequence_length is not None and next_sequence_length <= 0) or (
+                mask_width is not None and mask_width <= read
+            )
+            width = total if mask_width is None else mask_width
+            if read and not reads_embeds and short:
+                raise ValueError(
+                    f"This cache has read {read} tokens, but `input_ids` has {width}: continue with the full "
+                    "sequence (the tokens the cache read, then the new ones), or generate from a fresh cache."
+                )
+            if not read and next_sequence_length is not None and attention_mask is not None:
+                check_left_padding(attention_mask)
             if next_sequence_length == 1:
                 cache.pending_prefill = None
             elif cache.pending_prefill is not None:
@@ -1191,6 +1201,16 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
                 key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in model_inputs.items()
             }
         return model_inputs
+
+
+def check_left_padding(attention_mask: torch.Tensor) -> None:
+    """Generation appends tokens at the right end of each row: a row whose padding is on the right would continue
+    after its pads."""
+    if not torch.compiler.is_compiling() and bool((attention_mask[:, -1] == 0).any()):
+        raise ValueError(
+            "generate() needs left-padded prompts (padding first, then the prompt): set "
+            "`tokenizer.padding_side = 'left'` before tokenizing the batch."
+        )
 
 
 def cache_is_static(cache: Cache) -> bool:

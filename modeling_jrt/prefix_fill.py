@@ -110,6 +110,8 @@ class FilledInputs:
         prefix_lengths: `(B,)` tokens each row's encoder reads, counted from its first token in the model's layout
             (the fill included).
         prompt_lengths: `(B,)` the caller's tokens that form each row's prompt.
+        starts: `(B,)` each row's first token in the caller's columns.
+        fill_lengths: `(B,)` fill tokens of each row (right before its first token).
     """
 
     input_ids: torch.Tensor | None
@@ -119,6 +121,21 @@ class FilledInputs:
     fill_columns: int
     prefix_lengths: torch.Tensor
     prompt_lengths: torch.Tensor
+    starts: torch.Tensor | None = None
+    fill_lengths: torch.Tensor | None = None
+
+    def positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The caller's `(B, T)` RoPE positions in the model's layout `(B, F + T)`: the fill counts back from each
+        row's first token, the columns in front of it are 0 (padding)."""
+        if self.fill_columns == 0:
+            return position_ids
+        batch_size = self.starts.shape[0]
+        position_ids = position_ids.expand(batch_size, -1)
+        first = position_ids.gather(1, self.starts[:, None])  # (B, 1) position of each row's first token
+        columns = torch.arange(self.fill_columns + position_ids.shape[1], device=position_ids.device)[None]
+        row_start = (self.fill_columns + self.starts)[:, None]
+        in_front = torch.where(columns >= row_start - self.fill_lengths[:, None], first - (row_start - columns), 0)
+        return torch.cat([in_front[:, : self.fill_columns], position_ids], dim=1)
 
 
 def check_prefix_strategy(strategy: object) -> str:
@@ -241,6 +258,8 @@ def fill_prefix(
         fill_columns=fill_columns,
         prefix_lengths=encoder_tokens + fill,
         prompt_lengths=prompt,
+        starts=start,
+        fill_lengths=fill,
     )
 
 
