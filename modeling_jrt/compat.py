@@ -27,6 +27,15 @@ def output_cache(output: object) -> object:
     return getattr(output, CACHE_FIELD, None)
 
 
+def add_cache_alias(output_class: type) -> type:
+    """Give `output_class` the other release's name of its cache as a read-only alias (`out.cache` on transformers
+    < 5.24 as well, `out.past_key_values` on >= 5.24 where transformers has none), so user code reads either."""
+    other = "past_key_values" if CACHE_FIELD == "cache" else "cache"
+    if other not in {field.name for field in dataclasses.fields(output_class)} and not hasattr(output_class, other):
+        setattr(output_class, other, property(lambda self: getattr(self, CACHE_FIELD), doc="The cache (alias)."))
+    return output_class
+
+
 def keep_last_logits(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     """The positions of `hidden_states` `(B, T, hidden)` to compute logits for: the last `logits_to_keep` (0 = all),
     or those a 1D index tensor selects (transformers' `logits_to_keep` convention)."""
@@ -38,4 +47,4 @@ def keep_last_logits(hidden_states: torch.Tensor, logits_to_keep: int | torch.Te
     return hidden_states[:, logits_to_keep]
 
 
-__all__ = ["CACHE_FIELD", "keep_last_logits", "model_output", "output_cache"]
+__all__ = ["CACHE_FIELD", "add_cache_alias", "keep_last_logits", "model_output", "output_cache"]

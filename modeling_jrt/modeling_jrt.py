@@ -35,7 +35,7 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache import JRTRNNCache, JRTRNNPrefixRecord
-from .compat import CACHE_FIELD, keep_last_logits, model_output
+from .compat import CACHE_FIELD, add_cache_alias, keep_last_logits, model_output
 from .configuration_jrt import JRTRNNConfig
 from .linear_attention import linear_attention_step, prefix_linear_attention
 from .loss import IGNORE_INDEX, ignore_prefix_targets, jrt_loss
@@ -363,26 +363,15 @@ def prefix_encoder_range(
         batch_size, seq_len: B and T of the forward.
         device: where the range lives (the device of the hidden states).
     """
+    prefix_length = check_prefix_length(prefix_length, batch_size)
     if isinstance(prefix_length, torch.Tensor):
-        dtype = prefix_length.dtype
-        if prefix_length.shape != (batch_size,) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-            raise ValueError(
-                f"prefix_length must be an int or a (B,) = ({batch_size},) integer tensor of per-row prefix lengths; "
-                f"got a {prefix_length.dtype} tensor of shape {tuple(prefix_length.shape)}."
-            )
         lengths = prefix_length.to(device=device, dtype=torch.long)
-        if bool((lengths < 0).any()):
-            raise ValueError(f"prefix_length must be >= 0 in every row; got {lengths.tolist()}.")
-    elif isinstance(prefix_length, int) and not isinstance(prefix_length, bool):
-        if prefix_length < 0:
-            raise ValueError(f"prefix_length must be >= 0; got {prefix_length}.")
+    else:
         if attention_mask is None:  # the common case: no padding, no host sync
             length = min(prefix_length, seq_len)
             start = torch.zeros(batch_size, dtype=torch.long, device=device)
             return JRTRNNEncoderRange(start=start, end=start + length, length=length)
         lengths = torch.full((batch_size,), prefix_length, dtype=torch.long, device=device)
-    else:
-        raise TypeError(f"prefix_length must be an int or a (B,) LongTensor; got {type(prefix_length).__name__}.")
     if attention_mask is None:
         start = torch.zeros(batch_size, dtype=torch.long, device=device)
         real = torch.full((batch_size,), seq_len, dtype=torch.long, device=device)
@@ -685,6 +674,7 @@ def check_inputs(
     return reference.shape[0], reference.shape[1]
 
 
+@add_cache_alias
 @dataclass
 class JRTRNNModelOutput(BaseModelOutputWithPast):
     """`BaseModelOutputWithPast` (its cache field is `cache` on transformers >= 5.24, `past_key_values` before)."""
@@ -898,6 +888,7 @@ def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tenso
     return torch.where(has_leading_ignored, first - start, full)
 
 
+@add_cache_alias
 @dataclass
 class JRTRNNCausalLMOutput(CausalLMOutputWithPast):
     """`CausalLMOutputWithPast` plus the two parts of the JRT objective (set only when `mlm_labels` are given). Its
@@ -1124,6 +1115,12 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
           and read again with the next chunk as one first forward (`JRTRNNCache.pending_prefill`), so chunked and
           one-shot prefills read the same prefix.
         """
+        # `cache=` and `past_key_values=` both reach here when a caller names the cache the other release's way;
+        # generate() then measured `next_sequence_length` against its own (empty) cache: slice by our count instead.
+        if isinstance(cache, JRTRNNCache) and past_key_values is not None and past_key_values is not cache:
+            next_sequence_length = next_sequence_length if next_sequence_length == 1 else None
+        elif isinstance(past_key_values, JRTRNNCache) and cache is not None and cache is not past_key_values:
+            cache, next_sequence_length = past_key_values, (next_sequence_length if next_sequence_length == 1 else None)
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, JRTRNNCache):
             if cache_is_static(cache):
@@ -1168,8 +1165,9 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
                 new = sequence  # only the new tokens (a prefill chunk, or new tokens with the full mask)
             mask = attention_mask
             # Fewer columns than the cache read: generate() says so by a length <= 0, a mask by its width.
-            short = (next_sequence_length is not None and next_sequence_length <= 0) or (
-                mask_width is not None and mask_width <= read
+            short = next_sequence_length != 1 and (
+                (next_sequence_length is not None and next_sequence_length <= 0)
+                or (mask_width is not None and mask_width <= read)
             )
             width = total if mask_width is None else mask_width
             if read and not reads_embeds and short:
@@ -1189,7 +1187,8 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
                 forward_cache.remember_prefill_chunk(new, mask, self.config.prefix_length, kwargs.get("prefix_length"))
         model_inputs["inputs_embeds" if reads_embeds else "input_ids"] = new
         if forward_cache is not None:
-            model_inputs["cache"] = forward_cache
+            # Under the name every transformers release (and PEFT's prompt learning, which reads it) knows.
+            model_inputs["past_key_values"] = forward_cache
         if mask is not None:
             model_inputs["attention_mask"] = mask
         for key, value in kwargs.items():
@@ -1206,7 +1205,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
 def check_left_padding(attention_mask: torch.Tensor) -> None:
     """Generation appends tokens at the right end of each row: a row whose padding is on the right would continue
     after its pads."""
-    if not torch.compiler.is_compiling() and bool((attention_mask[:, -1] == 0).any()):
+    if attention_mask.shape[1] and not torch.compiler.is_compiling() and bool((attention_mask[:, -1] == 0).any()):
         raise ValueError(
             "generate() needs left-padded prompts (padding first, then the prompt): set "
             "`tokenizer.padding_side = 'left'` before tokenizing the batch."

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from modeling_jrt import JRTRNNForCausalLM
+from modeling_jrt.compat import output_cache
 
 KINDS = ["prefix", "causal"]
 
@@ -57,7 +58,7 @@ def test_forward_refuses_a_mask_of_the_wrong_width(model, width):
 def test_forward_refuses_a_mask_that_does_not_cover_the_cache(make_config):
     model = JRTRNNForCausalLM(make_config(prefix_length=4)).eval()  # the prefill covers the whole prefix
     input_ids = torch.randint(4, 99, (1, 9))
-    cache = model(input_ids[:, :6], use_cache=True).cache
+    cache = output_cache(model(input_ids[:, :6], use_cache=True))
     with pytest.raises(ValueError, match=r"the cache holds 6 tokens and the input 1: pass one mask column per token, cached and new \(7\)"):
         model(input_ids[:, 6:7], cache=cache, attention_mask=torch.ones(1, 1, dtype=torch.long))
     # The right width is accepted and gives the parallel logits.
@@ -71,7 +72,7 @@ def test_purely_recurrent_cache_counts_its_tokens_for_the_mask(make_config):
     input."""
     model = JRTRNNForCausalLM(make_config(layer_types=["conv", "linear_attention", "conv", "conv"])).eval()
     input_ids = torch.randint(4, 99, (1, 8))
-    cache = model(input_ids[:, :6], use_cache=True).cache
+    cache = output_cache(model(input_ids[:, :6], use_cache=True))
     assert cache.get_seq_length() == 6
     for width in (1, 9):
         with pytest.raises(ValueError, match=rf"has {width} columns but the cache holds 6 tokens and the input 2"):

@@ -20,6 +20,7 @@ from transformers import (
 from transformers.generation import BaseStreamer, GenerationMixin
 
 from modeling_jrt import JRTRNNForCausalLM
+from modeling_jrt.compat import CACHE_FIELD, output_cache
 from modeling_jrt import JRTRNNCache
 
 
@@ -163,9 +164,13 @@ def assert_continuation_equals_one_shot(model, input_ids, first_tokens, more_tok
     """Greedy generation of first_tokens, continued from the returned cache for more_tokens: the same tokens and
     scores as one call for all of them."""
     settings = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
-    one_shot = model.generate(input_ids, max_new_tokens=first_tokens + more_tokens, **settings)
-    first = model.generate(input_ids, max_new_tokens=first_tokens, **settings)
-    second = model.generate(first.sequences, cache=first.cache, max_new_tokens=more_tokens, **settings)
+    # The model's cache under the installed release's own name: a model without attention layers needs it passed
+    # on transformers < 5.24 (transformers' default cache cannot count tokens there).
+    fresh = lambda: {CACHE_FIELD: JRTRNNCache(model.config)}  # noqa: E731
+    one_shot = model.generate(input_ids, max_new_tokens=first_tokens + more_tokens, **fresh(), **settings)
+    first = model.generate(input_ids, max_new_tokens=first_tokens, **fresh(), **settings)
+    second = model.generate(first.sequences, **{CACHE_FIELD: output_cache(first)}, max_new_tokens=more_tokens,
+                            **settings)
     torch.testing.assert_close(second.sequences, one_shot.sequences, rtol=0, atol=0)
     torch.testing.assert_close(
         torch.stack(first.scores + second.scores), torch.stack(one_shot.scores), rtol=1e-4, atol=1e-4
@@ -279,19 +284,20 @@ def test_prefill_chunk_size_with_embeddings_and_continuation(make_config, layer_
     input_ids = prompt(17)
     with torch.no_grad():
         embeds = model.get_input_embeddings()(input_ids)
+    if CACHE_FIELD != "cache":
+        pytest.skip("transformers < 5.24 chunks neither `inputs_embeds` nor a continuation (its loop restarts at 0)")
     # (transformers' own default cache cannot count tokens without an attention layer: pass the model's cache)
     cache = {} if layer_types is None else dict(cache=JRTRNNCache(model.config))
-    one = model.generate(inputs_embeds=embeds, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
-                         output_scores=True, **NO_EOS)
-    chunked = model.generate(inputs_embeds=embeds, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
-                             output_scores=True, prefill_chunk_size=3, **cache, **NO_EOS)
+    settings = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
+    one = model.generate(inputs_embeds=embeds, **settings)
+    chunked = model.generate(inputs_embeds=embeds, prefill_chunk_size=3, **cache, **settings)
     assert_same_generation(chunked, one)
     settings = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, **NO_EOS)
     with torch.no_grad():
         first = model.generate(input_ids, **settings)
         longer = torch.cat([first.sequences, prompt(9, seed=2)], dim=1)
-        expected = model.generate(longer, cache=copy.deepcopy(first.cache), **settings)
-        chunked = model.generate(longer, cache=first.cache, prefill_chunk_size=2, **settings)
+        expected = model.generate(longer, **{CACHE_FIELD: copy.deepcopy(output_cache(first))}, **settings)
+        chunked = model.generate(longer, **{CACHE_FIELD: output_cache(first)}, prefill_chunk_size=2, **settings)
     torch.testing.assert_close(chunked.sequences, expected.sequences, rtol=0, atol=0)
 
 
@@ -335,12 +341,7 @@ def test_cache_bytes_stay_flat_past_the_window(make_config, kind):
 
     def cache_bytes(new_tokens: int) -> int:
         out = model.generate(prompt(6), max_new_tokens=new_tokens, return_dict_in_generate=True, **NO_EOS)
-        tensors = []
-        for layer in out.cache.layers:
-            for name in ("keys", "values"):
-                tensors.append(getattr(layer, name, None))
-            for name in ("conv_states", "recurrent_states"):
-                tensors.extend(getattr(layer, name, {}).values())
+        tensors = [tensor for layer in output_cache(out).layers for tensor in layer.tensors()]
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
     assert cache_bytes(10) == cache_bytes(200) > 0
@@ -468,9 +469,9 @@ def test_deepcopy_of_a_cache_continues_like_the_original(make_config, kind, stra
     settings = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, prefix_strategy=strategy,
                     **NO_EOS)
     first = model.generate(input_ids, max_new_tokens=4, **settings)
-    saved = copy.deepcopy(first.cache)
+    saved = copy.deepcopy(output_cache(first))
     from_copy = model.generate(first.sequences, cache=saved, max_new_tokens=5, **settings)
-    from_original = model.generate(first.sequences, cache=first.cache, max_new_tokens=5, **settings)
+    from_original = model.generate(first.sequences, cache=output_cache(first), max_new_tokens=5, **settings)
     torch.testing.assert_close(from_copy.sequences, from_original.sequences, rtol=0, atol=0)
     torch.testing.assert_close(torch.stack(from_copy.scores), torch.stack(from_original.scores), rtol=0, atol=0)
     assert saved.get_seq_length() == 3 + 4 + 5 - 1  # the caller's tokens read (the last one is not yet)
@@ -484,9 +485,9 @@ def test_continuing_from_a_cache_needs_the_tokens_it_read(make_config):
     tokens: it counts them, `get_seq_length()`); fewer are refused."""
     model = build(make_config)
     first = model.generate(prompt(5), max_new_tokens=3, do_sample=False, return_dict_in_generate=True, **NO_EOS)
-    assert first.cache.get_seq_length() == 7
+    assert output_cache(first).get_seq_length() == 7
     with pytest.raises(ValueError, match="This cache has read 7 tokens, but `input_ids` has 5"):
-        greedy(model, prompt(5), 3, cache=first.cache)
+        greedy(model, prompt(5), 3, cache=output_cache(first))
 
 
 @pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
@@ -498,7 +499,7 @@ def test_generate_continues_from_the_cache_of_a_plain_forward(make_config, kind)
     settings = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
     one_shot = model.generate(input_ids, **settings)
     with torch.no_grad():
-        cache = model(input_ids[:, :6], use_cache=True).cache
+        cache = output_cache(model(input_ids[:, :6], use_cache=True))
     continued = model.generate(input_ids, cache=cache, **settings)
     # The encoder of the forward read its 6 tokens (prompt_lengths 6): the same as a one-shot prompt of 6 whose
     # 4 further tokens are read causally, i.e. generate(prompt_lengths=6) on the whole prompt.
@@ -510,7 +511,7 @@ def test_generate_continues_from_the_cache_of_a_plain_forward(make_config, kind)
 
 @pytest.mark.parametrize("prompt_length", [3, 10])
 def test_continuation_on_an_all_recurrent_cache_reads_each_token_once(make_config, prompt_length):
-    """No sliding-attention layer: transformers cannot tell which tokens such a cache has read; the record can."""
+    """No sliding-attention layer: the cache counts the tokens it read all the same."""
     model = build(make_config, layer_types=["conv", "linear_attention", "linear_attention"], num_hidden_layers=3)
     assert_continuation_equals_one_shot(model, prompt(prompt_length, batch=2), 4, 5)
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM, JRTRNNModel
+from modeling_jrt.compat import output_cache
 from modeling_jrt.modeling_jrt import JRTRNNLinearAttention, JRTRNNShortConv, JRTRNNSlidingWindowAttention
 
 ALL_KINDS = [
@@ -45,7 +46,7 @@ def test_forward_shapes_and_loss_is_shifted_cross_entropy(make_config, kind):
     labels[0, :4] = -100
     labels[1, 10] = -100
     out = model(input_ids, labels=labels, use_cache=False)
-    assert out.logits.shape == (3, 13, 99) and out.cache is None
+    assert out.logits.shape == (3, 13, 99) and output_cache(out) is None
     targets = labels[:, 1:].clone()  # (B, T - 1): the target of position t is the label at index t + 1
     if kind["linear_attention_type"] == "prefix":
         targets[1:, : 8 - 1] = -100  # label indices 1..7 lie inside the prefix of rows 1 and 2
@@ -321,7 +322,10 @@ def test_loss_decreases_with_a_few_optimizer_steps(make_config):
 def test_gradient_checkpointing_gives_the_same_gradients(make_config):
     model = build(make_config).train()
     checkpointed = copy.deepcopy(model)
-    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(checkpointed, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert all(layer.gradient_checkpointing for layer in checkpointed.model.layers)
     input_ids = torch.randint(0, 99, (2, 17))
     model(input_ids, labels=input_ids, use_cache=False).loss.backward()

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from modeling_jrt import JRTRNNCache, JRTRNNForCausalLM
+from modeling_jrt.compat import output_cache
 
 NO_EOS = dict(eos_token_id=None, pad_token_id=0)
 
@@ -88,12 +89,12 @@ def test_past_key_values_is_the_same_argument_as_cache(make_config):
     input_ids = ids()
     with torch.no_grad():
         first = model(input_ids[:, :9], use_cache=True)
-        expected = model(input_ids[:, 9:], cache=first.cache).logits
+        expected = model(input_ids[:, 9:], cache=output_cache(first)).logits
         first = model(input_ids[:, :9], use_cache=True)
-        aliased = model(input_ids[:, 9:], past_key_values=first.cache).logits
+        aliased = model(input_ids[:, 9:], past_key_values=output_cache(first)).logits
     torch.testing.assert_close(aliased, expected)
     with pytest.raises(ValueError, match="Pass the cache once"):
-        model(input_ids[:, 9:], cache=first.cache, past_key_values=JRTRNNCache(model.config))
+        model(input_ids[:, 9:], cache=output_cache(first), past_key_values=JRTRNNCache(model.config))
 
 
 @pytest.mark.parametrize("strategy", ["pad", "repeat", "none"])
