@@ -152,7 +152,8 @@ def peak_bytes():
 from jrt_convert import convert_checkpoint
 imported = peak_bytes()
 start = time.perf_counter()
-result = convert_checkpoint(sys.argv[1], sys.argv[2], dtype=sys.argv[3], prefix_pad_token_id=int(sys.argv[4]))
+options = {} if sys.argv[4] == "default" else {"prefix_pad_token_id": int(sys.argv[4])}
+result = convert_checkpoint(sys.argv[1], sys.argv[2], dtype=sys.argv[3], **options)
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, "peak_bytes": peak_bytes(), "import_bytes": imported,
                   "parameters": result.num_parameters, "files": result.files}))
@@ -163,9 +164,9 @@ def run_conversion(source: Path, destination: Path, *, dtype: str) -> dict:
     """Convert in a fresh interpreter (so the peak RSS is the conversion's own) and return its measurements."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
-    pad = 220 if vocab > 220 else 0
+    pad = "default" if vocab > 220 else "0"  # GPT-2's " " (220) does not fit a tiny vocabulary
     process = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(source), str(destination), dtype, str(pad)],
+        [sys.executable, "-c", _CHILD, str(source), str(destination), dtype, pad],
         env=env, capture_output=True, text=True,
     )
     if process.returncode != 0:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .memory import MappedPages, NoRelease
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "pytorch_model.bin"
 LIGHTNING_SUFFIX = ".ckpt"
@@ -98,7 +100,7 @@ def load_reference_config(folder: Path) -> dict:
 
 def load_state_dict_safely(
     path: Path, *, dtype: torch.dtype | None = None
-) -> tuple[dict[str, torch.Tensor], bool]:
+) -> tuple[dict[str, torch.Tensor], bool, MappedPages | NoRelease]:
     """Tensors of a `pytorch_model.bin` or a Lightning `.ckpt`, read with `torch.load(weights_only=True)`.
 
     A zip checkpoint (torch >= 1.6) is memory-mapped: its tensors are read from the file when used, so the state dict
@@ -109,8 +111,8 @@ def load_state_dict_safely(
         dtype: the dtype the weights will be converted to; a value that does not fit it is refused here, by name.
 
     Returns:
-        (state_dict, is_lightning): the raw (un-normalised) state dict, and whether it came from a Lightning
-        checkpoint's `state_dict` entry.
+        (state_dict, is_lightning, pages): the raw (un-normalised) state dict, whether it came from a Lightning
+        checkpoint's `state_dict` entry, and the handle that releases the memory-mapped pages of a used tensor.
     """
     kind = check_file_integrity(path)
     try:
@@ -138,8 +140,9 @@ def load_state_dict_safely(
     not_tensors = sorted(str(k) for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
     if not_tensors:
         raise ConversionError(f"{str(path)!r}: these state-dict entries are not tensors: {not_tensors}.")
-    check_tensor_values(path, {k: v for k, v in state_dict.items() if "metrics" not in k}, dtype)
-    return state_dict, is_lightning
+    pages = MappedPages(path) if kind == "zip" else NoRelease()
+    check_tensor_values(path, {k: v for k, v in state_dict.items() if "metrics" not in k}, dtype, pages)
+    return state_dict, is_lightning, pages
 
 
 # What a damaged legacy pickle (or a damaged zip record) can raise inside torch.load.
@@ -150,12 +153,19 @@ _READ_ERRORS = (
 _REAL_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def check_tensor_values(path: Path, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> None:
+def check_tensor_values(
+    path: Path,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    pages: MappedPages | NoRelease | None = None,
+) -> None:
     """Refuse, naming the tensors, anything but dense real floating point (complex, integer, boolean, sparse), NaN or
     Inf values, and values that overflow `dtype` (1e5 in float16, 1e300 in float32).
 
-    One tensor at a time, with its minimum and maximum only (no converted copy): memory stays bounded.
+    One tensor at a time, with its minimum and maximum only (no converted copy), releasing each tensor's mapped pages
+    once checked (`pages`): memory stays bounded.
     """
+    pages = pages or NoRelease()
     wrong_kind, non_finite, overflow = [], [], []
     largest = 0.0
     for key, tensor in state_dict.items():
@@ -169,6 +179,7 @@ def check_tensor_values(path: Path, state_dict: dict[str, torch.Tensor], dtype: 
             continue
         low, high = torch.aminmax(tensor)
         ends = torch.stack([low, high])
+        pages.release(tensor)
         if not bool(torch.isfinite(ends).all()):
             non_finite.append(key)
         elif dtype is not None and not bool(torch.isfinite(ends.to(dtype)).all()):
@@ -299,7 +310,7 @@ def read_reference_checkpoint(source: Path, *, dtype: torch.dtype | None = None)
     the conversion's target dtype (values that overflow it are refused)."""
     weights_path = find_weights_file(source)
     config = load_reference_config(weights_path.parent)
-    raw, is_lightning = load_state_dict_safely(weights_path, dtype=dtype)
+    raw, is_lightning, _ = load_state_dict_safely(weights_path, dtype=dtype)
     state_dict, dropped = normalise_keys(raw)
     return ReferenceCheckpoint(config, state_dict, weights_path, dropped, is_lightning)
 

@@ -81,6 +81,10 @@ class WeightPlan:
         self._source = source
         self.sources = sources
 
+    def source_tensor(self, key: str) -> torch.Tensor:
+        """The reference tensor our tensor `key` comes from (to release its memory-mapped pages once written)."""
+        return self._source[self.sources[key].key]
+
     def tensor(self, key: str, dtype: torch.dtype) -> torch.Tensor:
         """Our tensor `key` in `dtype` (a view of the reference tensor when nothing needs converting)."""
         origin = self.sources[key]

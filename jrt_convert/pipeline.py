@@ -17,14 +17,19 @@ replaced only after the new one is complete and verified. The source is never wr
 from __future__ import annotations
 
 import errno
+import json
+import mmap
 import os
 import re
 import shutil
+import struct
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM
@@ -50,6 +55,7 @@ from .families import (
 )
 from .hub import download_reference_checkpoint, is_repo_id
 from .mapping import map_state_dict
+from .memory import release_mapping
 from .safety import (
     backup_name,
     check_destination,
@@ -62,7 +68,7 @@ from .safety import (
     unchanged_since,
     write_manifest,
 )
-from .shards import parse_size, tensor_bytes, write_shards
+from .shards import SAFETENSORS_DTYPES, parse_size, tensor_bytes, write_shards
 
 # Weight dtypes of a conversion, by torch's names (as `from_pretrained(dtype=...)` and the other commands spell them).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -142,7 +148,7 @@ def convert_checkpoint(
     reference_config = load_reference_config(weights_path.parent)
     arch = read_architecture(reference_config)
     tok, tokenizer_note = _load_tokenizer(tokenizer, arch)
-    raw, is_lightning = load_state_dict_safely(weights_path, dtype=torch_dtype)
+    raw, is_lightning, pages = load_state_dict_safely(weights_path, dtype=torch_dtype)
     state_dict, dropped_keys = normalise_keys(raw)
     del raw
     check_layers_against_weights(arch, list(state_dict))
@@ -182,7 +188,8 @@ def convert_checkpoint(
                 # the meta device. (First: save_pretrained removes weight files it finds in the folder.)
                 model.save_pretrained(staging, state_dict={})
                 hashes = write_shards(
-                    staging, shapes, torch_dtype, shard_bytes, lambda name: plan.tensor(name, torch_dtype)
+                    staging, shapes, torch_dtype, shard_bytes, lambda name: plan.tensor(name, torch_dtype),
+                    written=lambda name: pages.release(plan.source_tensor(name)),
                 )
                 plan.release()  # the memory map of the checkpoint goes with its last tensor
                 if tok is not None:
@@ -362,8 +369,10 @@ def verify_folder(folder: Path, hashes: dict[str, str], model: JRTRNNForCausalLM
     """Check the written folder without a second copy of the weights in memory.
 
     1. Every shard re-read from disk has the SHA-256 computed while it was written (read in chunks).
-    2. `from_pretrained` loads the folder into the one in-memory copy (the checkpoint's memory map is released by
-       then), with exactly the tensors of `model` (built on the meta device), and a short forward is finite.
+    2. safetensors reads every shard's header, and the shards hold exactly the tensors of `model` (built on the meta
+       device; the tied LM head is not saved), with its shapes and dtype.
+    3. A model assembled from read-only memory maps of the shards runs a short forward with finite logits. Each
+       layer's pages are released once the layer has run, so the forward holds about one layer at a time.
     """
     corrupted = sorted(name for name, digest in hashes.items() if sha256_of_file(folder / name) != digest)
     if corrupted:
@@ -371,22 +380,83 @@ def verify_folder(folder: Path, hashes: dict[str, str], model: JRTRNNForCausalLM
             f"Verification failed: {corrupted} changed between writing and reading back (a failing disk or another "
             "process writing there); nothing was moved into place."
         )
-    reloaded = JRTRNNForCausalLM.from_pretrained(folder, dtype=model.dtype)
-    reloaded.eval()
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    actual = {name: tuple(t.shape) for name, t in reloaded.state_dict().items()}
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items() if name not in tied}
+    tensors, regions = _map_shards(folder, list(hashes))
+    actual = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     if actual != expected:
         differing = sorted(set(actual) ^ set(expected) | {k for k in expected if actual.get(k) != expected[k]})
-        raise ConversionError(f"Verification failed: the reloaded folder differs from the converted model at {differing}.")
+        raise ConversionError(f"Verification failed: the written folder differs from the converted model at {differing}.")
+
+    with torch.device("meta"):
+        reloaded = JRTRNNForCausalLM(model.config).to(model.dtype)
+    _load_weights(reloaded, tensors)
+    by_address = {tensor.data_ptr(): regions[name] for name, tensor in tensors.items()}
+    del tensors
+
+    def release(module: torch.nn.Module, *args: object) -> None:
+        for parameter in module.parameters():
+            region = by_address.get(parameter.data_ptr())
+            if region is not None:
+                release_mapping(*region)
+
+    hooks = [layer.register_forward_hook(release) for layer in reloaded.model.layers]
+    hooks.append(reloaded.lm_head.register_forward_hook(release))
     input_ids = torch.tensor([_VERIFY_IDS]) % reloaded.config.vocab_size
     with torch.no_grad():
         logits = reloaded(input_ids, use_cache=False).logits
+    for hook in hooks:
+        hook.remove()
     if not torch.isfinite(logits).all():
         raise ConversionError(
-            "Verification failed: the reloaded model's logits on a short input are not finite (every weight is finite "
-            f"in {reloaded.dtype}); convert with --dtype float32."
+            "Verification failed: the converted model's logits on a short input are not finite (every weight is "
+            f"finite in {reloaded.dtype}); convert with --dtype float32."
         )
-    del reloaded
+
+
+def _map_shards(
+    folder: Path, files: list[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[mmap.mmap, int, int]]]:
+    """The tensors of safetensors shards as read-only memory maps (nothing is read until used), and where each lies
+    in its mapping. The headers are also parsed by safetensors itself, which must list the same tensors."""
+    tensors: dict[str, torch.Tensor] = {}
+    regions: dict[str, tuple[mmap.mmap, int, int]] = {}
+    for file_name in files:
+        path = folder / file_name
+        with safe_open(path, framework="pt") as handle:
+            names = set(handle.keys())
+        with open(path, "rb") as handle:
+            buffer = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        (header_length,) = struct.unpack("<Q", buffer[:8])
+        header = json.loads(buffer[8 : 8 + header_length])
+        header.pop("__metadata__", None)
+        if set(header) != names:
+            raise ConversionError(f"Verification failed: the header of {file_name} does not read back as written.")
+        base = 8 + header_length
+        for name, info in header.items():
+            begin, end = info["data_offsets"]
+            with warnings.catch_warnings():  # read-only on purpose: nothing may write into the mapped file
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                flat = torch.frombuffer(buffer, dtype=torch.uint8, count=end - begin, offset=base + begin)
+            tensors[name] = flat.view(_SAFETENSORS_TO_TORCH[info["dtype"]]).reshape(info["shape"])
+            regions[name] = (buffer, base + begin, end - begin)
+    return tensors, regions
+
+
+_SAFETENSORS_TO_TORCH = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+def _load_weights(model: JRTRNNForCausalLM, weights: dict[str, torch.Tensor]) -> None:
+    """Put the tensors into a model built on the meta device, then restore its derived buffers."""
+    result = model.load_state_dict(weights, strict=False, assign=True)
+    # The tied LM head is the only key not given (the verification has already compared the key sets).
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}, result
+    model.tie_weights()
+    rotary = model.model.rotary_emb
+    rotary.inv_freq = rotary.compute_inv_freq(model.config)
+    on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not on_meta, f"tensors left on the meta device: {on_meta}"
+    model.eval()
 
 
 def _load_tokenizer(

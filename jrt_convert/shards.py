@@ -89,6 +89,7 @@ def write_shards(
     dtype: torch.dtype,
     max_shard_size: int,
     produce: Callable[[str], torch.Tensor],
+    written: Callable[[str], None] | None = None,
 ) -> dict[str, str]:
     """Write the tensors named in `shapes` into safetensors shards in `folder`, one `produce(name)` call at a time.
 
@@ -98,6 +99,7 @@ def write_shards(
         dtype: dtype of every tensor (`produce` must return exactly this dtype and shape).
         max_shard_size: bytes per shard at most (a single larger tensor gets a shard of its own).
         produce: returns the tensor for a name; it is written, hashed and dropped before the next call.
+        written: called with each name once its tensor is on disk (to release what produced it).
 
     Returns:
         The SHA-256 of each file written, by file name.
@@ -129,6 +131,8 @@ def write_shards(
                 handle.write(data.data)
                 digest.update(data.data)
                 del tensor, data
+                if written is not None:
+                    written(name)
         hashes[file_name] = digest.hexdigest()
     if len(plan) > 1:
         total = sum(tensor_bytes(shape, dtype) for shape in shapes.values())
