@@ -171,7 +171,8 @@ def _int(value: object, field: str, where: str = "config.json") -> int:
         low, high = BOUNDS[field]
         if not low <= value <= high:
             raise ConversionError(
-                f"{where} field {field!r} must be between {low} and {high}, got {value!r}: fix config.json (or use "
+                f"{where} field {field!r} must be between {low} and {high}, got "
+                f"{f'{value:g}' if isinstance(value, float) else value}: fix config.json (or use "
                 "the config.json that belongs to these weights)."
             )
     return int(value)
@@ -327,6 +328,8 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
         _check_feature_map(alt_mixer)
         enc_length = alt_mixer.get("enc_length", config.get("enc_length"))
         use_decay_proj = bool(alt_mixer.get("use_decay_proj", False))
+    if config.get("enc_length") is not None:  # the top-level copy is checked too, though the mixer's wins
+        _int(config["enc_length"], "enc_length")
 
     window_size = None
     if sliding_layers:
