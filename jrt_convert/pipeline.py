@@ -187,6 +187,7 @@ def convert_checkpoint(
                 # Config (with `auto_map`), generation config and the remote code, without weights: the model is on
                 # the meta device. (First: save_pretrained removes weight files it finds in the folder.)
                 model.save_pretrained(staging, state_dict={})
+                _write_token_ids(staging / "config.json", config)
                 hashes = write_shards(
                     staging, shapes, torch_dtype, shard_bytes, lambda name: plan.tensor(name, torch_dtype),
                     written=lambda name: pages.release(plan.source_tensor(name)),
@@ -225,6 +226,17 @@ def convert_checkpoint(
         files=files,
         notes=notes + ([tokenizer_note] if tokenizer_note else []),
     )
+
+
+# Token ids every converted config.json states itself, whatever JRTRNNConfig's defaults are or become.
+_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "prefix_pad_token_id", "mask_token_id")
+
+
+def _write_token_ids(path: Path, config: JRTRNNConfig) -> None:
+    """Write the token ids into `config.json` explicitly (save_pretrained may leave out values equal to defaults)."""
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    saved.update({name: getattr(config, name) for name in _TOKEN_ID_FIELDS})
+    path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 class OptionError(ConversionError):
@@ -572,9 +584,10 @@ def render_model_card(
     )
     mask = f"; [MASK] = {config.mask_token_id}" if config.mask_token_id is not None else ""
     note_lines = "".join(f"- {note}\n" for note in notes) or "- none\n"
+    space = ' (" ")' if config.prefix_pad_token_id == GPT2_PREFIX_PAD_TOKEN_ID else ""
     prefix_text = (
         f"Prompts shorter than the prefix ({config.prefix_length} tokens) are left-padded with token "
-        f"{config.prefix_pad_token_id} (\" \") and the pads are masked in the linear attention "
+        f"{config.prefix_pad_token_id}{space} and the pads are masked in the linear attention "
         f"(`prefix_strategy=\"pad\"` in `generation_config.json`, "
         f"`prefix_pad_masking=\"{config.prefix_pad_masking}\"`), "
         "as in the reference evaluation.\n"
@@ -622,7 +635,7 @@ and never emits ids past GPT-2's vocabulary (`generation_vocab_size = {config.ge
 | sliding window (keys incl. self) | {config.sliding_window} |
 | prefix length | {config.prefix_length if is_prefix else "-"} |
 | decay | {"fixed + input-dependent" if config.use_decay_proj else "none"} |
-| vocabulary | {config.vocab_size} rows (GPT-2's {arch.vocab_size} + padding{mask}) |
+| vocabulary | {config.vocab_size} rows ({arch.vocab_size} tokens{" (GPT-2's)" if arch.vocab_size == 50257 else ""} + padding{mask}) |
 | weights dtype | {dtype} |
 
 ## Conversion
