@@ -75,46 +75,55 @@ def reference_config(preset: dict, *, vocab: int) -> dict:
     return config
 
 
-def reference_state_dict(config: dict, preset: dict, *, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random fp32 weights under the released keys and shapes (std 0.02, as the reference initialises)."""
-    generator = torch.Generator().manual_seed(seed)
+def reference_shapes(config: dict, preset: dict) -> dict[str, tuple[int, ...]]:
+    """Every key of the released `pytorch_model.bin` (with the Lightning `model.` prefix) and its shape."""
     d, mlp = config["n_embd"], config["n_inner"]
     rows = math.ceil(config["vocab_size"] / 8) * 8
-
-    def weight(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).mul_(0.02)
-
-    embedding = weight(rows, d)
-    sd = {"transformer.embeddings.word_embeddings.weight": embedding}
+    shapes = {"model.transformer.embeddings.word_embeddings.weight": (rows, d)}
     for i in range(config["n_layer"]):
         p = f"model.transformer.layers.{i}."
         if i in preset["swa"]:
-            sd[p + "mixer.Wqkv.weight"] = weight(3 * d, d)
-            sd[p + "mixer.out_proj.weight"] = weight(d, d)
+            shapes.update({p + "mixer.Wqkv.weight": (3 * d, d), p + "mixer.out_proj.weight": (d, d)})
         elif i in preset["la"]:
             for name in ("proj_q", "proj_k") + (("proj_k_enc",) if preset["kind"] == "jrt" else ()):
-                sd[p + f"mixer.{name}.weight"] = weight(HEADS * FEATURE_DIM, d)
+                shapes[p + f"mixer.{name}.weight"] = (HEADS * FEATURE_DIM, d)
             for name in ("proj_v", "out_proj") + (("proj_v_enc",) if preset["kind"] == "jrt" else ()):
-                sd[p + f"mixer.{name}.weight"] = weight(d, d)
+                shapes[p + f"mixer.{name}.weight"] = (d, d)
             if preset["kind"] == "based-decay":
-                sd[p + "mixer.decay_proj.weight"] = weight(HEADS, d)
+                shapes[p + "mixer.decay_proj.weight"] = (HEADS, d)
         else:
-            sd[p + "mixer.in_proj.weight"] = weight(4 * d, d)
-            sd[p + "mixer.in_proj.bias"] = weight(4 * d)
-            sd[p + "mixer.conv.conv.weight"] = weight(2 * d, 1, 3)
-            sd[p + "mixer.out_proj.weight"] = weight(d, 2 * d)
-            sd[p + "mixer.out_proj.bias"] = weight(d)
-        sd[p + "norm1.weight"] = torch.ones(d)
-        sd[p + "norm2.weight"] = torch.ones(d)
-        sd[p + "mlp.fc1.weight"] = weight(2 * mlp, d)
-        sd[p + "mlp.fc2.weight"] = weight(d, mlp)
-    sd["model.transformer.ln_f.weight"] = torch.ones(d)
+            shapes.update({
+                p + "mixer.in_proj.weight": (4 * d, d), p + "mixer.in_proj.bias": (4 * d,),
+                p + "mixer.conv.conv.weight": (2 * d, 1, 3), p + "mixer.out_proj.weight": (d, 2 * d),
+                p + "mixer.out_proj.bias": (d,),
+            })
+        shapes.update({
+            p + "norm1.weight": (d,), p + "norm2.weight": (d,), p + "mlp.fc1.weight": (2 * mlp, d),
+            p + "mlp.fc2.weight": (d, mlp),
+        })
+    shapes["model.transformer.ln_f.weight"] = (d,)
     if config.get("fixed_decay"):
-        heads = torch.arange(HEADS, dtype=torch.float64)
-        sd["model.transformer.decay.decay"] = torch.log1p(-torch.pow(2.0, -3 - heads)).float()
-    sd["model.lm_head.weight"] = embedding  # tied: stored once
-    sd["model.transformer.embeddings.word_embeddings.weight"] = sd.pop("transformer.embeddings.word_embeddings.weight")
-    sd["train_metrics.num-tokens.count"] = torch.tensor(123456)
+        shapes["model.transformer.decay.decay"] = (HEADS,)
+    shapes["model.lm_head.weight"] = (rows, d)  # tied to the embedding, stored once
+    shapes["train_metrics.num-tokens.count"] = ()
+    return shapes
+
+
+def reference_state_dict(config: dict, preset: dict, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 weights under the released keys and shapes (std 0.02, as the reference initialises; norms 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    for key, shape in reference_shapes(config, preset).items():
+        if key == "model.lm_head.weight":
+            sd[key] = sd["model.transformer.embeddings.word_embeddings.weight"]
+        elif "metrics" in key:
+            sd[key] = torch.tensor(123456)
+        elif key.endswith("decay.decay"):
+            sd[key] = torch.log1p(-torch.pow(2.0, -3 - torch.arange(HEADS, dtype=torch.float64))).float()
+        elif "norm" in key or "ln_f" in key:
+            sd[key] = torch.ones(shape)
+        else:
+            sd[key] = torch.randn(*shape, generator=generator).mul_(0.02)
     return sd
 
 
