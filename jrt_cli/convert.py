@@ -43,7 +43,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "a checkpoint whose vocabulary has 220 tokens or fewer",
     )
     parser.add_argument(
-        "--max-shard-size", default="5GB", help="safetensors shard size, e.g. 5GB, 500MB or 2GiB (default 5GB)"
+        "--max-shard-size", default="5GB", metavar="SIZE",
+        help="safetensors shard size, e.g. 5GB, 500MB or 2GiB (default 5GB)",
     )
     parser.add_argument(
         "--overwrite", action="store_true",
