@@ -130,7 +130,9 @@ def reference_state_dict(config: dict, preset: dict, *, seed: int = 0) -> dict[s
 def build_checkpoint(folder: Path, name: str, *, layers: int | None, hidden: int | None, vocab: int) -> Path:
     preset = dict(PRESETS[name])
     if layers is not None:  # a smaller model with the same layer pattern (tests)
-        preset.update(layers=layers, la=[i for i in preset["la"] if i < layers], swa=[i for i in preset["swa"] if i < layers])
+        preset.update(
+            layers=layers, la=[i for i in preset["la"] if i < layers], swa=[i for i in preset["swa"] if i < layers]
+        )
     if hidden is not None:
         preset.update(hidden=hidden, mlp=256 * math.ceil(2 * hidden / 256))  # GatedMlp rounds up to 256
     source = folder / name
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_over_checkpoint": peak / checkpoint_bytes, "import_rss_bytes": imported,
         "seconds": measured["seconds"], "build_seconds": built,
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
-                        "cpu": platform.processor() or platform.machine(), "threads": os.environ.get("OMP_NUM_THREADS")},
+                        "cpu": platform.processor() or platform.machine(),
+                        "threads": os.environ.get("OMP_NUM_THREADS")},
     }
     print(f"{args.checkpoint} ({measured['parameters']:,} parameters), --dtype {args.dtype}, torch {torch.__version__}")
     print(f"checkpoint      {checkpoint_bytes / 1e9:8.3f} GB  (built in {built:.1f} s)")

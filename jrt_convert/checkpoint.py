@@ -224,7 +224,8 @@ def _refused_object(error: pickle.UnpicklingError) -> bool:
 def _damaged(path: Path, kind: str, error: BaseException) -> ConversionError:
     reason = str(error).splitlines()[0] if str(error).strip() else "unexpected end of file"
     return ConversionError(
-        f"Cannot read {str(path)!r} ({type(error).__name__}: {reason}): the {_KINDS[kind]} is truncated, damaged or not a checkpoint. "
+        f"Cannot read {str(path)!r} ({type(error).__name__}: {reason}): the {_KINDS[kind]} is truncated, damaged or "
+        "not a checkpoint. "
         "Download or copy it again."
     )
 

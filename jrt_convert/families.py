@@ -192,7 +192,9 @@ def check_layers_against_weights(arch: "ReferenceArchitecture", keys: list[str])
     before any per-layer structure (key table, model) is built."""
     indices = sorted({int(match.group(1)) for key in keys if (match := _LAYER_KEY.match(key))})
     if indices != list(range(arch.num_layers)):
-        held = f"layers {indices[0]}-{indices[-1]} ({len(indices)} layers)" if indices else "no transformer.layers.* keys"
+        held = (
+            f"layers {indices[0]}-{indices[-1]} ({len(indices)} layers)" if indices else "no transformer.layers.* keys"
+        )
         raise ConversionError(
             f"config.json n_layer={arch.num_layers}, but the weights hold {held}: use the config.json that belongs to "
             "these weights (or fix its n_layer)."

@@ -398,7 +398,9 @@ def verify_folder(folder: Path, hashes: dict[str, str], model: JRTRNNForCausalLM
     actual = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     if actual != expected:
         differing = sorted(set(actual) ^ set(expected) | {k for k in expected if actual.get(k) != expected[k]})
-        raise ConversionError(f"Verification failed: the written folder differs from the converted model at {differing}.")
+        raise ConversionError(
+            f"Verification failed: the written folder differs from the converted model at {differing}."
+        )
 
     with torch.device("meta"):
         reloaded = JRTRNNForCausalLM(model.config).to(model.dtype)
@@ -585,6 +587,7 @@ def render_model_card(
     mask = f"; [MASK] = {config.mask_token_id}" if config.mask_token_id is not None else ""
     note_lines = "".join(f"- {note}\n" for note in notes) or "- none\n"
     space = ' (" ")' if config.prefix_pad_token_id == GPT2_PREFIX_PAD_TOKEN_ID else ""
+    gpt2 = " (GPT-2's)" if arch.vocab_size == 50257 else ""
     prefix_text = (
         f"Prompts shorter than the prefix ({config.prefix_length} tokens) are left-padded with token "
         f"{config.prefix_pad_token_id}{space} and the pads are masked in the linear attention "
@@ -635,7 +638,7 @@ and never emits ids past GPT-2's vocabulary (`generation_vocab_size = {config.ge
 | sliding window (keys incl. self) | {config.sliding_window} |
 | prefix length | {config.prefix_length if is_prefix else "-"} |
 | decay | {"fixed + input-dependent" if config.use_decay_proj else "none"} |
-| vocabulary | {config.vocab_size} rows ({arch.vocab_size} tokens{" (GPT-2's)" if arch.vocab_size == 50257 else ""} + padding{mask}) |
+| vocabulary | {config.vocab_size} rows ({arch.vocab_size} tokens{gpt2} + padding{mask}) |
 | weights dtype | {dtype} |
 
 ## Conversion
@@ -677,4 +680,6 @@ _CITATIONS = """@article{arora2024just,
 }"""
 
 
-__all__ = ["DTYPES", "ConversionResult", "OptionError", "check_options", "convert_checkpoint", "reference_generation_config"]
+__all__ = [
+    "DTYPES", "ConversionResult", "OptionError", "check_options", "convert_checkpoint", "reference_generation_config"
+]

@@ -186,7 +186,8 @@ def check_destination(source: Path | None, destination: Path, *, overwrite: bool
     if check.manifest_problem is not None:
         raise ConversionError(
             f"Destination {str(destination)!r} was not written by `jrt convert` ({check.manifest_problem}; it holds "
-            f"{_listing(check.unlisted)}), so --overwrite will not replace it. Choose another DST, or empty it yourself."
+            f"{_listing(check.unlisted)}), so --overwrite will not replace it. Choose another DST, or empty it "
+            "yourself."
         )
     reasons = []
     if check.unlisted:

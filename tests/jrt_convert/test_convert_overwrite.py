@@ -1,5 +1,5 @@
-"""`--overwrite` replaces only what `jrt convert` wrote, file for file and unchanged (its manifest); anything a user saved
-or edited is refused by name and kept byte for byte."""
+"""`--overwrite` replaces only what `jrt convert` wrote, file for file and unchanged (its manifest); anything a user
+saved or edited is refused by name and kept byte for byte."""
 
 from __future__ import annotations
 
