@@ -127,7 +127,9 @@ def reference_state_dict(config: dict, preset: dict, *, seed: int = 0) -> dict[s
     return sd
 
 
-def build_checkpoint(folder: Path, name: str, *, layers: int | None, hidden: int | None, vocab: int) -> Path:
+def build_checkpoint(
+    folder: Path, name: str, *, layers: int | None, hidden: int | None, vocab: int, legacy: bool = False
+) -> Path:
     preset = dict(PRESETS[name])
     if layers is not None:  # a smaller model with the same layer pattern (tests)
         preset.update(
@@ -139,7 +141,9 @@ def build_checkpoint(folder: Path, name: str, *, layers: int | None, hidden: int
     source.mkdir(parents=True)
     config = reference_config(preset, vocab=vocab)
     (source / "config.json").write_text(json.dumps(config))
-    torch.save(reference_state_dict(config, preset), source / "pytorch_model.bin")
+    # legacy: the pre-zip format of torch < 1.6, which cannot be memory-mapped (read whole).
+    torch.save(reference_state_dict(config, preset), source / "pytorch_model.bin",
+               _use_new_zipfile_serialization=not legacy)
     return source
 
 
@@ -192,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, help="fewer layers (same pattern), for a quick run")
     parser.add_argument("--hidden", type=int, help="a smaller hidden size, for a quick run")
     parser.add_argument("--vocab", type=int, default=50257, help="tokenizer vocabulary (default GPT-2's 50257)")
+    parser.add_argument("--legacy", action="store_true", help="save the checkpoint in torch's pre-zip format")
     parser.add_argument("--workdir", type=Path, help="where to build and convert (default: a temporary folder)")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
@@ -199,14 +204,16 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(dir=args.workdir) as folder:
         folder = Path(folder)
         start = time.perf_counter()
-        source = build_checkpoint(folder, args.checkpoint, layers=args.layers, hidden=args.hidden, vocab=args.vocab)
+        source = build_checkpoint(
+            folder, args.checkpoint, layers=args.layers, hidden=args.hidden, vocab=args.vocab, legacy=args.legacy
+        )
         built = time.perf_counter() - start
         checkpoint_bytes = (source / "pytorch_model.bin").stat().st_size
         measured = run_conversion(source, folder / "out", dtype=args.dtype)
         output_bytes = sum(p.stat().st_size for p in (folder / "out").iterdir() if p.is_file())
     peak, imported = measured["peak_bytes"], measured["import_bytes"]
     result = {
-        "checkpoint": args.checkpoint, "dtype": args.dtype, "parameters": measured["parameters"],
+        "checkpoint": args.checkpoint, "dtype": args.dtype, "legacy": args.legacy, "parameters": measured["parameters"],
         "checkpoint_bytes": checkpoint_bytes, "output_bytes": output_bytes, "peak_rss_bytes": peak,
         "peak_over_checkpoint": peak / checkpoint_bytes, "import_rss_bytes": imported,
         "seconds": measured["seconds"], "build_seconds": built,
@@ -214,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "cpu": platform.processor() or platform.machine(),
                         "threads": os.environ.get("OMP_NUM_THREADS")},
     }
-    print(f"{args.checkpoint} ({measured['parameters']:,} parameters), --dtype {args.dtype}, torch {torch.__version__}")
+    print(f"{args.checkpoint} ({measured['parameters']:,} parameters), --dtype {args.dtype}"
+          f"{' (legacy pickle)' if args.legacy else ''}, torch {torch.__version__}")
     print(f"checkpoint      {checkpoint_bytes / 1e9:8.3f} GB  (built in {built:.1f} s)")
     print(f"peak RSS        {peak / 1e9:8.3f} GB  = {peak / checkpoint_bytes:.2f}x the checkpoint "
           f"(after imports: {imported / 1e9:.3f} GB)")

@@ -203,13 +203,14 @@ def convert_checkpoint(
             except OSError as error:
                 if error.errno not in _DISK_FULL:
                     raise
-                raise ConversionError(
-                    f"Cannot write the converted folder for {str(destination)!r}: {error.strerror or error} (it needs "
-                    f"about {needed_bytes:,} bytes for the weights). Free some space (or raise `ulimit -f`), choose "
-                    "another DST, or convert with --dtype bfloat16; nothing was written."
-                ) from error
+                raise _disk_full(error, destination, needed_bytes) from error
             verify_folder(staging, hashes, model)
-            write_manifest(staging, hashes)
+            try:
+                write_manifest(staging, hashes)
+            except OSError as error:
+                if error.errno not in _DISK_FULL:
+                    raise
+                raise _disk_full(error, destination, needed_bytes) from error
             files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
             _apply_umask(staging)
             _move_into_place(staging, destination, overwrite=overwrite, checked=checked)
@@ -264,6 +265,15 @@ def check_options(
 
 # errno values of a full disk, a full quota and a file-size limit (`ulimit -f`).
 _DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def _disk_full(error: OSError, destination: Path, needed_bytes: int) -> ConversionError:
+    """A full disk, quota or `ulimit -f` while writing: one line naming DST and the bytes needed."""
+    return ConversionError(
+        f"Cannot write the converted folder for {str(destination)!r}: {error.strerror or error} (it needs about "
+        f"{needed_bytes:,} bytes for the weights). Free some space (or raise `ulimit -f`), choose another DST, or "
+        "convert with --dtype bfloat16; nothing was written."
+    )
 
 
 def _check_options(

@@ -13,13 +13,17 @@ def convert_benchmark(load_benchmark):
     return load_benchmark("convert")
 
 
-@pytest.mark.parametrize("checkpoint", ["JRT-360M-30B", "based-360M-30B"])
-def test_convert_benchmark_reports_peak_rss(convert_benchmark, tmp_path, capsys, checkpoint):
+@pytest.mark.parametrize(
+    "checkpoint, extra", [("JRT-360M-30B", []), ("based-360M-30B", []), ("JRT-360M-30B", ["--legacy"])],
+    ids=["jrt", "based-decay", "jrt-legacy-pickle"],
+)
+def test_convert_benchmark_reports_peak_rss(convert_benchmark, tmp_path, capsys, checkpoint, extra):
     output = tmp_path / "convert.json"
     result = convert_benchmark.main([
         "--checkpoint", checkpoint, "--layers", "4", "--hidden", "64", "--vocab", "257", "--workdir", str(tmp_path),
-        "--json", str(output),
+        "--json", str(output), *extra,
     ])
+    assert result["legacy"] is bool(extra)
     printed = capsys.readouterr().out
     assert "peak RSS" in printed and "x the checkpoint" in printed and "conversion time" in printed
     assert json.loads(output.read_text()) == result
