@@ -371,9 +371,7 @@ def _resolve_source(source: str) -> tuple[Path, str]:
 
 def reference_generation_config(config: JRTRNNConfig) -> GenerationConfig:
     """Greedy decoding with the converted config's ids (GPT-2's in the released models), as the reference evaluation
-    decodes; the reference's JRT prefix strategy (`prefix_strategy="pad"`: left-pad with `config.prefix_pad_token_id`,
-    GPT-2's " " = 220 unless told otherwise, to the prefix length and mask the pads, applied by the model's
-    `generate()`); and `suppress_tokens`: the ids past the tokenizer's vocabulary (padding rows, JRT's [MASK]) that
+    decodes, and `suppress_tokens`: the ids past the tokenizer's vocabulary (padding rows, JRT's [MASK]) that
     are never generated, whatever calls `generate`.
     """
     return GenerationConfig(
@@ -383,7 +381,6 @@ def reference_generation_config(config: JRTRNNConfig) -> GenerationConfig:
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
         suppress_tokens=never_generated_ids(config) or None,
-        prefix_strategy="pad" if config.linear_attention_type == "prefix" else "none",
     )
 
 
@@ -601,7 +598,7 @@ def render_model_card(
     prefix_text = (
         f"Prompts shorter than the prefix ({config.prefix_length} tokens) are left-padded with token "
         f"{config.prefix_pad_token_id}{space} and the pads are masked in the linear attention "
-        f"(`prefix_strategy=\"pad\"` in `generation_config.json`, "
+        f"by the model's first forward (`prefix_strategy=\"pad\"` in `config.json`, "
         f"`prefix_pad_masking=\"{config.prefix_pad_masking}\"`), "
         "as in the reference evaluation.\n"
         if is_prefix
