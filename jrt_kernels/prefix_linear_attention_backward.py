@@ -208,10 +208,12 @@ def _pla_bwd_dq_kernel(
         b_dq += b_q * _dot(b_gs, b_hd, SDOT, EMULATE, PRECISION)
         b_dq += _pair_scatter(_dot(b_gs, b_hoa, SDOT, EMULATE, PRECISION),
                               _select(b_qr, b_eia, DOT, EMULATE) * key_scale,
-                              _select(b_qr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION)
+                              _select(b_qr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION,
+                              True)
         b_dq += _pair_scatter(_dot(b_gs, b_hob, SDOT, EMULATE, PRECISION),
                               _select(b_qr, b_eib, DOT, EMULATE) * key_scale,
-                              _select(b_qr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION)
+                              _select(b_qr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION,
+                              True)
         # intra-chunk: dw_ij = G_i . [gamma**(i - j) v_j, 1], ds_ij = dw_ij (1 + s_ij). [BT queries, BT keys]
         b_s = _dot(b_q, b_kt, DOT, EMULATE, PRECISION)
         b_dw = _dot(b_g, b_vt, DOT, EMULATE, PRECISION)
@@ -263,10 +265,10 @@ def _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_kd, b_r0, b_r1, b_rd, b_roa, 
     b_dk += b_k * _dot(b_vd, b_rd, SDOT, EMULATE, PRECISION)
     b_dk += _pair_scatter(_dot(b_vd, b_roa, SDOT, EMULATE, PRECISION),
                           _select(b_kr, b_eia, DOT, EMULATE) * key_scale,
-                          _select(b_kr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION)
+                          _select(b_kr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION, False)
     b_dk += _pair_scatter(_dot(b_vd, b_rob, SDOT, EMULATE, PRECISION),
                           _select(b_kr, b_eib, DOT, EMULATE) * key_scale,
-                          _select(b_kr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION)
+                          _select(b_kr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION, False)
     if HAS_DECAY:
         b_dvt = b_dvt * b_kd[None, :]
     return b_dvt * b_w.to(tl.float32)[None, :], b_dk * b_w.to(tl.float32)[:, None]
