@@ -20,14 +20,20 @@ is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunke
                by E^T (tensor cores); the numerator state held transposed ([V, features], the A operand of the
                read); the denominator's 2nd order as the (K, K) matrix Z = sum k' k'^T.
     dkv kernel (backward in time, one program per batch x head): the reverse state R = dS + sum phi(q_i) G_i^T over
-               the queries after the chunk; per chunk (last to first)
-                   dv_j   = w_j (R0 + k'_j R1 + 1/2 (k'_j (x) k'_j) R2)[:V] + sum_{i >= j} a_ij g_i
-                   dk'_j  = w_j (R1 [v_j, 1] + 1/2 (B_j + B_j^T) k'_j) + sum_{i >= j} (G_i . [v_j, 1]) a'_ij q'_i
+               the queries after the chunk, held in the same layout (transposed, symmetric, (K, K) matrix Rz for the
+               denominator); per chunk (last to first)
+                   dv_j   = w_j (R0 + R1 k'_j + 1/2 Rd k'_j**2 + Ro P(k'_j))[:V] + sum_{i >= j} a_ij g_i
+                   dk'_j  = w_j (R1 v_j + k'_j * (Rd v_j) + sum_{pairs (a, b)} u_jp (k'_b e_a + k'_a e_b)
+                                 + rz1 + Rz k'_j),       u_j = Ro v_j
+                            + sum_{i >= j} (G_i . [v_j, 1]) (1 + s_ij) q'_i
                then the encoder keys of the row (they see every query: R after the whole scan), and
-               dS_0 = R at the end (the initial state is seen by every query and passes into S_T).
+               dS_0 = R at the end (the initial state is seen by every query and passes into S_T; the launcher adds
+               dS's antisymmetric 2nd-order part, which the symmetric R does not carry).
 
-The dkv kernel keeps the full K**2-row 2nd order (`_outer`, `_sym_contract`): with the symmetric form its dk pair
-scatter spilled 3x more (docs/kernels.md "The backward").
+Both pair scatters (u_p times the gathered factor, summed back by E^T) take their products as SDOT operands: the
+selections are exact, so that is one rounding of u x, the order of the state operand's own rounding. The dq scan,
+whose numerator and denominator terms cancel, adds the remainder as a second product (`_pair_scatter`'s SPLIT).
+Launch configs per architecture: `configs_for_architecture` (docs/kernels.md "The backward").
 
 State rows use the kernel's convention (2nd order without phi's 1/sqrt(2), applied when reading or writing the
 (B, H, F, V + 1) cache layout). Key masks follow `modeling_jrt.linear_attention`: a key's raw value is zeroed where
@@ -37,7 +43,7 @@ operands for fp16 inputs: the state can exceed fp16's range), or, in the CPU int
 multiplied in fp32 (`EMULATE`: the interpreter's bf16 dot is wrong), which is the same arithmetic.
 
 Dims: B batch, T decoder length, M encoder length, H heads, K feature dim, V value dim; tiles BT (tokens),
-BK (feature dim, power of two >= 16), BV (whole value dim, power of two).
+BK (feature dim, power of two >= 16), BV (whole value dim, power of two), BP (pair rows, two halves of BP / 2).
 """
 
 from __future__ import annotations
@@ -265,10 +271,12 @@ def _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_kd, b_r0, b_r1, b_rd, b_roa, 
     b_dk += b_k * _dot(b_vd, b_rd, SDOT, EMULATE, PRECISION)
     b_dk += _pair_scatter(_dot(b_vd, b_roa, SDOT, EMULATE, PRECISION),
                           _select(b_kr, b_eia, DOT, EMULATE) * key_scale,
-                          _select(b_kr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION, False)
+                          _select(b_kr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION,
+                          False)
     b_dk += _pair_scatter(_dot(b_vd, b_rob, SDOT, EMULATE, PRECISION),
                           _select(b_kr, b_eib, DOT, EMULATE) * key_scale,
-                          _select(b_kr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION, False)
+                          _select(b_kr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION,
+                          False)
     if HAS_DECAY:
         b_dvt = b_dvt * b_kd[None, :]
     return b_dvt * b_w.to(tl.float32)[None, :], b_dk * b_w.to(tl.float32)[:, None]
@@ -511,7 +519,7 @@ def prefix_linear_attention_backward(
         strict: pad_masking == "strict".
         log_decay: `(H,)` log gamma of the Based decay (no gradient: the decay is fixed), or None.
         gate: `(B, T, H)` Based numerator gate, or None.
-        chunk_size: BT of both scans (default 16 for dq, 32 for dk/dv).
+        chunk_size: BT of both scans (default: the architecture's configs, `configs_for_architecture`).
 
     Returns:
         `(dq, dk, dv, dk_enc, dv_enc, d initial_state, d gate)` in the inputs' dtypes (fp32 for the state), None
