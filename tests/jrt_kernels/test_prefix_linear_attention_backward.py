@@ -109,6 +109,20 @@ def test_backward_left_padding_and_initial_state(device, pad_masking):
     assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, pad_masking=pad_masking)
 
 
+@pytest.mark.parametrize("pad_masking", ["strict", "reference"])
+def test_backward_range_and_holed_masks(device, pad_masking):
+    """One batch with a padding row (the range launch of each scan) and a row with holes (the loaded-mask launch)."""
+    inputs, grad_output, dstate = make_case(2, 40, 2, 4, 6, 12, dtype=torch.float32, device=device, seed=12,
+                                            initial_state=True)
+    key_mask = torch.ones(2, 40, dtype=torch.bool, device=device)
+    key_mask[0, :5] = False
+    key_mask[1, 3:6] = False
+    key_mask[1, 20:23] = False
+    rows = backward_module._key_rows(key_mask)[:, 0].tolist()
+    assert rows == [1, 0]
+    assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, pad_masking=pad_masking)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_backward_low_precision_operands(device, dtype):
     """bf16 / fp16 inputs: the operands are rounded as on tensor cores (emulated in the interpreter)."""
