@@ -147,6 +147,13 @@ def _int(value: object, field: str, where: str = "config.json") -> int:
     return int(value)
 
 
+def _float(value: object, field: str, where: str = "config.json") -> float:
+    """`value` as a finite float, or a ConversionError naming the field (JSON numbers only, not strings)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConversionError(f"{where} field {field!r} must be a finite number, got {value!r}.")
+    return float(value)
+
+
 def _layer_list(config: dict, name: str) -> set[int]:
     """The layer indices of `alt_mixer_layers` / `alt_mixer_2_layers` (a list of integers, or absent)."""
     value = config.get(name) or []
@@ -299,7 +306,7 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
     intermediate_size = math.ceil(_int(n_inner, "n_inner") / 256) * 256
 
     fixed_decay = bool(config.get("fixed_decay", (alt_mixer or {}).get("fixed_decay", False)))
-    decay_const = float(config.get("decay_const", (alt_mixer or {}).get("decay_const", -3)))
+    decay_const = _float(config.get("decay_const", (alt_mixer or {}).get("decay_const", -3)), "decay_const")
     return ReferenceArchitecture(
         num_layers=num_layers,
         hidden_size=hidden_size,
@@ -317,8 +324,8 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
         fixed_decay=fixed_decay,
         decay_const=decay_const,
         use_decay_proj=use_decay_proj,
-        rope_theta=float(config.get("rotary_emb_base", 10000.0)),
-        rms_norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        rope_theta=_float(config.get("rotary_emb_base", 10000.0), "rotary_emb_base"),
+        rms_norm_eps=_float(config.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon"),
         bos_token_id=_int(config.get("bos_token_id", 50256), "bos_token_id"),
         eos_token_id=_int(config.get("eos_token_id", 50256), "eos_token_id"),
         mask_token_id=None if config.get("mask_token_id") is None else _int(config["mask_token_id"], "mask_token_id"),
