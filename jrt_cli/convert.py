@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jrt_convert import DTYPES, FAMILIES
-from modeling_jrt.configuration_jrt import PREFIX_PAD_MASKINGS
-
+from .choices import DTYPES, FAMILIES, PREFIX_PAD_MASKINGS
 from .main import UsageError
+from .sources import check_hub_source
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -48,15 +47,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jrt_convert import convert_checkpoint, push_to_hub
-    from jrt_convert.hub import check_hub_access
-
     if (args.private or args.revision or args.create_pr) and not args.push_to_hub:
         raise UsageError("--private, --revision and --create-pr need --push-to-hub REPO_ID.")
     if args.create_pr and args.revision not in (None, "main"):
         raise UsageError(
             f"--create-pr opens a pull request against main; it cannot be combined with --revision {args.revision!r}."
         )
+    # A Hub id with the Hub unreachable fails in seconds (transformers and huggingface_hub retry for a minute).
+    check_hub_source(args.source, "SRC")
+    if args.tokenizer is not None:
+        check_hub_source(args.tokenizer, "--tokenizer")
+    from jrt_convert import convert_checkpoint, push_to_hub
+    from jrt_convert.hub import check_hub_access
+
     if args.push_to_hub:
         check_hub_access(args.push_to_hub, private=args.private)  # before the minutes of conversion
     result = convert_checkpoint(

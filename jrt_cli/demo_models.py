@@ -18,10 +18,9 @@ from transformers import AutoModelForCausalLM
 
 import modeling_jrt  # noqa: F401  (registers model_type "jrt_rnn" with the Auto classes)
 
+from .choices import DEMO_SEED, MODELS_DIR
 from .set_disjointness import SyntheticBatch, set_disjointness
 
-MODELS_DIR = Path(__file__).resolve().parent / "assets" / "models"
-DEMO_SEED = 2024
 DEMO_SLICES = ((4, 16), (16, 4))  # the set sizes the models were trained on
 LONGER_SLICES = ((8, 24), (24, 8))  # longer sets never seen in training (prompt of 35 tokens)
 

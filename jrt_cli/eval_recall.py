@@ -7,17 +7,9 @@ the output path before loading the model, then prints the summary table to stdou
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from jrt_convert import DTYPES
-from jrt_eval.jsonl_recall import (
-    PROMPT_KINDS,
-    check_output_writable,
-    evaluate_recall,
-    load_records,
-    quiet_lm_eval,
-    write_results,
-)
+from .choices import DTYPES, PROMPT_KINDS
+from .sources import check_model_source
 
 
 def _int_at_least(minimum: int):
@@ -73,11 +65,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _looks_local(name: str) -> bool:
-    """A path rather than a Hub id (`owner/name`): absolute, relative with ./ or ~, or more than one `/`."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
-
-
 def load_lm(args: argparse.Namespace):
     """The `JRTLM` for `--model`; a missing folder or a failed load is one line (ValueError / RuntimeError)."""
     try:
@@ -92,8 +79,8 @@ def load_lm(args: argparse.Namespace):
     from jrt_eval.lm import JRTLM
 
     for flag, name in (("--model", args.model), ("--tokenizer", args.tokenizer)):
-        if name is not None and _looks_local(name) and not Path(name).expanduser().is_dir():
-            raise FileNotFoundError(f"{flag} {name}: no such folder")
+        if name is not None:
+            check_model_source(name, flag)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         return JRTLM(
@@ -106,6 +93,8 @@ def load_lm(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from jrt_eval.jsonl_recall import check_output_writable, evaluate_recall, load_records, quiet_lm_eval, write_results
+
     # Everything that can be checked is checked before the model is loaded and the evaluation runs.
     if args.context_tokens <= args.answer_tokens:
         raise ValueError(
