@@ -60,6 +60,35 @@ def load_demo_model(model_dir: str, models_dir: Path = MODELS_DIR) -> tuple[torc
     return model, json.loads((path / "token_map.json").read_text())
 
 
+def refresh_demo_folder(folder: Path) -> list[str]:
+    """Rewrite what a demo model folder ships besides its weights, from this package: the remote code and `auto_map`
+    (what `save_pretrained` writes, so a copied folder loads with `trust_remote_code=True` alone) and the tokenizer
+    (`sd_tokenizer` of its `token_map.json`). The weights and `training.json` are left alone.
+
+    `python -m jrt_cli.demo_models` runs it on the shipped folders; tests/jrt_cli/test_demo_assets.py fails when the
+    shipped code differs from the package's (after any change to `modeling_jrt`). Returns the files written.
+    """
+    import shutil
+    import tempfile
+
+    from .set_disjointness import sd_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    written = []
+    with tempfile.TemporaryDirectory() as scratch:
+        model.save_pretrained(scratch)
+        for code in sorted(Path(scratch).glob("*.py")):
+            shutil.copyfile(code, folder / code.name)
+            written.append(code.name)
+        auto_map = json.loads((Path(scratch) / "config.json").read_text())["auto_map"]
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = auto_map
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    token_map = json.loads((folder / "token_map.json").read_text())
+    written += sd_tokenizer(token_map).save_pretrained(folder)
+    return ["config.json", *(Path(name).name for name in written)]
+
+
 def demo_batch(num_examples: int, repeat: int = 1, seed: int = DEMO_SEED, vocab_size: int = 68,
                slices: tuple[tuple[int, int], ...] = DEMO_SLICES) -> SyntheticBatch:
     """`num_examples` fresh set-disjointness examples, split evenly over `slices` (`(|A|, |B|)` pairs of the same
@@ -106,3 +135,13 @@ def recurrent_state_size(model: torch.nn.Module, batch: SyntheticBatch) -> dict[
             sizes["conv"] += 0 if state is None else state.numel()
     sizes["total"] = sizes["linear_attention"] + sizes["conv"]
     return sizes
+
+
+if __name__ == "__main__":
+    # Refresh the shipped folders after a change to modeling_jrt (or to the demo tokenizer): code, auto_map, tokenizer.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    for name in DEMO_MODELS.values():
+        files = refresh_demo_folder(MODELS_DIR / name)
+        print(f"{MODELS_DIR / name}: {', '.join(sorted(set(files)))}")
