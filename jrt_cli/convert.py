@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .choices import DTYPES, FAMILIES, PREFIX_PAD_MASKINGS
-from .main import UsageError
+from .main import UsageError, quiet_transformers
 from .sources import check_hub_source
 
 
@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from jrt_convert import convert_checkpoint, push_to_hub
     from jrt_convert.hub import check_hub_access
 
+    quiet_transformers()
     if args.push_to_hub:
         check_hub_access(args.push_to_hub, private=args.private)  # before the minutes of conversion
     result = convert_checkpoint(

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from .choices import DEMO_SEED, MODELS_DIR
-from .main import UsageError
+from .main import UsageError, quiet_transformers
 
 NUM_SHOWN = 4
 NUM_SCORED = 200
@@ -40,8 +40,6 @@ def _accuracy(model, batch) -> float:
 def run(args: argparse.Namespace) -> int:
     if args.examples < NUM_SHOWN:
         raise UsageError(f"`--examples` must be >= {NUM_SHOWN}, got {args.examples}.")
-    from transformers.utils import logging as hf_logging
-
     from .demo_models import (
         DEMO_ARMS,
         DEMO_SLICES,
@@ -54,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from .set_disjointness import render_tokens
 
     start = time.perf_counter()
-    hf_logging.disable_progress_bar()  # no "Loading weights" bars in the output
+    quiet_transformers()  # no "Loading weights" bars in the output
     models = {}
     for arm in DEMO_ARMS:
         if arm.model_dir not in models:

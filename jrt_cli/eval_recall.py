@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from .choices import DTYPES, PROMPT_KINDS
+from .main import quiet_transformers
 from .sources import check_model_source
 
 
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     load_records(args.data, limit=args.limit)
     if args.no_progress:
         quiet_lm_eval()
+    quiet_transformers()
     lm = load_lm(args)
     report = evaluate_recall(
         lm,

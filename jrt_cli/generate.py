@@ -14,7 +14,7 @@ import argparse
 import math
 
 from .choices import PREFIX_STRATEGIES
-from .main import UsageError, one_line
+from .main import UsageError, one_line, quiet_transformers
 from .sources import check_model_source
 
 
@@ -90,12 +90,11 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     import modeling_jrt  # noqa: F401  (registers model_type "jrt_rnn" with the Auto classes)
     from jrt_prompt import read_twice
 
-    hf_logging.disable_progress_bar()  # no "Loading weights" bar before the output
+    quiet_transformers()  # no "Loading weights" bar before the output
     try:
         model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     except OSError as error:  # missing files, unknown Hub id

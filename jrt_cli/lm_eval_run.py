@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .main import UsageError
+from .main import UsageError, quiet_transformers
 from .sources import check_model_source
 
 LM_EVAL_SUBCOMMANDS: tuple[str, ...] = ("run", "ls", "validate")
@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from jrt_eval import TASKS_DIR
 
     setup_logging()
+    quiet_transformers()
     if hasattr(lm_eval_args, "include_path"):
         user_path = lm_eval_args.include_path
         lm_eval_args.include_path = [str(TASKS_DIR)] + ([user_path] if user_path else [])
