@@ -13,13 +13,21 @@ from .sources import check_hub_source
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "convert",
+        usage="jrt convert [options] SRC DST\n       jrt convert --example DIR",
         help="convert a HazyResearch JRT-RNN / Based checkpoint to a HuggingFace folder",
         description="Convert a released HazyResearch JRT-RNN / Based checkpoint (reference config.json plus "
         "pytorch_model.bin or a Lightning .ckpt, or a Hub repo id) to a folder that "
         "AutoModelForCausalLM.from_pretrained loads, with or without the jrt-rnn package (trust_remote_code=True).",
     )
-    parser.add_argument("source", metavar="SRC", help="local folder / weights file, or a Hub repo id")
-    parser.add_argument("destination", metavar="DST", help="output folder (must not exist unless --overwrite)")
+    parser.add_argument("source", metavar="SRC", nargs="?", help="local folder / weights file, or a Hub repo id")
+    parser.add_argument(
+        "destination", metavar="DST", nargs="?", help="output folder (must not exist unless --overwrite)"
+    )
+    parser.add_argument(
+        "--example", metavar="DIR",
+        help="instead of converting: write a tiny random checkpoint in the released JRT-RNN format to DIR "
+        "(config.json + pytorch_model.bin, 14 MB), to try `jrt convert DIR OUT` offline",
+    )
     parser.add_argument(
         "--family", default="auto", choices=["auto", *FAMILIES],
         help="checkpoint family (default: detected from the config and the weights)",
@@ -47,6 +55,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.example is not None:
+        if args.source is not None or args.destination is not None:
+            raise UsageError("--example DIR writes an example checkpoint and converts nothing: give no SRC or DST.")
+        from jrt_convert.example import write_example_checkpoint
+
+        folder = write_example_checkpoint(args.example)
+        print(f"wrote a tiny random JRT-RNN checkpoint in the released format to {folder}; convert it with: "
+              f"jrt convert {folder} {folder}-hf")
+        return 0
+    if args.source is None or args.destination is None:
+        raise UsageError("give the checkpoint to convert and the output folder: jrt convert SRC DST "
+                         "(or jrt convert --example DIR for a tiny checkpoint to try it on).")
     if (args.private or args.revision or args.create_pr) and not args.push_to_hub:
         raise UsageError("--private, --revision and --create-pr need --push-to-hub REPO_ID.")
     if args.create_pr and args.revision not in (None, "main"):

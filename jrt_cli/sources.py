@@ -24,8 +24,9 @@ HUB_PROBE_TIMEOUT = 3.0
 
 # Files whose presence in the local Hub cache makes a repo usable offline (a model or a tokenizer).
 _CACHE_PROBE_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
-# Keys of a released HazyResearch config.json (GPT-2 style, `based` training code); a converted one has model_type.
-_REFERENCE_CONFIG_KEYS = ("alt_mixer", "alt_mixer_layers", "mixer", "n_layer", "n_embd")
+# Keys of a released HazyResearch config.json (a GPT2Config dump with the `based` mixer dicts, model_type "gpt2");
+# a converted folder's has model_type "jrt_rnn".
+_REFERENCE_CONFIG_KEYS = ("alt_mixer", "alt_mixer_2", "alt_mixer_layers", "alt_mixer_2_layers", "mixer")
 
 
 class ModelSourceError(FileNotFoundError):
@@ -95,7 +96,7 @@ def check_hub_source(name: str, flag: str) -> None:
 
 
 def check_converted(folder: Path, flag: str) -> None:
-    """Refuse a folder that holds a released HazyResearch checkpoint (reference config.json without `model_type`)."""
+    """Refuse a folder that holds a released HazyResearch checkpoint (its reference config.json, not a converted one)."""
     config_file = folder / "config.json"
     if not config_file.is_file():
         return
@@ -103,10 +104,11 @@ def check_converted(folder: Path, flag: str) -> None:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return  # transformers reports an unreadable config with its file name
-    if isinstance(config, dict) and "model_type" not in config and any(k in config for k in _REFERENCE_CONFIG_KEYS):
+    is_reference = isinstance(config, dict) and any(key in config for key in _REFERENCE_CONFIG_KEYS)
+    if is_reference and config.get("model_type") != "jrt_rnn":
         raise ModelSourceError(
             f"{flag} {str(folder)!r} holds a released HazyResearch checkpoint in its original format: convert it "
-            f"first: jrt convert SRC DST (e.g. jrt convert {folder} {folder.name}-hf), then pass DST."
+            f"first: jrt convert SRC DST (e.g. jrt convert {folder} {folder}-hf), then pass DST."
         )
 
 

@@ -4,7 +4,6 @@ the local cache still works offline; a released checkpoint that was never conver
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -117,12 +116,10 @@ def test_paths_that_cannot_be_hub_ids_are_missing_folders(capsys, tmp_path):
 
 
 def test_unconverted_released_checkpoint_says_convert_it_first(tmp_path, capsys):
-    """A folder holding the reference config.json (no model_type; it failed with `KeyError: 'swiglu'`)."""
-    folder = tmp_path / "JRT-360M-30B"
-    folder.mkdir()
-    reference = {"n_layer": 4, "n_embd": 64, "n_head": 2, "alt_mixer_layers": [1], "alt_mixer": {"_target_": "x"}}
-    (folder / "config.json").write_text(json.dumps(reference), encoding="utf-8")
-    (folder / "pytorch_model.bin").write_bytes(b"")
+    """A folder holding the reference config.json (a GPT2Config dump: it failed with `KeyError: 'swiglu'`)."""
+    from jrt_convert.example import write_example_checkpoint
+
+    folder = write_example_checkpoint(tmp_path / "JRT-360M-30B")
     for argv in (["generate", "--model", str(folder), "--prompt", "x"], ["eval-recall", "--model", str(folder),
                                                                          "--data", "unused.jsonl"]):
         if argv[0] == "eval-recall":
@@ -133,7 +130,7 @@ def test_unconverted_released_checkpoint_says_convert_it_first(tmp_path, capsys)
         assert main(argv) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "convert it first: jrt convert SRC DST" in err, err
-        assert f"jrt convert {folder} JRT-360M-30B-hf" in err
+        assert f"jrt convert {folder} {folder}-hf" in err
 
 
 def _fake_hub_cache(cache: Path, repo_id: str, source: Path) -> None:
