@@ -73,7 +73,7 @@ def load_lm(args: argparse.Namespace):
     except ImportError:
         raise RuntimeError(
             "`jrt eval-recall` runs through lm-evaluation-harness, the optional `eval` extra: "
-            "pip install 'jrt-rnn[eval]'"
+            "pip install -e '.[eval]' in a checkout"
         ) from None
     import torch
 

@@ -57,7 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--jrt-prompt", action="store_true", help="read the prompt twice (JRT-Prompt)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature > 0 (needs --do-sample)")
-    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1] (needs --do-sample)")
+    parser.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1] (needs --do-sample)"
+    )
     parser.add_argument("--seed", type=_seed, default=0, help="random seed for sampling, 0 .. 2**64 - 1 (default 0)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own code")

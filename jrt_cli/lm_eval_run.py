@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         import lm_eval  # noqa: F401
     except ImportError:
         raise RuntimeError(
-            "`jrt lm-eval` needs lm-evaluation-harness, the optional `eval` extra: pip install 'jrt-rnn[eval]'"
+            "`jrt lm-eval` needs lm-evaluation-harness, the optional `eval` extra: "
+            "pip install -e '.[eval]' in a checkout"
         ) from None
     cli = build_lm_eval_cli()
     saved_argv = sys.argv

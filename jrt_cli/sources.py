@@ -96,7 +96,7 @@ def check_hub_source(name: str, flag: str) -> None:
 
 
 def check_converted(folder: Path, flag: str) -> None:
-    """Refuse a folder that holds a released HazyResearch checkpoint (its reference config.json, not a converted one)."""
+    """Refuse a folder holding a released HazyResearch checkpoint (its reference config.json, not a converted one)."""
     config_file = folder / "config.json"
     if not config_file.is_file():
         return

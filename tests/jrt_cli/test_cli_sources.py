@@ -74,7 +74,8 @@ def test_hub_id_without_hub_fails_in_seconds_naming_both_possibilities(argv, pre
 
 @pytest.mark.usefixtures("unreachable_hub")
 def test_tokenizer_hub_id_without_hub(tiny_folder, capsys):
-    code, out, err = _run_timed(["generate", "--model", str(tiny_folder), "--tokenizer", "gpt2", "--prompt", "x"], capsys)
+    argv = ["generate", "--model", str(tiny_folder), "--tokenizer", "gpt2", "--prompt", "x"]
+    code, out, err = _run_timed(argv, capsys)
     assert code == 1 and out == ""
     _assert_names_both_possibilities(err, "jrt generate: error: --tokenizer 'gpt2': ")
 

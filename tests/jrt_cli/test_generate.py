@@ -115,7 +115,8 @@ def test_usage_errors_exit_2_before_any_output(checkpoint, capsys, extra, messag
     assert main(["generate", "--model", str(folder), "--prompt", "w5 w6", *extra]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.count("\n") == 1 and captured.err.startswith("jrt generate: error: ") and message in captured.err
+    assert captured.err.count("\n") == 1 and captured.err.startswith("jrt generate: error: ")
+    assert message in captured.err
 
 
 @pytest.mark.parametrize("seed", [str(2**70), "-1", "x"])

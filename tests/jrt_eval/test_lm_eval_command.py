@@ -116,4 +116,4 @@ def test_without_lm_eval_the_commands_say_how_to_install_it(monkeypatch, capsys,
         command = [*command[:-1], str(data)]
     assert main(command) == 1
     error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1 and error.endswith("pip install 'jrt-rnn[eval]'")
+    assert len(error.splitlines()) == 1 and error.endswith("pip install -e '.[eval]' in a checkout")
