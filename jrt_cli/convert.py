@@ -74,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
             f"--create-pr opens a pull request against main; it cannot be combined with --revision {args.revision!r}."
         )
     # A Hub id with the Hub unreachable fails in seconds (transformers and huggingface_hub retry for a minute).
-    check_hub_source(args.source, "SRC")
+    check_hub_source(
+        args.source, "SRC", hint=f" Without network access, copy config.json and pytorch_model.bin from "
+        f"https://huggingface.co/{args.source} into a folder and pass that folder as SRC.",
+    )
     if args.tokenizer is not None:
         check_hub_source(args.tokenizer, "--tokenizer")
     from jrt_convert import convert_checkpoint, push_to_hub

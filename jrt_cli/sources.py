@@ -67,9 +67,10 @@ def check_model_source(name: str, flag: str) -> None:
     check_hub_source(name, flag)
 
 
-def check_hub_source(name: str, flag: str) -> None:
+def check_hub_source(name: str, flag: str, *, hint: str = "") -> None:
     """For a `name` that is not a local path: raise a one-line error unless the Hub answers or the repo is in the
-    local Hub cache (then this process goes offline, see `check_model_source`). Paths are left to the caller."""
+    local Hub cache (then this process goes offline, see `check_model_source`). Paths are left to the caller; `hint`
+    ends the message."""
     if Path(name).expanduser().exists() or looks_like_path(name) or not is_hub_id(name):
         return
     from huggingface_hub import constants
@@ -80,7 +81,7 @@ def check_hub_source(name: str, flag: str) -> None:
             return
         raise ModelSourceError(
             f"{flag} {name!r}: there is no folder of that name, and it is not in the local Hub cache (HF_HUB_OFFLINE "
-            "is set, so the Hub is not asked). Give an existing folder, or unset HF_HUB_OFFLINE to download it."
+            "is set, so the Hub is not asked). Give an existing folder, or unset HF_HUB_OFFLINE to download it." + hint
         )
     problem = hub_unreachable()
     if problem is None:
@@ -91,7 +92,7 @@ def check_hub_source(name: str, flag: str) -> None:
     raise ModelSourceError(
         f"{flag} {name!r}: there is no folder of that name, and the Hugging Face Hub ({constants.ENDPOINT}) cannot "
         f"be reached to download it as a repo id ({problem}). Give an existing folder, or connect to the network "
-        "(HF_HUB_OFFLINE=1 uses the local Hub cache only, without waiting for the network)."
+        "(HF_HUB_OFFLINE=1 uses the local Hub cache only, without waiting for the network)." + hint
     )
 
 
