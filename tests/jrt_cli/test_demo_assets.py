@@ -102,6 +102,8 @@ def test_eval_recall_on_a_demo_model_with_the_shipped_fixture(capsys):
             str(ROOT / "examples" / "data" / "recall_fixture.jsonl"), "--context-tokens", "100", "--limit", "2",
             "--no-progress"]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "Loading weights" not in captured.err and "neither marked as CausalLM" not in captured.err
     assert out.splitlines()[0].split() == ["prompt", "correct", "total", "contains"]
     assert [line.split()[::2] for line in out.splitlines()[1:]] == [["default", "2"], ["jrt", "2"]]
