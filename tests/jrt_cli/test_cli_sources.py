@@ -73,7 +73,6 @@ def test_hub_id_without_hub_fails_in_seconds_naming_both_possibilities(argv, pre
 
 
 @pytest.mark.usefixtures("unreachable_hub")
-@pytest.mark.usefixtures("unreachable_hub")
 def test_convert_says_how_to_convert_offline(capsys):
     code, out, err = _run_timed(["convert", "hazyresearch/JRT-360M-30B", "out"], capsys)
     assert code == 1 and err.rstrip().endswith(
@@ -82,6 +81,7 @@ def test_convert_says_how_to_convert_offline(capsys):
     )
 
 
+@pytest.mark.usefixtures("unreachable_hub")
 def test_tokenizer_hub_id_without_hub(tiny_folder, capsys):
     argv = ["generate", "--model", str(tiny_folder), "--tokenizer", "gpt2", "--prompt", "x"]
     code, out, err = _run_timed(argv, capsys)
