@@ -153,3 +153,18 @@ def test_out_of_bound_size_in_config_json_fails_on_load_before_allocation(tmp_pa
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"^`prefix_length` must be at most 1,048,576, got 100,000,000"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_a_model_with_default_ids_and_a_small_vocabulary_generates():
+    """Default ids (None) and prefix pad (0) work for a vocabulary of 64: the short prompt is filled to the default
+    prefix of 1024 with id 0 (transformers' `test_model_forward_default_config_values` built this config and failed)."""
+    import torch
+
+    from modeling_jrt import JRTRNNForCausalLM
+
+    config = JRTRNNConfig(vocab_size=64, hidden_size=16, intermediate_size=0, num_hidden_layers=2,
+                          num_attention_heads=2, layer_types=["conv", "linear_attention"], feature_dim=2)
+    model = JRTRNNForCausalLM(config).eval()
+    input_ids = torch.randint(0, 64, (1, 5))
+    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=2, do_sample=False)
+    assert output.shape == (1, 7) and torch.equal(output[:, :5], input_ids)
