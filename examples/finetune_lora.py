@@ -46,7 +46,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # Check the paths first, as the `jrt` commands do: a missing folder would otherwise be looked up on the Hub.
+    if args.model is not None and not args.model.is_dir():
+        parser.error(f"--model {args.model}: no such folder (a local model folder; this example does not download)")
+    if args.text_file is not None and not args.text_file.is_file():
+        parser.error(f"--text-file {args.text_file}: no such file")
+    if args.dataset is not None and not args.dataset.exists():
+        parser.error(f"--dataset {args.dataset}: no such folder or file")
+    return args
 
 
 def load_documents(args: argparse.Namespace) -> list[str]:

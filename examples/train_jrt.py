@@ -43,7 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="'fixed': exactly round(p * prefix) masks per sequence; 'bernoulli': the reference's draw")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs with bf16 support)")
     parser.add_argument("--seed", type=int, default=1111)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.train_file is not None and not args.train_file.is_file():
+        parser.error(f"--train-file {args.train_file}: no such file")
+    return args
 
 
 class JRTTrainer(Trainer):

@@ -5,22 +5,29 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jrt_convert import DTYPES, FAMILIES
-from modeling_jrt.configuration_jrt import PREFIX_PAD_MASKINGS
-
-from .main import UsageError
+from .choices import DTYPES, FAMILIES, PREFIX_PAD_MASKINGS
+from .main import UsageError, quiet_transformers
+from .sources import check_hub_source
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "convert",
+        usage="jrt convert [options] SRC DST\n       jrt convert --example DIR",
         help="convert a HazyResearch JRT-RNN / Based checkpoint to a HuggingFace folder",
         description="Convert a released HazyResearch JRT-RNN / Based checkpoint (reference config.json plus "
         "pytorch_model.bin or a Lightning .ckpt, or a Hub repo id) to a folder that "
         "AutoModelForCausalLM.from_pretrained loads, with or without the jrt-rnn package (trust_remote_code=True).",
     )
-    parser.add_argument("source", metavar="SRC", help="local folder / weights file, or a Hub repo id")
-    parser.add_argument("destination", metavar="DST", help="output folder (must not exist unless --overwrite)")
+    parser.add_argument("source", metavar="SRC", nargs="?", help="local folder / weights file, or a Hub repo id")
+    parser.add_argument(
+        "destination", metavar="DST", nargs="?", help="output folder (must not exist unless --overwrite)"
+    )
+    parser.add_argument(
+        "--example", metavar="DIR",
+        help="instead of converting: write a tiny random checkpoint in the released JRT-RNN format to DIR "
+        "(config.json + pytorch_model.bin, 14 MB), to try `jrt convert DIR OUT` offline",
+    )
     parser.add_argument(
         "--family", default="auto", choices=["auto", *FAMILIES],
         help="checkpoint family (default: detected from the config and the weights)",
@@ -60,16 +67,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jrt_convert import OptionError, convert_checkpoint, push_to_hub
-    from jrt_convert.pipeline import check_options
-    from jrt_convert.hub import check_hub_access
+    if args.example is not None:
+        if args.source is not None or args.destination is not None:
+            raise UsageError("--example DIR writes an example checkpoint and converts nothing: give no SRC or DST.")
+        from jrt_convert.example import write_example_checkpoint
 
+        folder = write_example_checkpoint(args.example)
+        print(f"wrote a tiny random JRT-RNN checkpoint in the released format to {folder}; convert it with: "
+              f"jrt convert {folder} {folder}-hf")
+        return 0
+    if args.source is None or args.destination is None:
+        raise UsageError("give the checkpoint to convert and the output folder: jrt convert SRC DST "
+                         "(or jrt convert --example DIR for a tiny checkpoint to try it on).")
     if (args.private or args.revision or args.create_pr) and not args.push_to_hub:
         raise UsageError("--private, --revision and --create-pr need --push-to-hub REPO_ID.")
     if args.create_pr and args.revision not in (None, "main"):
         raise UsageError(
             f"--create-pr opens a pull request against main; it cannot be combined with --revision {args.revision!r}."
         )
+    # A Hub id with the Hub unreachable fails in seconds (transformers and huggingface_hub retry for a minute).
+    check_hub_source(
+        args.source, "SRC", hint=f" Without network access, copy config.json and pytorch_model.bin from "
+        f"https://huggingface.co/{args.source} into a folder and pass that folder as SRC.",
+    )
+    if args.tokenizer is not None:
+        check_hub_source(args.tokenizer, "--tokenizer")
+    from jrt_convert import OptionError, convert_checkpoint, push_to_hub
+    from jrt_convert.hub import check_hub_access
+    from jrt_convert.pipeline import check_options
+
+    quiet_transformers()
     options = dict(
         family=args.family,
         dtype=args.dtype,

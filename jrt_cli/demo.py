@@ -7,22 +7,8 @@ import json
 import time
 from pathlib import Path
 
-from transformers.utils import logging as hf_logging
-
-from .main import UsageError
-
-from .demo_models import (
-    DEMO_ARMS,
-    DEMO_SEED,
-    DEMO_SLICES,
-    LONGER_SLICES,
-    MODELS_DIR,
-    demo_batch,
-    generate_answers,
-    load_demo_model,
-    recurrent_state_size,
-)
-from .set_disjointness import render_tokens
+from .choices import DEMO_SEED, MODELS_DIR
+from .main import UsageError, quiet_transformers
 
 NUM_SHOWN = 4
 NUM_SCORED = 200
@@ -46,14 +32,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _accuracy(model, batch) -> float:
+    from .demo_models import generate_answers
+
     return (generate_answers(model, batch) == batch.labels[:, -1]).float().mean().item()
 
 
 def run(args: argparse.Namespace) -> int:
     if args.examples < NUM_SHOWN:
         raise UsageError(f"`--examples` must be >= {NUM_SHOWN}, got {args.examples}.")
+    from .demo_models import (
+        DEMO_ARMS,
+        DEMO_SLICES,
+        LONGER_SLICES,
+        demo_batch,
+        generate_answers,
+        load_demo_model,
+        recurrent_state_size,
+    )
+    from .set_disjointness import render_tokens
+
     start = time.perf_counter()
-    hf_logging.disable_progress_bar()  # no "Loading weights" bars in the output
+    quiet_transformers()  # no "Loading weights" bars in the output
     models = {}
     for arm in DEMO_ARMS:
         if arm.model_dir not in models:

@@ -20,10 +20,9 @@ import modeling_jrt  # noqa: F401  (registers model_type "jrt_rnn" with the Auto
 from modeling_jrt.cache import JRTRNNConvState, JRTRNNLinearAttentionState
 from modeling_jrt.compat import output_cache
 
+from .choices import DEMO_SEED, MODELS_DIR
 from .set_disjointness import SyntheticBatch, set_disjointness
 
-MODELS_DIR = Path(__file__).resolve().parent / "assets" / "models"
-DEMO_SEED = 2024
 DEMO_SLICES = ((4, 16), (16, 4))  # the set sizes the models were trained on
 LONGER_SLICES = ((8, 24), (24, 8))  # longer sets never seen in training (prompt of 35 tokens)
 
@@ -61,6 +60,39 @@ def load_demo_model(model_dir: str, models_dir: Path = MODELS_DIR) -> tuple[torc
     model = AutoModelForCausalLM.from_pretrained(path)
     model.eval()
     return model, json.loads((path / "token_map.json").read_text())
+
+
+def refresh_demo_folder(folder: Path) -> list[str]:
+    """Rewrite what a demo model folder ships besides its weights, from this package: the remote code and `auto_map`
+    (what `save_pretrained` writes, so a copied folder loads with `trust_remote_code=True` alone) and the tokenizer
+    (`sd_tokenizer` of its `token_map.json`). The weights and `training.json` are left alone.
+
+    `python -m jrt_cli.demo_models` runs it on the shipped folders; tests/jrt_cli/test_demo_assets.py fails when the
+    shipped code differs from the package's (after any change to `modeling_jrt`). Returns the files written.
+    """
+    import shutil
+    import tempfile
+
+    from .set_disjointness import sd_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    written = []
+    with tempfile.TemporaryDirectory() as scratch:
+        model.save_pretrained(scratch)
+        shipped = {code.name for code in Path(scratch).glob("*.py")}
+        for stale in folder.glob("*.py"):  # files the package no longer has
+            if stale.name not in shipped:
+                stale.unlink()
+        for code in sorted(Path(scratch).glob("*.py")):
+            shutil.copyfile(code, folder / code.name)
+            written.append(code.name)
+        auto_map = json.loads((Path(scratch) / "config.json").read_text())["auto_map"]
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = auto_map
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    token_map = json.loads((folder / "token_map.json").read_text())
+    written += sd_tokenizer(token_map).save_pretrained(folder)
+    return ["config.json", *(Path(name).name for name in written)]
 
 
 def demo_batch(num_examples: int, repeat: int = 1, seed: int = DEMO_SEED, vocab_size: int = 68,
@@ -108,3 +140,13 @@ def recurrent_state_size(model: torch.nn.Module, batch: SyntheticBatch) -> dict[
             sizes["conv"] += 0 if layer.inputs is None else layer.inputs.numel()
     sizes["total"] = sizes["linear_attention"] + sizes["conv"]
     return sizes
+
+
+if __name__ == "__main__":
+    # Refresh the shipped folders after a change to modeling_jrt (or to the demo tokenizer): code, auto_map, tokenizer.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    for name in DEMO_MODELS.values():
+        files = refresh_demo_folder(MODELS_DIR / name)
+        print(f"{MODELS_DIR / name}: {', '.join(sorted(set(files)))}")

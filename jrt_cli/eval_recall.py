@@ -7,17 +7,10 @@ the output path before loading the model, then prints the summary table to stdou
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from jrt_convert import DTYPES
-from jrt_eval.jsonl_recall import (
-    PROMPT_KINDS,
-    check_output_writable,
-    evaluate_recall,
-    load_records,
-    quiet_lm_eval,
-    write_results,
-)
+from .choices import DTYPES, PROMPT_KINDS
+from .main import quiet_transformers
+from .sources import check_model_source
 
 
 def _int_at_least(minimum: int):
@@ -73,11 +66,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _looks_local(name: str) -> bool:
-    """A path rather than a Hub id (`owner/name`): absolute, relative with ./ or ~, or more than one `/`."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
-
-
 def load_lm(args: argparse.Namespace):
     """The `JRTLM` for `--model`; a missing folder or a failed load is one line (ValueError / RuntimeError)."""
     try:
@@ -85,15 +73,15 @@ def load_lm(args: argparse.Namespace):
     except ImportError:
         raise RuntimeError(
             "`jrt eval-recall` runs through lm-evaluation-harness, the optional `eval` extra: "
-            "pip install 'jrt-rnn[eval]'"
+            "pip install -e '.[eval]' in a checkout"
         ) from None
     import torch
 
     from jrt_eval.lm import JRTLM
 
     for flag, name in (("--model", args.model), ("--tokenizer", args.tokenizer)):
-        if name is not None and _looks_local(name) and not Path(name).expanduser().is_dir():
-            raise FileNotFoundError(f"{flag} {name}: no such folder")
+        if name is not None:
+            check_model_source(name, flag)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         return JRTLM(
@@ -106,6 +94,8 @@ def load_lm(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from jrt_eval.jsonl_recall import check_output_writable, evaluate_recall, load_records, quiet_lm_eval, write_results
+
     # Everything that can be checked is checked before the model is loaded and the evaluation runs.
     if args.context_tokens <= args.answer_tokens:
         raise ValueError(
@@ -117,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     load_records(args.data, limit=args.limit)
     if args.no_progress:
         quiet_lm_eval()
+    quiet_transformers()
     lm = load_lm(args)
     report = evaluate_recall(
         lm,

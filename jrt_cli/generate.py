@@ -11,16 +11,31 @@ is generated (`TextStreamer`).
 from __future__ import annotations
 
 import argparse
-import os
+import math
 
 from jrt_prompt import read_twice
-from modeling_jrt.prefix_fill import PREFIX_STRATEGIES
 
-from .main import UsageError, one_line
+from .choices import PREFIX_STRATEGIES
+from .main import UsageError, one_line, quiet_transformers
+from .sources import check_model_source
 
 
 # Files of which a saved tokenizer has at least one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+MAX_SEED = 2**64 - 1  # torch.manual_seed takes a 64-bit seed
+
+
+def _seed(text: str) -> int:
+    """`--seed`: an integer in [0, 2**64 - 1] (torch's seed range)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64 - 1], got {text!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64 - 1], got {text}")
+    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -35,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="tokenizer folder or Hub id (default: the one saved with --model; a converted folder without one "
         "needs e.g. --tokenizer gpt2)",
     )
-    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--prompt", required=True, help="text to continue (echoed as given, then the continuation)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     parser.add_argument(
         "--prefix-strategy", choices=PREFIX_STRATEGIES, default=None,
@@ -43,31 +58,50 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--jrt-prompt", action="store_true", help="read the prompt twice (JRT-Prompt)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature")
-    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
-    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature > 0 (needs --do-sample)")
+    parser.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1] (needs --do-sample)"
+    )
+    parser.add_argument("--seed", type=_seed, default=0, help="random seed for sampling, 0 .. 2**64 - 1 (default 0)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own code")
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, TextStreamer
-
-    import modeling_jrt  # noqa: F401  (registers model_type "jrt_rnn" with the Auto classes)
-
+def check_arguments(args: argparse.Namespace) -> None:
+    """Usage errors (exit code 2), before anything is loaded or printed."""
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
     if not args.prompt:
         raise UsageError("--prompt is empty: give some text to continue.")
+    if not args.do_sample and (args.temperature is not None or args.top_p is not None):
+        raise UsageError("--temperature and --top-p set how to sample: add --do-sample (greedy decoding ignores them).")
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise UsageError(
+            f"--temperature must be a finite number > 0, got {args.temperature} (for greedy decoding, leave out "
+            "--do-sample)."
+        )
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}.")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
     device = resolve_device(args.device)
-    looks_like_path = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1  # a Hub id has one "/"
-    if looks_like_path and not os.path.exists(os.path.expanduser(args.model)):
-        raise FileNotFoundError(f"--model {args.model!r}: no such folder.")
+    check_model_source(args.model, "--model")
+    if args.tokenizer is not None:
+        check_model_source(args.tokenizer, "--tokenizer")
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import modeling_jrt  # noqa: F401  (registers model_type "jrt_rnn" with the Auto classes)
+    from jrt_prompt import read_twice
+
+    quiet_transformers()  # no "Loading weights" bar before the output
     try:
         model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    except OSError as error:  # missing folder, unknown Hub id, no network
+    except OSError as error:  # missing files, unknown Hub id
         raise FileNotFoundError(f"cannot load a model from {args.model!r}: {one_line(error)}") from error
     explicit = args.tokenizer is not None
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code, explicit=explicit)
@@ -87,11 +121,31 @@ def run(args: argparse.Namespace) -> int:
         **inputs,
         max_new_tokens=args.max_new_tokens,
         prefix_strategy=args.prefix_strategy,
-        streamer=TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True),
+        streamer=prompt_echo_streamer(tokenizer, prompt),
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         **sampling,
     )
     return 0
+
+
+def prompt_echo_streamer(tokenizer, prompt: str):
+    """A `TextStreamer` that prints `prompt` as the user gave it (special tokens such as `<bos>` included), then the
+    continuation without special tokens, spaced as the tokenizer decodes prompt + continuation."""
+    from transformers import TextStreamer
+
+    class PromptEchoStreamer(TextStreamer):
+        def put(self, value):
+            if self.next_tokens_are_prompt:
+                self.next_tokens_are_prompt = False
+                ids = (value[0] if value.ndim > 1 else value).tolist()
+                print(prompt, end="", flush=True)
+                # The continuation is what decoding prompt + new tokens adds after the decoded prompt.
+                self.token_cache = ids
+                self.print_len = len(self.tokenizer.decode(ids, **self.decode_kwargs))
+                return
+            super().put(value)
+
+    return PromptEchoStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
 
 
 def resolve_device(name: str | None) -> str:
@@ -100,6 +154,8 @@ def resolve_device(name: str | None) -> str:
 
     if name is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.split(":")[0] == "meta":
+        raise UsageError("--device meta holds no data and cannot generate: use --device cpu or cuda.")
     try:
         device = torch.device(name)
     except RuntimeError as error:

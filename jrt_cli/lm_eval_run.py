@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .main import UsageError, quiet_transformers
+from .sources import check_model_source
+
 LM_EVAL_SUBCOMMANDS: tuple[str, ...] = ("run", "ls", "validate")
 
 
@@ -38,27 +41,62 @@ def lm_eval_argv(extra: list[str]) -> list[str]:
     return argv
 
 
+def build_lm_eval_cli():
+    """lm-eval's `HarnessCLI` with `run --model` documented as defaulting to `jrt` (lm-eval's own says `hf`).
+
+    Only lm-eval's argument parser is imported here (about 1 s): `--help` and usage errors never load torch.
+    """
+    from lm_eval._cli import HarnessCLI
+
+    cli = HarnessCLI()
+    run_parser = cli._subparsers.choices["run"]
+    for action in run_parser._actions:
+        if "--model" in action.option_strings:
+            action.default = "jrt"
+            action.help = "Model name (default: jrt, jrt-rnn's leak-free JRT model; any lm-eval model works)"
+    return cli
+
+
+def check_model_args(lm_eval_args: argparse.Namespace) -> None:
+    """`--model jrt` needs `pretrained=` in `--model_args`: a usage error before anything is loaded."""
+    if getattr(lm_eval_args, "command", None) != "run" or getattr(lm_eval_args, "model", None) != "jrt":
+        return
+    model_args = lm_eval_args.model_args or {}
+    if not isinstance(model_args, dict) or not model_args.get("pretrained"):
+        raise UsageError(
+            "the `jrt` model needs the checkpoint: --model_args pretrained=PATH_OR_HUB_ID[,key=value ...] "
+            f"(got {model_args or 'none'!r})."
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import lm_eval  # noqa: F401
     except ImportError:
         raise RuntimeError(
-            "`jrt lm-eval` needs lm-evaluation-harness, the optional `eval` extra: pip install 'jrt-rnn[eval]'"
+            "`jrt lm-eval` needs lm-evaluation-harness, the optional `eval` extra: "
+            "pip install -e '.[eval]' in a checkout"
         ) from None
-    from lm_eval._cli import HarnessCLI
+    cli = build_lm_eval_cli()
+    saved_argv = sys.argv
+    sys.argv = ["jrt lm-eval", *lm_eval_argv(args.extra)]
+    try:
+        lm_eval_args = cli.parse_args()  # exits for --help (code 0) and for lm-eval's own usage errors (code 2)
+    finally:
+        sys.argv = saved_argv
+    check_model_args(lm_eval_args)
+    if getattr(lm_eval_args, "model", None) == "jrt":  # before the seconds of importing torch and transformers
+        for key in ("pretrained", "tokenizer"):
+            name = (lm_eval_args.model_args or {}).get(key)
+            if isinstance(name, str):
+                check_model_source(name, f"--model_args {key}")
     from lm_eval.utils import setup_logging
 
     import jrt_eval.lm  # noqa: F401  (registers the lm-eval model "jrt")
     from jrt_eval import TASKS_DIR
 
     setup_logging()
-    cli = HarnessCLI()
-    saved_argv = sys.argv
-    sys.argv = ["lm-eval", *lm_eval_argv(args.extra)]
-    try:
-        lm_eval_args = cli.parse_args()
-    finally:
-        sys.argv = saved_argv
+    quiet_transformers()
     if hasattr(lm_eval_args, "include_path"):
         user_path = lm_eval_args.include_path
         lm_eval_args.include_path = [str(TASKS_DIR)] + ([user_path] if user_path else [])

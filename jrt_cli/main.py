@@ -71,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(error, UsageError) else 1
 
 
+def quiet_transformers() -> None:
+    """No "Loading weights" / "Writing model shards" progress bars from transformers in the `jrt` commands' output
+    (imports transformers: call it in a subcommand's `run`, never while building the parser)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def one_line(error: BaseException) -> str:
     """The message of `error` on one line (a library's multi-line message is joined; empty ones get the type)."""
     text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())

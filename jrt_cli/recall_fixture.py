@@ -11,6 +11,7 @@ completion-style question with its natural-language header).
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
@@ -77,8 +78,18 @@ def make_fixture_records(num_records: int = 36, *, seed: int = 0, entities_per_d
     return records
 
 
-def main() -> int:
-    for record in make_fixture_records():
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jrt_cli.recall_fixture",
+        description="Write the synthetic recall records (JSON Lines, the `jrt eval-recall --data` format) to stdout. "
+        "`python -m jrt_cli.recall_fixture > examples/data/recall_fixture.jsonl` regenerates the shipped file.",
+    )
+    parser.add_argument("--records", type=int, default=36, help="number of records (default 36, the shipped file)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the made-up facts (default 0)")
+    args = parser.parse_args(argv)
+    if args.records < 1:
+        parser.error(f"--records must be >= 1, got {args.records}")
+    for record in make_fixture_records(args.records, seed=args.seed):
         sys.stdout.write(json.dumps(record) + "\n")
     return 0
 

@@ -118,8 +118,10 @@ def sd_tokenizer(token_map: dict):
     Text is written the way `render_tokens` prints it (`"<bos> t5 t9 | t7 t5 ?"`); decoding joins the tokens with
     spaces, so `decode(encode(text)) == text`. No special token is added on encoding (prompts start with an explicit
     `<bos>`, as the models were trained); the pad token is id 0 (`<mask>`, unused by the task), the models'
-    `pad_token_id`. An unknown word is an error. `save_pretrained` of the result writes `tokenizer.json` and
-    `tokenizer_config.json`, which `AutoTokenizer` and `pipeline("text-generation")` load without this package.
+    `pad_token_id`. `<mask>` is also the unknown token: a word outside the vocabulary (`"héllo"`, the prose of a
+    recall document) encodes to id 0 instead of failing (the vocabulary has no spare id for an `<unk>` of its own).
+    `save_pretrained` of the result writes `tokenizer.json` and `tokenizer_config.json`, which `AutoTokenizer` and
+    `pipeline("text-generation")` load without this package.
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -131,12 +133,13 @@ def sd_tokenizer(token_map: dict):
     if len(vocabulary) != token_map["vocab_size"]:
         raise ValueError(f"The token map names {len(vocabulary)} distinct tokens but has vocab_size "
                          f"{token_map['vocab_size']}: every id needs one unique string.")
-    backend = Tokenizer(models.WordLevel(vocab=vocabulary))
+    backend = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token=specials[str(SD_MASK)]))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=specials[str(SD_BOS)],
         pad_token=specials[str(SD_MASK)],
+        unk_token=specials[str(SD_MASK)],
         padding_side="left",
         model_input_names=["input_ids", "attention_mask"],
     )

@@ -1,4 +1,4 @@
-"""jrt-rnn's lm-evaluation-harness integration (optional extra: `pip install "jrt-rnn[eval]"`).
+"""jrt-rnn's lm-evaluation-harness integration (optional extra: `pip install -e ".[eval]"` in a checkout).
 
 - `jrt_eval.lm.JRTLM`, registered with lm-eval as the model `jrt` when `jrt_eval.lm` is imported (`jrt lm-eval`
   does it): lm-eval's HF model with leak-free JRT prefix scoring.

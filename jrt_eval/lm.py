@@ -76,6 +76,9 @@ class JRTLM(HFLM):
     ) -> None:
         if scoring not in SCORING_MODES:
             raise ValueError(f"`scoring` must be one of {', '.join(SCORING_MODES)}, got {scoring!r}.")
+        # `jrt` loads causal LMs only (AutoModelForCausalLM): saying so skips HFLM's guess from transformers'
+        # registries, which warns "HF model type is neither marked as CausalLM or Seq2SeqLM" for jrt_rnn.
+        kwargs.setdefault("backend", "causal")
         super().__init__(pretrained, **kwargs)
         config = self.model.config
         self.scoring = scoring
@@ -88,6 +91,18 @@ class JRTLM(HFLM):
             self._max_length = REFERENCE_MAX_LENGTH
         # (input tokens, context length within them) of the rows HFLM passes to `_model_call`, in its order.
         self._pending_rows: deque[tuple[tuple[int, ...], int]] = deque()
+
+    @property
+    def eot_token_id(self) -> int | None:
+        """HFLM's end-of-text id, the tokenizer's eos; for a tokenizer without one (the `jrt demo` models'), the model's
+        eos, else the pad token (HFLM's `generate_until` decodes it as a stop string and fails on None)."""
+        for candidate in (self.tokenizer.eos_token_id, self.model.generation_config.eos_token_id,
+                          self.tokenizer.pad_token_id):
+            if isinstance(candidate, list):
+                candidate = candidate[0] if candidate else None
+            if candidate is not None:
+                return candidate
+        return None
 
     # ------------------------------------------------------------------------------------------------------------
     # Loglikelihood

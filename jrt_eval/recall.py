@@ -183,6 +183,10 @@ def normalize_document(family: str, doc: dict) -> dict | None:
 def _load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
+    # AutoTokenizer reads config.json first: with `jrt_rnn` registered it neither falls back to a bare config ("You
+    # are using a model of type jrt_rnn to instantiate a model of type ``") nor asks about the folder's remote code.
+    import modeling_jrt  # noqa: F401
+
     return AutoTokenizer.from_pretrained(name)
 
 

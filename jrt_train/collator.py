@@ -86,10 +86,29 @@ class JRTDataCollator:
     _generator: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.prefix_length < 1:
-            raise ValueError(f"`prefix_length` must be >= 1 for the masked-LM objective, got {self.prefix_length}.")
-        if not 0.0 <= self.mlm_probability <= 1.0:
-            raise ValueError(f"`mlm_probability` must be in [0, 1], got {self.mlm_probability}.")
+        if not _is_int(self.prefix_length) or self.prefix_length < 1:
+            raise ValueError(
+                f"`prefix_length` must be an integer >= 1 for the masked-LM objective (the model's "
+                f"`config.prefix_length`), got {self.prefix_length!r} ({type(self.prefix_length).__name__})."
+            )
+        if self.mask_token_id is None:
+            raise ValueError(
+                "`mask_token_id` is None: the JRT objective writes a [MASK] token over 15% of the prefix. Pass the "
+                "model's `config.mask_token_id` (50263 in the released JRT models), or set one in the config first "
+                "and use `JRTDataCollator.from_config(model.config)`."
+            )
+        if not _is_int(self.mask_token_id) or self.mask_token_id < 0:
+            raise ValueError(
+                f"`mask_token_id` must be a token id (an integer >= 0), got {self.mask_token_id!r} "
+                f"({type(self.mask_token_id).__name__})."
+            )
+        for name in ("pad_token_id", "seed"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"`{name}` must be None or an integer >= 0, got {value!r} ({type(value).__name__}).")
+        probability = self.mlm_probability
+        if isinstance(probability, bool) or not isinstance(probability, (int, float)) or not 0.0 <= probability <= 1.0:
+            raise ValueError(f"`mlm_probability` must be a number in [0, 1], got {probability!r}.")
         if self.mask_sampling not in MASK_SAMPLINGS:
             raise ValueError(f"`mask_sampling` must be one of {list(MASK_SAMPLINGS)}, got {self.mask_sampling!r}.")
 
@@ -152,6 +171,11 @@ class JRTDataCollator:
             attention_mask = example.get("attention_mask")
             example = example["input_ids"]
         ids = torch.as_tensor(example)
+        if ids.numel() == 0:
+            raise ValueError(
+                f"Example {index} is empty: every example needs at least prefix_length + 2 = {self.prefix_length + 2} "
+                "token ids."
+            )
         if ids.ndim != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise ValueError(
                 f"Example {index} must be a 1-D sequence of integer token ids, got {tuple(ids.shape)} {ids.dtype}."
@@ -208,6 +232,10 @@ class JRTDataCollator:
             stream = hash((self.seed, rank, 0 if worker is None else worker.id)) & (2**63 - 1)
             self._generator = torch.Generator().manual_seed(stream)
         return self._generator
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def pack_token_blocks(token_ids: Sequence[int] | torch.Tensor, block_size: int) -> torch.Tensor:

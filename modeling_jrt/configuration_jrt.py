@@ -21,6 +21,23 @@ POSITIVE_INT_FIELDS = (
     "conv_expansion", "feature_dim", "linear_attention_chunk_size",
 )
 NON_NEGATIVE_INT_FIELDS = ("intermediate_size", "prefix_length")
+# Upper bound of every size field, checked with the field's other checks, before anything is allocated: a typo in a
+# config.json (`prefix_length: 100000000` fills every short prompt to 10^8 tokens in `generate()`) gets a one-line
+# error naming the field instead of an allocator failure minutes later. Each bound is far above any released or
+# published model of this family (vocabularies of 50k-260k ids, widths of 1-8k, prefixes of 1-8k tokens).
+MAX_SIZES = {
+    "vocab_size": 2**22,  # 4,194,304 ids
+    "hidden_size": 2**16,
+    "intermediate_size": 2**18,
+    "num_hidden_layers": 2**10,
+    "num_attention_heads": 2**10,
+    "sliding_window": 2**20,  # keys kept per sliding-attention layer in the cache: sliding_window - 1
+    "conv_kernel_size": 2**8,
+    "conv_expansion": 2**6,
+    "feature_dim": 2**7,  # 1 + f + f**2 = 16,513 Taylor features per head at the bound
+    "linear_attention_chunk_size": 2**12,
+    "prefix_length": 2**20,  # generate() fills a shorter prompt up to it
+}
 POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "linear_attention_eps")
 NON_NEGATIVE_FLOAT_FIELDS = ("mlm_weight", "initializer_range")
 BOOL_FIELDS = ("tie_word_embeddings", "conv_bias", "linear_attention_decay", "use_decay_proj", "use_cache")
@@ -37,10 +54,15 @@ def _is_int(value: object) -> bool:
 
 
 def _check_int(field: str, value: object, *, minimum: int) -> None:
-    """`value` is an int (not a bool, float or string) and `>= minimum`."""
+    """`value` is an int (not a bool, float or string), `>= minimum` and at most the field's `MAX_SIZES` bound."""
     kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
     if not _is_int(value) or value < minimum:
         raise ValueError(f"`{field}` must be {kind}, got {value!r} ({type(value).__name__}).")
+    maximum = MAX_SIZES.get(field)
+    if maximum is not None and value > maximum:
+        raise ValueError(
+            f"`{field}` must be at most {maximum:,}, got {value:,}: check the value (a typo in config.json?)."
+        )
 
 
 def _check_float(field: str, value: object, *, positive: bool) -> None:
@@ -119,8 +141,10 @@ class JRTRNNConfig(PreTrainedConfig):
             attention: `"strict"` (pads contribute nothing) or `"reference"` (raw keys are zeroed before the feature
             map, so each pad still adds its value with weight 1, as the original code does). Batch padding
             (`attention_mask = 0`) is always removed entirely, so a left-padded row equals the row alone.
-        prefix_pad_token_id: The token that fills a JRT prefix (GPT-2's " " = 220 in the reference): `generate()`'s
-            `"pad"` prefix strategy and the reference's loglikelihood scoring (`jrt_eval`) left-pad with it.
+        prefix_pad_token_id: The token of the `"pad"` fill of a JRT prefix (`prefix_strategy`), also the fill of the
+            reference's loglikelihood scoring (`jrt_eval`). The default, 0, is a token of every vocabulary: the linear
+            attention masks the pads anyway (`prefix_pad_masking`), only the convolutions and the sliding attention
+            read their embedding. The released models use GPT-2's " " = 220, which the converter writes explicitly.
         prefix_strategy: How the first forward of a sequence fills a prompt shorter than `prefix_length`
             (`modeling_jrt.prefix_fill`): `"pad"` (the reference protocol: `prefix_pad_token_id` before the prompt,
             ignored by the linear attention), `"repeat"` (the prompt repeated before itself) or `"none"`. Per call:
@@ -143,6 +167,12 @@ class JRTRNNConfig(PreTrainedConfig):
         mlm_weight: Weight of the masked-LM term of the JRT objective, `loss = NTP + mlm_weight * MLM` (0.25 in the
             reference); used when `forward()` gets `mlm_labels` (see `modeling_jrt.loss`).
         initializer_range: Standard deviation of the normal initialisation.
+        pad_token_id, bos_token_id, eos_token_id: Special token ids, None by default so that the defaults fit any
+            vocabulary (the released models' 50256 is written by the converter); a value that is set must be a token
+            of the vocabulary. `generate()` without a prompt needs `bos_token_id`, and stops early only at
+            `eos_token_id`.
+
+    Every size field has an upper bound (`MAX_SIZES`), checked with its type before anything is allocated.
     """
 
     model_type = "jrt_rnn"
@@ -165,7 +195,7 @@ class JRTRNNConfig(PreTrainedConfig):
     linear_attention_type: str = "prefix"
     prefix_length: int = 1024
     prefix_pad_masking: str = "strict"
-    prefix_pad_token_id: int | None = 220
+    prefix_pad_token_id: int | None = 0
     prefix_strategy: str = "pad"
     linear_attention_decay: bool = False
     decay_const: float = -3.0
@@ -179,8 +209,8 @@ class JRTRNNConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     use_cache: bool = True
     pad_token_id: int | None = None
-    bos_token_id: int | None = 50256
-    eos_token_id: int | list[int] | None = 50256
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
         self.validate_fields()
@@ -283,4 +313,4 @@ def default_layer_types(num_hidden_layers: int) -> list[str]:
 # was loaded: see `JRTRNNPreTrainedModel.save_pretrained`.
 JRTRNNConfig.register_for_auto_class()
 
-__all__ = ["JRTRNNConfig", "default_layer_types"]
+__all__ = ["MAX_SIZES", "JRTRNNConfig", "default_layer_types"]

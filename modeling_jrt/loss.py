@@ -24,13 +24,37 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+def check_prefix_length(prefix_length: torch.Tensor | int, batch_size: int | None = None) -> None:
+    """The one rule for a JRT prefix given by the user (`forward(prefix_length=...)`, `ignore_prefix_targets`): an int
+    or a `(B,)` integer tensor, `>= 0` in every row. Raises `TypeError` / `ValueError` with the messages of `forward`.
+    """
+    if isinstance(prefix_length, torch.Tensor):
+        dtype = prefix_length.dtype
+        shape_ok = prefix_length.ndim == 1 and (batch_size is None or prefix_length.shape[0] == batch_size)
+        if not shape_ok or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            rows = "(B,)" if batch_size is None else f"(B,) = ({batch_size},)"
+            raise ValueError(
+                f"prefix_length must be an int or a {rows} integer tensor of per-row prefix lengths; "
+                f"got a {prefix_length.dtype} tensor of shape {tuple(prefix_length.shape)}."
+            )
+        if not torch.compiler.is_compiling() and bool((prefix_length < 0).any()):  # a check reads the data
+            raise ValueError(f"prefix_length must be >= 0 in every row; got {prefix_length.tolist()}.")
+    elif isinstance(prefix_length, int) and not isinstance(prefix_length, bool):
+        if prefix_length < 0:
+            raise ValueError(f"prefix_length must be >= 0; got {prefix_length}.")
+    else:
+        raise TypeError(f"prefix_length must be an int or a (B,) LongTensor; got {type(prefix_length).__name__}.")
+
+
 def ignore_prefix_targets(labels: torch.Tensor, prefix_end: torch.Tensor | int) -> torch.Tensor:
     """`labels` `(B, T)` with the targets a JRT encoder reads set to -100: index `j < prefix_end[b]` in row b.
 
-    `prefix_end` is an int or a `(B,)` tensor: the absolute index after each row's prefix (its first real token plus
-    its prefix length; just `prefix_length` for unpadded or right-padded rows). The model's loss does this itself;
+    `prefix_end` is an int or a `(B,)` integer tensor, `>= 0`: the absolute index after each row's prefix (its first
+    real token plus its prefix length; just `prefix_length` for unpadded or right-padded rows). It follows the rule
+    of `forward(prefix_length=...)` (`check_prefix_length`), with the same errors. The model's loss does this itself;
     call it in a data collator so that `Trainer`'s `num_items_in_batch` counts only the scored targets.
     """
+    check_prefix_length(prefix_end, labels.shape[0] if labels.ndim == 2 else None)
     positions = torch.arange(labels.shape[-1], device=labels.device)
     prefix_end = torch.as_tensor(prefix_end, device=labels.device).reshape(-1, 1)  # (B, 1) or (1, 1)
     return labels.masked_fill(positions[None, :] < prefix_end, IGNORE_INDEX)
@@ -82,4 +106,4 @@ def jrt_loss(
     return loss, ntp_mean.detach(), mlm_mean.detach()
 
 
-__all__ = ["IGNORE_INDEX", "ignore_prefix_targets", "jrt_loss"]
+__all__ = ["IGNORE_INDEX", "check_prefix_length", "ignore_prefix_targets", "jrt_loss"]

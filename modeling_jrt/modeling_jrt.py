@@ -38,7 +38,7 @@ from .cache import JRTRNNCache, JRTRNNPrefixRecord
 from .compat import CACHE_FIELD, add_cache_alias, keep_last_logits, model_output
 from .configuration_jrt import JRTRNNConfig
 from .linear_attention import linear_attention_step, prefix_linear_attention
-from .loss import IGNORE_INDEX, ignore_prefix_targets, jrt_loss
+from .loss import IGNORE_INDEX, check_prefix_length, ignore_prefix_targets, jrt_loss
 from .prefix_fill import check_prefix_strategy, fill_prefix, never_generated_ids
 from .sliding_window import BLOCKED_IMPLEMENTATIONS, blocked_sliding_window_attention
 
@@ -363,7 +363,7 @@ def prefix_encoder_range(
         batch_size, seq_len: B and T of the forward.
         device: where the range lives (the device of the hidden states).
     """
-    prefix_length = check_prefix_length(prefix_length, batch_size)
+    check_prefix_length(prefix_length, batch_size)
     if isinstance(prefix_length, torch.Tensor):
         lengths = prefix_length.to(device=device, dtype=torch.long)
     else:
@@ -764,9 +764,10 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             strategy = check_prefix_strategy(config.prefix_strategy if prefix_strategy is None else prefix_strategy)
             pad_id = config.prefix_pad_token_id if prefix_pad_token_id is None else prefix_pad_token_id
             prefix_length = config.prefix_length if prefix_length is None else prefix_length
+            check_prefix_length(prefix_length, batch_size)
             filled = fill_prefix(
                 input_ids, inputs_embeds, attention_mask,
-                prefix_length=check_prefix_length(prefix_length, batch_size),
+                prefix_length=prefix_length,
                 prompt_lengths=prompt_lengths, strategy=strategy, pad_token_id=pad_id,
                 embed=self.embed_tokens, vocab_size=config.vocab_size,
             )
@@ -850,25 +851,6 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 **kwargs,
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
-
-
-def check_prefix_length(prefix_length: object, batch_size: int) -> int | torch.Tensor:
-    """An int >= 0 or a `(B,)` integer tensor of per-row lengths >= 0 (one rule for `forward` and the loss helpers)."""
-    if isinstance(prefix_length, torch.Tensor):
-        dtype = prefix_length.dtype
-        if prefix_length.shape != (batch_size,) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-            raise ValueError(
-                f"prefix_length must be an int or a (B,) = ({batch_size},) integer tensor of per-row prefix lengths; "
-                f"got a {prefix_length.dtype} tensor of shape {tuple(prefix_length.shape)}."
-            )
-        if not torch.compiler.is_compiling() and bool((prefix_length < 0).any()):
-            raise ValueError(f"prefix_length must be >= 0 in every row; got {prefix_length.tolist()}.")
-        return prefix_length
-    if isinstance(prefix_length, int) and not isinstance(prefix_length, bool):
-        if prefix_length < 0:
-            raise ValueError(f"prefix_length must be >= 0; got {prefix_length}.")
-        return prefix_length
-    raise TypeError(f"prefix_length must be an int or a (B,) LongTensor; got {type(prefix_length).__name__}.")
 
 
 def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -1065,7 +1047,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         masked = ignore_prefix_targets(labels, prefix_end)
         shift_labels = kwargs.get("shift_labels")
         if shift_labels is not None:  # pre-shifted: column t holds the target at index t + 1
-            kwargs = {**kwargs, "shift_labels": ignore_prefix_targets(shift_labels, prefix_end - 1)}
+            kwargs = {**kwargs, "shift_labels": ignore_prefix_targets(shift_labels, (prefix_end - 1).clamp(min=0))}
         if kwargs.get("num_items_in_batch") is not None and bool(((labels != masked)[:, 1:]).any()):
             logger.warning_once(
                 "The labels of this batch include targets that the JRT encoder reads (inside each row's prefix): the "
@@ -1238,7 +1220,6 @@ __all__ = [
     "JRTRNNRMSNorm",
     "JRTRNNShortConv",
     "JRTRNNSlidingWindowAttention",
-    "check_prefix_length",
     "prefix_encoder_range",
     "prompt_lengths_from_labels",
 ]

@@ -32,3 +32,79 @@ def test_every_cited_document_exists():
             if name not in present and name not in GENERATED:
                 missing.setdefault(name, []).append(str(path.relative_to(ROOT)))
     assert not missing, f"documents cited but not in the repository: {missing}"
+
+
+README = ROOT / "README.md"
+
+
+def _python_blocks(heading: str) -> list[str]:
+    """The ```python blocks of the README section that starts at `heading` (up to the next heading of any level;
+    `#` lines inside code blocks are comments, not headings)."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    start = lines.index(heading)
+    blocks, block, fenced = [], None, False
+    for line in lines[start + 1 :]:
+        if line.startswith("```"):
+            fenced = not fenced
+            if fenced and line == "```python":
+                block = []
+            elif not fenced and block is not None:
+                blocks.append("\n".join(block) + "\n")
+                block = None
+            continue
+        if not fenced and line.startswith("#"):
+            break
+        if block is not None:
+            block.append(line)
+    return blocks
+
+
+def test_use_the_model_and_jrt_objective_snippets_run_as_written(tmp_path, monkeypatch):
+    """The collator snippet continues "Use the model": that config has a [MASK] id, and `token_stream` is defined."""
+    monkeypatch.chdir(tmp_path)  # the first snippet saves "tiny-jrt"
+    (use_the_model,) = _python_blocks("## Use the model")
+    (objective,) = _python_blocks("### The JRT objective")
+    namespace: dict = {}
+    exec(compile(use_the_model, "README: Use the model", "exec"), namespace)
+    out = namespace["out"]
+    assert out.loss is not None and out.logits is not None and out.cache is None  # training mode: no cache
+    exec(compile(objective + "\nparts = " + objective.strip().splitlines()[-1], "README: The JRT objective", "exec"),
+         namespace)
+    loss, ntp_loss, mlm_loss = namespace["parts"]
+    assert all(bool(value.isfinite()) for value in (loss, ntp_loss, mlm_loss))
+
+
+def test_generate_snippet_runs_without_the_attention_mask_warning(tmp_path, byte_bpe_tokenizer, capfd):
+    """The snippet runs as written, and its continuation passes its attention mask: with GPT-2's pad = end-of-text,
+    transformers printed "The attention mask is not set with a batched input" for the second generate()."""
+    import torch
+    from conftest import tiny_config
+
+    from modeling_jrt import JRTRNNForCausalLM
+
+    folder = tmp_path / "converted"
+    eos = byte_bpe_tokenizer.convert_tokens_to_ids("<eos>")
+    config = tiny_config(vocab_size=len(byte_bpe_tokenizer), bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    torch.manual_seed(0)
+    JRTRNNForCausalLM(config).save_pretrained(folder)
+    tokenizer = copy_with_pad_as_eos(byte_bpe_tokenizer)
+    tokenizer.save_pretrained(folder)
+    (snippet,) = _python_blocks("## Generate")
+    continuation = [line for line in snippet.splitlines() if line.startswith("more = model.generate(")]
+    assert len(continuation) == 1 and "attention_mask=" in continuation[0]
+    capfd.readouterr()
+    namespace: dict = {}
+    exec(compile(snippet.replace("path/to/converted", str(folder)), "README: Generate", "exec"), namespace)
+    captured = capfd.readouterr()
+    assert "attention mask is not set" not in captured.out + captured.err
+    first, more = namespace["first"], namespace["more"]
+    assert torch.equal(more[:, : first.sequences.shape[1]], first.sequences)
+
+
+def copy_with_pad_as_eos(tokenizer):
+    """The tokenizer with GPT-2's convention: the pad token is the end-of-text token."""
+    import copy
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

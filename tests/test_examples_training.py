@@ -35,6 +35,26 @@ def test_train_jrt_help(examples, capsys):
     assert "--max-steps" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "script, argv, message",
+    [
+        ("finetune_lora", ["--model", "converted/missing"], "--model converted/missing: no such folder"),
+        ("finetune_lora", ["--text-file", "missing.txt"], "--text-file missing.txt: no such file"),
+        ("finetune_lora", ["--dataset", "data/missing"], "--dataset data/missing: no such folder or file"),
+        ("train_jrt", ["--train-file", "missing.txt"], "--train-file missing.txt: no such file"),
+    ],
+)
+def test_examples_check_their_paths_before_anything_else(examples, tmp_path, monkeypatch, capsys, script, argv,
+                                                         message):
+    """A missing --model folder went through a minute of Hub retries, then a traceback."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        examples(script).parse_args(["--output-dir", "out", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err.splitlines()[-1] and "Traceback" not in err
+
+
 def test_train_jrt_saves_a_model_that_generates_with_its_cache(examples, tmp_path):
     assert examples("train_jrt").main(["--output-dir", str(tmp_path), "--prefix-length", "16", "--block-size", "40", *TINY_RUN]) == 0
     config = json.loads((tmp_path / "config.json").read_text())

@@ -42,8 +42,16 @@ def test_expected_errors_are_one_line_with_the_exit_code(argv, code, message, ca
 
 def test_argparse_usage_errors_exit_2():
     with pytest.raises(SystemExit) as exit_info:
-        main(["convert", "src"])  # DST missing
+        main(["convert", "src", "dst", "--dtype", "int8"])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("argv", [["convert", "src"], ["convert"], ["convert", "src", "--example", "dir"]])
+def test_convert_needs_src_and_dst_or_example(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    _one_line(err, "convert")
+    assert "jrt convert SRC DST" in err or "give no SRC or DST" in err
 
 
 def test_no_command_prints_usage_and_exits_2(capsys):

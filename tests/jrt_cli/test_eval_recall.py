@@ -233,7 +233,7 @@ def test_missing_model_folder_is_one_line(tmp_path, capsys):
     pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
     data = _write(tmp_path, [GOOD])
     assert main(["eval-recall", "--model", str(tmp_path / "absent"), "--data", str(data)]) == 1
-    assert _error_line(capsys) == f"jrt eval-recall: error: --model {tmp_path / 'absent'}: no such folder"
+    assert _error_line(capsys) == f"jrt eval-recall: error: --model '{tmp_path / 'absent'}': no such folder."
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["eval-recall", "--model", str(empty), "--data", str(data)]) == 1

@@ -97,3 +97,53 @@ def test_unknown_device_and_missing_folder_are_one_line(checkpoint, capsys, tmp_
     assert "--device 'gpu0' is not a torch device" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path / "nowhere"), "--prompt", "w5"]) == 1
     assert capsys.readouterr().err == f"jrt generate: error: --model '{tmp_path / 'nowhere'}': no such folder.\n"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--do-sample", "--temperature", "0"], "--temperature must be a finite number > 0, got 0.0"),
+        (["--do-sample", "--temperature", "nan"], "--temperature must be a finite number > 0, got nan"),
+        (["--do-sample", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+        (["--temperature", "0.8"], "--temperature and --top-p set how to sample: add --do-sample"),
+        (["--device", "meta"], "--device meta holds no data and cannot generate: use --device cpu or cuda."),
+    ],
+)
+def test_usage_errors_exit_2_before_any_output(checkpoint, capsys, extra, message):
+    """They exited 1 after printing the prompt (temperature 0), or failed deep inside torch (meta)."""
+    folder, _, _ = checkpoint
+    assert main(["generate", "--model", str(folder), "--prompt", "w5 w6", *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith("jrt generate: error: ")
+    assert message in captured.err
+
+
+@pytest.mark.parametrize("seed", [str(2**70), "-1", "x"])
+def test_seed_out_of_range_is_an_argparse_error(checkpoint, capsys, seed):
+    folder, _, _ = checkpoint
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", str(folder), "--prompt", "w5", "--seed", seed])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "argument --seed: expected an integer in [0, 2**64 - 1]" in captured.err
+
+
+def test_largest_seed_samples(checkpoint, capsys):
+    folder, _, _ = checkpoint
+    argv = ["generate", "--model", str(folder), "--prompt", "w5", "--max-new-tokens", "2", "--do-sample"]
+    assert main([*argv, "--seed", str(2**64 - 1)]) == 0
+    assert capsys.readouterr().out.split()[0] == "w5"
+
+
+def test_echoed_prompt_keeps_special_tokens(capsys):
+    """The echo is the prompt as given: `<bos>` (a special token of the demo tokenizer) stays; the continuation is
+    printed without special tokens."""
+    from jrt_cli.choices import MODELS_DIR
+
+    prompt = "<bos> t5 t9 t12 t40 | t44 t47 t50 t52 t55 t57 t59 t60 t61 t62 t63 t64 t65 t66 t67 t12 ?"
+    argv = ["generate", "--model", str(MODELS_DIR / "jrt-rnn-sd"), "--prompt", prompt, "--max-new-tokens", "1"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out == prompt + " t12\n"
+    assert captured.err == ""  # no "Loading weights" progress bar

@@ -178,3 +178,17 @@ def test_bf16_autocast_option(tiny_jrt, byte_bpe_tokenizer):
     assert bf16 != fp32  # the projections did run in bf16
     request = Instance("generate_until", {}, ("Kalo Company was founded in", {"until": ["\n"], "max_gen_toks": 4}), 0)
     assert isinstance(lm.generate_until([request], disable_tqdm=True)[0], str)
+
+
+def test_a_folder_loads_as_a_causal_lm_without_the_model_type_warning(caplog):
+    """`jrt` knows it loads causal LMs: HFLM's "neither marked as CausalLM or Seq2SeqLM" warning is gone. A tokenizer
+    without an end-of-text token (the demo models') falls back to the pad token for HFLM's stop string."""
+    import logging
+
+    from jrt_cli.choices import MODELS_DIR
+
+    with caplog.at_level(logging.WARNING):
+        lm = JRTLM(pretrained=str(MODELS_DIR / "jrt-rnn-sd"), device="cpu", dtype="float32")
+    assert lm.backend == "causal"
+    assert not [r for r in caplog.records if "neither marked as CausalLM" in r.getMessage()]
+    assert lm.tokenizer.eos_token_id is None and lm.eot_token_id == lm.tokenizer.pad_token_id == 0

@@ -86,6 +86,27 @@ def test_recall_and_loglikelihood_tasks_through_the_command(tmp_path, byte_bpe_t
         assert len(byte_bpe_tokenizer.encode(json.loads(line)["doc"]["context"])) <= 60
 
 
+@pytest.mark.parametrize(
+    "model_args", [[], ["--model_args", "==="], ["--model_args", "dtype=float32"], ["--model_args", "pretrained="]]
+)
+def test_jrt_model_without_pretrained_is_a_usage_error(capsys, model_args):
+    """It failed with `TypeError: JRTLM.__init__() missing 1 required positional argument`."""
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
+    assert main(["lm-eval", "--tasks", "jrt_swde", *model_args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "jrt lm-eval: error: the `jrt` model needs the checkpoint: --model_args pretrained=PATH_OR_HUB_ID"
+    ), err
+
+
+def test_garbage_model_args_are_an_argparse_error(capsys):
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["lm-eval", "--tasks", "jrt_swde", "--model_args", "abc"])
+    assert exit_info.value.code == 2
+    assert "expected `key=value`, got 'abc'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", [["lm-eval", "--tasks", "boolq"], ["eval-recall", "--model", "m", "--data", "d"]])
 def test_without_lm_eval_the_commands_say_how_to_install_it(monkeypatch, capsys, tmp_path, command):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
@@ -95,4 +116,4 @@ def test_without_lm_eval_the_commands_say_how_to_install_it(monkeypatch, capsys,
         command = [*command[:-1], str(data)]
     assert main(command) == 1
     error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1 and error.endswith("pip install 'jrt-rnn[eval]'")
+    assert len(error.splitlines()) == 1 and error.endswith("pip install -e '.[eval]' in a checkout")

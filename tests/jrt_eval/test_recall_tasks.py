@@ -93,3 +93,26 @@ def test_shipped_task_names_resolve():
     for family in ("swde", "fda", "squad", "drop", "triviaqa", "nq_512", "nq_1024", "nq_2048", "jsonl"):
         assert {f"jrt_{family}", f"jrt_{family}_twice"} <= names
     assert {"jrt_recall", "jrt_recall_twice"} <= names
+
+
+def test_truncation_tokenizer_of_a_jrt_folder_loads_quietly_in_a_fresh_process():
+    """AutoTokenizer reads config.json first: without `jrt_rnn` registered it printed "You are using a model of type
+    `jrt_rnn` to instantiate a model of type ``" (and, for a folder with `auto_map`, asked "[y/N]")."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from jrt_cli.choices import MODELS_DIR
+
+    root = Path(__file__).resolve().parents[2]
+    script = (
+        "import sys; from jrt_eval.recall import truncation_tokenizer; "
+        "print(truncation_tokenizer({'pretrained': sys.argv[1]})('<bos> t5').input_ids)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-c", script, str(MODELS_DIR / "jrt-rnn-sd")], env=env, capture_output=True,
+                         text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[1, 5]"
+    assert "to instantiate a model of type" not in run.stderr and "[y/N]" not in run.stdout + run.stderr

@@ -143,6 +143,28 @@ def test_ignore_prefix_targets():
     torch.testing.assert_close(ignore_prefix_targets(labels, 2)[0], expected[0])
 
 
+@pytest.mark.parametrize(
+    "prefix, error, message",
+    [
+        (-2, ValueError, r"^prefix_length must be >= 0; got -2\.$"),
+        (torch.tensor([3, -1]), ValueError, r"^prefix_length must be >= 0 in every row; got \[3, -1\]\.$"),
+        (2.5, TypeError, r"^prefix_length must be an int or a \(B,\) LongTensor; got float\.$"),
+        (True, TypeError, r"^prefix_length must be an int or a \(B,\) LongTensor; got bool\.$"),
+        (torch.tensor([2.0, 3.0]), ValueError, r"^prefix_length must be an int or a \(B,\) = \(2,\) integer tensor"),
+        (torch.tensor([1, 2, 3]), ValueError, r"^prefix_length must be an int or a \(B,\) = \(2,\) integer tensor"),
+    ],
+)
+def test_ignore_prefix_targets_and_forward_share_one_rule(make_config, prefix, error, message):
+    """A prefix that forward refuses is refused by `ignore_prefix_targets` with the same error (it used to return the
+    labels unchanged for -2)."""
+    labels = torch.randint(4, 99, (2, 6))
+    with pytest.raises(error, match=message):
+        ignore_prefix_targets(labels, prefix)
+    model = JRTRNNForCausalLM(make_config()).eval()
+    with pytest.raises(error, match=message):
+        model(labels, labels=labels, prefix_length=prefix)
+
+
 def test_mlm_labels_need_labels(make_config):
     model = JRTRNNForCausalLM(make_config())
     with pytest.raises(ValueError, match="need `labels`"):
@@ -257,3 +279,11 @@ def test_lora_trains_only_the_adapter_and_merges_exactly(make_config, tmp_path):
     generated = merged.generate(prompt, max_new_tokens=6, do_sample=False)
     assert generated.shape == (1, 11)
     torch.testing.assert_close(generated, model.generate(input_ids=prompt, max_new_tokens=6, do_sample=False))
+
+
+def test_shift_labels_with_an_empty_prefix(make_config):
+    model = JRTRNNForCausalLM(make_config()).eval()
+    input_ids = torch.randint(4, 99, (2, 12))
+    shifted = torch.nn.functional.pad(input_ids, (0, 1), value=-100)[:, 1:]
+    expected = model(input_ids, labels=input_ids, prefix_length=0).loss
+    torch.testing.assert_close(model(input_ids, labels=input_ids, shift_labels=shifted, prefix_length=0).loss, expected)

@@ -32,6 +32,36 @@ def test_collator_refuses_bad_examples_with_a_clear_error(examples, message):
         JRTDataCollator(8, MASK_ID, seed=0)(examples)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prefix_length=2.5), r"^`prefix_length` must be an integer >= 1 .* got 2.5 \(float\)"),
+        (dict(prefix_length=True), r"^`prefix_length` must be an integer >= 1 .* got True \(bool\)"),
+        (dict(prefix_length="8"), r"^`prefix_length` must be an integer >= 1 .* got '8' \(str\)"),
+        (dict(prefix_length=0), r"^`prefix_length` must be an integer >= 1 .* got 0 \(int\)"),
+        (dict(mask_token_id=None), r"^`mask_token_id` is None: the JRT objective writes a \[MASK\] token"),
+        (dict(mask_token_id=1.0), r"^`mask_token_id` must be a token id \(an integer >= 0\), got 1.0 \(float\)"),
+        (dict(mask_token_id=-1), r"^`mask_token_id` must be a token id"),
+        (dict(pad_token_id="0"), r"^`pad_token_id` must be None or an integer >= 0, got '0' \(str\)"),
+        (dict(seed=0.5), r"^`seed` must be None or an integer >= 0"),
+        (dict(mlm_probability="0.15"), r"^`mlm_probability` must be a number in \[0, 1\], got '0.15'"),
+        (dict(mlm_probability=1.5), r"^`mlm_probability` must be a number in \[0, 1\], got 1.5"),
+    ],
+)
+def test_collator_arguments_are_checked_on_construction(kwargs, message):
+    """They failed later inside torch with raw TypeErrors (`prefix_length=2.5`, `mask_token_id=None`)."""
+    arguments = {"prefix_length": 8, "mask_token_id": MASK_ID, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        JRTDataCollator(**arguments)
+
+
+@pytest.mark.parametrize("empty", [[], torch.tensor([], dtype=torch.long), {"input_ids": []}])
+def test_an_empty_example_is_named(empty):
+    """It failed with "must be a 1-D sequence of integer token ids, got (0,) torch.float32"."""
+    with pytest.raises(ValueError, match=r"^Example 1 is empty: every example needs at least prefix_length \+ 2 = 10"):
+        JRTDataCollator(8, MASK_ID, seed=0)([list(range(12)), empty])
+
+
 def test_pads_from_the_attention_mask_are_never_targets():
     ids = torch.arange(4, 18)  # 14 tokens; the last 3 are padding
     attention_mask = torch.tensor([1] * 11 + [0] * 3)

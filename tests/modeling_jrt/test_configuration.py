@@ -66,8 +66,18 @@ def test_default_layer_types_for_36_layers():
         (dict(bos_token_id=-1), r"`bos_token_id` must be None or a token id in \[0, vocab_size=50264\), got -1"),
         (dict(eos_token_id=[2, 60000]), r"`eos_token_id` must be None or a token id .* got \[2, 60000\]"),
         (dict(pad_token_id=50264), r"`pad_token_id` must be None or a token id"),
-        (dict(vocab_size=200, bos_token_id=0, eos_token_id=0),
+        (dict(vocab_size=200, prefix_pad_token_id=220),
          r"`prefix_pad_token_id` must be None or a token id in \[0, vocab_size=200\), got 220"),
+        (dict(vocab_size=64, bos_token_id=50256), r"`bos_token_id` must be None or a token id in \[0, vocab_size=64\)"),
+        # Upper bounds, before anything is allocated (prefix_length: 10**8 filled every short prompt to 10**8 tokens).
+        (dict(prefix_length=100_000_000), r"^`prefix_length` must be at most 1,048,576, got 100,000,000"),
+        (dict(sliding_window=10**12), r"^`sliding_window` must be at most 1,048,576, got 1,000,000,000,000"),
+        (dict(hidden_size=10**9), r"^`hidden_size` must be at most 65,536, got 1,000,000,000"),
+        (dict(vocab_size=2**40), r"^`vocab_size` must be at most 4,194,304"),
+        (dict(num_hidden_layers=10**7), r"^`num_hidden_layers` must be at most 1,024"),
+        (dict(intermediate_size=10**9), r"^`intermediate_size` must be at most 262,144"),
+        (dict(feature_dim=1000), r"^`feature_dim` must be at most 128"),
+        (dict(rms_norm_eps="abc"), r"^`rms_norm_eps` must be a finite number > 0, got 'abc'"),
         (dict(generation_vocab_size=0), r"`generation_vocab_size` \(0\) must be in \[1, vocab_size=50264\]"),
         # layer_types: a list of this model's own names; transformers' legacy remap must not rename them.
         (dict(num_hidden_layers=2, layer_types=["conv", "mamba"]), r"`layer_types\[1\]` is 'mamba'"),
@@ -110,3 +120,51 @@ def test_invalid_config_json_names_the_field_on_load(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"`layer_types\[1\]` is 'mamba'"):
         JRTRNNConfig.from_pretrained(tmp_path)
+
+
+def test_defaults_fit_any_vocabulary():
+    """The default special ids are None and the default prefix pad is 0, a token of every vocabulary (the converter
+    writes GPT-2's 50256 and 220 explicitly)."""
+    config = JRTRNNConfig(vocab_size=1, num_hidden_layers=2, layer_types=["conv", "linear_attention"])
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (None, None, None)
+    assert config.prefix_pad_token_id == 0 and config.mask_token_id is None
+    JRTRNNConfig(vocab_size=64)  # no error
+
+
+def test_every_size_field_has_an_upper_bound():
+    from modeling_jrt.configuration_jrt import MAX_SIZES, NON_NEGATIVE_INT_FIELDS, POSITIVE_INT_FIELDS
+
+    assert set(MAX_SIZES) == set(POSITIVE_INT_FIELDS) | set(NON_NEGATIVE_INT_FIELDS)
+    for field, maximum in MAX_SIZES.items():
+        with pytest.raises(ValueError, match=rf"^`{field}` must be at most {maximum:,}, got {maximum + 1:,}"):
+            JRTRNNConfig(**{field: maximum + 1})
+
+
+def test_out_of_bound_size_in_config_json_fails_on_load_before_allocation(tmp_path):
+    """A config.json with `prefix_length: 100000000` is refused by `from_pretrained` in one line naming the field."""
+    from transformers import AutoModelForCausalLM
+
+    config = JRTRNNConfig(vocab_size=32, hidden_size=8, intermediate_size=0, num_hidden_layers=2,
+                          num_attention_heads=2, layer_types=["conv", "linear_attention"], feature_dim=2)
+    config.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    data["prefix_length"] = 100_000_000
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"^`prefix_length` must be at most 1,048,576, got 100,000,000"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_a_model_with_default_ids_and_a_small_vocabulary_generates():
+    """Default ids (None) and prefix pad (0) work for a vocabulary of 64: the short prompt is filled to the default
+    prefix of 1024 with id 0 (transformers' `test_model_forward_default_config_values` built this config and failed)."""
+    import torch
+
+    from modeling_jrt import JRTRNNForCausalLM
+
+    config = JRTRNNConfig(vocab_size=64, hidden_size=16, intermediate_size=0, num_hidden_layers=2,
+                          num_attention_heads=2, layer_types=["conv", "linear_attention"], feature_dim=2)
+    model = JRTRNNForCausalLM(config).eval()
+    input_ids = torch.randint(0, 64, (1, 5))
+    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=2, do_sample=False)
+    assert output.shape == (1, 7) and torch.equal(output[:, :5], input_ids)

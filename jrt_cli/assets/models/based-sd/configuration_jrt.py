@@ -1,0 +1,316 @@
+"""Configuration of JRT-RNN and Based models (`model_type = "jrt_rnn"`)."""
+
+from __future__ import annotations
+
+import math
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+
+LAYER_TYPES = ("conv", "sliding_attention", "linear_attention")
+LINEAR_ATTENTION_TYPES = ("prefix", "causal")
+PREFIX_PAD_MASKINGS = ("strict", "reference")
+LINEAR_ATTENTION_IMPLEMENTATIONS = ("auto", "chunked", "triton", "quadratic")
+PREFIX_STRATEGIES = ("pad", "repeat", "none")
+
+
+# Field checks run on construction and on load (`from_pretrained` builds the config through `__init__`), before
+# anything derives values from the fields; each error names the field, the value and what is allowed.
+POSITIVE_INT_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "sliding_window", "conv_kernel_size",
+    "conv_expansion", "feature_dim", "linear_attention_chunk_size",
+)
+NON_NEGATIVE_INT_FIELDS = ("intermediate_size", "prefix_length")
+# Upper bound of every size field, checked with the field's other checks, before anything is allocated: a typo in a
+# config.json (`prefix_length: 100000000` fills every short prompt to 10^8 tokens in `generate()`) gets a one-line
+# error naming the field instead of an allocator failure minutes later. Each bound is far above any released or
+# published model of this family (vocabularies of 50k-260k ids, widths of 1-8k, prefixes of 1-8k tokens).
+MAX_SIZES = {
+    "vocab_size": 2**22,  # 4,194,304 ids
+    "hidden_size": 2**16,
+    "intermediate_size": 2**18,
+    "num_hidden_layers": 2**10,
+    "num_attention_heads": 2**10,
+    "sliding_window": 2**20,  # keys kept per sliding-attention layer in the cache: sliding_window - 1
+    "conv_kernel_size": 2**8,
+    "conv_expansion": 2**6,
+    "feature_dim": 2**7,  # 1 + f + f**2 = 16,513 Taylor features per head at the bound
+    "linear_attention_chunk_size": 2**12,
+    "prefix_length": 2**20,  # generate() fills a shorter prompt up to it
+}
+POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "linear_attention_eps")
+NON_NEGATIVE_FLOAT_FIELDS = ("mlm_weight", "initializer_range")
+BOOL_FIELDS = ("tie_word_embeddings", "conv_bias", "linear_attention_decay", "use_decay_proj", "use_cache")
+TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "prefix_pad_token_id", "mask_token_id")
+
+
+def _check_choice(field: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"`{field}` must be one of {list(allowed)}, got {value!r}.")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(field: str, value: object, *, minimum: int) -> None:
+    """`value` is an int (not a bool, float or string), `>= minimum` and at most the field's `MAX_SIZES` bound."""
+    kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"`{field}` must be {kind}, got {value!r} ({type(value).__name__}).")
+    maximum = MAX_SIZES.get(field)
+    if maximum is not None and value > maximum:
+        raise ValueError(
+            f"`{field}` must be at most {maximum:,}, got {value:,}: check the value (a typo in config.json?)."
+        )
+
+
+def _check_float(field: str, value: object, *, positive: bool) -> None:
+    """`value` is a finite real number, `> 0` (positive) or `>= 0`."""
+    kind = "a finite number > 0" if positive else "a finite number >= 0"
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"`{field}` must be {kind}, got {value!r}.")
+
+
+def _check_token_id(field: str, value: object, vocab_size: int) -> None:
+    """`value` is None, or a token id (a list of ids for `eos_token_id`) in [0, vocab_size)."""
+    if value is None:
+        return
+    ids = value if field == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
+    for token_id in ids:
+        if not _is_int(token_id) or not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"`{field}` must be None or a token id in [0, vocab_size={vocab_size}), got {value!r}: set it to a "
+                "token of this vocabulary (or None)."
+            )
+
+
+def _check_layer_types(layer_types: object) -> list[str]:
+    """`layer_types` as a list, checked before transformers' legacy remap (which would turn e.g. 'mamba' into
+    'linear_attention') can change a name that is not one of this model's own."""
+    if isinstance(layer_types, str) or not isinstance(layer_types, (list, tuple)):
+        raise ValueError(
+            f"`layer_types` must be a list with one of {list(LAYER_TYPES)} per layer, got {layer_types!r}."
+        )
+    for index, layer_type in enumerate(layer_types):
+        if layer_type not in LAYER_TYPES:
+            raise ValueError(
+                f"`layer_types[{index}]` is {layer_type!r}; allowed layer types are {list(LAYER_TYPES)}."
+            )
+    return list(layer_types)
+
+
+@strict
+class JRTRNNConfig(PreTrainedConfig):
+    r"""
+    Configuration of a JRT-RNN (prefix linear attention) or Based (causal linear attention) model.
+
+    The stack is the Based hybrid: every layer is an RMSNorm pre-norm block whose mixer is one of
+    `"conv"` (gated short convolution), `"sliding_attention"` (windowed softmax attention with RoPE)
+    or `"linear_attention"` (2nd-order Taylor linear attention), followed by a SwiGLU MLP.
+    The residual stream is kept in fp32.
+
+    Args:
+        vocab_size: Rows of the embedding and the LM head (the released models pad GPT-2's 50257 to 50264).
+        hidden_size: Model width `d`.
+        intermediate_size: Hidden width of the SwiGLU MLP (2 * d in the released models); 0 removes the MLPs
+            (as in the zoology synthetic-task models).
+        num_hidden_layers: Number of blocks.
+        num_attention_heads: Heads of both the sliding-window and the linear attention (head dim = d / heads).
+        layer_types: Mixer of each layer, one of `"conv"`, `"sliding_attention"`, `"linear_attention"`.
+            Defaults to the released pattern (linear attention at layers 1, 6, 11, ..., sliding attention right
+            after each of them, convolutions elsewhere).
+        rms_norm_eps: Epsilon of every RMSNorm.
+        tie_word_embeddings: Share the LM head with the input embedding (True in every released model).
+        sliding_window: Keys a sliding-attention query sees, itself included (HF semantics). The reference
+            `window_size: 256` means 128 previous tokens plus self, i.e. `sliding_window = 129`.
+        rope_theta: RoPE base of the sliding-window attention.
+        conv_kernel_size: Taps of the depthwise causal convolution.
+        conv_expansion: Width of the convolution branch as a multiple of `hidden_size` (the reference
+            `expand_proj: 4` gives 2).
+        conv_bias: Whether the convolution block's input and output projections have biases.
+        feature_dim: Per-head dimension `f` of the linear-attention queries and keys; the Taylor feature map has
+            `1 + f + f**2` features.
+        linear_attention_type: `"prefix"` (JRT-RNN: the first `prefix_length` tokens are also read non-causally
+            through encoder projections) or `"causal"` (Based).
+        prefix_length: Length `M` of the non-causal prefix (1024 in the released JRT models). By default
+            `forward()` reads each row's first `min(prefix_length, tokens)` tokens (counted from its first real
+            token); `forward(prefix_length=...)` sets it per call and per row.
+        prefix_pad_masking: How the JRT prefix pads (`linear_attention_mask = 0`) are removed from the linear
+            attention: `"strict"` (pads contribute nothing) or `"reference"` (raw keys are zeroed before the feature
+            map, so each pad still adds its value with weight 1, as the original code does). Batch padding
+            (`attention_mask = 0`) is always removed entirely, so a left-padded row equals the row alone.
+        prefix_pad_token_id: The token of the `"pad"` fill of a JRT prefix (`prefix_strategy`), also the fill of the
+            reference's loglikelihood scoring (`jrt_eval`). The default, 0, is a token of every vocabulary: the linear
+            attention masks the pads anyway (`prefix_pad_masking`), only the convolutions and the sliding attention
+            read their embedding. The released models use GPT-2's " " = 220, which the converter writes explicitly.
+        prefix_strategy: How the first forward of a sequence fills a prompt shorter than `prefix_length`
+            (`modeling_jrt.prefix_fill`): `"pad"` (the reference protocol: `prefix_pad_token_id` before the prompt,
+            ignored by the linear attention), `"repeat"` (the prompt repeated before itself) or `"none"`. Per call:
+            `forward(prefix_strategy=...)` / `generate(prefix_strategy=...)`.
+        linear_attention_decay: Fixed per-head decay `gamma_h = 1 - 2**(decay_const - h)` of the numerator state
+            (based-360M-30B). Only with `linear_attention_type="causal"`.
+        decay_const: Exponent offset of the fixed decay (-3 in the released model).
+        use_decay_proj: Input-dependent gate `g = x W` (one value per head, unbounded) on the numerator
+            (based-360M-30B). Only with `linear_attention_type="causal"`.
+        linear_attention_eps: Added to the linear-attention denominator (1e-12 as in the reference).
+        linear_attention_implementation: Prefill implementation: `"auto"` (the Triton kernel on CUDA, forward and
+            backward, with a one-time warning and the chunked path if it fails to compile or launch there; chunked
+            PyTorch on CPU), `"chunked"`, `"triton"` or `"quadratic"` (the O(N^2) oracle; tests only).
+        linear_attention_chunk_size: Chunk length of the chunked PyTorch prefill.
+        mask_token_id: The [MASK] id of the JRT masked-LM objective (50263 in the released models), or None.
+            `generate()` never samples it.
+        generation_vocab_size: Number of leading vocabulary rows `generate()` may sample (the tokenizer's vocabulary,
+            50257 for the released GPT-2-tokenized models); the LM-head rows from this index on only pad the
+            embedding and are never generated. None: every row may be generated.
+        mlm_weight: Weight of the masked-LM term of the JRT objective, `loss = NTP + mlm_weight * MLM` (0.25 in the
+            reference); used when `forward()` gets `mlm_labels` (see `modeling_jrt.loss`).
+        initializer_range: Standard deviation of the normal initialisation.
+        pad_token_id, bos_token_id, eos_token_id: Special token ids, None by default so that the defaults fit any
+            vocabulary (the released models' 50256 is written by the converter); a value that is set must be a token
+            of the vocabulary. `generate()` without a prompt needs `bos_token_id`, and stops early only at
+            `eos_token_id`.
+
+    Every size field has an upper bound (`MAX_SIZES`), checked with its type before anything is allocated.
+    """
+
+    model_type = "jrt_rnn"
+    keys_to_ignore_at_inference = ["cache", "ntp_loss", "mlm_loss"]
+
+    vocab_size: int = 50264
+    hidden_size: int = 1024
+    intermediate_size: int = 2048
+    num_hidden_layers: int = 26
+    num_attention_heads: int = 16
+    layer_types: list[str] | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    sliding_window: int = 129
+    rope_theta: float = 10000.0
+    conv_kernel_size: int = 3
+    conv_expansion: int = 2
+    conv_bias: bool = True
+    feature_dim: int = 16
+    linear_attention_type: str = "prefix"
+    prefix_length: int = 1024
+    prefix_pad_masking: str = "strict"
+    prefix_pad_token_id: int | None = 0
+    prefix_strategy: str = "pad"
+    linear_attention_decay: bool = False
+    decay_const: float = -3.0
+    use_decay_proj: bool = False
+    linear_attention_eps: float = 1e-12
+    linear_attention_implementation: str = "auto"
+    linear_attention_chunk_size: int = 64
+    mask_token_id: int | None = None
+    generation_vocab_size: int | None = None
+    mlm_weight: float = 0.25
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        self.validate_fields()
+        if self.layer_types is None:
+            self.layer_types = default_layer_types(self.num_hidden_layers)
+        else:
+            self.layer_types = _check_layer_types(self.layer_types)
+        super().__post_init__(**kwargs)
+        # Validate here as well as through @strict, so that users get a plain ValueError (not a wrapped one).
+        self.validate_architecture()
+
+    def validate_fields(self) -> None:
+        """Type and range of every field on its own; every error names the field, the value and what is allowed."""
+        for field in POSITIVE_INT_FIELDS:
+            _check_int(field, getattr(self, field), minimum=1)
+        for field in NON_NEGATIVE_INT_FIELDS:
+            _check_int(field, getattr(self, field), minimum=0)
+        for field in POSITIVE_FLOAT_FIELDS:
+            _check_float(field, getattr(self, field), positive=True)
+        for field in NON_NEGATIVE_FLOAT_FIELDS:
+            _check_float(field, getattr(self, field), positive=False)
+        for field in BOOL_FIELDS:
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"`{field}` must be True or False, got {getattr(self, field)!r}.")
+        for field in TOKEN_ID_FIELDS:
+            _check_token_id(field, getattr(self, field), self.vocab_size)
+        if not isinstance(self.decay_const, (int, float)) or isinstance(self.decay_const, bool) or not math.isfinite(
+            self.decay_const
+        ):
+            raise ValueError(f"`decay_const` must be a finite number, got {self.decay_const!r}.")
+        if self.linear_attention_decay and self.decay_const >= 0:
+            # gamma_h = 1 - 2**(decay_const - h) lies in (0, 1) for every head h >= 0 only when decay_const < 0.
+            raise ValueError(
+                f"`decay_const` must be < 0 so that every decay 1 - 2**(decay_const - h) lies in (0, 1), got "
+                f"{self.decay_const}."
+            )
+        if self.generation_vocab_size is not None and (
+            not _is_int(self.generation_vocab_size) or not 0 < self.generation_vocab_size <= self.vocab_size
+        ):
+            raise ValueError(
+                f"`generation_vocab_size` ({self.generation_vocab_size!r}) must be in "
+                f"[1, vocab_size={self.vocab_size}] (or None to allow every row)."
+            )
+
+    def validate_architecture(self):
+        """Cross-field checks; every error names the field, the value and what is allowed."""
+        self.validate_fields()
+        _check_layer_types(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"`layer_types` has {len(self.layer_types)} entries but `num_hidden_layers` is "
+                f"{self.num_hidden_layers}: give exactly one layer type per layer."
+            )
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                f"({self.num_attention_heads})."
+            )
+        if (self.hidden_size // self.num_attention_heads) % 2 != 0:
+            raise ValueError(
+                f"The head dim `hidden_size / num_attention_heads` = {self.hidden_size // self.num_attention_heads} "
+                "must be even for the rotary embedding of the sliding-window attention."
+            )
+        _check_choice("linear_attention_type", self.linear_attention_type, LINEAR_ATTENTION_TYPES)
+        _check_choice("prefix_pad_masking", self.prefix_pad_masking, PREFIX_PAD_MASKINGS)
+        _check_choice("prefix_strategy", self.prefix_strategy, PREFIX_STRATEGIES)
+        _check_choice(
+            "linear_attention_implementation", self.linear_attention_implementation, LINEAR_ATTENTION_IMPLEMENTATIONS
+        )
+        if self.linear_attention_type == "prefix" and (self.linear_attention_decay or self.use_decay_proj):
+            raise ValueError(
+                "`linear_attention_decay` and `use_decay_proj` are Based options: they need "
+                "`linear_attention_type='causal'`, got 'prefix'."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_taylor_features(self) -> int:
+        """Size of the 2nd-order Taylor feature map: 1 + f + f**2 (273 for f = 16)."""
+        return 1 + self.feature_dim + self.feature_dim**2
+
+
+def default_layer_types(num_hidden_layers: int) -> list[str]:
+    """The released Based/JRT pattern: linear attention at 1, 6, 11, 16, 21, then every 6th layer from 27
+    (27, 33 in the 36-layer models), sliding attention right after each, convolutions elsewhere."""
+    linear = [i for i in (1, 6, 11, 16, 21) if i < num_hidden_layers]
+    linear += list(range(27, num_hidden_layers, 6))
+    layer_types = ["conv"] * num_hidden_layers
+    for i in linear:
+        layer_types[i] = "linear_attention"
+        if i + 1 < num_hidden_layers:
+            layer_types[i + 1] = "sliding_attention"
+    return layer_types
+
+
+# `save_pretrained` copies this file into the saved folder and names it in `auto_map` (remote code), however the config
+# was loaded: see `JRTRNNPreTrainedModel.save_pretrained`.
+JRTRNNConfig.register_for_auto_class()
+
+__all__ = ["MAX_SIZES", "JRTRNNConfig", "default_layer_types"]

@@ -1,0 +1,836 @@
+"""Prefix linear attention (JRT-RNN) and causal linear attention (Based) with the 2nd-order Taylor feature map.
+
+Math (docs/reference_architecture.md §1.3-1.5; the algorithms and numerics: docs/prefill.md). For per-head
+queries/keys of dimension K (the feature dim, 16 in the released models) the Taylor feature map is
+
+    phi(x) = [1, x / K**(1/4), vec(x x^T) / (sqrt(2) sqrt(K))]        (F = 1 + K + K**2 features)
+
+so that phi(q) . phi(k) = 1 + s + s**2 / 2 with s = q . k / sqrt(K); every weight is >= 1/2.
+
+Prefix linear attention reads the first M tokens twice: once non-causally through separate encoder keys and
+values (k_enc, v_enc) and once causally with the decoder keys and values (k, v). With one shared denominator:
+
+    y_i = [sum_{m<M} phi(q_i).phi(ke_m) ve_m + sum_{j<=i} phi(q_i).phi(k_j) v_j]
+          / [sum_{m<M} phi(q_i).phi(ke_m)    + sum_{j<=i} phi(q_i).phi(k_j)    + eps]
+
+    query i \\ key:  encoder keys (m < M)    decoder keys j
+                     e e e e                 x . . . . .
+                     e e e e                 x x . . . .       every query sees the whole encoder,
+                     e e e e                 x x x . . .       and the decoder keys causally
+                     e e e e                 x x x x . .
+
+M = 0 gives causal Based linear attention. The Based decay variant (based-360M-30B) multiplies the numerator
+weights by gamma_h**(i-j) and by an input-dependent gate g_{i,h}; its denominator has neither.
+
+Recurrent state (shared by every implementation and stored in the generation cache), fp32 whatever the model dtype:
+
+    state[b, h, :, :V] = sum_j phi(k_j) v_j^T   (decayed when a decay is set)      shape (B, H, F, V)
+    state[b, h, :, V]  = sum_j phi(k_j)          (never decayed)                     shape (B, H, F)
+
+i.e. one tensor of shape (B, H, F, V + 1), with the encoder sum included. Decoding is then
+    state <- state (decayed) + phi(k_t) [v_t, 1];  y_t = g_t phi(q_t).state[:, :V] / (phi(q_t).state[:, V] + eps).
+
+The encoder range (per row). Row b's encoder reads the positions `encoder_start[b] <= m < encoder_end[b]` of k_enc /
+v_enc, which cover the first M positions of the same sequence (`0 <= start <= end <= M <= T`). The rows of a batch
+can so have different prefixes: a left-padded row starts after its padding, a scored row ends where its context
+ends. Without a range every row reads all M encoder positions. Positions outside the range are no encoder keys.
+
+Padding: `key_mask` `(B, T)` marks real tokens (its first M columns also describe the encoder positions). A masked
+key outside the row's encoder range (batch padding, which lies before the range or after the row) never contributes.
+A masked key inside the range (the fill of the JRT prefix) is removed as `pad_masking` says:
+`"strict"` removes it (phi(k) is zeroed *after* the feature map: phi(0) is not 0, its constant term is 1); with
+`"reference"` the raw key is zeroed *before* the feature map as the original code does, so the pad still adds its
+value with weight 1, to the encoder and to the decoder sums (the leak of the reference,
+docs/reference_architecture.md §2.1).
+
+Layouts at every function boundary: q, k `(B, T, H, K)`, v and outputs `(B, T, H, V)`, encoder tensors
+`(B, M, H, K)` / `(B, M, H, V)` for the first M tokens, encoder_start / encoder_end `(B,)` int64, key_mask `(B, T)`
+bool (True = real token), gate `(B, T, H)`, log_decay `(H,)` = log gamma. `validate_linear_attention_inputs` checks
+them once for every implementation (the Triton kernel too: the dispatcher validates before it calls the kernel).
+
+Implementations behind `prefix_linear_attention(..., implementation=...)`:
+    "quadratic"  materialises the (T, T) weights and the full feature map: the oracle of the tests (use fp64).
+    "chunked"    O(T) time, O(state) memory chunked scan in PyTorch; the encoder sum is its initial state.
+    "triton"     the fused GPU kernel of `jrt_kernels` (optional dependency; forward and backward, decay and gate).
+    "auto"       "triton" on CUDA tensors when the kernel imports, else "chunked"; a kernel that fails to compile or
+                 launch on the device (forward or backward) warns once and the call (and every later one) runs
+                 "chunked" (a failed backward: its gradients are those of the chunked path).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+from transformers.utils import logging
+
+from .configuration_jrt import LINEAR_ATTENTION_IMPLEMENTATIONS, PREFIX_PAD_MASKINGS
+
+logger = logging.get_logger(__name__)
+
+IMPLEMENTATION_ENV_VAR = "JRT_LINEAR_ATTENTION_IMPL"
+
+
+def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
+    """2nd-order Taylor feature map (docs/reference_architecture.md §1.3).
+
+    Args:
+        x: `(..., K)` queries or keys of one head.
+
+    Returns:
+        `(..., 1 + K + K**2)`: `[1, x / K**0.25, vec(x x^T) / (sqrt(2) sqrt(K))]`, all ordered pairs, row-major.
+    """
+    feature_dim = x.shape[-1]
+    ones = torch.ones_like(x[..., :1])
+    linear = x / feature_dim**0.25
+    quadratic = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / (math.sqrt(2.0) * math.sqrt(feature_dim))
+    return torch.cat([ones, linear, quadratic], dim=-1)
+
+
+def num_taylor_features(feature_dim: int) -> int:
+    return 1 + feature_dim + feature_dim**2
+
+
+def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """fp64 stays fp64 (oracle tests); everything else is computed in fp32."""
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
+
+
+def _as_row_index(value: torch.Tensor | int, batch_size: int, device: torch.device, name: str) -> torch.Tensor:
+    """An int or a `(B,)` integer tensor -> `(B,)` int64 on `device`."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
+        raise TypeError(f"{name} must be an int or a (B,) integer tensor; got {type(value).__name__}.")
+    if isinstance(value, int):
+        return torch.full((batch_size,), value, dtype=torch.long, device=device)
+    if value.dtype.is_floating_point or value.dtype == torch.bool or value.shape != (batch_size,):
+        raise ValueError(
+            f"{name} must be a (B,) = ({batch_size},) integer tensor; got {value.dtype} {tuple(value.shape)}."
+        )
+    return value.to(device=device, dtype=torch.long)
+
+
+def validate_linear_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_enc: torch.Tensor | None = None,
+    v_enc: torch.Tensor | None = None,
+    *,
+    encoder_start: torch.Tensor | int | None = None,
+    encoder_end: torch.Tensor | int | None = None,
+    key_mask: torch.Tensor | None = None,
+    pad_masking: str = "strict",
+    initial_state: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Check the arguments shared by every implementation (oracle, chunked, step, Triton) and normalise them.
+
+    Raises `ValueError` / `TypeError` naming the argument, the expected and the actual value.
+
+    Returns:
+        `(encoder_start, encoder_end, key_mask)`: the encoder range as `(B,)` int64 tensors (`[0, M)` for every row
+        when none is given; both None without an encoder) and the key mask as `(B, T)` bool (or None).
+    """
+    if q.ndim != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be (B, T, H, K); got q {tuple(q.shape)} and k {tuple(k.shape)}.")
+    batch_size, seq_len, num_heads, feature_dim = q.shape
+    if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be (B, T, H, V) = ({batch_size}, {seq_len}, {num_heads}, V); got {tuple(v.shape)}.")
+    if (k_enc is None) != (v_enc is None):
+        raise ValueError("k_enc and v_enc must be given together (or both None for causal linear attention).")
+    if pad_masking not in PREFIX_PAD_MASKINGS:
+        raise ValueError(f"pad_masking must be one of {list(PREFIX_PAD_MASKINGS)}, got {pad_masking!r}.")
+    if key_mask is not None:
+        if key_mask.shape != (batch_size, seq_len):
+            raise ValueError(f"key_mask must be (B, T) = ({batch_size}, {seq_len}); got {tuple(key_mask.shape)}.")
+        key_mask = key_mask if key_mask.dtype == torch.bool else key_mask != 0  # a 0/1 mask is fine too
+    state_shape = (batch_size, num_heads, num_taylor_features(feature_dim), v.shape[-1] + 1)
+    if initial_state is not None and tuple(initial_state.shape) != state_shape:
+        raise ValueError(f"initial_state must be (B, H, F, V + 1) = {state_shape}; got {tuple(initial_state.shape)}.")
+    if log_decay is not None and tuple(log_decay.shape) != (num_heads,):
+        raise ValueError(f"log_decay must be (H,) = ({num_heads},); got {tuple(log_decay.shape)}.")
+    if gate is not None and gate.shape != (batch_size, seq_len, num_heads):
+        raise ValueError(f"gate must be (B, T, H) = ({batch_size}, {seq_len}, {num_heads}); got {tuple(gate.shape)}.")
+    if k_enc is None:
+        if encoder_start is not None or encoder_end is not None:
+            raise ValueError("encoder_start / encoder_end describe the encoder keys: pass k_enc and v_enc with them.")
+        return None, None, key_mask
+
+    encoder_length = k_enc.shape[1]
+    if k_enc.ndim != 4 or k_enc.shape != (batch_size, encoder_length, num_heads, feature_dim):
+        raise ValueError(f"k_enc must be (B, M, H, K) with B, H, K of q; got {tuple(k_enc.shape)}.")
+    if v_enc.shape != (batch_size, encoder_length, num_heads, v.shape[-1]):
+        raise ValueError(f"v_enc must be (B, M, H, V) with B, H, V of v; got {tuple(v_enc.shape)}.")
+    if encoder_length > seq_len:
+        raise ValueError(f"The encoder covers the first M tokens, so M ({encoder_length}) must be <= T ({seq_len}).")
+    if log_decay is not None or gate is not None:
+        raise ValueError("Decay and gate are Based (causal) options; they cannot be combined with an encoder prefix.")
+    start = _as_row_index(0 if encoder_start is None else encoder_start, batch_size, q.device, "encoder_start")
+    end = _as_row_index(encoder_length if encoder_end is None else encoder_end, batch_size, q.device, "encoder_end")
+    given = encoder_start is not None or encoder_end is not None  # the default [0, M) needs no check (no host sync)
+    invalid = (start < 0) | (start > end) | (end > encoder_length)
+    if given and not torch.compiler.is_compiling() and bool(invalid.any()):
+        raise ValueError(
+            f"The encoder range must satisfy 0 <= encoder_start <= encoder_end <= M = {encoder_length} in every row; "
+            f"got encoder_start {start.tolist()} and encoder_end {end.tolist()}."
+        )
+    return start, end, key_mask
+
+
+def _key_masks(
+    key_mask: torch.Tensor | None,
+    encoder_start: torch.Tensor | None,
+    encoder_end: torch.Tensor | None,
+    seq_len: int,
+    encoder_length: int,
+    pad_masking: str,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Which keys count, from validated inputs (see the module docstring).
+
+    Returns:
+        `(raw, decoder, encoder)`: `raw` `(B, T)` bool, False where the raw key is zeroed before the feature map;
+        `decoder` `(B, T)` / `encoder` `(B, M)` bool, True where phi(k) enters the decoder / encoder sums. None means
+        "all True" (no key mask; no encoder).
+    """
+    in_range = None  # (B, T): inside the row's encoder range
+    if encoder_start is not None:
+        positions = torch.arange(seq_len, device=encoder_start.device)
+        in_range = (positions >= encoder_start[:, None]) & (positions < encoder_end[:, None])
+    encoder = None if in_range is None else in_range[:, :encoder_length]
+    if key_mask is None:
+        return None, None, encoder
+    if pad_masking == "strict" or in_range is None:
+        decoder = key_mask
+    else:  # "reference": a masked key inside the encoder range keeps its weight-1 constant term
+        decoder = key_mask | in_range
+    if encoder is not None and pad_masking == "strict":
+        encoder = encoder & key_mask[:, :encoder_length]
+    return key_mask, decoder, encoder
+
+
+def prefix_linear_attention_quadratic(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_enc: torch.Tensor | None = None,
+    v_enc: torch.Tensor | None = None,
+    *,
+    encoder_start: torch.Tensor | int | None = None,
+    encoder_end: torch.Tensor | int | None = None,
+    key_mask: torch.Tensor | None = None,
+    pad_masking: str = "strict",
+    initial_state: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    eps: float = 1e-12,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The O(T^2) oracle: materialises phi (F features) and the (T, T) weights. Tests only; pass fp64 inputs.
+
+    Same arguments as `prefix_linear_attention`.
+
+    Returns:
+        `(output (B, T, H, V) in v.dtype, state (B, H, F, V + 1))`; the state is fp64 for fp64 inputs, else fp32.
+    """
+    encoder_start, encoder_end, key_mask = validate_linear_attention_inputs(
+        q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
+        pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate,
+    )
+    output_dtype = v.dtype
+    dtype = _compute_dtype(q)
+    seq_len, value_dim = q.shape[1], v.shape[-1]
+    encoder_length = 0 if k_enc is None else k_enc.shape[1]
+    raw, decoder_keys, encoder_keys = _key_masks(
+        key_mask, encoder_start, encoder_end, seq_len, encoder_length, pad_masking
+    )
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+
+    phi_q = taylor_feature_map(q)  # (B, T, H, F)
+    phi_k = _features_of_keys(k, raw, decoder_keys)  # (B, T, H, F)
+    weights = torch.einsum("bihf,bjhf->bhij", phi_q, phi_k)  # (B, H, T, T)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+    weights = weights.masked_fill(~causal, 0.0)
+
+    positions = torch.arange(seq_len, device=q.device, dtype=dtype)
+    numerator_weights = weights
+    if log_decay is not None:
+        distance = (positions[:, None] - positions[None, :]).clamp(min=0)  # (T, T)
+        numerator_weights = weights * torch.exp(log_decay.to(dtype)[:, None, None] * distance)  # (B, H, T, T)
+    numerator = torch.einsum("bhij,bjhv->bihv", numerator_weights, v)  # (B, T, H, V)
+    denominator = weights.sum(-1).transpose(1, 2)  # (B, T, H)
+
+    if initial_state is not None:
+        previous = initial_state.to(dtype)
+        previous_numerator = torch.einsum("bihf,bhfv->bihv", phi_q, previous[..., :value_dim])  # (B, T, H, V)
+        if log_decay is not None:
+            # The previous state is decayed once more for every token read since: gamma^(i + 1).
+            previous_numerator = previous_numerator * torch.exp(
+                log_decay.to(dtype)[None, None, :, None] * (positions[None, :, None, None] + 1)
+            )
+        numerator = numerator + previous_numerator
+        denominator = denominator + torch.einsum("bihf,bhf->bih", phi_q, previous[..., value_dim])
+
+    if k_enc is not None:
+        raw_enc = None if raw is None else raw[:, :encoder_length]
+        phi_k_enc = _features_of_keys(k_enc.to(dtype), raw_enc, encoder_keys)  # (B, M, H, F)
+        encoder_weights = torch.einsum("bihf,bmhf->bhim", phi_q, phi_k_enc)  # (B, H, T, M)
+        numerator = numerator + torch.einsum("bhim,bmhv->bihv", encoder_weights, v_enc.to(dtype))
+        denominator = denominator + encoder_weights.sum(-1).transpose(1, 2)
+
+    if gate is not None:
+        numerator = numerator * gate.to(dtype)[..., None]
+    output = numerator / (denominator[..., None] + eps)
+
+    # Final state: sum over all keys, the decoder part decayed to the last position.
+    value_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, T, H, V + 1)
+    key_features = phi_k
+    if log_decay is not None:
+        age = (seq_len - 1 - positions)[None, :, None, None]
+        decayed = phi_k * torch.exp(log_decay.to(dtype)[None, None, :, None] * age)
+        state = torch.cat(
+            [torch.einsum("bthf,bthv->bhfv", decayed, v), phi_k.sum(1)[..., None]], dim=-1
+        )  # (B, H, F, V + 1)
+    else:
+        state = torch.einsum("bthf,bthv->bhfv", key_features, value_and_one)  # (B, H, F, V + 1)
+    if initial_state is not None:
+        previous = initial_state.to(dtype)
+        if log_decay is not None:
+            decay_all = torch.exp(log_decay.to(dtype) * seq_len)[None, :, None, None]
+            previous = torch.cat([previous[..., :value_dim] * decay_all, previous[..., value_dim:]], dim=-1)
+        state = state + previous
+    if k_enc is not None:
+        v_enc_and_one = torch.cat([v_enc.to(dtype), torch.ones_like(v_enc[..., :1], dtype=dtype)], dim=-1)
+        state = state + torch.einsum("bmhf,bmhv->bhfv", phi_k_enc, v_enc_and_one)
+    return output.to(output_dtype), state
+
+
+def _features_of_keys(keys: torch.Tensor, raw: torch.Tensor | None, counted: torch.Tensor | None) -> torch.Tensor:
+    """phi of keys `(B, T, H, K)` -> `(B, T, H, F)`: raw keys zeroed where `raw` is False (the reference's masking,
+    before the feature map), features zeroed where `counted` is False (after it: phi(0) = [1, 0, ...] is not 0)."""
+    if raw is not None:
+        keys = keys * raw[:, :, None, None].to(keys.dtype)
+    features = taylor_feature_map(keys)
+    if counted is not None:
+        features = features * counted[:, :, None, None].to(features.dtype)
+    return features
+
+
+def _add_matmul(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """accumulator + a @ b for (B, H, *, *) tensors, as one fused batched GEMM (out of place, differentiable)."""
+    result = torch.baddbmm(accumulator.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1))
+    return result.view(accumulator.shape)
+
+
+class _SymmetricFeatures:
+    """The 2nd-order Taylor features without duplicates, for the chunked scan (docs/prefill.md §4.2, "Symmetric
+    second order").
+
+    x_i x_j = x_j x_i, so the K**2 ordered pairs hold only P = K (K + 1) / 2 distinct features. The chunked scan
+    keeps its state compact, with F' = 1 + K + P rows: row (i, j), i <= j, of the compact state holds
+    S_ij + S_ji of the full state (S_ii on the diagonal), so phi(q).S is the sum over i <= j of q_i q_j times it.
+    A key therefore enters with weight 2 off the diagonal. This removes 44% of the feature work for K = 16
+    (F' = 153 instead of 273). Expanding back gives S_ij = S_ji = compact / 2, exact for the sums of k k^T v that
+    the scan adds; the rest of an (arbitrary) initial state, its antisymmetric part, is carried over unchanged.
+    """
+
+    def __init__(self, feature_dim: int, device: torch.device):
+        rows, cols = torch.triu_indices(feature_dim, feature_dim, device=device)  # (P,) each, i <= j
+        offset = 1 + feature_dim
+        self.feature_dim = feature_dim
+        self.num_pairs = rows.numel()
+        self.upper = offset + rows * feature_dim + cols  # full-layout row of (i, j)
+        self.lower = offset + cols * feature_dim + rows  # full-layout row of (j, i)
+        self.off_diagonal = rows != cols
+        # Full quadratic row f = i K + j -> its compact pair, and the factor that undoes the pair sum.
+        pair = torch.empty(feature_dim * feature_dim, dtype=torch.long, device=device)
+        pair[rows * feature_dim + cols] = torch.arange(self.num_pairs, device=device)
+        pair[cols * feature_dim + rows] = torch.arange(self.num_pairs, device=device)
+        full_rows = torch.arange(feature_dim * feature_dim, device=device)
+        self.pair_of_full = offset + pair
+        self.half = torch.where(full_rows // feature_dim == full_rows % feature_dim, 1.0, 0.5)
+        # Feature weights in `features` order: 1 for the constant and linear features, 1/sqrt(2) for the pairs
+        # (phi's 1/(sqrt(2) sqrt(K)) with the sqrt(K) already in the products), doubled off the diagonal for keys.
+        ones = torch.ones(1 + feature_dim, dtype=torch.float64, device=device)
+        quadratic = torch.full((self.num_pairs,), 1.0 / math.sqrt(2.0), dtype=torch.float64, device=device)
+        self.query_weight = torch.cat([ones, quadratic])  # (1 + K + P,), cast per use
+        self.key_weight = torch.cat([ones, torch.where(self.off_diagonal, 2.0, 1.0) * quadratic])
+
+    def features(self, x: torch.Tensor, *, key: bool) -> torch.Tensor:
+        """(..., K) -> (..., 1 + K + P): phi(x) with the duplicate pairs merged (counted twice for keys).
+
+        With a = [1, x / K**(1/4)], the pairs a_i a_j (i <= j) in triu order are [1, x / K**(1/4), x_i x_j / K**(1/2)]:
+        the three orders at once, K + 1 slices and one concatenation (much faster than a gather on the last dim).
+        """
+        augmented = torch.cat([torch.ones_like(x[..., :1]), x / self.feature_dim**0.25], dim=-1)  # (..., 1 + K)
+        pairs = [augmented[..., i : i + 1] * augmented[..., i:] for i in range(self.feature_dim + 1)]
+        weight = self.key_weight if key else self.query_weight
+        return torch.cat(pairs, dim=-1) * weight.to(x.dtype)  # (..., 1 + K + P)
+
+    def compress(self, state: torch.Tensor) -> torch.Tensor:
+        """(B, H, F, W) full state -> (B, H, 1 + K + P, W) compact state."""
+        lower = state[..., self.lower, :] * self.off_diagonal[:, None].to(state.dtype)
+        return torch.cat([state[..., : 1 + self.feature_dim, :], state[..., self.upper, :] + lower], dim=-2)
+
+    def expand(self, compact: torch.Tensor) -> torch.Tensor:
+        """(B, H, 1 + K + P, W) compact state -> (B, H, F, W) symmetric full state."""
+        quadratic = compact[..., self.pair_of_full, :] * self.half[:, None].to(compact.dtype)  # (B, H, K*K, W)
+        return torch.cat([compact[..., : 1 + self.feature_dim, :], quadratic], dim=-2)
+
+
+def prefix_linear_attention_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_enc: torch.Tensor | None = None,
+    v_enc: torch.Tensor | None = None,
+    *,
+    encoder_start: torch.Tensor | int | None = None,
+    encoder_end: torch.Tensor | int | None = None,
+    key_mask: torch.Tensor | None = None,
+    pad_masking: str = "strict",
+    initial_state: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    eps: float = 1e-12,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked scan: O(T) time, O(state) memory, differentiable. Same arguments and results as the oracle.
+
+    Letters: b batch, h head, c/i/j positions inside a chunk, k feature dim K, f Taylor features F,
+    v value dim (+1 for the denominator column). Per chunk of C tokens (docs/prefill.md §4.2):
+
+        inter-chunk  o_c  = phi(Q_c) @ state                          everything before the chunk (and the encoder)
+        intra-chunk  o_c += tril(1 + S + S**2 / 2) @ [V_c, 1]          S = Q_c K_c^T / sqrt(K): no (C, F) features needed
+        update       state += phi(K_c)^T @ [V_c, 1]
+
+    The encoder sum over each row's encoder range is accumulated into the state before the scan, so the prefix's
+    non-causal read costs one extra update per encoder token. The scan keeps its state with the duplicate
+    2nd-order features merged (`_SymmetricFeatures`, 1 + K + K (K + 1) / 2 rows) and returns it in the full layout.
+    """
+    encoder_start, encoder_end, key_mask = validate_linear_attention_inputs(
+        q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
+        pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate,
+    )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    output_dtype = v.dtype
+    dtype = _compute_dtype(q)
+    batch_size, seq_len, num_heads, feature_dim = q.shape
+    value_dim = v.shape[-1]
+    encoder_length = 0 if k_enc is None else k_enc.shape[1]
+    scale = 1.0 / math.sqrt(feature_dim)
+    raw, decoder_keys, encoder_keys = _key_masks(
+        key_mask, encoder_start, encoder_end, seq_len, encoder_length, pad_masking
+    )
+
+    # Heads first and contiguous for the per-chunk matmuls (one copy each, instead of one per chunk).
+    q = q.transpose(1, 2).to(dtype).contiguous()  # (B, H, T, K)
+    k = k.transpose(1, 2).to(dtype).contiguous()  # (B, H, T, K)
+    v = v.transpose(1, 2).to(dtype)  # (B, H, T, V)
+    value_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, T, V + 1)
+    if raw is not None:
+        k = k * raw[:, None, :, None].to(dtype)  # a masked raw key is 0 ("reference": phi(0) keeps weight 1)
+    key_columns = None  # (B, 1, 1, T): zeroes the intra-chunk weight of a key that does not count
+    key_rows = None  # (B, 1, T, 1): zeroes its phi(k) in the state update
+    if decoder_keys is not None:
+        key_columns = decoder_keys.to(dtype)[:, None, None, :]
+        key_rows = decoder_keys.to(dtype)[:, None, :, None]
+
+    symmetric = _SymmetricFeatures(feature_dim, q.device)
+    residual = None  # the antisymmetric part of the initial state, which the compact state cannot hold
+    if initial_state is None:
+        state = q.new_zeros(batch_size, num_heads, 1 + feature_dim + symmetric.num_pairs, value_dim + 1)
+    else:
+        state = symmetric.compress(initial_state.to(dtype))  # (B, H, F', V + 1)
+        residual = initial_state.to(dtype) - symmetric.expand(state)  # (B, H, F, V + 1)
+
+    # 1. Encoder reduction: state += sum_m phi(k_enc_m) [v_enc_m, 1] over each row's range. No (c, c) term, so
+    #    longer chunks.
+    if k_enc is not None:
+        k_enc = k_enc.transpose(1, 2).to(dtype)  # (B, H, M, K)
+        v_enc = v_enc.transpose(1, 2).to(dtype)  # (B, H, M, V)
+        if raw is not None:
+            k_enc = k_enc * raw[:, None, :encoder_length, None].to(dtype)
+        encoder_rows = encoder_keys.to(dtype)[:, None, :, None]  # (B, 1, M, 1)
+        encoder_chunk = max(chunk_size, 256)
+        for start in range(0, encoder_length, encoder_chunk):
+            end = min(start + encoder_chunk, encoder_length)
+            phi_k = symmetric.features(k_enc[:, :, start:end], key=True)  # (B, H, c, F')
+            phi_k = phi_k * encoder_rows[:, :, start:end]  # outside the row's range: not an encoder key
+            values = v_enc[:, :, start:end]
+            values_and_one = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # (B, H, c, V + 1)
+            state = _add_matmul(state, phi_k.transpose(-1, -2), values_and_one)  # (B, H, F', V + 1)
+
+    # 2. Causal chunk scan over all T tokens, starting from the encoder state.
+    decay = None if log_decay is None else log_decay.to(dtype)
+    outputs = []
+    for start in range(0, seq_len, chunk_size):
+        end = min(start + chunk_size, seq_len)
+        length = end - start
+        q_c, k_c, v_c1 = q[:, :, start:end], k[:, :, start:end], value_and_one[:, :, start:end]
+        v_c = v_c1[..., :value_dim]
+        phi_k = symmetric.features(k_c, key=True)  # (B, H, c, F')
+        if key_rows is not None:
+            phi_k = phi_k * key_rows[:, :, start:end]
+
+        inter = symmetric.features(q_c, key=False) @ state  # (B, H, c, V + 1)
+        scores = (q_c @ k_c.transpose(-1, -2)) * scale  # (B, H, c, c)
+        weights = (1.0 + scores + 0.5 * scores * scores).tril()  # (B, H, c, c)
+        if key_columns is not None:
+            weights = weights * key_columns[..., start:end]
+
+        if decay is None:
+            combined = _add_matmul(inter, weights, v_c1)  # (B, H, c, V + 1)
+            numerator, denominator = combined[..., :value_dim], combined[..., value_dim]
+            state = _add_matmul(state, phi_k.transpose(-1, -2), v_c1)  # (B, H, F', V + 1)
+        else:
+            index = torch.arange(length, device=q.device, dtype=dtype)
+            distance = (index[:, None] - index[None, :]).clamp(min=0)  # (c, c)
+            decayed_weights = weights * torch.exp(decay[:, None, None] * distance)  # (B, H, c, c)
+            previous_decay = torch.exp(decay[:, None] * (index + 1))[None, :, :, None]  # (1, H, c, 1)
+            numerator = inter[..., :value_dim] * previous_decay + decayed_weights @ v_c
+            denominator = inter[..., value_dim] + weights.sum(-1)
+            age_decay = torch.exp(decay[:, None] * (length - 1 - index))[None, :, :, None]  # (1, H, c, 1)
+            chunk_decay = torch.exp(decay * length)[None, :, None, None]  # (1, H, 1, 1)
+            state = torch.cat(
+                [
+                    state[..., :value_dim] * chunk_decay + (phi_k * age_decay).transpose(-1, -2) @ v_c,
+                    state[..., value_dim:] + phi_k.sum(-2)[..., None],
+                ],
+                dim=-1,
+            )
+        if gate is not None:
+            numerator = numerator * gate[:, start:end].transpose(1, 2).to(dtype)[..., None]
+        outputs.append(numerator / (denominator[..., None] + eps))
+
+    output = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, T, H, V)
+    state = symmetric.expand(state)  # (B, H, F, V + 1)
+    if residual is not None:
+        if decay is not None:  # decayed like the rest of the initial state: once per token read
+            total_decay = torch.exp(decay * seq_len)[None, :, None, None]  # (1, H, 1, 1)
+            residual = torch.cat([residual[..., :value_dim] * total_decay, residual[..., value_dim:]], dim=-1)
+        state = state + residual
+    return output.to(output_dtype), state
+
+
+def linear_attention_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    log_decay: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    eps: float = 1e-12,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step from the recurrent state (the same for prefix and causal linear attention).
+
+    Args:
+        q, k: `(B, H, K)` query and key of the new token.
+        v: `(B, H, V)` its value.
+        state: `(B, H, F, V + 1)` fp32 state after the previous tokens.
+        log_decay: `(H,)` log gamma of the Based decay, or None.
+        gate: `(B, H)` numerator gate of the Based decay variant, or None.
+
+    Returns:
+        `(output (B, H, V) in v.dtype, new state (B, H, F, V + 1))`.
+
+    There is no encoder here: the prefill folded it into `state`. The arguments are checked by the same
+    `validate_linear_attention_inputs` as the prefill (as one token, T = 1).
+    """
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(
+            f"q, k and v of a decode step must be (B, H, K) / (B, H, V); got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}."
+        )
+    validate_linear_attention_inputs(
+        q[:, None], k[:, None], v[:, None], initial_state=state, log_decay=log_decay,
+        gate=None if gate is None else gate[:, None],
+    )
+    value_dim = v.shape[-1]
+    dtype = state.dtype
+    phi_q = taylor_feature_map(q.to(dtype))  # (B, H, F)
+    phi_k = taylor_feature_map(k.to(dtype))  # (B, H, F)
+    value_and_one = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)  # (B, H, V + 1)
+    update = phi_k[..., :, None] * value_and_one[..., None, :]  # (B, H, F, V + 1)
+    if log_decay is not None:
+        gamma = torch.exp(log_decay.to(dtype))[None, :, None, None]
+        state = torch.cat([state[..., :value_dim] * gamma, state[..., value_dim:]], dim=-1)
+    state = state + update
+    readout = torch.einsum("bhf,bhfv->bhv", phi_q, state)  # (B, H, V + 1)
+    numerator = readout[..., :value_dim]
+    if gate is not None:
+        numerator = numerator * gate.to(dtype)[..., None]
+    output = numerator / (readout[..., value_dim:] + eps)
+    return output.to(v.dtype), state
+
+
+def _load_triton_prefill():
+    """The fused kernel from the optional `jrt_kernels` package, or None when it (or triton) is not installed."""
+    try:
+        from jrt_kernels import prefix_linear_attention_triton
+    except ImportError:
+        return None
+    return prefix_linear_attention_triton
+
+
+def _load_triton_backward():
+    """The fused backward launcher of `jrt_kernels`, or None (never in practice: it runs after the fused forward).
+
+    The import sits in `try` like the forward's: transformers' remote-code check skips imports in `try` blocks, so
+    a Hub folder loads without `jrt_kernels`.
+    """
+    try:
+        from jrt_kernels.prefix_linear_attention_backward import prefix_linear_attention_backward
+    except ImportError:
+        return None
+    return prefix_linear_attention_backward
+
+
+# Set when the kernel failed to compile or launch under "auto": later "auto" calls go straight to "chunked".
+_triton_failure: str | None = None
+# Set when the fused backward failed under "auto"; it becomes `_triton_failure` when that backward pass ends.
+_backward_failure: str | None = None
+
+
+def resolve_implementation(implementation: str, q: torch.Tensor) -> str:
+    """Pick the prefill implementation.
+
+    An explicit `implementation` wins; `"auto"` can be overridden by the environment variable
+    `JRT_LINEAR_ATTENTION_IMPL` (`chunked` | `triton` | `quadratic`); otherwise `"auto"` picks `"triton"` for CUDA
+    tensors when the kernel imports and has not failed on this device before (`prefix_linear_attention` falls back
+    then), and `"chunked"` everywhere else (the CPU default). The kernel has a fused backward and the Based decay and
+    gate, so training and the decay variants take the same path as inference. A forced
+    `"triton"` also accepts CPU tensors, which the kernel runs in triton's interpreter when `TRITON_INTERPRET=1`.
+    """
+    if implementation not in LINEAR_ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {list(LINEAR_ATTENTION_IMPLEMENTATIONS)}, got {implementation!r}."
+        )
+    if implementation == "auto":
+        forced = os.environ.get(IMPLEMENTATION_ENV_VAR, "").strip().lower()
+        if forced and forced != "auto":
+            if forced not in LINEAR_ATTENTION_IMPLEMENTATIONS:
+                raise ValueError(
+                    f"{IMPLEMENTATION_ENV_VAR} must be one of {list(LINEAR_ATTENTION_IMPLEMENTATIONS)}, got {forced!r}."
+                )
+            implementation = forced
+    if implementation == "auto":
+        if q.is_cuda and _triton_failure is None and _load_triton_prefill() is not None:
+            return "triton"
+        return "chunked"
+    if implementation == "triton" and _load_triton_prefill() is None:
+        raise RuntimeError(
+            "implementation='triton' needs the fused kernel: install it with `pip install 'jrt-rnn[triton]'` "
+            "(the `jrt_kernels` package and triton), or use implementation='chunked'."
+        )
+    return implementation
+
+
+def _warn_kernel_failure(error: Exception, stage: str) -> str:
+    """Warn once that the `stage` ("kernel" or "backward kernel") failed; returns the error in one line."""
+    message = str(error).strip()
+    failure = f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
+    logger.warning_once(
+        f"The fused Triton linear-attention {stage} failed on this device ({failure[:300]}). Falling back "
+        "to the PyTorch implementation for the rest of this process; set "
+        "linear_attention_implementation='chunked' in the config to skip the kernel, or 'triton' to see the error."
+    )
+    return failure
+
+
+def _run_triton_or_fall_back(explicit: bool, run_triton, run_chunked) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel; under "auto", a kernel that fails to compile or launch here warns once and runs chunked.
+
+    The failures are of many types (triton's CompilationError / OutOfResources / PTXASError, RuntimeError from the
+    driver or an unsupported architecture), hence `except Exception`. An explicit "triton" re-raises.
+    """
+    global _triton_failure
+    if explicit:
+        return run_triton()
+    try:
+        return run_triton()
+    except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
+        _triton_failure = _warn_kernel_failure(error, "kernel")
+    return run_chunked()
+
+
+def _fused_backward_or_none(*args, **kwargs) -> tuple[torch.Tensor | None, ...] | None:
+    """The fused backward's gradients, or None when it fails (warns once) or failed before in this process.
+
+    The failure marks the kernel failed for new "auto" calls (`_triton_failure`) only when this backward pass ends:
+    activation checkpointing recomputes the forwards of earlier layers later in the same pass, and each
+    recomputation must take the path of its original forward (non-reentrant checkpointing checks the saved tensors).
+    """
+    global _backward_failure
+    if _triton_failure is None and _backward_failure is None:
+        try:
+            return _load_triton_backward()(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
+            _backward_failure = _warn_kernel_failure(error, "backward kernel")
+    if _triton_failure is None:  # runs _mark_backward_failure once the engine finishes this backward pass
+        torch.autograd.Variable._execution_engine.queue_callback(_mark_backward_failure)
+    return None
+
+
+def _mark_backward_failure() -> None:
+    """Run at the end of the backward pass in which the fused backward failed: later "auto" calls go chunked."""
+    global _triton_failure
+    _triton_failure = _triton_failure or _backward_failure
+
+
+def _chunked_gradients(
+    inputs: tuple[torch.Tensor | None, ...],
+    needs_grad: tuple[bool, ...],
+    grad_output: torch.Tensor,
+    grad_state: torch.Tensor | None,
+    **kwargs,
+) -> list[torch.Tensor | None]:
+    """Gradients of `prefix_linear_attention_chunked` by autograd, recomputing its forward (a failed fused backward).
+
+    Args:
+        inputs: `(q, k, v, k_enc, v_enc, initial_state, gate)`, the differentiable inputs (None where absent).
+        needs_grad: one flag per input: whether its gradient is wanted.
+        grad_output: `(B, T, H, V)` gradient of the output; grad_state: `(B, H, F, V + 1)` of the state, or None.
+        kwargs: the remaining keyword arguments of `prefix_linear_attention_chunked`.
+
+    Returns:
+        One gradient per input, None where it is not wanted (or absent).
+    """
+    leaves = [None if t is None else t.detach().requires_grad_(needed) for t, needed in zip(inputs, needs_grad)]
+    q, k, v, k_enc, v_enc, initial_state, gate = leaves
+    with torch.enable_grad():
+        output, state = prefix_linear_attention_chunked(
+            q, k, v, k_enc, v_enc, initial_state=initial_state, gate=gate, **kwargs
+        )
+    wanted = [t for t, needed in zip(leaves, needs_grad) if needed and t is not None]
+    outputs, grads = (output, state), (grad_output, grad_state)
+    if grad_state is None:
+        outputs, grads = outputs[:1], grads[:1]
+    computed = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True))
+    return [next(computed) if needed and t is not None else None for t, needed in zip(leaves, needs_grad)]
+
+
+class _KernelWithSafeBackward(torch.autograd.Function):
+    """The fused forward and backward for "auto" training, whose backward falls back to the chunked path.
+
+    The fused backward compiles at the first backward call, after the forward has returned, so a failure there
+    (ptxas error, `OutOfResources`, an unsupported architecture) is out of `_run_triton_or_fall_back`'s reach. Here
+    it warns once, marks the kernel failed (`_fused_backward_or_none`) and returns the gradients of the chunked path,
+    computed by autograd through a recomputed chunked forward. A failed forward propagates out of `apply`, to
+    `_run_triton_or_fall_back`. Arguments are those of `prefix_linear_attention`, positional (as `apply` wants).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask, log_decay,
+                pad_masking, eps, chunk_size):
+        ctx.save_for_backward(q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask,
+                              log_decay)
+        ctx.pad_masking, ctx.eps, ctx.chunk_size = pad_masking, eps, chunk_size
+        ctx.set_materialize_grads(False)  # no grad_state: the fused backward skips that term
+        return _load_triton_prefill()(
+            q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
+            pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps,
+        )
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_state):
+        q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask, log_decay = ctx.saved_tensors
+        grad_output = torch.zeros_like(v) if grad_output is None else grad_output
+        grads = _fused_backward_or_none(
+            q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start, encoder_end=encoder_end,
+            key_mask=key_mask, strict=ctx.pad_masking == "strict", initial_state=initial_state, log_decay=log_decay,
+            gate=gate, eps=ctx.eps,
+        )
+        if grads is None:
+            grads = _chunked_gradients(
+                (q, k, v, k_enc, v_enc, initial_state, gate), ctx.needs_input_grad[:7], grad_output, grad_state,
+                encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
+                pad_masking=ctx.pad_masking, log_decay=log_decay, eps=ctx.eps, chunk_size=ctx.chunk_size,
+            )
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def prefix_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_enc: torch.Tensor | None = None,
+    v_enc: torch.Tensor | None = None,
+    *,
+    encoder_start: torch.Tensor | int | None = None,
+    encoder_end: torch.Tensor | int | None = None,
+    key_mask: torch.Tensor | None = None,
+    pad_masking: str = "strict",
+    initial_state: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    eps: float = 1e-12,
+    chunk_size: int = 64,
+    implementation: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill of prefix (JRT-RNN) or causal (Based, `k_enc = v_enc = None`) linear attention.
+
+    Args:
+        q, k: `(B, T, H, K)` decoder queries and keys.
+        v: `(B, T, H, V)` decoder values.
+        k_enc, v_enc: `(B, M, H, K)` / `(B, M, H, V)` encoder keys and values of the first M <= T tokens, or None.
+        encoder_start, encoder_end: `(B,)` int64 (or ints): row b's encoder reads positions
+            `encoder_start[b] <= m < encoder_end[b]` of k_enc / v_enc; default `[0, M)` for every row.
+        key_mask: `(B, T)` bool, True for real tokens. A masked key outside its row's encoder range never counts;
+            one inside it is removed as `pad_masking` says.
+        pad_masking: `"strict"` (pads contribute nothing) or `"reference"` (the original code's leak, for the masked
+            keys inside the encoder range).
+        initial_state: `(B, H, F, V + 1)` state of earlier tokens (continuing from a cache), or None.
+        log_decay: `(H,)` log gamma of the Based fixed decay, or None.
+        gate: `(B, T, H)` input-dependent numerator gate of the Based decay variant, or None.
+        eps: added to the denominator.
+        chunk_size: chunk length of the chunked implementation.
+        implementation: `"auto"`, `"chunked"`, `"triton"` or `"quadratic"` (see `resolve_implementation`).
+
+    Returns:
+        `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) in fp32)`.
+    """
+    encoder_start, encoder_end, key_mask = validate_linear_attention_inputs(
+        q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
+        pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate,
+    )
+    chosen = resolve_implementation(implementation, q)
+    kwargs = dict(
+        encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask, pad_masking=pad_masking,
+        initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps,
+    )
+    if chosen == "quadratic":
+        return prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
+    if chosen == "triton":
+        explicit = implementation == "triton" or os.environ.get(IMPLEMENTATION_ENV_VAR, "").strip().lower() == "triton"
+        differentiable = (q, k, v, k_enc, v_enc, initial_state, gate)
+        training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+        if explicit or not training or torch.compiler.is_compiling():
+            # The op's own autograd (the fused backward, which raises on failure); torch.compile traces the op.
+            run_triton = functools.partial(_load_triton_prefill(), q, k, v, k_enc, v_enc, **kwargs)
+        else:  # "auto" training: a failed fused backward falls back to the chunked gradients
+            run_triton = functools.partial(
+                _KernelWithSafeBackward.apply, q, k, v, k_enc, v_enc, initial_state, gate, encoder_start,
+                encoder_end, key_mask, log_decay, pad_masking, eps, chunk_size,
+            )
+        return _run_triton_or_fall_back(
+            explicit,
+            run_triton,
+            lambda: prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, chunk_size=chunk_size, **kwargs),
+        )
+    return prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, chunk_size=chunk_size, **kwargs)
+
+
+__all__ = [
+    "linear_attention_step",
+    "num_taylor_features",
+    "prefix_linear_attention",
+    "prefix_linear_attention_chunked",
+    "prefix_linear_attention_quadratic",
+    "resolve_implementation",
+    "taylor_feature_map",
+    "validate_linear_attention_inputs",
+]

@@ -1,0 +1,1225 @@
+"""JRT-RNN / Based for HuggingFace Transformers: layers, `JRTRNNModel` and `JRTRNNForCausalLM`.
+
+The stack (docs/reference_architecture.md §1): token embedding -> N pre-norm blocks -> RMSNorm -> tied LM head.
+Each block is
+    residual += mixer(RMSNorm(residual));  residual += SwiGLU(RMSNorm(residual))
+with an fp32 residual stream, where the mixer is picked by `config.layer_types[i]`:
+    "conv"               gated short convolution (depthwise causal conv, SiLU, multiplicative gate)
+    "sliding_attention"  softmax attention over the last `sliding_window` tokens, RoPE on q and k
+    "linear_attention"   Taylor-feature linear attention, prefix (JRT-RNN) or causal (Based, optional decay)
+
+All state lives in transformers' own `Cache` built from `config.layer_types`: the last inputs of each convolution,
+the last `sliding_window - 1` keys/values of each sliding layer and the fp32 linear-attention state. The first forward
+with an empty cache runs the parallel prefill (chunked PyTorch or the Triton kernel); later single-token forwards
+are O(1) recurrent steps.
+
+This folder is self-contained (relative imports, torch and transformers only) so it can ship as Hub remote code.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationConfig, GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.utils import can_return_tuple, logging
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .cache import JRTRNNCache, JRTRNNPrefixRecord
+from .compat import CACHE_FIELD, add_cache_alias, keep_last_logits, model_output
+from .configuration_jrt import JRTRNNConfig
+from .linear_attention import linear_attention_step, prefix_linear_attention
+from .loss import IGNORE_INDEX, check_prefix_length, ignore_prefix_targets, jrt_loss
+from .prefix_fill import check_prefix_strategy, fill_prefix, never_generated_ids
+from .sliding_window import BLOCKED_IMPLEMENTATIONS, blocked_sliding_window_attention
+
+logger = logging.get_logger(__name__)
+
+# Inference-time token chunking of the position-wise parts (RMSNorm, SwiGLU MLP, the short-conv block). A long prefill
+# would otherwise build `(B, T, width)` intermediates that grow with T: at 16k tokens the conv and MLP ones pass glibc's
+# largest mmap threshold (32 MiB), so each is a fresh mmap that is page-faulted in, and the peak memory grows with them.
+# Chunking keeps every such intermediate below INFERENCE_CHUNK_ELEMENTS elements (8 MiB in fp32), never shorter than
+# MIN_INFERENCE_CHUNK rows. It runs only when autograd is off (`torch.no_grad` / `torch.inference_mode`, as in
+# `generate()`) and outside `torch.compile` tracing, so training and compiled graphs see the unchunked ops.
+INFERENCE_CHUNK_ELEMENTS = 1 << 21
+MIN_INFERENCE_CHUNK = 64
+
+
+def inference_chunk_rows(rows: int, width: int) -> int | None:
+    """Rows per chunk for `rows` positions whose widest intermediate has `width` elements per row, or None when the
+    op should run unchunked (autograd on, `torch.compile` tracing, or `rows` already fits one chunk)."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    chunk = max(MIN_INFERENCE_CHUNK, INFERENCE_CHUNK_ELEMENTS // max(width, 1))
+    return chunk if rows > chunk else None
+
+
+def map_position_chunks(
+    fn: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor, width: int
+) -> torch.Tensor:
+    """`fn(hidden_states)` for a position-wise `fn` (each output row depends on its own input row only), computed over
+    row chunks of `hidden_states` `(..., C)` viewed as `(rows, C)` when `inference_chunk_rows` says so; the rows land
+    in one preallocated output `(..., C_out)`. `width`: the widest intermediate of `fn` per row, in elements."""
+    rows = hidden_states.numel() // max(hidden_states.shape[-1], 1)
+    chunk = inference_chunk_rows(rows, width)
+    if chunk is None:
+        return fn(hidden_states)
+    flat = hidden_states.reshape(rows, hidden_states.shape[-1])
+    output = None
+    for start in range(0, rows, chunk):
+        part = fn(flat[start : start + chunk])
+        if output is None:
+            output = part.new_empty(rows, part.shape[-1])
+        output[start : start + chunk] = part
+    return output.view(*hidden_states.shape[:-1], output.shape[-1])
+
+
+class JRTRNNRMSNorm(nn.Module):
+    """RMSNorm with weight only: y = x / sqrt(mean(x**2) + eps) * w, computed in fp32, returned in w's dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., hidden); in token chunks during inference (`map_position_chunks`)."""
+        return map_position_chunks(self._normalize, hidden_states, hidden_states.shape[-1])
+
+    def _normalize(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states.float()
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return (hidden_states * self.weight.float()).to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class JRTRNNRotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) RoPE over the full head dim, as flash-attn's RotaryEmbedding in the reference."""
+
+    def __init__(self, config: JRTRNNConfig):
+        super().__init__()
+        self.config = config
+
+    @staticmethod
+    def compute_inv_freq(config: JRTRNNConfig) -> torch.Tensor:
+        dim = config.head_dim
+        return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids (B, T) -> cos, sin (B, T, head_dim) in x's dtype, computed in fp32."""
+        # Computed per call (a few dozen floats): no buffer to restore after meta-device loading.
+        inv_freq = self.compute_inv_freq(self.config).to(x.device)
+        freqs = position_ids[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k (B, H, T, D); cos, sin (B, T, D)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention with an additive (B, 1, T, S) mask. q (B, H, T, D), k/v (B, H, S, D) -> (B, T, H, D)."""
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, S)
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, T, H, D)
+    return output, weights
+
+
+class JRTRNNShortConv(nn.Module):
+    """Gated short convolution (Based `BaseConv`, docs/reference_architecture.md §1.1).
+
+        u, g = in_proj(x).chunk(2)              u, g: (B, T, D) with D = conv_expansion * hidden_size
+        c = causal depthwise conv_K(u)          tap K-1 multiplies u_t, tap 0 multiplies u_{t-K+1}
+        y = out_proj(SiLU(c) * g)
+
+    Cache: the last K - 1 inputs u of the convolution (`JRTRNNConvState`).
+    """
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.kernel_size = config.conv_kernel_size
+        self.inner_size = config.conv_expansion * config.hidden_size
+        self.in_proj = nn.Linear(config.hidden_size, 2 * self.inner_size, bias=config.conv_bias)
+        self.conv = nn.Conv1d(
+            self.inner_size, self.inner_size, kernel_size=self.kernel_size, groups=self.inner_size, bias=False
+        )
+        self.out_proj = nn.Linear(self.inner_size, config.hidden_size, bias=config.conv_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """hidden_states (B, T, hidden), attention_mask (B, >= T) -> (B, T, hidden).
+
+        During inference a long input goes through in token chunks (`inference_chunk_rows`), each chunk's convolution
+        reading the last K - 1 inputs before it (through the cache, or carried here without one), so that no
+        `(B, T, 2 * D)` intermediate is built; the result equals the one-pass forward."""
+        batch_size, seq_len = hidden_states.shape[:2]
+        mask = None if attention_mask is None else attention_mask[:, -seq_len:]  # (B, T)
+        chunk = inference_chunk_rows(seq_len, batch_size * 2 * self.inner_size)
+        if chunk is None:
+            return self._mix(hidden_states, mask, cache, None)[0]
+        output = None
+        past_inputs = None  # (B, D, K - 1) the convolution inputs before the chunk, without a cache
+        for start in range(0, seq_len, chunk):
+            end = min(start + chunk, seq_len)
+            part, past_inputs = self._mix(
+                hidden_states[:, start:end], None if mask is None else mask[:, start:end], cache, past_inputs
+            )
+            if output is None:
+                output = part.new_empty(batch_size, seq_len, part.shape[-1])
+            output[:, start:end] = part
+        return output
+
+    def _mix(
+        self,
+        hidden_states: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: Cache | None,
+        past_inputs: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass over hidden_states (B, t, hidden) with its mask (B, t); past_inputs (B, D, K - 1): the convolution
+        inputs before these tokens when no cache holds them. Returns the output (B, t, hidden) and the last K - 1
+        convolution inputs (B, D, <= K - 1) for the next chunk."""
+        seq_len = hidden_states.shape[1]
+        # 1. Input projection into the convolution branch and the gate.
+        conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, t, D) each
+        # 2. Padded positions enter the convolution as zeros, so pads never reach the window of a real token.
+        if mask is not None:
+            conv_input = conv_input * mask[:, :, None].to(conv_input.dtype)
+        conv_input = conv_input.transpose(1, 2)  # (B, D, t)
+        # 3. Causal depthwise convolution over [earlier inputs, new inputs]; the cache keeps the last K inputs.
+        if cache is not None:
+            conv_input = cache.layers[self.layer_idx].update(conv_input)
+        elif past_inputs is not None:
+            conv_input = torch.cat([past_inputs, conv_input], dim=-1)
+        conv_output = F.conv1d(
+            F.pad(conv_input, (self.kernel_size - 1, 0)), self.conv.weight, groups=self.inner_size
+        )[..., -seq_len:]  # (B, D, t)
+        tail = conv_input[..., max(conv_input.shape[-1] - (self.kernel_size - 1), 0) :]
+        # 4. SiLU, multiplicative gate, output projection.
+        return self.out_proj(F.silu(conv_output).transpose(1, 2) * gate), tail
+
+
+class JRTRNNSlidingWindowAttention(nn.Module):
+    """Causal softmax attention over the last `sliding_window` tokens (itself included), RoPE on q and k.
+
+    The reference's fused `Wqkv` is split into `q_proj`, `k_proj`, `v_proj` (rows q | k | v) by the converter.
+
+    The layer gets the padding mask of this forward's tokens only; the cache (`JRTRNNSlidingWindowState`) keeps the
+    last `W - 1` keys with their own padding flags. With the `"eager"` or `"sdpa"` implementation the attention is
+    the blocked O(T * W) form of `sliding_window.py` for prefill and decode alike; any other implementation
+    registered with transformers (`config._attn_implementation`, e.g. flash attention) gets the `(B, S)` key padding
+    mask and the window through `ALL_ATTENTION_FUNCTIONS`. Returning the attention weights (`output_attentions`)
+    runs the eager form with a full `(B, 1, T, S)` mask: weights are quadratic by nature.
+    """
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_groups = 1
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        self.sliding_window = config.sliding_window
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, hidden, bias=False)
+        self.v_proj = nn.Linear(hidden, hidden, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: JRTRNNCache | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_attentions: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states (B, T, hidden); attention_mask (B, T) padding of these tokens (0) or None -> (B, T, hidden)
+        and the attention weights (B, H, T, S) when `output_attentions`, else None."""
+        batch_size, seq_len, _ = hidden_states.shape
+        hidden_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
+        # 1. Projections and RoPE.
+        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
+        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        # 2. The cached window (and its padding flags) goes in front of the new keys.
+        key_mask = None if attention_mask is None else attention_mask.bool()  # (B, T)
+        if cache is not None:
+            key, value, key_mask = cache.layers[self.layer_idx].update(key, value, key_mask)  # (B, H, S, D), (B, S)
+        # 3. Attention.
+        implementation = self.config._attn_implementation
+        if output_attentions:
+            mask = sliding_window_additive_mask(key_mask, seq_len, key.shape[2], self.sliding_window, query.dtype)
+            output, weights = eager_attention_forward(self, query, key, value, mask, scaling=self.scaling)
+            return self.o_proj(output.reshape(batch_size, seq_len, -1)), weights
+        if implementation in BLOCKED_IMPLEMENTATIONS:
+            output = blocked_sliding_window_attention(
+                query, key, value, key_mask,
+                sliding_window=self.sliding_window, scaling=self.scaling, implementation=implementation,
+            )  # (B, T, H, D)
+            return self.o_proj(output.reshape(batch_size, seq_len, -1)), None
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        output, _ = attention_interface(
+            self, query, key, value, None if key_mask is None else key_mask.long(),
+            dropout=0.0, scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
+        )  # (B, T, H, D)
+        return self.o_proj(output.reshape(batch_size, seq_len, -1)), None
+
+
+def sliding_window_additive_mask(
+    key_mask: torch.Tensor | None, query_length: int, key_length: int, sliding_window: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The `(B or 1, 1, T, S)` additive mask of T queries that are the last T of S keys: query i (at key position
+    `S - T + i`) sees keys `j` with `0 <= S - T + i - j < sliding_window` that are not padding."""
+    query_positions = torch.arange(key_length - query_length, key_length)[:, None]
+    key_positions = torch.arange(key_length)[None, :]
+    distance = query_positions - key_positions
+    allowed = ((distance >= 0) & (distance < sliding_window))[None, None]  # (1, 1, T, S)
+    if key_mask is not None:
+        allowed = allowed.to(key_mask.device) & key_mask[:, None, None, :]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+@dataclass
+class JRTRNNEncoderRange:
+    """Where the JRT encoder reads in one forward: row b reads positions `start[b] <= m < end[b]`.
+
+    Attributes:
+        start: `(B,)` int64, each row's first real token (after its left padding; 0 with right padding).
+        end: `(B,)` int64, `start + min(prefix_length_b, real tokens of row b)`: padding never enters the encoder.
+        length: `M = max(end)`, the leading positions the encoder projections are computed for.
+    """
+
+    start: torch.Tensor
+    end: torch.Tensor
+    length: int
+
+    @property
+    def prefix_lengths(self) -> torch.Tensor:
+        """`(B,)` tokens each row's encoder reads (its prefix, counted from its first real token)."""
+        return self.end - self.start
+
+
+def prefix_encoder_range(
+    prefix_length: int | torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+) -> JRTRNNEncoderRange:
+    """The per-row encoder range of a first forward (the prefix is an explicit, per-row quantity).
+
+    Args:
+        prefix_length: an int for every row, or a `(B,)` integer tensor of per-row prefix lengths, counted from each
+            row's first real token.
+        attention_mask: `(B, T)` 1 for real tokens, 0 for padding (left or right), or None (no padding).
+        batch_size, seq_len: B and T of the forward.
+        device: where the range lives (the device of the hidden states).
+    """
+    check_prefix_length(prefix_length, batch_size)
+    if isinstance(prefix_length, torch.Tensor):
+        lengths = prefix_length.to(device=device, dtype=torch.long)
+    else:
+        if attention_mask is None:  # the common case: no padding, no host sync
+            length = min(prefix_length, seq_len)
+            start = torch.zeros(batch_size, dtype=torch.long, device=device)
+            return JRTRNNEncoderRange(start=start, end=start + length, length=length)
+        lengths = torch.full((batch_size,), prefix_length, dtype=torch.long, device=device)
+    if attention_mask is None:
+        start = torch.zeros(batch_size, dtype=torch.long, device=device)
+        real = torch.full((batch_size,), seq_len, dtype=torch.long, device=device)
+    else:
+        mask = attention_mask[:, -seq_len:].to(device=device).bool()  # (B, T)
+        start = mask.long().argmax(-1)  # first real token; 0 for a row without any
+        real = mask.sum(-1)
+    end = start + torch.minimum(lengths, real)
+    # Positions the encoder projections are computed for: the widest range, read from the data; under torch.compile
+    # every position (a static shape; the per-row ranges still select what each row reads).
+    length = seq_len if torch.compiler.is_compiling() else (int(end.max()) if batch_size > 0 else 0)
+    return JRTRNNEncoderRange(start=start, end=end, length=length)
+
+
+class JRTRNNLinearAttention(nn.Module):
+    """Taylor-feature linear attention: prefix (JRT-RNN, docs/reference_architecture.md §1.5) or causal (Based,
+    §1.4).
+
+    Prefix form: in the first forward of a sequence, each row's prefix (its `JRTRNNEncoderRange`) is also read
+    non-causally through `k_enc_proj` / `v_enc_proj`; every query sees that encoder sum plus the causal sum over the
+    decoder keys, under one shared denominator. Decoding continues from the state of both sums with one O(1) step
+    per token. The layer computes projections only: the attention math is `linear_attention.py`'s.
+
+    Based decay variant: a fixed per-head decay gamma_h = 1 - 2**(decay_const - h) on the numerator state and an
+    input-dependent numerator gate `decay_proj(x)` (one unbounded value per head).
+    """
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.feature_dim = config.feature_dim
+        self.head_dim = config.head_dim
+        self.is_prefix = config.linear_attention_type == "prefix"
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.feature_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_heads * self.feature_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, hidden, bias=False)
+        if self.is_prefix:
+            self.k_enc_proj = nn.Linear(hidden, self.num_heads * self.feature_dim, bias=False)
+            self.v_enc_proj = nn.Linear(hidden, hidden, bias=False)
+        if config.use_decay_proj:
+            self.decay_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+
+    def log_decay(self, device: torch.device) -> torch.Tensor | None:
+        """(H,) log gamma_h of the fixed decay, computed on the fly (no buffer to restore after meta init)."""
+        if not self.config.linear_attention_decay:
+            return None
+        heads = torch.arange(self.num_heads, device=device, dtype=torch.float64)
+        return torch.log1p(-torch.pow(2.0, self.config.decay_const - heads)).float()
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: JRTRNNCache | None = None,
+        linear_attention_mask: torch.Tensor | None = None,
+        encoder_range: JRTRNNEncoderRange | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """hidden_states `(B, T, hidden)`; attention_mask `(B, T)` batch padding (0) of this forward's tokens;
+        linear_attention_mask `(B, >= T)` the JRT prefix fill (0); encoder_range: the prefix of a first forward."""
+        batch_size, seq_len, _ = hidden_states.shape
+        heads = self.num_heads
+        # 1. Decoder projections (and the Based gate).
+        query = self.q_proj(hidden_states).view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
+        key = self.k_proj(hidden_states).view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
+        value = self.v_proj(hidden_states).view(batch_size, seq_len, heads, self.head_dim)  # (B, T, H, V)
+        gate = self.decay_proj(hidden_states) if self.config.use_decay_proj else None  # (B, T, H)
+        log_decay = self.log_decay(hidden_states.device)
+        state = None if cache is None else cache.layers[self.layer_idx].state
+
+        if state is not None and seq_len == 1:
+            # 2a. Decode: one recurrent step.
+            output, state = linear_attention_step(
+                query[:, 0], key[:, 0], value[:, 0], state,
+                log_decay=log_decay, gate=None if gate is None else gate[:, 0],
+                eps=self.config.linear_attention_eps,
+            )
+            output = output[:, None]  # (B, 1, H, V)
+        else:
+            # 2b. Prefill (parallel form). Masked keys: batch padding (outside every encoder range, always removed)
+            # and the JRT prefix fill (inside the range, removed as `prefix_pad_masking` says).
+            key_mask = None if attention_mask is None else attention_mask[:, -seq_len:].bool()  # (B, T)
+            if linear_attention_mask is not None:
+                fill = linear_attention_mask[:, -seq_len:].bool()
+                key_mask = fill if key_mask is None else key_mask & fill
+            k_enc = v_enc = start = end = None
+            if self.is_prefix and state is None and encoder_range is not None and encoder_range.length > 0:
+                # 3. Encoder projections of the positions the encoder ranges cover (the first forward only).
+                prefix = hidden_states[:, : encoder_range.length]
+                k_enc = self.k_enc_proj(prefix).view(batch_size, -1, heads, self.feature_dim)  # (B, M, H, K)
+                v_enc = self.v_enc_proj(prefix).view(batch_size, -1, heads, self.head_dim)  # (B, M, H, V)
+                start, end = encoder_range.start, encoder_range.end
+            output, state = prefix_linear_attention(
+                query, key, value, k_enc, v_enc,
+                encoder_start=start,
+                encoder_end=end,
+                key_mask=key_mask,
+                pad_masking=self.config.prefix_pad_masking,
+                initial_state=state,
+                log_decay=log_decay,
+                gate=gate,
+                eps=self.config.linear_attention_eps,
+                chunk_size=self.config.linear_attention_chunk_size,
+                implementation=self.config.linear_attention_implementation,
+            )
+        if cache is not None:
+            cache.layers[self.layer_idx].state = state
+        # 4. Merge heads, output projection.
+        return self.o_proj(output.reshape(batch_size, seq_len, -1).to(hidden_states.dtype))
+
+
+class JRTRNNMLP(nn.Module):
+    """SwiGLU: down_proj(up_proj(x) * SiLU(gate_proj(x))). The reference's fc1 rows are [up; gate]."""
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int | None = None):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., hidden); in token chunks during inference (`map_position_chunks`)."""
+        return map_position_chunks(self._swiglu, x, self.gate_proj.out_features)
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+MIXER_CLASSES = {
+    "conv": JRTRNNShortConv,
+    "sliding_attention": JRTRNNSlidingWindowAttention,
+    "linear_attention": JRTRNNLinearAttention,
+}
+
+
+class JRTRNNDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm block on an fp32 residual stream: r += mixer(norm(r)); r += mlp(norm(r))."""
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type not in MIXER_CLASSES:
+            raise ValueError(f"Invalid layer type {self.layer_type!r} at layer {layer_idx}; allowed: {list(MIXER_CLASSES)}.")
+        self.input_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mixer = MIXER_CLASSES[self.layer_type](config, layer_idx)
+        # intermediate_size = 0: no MLP (the zoology synthetic-task models have none).
+        has_mlp = config.intermediate_size > 0
+        self.post_attention_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps) if has_mlp else None
+        self.mlp = JRTRNNMLP(config, layer_idx) if has_mlp else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: Cache | None = None,
+        linear_attention_mask: torch.Tensor | None = None,
+        encoder_range: JRTRNNEncoderRange | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """hidden_states: (B, T, hidden) fp32 residual stream; returns the updated fp32 residual. `kwargs` (e.g.
+        `output_attentions`) reach the mixer and, for sliding attention, transformers' attention function."""
+        mixed = self.mixer(
+            self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            cache=cache,
+            position_embeddings=position_embeddings,
+            linear_attention_mask=linear_attention_mask,
+            encoder_range=encoder_range,
+            **kwargs,
+        )
+        if self.layer_type == "sliding_attention":  # (output, weights): output capturing records the weights
+            mixed = mixed[0]
+        hidden_states = hidden_states + mixed.float()  # a new tensor, owned here
+        if self.mlp is None:
+            return hidden_states
+        # Norm, MLP and residual add are position-wise: during inference one pass per token chunk, added in place
+        # into the residual this layer just made (no second (B, T, hidden) tensor).
+        rows = hidden_states.numel() // hidden_states.shape[-1]
+        chunk = inference_chunk_rows(rows, self.mlp.gate_proj.out_features)
+        if chunk is None:
+            return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)).float()
+        flat = hidden_states.view(rows, hidden_states.shape[-1])
+        for start in range(0, rows, chunk):
+            part = flat[start : start + chunk]
+            part += self.mlp(self.post_attention_layernorm(part)).float()
+        return hidden_states
+
+
+class JRTRNNPreTrainedModel(PreTrainedModel):
+    config: JRTRNNConfig
+    config_class = JRTRNNConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["JRTRNNDecoderLayer"]
+    _supports_sdpa = True
+    # Windowed kernels: the sliding layers pass `sliding_window` and a (B, S) key padding mask to transformers'
+    # flash-attention functions (through `ALL_ATTENTION_FUNCTIONS`), which build their own window from it.
+    _supports_flash_attn = True
+    # `torch.compile(model, fullgraph=True)` traces a prefill (with the tokenizer's mask, left padding and the JRT fill)
+    # and every decode step (tests/modeling_jrt/test_compile.py).
+    _can_compile_fullgraph = True
+    _is_stateful = True  # the recurrent state cannot be rolled back: no assisted decoding
+    # `output_hidden_states`: the input of the first block, then every block's output (the last one after the final
+    # norm); `output_attentions`: the weights of each sliding-window layer (eager attention only; sdpa refuses).
+    _can_record_outputs = {
+        "hidden_states": JRTRNNDecoderLayer,
+        "attentions": OutputRecorder(JRTRNNSlidingWindowAttention, index=1),
+    }
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
+        """`PreTrainedModel.save_pretrained`, whose folder always loads with `trust_remote_code=True` alone.
+
+        Both model classes and the config are registered for their auto classes (`register_for_auto_class`, at the
+        end of this file and of `configuration_jrt.py`), so transformers copies this file, its relative imports and
+        the config's file into the folder and names the saved class in `auto_map`, however the model was loaded
+        (package import, remote code, a converted folder, `Trainer`, a merged PEFT adapter). `auto_map` also names
+        the sibling auto class, so both `AutoModel` and `AutoModelForCausalLM` load the folder.
+        """
+        module = type(self).__module__.rsplit(".", 1)[-1]  # "modeling_jrt", also for a remote-code copy of it
+        self.config.auto_map = {
+            **(getattr(self.config, "auto_map", None) or {}),
+            **{auto_class: f"{module}.{cls.__name__}" for cls, auto_class in _AUTO_CLASSES.items()},
+        }
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+def resolve_cache(cache: object, past_key_values: object, config: JRTRNNConfig) -> JRTRNNCache | None:
+    """The cache of a forward, from `cache=` or its older name `past_key_values=` (transformers < 5.24 passes the
+    latter). Only a `JRTRNNCache` of this model's layer types holds this model's state: anything else is refused with
+    the fix (a key/value cache such as PEFT prefix tuning's virtual tokens cannot feed recurrent layers)."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("Pass the cache once, as `cache=` or as `past_key_values=`, not both.")
+    cache = cache if cache is not None else past_key_values
+    if cache is None:
+        return None
+    if not isinstance(cache, JRTRNNCache):
+        raise ValueError(
+            f"The cache is a {type(cache).__name__}; this model keeps a constant-size recurrent state in a "
+            "`JRTRNNCache`: pass `JRTRNNCache(model.config)`, the cache a forward with `use_cache=True` returned, or "
+            "none. Methods that inject attention key/value prefixes, such as PEFT prefix tuning "
+            "(`PrefixTuningConfig`), cannot work with JRT-RNN / Based models; use prompt tuning "
+            "(`PromptTuningConfig`) or LoRA instead."
+        )
+    if cache.layer_types != list(config.layer_types):
+        raise ValueError(
+            f"The cache was built for layer types {cache.layer_types}, but this model has {list(config.layer_types)}: "
+            "pass `JRTRNNCache(model.config)`."
+        )
+    return cache
+
+
+def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, seq_len: int, cache: JRTRNNCache | None) -> None:
+    """Refuse a padding mask that does not describe `(cached tokens + this forward's tokens)`: any other width or
+    value used to change the logits silently. Values are checked outside decode steps and torch.compile tracing (a
+    check reads the data: a device synchronisation per token)."""
+    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size:
+        raise ValueError(
+            f"`attention_mask` must be a 2D (batch_size, past + seq_len) = ({batch_size}, ...) padding mask, got shape "
+            f"{tuple(attention_mask.shape)}."
+        )
+    past = 0 if cache is None else cache.num_read
+    if attention_mask.shape[1] != past + seq_len:
+        raise ValueError(
+            f"`attention_mask` has {attention_mask.shape[1]} columns but the cache holds {past} tokens and the input "
+            f"{seq_len}: pass one mask column per token, cached and new ({past + seq_len})."
+        )
+    if (past > 0 and seq_len == 1) or torch.compiler.is_compiling():
+        return
+    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise ValueError(
+            "`attention_mask` must hold only 0 (padding) and 1 (token); got other values. Pass a binary mask "
+            "(`mask.ne(0).long()` if any nonzero value means a token)."
+        )
+
+
+def check_inputs(
+    config: JRTRNNConfig, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
+) -> tuple[int, int]:
+    """(B, T) of the forward's input, after checking its shape at the model's door."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+    if input_ids is not None and input_ids.ndim != 2:
+        raise ValueError(f"`input_ids` must be (batch_size, seq_len) token ids, got shape {tuple(input_ids.shape)}.")
+    if inputs_embeds is not None and (inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != config.hidden_size):
+        raise ValueError(
+            f"`inputs_embeds` must be (batch_size, seq_len, hidden_size={config.hidden_size}), got shape "
+            f"{tuple(inputs_embeds.shape)}."
+        )
+    reference = input_ids if input_ids is not None else inputs_embeds
+    if reference.shape[1] == 0:
+        raise ValueError(
+            f"The input has 0 tokens (shape {tuple(reference.shape[:2])}): pass at least one token; "
+            "`generate()` without a prompt starts from `bos_token_id`."
+        )
+    return reference.shape[0], reference.shape[1]
+
+
+@add_cache_alias
+@dataclass
+class JRTRNNModelOutput(BaseModelOutputWithPast):
+    """`BaseModelOutputWithPast` (its cache field is `cache` on transformers >= 5.24, `past_key_values` before)."""
+
+
+class JRTRNNModel(JRTRNNPreTrainedModel):
+    """The backbone: embeddings, blocks and final norm. Returns the last hidden state and the cache."""
+
+    def __init__(self, config: JRTRNNConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([JRTRNNDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = JRTRNNRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @property
+    def is_prefix_model(self) -> bool:
+        return self.config.linear_attention_type == "prefix" and "linear_attention" in self.config.layer_types
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: JRTRNNCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        linear_attention_mask: torch.Tensor | None = None,
+        prefix_length: int | torch.LongTensor | None = None,
+        prompt_lengths: torch.LongTensor | None = None,
+        prefix_strategy: str | None = None,
+        prefix_pad_token_id: int | None = None,
+        past_key_values: JRTRNNCache | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> JRTRNNModelOutput | tuple:
+        """
+        Args:
+            input_ids: `(B, T)` token ids (or `inputs_embeds` `(B, T, hidden)`).
+            attention_mask: `(B, past + T)` 1 for real tokens, 0 for padding (left or right), covering the cached
+                tokens too, as transformers' models take it.
+            position_ids: `(B, T)` RoPE positions; default: counting on from the positions the cache has read (the
+                JRT fill included). With a fill, the fill's positions count back from each row's first token.
+            cache: a `JRTRNNCache` to continue (`past_key_values=` is the same argument under its pre-5.24 name).
+            use_cache: create a `JRTRNNCache` when none is given (default `config.use_cache` in eval mode, False in
+                training mode).
+            linear_attention_mask: `(B, T)` extra mask for the linear-attention layers only (0 = ignore the token as a
+                key). Inside a row's encoder range these keys are removed as `config.prefix_pad_masking` says.
+            prefix_length: P, the JRT prefix of this forward: an int or a `(B,)` LongTensor per row; default
+                `config.prefix_length`.
+            prompt_lengths: `(B,)` the tokens of each row (from its first real token) that form its prompt; default:
+                all of them. The encoder reads `min(P, prompt)` of them in the first forward of a sequence (empty
+                cache), filled to P as `prefix_strategy` says when the prompt is shorter (`modeling_jrt.prefix_fill`);
+                outputs at a row's prompt positions may depend on the whole prompt, never on later tokens.
+            prefix_strategy: `"pad"`, `"repeat"` or `"none"`; default `config.prefix_strategy`.
+            prefix_pad_token_id: the fill token of `"pad"`; default `config.prefix_pad_token_id`.
+            output_hidden_states, output_attentions, return_dict: (keywords) transformers' output capturing
+                (`_can_record_outputs`); `return_dict=False` returns a tuple. Hidden states and attentions cover the
+                caller's positions only, as everything else.
+        """
+        config = self.config
+        cache = resolve_cache(cache, past_key_values, config)
+        batch_size, seq_len = check_inputs(config, input_ids, inputs_embeds)
+        if use_cache is None:  # config.use_cache is the inference default: training builds no cache unless asked
+            use_cache = config.use_cache and not self.training
+        if self.gradient_checkpointing and self.training and use_cache:
+            use_cache = False
+        if use_cache and cache is None:
+            cache = JRTRNNCache(config)
+        continuing = cache is not None and cache.has_state
+        if continuing and cache.num_rows != batch_size:
+            raise ValueError(
+                f"The cache holds {cache.num_rows} rows but the input has {batch_size}: continue with the same rows, "
+                "or reshape the cache first (`cache.batch_repeat_interleave(n)`, `cache.reorder_cache(rows)`)."
+            )
+        if attention_mask is not None:
+            check_attention_mask(attention_mask, batch_size, seq_len, cache)
+            attention_mask = attention_mask[:, -seq_len:]  # this forward's tokens (the cache keeps its own flags)
+        if linear_attention_mask is not None:
+            linear_attention_mask = linear_attention_mask[:, -seq_len:]
+
+        # 1. The first forward of a JRT sequence lays out each row's prefix (fill and encoder range).
+        fill_columns, encoder_range, record = 0, None, None
+        if self.is_prefix_model and not continuing:
+            strategy = check_prefix_strategy(config.prefix_strategy if prefix_strategy is None else prefix_strategy)
+            pad_id = config.prefix_pad_token_id if prefix_pad_token_id is None else prefix_pad_token_id
+            prefix_length = config.prefix_length if prefix_length is None else prefix_length
+            check_prefix_length(prefix_length, batch_size)
+            filled = fill_prefix(
+                input_ids, inputs_embeds, attention_mask,
+                prefix_length=prefix_length,
+                prompt_lengths=prompt_lengths, strategy=strategy, pad_token_id=pad_id,
+                embed=self.embed_tokens, vocab_size=config.vocab_size,
+            )
+            fill_columns = filled.fill_columns
+            input_ids, inputs_embeds, attention_mask = filled.input_ids, filled.inputs_embeds, filled.attention_mask
+            if fill_columns and linear_attention_mask is not None:
+                linear_attention_mask = F.pad(linear_attention_mask, (fill_columns, 0), value=1)
+            if filled.linear_attention_mask is not None:
+                linear_attention_mask = (
+                    filled.linear_attention_mask if linear_attention_mask is None
+                    else filled.linear_attention_mask * linear_attention_mask
+                )
+            reference = input_ids if input_ids is not None else inputs_embeds
+            encoder_range = prefix_encoder_range(
+                filled.prefix_lengths, attention_mask, batch_size, reference.shape[1], reference.device
+            )
+            record = JRTRNNPrefixRecord(
+                fill_columns, filled.prompt_lengths, encoder_range.prefix_lengths, strategy, pad_id
+            )
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+
+        # 2. RoPE positions: the model's own columns, counting on from what the cache has read; given positions
+        #    are the caller's (the fill counts back from each row's first token).
+        if position_ids is None:
+            past_positions = cache.num_positions if continuing else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_positions)[None]
+        elif fill_columns:
+            position_ids = filled.positions(position_ids.to(inputs_embeds.device))
+        has_sliding = "sliding_attention" in config.layer_types
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if has_sliding else None
+
+        # 3. The blocks, with output capturing (hidden states, attention weights), in the model's layout.
+        outputs = self.run_layers(
+            inputs_embeds, attention_mask=attention_mask, position_embeddings=position_embeddings, cache=cache,
+            linear_attention_mask=linear_attention_mask, encoder_range=encoder_range, return_dict=True, **kwargs,
+        )
+        if cache is not None:
+            cache.num_read += seq_len
+            cache.num_rows = batch_size
+            if record is not None:
+                cache.prefix = record
+
+        # 4. The caller's positions only: the fill columns never leave the model.
+        if fill_columns:
+            outputs.last_hidden_state = outputs.last_hidden_state[:, fill_columns:]
+            if outputs.hidden_states is not None:
+                outputs.hidden_states = tuple(h[:, fill_columns:] for h in outputs.hidden_states)
+            if outputs.attentions is not None:
+                outputs.attentions = tuple(a[:, :, fill_columns:] for a in outputs.attentions)
+        result = model_output(
+            JRTRNNModelOutput, cache, last_hidden_state=outputs.last_hidden_state,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+        )
+        return result if (return_dict if return_dict is not None else getattr(config, "return_dict", True)) else result.to_tuple()
+
+    @capture_outputs
+    def run_layers(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: JRTRNNCache | None,
+        linear_attention_mask: torch.Tensor | None,
+        encoder_range: JRTRNNEncoderRange | None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """The blocks and the final norm over `inputs_embeds` `(B, T', hidden)` in the model's layout (after the
+        fill); attention_mask `(B, T')` the padding of these tokens, or None."""
+        output_attentions = bool(kwargs.pop("output_attentions", None) or self.config.output_attentions)
+        hidden_states = inputs_embeds.float()  # the residual stream stays fp32
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=attention_mask,
+                position_embeddings=position_embeddings,
+                cache=cache,
+                linear_attention_mask=linear_attention_mask,
+                encoder_range=encoder_range,
+                output_attentions=output_attentions,
+                **kwargs,
+            )
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
+
+
+def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """`(B,)` prompt of each row of a training batch: the tokens before its first scored target (the first label
+    that is not -100 after the shift), counted from the row's first real token, so that the encoder never reads a
+    token it is scored on. A row whose first possible target is scored (`labels=input_ids`) keeps the default
+    (its whole length); so does a row without any scored target. None when no row has a leading ignored run."""
+    batch_size, length = labels.shape
+    start = torch.zeros(batch_size, dtype=torch.long, device=labels.device)
+    if attention_mask is not None:
+        start = attention_mask[:, -length:].to(labels.device).bool().long().argmax(-1)
+    columns = torch.arange(length, device=labels.device)[None]
+    scored = (labels != IGNORE_INDEX) & (columns > start[:, None])  # targets: label index >= first token + 1
+    first = torch.where(scored, columns, length).min(-1).values  # (B,) first scored label index, T if none
+    has_leading_ignored = (first > start + 1) & (first < length)
+    full = torch.full_like(first, length)
+    return torch.where(has_leading_ignored, first - start, full)
+
+
+@add_cache_alias
+@dataclass
+class JRTRNNCausalLMOutput(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus the two parts of the JRT objective (set only when `mlm_labels` are given). Its
+    cache field is `cache` on transformers >= 5.24 and `past_key_values` before (the installed release's name).
+
+    Args:
+        ntp_loss: detached mean next-token cross-entropy of the batch.
+        mlm_loss: detached mean masked-LM cross-entropy of the batch.
+    """
+
+    ntp_loss: torch.Tensor | None = None
+    mlm_loss: torch.Tensor | None = None
+
+
+class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
+    """JRT-RNN / Based language model: `JRTRNNModel` plus a (tied) LM head.
+
+    `generate()` is transformers' own `GenerationMixin.generate`: the model fills the JRT prefix in the first forward
+    of a sequence and keeps its state in a `JRTRNNCache`, so every decoding strategy, streamer, processor and
+    stopping criterion sees the caller's tokens only.
+
+    Example:
+        >>> from transformers import AutoModelForCausalLM
+        >>> import modeling_jrt  # registers model_type "jrt_rnn"
+        >>> config = modeling_jrt.JRTRNNConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4,
+        ...                                    num_attention_heads=4, intermediate_size=128,
+        ...                                    layer_types=["conv", "linear_attention", "sliding_attention", "conv"],
+        ...                                    prefix_length=16, sliding_window=9)
+        >>> model = AutoModelForCausalLM.from_config(config)
+        >>> out = model(torch.randint(0, 128, (2, 20)), labels=torch.randint(0, 128, (2, 20)))
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: JRTRNNConfig):
+        super().__init__(config)
+        self.model = JRTRNNModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @property
+    def generation_config(self) -> GenerationConfig | None:
+        """The generation defaults (`generation_config.json`). Ids the model must never generate (padded vocabulary
+        rows, [MASK]: `never_generated_ids`) are always among its `suppress_tokens`, also after `config` changed."""
+        generation_config = self.__dict__.get("jrt_generation_config")
+        if generation_config is not None:
+            missing = set(never_generated_ids(self.config)) - set(generation_config.suppress_tokens or [])
+            if missing:
+                generation_config.suppress_tokens = sorted(set(generation_config.suppress_tokens or []) | missing)
+            legacy = getattr(generation_config, "prefix_strategy", None)
+            if legacy is not None:  # saved by jrt-rnn 0.2: the default now lives in the model config
+                self.config.prefix_strategy = check_prefix_strategy(legacy)
+                delattr(generation_config, "prefix_strategy")
+                logger.warning_once(
+                    "`generation_config.prefix_strategy` moved to the model config: set `model.config.prefix_strategy` "
+                    f"(now {legacy!r}); a per-call `generate(prefix_strategy=...)` overrides it."
+                )
+        return generation_config
+
+    @generation_config.setter
+    def generation_config(self, value: GenerationConfig | None) -> None:
+        self.__dict__["jrt_generation_config"] = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: JRTRNNCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        linear_attention_mask: torch.Tensor | None = None,
+        prefix_length: int | torch.LongTensor | None = None,
+        prompt_lengths: torch.LongTensor | None = None,
+        prefix_strategy: str | None = None,
+        prefix_pad_token_id: int | None = None,
+        past_key_values: JRTRNNCache | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> JRTRNNCausalLMOutput | tuple:
+        """
+        Args:
+            labels: `(B, T)` token ids; the loss is the mean next-token cross-entropy (labels are shifted inside,
+                -100 is ignored), through `self.loss_function` so that `Trainer`'s `num_items_in_batch` applies.
+                Leak-free: the prompt of a row ends at its first scored target (labels with a leading -100 run, as
+                completion-only fine-tuning builds them, make the prompt the prefix), and targets the encoder read
+                (inside each row's prefix) are never scored (`prompt_lengths_from_labels`, `ignore_prefix_targets`).
+            mlm_labels: (keyword, through `**kwargs`) `(B, T)` masked-LM targets of the JRT objective, predicted at
+                their own position (-100 elsewhere), as `JRTDataCollator` builds them. With them the loss is
+                `NTP + config.mlm_weight * MLM` (see `modeling_jrt.loss`), with the labels as given.
+            logits_to_keep: compute logits for the last `logits_to_keep` positions only (0 = all), or for the
+                positions a tensor selects.
+            Other arguments: see `JRTRNNModel.forward`.
+
+        Returns:
+            `JRTRNNCausalLMOutput` with `loss`, `logits` `(B, T, vocab_size)`, the cache, and `ntp_loss` / `mlm_loss`
+            when `mlm_labels` are given.
+        """
+        mlm_labels = kwargs.pop("mlm_labels", None)
+        if mlm_labels is not None:
+            self._check_jrt_objective_prefix(prefix_length)
+        if labels is not None and prompt_lengths is None and mlm_labels is None and self.model.is_prefix_model:
+            prompt_lengths = prompt_lengths_from_labels(labels, attention_mask)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            linear_attention_mask=linear_attention_mask,
+            prefix_length=prefix_length,
+            prompt_lengths=prompt_lengths,
+            prefix_strategy=prefix_strategy,
+            prefix_pad_token_id=prefix_pad_token_id,
+            return_dict=True,
+            **{k: v for k, v in kwargs.items() if k not in LOSS_KWARGS},
+        )
+        model_cache = getattr(outputs, CACHE_FIELD)
+        logits = self.lm_head(keep_last_logits(outputs.last_hidden_state, logits_to_keep))
+
+        loss = ntp_loss = mlm_loss = None
+        if mlm_labels is not None:
+            if labels is None:
+                raise ValueError("`mlm_labels` need `labels` (the next-token targets) as well: see JRTDataCollator.")
+            loss, ntp_loss, mlm_loss = jrt_loss(
+                logits, labels, mlm_labels,
+                mlm_weight=self.config.mlm_weight, num_items_in_batch=kwargs.get("num_items_in_batch"),
+            )
+        elif labels is not None:
+            prefix_end = self.encoder_end(labels, attention_mask, prompt_lengths, prefix_length, cache, past_key_values)
+            if prefix_end is not None:
+                labels, kwargs = self._ignore_encoder_targets(labels, prefix_end, kwargs)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                      **{k: v for k, v in kwargs.items() if k in LOSS_KWARGS})
+        result = model_output(
+            JRTRNNCausalLMOutput, model_cache, loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions, ntp_loss=ntp_loss, mlm_loss=mlm_loss,
+        )
+        return result if (return_dict if return_dict is not None else getattr(self.config, "return_dict", True)) else result.to_tuple()
+
+    def encoder_end(
+        self,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        prompt_lengths: torch.Tensor | None,
+        prefix_length: int | torch.Tensor | None,
+        cache: object,
+        past_key_values: object,
+    ) -> torch.Tensor | None:
+        """`(B,)` label index where each row's encoder read ends, in the caller's columns (the targets before it are
+        never scored), or None when the encoder read nothing of these tokens (causal model, continued cache)."""
+        given = cache if cache is not None else past_key_values
+        if not self.model.is_prefix_model or (isinstance(given, JRTRNNCache) and given.has_state):
+            return None
+        batch_size, length = labels.shape
+        start = torch.zeros(batch_size, dtype=torch.long, device=labels.device)
+        tokens = torch.full((batch_size,), length, dtype=torch.long, device=labels.device)
+        if attention_mask is not None:
+            real = attention_mask[:, -length:].to(labels.device).bool()
+            start, tokens = real.long().argmax(-1), real.sum(-1)
+        prompt = tokens if prompt_lengths is None else torch.minimum(prompt_lengths.to(labels.device), tokens)
+        target = torch.as_tensor(self.config.prefix_length if prefix_length is None else prefix_length, device=labels.device)
+        return start + torch.minimum(prompt, target)
+
+    def _ignore_encoder_targets(
+        self, labels: torch.LongTensor, prefix_end: torch.Tensor, kwargs: dict
+    ) -> tuple[torch.LongTensor, dict]:
+        """`labels` (and `shift_labels`, if given) without the targets the encoder read (index < `prefix_end`)."""
+        masked = ignore_prefix_targets(labels, prefix_end)
+        shift_labels = kwargs.get("shift_labels")
+        if shift_labels is not None:  # pre-shifted: column t holds the target at index t + 1
+            kwargs = {**kwargs, "shift_labels": ignore_prefix_targets(shift_labels, (prefix_end - 1).clamp(min=0))}
+        if kwargs.get("num_items_in_batch") is not None and bool(((labels != masked)[:, 1:]).any()):
+            logger.warning_once(
+                "The labels of this batch include targets that the JRT encoder reads (inside each row's prefix): the "
+                "loss ignores them, but `num_items_in_batch` (from Trainer) still counts them, which scales the loss "
+                "down. Set them to -100 in the data collator (`jrt_train.ignore_prefix_targets`, or "
+                "`labels[:, :prefix_length] = -100` for unpadded blocks), or use `JRTDataCollator`."
+            )
+        return masked, kwargs
+
+    def _check_jrt_objective_prefix(self, prefix_length: int | torch.Tensor | None) -> None:
+        """The JRT objective's batch layout follows the collator's prefix length: it must be the model's."""
+        if prefix_length is None:
+            return
+        values = prefix_length.unique().tolist() if isinstance(prefix_length, torch.Tensor) else [prefix_length]
+        if values != [self.config.prefix_length]:
+            raise ValueError(
+                f"This JRT training batch was built for prefix_length {values}, but the model's "
+                f"config.prefix_length is {self.config.prefix_length}: build the collator with "
+                "`JRTDataCollator.from_config(model.config)` (or give it the model's prefix_length)."
+            )
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = False,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> dict:
+        """The inputs of one forward of `generate()` (transformers' public hook; nothing else is overridden).
+
+        - The model keeps its state in a `JRTRNNCache`. A cache that transformers built for the call (from
+          `cache_implementation`, or the default one) holds nothing of this model's: the first forward gets a fresh
+          `JRTRNNCache` instead, and `generate()` carries the returned one on.
+        - Only the tokens the cache has not read are fed (`cache.get_seq_length()` counts the caller's columns).
+        - RoPE positions are the model's own (the columns it has read, the JRT fill included): the `position_ids`
+          that `generate()` derives from the attention mask are not forwarded (RoPE sees relative positions only, so
+          a row's padding never changes what it computes).
+        - `generate(use_cache=False)` recomputes the whole sequence each step. The first forward still returns a
+          cache: the record of each row's prompt (`JRTRNNPrefixRecord`), so that every later forward reads the same
+          prefix (fill included) and never lets the encoder read a generated token.
+        - `prefill_chunk_size`: a first chunk that does not hold every row's prompt up to `prefix_length` is kept,
+          and read again with the next chunk as one first forward (`JRTRNNCache.pending_prefill`), so chunked and
+          one-shot prefills read the same prefix.
+        """
+        # `cache=` and `past_key_values=` both reach here when a caller names the cache the other release's way;
+        # generate() then measured `next_sequence_length` against its own (empty) cache: slice by our count instead.
+        if isinstance(cache, JRTRNNCache) and past_key_values is not None and past_key_values is not cache:
+            next_sequence_length = next_sequence_length if next_sequence_length == 1 else None
+        elif isinstance(past_key_values, JRTRNNCache) and cache is not None and cache is not past_key_values:
+            cache, next_sequence_length = past_key_values, (next_sequence_length if next_sequence_length == 1 else None)
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and not isinstance(cache, JRTRNNCache):
+            if cache_is_static(cache):
+                logger.warning_once(
+                    f"generate() built a {type(cache).__name__} (`cache_implementation`); JRT-RNN / Based keep a "
+                    "constant-size `JRTRNNCache` of their own instead (the recurrent state and a window of "
+                    "`sliding_window - 1` keys), which is what this generation uses."
+                )
+            cache = None
+        reads_embeds = inputs_embeds is not None and (is_first_iteration or cache is None or not cache.has_state)
+        sequence = inputs_embeds if reads_embeds else input_ids
+        total = sequence.shape[1]
+        model_inputs: dict = {}
+
+        if use_cache is False:
+            # Uncached generation: one record-keeping cache from the first forward, then full recomputes.
+            if cache is None:
+                model_inputs.update(use_cache=True)
+            else:
+                record = cache.prefix
+                model_inputs.update(use_cache=False)
+                if record is not None:
+                    model_inputs.update(prompt_lengths=record.prompt_lengths, prefix_strategy=record.strategy,
+                                        prefix_pad_token_id=record.pad_token_id)
+                    kwargs.pop("prefix_strategy", None), kwargs.pop("prefix_pad_token_id", None)
+            new = sequence
+            mask = attention_mask
+            forward_cache = None
+        else:
+            if cache is None:
+                cache = JRTRNNCache(self.config)
+            forward_cache = cache
+            read = cache.num_read
+            mask_width = attention_mask.shape[1] if attention_mask is not None else None
+            if reads_embeds:  # embeddings are always the full sequence: the columns the mask covers, minus the read
+                new = sequence[:, read : mask_width or total]
+            elif next_sequence_length is not None:  # generate() knows (a decode step, or a prefill on our cache)
+                new = sequence[:, total - next_sequence_length :]
+            elif (total == mask_width) if mask_width is not None else (total > read):
+                new = sequence[:, read:]  # the full sequence: skip what the cache holds
+            else:
+                new = sequence  # only the new tokens (a prefill chunk, or new tokens with the full mask)
+            mask = attention_mask
+            # Fewer columns than the cache read: generate() says so by a length <= 0, a mask by its width.
+            short = next_sequence_length != 1 and (
+                (next_sequence_length is not None and next_sequence_length <= 0)
+                or (mask_width is not None and mask_width <= read)
+            )
+            width = total if mask_width is None else mask_width
+            if read and not reads_embeds and short:
+                raise ValueError(
+                    f"This cache has read {read} tokens, but `input_ids` has {width}: continue with the full "
+                    "sequence (the tokens the cache read, then the new ones), or generate from a fresh cache."
+                )
+            if not read and next_sequence_length is not None and attention_mask is not None:
+                check_left_padding(attention_mask)
+            if next_sequence_length == 1:
+                cache.pending_prefill = None
+            elif cache.pending_prefill is not None:
+                # The previous forward was a prefill chunk whose prompt may go on: read it again with this chunk.
+                new, mask, forward_cache = cache.take_pending_prefill(new, mask, self.config)
+            if next_sequence_length is None and not forward_cache.has_state and self.model.is_prefix_model:
+                # A prefill chunk (generate() gives no length for those): keep it until the prompt is complete.
+                forward_cache.remember_prefill_chunk(new, mask, self.config.prefix_length, kwargs.get("prefix_length"))
+        model_inputs["inputs_embeds" if reads_embeds else "input_ids"] = new
+        if forward_cache is not None:
+            # Under the name every transformers release (and PEFT's prompt learning, which reads it) knows.
+            model_inputs["past_key_values"] = forward_cache
+        if mask is not None:
+            model_inputs["attention_mask"] = mask
+        for key, value in kwargs.items():
+            if key not in model_inputs and key not in ("labels", "position_ids"):
+                model_inputs[key] = value
+        device = self.device
+        if device.type != "meta":
+            model_inputs = {
+                key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in model_inputs.items()
+            }
+        return model_inputs
+
+
+def check_left_padding(attention_mask: torch.Tensor) -> None:
+    """Generation appends tokens at the right end of each row: a row whose padding is on the right would continue
+    after its pads."""
+    if attention_mask.shape[1] and not torch.compiler.is_compiling() and bool((attention_mask[:, -1] == 0).any()):
+        raise ValueError(
+            "generate() needs left-padded prompts (padding first, then the prompt): set "
+            "`tokenizer.padding_side = 'left'` before tokenizing the batch."
+        )
+
+
+def cache_is_static(cache: Cache) -> bool:
+    """Whether a transformers cache has fixed-size buffers (`cache_implementation="static"` and the like)."""
+    return bool(getattr(cache, "is_compileable", False))
+
+
+# Keyword arguments of transformers' loss functions (they travel in `**kwargs` of `forward`, never to the layers).
+LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+
+# The auto classes each model class is saved under (`auto_map`); registered so that `save_pretrained` ships the code.
+_AUTO_CLASSES = {JRTRNNModel: "AutoModel", JRTRNNForCausalLM: "AutoModelForCausalLM"}
+for _cls, _auto_class in _AUTO_CLASSES.items():
+    _cls.register_for_auto_class(_auto_class)
+
+__all__ = [
+    "JRTRNNCausalLMOutput",
+    "JRTRNNDecoderLayer",
+    "JRTRNNEncoderRange",
+    "JRTRNNForCausalLM",
+    "JRTRNNLinearAttention",
+    "JRTRNNMLP",
+    "JRTRNNModel",
+    "JRTRNNModelOutput",
+    "JRTRNNPreTrainedModel",
+    "JRTRNNRMSNorm",
+    "JRTRNNShortConv",
+    "JRTRNNSlidingWindowAttention",
+    "prefix_encoder_range",
+    "prompt_lengths_from_labels",
+]

@@ -1,0 +1,109 @@
+"""The losses `JRTRNNForCausalLM.forward` computes: the JRT objective and the leak-free next-token targets.
+
+They ship with the model (Hub remote code) because `forward` computes them; the data collator that builds the JRT
+training batches is `jrt_train.JRTDataCollator` (its module docstring describes the batch layout).
+
+    loss = mean NTP cross-entropy + mlm_weight * mean MLM cross-entropy        (mlm_weight = 0.25)
+
+Gradient accumulation and `num_items_in_batch`: `Trainer` counts the NTP targets of all micro-batches of one
+optimizer step (and of all processes) as `num_items_in_batch` = N, and sums the micro-batch losses. The NTP part is
+`sum(CE) / N`, an exact global mean. The MLM part has its own count, which `Trainer` does not collect, so each
+micro-batch contributes `mlm_weight * mean_MLM(micro-batch) * n_ntp(micro-batch) / N`: the micro-batch MLM means
+weighted by their share of the NTP targets (i.e. of the sequences, for packed blocks). With a fixed mask count per
+sequence this is the exact MLM mean of the whole batch; with Bernoulli masking it is the average of the micro-batch
+means, which is what the reference computes across its GPUs. Without `num_items_in_batch` (plain forward, custom
+loops) the loss is the reference's `mean NTP + mlm_weight * mean MLM` over the given batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Label of a position without a target (PyTorch's `cross_entropy` default `ignore_index`, transformers' convention).
+IGNORE_INDEX = -100
+
+
+def check_prefix_length(prefix_length: torch.Tensor | int, batch_size: int | None = None) -> None:
+    """The one rule for a JRT prefix given by the user (`forward(prefix_length=...)`, `ignore_prefix_targets`): an int
+    or a `(B,)` integer tensor, `>= 0` in every row. Raises `TypeError` / `ValueError` with the messages of `forward`.
+    """
+    if isinstance(prefix_length, torch.Tensor):
+        dtype = prefix_length.dtype
+        shape_ok = prefix_length.ndim == 1 and (batch_size is None or prefix_length.shape[0] == batch_size)
+        if not shape_ok or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            rows = "(B,)" if batch_size is None else f"(B,) = ({batch_size},)"
+            raise ValueError(
+                f"prefix_length must be an int or a {rows} integer tensor of per-row prefix lengths; "
+                f"got a {prefix_length.dtype} tensor of shape {tuple(prefix_length.shape)}."
+            )
+        if not torch.compiler.is_compiling() and bool((prefix_length < 0).any()):  # a check reads the data
+            raise ValueError(f"prefix_length must be >= 0 in every row; got {prefix_length.tolist()}.")
+    elif isinstance(prefix_length, int) and not isinstance(prefix_length, bool):
+        if prefix_length < 0:
+            raise ValueError(f"prefix_length must be >= 0; got {prefix_length}.")
+    else:
+        raise TypeError(f"prefix_length must be an int or a (B,) LongTensor; got {type(prefix_length).__name__}.")
+
+
+def ignore_prefix_targets(labels: torch.Tensor, prefix_end: torch.Tensor | int) -> torch.Tensor:
+    """`labels` `(B, T)` with the targets a JRT encoder reads set to -100: index `j < prefix_end[b]` in row b.
+
+    `prefix_end` is an int or a `(B,)` integer tensor, `>= 0`: the absolute index after each row's prefix (its first
+    real token plus its prefix length; just `prefix_length` for unpadded or right-padded rows). It follows the rule
+    of `forward(prefix_length=...)` (`check_prefix_length`), with the same errors. The model's loss does this itself;
+    call it in a data collator so that `Trainer`'s `num_items_in_batch` counts only the scored targets.
+    """
+    check_prefix_length(prefix_end, labels.shape[0] if labels.ndim == 2 else None)
+    positions = torch.arange(labels.shape[-1], device=labels.device)
+    prefix_end = torch.as_tensor(prefix_end, device=labels.device).reshape(-1, 1)  # (B, 1) or (1, 1)
+    return labels.masked_fill(positions[None, :] < prefix_end, IGNORE_INDEX)
+
+
+def jrt_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mlm_labels: torch.Tensor,
+    *,
+    mlm_weight: float,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The JRT objective: next-token loss plus `mlm_weight` times the masked-LM loss on the prefix.
+
+    Args:
+        logits: `(B, T, V)` scores.
+        labels: `(B, T)` next-token targets in the HF convention (unshifted: position t predicts `labels[t + 1]`),
+            -100 where there is none.
+        mlm_labels: `(B, T)` masked-LM targets, predicted at their own position, -100 where there is none.
+        mlm_weight: weight of the masked-LM term (0.25 in the reference).
+        num_items_in_batch: NTP targets of the whole optimizer step (all micro-batches and processes), as `Trainer`
+            passes it. See the module docstring for how the MLM term is normalised then.
+
+    Returns:
+        `(loss, ntp_loss, mlm_loss)`: the scalar to optimise, and the detached NTP and MLM means of this batch for
+        logging. A part with no targets contributes 0.
+    """
+    if labels.shape != logits.shape[:2] or mlm_labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"`labels` {tuple(labels.shape)} and `mlm_labels` {tuple(mlm_labels.shape)} must both have the shape "
+            f"(batch, seq_len) of the logits {tuple(logits.shape[:2])}; with `logits_to_keep` no loss is computed."
+        )
+    logits = logits.float()
+    vocab_size = logits.shape[-1]
+    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].to(logits.device)  # (B, T)
+    mlm_labels = mlm_labels.to(logits.device)
+    ntp_sum = F.cross_entropy(logits.view(-1, vocab_size), shift_labels.reshape(-1), reduction="sum")
+    mlm_sum = F.cross_entropy(logits.view(-1, vocab_size), mlm_labels.reshape(-1), reduction="sum")
+    ntp_count = (shift_labels != IGNORE_INDEX).sum()
+    mlm_count = (mlm_labels != IGNORE_INDEX).sum()
+    ntp_mean = ntp_sum / ntp_count.clamp(min=1)
+    mlm_mean = mlm_sum / mlm_count.clamp(min=1)
+    if num_items_in_batch is None:
+        loss = ntp_mean + mlm_weight * mlm_mean
+    else:
+        # This micro-batch's share of the step: exact NTP sum over N, MLM mean weighted by the NTP share.
+        loss = (ntp_sum + mlm_weight * mlm_mean * ntp_count) / num_items_in_batch
+    return loss, ntp_mean.detach(), mlm_mean.detach()
+
+
+__all__ = ["IGNORE_INDEX", "check_prefix_length", "ignore_prefix_targets", "jrt_loss"]

@@ -1,0 +1,34 @@
+"""`jrt convert --example DIR`: a tiny checkpoint in the released format, to try `jrt convert` offline."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from jrt_cli.main import main
+
+
+def test_example_checkpoint_converts_and_loads(tmp_path, capsys):
+    example, converted = tmp_path / "JRT-tiny", tmp_path / "JRT-tiny-hf"
+    assert main(["convert", "--example", str(example)]) == 0
+    assert f"jrt convert {example} {example}-hf" in capsys.readouterr().out
+    assert sorted(path.name for path in example.iterdir()) == ["config.json", "pytorch_model.bin"]
+    assert json.loads((example / "config.json").read_text())["model_type"] == "gpt2"  # as the released files
+    assert main(["convert", str(example), str(converted)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("family: jrt (prefix linear attention")
+    model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    assert model.config.linear_attention_type == "prefix" and model.config.vocab_size == 50264
+    assert model.config.prefix_pad_token_id == 220 and model.config.eos_token_id == 50256  # GPT-2's, explicit
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[40, 101, 220, 84]])).logits).all()
+
+
+def test_example_refuses_a_folder_that_is_not_empty(tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("mine")
+    assert main(["convert", "--example", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not an empty folder" in err
+    assert (tmp_path / "keep.txt").read_text() == "mine"
