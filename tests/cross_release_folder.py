@@ -13,11 +13,12 @@ from pathlib import Path
 import torch
 import transformers
 
-# Run as a script, this folder is sys.path[0], where `tests/modeling_jrt` would shadow the package: import from the
-# repository root instead.
 TESTS = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != TESTS]
-sys.path.insert(0, str(TESTS.parent))
+if __name__ == "__main__":
+    # Run as a script, this folder is sys.path[0], where `tests/modeling_jrt` would shadow the package: import from
+    # the repository root instead.
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != TESTS]
+    sys.path.insert(0, str(TESTS.parent))
 import modeling_jrt  # noqa: E402
 
 
