@@ -97,3 +97,26 @@ def test_binary_masks_of_any_dtype_are_accepted(model):
     expected = model(input_ids, attention_mask=mask).logits
     for dtype in (torch.bool, torch.float32, torch.int32):
         torch.testing.assert_close(model(input_ids, attention_mask=mask.to(dtype)).logits, expected)
+
+
+def test_a_batch_without_scored_targets_gives_a_zero_loss_and_a_warning(make_config, caplog):
+    """Every target inside the prefix (rows shorter than prefix_length = 8): no NaN reaches an optimizer."""
+    from transformers.utils import logging as hf_logging
+
+    model = JRTRNNForCausalLM(make_config(prefix_length=8))
+    ids = torch.randint(4, 99, (2, 6))
+    hf_logging.enable_propagation()
+    with caplog.at_level("WARNING"):
+        loss = model(ids, labels=ids).loss
+    assert loss.item() == 0.0 and loss.requires_grad
+    assert "no scored target" in caplog.text
+    loss.backward()  # a zero gradient, not NaN
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("value", [0.5, 2, -1])
+def test_non_binary_masks_are_refused_for_prompts_shorter_than_the_prefix(model, value):
+    """The same check as for long prompts: the mask is checked before the model fills the prefix."""
+    prompt = torch.randint(4, 99, (1, 5))
+    with pytest.raises(ValueError, match=r"`attention_mask` must hold only 0 \(padding\) and 1 \(token\)"):
+        model.generate(prompt, attention_mask=torch.full((1, 5), value), max_new_tokens=2)
