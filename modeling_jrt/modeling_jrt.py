@@ -1169,6 +1169,12 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
                     f"This cache has read {read} tokens, but `input_ids` has {width}: continue with the full "
                     "sequence (the tokens the cache read, then the new ones), or generate from a fresh cache."
                 )
+            if read and cache.holds_beams and is_first_iteration:
+                raise ValueError(
+                    "This cache comes from beam search: its rows hold the beams of the last step, not the sequences "
+                    "generate() returned, so it cannot continue them. Continue from a greedy or sampling cache, or "
+                    "generate again from the returned sequences with a fresh cache."
+                )
             if not read and next_sequence_length is not None and attention_mask is not None:
                 check_left_padding(attention_mask)
             if next_sequence_length == 1:

@@ -158,3 +158,14 @@ def test_fullgraph_compile_of_a_prefill_with_the_tokenizers_mask_and_decode_step
         expected = model(step, attention_mask=torch.ones(2, 6, dtype=torch.long), cache=output_cache(eager)).logits
         logits = compiled(step, attention_mask=torch.ones(2, 6, dtype=torch.long), cache=output_cache(traced)).logits
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_continuing_from_a_beam_search_cache_is_refused(make_config):
+    """Beam search leaves the beams of its last step in the cache, not the returned sequences' states."""
+    from modeling_jrt.compat import output_cache
+
+    model = build(make_config)
+    out = model.generate(prompt(6), max_new_tokens=3, num_beams=2, num_return_sequences=2, do_sample=False,
+                         return_dict_in_generate=True, **NO_EOS)
+    with pytest.raises(ValueError, match="This cache comes from beam search"):
+        model.generate(out.sequences, cache=output_cache(out), max_new_tokens=2, **NO_EOS)

@@ -166,6 +166,8 @@ class JRTRNNCache(Cache):
         # A prefill chunk of `generate(prefill_chunk_size=...)` whose rows may not hold their whole prompt yet
         # (`remember_prefill_chunk`): (tokens or embeddings, padding mask), read again with the next chunk.
         self.pending_prefill: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # Set by beam search (`reorder_cache`): the rows hold beams, not the sequences generate() returned.
+        self.holds_beams = False
 
     # ------------------------------------------------------------------------------------------------ reading
     @property
@@ -248,6 +250,7 @@ class JRTRNNCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row `i` of the new cache is row `beam_idx[i]` of this one."""
         self.select_rows(beam_idx)
+        self.holds_beams = True
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every row `repeats` times in place (row b becomes rows b * repeats ... b * repeats + repeats - 1)."""
@@ -271,6 +274,7 @@ class JRTRNNCache(Cache):
                 if name not in ("kernel_size", "sliding_window"):
                     setattr(layer, name, None)
         self.num_read, self.prefix, self.num_rows, self.pending_prefill = 0, None, None, None
+        self.holds_beams = False
 
     def __repr__(self) -> str:
         return f"JRTRNNCache(layers={self.layer_types}, rows={self.num_rows}, tokens_read={self.num_read})"

@@ -1008,8 +1008,20 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
             prefix_end = self.encoder_end(labels, attention_mask, prompt_lengths, prefix_length, cache, past_key_values)
             if prefix_end is not None:
                 labels, kwargs = self._ignore_encoder_targets(labels, prefix_end, kwargs)
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
-                                      **{k: v for k, v in kwargs.items() if k in LOSS_KWARGS})
+            loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS}
+            targets = loss_kwargs.get("shift_labels")
+            targets = labels[:, 1:] if targets is None else targets
+            if not torch.compiler.is_compiling() and not bool((targets != IGNORE_INDEX).any()):
+                logger.warning_once(
+                    "This batch has no scored target: every label is -100 or inside its row's JRT prefix (which the "
+                    "encoder reads, so it is never scored). The loss is 0 (no gradient) instead of NaN. Use rows "
+                    "longer than `prefix_length`, completion-only labels (-100 over the prompt: the prompt becomes "
+                    "the prefix), or the JRT objective (`jrt_train.JRTDataCollator`)."
+                )
+                loss = logits.sum() * 0.0
+            else:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                          **loss_kwargs)
         result = model_output(
             JRTRNNCausalLMOutput, model_cache, loss=loss, logits=logits, hidden_states=outputs.hidden_states,
             attentions=outputs.attentions, ntp_loss=ntp_loss, mlm_loss=mlm_loss,
@@ -1156,6 +1168,12 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
                 raise ValueError(
                     f"This cache has read {read} tokens, but `input_ids` has {width}: continue with the full "
                     "sequence (the tokens the cache read, then the new ones), or generate from a fresh cache."
+                )
+            if read and cache.holds_beams and is_first_iteration:
+                raise ValueError(
+                    "This cache comes from beam search: its rows hold the beams of the last step, not the sequences "
+                    "generate() returned, so it cannot continue them. Continue from a greedy or sampling cache, or "
+                    "generate again from the returned sequences with a fresh cache."
                 )
             if not read and next_sequence_length is not None and attention_mask is not None:
                 check_left_padding(attention_mask)
