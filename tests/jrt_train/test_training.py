@@ -287,3 +287,17 @@ def test_shift_labels_with_an_empty_prefix(make_config):
     shifted = torch.nn.functional.pad(input_ids, (0, 1), value=-100)[:, 1:]
     expected = model(input_ids, labels=input_ids, prefix_length=0).loss
     torch.testing.assert_close(model(input_ids, labels=input_ids, shift_labels=shifted, prefix_length=0).loss, expected)
+
+
+def test_completion_only_labels_make_the_prompt_the_prefix(make_config):
+    """`Trainer` with completion-only labels (-100 over the prompt) on rows shorter than the prefix: a finite loss,
+    the cross-entropy over the completion read with the prompt (filled) as the prefix."""
+    model = JRTRNNForCausalLM(make_config(prefix_length=32)).eval()
+    input_ids = torch.randint(4, 99, (2, 12))
+    labels = input_ids.clone()
+    labels[:, :7] = -100  # a 7-token prompt, a 5-token completion
+    loss = model(input_ids, labels=labels).loss
+    assert torch.isfinite(loss)
+    logits = model(input_ids, prompt_lengths=torch.full((2,), 7)).logits
+    expected = torch.nn.functional.cross_entropy(logits[:, 6:-1].reshape(-1, 99), input_ids[:, 7:].reshape(-1))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
