@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 
-from jrt_prompt import read_twice
-
 from .choices import PREFIX_STRATEGIES
 from .main import UsageError, one_line, quiet_transformers
 from .sources import check_model_source

@@ -200,7 +200,7 @@ def _write_config(folder: Path, text: str) -> Path:
         (lambda c: c.update(n_head="four"), r"config\.json field 'n_head' must be an integer, got 'four'"),
         (lambda c: c.update(n_layer=4.5), r"config\.json field 'n_layer' must be an integer, got 4\.5"),
         (lambda c: c["alt_mixer"].update(feature_dim="4"), r"'alt_mixer\.feature_dim' must be an integer"),
-        (lambda c: c.update(layer_norm_epsilon="abc"), r"field 'layer_norm_epsilon' must be a finite number, got 'abc'"),
+        (lambda c: c.update(layer_norm_epsilon="abc"), r"field 'layer_norm_epsilon' must be a positive number, got 'abc'"),
         (lambda c: c.update(alt_mixer_layers="1"), r"'alt_mixer_layers' must be a list of layer indices, got '1'"),
         (lambda c: c.update(alt_mixer_layers=[1, 2], alt_mixer_2_layers=[2]),
          r"lists layers \[2\] in both alt_mixer_layers \(linear attention\) and alt_mixer_2_layers"),

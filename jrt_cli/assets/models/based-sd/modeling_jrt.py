@@ -853,6 +853,46 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
 
 
+def leak_free_labels(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of `JRTRNNForCausalLM` (a public `nn.Module` hook): in a call with `labels` (and no
+    `mlm_labels`), add each row's `prompt_lengths` (`prompt_lengths_from_labels`) and set to -100 the labels of the
+    targets the JRT encoder will read, so that whatever computes the loss from this call's outputs, the model's own
+    loss, `num_items_in_batch`-style sums, TRL's fused LM head (which replaces `forward` and calls the backbone
+    without labels) or a `compute_loss_func`, scores only what the model cannot have read."""
+    labels = kwargs.get("labels")
+    if (
+        not isinstance(labels, torch.Tensor) or labels.ndim != 2 or kwargs.get("mlm_labels") is not None
+        or not model.model.is_prefix_model
+    ):
+        return None
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, JRTRNNCache) and cache.has_state:
+        return None
+    attention_mask = kwargs.get("attention_mask")
+    attention_mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
+    if kwargs.get("prefix_length") is not None:
+        check_prefix_length(kwargs["prefix_length"], labels.shape[0])
+    kwargs = dict(kwargs)
+    if kwargs.get("prompt_lengths") is None:
+        kwargs["prompt_lengths"] = prompt_lengths_from_labels(labels, attention_mask)
+    prefix_end = model.encoder_end(
+        labels, attention_mask, kwargs["prompt_lengths"], kwargs.get("prefix_length"), None, None
+    )
+    kwargs["labels"] = ignore_prefix_targets(labels, prefix_end)
+    if kwargs.get("num_items_in_batch") is not None and bool((kwargs["labels"] != labels)[:, 1:].any()):
+        logger.warning_once(
+            "The labels of this batch include targets that the JRT encoder reads (inside each row's prefix): the "
+            "loss ignores them, but `num_items_in_batch` (from Trainer) still counts them, which scales the loss "
+            "down. Set them to -100 in the data collator (`jrt_train.ignore_prefix_targets`, or "
+            "`labels[:, :prefix_length] = -100` for unpadded blocks), use completion-only labels, or use "
+            "`JRTDataCollator`."
+        )
+    shift_labels = kwargs.get("shift_labels")
+    if isinstance(shift_labels, torch.Tensor):  # pre-shifted: column t holds the target at index t + 1
+        kwargs["shift_labels"] = ignore_prefix_targets(shift_labels, (prefix_end - 1).clamp(min=0))
+    return args, kwargs
+
+
 def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """`(B,)` prompt of each row of a training batch: the tokens before its first scored target (the first label
     that is not -100 after the shift), counted from the row's first real token, so that the encoder never reads a
@@ -911,6 +951,9 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        # Every call with `labels` states where each row's prompt ends, before any forward sees them: the model's own,
+        # and one that a trainer put in its place (TRL's fused LM head scores log-probabilities from the backbone).
+        self.register_forward_pre_hook(leak_free_labels, with_kwargs=True)
 
     @property
     def generation_config(self) -> GenerationConfig | None:
