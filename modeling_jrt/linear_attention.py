@@ -438,14 +438,16 @@ def _scan_chunks(
     value_dim = values.shape[-1] - 1
     phi_q = taylor.features(q, key=False)  # (n, b, h, f, c)
     phi_k = taylor.features(k, key=True)  # (n, b, h, f, c)
-    scores = q.transpose(-1, -2) @ k * taylor.feature_dim**-0.5  # (n, b, h, c, c)
-    weights = torch.addcmul(torch.ones_like(scores), scores, scores, value=0.5).add_(scores).tril_()  # (n, b, h, c, c)
+    # 1 + s + s**2 / 2 = (1 + (1 + s)**2) / 2: one matmul and two passes over the (c, c) tiles.
+    shifted = (q * taylor.feature_dim**-0.5).transpose(-1, -2) @ k + 1.0  # (n, b, h, c, c): 1 + s
+    weights = torch.addcmul(shifted.new_full((), 0.5), shifted, shifted, value=0.5).tril_()  # (n, b, h, c, c)
 
     if decay is None:
         sums = phi_k @ values  # (n, b, h, f, w)
-        states = torch.cumsum(torch.cat([state[None], sums], dim=0), dim=0)  # (n + 1, b, h, f, w)
-        output = phi_q.transpose(-1, -2) @ states[:-1] + weights @ values  # (n, b, h, c, w)
-        return states[-1], output
+        states = torch.cat([state[None], sums], dim=0).cumsum_(dim=0)  # (n + 1, b, h, f, w)
+        inter = phi_q.transpose(-1, -2) @ states[:-1]  # (n, b, h, c, w)
+        output = torch.baddbmm(inter.flatten(0, 2), weights.flatten(0, 2), values.flatten(0, 2))  # (n b h, c, w)
+        return states[-1], output.view(inter.shape)
 
     position = torch.arange(chunk_size, device=q.device, dtype=q.dtype)
     decay = decay[:, None, None]  # (h, 1, 1)
@@ -566,12 +568,18 @@ def prefix_linear_attention_chunked(
         q, k, values = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, padding)) for x in (q, k, values))
     q = _position_last_chunks(q, num_chunks, chunk_size)  # (N, B, H, K, C)
     k = _position_last_chunks(k, num_chunks, chunk_size)  # (N, B, H, K, C)
-    values = _position_last_chunks(values, num_chunks, chunk_size).transpose(-1, -2).contiguous()  # (N, B, H, C, W)
+    values = values.view(batch_size, num_chunks, chunk_size, num_heads, value_dim + 1)
+    values = values.permute(1, 0, 3, 2, 4).contiguous()  # (N, B, H, C, W)
     decay = None if log_decay is None else log_decay.to(dtype)
     if gate is not None:
         gate = torch.nn.functional.pad(gate.to(dtype), (0, 0, 0, padding))
         gate = gate.view(batch_size, num_chunks, chunk_size, num_heads).permute(1, 0, 3, 2)[..., None]  # (N,B,H,C,1)
 
+    # The output in the layout of v, (B, N C, H, V) viewed as (B, N, C, H, V): blocks write their rows into it
+    # (eagerly without autograd), or are concatenated (autograd, torch.compile).
+    padded_shape = (batch_size, num_chunks, chunk_size, num_heads, value_dim)
+    in_place = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    output = q.new_empty(padded_shape) if in_place else None
     outputs = []
     per_block = max(1, BLOCK_TOKEN_HEADS // (token_heads * chunk_size))
     for start, end in _blocks(num_chunks, per_block):
@@ -581,9 +589,15 @@ def prefix_linear_attention_chunked(
         numerator, denominator = combined[..., :value_dim], combined[..., value_dim:]  # (n, B, H, C, V / 1)
         if gate is not None:
             numerator = numerator * gate[start:end]
-        outputs.append(numerator / (denominator + eps))  # (n, B, H, C, V)
-    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)  # (N, B, H, C, V)
-    output = output.permute(1, 0, 3, 2, 4).reshape(batch_size, num_chunks * chunk_size, num_heads, value_dim)
+        if in_place:
+            torch.div(numerator.permute(1, 0, 3, 2, 4), (denominator + eps).permute(1, 0, 3, 2, 4),
+                      out=output[:, start:end])
+        else:
+            outputs.append(numerator / (denominator + eps))  # (n, B, H, C, V)
+    if not in_place:
+        output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)  # (N, B, H, C, V)
+        output = output.permute(1, 0, 3, 2, 4)  # (B, N, C, H, V)
+    output = output.reshape(batch_size, num_chunks * chunk_size, num_heads, value_dim)
     if padding:
         output = output[:, :seq_len]
 
