@@ -509,7 +509,7 @@ def prefix_linear_attention_chunked(
     Per chunk of C tokens (docs/prefill.md §4.2):
 
         inter-chunk  o_c  = phi(Q_c) @ state_c                       everything before the chunk (and the encoder)
-        intra-chunk  o_c += tril(1 + S + S**2 / 2) @ [V_c, 1]          S = Q_c K_c^T / sqrt(K): no (C, F) features needed
+        intra-chunk  o_c += tril(1 + S + S**2 / 2) @ [V_c, 1]          S = Q_c K_c^T / sqrt(K): no (C, F) features
         state_c      = state_0 + sum_{d < c} phi(K_d)^T @ [V_d, 1]     a cumulative sum over chunks
 
     `_scan_chunks` does this for many chunks with one batched op per step. Eagerly the chunks go in blocks of about
