@@ -154,8 +154,11 @@ def run_point(name: str, length: int, args: argparse.Namespace, *, compiled: boo
 
 
 def growth(values: list, index: int, key: str) -> str:
-    """`x per 2N` cell: the ratio to the previous length when that one is exactly half."""
+    """`x per 2N` cell: the ratio to the previous length when that one is exactly half ("-" when that one is 0, e.g.
+    a peak memory too small to move the RSS)."""
     if index == 0 or not isinstance(values[index], dict) or not isinstance(values[index - 1], dict):
+        return "-"
+    if not values[index - 1][key]:
         return "-"
     return f"{values[index][key] / values[index - 1][key]:.2f}"
 

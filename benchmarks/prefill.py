@@ -9,12 +9,16 @@ One run prints, for each shape, the time of
 and the ratios to SDPA, achieved TFLOP/s and the fraction of the roofline floor (FLOPs from `pla_flops` / `sdpa_flops` below, bytes from the tensors each pass must move).
 With --backward (the CUDA default) it also times forward + backward (`*_fb` columns: the fused backward for ours,
 the flash backward for SDPA, autograd for chunked and fla). --train-step times a training step of a small model
-(forward + backward + AdamW, tokens per second) with the chunked and the Triton linear attention.
+(forward + backward + AdamW, tokens per second) with the chunked and the Triton linear attention. --compile-lengths
+times `torch.compile(prefix_linear_attention_chunked, dynamic=True)` at each length, each in a fresh process with
+inductor's caches off: the compile time (first call minus a compiled call), the compiled call, and whether a call
+at another length recompiled.
 
     python benchmarks/prefill.py                       # CPU: N = 1k..8k, B = 1, fp32, one thread
     python benchmarks/prefill.py --quick               # a few small shapes
     python benchmarks/prefill.py --json results.json   # also write every measurement as JSON
     python benchmarks/prefill.py --batch-sweep         # CUDA default: also B = 2..64 at N = 16k
+    python benchmarks/prefill.py --compile-lengths 2048 8192 65536   # compile time of the chunked path
 
 Defaults follow the paper's Table 5 harness: H = 16, feature dim 16, value/head dim 64, M = N / 2, bf16 on CUDA
 (B = 16, N = 1k..32k). Methods are timed in interleaved rounds after warm-up: medians of synchronised wall times
@@ -29,7 +33,9 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -272,6 +278,80 @@ def train_step_benchmark(args, device: torch.device, dtype: torch.dtype) -> list
     return rows
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (inductor compiles C++ in worker processes)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def compile_point(args: argparse.Namespace, T: int) -> dict:
+    """In this (fresh) process: compile the chunked path with dynamic shapes and call it at T, then at T / 2.
+
+    compile_s is the first call's wall time minus a compiled call's (tracing, inductor, C++ compilation);
+    compile_cpu_s the same in CPU time, worker processes included. recompiled: whether the call at T / 2 traced a
+    second graph (it must not with dynamic=True).
+    """
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    inductor_config.force_disable_caches = True  # a cold compile, whatever an earlier run left on disk
+    torch._dynamo.reset()
+    torch.set_num_threads(args.threads)
+    compiled = torch.compile(prefix_linear_attention_chunked, dynamic=True)
+    generator = torch.Generator().manual_seed(0)
+    H, K, V = args.heads, args.feature_dim, args.head_dim
+
+    def inputs(length: int) -> tuple:
+        M = length // 2
+        shapes = [(1, length, H, K), (1, length, H, K), (1, length, H, V), (1, M, H, K), (1, M, H, V)]
+        return tuple(torch.randn(*shape, generator=generator) for shape in shapes)
+
+    row: dict = {"T": T}
+    with torch.no_grad():
+        tensors = inputs(T)
+        start_wall, start_cpu = time.perf_counter(), cpu_seconds()
+        compiled(*tensors)
+        first_wall, first_cpu = time.perf_counter() - start_wall, cpu_seconds() - start_cpu
+        start_wall, start_cpu = time.perf_counter(), cpu_seconds()
+        compiled(*tensors)
+        row["compiled_ms"] = (time.perf_counter() - start_wall) * 1e3
+        row["compile_s"] = first_wall - row["compiled_ms"] / 1e3
+        row["compile_cpu_s"] = first_cpu - (cpu_seconds() - start_cpu)
+        start_wall, start_cpu = time.perf_counter(), cpu_seconds()
+        eager = prefix_linear_attention_chunked(*tensors)
+        row["eager_ms"] = (time.perf_counter() - start_wall) * 1e3
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        compiled(*inputs(max(T // 2, 1)))
+        row["recompiled"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs
+    del eager
+    return row
+
+
+def compile_table(args: argparse.Namespace) -> list[dict]:
+    """One fresh process per length (`compile_point`); prints the compile-time table."""
+    rows = []
+    for T in args.compile_lengths:
+        command = [sys.executable, str(os.path.abspath(__file__)), "--compile-worker", str(T),
+                   "--heads", str(args.heads), "--feature-dim", str(args.feature_dim), "--head-dim",
+                   str(args.head_dim), "--threads", str(args.threads)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=args.compile_timeout,
+                                env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+        if result.returncode != 0:
+            rows.append({"T": T, "error": (result.stderr.strip().splitlines() or ["failed"])[-1][:200]})
+        else:
+            rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
+        print(f"# compiled N={T}: {rows[-1]}", file=sys.stderr, flush=True)
+    print("| N | compile s (wall) | compile s (CPU, with workers) | compiled ms | eager ms | recompiled at N/2 |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['T']} | {row['error']} | | | | |")
+            continue
+        print(f"| {row['T']} | {row['compile_s']:.1f} | {row['compile_cpu_s']:.1f} | {row['compiled_ms']:.1f} "
+              f"| {row['eager_ms']:.1f} | {'yes' if row['recompiled'] else 'no'} |")
+    return rows
+
+
 def format_table(rows: list[dict]) -> str:
     columns = [
         ("B", "B", "{:d}"), ("T", "N", "{:d}"), ("M", "M", "{:d}"),
@@ -338,6 +418,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also time a training step of a small model, chunked vs Triton (tokens/s)")
     parser.add_argument("--train-batch", type=int, default=4)
     parser.add_argument("--train-length", type=int, default=2048, help="tokens per row (<= 64: a tiny model)")
+    parser.add_argument("--compile-lengths", type=int, nargs="*", default=None, metavar="N",
+                        help="also time torch.compile of the chunked path (dynamic=True) at these lengths")
+    parser.add_argument("--compile-only", action="store_true", help="only the compile-time table")
+    parser.add_argument("--compile-timeout", type=float, default=1800.0, help="seconds per compile point")
+    parser.add_argument("--compile-worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="two short lengths, fewer repeats")
     parser.add_argument("--json", default=None, help="write the environment and every row to this file")
     return parser.parse_args(argv)
@@ -345,6 +430,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    if args.compile_worker is not None:  # one compile point, in this fresh process: print its JSON line
+        print(json.dumps(compile_point(args, args.compile_worker)))
+        return []
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     torch.set_num_threads(args.threads)
@@ -388,6 +476,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{'Triton kernel' if args.impl == 'triton' else 'chunked PyTorch'}; {args.stat} {clock} of "
           f"{args.repeats} rounds, ms")
 
+    compile_rows = compile_table(args) if args.compile_lengths else []
+    if args.compile_only:
+        return []
     shapes = [(args.batch, T) for T in args.seq_lens]
     if args.batch_sweep:
         shapes += [(B, args.batch_sweep_len) for B in args.batch_sizes if (B, args.batch_sweep_len) not in shapes]
@@ -401,8 +492,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:
-            json.dump({"environment": environment, "arguments": vars(args), "rows": rows, "train_steps": train_rows},
-                      handle, indent=2)
+            json.dump({"environment": environment, "arguments": vars(args), "rows": rows, "train_steps": train_rows,
+                       "compile": compile_rows}, handle, indent=2)
         print(f"# wrote {args.json}")
     return rows
 

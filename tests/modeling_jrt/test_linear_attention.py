@@ -140,6 +140,63 @@ def test_chunked_fp32_matches_fp64_oracle(batch, seq_len, heads, value_dim, enco
     torch.testing.assert_close(state, expected_state.float(), rtol=1e-5, atol=1e-5 * expected_state.abs().max().item())
 
 
+BLOCK_CASES = [
+    pytest.param(dict(), id="prefix"),
+    pytest.param(dict(padded=True, initial=True), id="prefix-padding-initial-state"),
+    pytest.param(dict(encoder=False, decay=True), id="based-decay"),
+    pytest.param(dict(encoder=False, decay=True, gate=True, padded=True, initial=True), id="based-decay-gate-all"),
+]
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES)
+@pytest.mark.parametrize("block_token_heads", [1, 12, 1 << 20], ids=["block1", "block3", "one-block"])
+def test_chunked_blocks_match_oracle(monkeypatch, case, block_token_heads):
+    """The eager scan in blocks of chunks (state carried between blocks) and in one block (the torch.compile graph)
+    match the oracle, with a last chunk shorter than the others."""
+    import modeling_jrt.linear_attention as linear_attention
+
+    monkeypatch.setattr(linear_attention, "BLOCK_TOKEN_HEADS", block_token_heads)
+    monkeypatch.setattr(linear_attention, "ENCODER_BLOCK_TOKEN_HEADS", block_token_heads)
+    batch, seq_len, heads = 2, 23, 2
+    q, k, v, k_enc, v_enc = make_inputs(batch, seq_len, heads, 4, 5, 7 if case.get("encoder", True) else 0)
+    kwargs = {}
+    if case.get("decay"):
+        kwargs["log_decay"] = torch.log(torch.tensor([0.8, 0.95], dtype=torch.float64))
+    if case.get("gate"):
+        kwargs["gate"] = torch.randn(batch, seq_len, heads, dtype=torch.float64)
+    if case.get("padded"):
+        key_mask = torch.ones(batch, seq_len, dtype=torch.bool)
+        key_mask[0, :4] = False
+        kwargs["key_mask"] = key_mask
+    if case.get("initial"):
+        kwargs["initial_state"] = torch.randn(batch, heads, num_taylor_features(4), 6, dtype=torch.float64)
+    expected, expected_state = prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
+    actual, state = prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, chunk_size=4, **kwargs)
+    valid = kwargs.get("key_mask", torch.ones(batch, seq_len, dtype=torch.bool))[..., None, None]
+    torch.testing.assert_close(actual * valid, expected * valid, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(state, expected_state, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("with_decay", [False, True], ids=["prefix", "based-decay"])
+def test_chunked_traces_one_graph_for_every_length(with_decay):
+    """Under torch.compile(dynamic=True) the scan is one graph without a loop over T: a full-graph trace, no
+    recompilation at a new length, the eager results (aot_eager: the traced graph without inductor's C++ build)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(prefix_linear_attention_chunked, dynamic=True, fullgraph=True, backend="aot_eager")
+    for seq_len in (37, 70):
+        q, k, v, k_enc, v_enc = make_inputs(2, seq_len, 2, 4, 8, 0 if with_decay else 9, dtype=torch.float32)
+        kwargs = dict(log_decay=torch.log(torch.tensor([0.9, 0.99]))) if with_decay else {}
+        with torch.no_grad():
+            actual, state = compiled(q, k, v, k_enc, v_enc, chunk_size=16, **kwargs)
+            expected, expected_state = prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, chunk_size=16, **kwargs)
+        torch.testing.assert_close(actual, expected, **FP32_TOL)
+        torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-4)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 @pytest.mark.parametrize("pad_masking", ["strict", "reference"])
 def test_chunked_with_padding_and_initial_state_matches_oracle(pad_masking):
     q, k, v, k_enc, v_enc = make_inputs(2, 29, 2, 4, 8, 12)

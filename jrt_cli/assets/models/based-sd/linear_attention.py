@@ -317,66 +317,174 @@ def _features_of_keys(keys: torch.Tensor, raw: torch.Tensor | None, counted: tor
     return features
 
 
-def _add_matmul(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """accumulator + a @ b for (B, H, *, *) tensors, as one fused batched GEMM (out of place, differentiable)."""
-    result = torch.baddbmm(accumulator.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1))
-    return result.view(accumulator.shape)
+# Token-heads per block of the eager scan: a block's features, chunk states and weights stay within a few MiB (in
+# cache on a CPU), whatever T is. Under torch.compile the whole sequence is one block (see the scan's docstring).
+BLOCK_TOKEN_HEADS = 8192
+ENCODER_BLOCK_TOKEN_HEADS = 32768
 
 
-class _SymmetricFeatures:
+class _CompactTaylor:
     """The 2nd-order Taylor features without duplicates, for the chunked scan (docs/prefill.md §4.2, "Symmetric
     second order").
 
-    x_i x_j = x_j x_i, so the K**2 ordered pairs hold only P = K (K + 1) / 2 distinct features. The chunked scan
-    keeps its state compact, with F' = 1 + K + P rows: row (i, j), i <= j, of the compact state holds
-    S_ij + S_ji of the full state (S_ii on the diagonal), so phi(q).S is the sum over i <= j of q_i q_j times it.
-    A key therefore enters with weight 2 off the diagonal. This removes 44% of the feature work for K = 16
-    (F' = 153 instead of 273). Expanding back gives S_ij = S_ji = compact / 2, exact for the sums of k k^T v that
-    the scan adds; the rest of an (arbitrary) initial state, its antisymmetric part, is carried over unchanged.
+    x_i x_j = x_j x_i, so the K**2 ordered pairs hold only K (K + 1) / 2 distinct products. With x' = x / K**(1/4),
+    the chunked scan's features have F' = 1 + 2 K + K (K - 1) / 2 rows (153 instead of 273 for K = 16):
+
+        [1, x'_1 .. x'_K, x'_1**2 .. x'_K**2, x'_i x'_j for i < j (row-major)]
+
+    unweighted for queries; for keys the squares carry a weight 1/2, so that phi(q).phi(k) = 1 + s + s**2 / 2 exactly
+    (sum_i 1/2 q'_i**2 k'_i**2 + sum_{i<j} q'_i q'_j k'_i k'_j = (q'.k')**2 / 2). The compact state sums the key
+    features times [v, 1]. In the full layout (module docstring) the quadratic row (i, j) is x'_i x'_j / sqrt(2), so
+    the full state is S_ii = sqrt(2) compact_ii and S_ij = S_ji = compact_ij / sqrt(2); `compress` maps a full state
+    back ((S_ij + S_ji) / sqrt(2)): exact for the symmetric sums the scan adds. The antisymmetric part of an arbitrary
+    initial state, which no query reads, is carried aside by the caller.
     """
 
     def __init__(self, feature_dim: int, device: torch.device):
-        rows, cols = torch.triu_indices(feature_dim, feature_dim, device=device)  # (P,) each, i <= j
-        offset = 1 + feature_dim
-        self.feature_dim = feature_dim
-        self.num_pairs = rows.numel()
-        self.upper = offset + rows * feature_dim + cols  # full-layout row of (i, j)
-        self.lower = offset + cols * feature_dim + rows  # full-layout row of (j, i)
-        self.off_diagonal = rows != cols
-        # Full quadratic row f = i K + j -> its compact pair, and the factor that undoes the pair sum.
-        pair = torch.empty(feature_dim * feature_dim, dtype=torch.long, device=device)
-        pair[rows * feature_dim + cols] = torch.arange(self.num_pairs, device=device)
-        pair[cols * feature_dim + rows] = torch.arange(self.num_pairs, device=device)
-        full_rows = torch.arange(feature_dim * feature_dim, device=device)
-        self.pair_of_full = offset + pair
-        self.half = torch.where(full_rows // feature_dim == full_rows % feature_dim, 1.0, 0.5)
-        # Feature weights in `features` order: 1 for the constant and linear features, 1/sqrt(2) for the pairs
-        # (phi's 1/(sqrt(2) sqrt(K)) with the sqrt(K) already in the products), doubled off the diagonal for keys.
-        ones = torch.ones(1 + feature_dim, dtype=torch.float64, device=device)
-        quadratic = torch.full((self.num_pairs,), 1.0 / math.sqrt(2.0), dtype=torch.float64, device=device)
-        self.query_weight = torch.cat([ones, quadratic])  # (1 + K + P,), cast per use
-        self.key_weight = torch.cat([ones, torch.where(self.off_diagonal, 2.0, 1.0) * quadratic])
+        K = feature_dim
+        self.feature_dim = K
+        rows, cols = torch.triu_indices(K, K, offset=1, device=device)  # (K (K - 1) / 2,) each, i < j
+        self.num_features = 1 + 2 * K + rows.numel()
+        offset = 1 + K  # first quadratic row of the full layout
+        diagonal = torch.arange(K, device=device)
+        # Full-layout row of each compact quadratic row (diagonal first, then i < j) and of its mirror (j, i).
+        self.upper = offset + torch.cat([diagonal * (K + 1), rows * K + cols])
+        self.lower = offset + torch.cat([diagonal * (K + 1), cols * K + rows])
+        self.is_diagonal = torch.arange(self.upper.numel(), device=device) < K
+        # Full quadratic row f = i K + j -> its compact row (counted from the first quadratic one), and the factor.
+        compact_row = torch.empty(K * K, dtype=torch.long, device=device)
+        compact_row[self.upper - offset] = torch.arange(self.upper.numel(), device=device)
+        compact_row[self.lower - offset] = torch.arange(self.upper.numel(), device=device)
+        self.compact_of_full = offset + compact_row
+        full = torch.arange(K * K, device=device)
+        diagonal_row = (full // K == full % K).to(torch.float64)
+        self.expand_factor = diagonal_row * math.sqrt(2.0) + (1 - diagonal_row) / math.sqrt(2.0)  # fp64, cast per use
 
     def features(self, x: torch.Tensor, *, key: bool) -> torch.Tensor:
-        """(..., K) -> (..., 1 + K + P): phi(x) with the duplicate pairs merged (counted twice for keys).
+        """(..., K, n) -> (..., F', n): the compact features of n tokens, token index last (the matmuls' layout).
 
-        With a = [1, x / K**(1/4)], the pairs a_i a_j (i <= j) in triu order are [1, x / K**(1/4), x_i x_j / K**(1/2)]:
-        the three orders at once, K + 1 slices and one concatenation (much faster than a gather on the last dim).
-        """
-        augmented = torch.cat([torch.ones_like(x[..., :1]), x / self.feature_dim**0.25], dim=-1)  # (..., 1 + K)
-        pairs = [augmented[..., i : i + 1] * augmented[..., i:] for i in range(self.feature_dim + 1)]
-        weight = self.key_weight if key else self.query_weight
-        return torch.cat(pairs, dim=-1) * weight.to(x.dtype)  # (..., 1 + K + P)
+        K slices and one concatenation along rows of n contiguous values: no gather, no transposed copies."""
+        K = self.feature_dim
+        scaled = x * K**-0.25  # (..., K, n)
+        squares = scaled * scaled
+        if key:
+            squares = squares * 0.5
+        pairs = [scaled[..., i : i + 1, :] * scaled[..., i + 1 :, :] for i in range(K - 1)]  # (..., K - 1 - i, n)
+        return torch.cat([torch.ones_like(scaled[..., :1, :]), scaled, squares, *pairs], dim=-2)  # (..., F', n)
 
     def compress(self, state: torch.Tensor) -> torch.Tensor:
-        """(B, H, F, W) full state -> (B, H, 1 + K + P, W) compact state."""
-        lower = state[..., self.lower, :] * self.off_diagonal[:, None].to(state.dtype)
-        return torch.cat([state[..., : 1 + self.feature_dim, :], state[..., self.upper, :] + lower], dim=-2)
+        """(..., F, W) full state -> (..., F', W) compact state."""
+        quadratic = state[..., self.upper, :] + state[..., self.lower, :] * (~self.is_diagonal)[:, None].to(state.dtype)
+        quadratic = quadratic / math.sqrt(2.0)
+        return torch.cat([state[..., : 1 + self.feature_dim, :], quadratic], dim=-2)
 
     def expand(self, compact: torch.Tensor) -> torch.Tensor:
-        """(B, H, 1 + K + P, W) compact state -> (B, H, F, W) symmetric full state."""
-        quadratic = compact[..., self.pair_of_full, :] * self.half[:, None].to(compact.dtype)  # (B, H, K*K, W)
+        """(..., F', W) compact state -> (..., F, W) symmetric full state."""
+        quadratic = compact[..., self.compact_of_full, :] * self.expand_factor[:, None].to(compact.dtype)
         return torch.cat([compact[..., : 1 + self.feature_dim, :], quadratic], dim=-2)
+
+
+def _decayed_prefix_weights(decay: torch.Tensor, num_chunks: int, chunk_size: int) -> torch.Tensor:
+    """(H, n + 1, n + 1) weights of the decayed chunk scan: states = weights @ [state_0, U_0, ..., U_{n-1}].
+
+    Row c is the state before chunk c (row n: after the last chunk): the initial state (column 0) decayed C c times
+    and the sum U_d of chunk d (column d + 1, d < c) decayed C (c - 1 - d) times, the end of chunk d being where its
+    sum was taken (`_scan_chunks` step 1).
+    """
+    index = torch.arange(num_chunks + 1, device=decay.device, dtype=decay.dtype)
+    # exponent[c, j]: chunk c reads the initial state (j = 0) decayed C c times, chunk sum j - 1 decayed C (c - j).
+    exponent = index[:, None] - index[None, :]  # (n + 1, n + 1)
+    exponent = torch.where(index[None, :] == 0, index[:, None], exponent)
+    weights = torch.exp(decay[:, None, None] * chunk_size * exponent.clamp(min=0))  # (H, n + 1, n + 1)
+    return weights * (index[None, :] <= index[:, None]).to(decay.dtype)
+
+
+def _scan_chunks(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    values: torch.Tensor,
+    taylor: _CompactTaylor,
+    decay: torch.Tensor | None,
+    padding: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """n chunks at once, without a loop over them: the causal part of the chunked scan.
+
+    Letters: n chunks, b batch, h heads, c/j positions in a chunk (C), k feature dim, f compact features (F'),
+    w = V + 1 value columns (the last one is the denominator's 1).
+
+    Args:
+        state: `(b, h, f, w)` compact state before the first chunk.
+        q, k: `(n, b, h, k, c)` queries and keys, position last.
+        values: `(n, b, h, c, w)` [v, 1]; all zero for a key that does not count (masked, or padding).
+        decay: `(h,)` log gamma, or None.
+        padding: positions at the end of the last chunk that are no tokens (its keys do not count; with a decay the
+            returned state must not decay over them).
+
+    Returns:
+        `(state after the n chunks (b, h, f, w), (n, b, h, c, w) numerator (undecayed/decayed as the layer wants) and
+        denominator columns of every query)`.
+
+    Steps (one batched op each, whatever n is):
+        1. chunk sums      U_d = phi(K_d)^T values_d                                  (n, b, h, f, w)
+        2. chunk states    S_c = state + sum_{d < c} U_d: a cumulative sum over chunks (n + 1, b, h, f, w)
+        3. inter-chunk     O_c = phi(Q_c) S_c
+        4. intra-chunk     O_c += tril(1 + s + s**2 / 2) values_c,  s = Q_c K_c^T / sqrt(K)
+    With a decay, the state's numerator columns decay by gamma per token: U_d sums gamma**(C - 1 - j) phi(k_j) v_j,
+    step 2 weighs the chunks by `_decayed_prefix_weights`, step 3 reads S_c with gamma**(i + 1) and step 4 weighs
+    the numerator by gamma**(i - j); the denominator column never decays.
+    """
+    num_chunks, chunk_size = q.shape[0], q.shape[-1]
+    value_dim = values.shape[-1] - 1
+    phi_q = taylor.features(q, key=False)  # (n, b, h, f, c)
+    phi_k = taylor.features(k, key=True)  # (n, b, h, f, c)
+    # 1 + s + s**2 / 2 = (1 + (1 + s)**2) / 2: one matmul and two passes over the (c, c) tiles.
+    shifted = (q * taylor.feature_dim**-0.5).transpose(-1, -2) @ k + 1.0  # (n, b, h, c, c): 1 + s
+    weights = torch.addcmul(shifted.new_full((), 0.5), shifted, shifted, value=0.5).tril_()  # (n, b, h, c, c)
+
+    if decay is None:
+        sums = phi_k @ values  # (n, b, h, f, w)
+        states = torch.cat([state[None], sums], dim=0).cumsum_(dim=0)  # (n + 1, b, h, f, w)
+        inter = phi_q.transpose(-1, -2) @ states[:-1]  # (n, b, h, c, w)
+        output = torch.baddbmm(inter.flatten(0, 2), weights.flatten(0, 2), values.flatten(0, 2))  # (n b h, c, w)
+        return states[-1], output.view(inter.shape)
+
+    position = torch.arange(chunk_size, device=q.device, dtype=q.dtype)
+    decay = decay[:, None, None]  # (h, 1, 1)
+    # 1. Chunk sums: the numerator columns of key j decay (C - 1 - j) times until the chunk's end.
+    age = torch.exp(decay * (chunk_size - 1 - position)[:, None])  # (h, c, 1)
+    sums = phi_k @ torch.cat([values[..., :value_dim] * age, values[..., value_dim:]], dim=-1)  # (n, b, h, f, w)
+    # 2. States: numerator columns through the decayed prefix weights, the denominator column by a plain cumsum.
+    stacked = torch.cat([state[None], sums], dim=0)  # (n + 1, b, h, f, w)
+    prefix = _decayed_prefix_weights(decay[:, 0, 0], num_chunks, chunk_size)  # (h, n + 1, n + 1)
+    numerator_states = torch.einsum("hcd,dbhfv->cbhfv", prefix, stacked[..., :value_dim])  # (n + 1, b, h, f, V)
+    states = torch.cat([numerator_states, torch.cumsum(stacked[..., value_dim:], dim=0)], dim=-1)
+    final = states[-1]
+    if padding:  # the last chunk's sum was decayed to its padded end; the state ends `padding` positions earlier
+        final = torch.cat([final[..., :value_dim] * torch.exp(-decay * padding), final[..., value_dim:]], dim=-1)
+    # 3. Inter-chunk read: numerator gamma**(i + 1) (positions in the chunk), denominator undecayed.
+    inter = phi_q.transpose(-1, -2) @ states[:-1]  # (n, b, h, c, w)
+    read_decay = torch.exp(decay * (position + 1)[:, None])  # (h, c, 1)
+    # 4. Intra-chunk: numerator weights gamma**(i - j), denominator weights undecayed.
+    distance = (position[:, None] - position[None, :]).clamp(min=0)  # (c, c)
+    numerator = inter[..., :value_dim] * read_decay + (weights * torch.exp(decay * distance)) @ values[..., :value_dim]
+    denominator = inter[..., value_dim:] + weights @ values[..., value_dim:]
+    return final, torch.cat([numerator, denominator], dim=-1)
+
+
+def _blocks(num_items: int, per_block: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of the eager block loop; one range for the whole sequence under torch.compile, so the
+    traced graph has no loop over T (its size and compile time do not depend on T, and a dynamic T traces once)."""
+    if torch.compiler.is_compiling():
+        return [(0, num_items)]
+    return [(start, min(start + per_block, num_items)) for start in range(0, num_items, per_block)]
+
+
+def _position_last_chunks(x: torch.Tensor, num_chunks: int, chunk_size: int) -> torch.Tensor:
+    """(B, N C, H, D) -> (N, B, H, D, C) contiguous: chunk-major, so that a block of chunks is one contiguous slice."""
+    batch_size, _, num_heads, dim = x.shape
+    chunks = x.view(batch_size, num_chunks, chunk_size, num_heads, dim)
+    return chunks.permute(1, 0, 3, 4, 2).contiguous()
 
 
 def prefix_linear_attention_chunked(
@@ -396,18 +504,19 @@ def prefix_linear_attention_chunked(
     eps: float = 1e-12,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked scan: O(T) time, O(state) memory, differentiable. Same arguments and results as the oracle.
+    """Chunked scan: O(T) time, differentiable, no loop over chunks. Same arguments and results as the oracle.
 
-    Letters: b batch, h head, c/i/j positions inside a chunk, k feature dim K, f Taylor features F,
-    v value dim (+1 for the denominator column). Per chunk of C tokens (docs/prefill.md §4.2):
+    Per chunk of C tokens (docs/prefill.md §4.2):
 
-        inter-chunk  o_c  = phi(Q_c) @ state                          everything before the chunk (and the encoder)
-        intra-chunk  o_c += tril(1 + S + S**2 / 2) @ [V_c, 1]          S = Q_c K_c^T / sqrt(K): no (C, F) features needed
-        update       state += phi(K_c)^T @ [V_c, 1]
+        inter-chunk  o_c  = phi(Q_c) @ state_c                       everything before the chunk (and the encoder)
+        intra-chunk  o_c += tril(1 + S + S**2 / 2) @ [V_c, 1]          S = Q_c K_c^T / sqrt(K): no (C, F) features
+        state_c      = state_0 + sum_{d < c} phi(K_d)^T @ [V_d, 1]     a cumulative sum over chunks
 
-    The encoder sum over each row's encoder range is accumulated into the state before the scan, so the prefix's
-    non-causal read costs one extra update per encoder token. The scan keeps its state with the duplicate
-    2nd-order features merged (`_SymmetricFeatures`, 1 + K + K (K + 1) / 2 rows) and returns it in the full layout.
+    `_scan_chunks` does this for many chunks with one batched op per step. Eagerly the chunks go in blocks of about
+    `BLOCK_TOKEN_HEADS` token-heads (memory O(block x state), whatever T is), the state carried from block to block;
+    under torch.compile the whole sequence is one block, so the graph has no loop over T. The encoder sum over each
+    row's encoder range is the initial state (one matmul per block of encoder tokens). The features are the compact
+    ones of `_CompactTaylor` (153 instead of 273 rows for K = 16); the state is returned in the full layout.
     """
     encoder_start, encoder_end, key_mask = validate_linear_attention_inputs(
         q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
@@ -420,93 +529,79 @@ def prefix_linear_attention_chunked(
     batch_size, seq_len, num_heads, feature_dim = q.shape
     value_dim = v.shape[-1]
     encoder_length = 0 if k_enc is None else k_enc.shape[1]
-    scale = 1.0 / math.sqrt(feature_dim)
     raw, decoder_keys, encoder_keys = _key_masks(
         key_mask, encoder_start, encoder_end, seq_len, encoder_length, pad_masking
     )
+    taylor = _CompactTaylor(feature_dim, q.device)
+    token_heads = batch_size * num_heads
 
-    # Heads first and contiguous for the per-chunk matmuls (one copy each, instead of one per chunk).
-    q = q.transpose(1, 2).to(dtype).contiguous()  # (B, H, T, K)
-    k = k.transpose(1, 2).to(dtype).contiguous()  # (B, H, T, K)
-    v = v.transpose(1, 2).to(dtype)  # (B, H, T, V)
-    value_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, T, V + 1)
-    if raw is not None:
-        k = k * raw[:, None, :, None].to(dtype)  # a masked raw key is 0 ("reference": phi(0) keeps weight 1)
-    key_columns = None  # (B, 1, 1, T): zeroes the intra-chunk weight of a key that does not count
-    key_rows = None  # (B, 1, T, 1): zeroes its phi(k) in the state update
-    if decoder_keys is not None:
-        key_columns = decoder_keys.to(dtype)[:, None, None, :]
-        key_rows = decoder_keys.to(dtype)[:, None, :, None]
-
-    symmetric = _SymmetricFeatures(feature_dim, q.device)
     residual = None  # the antisymmetric part of the initial state, which the compact state cannot hold
     if initial_state is None:
-        state = q.new_zeros(batch_size, num_heads, 1 + feature_dim + symmetric.num_pairs, value_dim + 1)
+        state = q.new_zeros(batch_size, num_heads, taylor.num_features, value_dim + 1, dtype=dtype)
     else:
-        state = symmetric.compress(initial_state.to(dtype))  # (B, H, F', V + 1)
-        residual = initial_state.to(dtype) - symmetric.expand(state)  # (B, H, F, V + 1)
+        state = taylor.compress(initial_state.to(dtype))  # (B, H, F', V + 1)
+        residual = initial_state.to(dtype) - taylor.expand(state)  # (B, H, F, V + 1)
 
-    # 1. Encoder reduction: state += sum_m phi(k_enc_m) [v_enc_m, 1] over each row's range. No (c, c) term, so
-    #    longer chunks.
+    # 1. Encoder reduction: state += sum_m phi(k_enc_m) [v_enc_m, 1] over each row's range, in blocks of tokens.
     if k_enc is not None:
-        k_enc = k_enc.transpose(1, 2).to(dtype)  # (B, H, M, K)
-        v_enc = v_enc.transpose(1, 2).to(dtype)  # (B, H, M, V)
+        k_enc = k_enc.to(dtype)
         if raw is not None:
-            k_enc = k_enc * raw[:, None, :encoder_length, None].to(dtype)
-        encoder_rows = encoder_keys.to(dtype)[:, None, :, None]  # (B, 1, M, 1)
-        encoder_chunk = max(chunk_size, 256)
-        for start in range(0, encoder_length, encoder_chunk):
-            end = min(start + encoder_chunk, encoder_length)
-            phi_k = symmetric.features(k_enc[:, :, start:end], key=True)  # (B, H, c, F')
-            phi_k = phi_k * encoder_rows[:, :, start:end]  # outside the row's range: not an encoder key
-            values = v_enc[:, :, start:end]
-            values_and_one = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # (B, H, c, V + 1)
-            state = _add_matmul(state, phi_k.transpose(-1, -2), values_and_one)  # (B, H, F', V + 1)
+            k_enc = k_enc * raw[:, :encoder_length, None, None].to(dtype)
+        counted = encoder_keys.to(dtype)[:, :, None, None]  # (B, M, 1, 1): outside the row's range: no encoder key
+        per_block = max(1, ENCODER_BLOCK_TOKEN_HEADS // token_heads)
+        for start, end in _blocks(encoder_length, per_block):
+            phi_k = taylor.features(k_enc[:, start:end].permute(0, 2, 3, 1), key=True)  # (B, H, F', m)
+            values = torch.cat([v_enc[:, start:end].to(dtype), counted.new_ones(1, 1, 1, 1).expand(
+                batch_size, end - start, num_heads, 1)], dim=-1) * counted[:, start:end]  # (B, m, H, V + 1)
+            state = state + phi_k @ values.transpose(1, 2)  # (B, H, F', V + 1)
 
-    # 2. Causal chunk scan over all T tokens, starting from the encoder state.
+    # 2. Causal scan over all T tokens (padded to whole chunks with keys that do not count), from the encoder state.
+    num_chunks = -(-seq_len // chunk_size)
+    padding = num_chunks * chunk_size - seq_len
+    counted = torch.ones(batch_size, seq_len, dtype=dtype, device=q.device) if decoder_keys is None \
+        else decoder_keys.to(dtype)  # (B, T)
+    q, k = q.to(dtype), k.to(dtype)
+    if raw is not None:
+        k = k * raw[:, :, None, None].to(dtype)  # a masked raw key is 0 ("reference": phi(0) keeps weight 1)
+    values = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1) * counted[:, :, None, None]
+    if padding:
+        q, k, values = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, padding)) for x in (q, k, values))
+    q = _position_last_chunks(q, num_chunks, chunk_size)  # (N, B, H, K, C)
+    k = _position_last_chunks(k, num_chunks, chunk_size)  # (N, B, H, K, C)
+    values = values.view(batch_size, num_chunks, chunk_size, num_heads, value_dim + 1)
+    values = values.permute(1, 0, 3, 2, 4).contiguous()  # (N, B, H, C, W)
     decay = None if log_decay is None else log_decay.to(dtype)
+    if gate is not None:
+        gate = torch.nn.functional.pad(gate.to(dtype), (0, 0, 0, padding))
+        gate = gate.view(batch_size, num_chunks, chunk_size, num_heads).permute(1, 0, 3, 2)[..., None]  # (N,B,H,C,1)
+
+    # The output in the layout of v, (B, N C, H, V) viewed as (B, N, C, H, V): blocks write their rows into it
+    # (eagerly without autograd), or are concatenated (autograd, torch.compile).
+    padded_shape = (batch_size, num_chunks, chunk_size, num_heads, value_dim)
+    in_place = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    output = q.new_empty(padded_shape) if in_place else None
     outputs = []
-    for start in range(0, seq_len, chunk_size):
-        end = min(start + chunk_size, seq_len)
-        length = end - start
-        q_c, k_c, v_c1 = q[:, :, start:end], k[:, :, start:end], value_and_one[:, :, start:end]
-        v_c = v_c1[..., :value_dim]
-        phi_k = symmetric.features(k_c, key=True)  # (B, H, c, F')
-        if key_rows is not None:
-            phi_k = phi_k * key_rows[:, :, start:end]
-
-        inter = symmetric.features(q_c, key=False) @ state  # (B, H, c, V + 1)
-        scores = (q_c @ k_c.transpose(-1, -2)) * scale  # (B, H, c, c)
-        weights = (1.0 + scores + 0.5 * scores * scores).tril()  # (B, H, c, c)
-        if key_columns is not None:
-            weights = weights * key_columns[..., start:end]
-
-        if decay is None:
-            combined = _add_matmul(inter, weights, v_c1)  # (B, H, c, V + 1)
-            numerator, denominator = combined[..., :value_dim], combined[..., value_dim]
-            state = _add_matmul(state, phi_k.transpose(-1, -2), v_c1)  # (B, H, F', V + 1)
-        else:
-            index = torch.arange(length, device=q.device, dtype=dtype)
-            distance = (index[:, None] - index[None, :]).clamp(min=0)  # (c, c)
-            decayed_weights = weights * torch.exp(decay[:, None, None] * distance)  # (B, H, c, c)
-            previous_decay = torch.exp(decay[:, None] * (index + 1))[None, :, :, None]  # (1, H, c, 1)
-            numerator = inter[..., :value_dim] * previous_decay + decayed_weights @ v_c
-            denominator = inter[..., value_dim] + weights.sum(-1)
-            age_decay = torch.exp(decay[:, None] * (length - 1 - index))[None, :, :, None]  # (1, H, c, 1)
-            chunk_decay = torch.exp(decay * length)[None, :, None, None]  # (1, H, 1, 1)
-            state = torch.cat(
-                [
-                    state[..., :value_dim] * chunk_decay + (phi_k * age_decay).transpose(-1, -2) @ v_c,
-                    state[..., value_dim:] + phi_k.sum(-2)[..., None],
-                ],
-                dim=-1,
-            )
+    per_block = max(1, BLOCK_TOKEN_HEADS // (token_heads * chunk_size))
+    for start, end in _blocks(num_chunks, per_block):
+        state, combined = _scan_chunks(
+            state, q[start:end], k[start:end], values[start:end], taylor, decay, padding if end == num_chunks else 0
+        )
+        numerator, denominator = combined[..., :value_dim], combined[..., value_dim:]  # (n, B, H, C, V / 1)
         if gate is not None:
-            numerator = numerator * gate[:, start:end].transpose(1, 2).to(dtype)[..., None]
-        outputs.append(numerator / (denominator[..., None] + eps))
+            numerator = numerator * gate[start:end]
+        if in_place:
+            torch.div(numerator.permute(1, 0, 3, 2, 4), (denominator + eps).permute(1, 0, 3, 2, 4),
+                      out=output[:, start:end])
+        else:
+            outputs.append(numerator / (denominator + eps))  # (n, B, H, C, V)
+    if not in_place:
+        output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)  # (N, B, H, C, V)
+        output = output.permute(1, 0, 3, 2, 4)  # (B, N, C, H, V)
+    output = output.reshape(batch_size, num_chunks * chunk_size, num_heads, value_dim)
+    if padding:
+        output = output[:, :seq_len]
 
-    output = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, T, H, V)
-    state = symmetric.expand(state)  # (B, H, F, V + 1)
+    state = taylor.expand(state)  # (B, H, F, V + 1)
     if residual is not None:
         if decay is not None:  # decayed like the rest of the initial state: once per token read
             total_decay = torch.exp(decay * seq_len)[None, :, None, None]  # (1, H, 1, 1)
