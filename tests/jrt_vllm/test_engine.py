@@ -1,0 +1,124 @@
+"""jrt_vllm on vLLM's CPU engine (in this process) against `generate()` and `forward()` of the same folder."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from vllm_models import MODEL_KINDS, greedy_reference, save_model
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (`.ci/vllm` runs these tests in a venv with it)")
+
+from modeling_jrt.generation import prepare_prefix  # noqa: E402
+
+MAX_NEW_TOKENS = 8
+# Prompt lengths around the tiny models' prefix_length = 8 and sliding_window = 5: a single token, shorter than the
+# prefix, exactly the prefix, longer than prefix and window.
+PROMPTS = [[37], [70, 101, 44], [12, 250, 7, 99, 180, 33, 5, 61], [9, 140, 77, 3, 201, 56, 88, 19, 230, 41, 162, 28, 95]]
+
+
+@pytest.fixture(scope="module", params=list(MODEL_KINDS))
+def engine(request, tmp_path_factory, byte_bpe_tokenizer):
+    """(kind, the transformers model, a vLLM engine serving its folder); one engine at a time."""
+    kind = request.param
+    path = tmp_path_factory.mktemp(kind)
+    model = save_model(kind, path, byte_bpe_tokenizer)
+    llm = vllm.LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    yield kind, model, llm
+    del llm
+    gc.collect()
+
+
+def greedy(max_tokens: int = MAX_NEW_TOKENS, **kwargs) -> "vllm.SamplingParams":
+    return vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def test_engine_settings(engine):
+    """Prefix caching is off for both families; chunked prefill is off for JRT-RNN (the encoder reads in one forward)."""
+    kind, model, llm = engine
+    vllm_config = llm.llm_engine.vllm_config
+    assert not vllm_config.cache_config.enable_prefix_caching
+    if model.config.linear_attention_type == "prefix":
+        assert not vllm_config.scheduler_config.enable_chunked_prefill
+
+
+def test_greedy_batch_of_mixed_lengths_equals_generate(engine):
+    """One batch of prompts shorter than, equal to and longer than the prefix: each gives `generate()`'s tokens for
+    that prompt alone."""
+    kind, model, llm = engine
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(), use_tqdm=False)
+    actual = [list(o.outputs[0].token_ids) for o in outputs]
+    expected = [greedy_reference(model, p, MAX_NEW_TOKENS) for p in PROMPTS]
+    assert actual == expected
+    assert len({tuple(tokens) for tokens in expected}) == len(PROMPTS), "the tiny model must not be degenerate"
+
+
+def test_greedy_one_prompt_at_a_time_equals_generate(engine):
+    """Each prompt alone (the first forward of every request is a whole prompt, the rest are O(1) steps)."""
+    kind, model, llm = engine
+    for prompt in (PROMPTS[1], PROMPTS[3]):
+        output = llm.generate([{"prompt_token_ids": prompt}], greedy(), use_tqdm=False)[0]
+        assert list(output.outputs[0].token_ids) == greedy_reference(model, prompt, MAX_NEW_TOKENS)
+
+
+def test_request_added_mid_stream_equals_generate(engine):
+    """Continuous batching: requests join while others decode (their prefill shares forwards with decode steps)."""
+    kind, model, llm = engine
+    core = llm.llm_engine
+    params = greedy(max_tokens=12)
+    results: dict[str, list[int]] = {}
+
+    def step():
+        for output in core.step():
+            if output.finished:
+                results[output.request_id] = list(output.outputs[0].token_ids)
+
+    core.add_request("first", {"prompt_token_ids": PROMPTS[3]}, params)
+    for _ in range(3):
+        step()
+    core.add_request("second", {"prompt_token_ids": PROMPTS[1]}, params)
+    step()
+    core.add_request("third", {"prompt_token_ids": PROMPTS[0]}, params)
+    while core.has_unfinished_requests():
+        step()
+    assert results == {
+        "first": greedy_reference(model, PROMPTS[3], 12),
+        "second": greedy_reference(model, PROMPTS[1], 12),
+        "third": greedy_reference(model, PROMPTS[0], 12),
+    }
+
+
+def forward_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """`(L - 1,)` log p(prompt[t] | prompt[:t]) from `forward()` of the prompt as `generate()` prepares it (the JRT
+    fill in front of a short prompt, masked in the linear attention for "pad")."""
+    ids = torch.tensor([prompt])
+    kwargs = {}
+    if model.config.linear_attention_type == "prefix":
+        prepared = prepare_prefix(
+            ids, None, None, prefix_length=model.config.prefix_length,
+            strategy=model.generation_config.prefix_strategy, prefix_pad_token_id=model.config.prefix_pad_token_id,
+            batch_pad_token_id=0, embed=model.get_input_embeddings(), vocab_size=model.config.vocab_size,
+        )
+        if prepared is not None:
+            ids = prepared.input_ids
+            kwargs = dict(attention_mask=prepared.attention_mask, linear_attention_mask=prepared.linear_attention_mask)
+    with torch.no_grad():
+        logits = model(ids, **kwargs).logits[0, -len(prompt) :].double()  # the caller's positions
+    logprobs = torch.log_softmax(logits, dim=-1)[:-1]  # (L - 1, vocab): the prediction of each next token
+    return logprobs.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("prompt_index", [1, 3], ids=["shorter-than-prefix", "longer-than-prefix"])
+def test_prompt_logprobs_equal_forward(engine, prompt_index):
+    """`prompt_logprobs` are the log-softmax of `forward()`'s logits (fp32 tolerance)."""
+    kind, model, llm = engine
+    prompt = PROMPTS[prompt_index]
+    output = llm.generate([{"prompt_token_ids": prompt}], greedy(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert output.prompt_logprobs[0] is None
+    actual = torch.tensor(
+        [position[token].logprob for position, token in zip(output.prompt_logprobs[1:], prompt[1:])],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(actual, forward_logprobs(model, prompt), rtol=0, atol=2e-4)
