@@ -10,7 +10,10 @@ logger = logging.getLogger(__name__)
 
 
 class JRTRNNVllmConfig(VerifyAndUpdateConfig):
-    """Prefix caching off (both families), chunked prefill off for prefix (JRT-RNN) models.
+    """Eager execution, prefix caching off (both families), chunked prefill off for prefix (JRT-RNN) models.
+
+    - Eager: the layers map vLLM's batch onto requests in Python (per-request prefills, the JRT fill), which neither
+      torch.compile nor CUDA graphs can capture.
 
     - Prefix caching: a request's state depends on its whole prompt (the JRT encoder reads the first
       `prefix_length` tokens non-causally, and a short prompt's fill depends on its length), so a cached state of a
@@ -26,6 +29,10 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
         hf_config = vllm_config.model_config.hf_config
         cache_config = vllm_config.cache_config
         scheduler_config = vllm_config.scheduler_config
+        model_config = vllm_config.model_config
+        if not model_config.enforce_eager:
+            logger.info("jrt_vllm: running eagerly (enforce_eager): JRT-RNN / Based layers are not captured in graphs.")
+            model_config.enforce_eager = True
         if cache_config.enable_prefix_caching:
             logger.info("jrt_vllm: prefix caching is off for JRT-RNN / Based models (a state depends on the whole prompt).")
             cache_config.enable_prefix_caching = False

@@ -84,7 +84,7 @@ def test_vllm_serve_completion_equals_generate(tmp_path, byte_bpe_tokenizer):
     environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     command = serve_command(folder) + [
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--enforce-eager", "--max-model-len", "256", "--served-model-name", "tiny",
+        "--max-model-len", "256", "--served-model-name", "tiny",
     ]
     with log.open("w") as log_file:
         server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=environment)
