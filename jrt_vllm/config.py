@@ -34,7 +34,7 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
             logger.info("jrt_vllm: running eagerly (enforce_eager): JRT-RNN / Based layers are not captured in graphs.")
             model_config.enforce_eager = True
         if cache_config.enable_prefix_caching:
-            logger.info("jrt_vllm: prefix caching is off for JRT-RNN / Based models (a state depends on the whole prompt).")
+            logger.info("jrt_vllm: prefix caching is off for JRT-RNN / Based (a state depends on the whole prompt).")
             cache_config.enable_prefix_caching = False
         is_prefix = hf_config.linear_attention_type == "prefix" and "linear_attention" in hf_config.layer_types
         if is_prefix and scheduler_config.enable_chunked_prefill:

@@ -241,15 +241,34 @@ class JRTSlidingWindowAttention(JRTStateLayer):
         past = row[None, :] >= (self.rows - held)[:, None]  # (B, rows)
         return torch.cat([past, past.new_ones(seen.shape[0], new)], dim=1)
 
-    def _attend(self, query, key, value, key_mask, slots, seen, new_keys, new_values) -> torch.Tensor:
-        """Attention over [state rows, new keys], then the state keeps the last W - 1 keys. -> (B, T, hidden)."""
+    def _attend(
+        self,
+        query: torch.Tensor,
+        rows_k: torch.Tensor,
+        rows_v: torch.Tensor,
+        seen: torch.Tensor,
+        slots: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention of the new queries over [state rows, new keys], then each state keeps its last W - 1 keys.
+
+        Args:
+            query: `(B, H, T, D)` the T new tokens of B requests, rotated.
+            rows_k, rows_v: `(B, W - 1 + T, hidden)` the state rows, then the T new rotated keys / values.
+            seen: `(B,)` tokens each request read before these.
+            slots: `(B,)` their state slots, or None (profiling: nothing is stored).
+
+        Returns:
+            `(B, T, hidden)`.
+        """
+        key_mask = self._window_mask(seen, query.shape[2])  # (B, W - 1 + T)
         output = blocked_sliding_window_attention(
-            query, key, value, key_mask, sliding_window=self.window, scaling=self.scaling, implementation="sdpa"
+            query, self._heads(rows_k), self._heads(rows_v), key_mask,
+            sliding_window=self.window, scaling=self.scaling, implementation="sdpa",
         )  # (B, T, H, D)
         if slots is not None:
             keys, values, count = self.kv_cache
-            keys[slots] = new_keys[:, -self.rows :].to(keys.dtype)
-            values[slots] = new_values[:, -self.rows :].to(values.dtype)
+            keys[slots] = rows_k[:, -self.rows :].to(keys.dtype)
+            values[slots] = rows_v[:, -self.rows :].to(values.dtype)
             count[slots] = (seen + query.shape[2])[:, None].to(count.dtype)  # (B, 1)
         return self.o_proj(output.reshape(output.shape[0], output.shape[1], -1))
 
@@ -266,24 +285,17 @@ class JRTSlidingWindowAttention(JRTStateLayer):
         query, key, value = self._project(hidden_states[None], positions)
         rows_k = torch.cat([past_keys, key.transpose(1, 2).reshape(1, seq_len, hidden)], dim=1)  # (1, rows + T, d)
         rows_v = torch.cat([past_values, value.transpose(1, 2).reshape(1, seq_len, hidden)], dim=1)
-        key_mask = self._window_mask(seen, seq_len)
-        slots = None if slot is None else torch.tensor([slot])
-        return self._attend(
-            query, self._heads(rows_k), self._heads(rows_v), key_mask, slots, seen, rows_k, rows_v
-        )[0]
+        return self._attend(query, rows_k, rows_v, seen, None if slot is None else torch.tensor([slot]))[0]
 
     def step(self, hidden_states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         batch_size, hidden = hidden_states.shape
         seen = self.kv_cache[2][slots].float().view(batch_size)
         query, key, value = self._project(hidden_states[:, None], seen.long()[:, None])
-        rows_k = torch.cat([self.kv_cache[0][slots].to(key.dtype), key.transpose(1, 2).reshape(batch_size, 1, hidden)], 1)
-        rows_v = torch.cat(
-            [self.kv_cache[1][slots].to(value.dtype), value.transpose(1, 2).reshape(batch_size, 1, hidden)], 1
-        )
-        key_mask = self._window_mask(seen, 1)
-        return self._attend(
-            query, self._heads(rows_k), self._heads(rows_v), key_mask, slots, seen, rows_k, rows_v
-        )[:, 0]
+        new_k = key.transpose(1, 2).reshape(batch_size, 1, hidden)  # (B, 1, hidden)
+        new_v = value.transpose(1, 2).reshape(batch_size, 1, hidden)  # (B, 1, hidden)
+        rows_k = torch.cat([self.kv_cache[0][slots].to(new_k.dtype), new_k], dim=1)  # (B, W, hidden)
+        rows_v = torch.cat([self.kv_cache[1][slots].to(new_v.dtype), new_v], dim=1)  # (B, W, hidden)
+        return self._attend(query, rows_k, rows_v, seen, slots)[:, 0]
 
 
 class JRTLinearAttention(JRTStateLayer):

@@ -16,7 +16,12 @@ from modeling_jrt.generation import prepare_prefix  # noqa: E402
 MAX_NEW_TOKENS = 8
 # Prompt lengths around the tiny models' prefix_length = 8 and sliding_window = 5: a single token, shorter than the
 # prefix, exactly the prefix, longer than prefix and window.
-PROMPTS = [[37], [70, 101, 44], [12, 250, 7, 99, 180, 33, 5, 61], [9, 140, 77, 3, 201, 56, 88, 19, 230, 41, 162, 28, 95]]
+PROMPTS = [
+    [37],
+    [70, 101, 44],
+    [12, 250, 7, 99, 180, 33, 5, 61],
+    [9, 140, 77, 3, 201, 56, 88, 19, 230, 41, 162, 28, 95],
+]
 
 
 @pytest.fixture(scope="module", params=list(MODEL_KINDS))
@@ -36,7 +41,8 @@ def greedy(max_tokens: int = MAX_NEW_TOKENS, **kwargs) -> "vllm.SamplingParams":
 
 
 def test_engine_settings(engine):
-    """Prefix caching is off for both families; chunked prefill is off for JRT-RNN (the encoder reads in one forward)."""
+    """Prefix caching is off for both families; chunked prefill is off for JRT-RNN (its encoder reads in one
+    forward)."""
     kind, model, llm = engine
     vllm_config = llm.llm_engine.vllm_config
     assert not vllm_config.cache_config.enable_prefix_caching
