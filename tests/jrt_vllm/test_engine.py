@@ -11,7 +11,7 @@ from vllm_models import MODEL_KINDS, greedy_reference, save_model
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (`.ci/vllm` runs these tests in a venv with it)")
 
-from modeling_jrt.generation import prepare_prefix  # noqa: E402
+from modeling_jrt.generation import never_generated_ids, prepare_prefix  # noqa: E402
 
 MAX_NEW_TOKENS = 8
 # Prompt lengths around the tiny models' prefix_length = 8 and sliding_window = 5: a single token, shorter than the
@@ -58,6 +58,8 @@ def test_greedy_batch_of_mixed_lengths_equals_generate(engine):
     actual = [list(o.outputs[0].token_ids) for o in outputs]
     expected = [greedy_reference(model, p, MAX_NEW_TOKENS) for p in PROMPTS]
     assert actual == expected
+    suppressed = set(never_generated_ids(model.config))
+    assert not suppressed & {token for tokens in actual for token in tokens}
     assert len({tuple(tokens) for tokens in expected}) == len(PROMPTS), "the tiny model must not be degenerate"
 
 
@@ -98,7 +100,7 @@ def test_request_added_mid_stream_equals_generate(engine):
 
 def forward_logprobs(model, prompt: list[int]) -> torch.Tensor:
     """`(L - 1,)` log p(prompt[t] | prompt[:t]) from `forward()` of the prompt as `generate()` prepares it (the JRT
-    fill in front of a short prompt, masked in the linear attention for "pad")."""
+    fill in front of a short prompt, masked in the linear attention for "pad"), over the ids that can be generated."""
     ids = torch.tensor([prompt])
     kwargs = {}
     if model.config.linear_attention_type == "prefix":
@@ -112,6 +114,7 @@ def forward_logprobs(model, prompt: list[int]) -> torch.Tensor:
             kwargs = dict(attention_mask=prepared.attention_mask, linear_attention_mask=prepared.linear_attention_mask)
     with torch.no_grad():
         logits = model(ids, **kwargs).logits[0, -len(prompt) :].double()  # the caller's positions
+    logits[:, never_generated_ids(model.config)] = float("-inf")  # jrt_vllm masks them in the logits
     logprobs = torch.log_softmax(logits, dim=-1)[:-1]  # (L - 1, vocab): the prediction of each next token
     return logprobs.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
 

@@ -19,11 +19,12 @@ from conftest import tiny_config
 
 # Vocabulary of the byte-level BPE tokenizer the folders carry (`byte_bpe_tokenizer`, "<pad>" = 0, "<eos>" = 1).
 VOCAB_SIZE = 300
-# The folders: JRT-RNN with the default "pad" prefix strategy, JRT-RNN with "repeat", Based with the fixed decay and
-# the input-dependent gate. Weights are drawn with a large std so that greedy decoding does not just repeat a token.
+# The folders: JRT-RNN with the default "pad" prefix strategy, JRT-RNN with "repeat" (and suppressed ids), Based with
+# the fixed decay and the input-dependent gate. Weights are drawn with a large std so that greedy decoding does not just repeat a token.
 MODEL_KINDS = {
     "jrt-pad": dict(config=dict(), prefix_strategy="pad"),
-    "jrt-repeat": dict(config=dict(), prefix_strategy="repeat"),
+    # Ids >= 250 are never generated (the released models' padded vocabulary rows): masked in vLLM's logits too.
+    "jrt-repeat": dict(config=dict(generation_vocab_size=250), prefix_strategy="repeat"),
     "based-decay": dict(
         config=dict(linear_attention_type="causal", linear_attention_decay=True, use_decay_proj=True),
         prefix_strategy=None,
