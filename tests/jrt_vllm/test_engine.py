@@ -137,27 +137,29 @@ LONG_PROMPT = [(7 * i + 3) % 290 + 5 for i in range(41)]
 
 
 @pytest.mark.parametrize("kind", ["based-decay", "jrt-pad"])
-def test_chunked_prefill(kind, tmp_path, byte_bpe_tokenizer):
-    """A 41-token prompt with a 16-token budget per forward. Based reads it in chunks (states carried between
-    them); JRT-RNN turns chunked prefill off and reads it whole. Both give `generate()`'s tokens."""
+def test_chunked_prefill_and_prefix_caching_requested(kind, tmp_path, byte_bpe_tokenizer):
+    """Chunked prefill and prefix caching asked for, with a 16-token budget per forward and prompts that share their
+    first 20 tokens. Based reads a 41-token prompt in chunks (states carried between them); JRT-RNN turns chunked
+    prefill off and reads it whole; prefix caching is turned off. Every prompt gives `generate()`'s tokens."""
     model = save_model(kind, tmp_path, byte_bpe_tokenizer)
     llm = vllm.LLM(
         model=str(tmp_path), dtype="float32", enforce_eager=True, max_model_len=64, seed=0,
-        enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4,
+        enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True,
     )
     try:
+        assert not llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
         scheduler_config = llm.llm_engine.vllm_config.scheduler_config
         if kind == "jrt-pad":
             assert not scheduler_config.enable_chunked_prefill
             assert scheduler_config.max_num_batched_tokens == 64  # raised to max_model_len: whole prompts fit
         else:
             assert scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens == 16
-        outputs = llm.generate(
-            [{"prompt_token_ids": LONG_PROMPT}, {"prompt_token_ids": PROMPTS[1]}], greedy(), use_tqdm=False
-        )
-        assert [list(o.outputs[0].token_ids) for o in outputs] == [
-            greedy_reference(model, LONG_PROMPT, MAX_NEW_TOKENS), greedy_reference(model, PROMPTS[1], MAX_NEW_TOKENS)
-        ]
+        prompts = [LONG_PROMPT, PROMPTS[1], LONG_PROMPT[:20] + PROMPTS[3]]
+        for batch in (prompts[:2], prompts[2:]):  # the shared prefix is read first, then again in a later request
+            outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(), use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == [
+                greedy_reference(model, p, MAX_NEW_TOKENS) for p in batch
+            ]
     finally:
         del llm
         gc.collect()
