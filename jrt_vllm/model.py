@@ -83,7 +83,6 @@ class BatchPlan:
         decode_rows: their rows in the expanded batch.
         segments: every other request, read one at a time.
         input_rows: `(num_actual_tokens,)` the expanded row of each of vLLM's tokens.
-        fill_mask_rows: expanded rows that the linear attention ignores ("pad" fill).
     """
 
     decode_requests: list[int]
