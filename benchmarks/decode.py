@@ -20,18 +20,21 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM
+from modeling_jrt.compat import output_cache
 
 
-def cache_bytes(cache: DynamicCache) -> int:
-    """Bytes of every tensor the cache holds (attention keys/values, conv and recurrent states)."""
+def cache_bytes(cache) -> int:
+    """Bytes of every tensor the cache holds: a `JRTRNNCache`'s states (conv inputs, window keys/values/flags,
+    linear-attention states) or a Llama cache's keys and values."""
     total = 0
     for layer in cache.layers:
-        tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
-        for name in ("conv_states", "recurrent_states"):
-            tensors.extend(getattr(layer, name, {}).values())
+        if hasattr(layer, "tensors"):  # JRTRNNCache layer states
+            tensors = layer.tensors()
+        else:
+            tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
         total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     return total
 
@@ -41,8 +44,8 @@ def measure(model: torch.nn.Module, length: int, steps: int, vocab_size: int) ->
     """(median seconds per decode step, cache bytes) after prefilling `length - steps` tokens."""
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab_size, (1, length - steps), generator=generator)
-    cache = DynamicCache(config=model.config)
-    logits = model(prompt, cache=cache, logits_to_keep=1).logits
+    output = model(prompt, use_cache=True, logits_to_keep=1)  # a fresh cache of the model's own kind
+    cache, logits = output_cache(output), output.logits
     timings = []
     for _ in range(steps):
         token = logits[:, -1:].argmax(-1)

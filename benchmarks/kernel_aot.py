@@ -112,7 +112,7 @@ def configs_of(case: Case, launch: Launch, arch: int) -> list[triton.Config]:
     """The configs `arch` would autotune over (the case's own list per architecture, else the autotuner's), or the
     launch's own options for a plain jit kernel."""
     if case.configs is not None:
-        return case.configs(arch)
+        return case.configs(arch, kernel_name(launch))
     if isinstance(launch.kernel, Autotuner):
         return list(launch.kernel.configs)
     options = {name: launch.kwargs[name] for name in ("num_warps", "num_stages") if name in launch.kwargs}
@@ -229,8 +229,9 @@ class Case:
 
     `trips(kernel, meta, T, M)` gives the trip count of each top-level loop of the named kernel in source order;
     `programs(meta, B, H, T, M)` the number of programs. `flops(T, M)` / `bytes(T, M, element_size)` per
-    (batch, head) give the floors of the whole case (all its launches). `configs(arch)`, when given, is the list a
-    GPU of that architecture autotunes over (default first); otherwise the autotuner's own list.
+    (batch, head) give the floors of the whole case (all its launches). `configs(arch, kernel)`, when given, is the
+    list a GPU of that architecture autotunes over or launches the named kernel with (default first); otherwise the
+    autotuner's own list, or a plain launch's own options.
     """
 
     name: str
@@ -240,7 +241,7 @@ class Case:
     programs: Callable[[dict, int, int, int, int], int]
     flops: Callable[[int, int], float]
     bytes: Callable[[int, int, int], float]
-    configs: Callable[[int], list[triton.Config]] | None = None  # per architecture (sm 90 -> list), default first
+    configs: Callable[[int, str], list[triton.Config]] | None = None  # per (architecture, kernel), default first
 
 
 def _pla_flops(T: int, M: int, K: int = 16, V: int = 64, chunk: int = 64) -> float:
@@ -275,7 +276,7 @@ def _forward_case() -> Case:
         programs=lambda meta, B, H, T, M: math.ceil(PAPER["V"] / meta.get("BV", PAPER["V"])) * B * H,
         flops=lambda T, M: _pla_flops(T, M),
         bytes=lambda T, M, size: _pla_bytes(T, M, size),
-        configs=lambda arch: module.configs_for_architecture(arch // 10),
+        configs=lambda arch, kernel: module.configs_for_architecture(arch // 10),
     )
 
 
@@ -305,6 +306,10 @@ def _backward_case() -> Case:
         programs=lambda meta, B, H, T, M: math.ceil(PAPER["V"] / meta.get("BV", PAPER["V"])) * B * H,
         flops=lambda T, M: 2.5 * _pla_flops(T, M),  # recompute + dq + dk/dv: about 2.5 forwards
         bytes=lambda T, M, size: 2 * _pla_bytes(T, M, size),
+        configs=lambda arch, kernel: [
+            triton.Config({"BT": BT}, num_warps=warps, num_stages=1)
+            for BT, warps in module.configs_for_architecture(arch // 10)["dq" if "dq" in kernel else "dkv"]
+        ],
     )
 
 

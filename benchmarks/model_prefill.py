@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -99,7 +99,7 @@ def synchronize(device: torch.device) -> None:
 
 @torch.no_grad()
 def prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
-    model(input_ids, cache=DynamicCache(config=model.config), logits_to_keep=1)
+    model(input_ids, use_cache=True, logits_to_keep=1)  # a fresh cache of the model's own kind
 
 
 @torch.no_grad()

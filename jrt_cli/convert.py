@@ -37,8 +37,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="JRT prefix pads: 'reference' reproduces the published evaluation (pads keep a constant-term "
         "contribution), 'strict' removes them entirely (default: reference)",
     )
-    parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
-    parser.add_argument("--overwrite", action="store_true", help="replace DST once the new folder is verified")
+    parser.add_argument(
+        "--prefix-pad-token-id", type=int, metavar="ID",
+        help="token that fills a short JRT prefix (default: the tokenizer's ' ', else GPT-2's ' ' = 220); needed for "
+        "a checkpoint whose vocabulary has 220 tokens or fewer",
+    )
+    parser.add_argument(
+        "--max-shard-size", default="5GB", metavar="SIZE",
+        help="safetensors shard size, e.g. 5GB, 500MB or 2GiB (default 5GB)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="replace DST once the new folder is verified; only a folder an earlier `jrt convert` wrote, file for "
+        "file and unchanged (its jrt_convert_manifest.json), is ever replaced",
+    )
     hub = parser.add_argument_group("upload")
     hub.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the converted folder to this Hub repo")
     hub.add_argument("--private", action="store_true", help="create the Hub repo as private")
@@ -48,7 +60,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jrt_convert import convert_checkpoint, push_to_hub
+    from jrt_convert import OptionError, convert_checkpoint, push_to_hub
+    from jrt_convert.pipeline import check_options
     from jrt_convert.hub import check_hub_access
 
     if (args.private or args.revision or args.create_pr) and not args.push_to_hub:
@@ -57,18 +70,22 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--create-pr opens a pull request against main; it cannot be combined with --revision {args.revision!r}."
         )
-    if args.push_to_hub:
-        check_hub_access(args.push_to_hub, private=args.private)  # before the minutes of conversion
-    result = convert_checkpoint(
-        args.source,
-        args.destination,
+    options = dict(
         family=args.family,
         dtype=args.dtype,
         tokenizer=args.tokenizer,
         prefix_pad_masking=args.prefix_pad_masking,
+        prefix_pad_token_id=args.prefix_pad_token_id,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
     )
+    try:
+        check_options(args.destination, **options)
+        if args.push_to_hub:
+            check_hub_access(args.push_to_hub, private=args.private)  # before the minutes of conversion
+        result = convert_checkpoint(args.source, args.destination, **options)
+    except OptionError as error:  # an option that cannot work: a usage error (exit 2), whenever it is found
+        raise UsageError(str(error)) from error
     print(f"family: {result.family} ({result.evidence})")
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)

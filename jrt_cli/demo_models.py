@@ -17,6 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import modeling_jrt  # noqa: F401  (registers model_type "jrt_rnn" with the Auto classes)
+from modeling_jrt.cache import JRTRNNConvState, JRTRNNLinearAttentionState
+from modeling_jrt.compat import output_cache
 
 from .set_disjointness import SyntheticBatch, set_disjointness
 
@@ -96,14 +98,13 @@ def recurrent_state_size(model: torch.nn.Module, batch: SyntheticBatch) -> dict[
     all convolution states that the cache holds after the prefill (everything decoding needs).
     """
     with torch.no_grad():
-        cache = model(
-            input_ids=batch.input_ids[:1], prefix_length=batch.prefix_length, use_cache=True
-        ).cache
+        output = model(input_ids=batch.input_ids[:1], prefix_length=batch.prefix_length, use_cache=True)
+    cache = output_cache(output)
     sizes = {"linear_attention": 0, "conv": 0}
     for layer in cache.layers:
-        for state in layer.recurrent_states.values():
-            sizes["linear_attention"] += 0 if state is None else state.numel()
-        for state in layer.conv_states.values():
-            sizes["conv"] += 0 if state is None else state.numel()
+        if isinstance(layer, JRTRNNLinearAttentionState):
+            sizes["linear_attention"] += 0 if layer.state is None else layer.state.numel()
+        elif isinstance(layer, JRTRNNConvState):
+            sizes["conv"] += 0 if layer.inputs is None else layer.inputs.numel()
     sizes["total"] = sizes["linear_attention"] + sizes["conv"]
     return sizes

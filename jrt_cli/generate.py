@@ -14,7 +14,7 @@ import argparse
 import os
 
 from jrt_prompt import read_twice
-from modeling_jrt.generation import PREFIX_STRATEGIES
+from modeling_jrt.prefix_fill import PREFIX_STRATEGIES
 
 from .main import UsageError, one_line
 

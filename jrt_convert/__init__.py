@@ -10,7 +10,7 @@ The command line is `jrt convert SRC DST [options]`.
 from .checkpoint import ConversionError, read_reference_checkpoint
 from .families import FAMILIES, KNOWN_CHECKPOINTS, detect_family, read_architecture
 from .hub import download_reference_checkpoint, push_to_hub
-from .pipeline import DTYPES, ConversionResult, convert_checkpoint
+from .pipeline import DTYPES, ConversionResult, OptionError, convert_checkpoint
 
 __all__ = [
     "DTYPES",
@@ -18,6 +18,7 @@ __all__ = [
     "KNOWN_CHECKPOINTS",
     "ConversionError",
     "ConversionResult",
+    "OptionError",
     "convert_checkpoint",
     "detect_family",
     "download_reference_checkpoint",

@@ -16,11 +16,14 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .memory import MappedPages, NoRelease
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "pytorch_model.bin"
@@ -95,23 +98,28 @@ def load_reference_config(folder: Path) -> dict:
     return config
 
 
-def load_state_dict_safely(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
+def load_state_dict_safely(
+    path: Path, *, dtype: torch.dtype | None = None
+) -> tuple[dict[str, torch.Tensor], bool, MappedPages | NoRelease]:
     """Tensors of a `pytorch_model.bin` or a Lightning `.ckpt`, read with `torch.load(weights_only=True)`.
 
+    A zip checkpoint (torch >= 1.6) is memory-mapped: its tensors are read from the file when used, so the state dict
+    costs no memory of its own. A legacy (pre-zip) pickle cannot be mapped and is read whole.
+
+    Args:
+        path: the weights file.
+        dtype: the dtype the weights will be converted to; a value that does not fit it is refused here, by name.
+
     Returns:
-        (state_dict, is_lightning): the raw (un-normalised) state dict, and whether it came from a Lightning
-        checkpoint's `state_dict` entry.
+        (state_dict, is_lightning, pages): the raw (un-normalised) state dict, whether it came from a Lightning
+        checkpoint's `state_dict` entry, and the handle that releases the memory-mapped pages of a used tensor.
     """
-    check_file_integrity(path)
+    kind = check_file_integrity(path)
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=_can_mmap(path))
-    except (EOFError, RuntimeError, zipfile.BadZipFile) as error:
-        reason = str(error).splitlines()[0] if str(error) else "unexpected end of file"
-        raise ConversionError(
-            f"Cannot read {str(path)!r} ({type(error).__name__}: {reason}): the file is truncated or damaged. "
-            "Download or copy it again."
-        ) from error
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=kind == "zip")
     except pickle.UnpicklingError as error:
+        if not _refused_object(error):
+            raise _damaged(path, kind, error) from error
         raise ConversionError(
             f"Refusing to load {str(path)!r}: it contains Python objects other than tensors and plain containers, "
             "and unpickling those could run arbitrary code (the file is only read with "
@@ -120,6 +128,8 @@ def load_state_dict_safely(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
             "torch.save(ck.get('state_dict', ck), 'pytorch_model.bin')\"`, and convert that. "
             f"torch says: {_unpickler_reason(error)}"
         ) from error
+    except _READ_ERRORS as error:  # a damaged file makes the unpickler fail in many ways
+        raise _damaged(path, kind, error) from error
     is_lightning = isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict)
     state_dict = loaded["state_dict"] if is_lightning else loaded
     if not isinstance(state_dict, dict):
@@ -127,31 +137,140 @@ def load_state_dict_safely(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
             f"{str(path)!r} holds a {type(state_dict).__name__}, not a state dict (a mapping of names to tensors) "
             "or a Lightning checkpoint with a 'state_dict' entry."
         )
-    not_tensors = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
+    not_tensors = sorted(str(k) for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
     if not_tensors:
         raise ConversionError(f"{str(path)!r}: these state-dict entries are not tensors: {not_tensors}.")
-    non_finite = sorted(
-        k for k, v in state_dict.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())
-    )
+    pages = MappedPages(path) if kind == "zip" else NoRelease()
+    check_tensor_values(path, {k: v for k, v in state_dict.items() if "metrics" not in k}, dtype, pages)
+    return state_dict, is_lightning, pages
+
+
+# What a damaged legacy pickle (or a damaged zip record) can raise inside torch.load.
+_READ_ERRORS = (
+    EOFError, RuntimeError, zipfile.BadZipFile, IndexError, KeyError, ValueError, TypeError, AttributeError,
+    struct.error, OverflowError, MemoryError,
+)
+_REAL_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def check_tensor_values(
+    path: Path,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    pages: MappedPages | NoRelease | None = None,
+) -> None:
+    """Refuse, naming the tensors, anything but dense real floating point (complex, integer, boolean, sparse), NaN or
+    Inf values, and values that overflow `dtype` (1e5 in float16, 1e300 in float32).
+
+    One tensor at a time, with its minimum and maximum only (no converted copy), releasing each tensor's mapped pages
+    once checked (`pages`): memory stays bounded.
+    """
+    pages = pages or NoRelease()
+    wrong_kind, non_finite, overflow = [], [], []
+    largest = 0.0
+    for key, tensor in state_dict.items():
+        if tensor.layout != torch.strided:
+            wrong_kind.append(f"{key!r} ({str(tensor.layout).removeprefix('torch.')} {tensor.dtype})")
+            continue
+        if tensor.dtype not in _REAL_FLOATS:
+            wrong_kind.append(f"{key!r} ({tensor.dtype})")
+            continue
+        if tensor.numel() == 0:
+            continue
+        low, high = torch.aminmax(tensor)
+        ends = torch.stack([low, high])
+        pages.release(tensor)
+        if not bool(torch.isfinite(ends).all()):
+            non_finite.append(key)
+        elif dtype is not None and not bool(torch.isfinite(ends.to(dtype)).all()):
+            overflow.append(key)
+            largest = max(largest, float(ends.abs().max()))
+    if wrong_kind:
+        raise ConversionError(
+            f"{str(path)!r}: these tensors are not dense real floating point, as model weights are: "
+            f"{_names(wrong_kind)}. Only float32, float64, float16 and bfloat16 weights can be converted; check that "
+            "the file is the model's checkpoint."
+        )
     if non_finite:
         raise ConversionError(
-            f"{str(path)!r}: these tensors hold NaN or Inf values: {non_finite}. The checkpoint is damaged or "
+            f"{str(path)!r}: these tensors hold NaN or Inf values: {_names(non_finite)}. The checkpoint is damaged or "
             "diverged; a converted model would give NaN logits."
         )
-    return state_dict, is_lightning
+    if overflow:
+        limit = torch.finfo(dtype).max
+        fix = (
+            "convert with --dtype bfloat16 or float32, which reach 3.4e+38"
+            if limit < torch.finfo(torch.float32).max
+            else "the checkpoint is damaged or diverged"
+        )
+        raise ConversionError(
+            f"{str(path)!r}: these tensors hold values beyond {str(dtype).removeprefix('torch.')}'s range "
+            f"(+-{limit:.4g}; largest magnitude found {largest:.4g}): {_names(overflow)}. They would become Inf: {fix}."
+        )
 
 
-def check_file_integrity(path: Path) -> None:
-    """Refuse an empty weights file, and a zip-format checkpoint (torch >= 1.6) whose records fail their CRC-32.
+def _names(names: list[str], limit: int = 20) -> str:
+    shown = [name if name.startswith("'") else repr(name) for name in names[:limit]]
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return "[" + ", ".join(shown) + "]" + more
+
+
+def _refused_object(error: pickle.UnpicklingError) -> bool:
+    """Whether torch's weights-only unpickler refused a Python object (rather than choked on damaged bytes)."""
+    text = str(error)
+    return any(marker in text for marker in ("Unsupported global", "Unsupported class"))
+
+
+def _damaged(path: Path, kind: str, error: BaseException) -> ConversionError:
+    reason = str(error).splitlines()[0] if str(error).strip() else "unexpected end of file"
+    return ConversionError(
+        f"Cannot read {str(path)!r} ({type(error).__name__}: {reason}): the {_KINDS[kind]} is truncated, damaged or "
+        "not a checkpoint. "
+        "Download or copy it again."
+    )
+
+
+_KINDS = {"zip": "torch zip checkpoint", "legacy": "legacy torch.save pickle"}
+# A Git LFS pointer: what a clone without `git lfs` (or an interrupted `git lfs pull`) leaves instead of the weights.
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+# Legacy (pre-zip) torch.save files start with a pickle of this magic number (torch.serialization.MAGIC_NUMBER).
+_LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def check_file_integrity(path: Path) -> str:
+    """Say what the weights file is, and refuse what cannot be a checkpoint: an empty file, a Git LFS pointer, bytes
+    that are neither a torch zip archive nor a legacy torch.save pickle, and a zip checkpoint (torch >= 1.6) whose
+    records fail their CRC-32.
 
     Every record of torch's zip format carries a CRC-32 of its bytes, so a damaged download or copy is caught here
     instead of being converted into wrong weights. (Legacy pickles carry no checksum; they are read as they are.)
+
+    Returns:
+        `"zip"` or `"legacy"`.
     """
     size = path.stat().st_size
     if size == 0:
         raise ConversionError(f"{str(path)!r} is empty (0 bytes): the download or copy is incomplete; fetch it again.")
+    with open(path, "rb") as handle:
+        head = handle.read(64)
+    if head.startswith(_LFS_POINTER):
+        raise ConversionError(
+            f"{str(path)!r} is a Git LFS pointer file ({size} bytes), not the weights: download the real file "
+            "(`git lfs pull` in the clone, or `hf download REPO pytorch_model.bin`)."
+        )
     if not zipfile.is_zipfile(path):
-        return
+        if head.startswith(b"\x80") and _LEGACY_MAGIC in head[:32]:
+            return "legacy"
+        if head.startswith(b"PK\x03\x04"):
+            raise ConversionError(
+                f"Cannot read {str(path)!r} (a zip archive without its end, {size:,} bytes): the torch zip checkpoint "
+                "is truncated or damaged. Download or copy it again."
+            )
+        raise ConversionError(
+            f"{str(path)!r} is not a PyTorch checkpoint: it is neither a torch zip archive nor a legacy torch.save "
+            f"pickle (it starts with {head[:8]!r}). The file is damaged or not a checkpoint; download or copy it "
+            "again."
+        )
     try:
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()
@@ -164,6 +283,7 @@ def check_file_integrity(path: Path) -> None:
             f"{str(path)!r} is damaged: its record {damaged!r} fails the CRC-32 check (a corrupted download or copy). "
             "Fetch the file again; nothing was converted."
         )
+    return "zip"
 
 
 def normalise_keys(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -186,18 +306,14 @@ def normalise_keys(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch
     return normalised, dropped
 
 
-def read_reference_checkpoint(source: Path) -> ReferenceCheckpoint:
-    """Read `config.json` and the weights of a local reference checkpoint (a folder, or a weights file)."""
+def read_reference_checkpoint(source: Path, *, dtype: torch.dtype | None = None) -> ReferenceCheckpoint:
+    """Read `config.json` and the weights of a local reference checkpoint (a folder, or a weights file); `dtype` is
+    the conversion's target dtype (values that overflow it are refused)."""
     weights_path = find_weights_file(source)
     config = load_reference_config(weights_path.parent)
-    raw, is_lightning = load_state_dict_safely(weights_path)
+    raw, is_lightning, _ = load_state_dict_safely(weights_path, dtype=dtype)
     state_dict, dropped = normalise_keys(raw)
     return ReferenceCheckpoint(config, state_dict, weights_path, dropped, is_lightning)
-
-
-def _can_mmap(path: Path) -> bool:
-    """Zip-format pickles (torch >= 1.6) can be memory-mapped, which keeps a 5.5 GB checkpoint out of RAM."""
-    return zipfile.is_zipfile(path)
 
 
 def _unpickler_reason(error: BaseException) -> str:
@@ -212,6 +328,7 @@ def _unpickler_reason(error: BaseException) -> str:
 __all__ = [
     "ConversionError",
     "check_file_integrity",
+    "check_tensor_values",
     "ReferenceCheckpoint",
     "find_weights_file",
     "load_reference_config",

@@ -16,6 +16,7 @@ trusted to say what a layer computes: the key tables below and the strict accoun
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,8 @@ import torch
 from .checkpoint import ConversionError
 
 FAMILIES = ("jrt", "based-jrt-release", "based-original")
+# GPT-2's " ": the token the reference pads a short JRT prefix with (docs/reference_architecture.md §4.3).
+GPT2_PREFIX_PAD_TOKEN_ID = 220
 
 # The released checkpoints and their families, used to name a family when the structure alone cannot (based-1b-50b
 # loads identically under both Based loaders; its parallel forward is the same either way).
@@ -139,12 +142,66 @@ def _get(config: dict, *names: str, default=_REQUIRED, where: str = "config.json
     return default
 
 
+# Bounds of every size read from config.json, checked before anything is built from them: a config that asks for a
+# billion layers or a 1e15-token prefix is refused in one line instead of allocating until memory runs out. They are
+# far above the released models (26-36 layers, d <= 1792, 50264 rows, prefix 1024, window 256).
+BOUNDS: dict[str, tuple[int, int]] = {
+    "n_layer": (1, 10_000),
+    "n_embd": (1, 65_536),
+    "n_head": (1, 4_096),
+    "n_inner": (1, 1_048_576),
+    "vocab_size": (1, 16_777_216),
+    "pad_vocab_size_multiple": (1, 65_536),
+    "mixer.expand_proj": (2, 64),
+    "mixer.kernel_size": (1, 1_024),
+    "alt_mixer.feature_dim": (1, 1_024),
+    "alt_mixer.num_heads": (1, 4_096),
+    "alt_mixer_2.window_size": (1, 1_048_576),
+    "enc_length": (1, 1_048_576),
+}
+
+
 def _int(value: object, field: str, where: str = "config.json") -> int:
-    """`value` as an int, or a ConversionError naming the field (JSON numbers only; 16.0 is accepted, "16" is not)."""
+    """`value` as an int, or a ConversionError naming the field (JSON numbers only; 16.0 is accepted, "16" is not),
+    within `BOUNDS[field]` when the field has bounds."""
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not is_number or not math.isfinite(value) or value != int(value):
         raise ConversionError(f"{where} field {field!r} must be an integer, got {value!r}.")
+    if field in BOUNDS:
+        low, high = BOUNDS[field]
+        if not low <= value <= high:
+            raise ConversionError(
+                f"{where} field {field!r} must be between {low} and {high}, got "
+                f"{f'{value:g}' if isinstance(value, float) else value}: fix config.json (or use "
+                "the config.json that belongs to these weights)."
+            )
     return int(value)
+
+
+def _float(value: object, field: str, *, positive: bool = False, where: str = "config.json") -> float:
+    """`value` as a finite float (a JSON number), or a ConversionError naming the field."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or not math.isfinite(value) or (positive and value <= 0):
+        kind = "a positive number" if positive else "a finite number"
+        raise ConversionError(f"{where} field {field!r} must be {kind}, got {value!r}.")
+    return float(value)
+
+
+def check_layers_against_weights(arch: "ReferenceArchitecture", keys: list[str]) -> None:
+    """The layers config.json describes are the layers the weights hold (`transformer.layers.{i}.*` keys), checked
+    before any per-layer structure (key table, model) is built."""
+    indices = sorted({int(match.group(1)) for key in keys if (match := _LAYER_KEY.match(key))})
+    if indices != list(range(arch.num_layers)):
+        held = (
+            f"layers {indices[0]}-{indices[-1]} ({len(indices)} layers)" if indices else "no transformer.layers.* keys"
+        )
+        raise ConversionError(
+            f"config.json n_layer={arch.num_layers}, but the weights hold {held}: use the config.json that belongs to "
+            "these weights (or fix its n_layer)."
+        )
+
+
+_LAYER_KEY = re.compile(r"^transformer\.layers\.(\d+)\.")
 
 
 def _layer_list(config: dict, name: str) -> set[int]:
@@ -273,6 +330,8 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
         _check_feature_map(alt_mixer)
         enc_length = alt_mixer.get("enc_length", config.get("enc_length"))
         use_decay_proj = bool(alt_mixer.get("use_decay_proj", False))
+    if config.get("enc_length") is not None:  # the top-level copy is checked too, though the mixer's wins
+        _int(config["enc_length"], "enc_length")
 
     window_size = None
     if sliding_layers:
@@ -299,7 +358,7 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
     intermediate_size = math.ceil(_int(n_inner, "n_inner") / 256) * 256
 
     fixed_decay = bool(config.get("fixed_decay", (alt_mixer or {}).get("fixed_decay", False)))
-    decay_const = float(config.get("decay_const", (alt_mixer or {}).get("decay_const", -3)))
+    decay_const = _float(config.get("decay_const", (alt_mixer or {}).get("decay_const", -3)), "decay_const")
     return ReferenceArchitecture(
         num_layers=num_layers,
         hidden_size=hidden_size,
@@ -317,8 +376,8 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
         fixed_decay=fixed_decay,
         decay_const=decay_const,
         use_decay_proj=use_decay_proj,
-        rope_theta=float(config.get("rotary_emb_base", 10000.0)),
-        rms_norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        rope_theta=_float(config.get("rotary_emb_base", 10000.0), "rotary_emb_base", positive=True),
+        rms_norm_eps=_float(config.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon", positive=True),
         bos_token_id=_int(config.get("bos_token_id", 50256), "bos_token_id"),
         eos_token_id=_int(config.get("eos_token_id", 50256), "eos_token_id"),
         mask_token_id=None if config.get("mask_token_id") is None else _int(config["mask_token_id"], "mask_token_id"),
@@ -442,13 +501,33 @@ def _checked(requested: str, detected: str, evidence: str) -> Detection:
 
 
 def translate_config(
-    arch: ReferenceArchitecture, spec: FamilySpec, *, prefix_pad_masking: str, dtype: torch.dtype
+    arch: ReferenceArchitecture,
+    spec: FamilySpec,
+    *,
+    prefix_pad_masking: str,
+    dtype: torch.dtype,
+    prefix_pad_token_id: int | None = GPT2_PREFIX_PAD_TOKEN_ID,
 ) -> tuple[dict, list[str]]:
     """Keyword arguments of `JRTRNNConfig` for a reference architecture, and notes for the report.
+
+    Every token id is written explicitly (the config's own defaults are not relied on): bos / eos / pad from the
+    reference config.json (GPT-2's 50256 in the released models; pad = eos), and the prefix pad as given (GPT-2's " "
+    = 220 unless told otherwise). An id outside the vocabulary (a GPT2Config default left in the config.json of a
+    small-vocabulary model) is written as None, with a note.
 
     The notes say which reference settings were translated or dropped (and why), so that nothing happens silently.
     """
     notes = list(arch.notes)
+    token_ids = {}
+    for name, value in (("bos_token_id", arch.bos_token_id), ("eos_token_id", arch.eos_token_id)):
+        if value < arch.padded_vocab_size:
+            token_ids[name] = value
+        else:
+            token_ids[name] = None
+            notes.append(
+                f"config.json {name}={value} is outside the {arch.padded_vocab_size}-row vocabulary (a GPT2Config "
+                "default?): written as None"
+            )
     decay, decay_proj = False, False
     if spec.applies_decay:
         if arch.use_decay_proj and not arch.fixed_decay:
@@ -497,17 +576,17 @@ def translate_config(
         linear_attention_type=spec.linear_attention_type,
         prefix_length=prefix_length if is_prefix else 0,
         prefix_pad_masking=prefix_pad_masking,
-        prefix_pad_token_id=220,
+        prefix_pad_token_id=prefix_pad_token_id,
         linear_attention_decay=decay,
         decay_const=arch.decay_const,
         use_decay_proj=decay_proj,
         mask_token_id=mask_token_id,
         # generate() never emits the padding rows of the embedding: GPT-2's tokenizer cannot decode them (§7).
         generation_vocab_size=arch.vocab_size,
-        bos_token_id=arch.bos_token_id,
-        eos_token_id=arch.eos_token_id,
+        bos_token_id=token_ids["bos_token_id"],
+        eos_token_id=token_ids["eos_token_id"],
         # GPT-2 has no pad token; padding is masked by attention_mask, so eos is used (see the README).
-        pad_token_id=arch.eos_token_id,
+        pad_token_id=token_ids["eos_token_id"],
         dtype=dtype,
     )
     return kwargs, notes
@@ -531,12 +610,15 @@ def layer_key_table(spec: FamilySpec, arch: ReferenceArchitecture, layer_idx: in
 
 
 __all__ = [
+    "BOUNDS",
     "FAMILIES",
     "FAMILY_SPECS",
+    "GPT2_PREFIX_PAD_TOKEN_ID",
     "KNOWN_CHECKPOINTS",
     "Detection",
     "FamilySpec",
     "ReferenceArchitecture",
+    "check_layers_against_weights",
     "detect_family",
     "layer_key_table",
     "read_architecture",

@@ -1,11 +1,15 @@
 """Strict key accounting: every reference tensor is consumed, every tensor of our model is filled, shapes match.
 
-`map_state_dict` applies a family's key table (`families.py`) to a normalised reference state dict and returns our
-model's state dict. Anything that does not fit (a missing reference key, a key no table names, a shape our model
-does not expect, a tensor of ours left unfilled) stops the conversion with one error that lists all of them.
+`map_state_dict` applies a family's key table (`families.py`) to a normalised reference state dict and returns a plan
+of our model's state dict: for each of our tensors, the reference tensor (and the row block of it) it comes from.
+Nothing is copied or converted until `WeightPlan.tensor` is asked for one tensor, so a conversion holds one converted
+tensor at a time. Anything that does not fit (a missing reference key, a key no table names, a shape our model does not
+expect, a tensor of ours left unfilled) stops the conversion with one error that lists all of them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -61,24 +65,55 @@ def apply_family_renames(
     return renamed, notes
 
 
+@dataclass(frozen=True)
+class TensorSource:
+    """Where one of our tensors comes from: row block `block` of `blocks` equal blocks of reference tensor `key`."""
+
+    key: str
+    block: int = 0
+    blocks: int = 1
+
+
+class WeightPlan:
+    """Our model's tensors, each produced on demand from the (lazily read) reference tensors."""
+
+    def __init__(self, source: dict[str, torch.Tensor], sources: dict[str, TensorSource]):
+        self._source = source
+        self.sources = sources
+
+    def source_tensor(self, key: str) -> torch.Tensor:
+        """The reference tensor our tensor `key` comes from (to release its memory-mapped pages once written)."""
+        return self._source[self.sources[key].key]
+
+    def tensor(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """Our tensor `key` in `dtype` (a view of the reference tensor when nothing needs converting)."""
+        origin = self.sources[key]
+        tensor = self._source[origin.key]
+        if origin.blocks > 1:
+            tensor = tensor.chunk(origin.blocks, dim=0)[origin.block]
+        return tensor.to(dtype)
+
+    def release(self) -> None:
+        """Drop the references to the reference tensors (and with them the memory map of the checkpoint)."""
+        self._source = {}
+
+
 def map_state_dict(
     state_dict: dict[str, torch.Tensor],
     spec: FamilySpec,
     arch: ReferenceArchitecture,
     target_shapes: dict[str, torch.Size],
-    dtype: torch.dtype,
-) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Our model's tensors from a normalised reference state dict.
+) -> tuple[WeightPlan, list[str]]:
+    """Plan our model's tensors from a normalised reference state dict (shapes only: no tensor is copied).
 
     Args:
         state_dict: reference tensors after `normalise_keys` (no `model.` prefix, no metric counters).
         spec: the family.
         arch: the parsed reference config.
         target_shapes: our model's `state_dict()` shapes (including the tied `lm_head.weight`).
-        dtype: dtype of the returned tensors.
 
     Returns:
-        (our state dict without the tied `lm_head.weight`, notes about renamed and dropped keys).
+        (the plan of our state dict without the tied `lm_head.weight`, notes about renamed and dropped keys).
 
     Raises:
         ConversionError: listing missing reference keys, unexpected reference keys, shape mismatches and unfilled
@@ -101,36 +136,35 @@ def map_state_dict(
         consumed.add(DECAY_BUFFER_KEY)
         notes.append(_check_decay_buffer(source[DECAY_BUFFER_KEY], arch, problems["shape"]))
 
-    weights: dict[str, torch.Tensor] = {}
+    sources: dict[str, TensorSource] = {}
     for source_key, target_keys in table.items():
         if source_key not in source:
             problems["missing"].append(source_key)
             continue
         tensor = source[source_key]
-        if len(target_keys) > 1 and tensor.shape[0] % len(target_keys):
+        if len(target_keys) > 1 and (tensor.dim() == 0 or tensor.shape[0] % len(target_keys)):
             problems["shape"].append(
                 f"{source_key} {tuple(tensor.shape)}: rows not divisible into {len(target_keys)} blocks {target_keys}"
             )
             continue
-        pieces = tensor.chunk(len(target_keys), dim=0) if len(target_keys) > 1 else (tensor,)
-        for target_key, piece in zip(target_keys, pieces):
+        block_shape = (tensor.shape[0] // len(target_keys), *tensor.shape[1:]) if tensor.dim() else tensor.shape
+        for block, target_key in enumerate(target_keys):
             expected = target_shapes.get(target_key)
             if expected is None:
                 problems["unfilled"].append(f"{target_key} (named by the key table, absent from the model)")
-            elif piece.shape != expected:
+            elif tuple(block_shape) != tuple(expected):
                 problems["shape"].append(
                     f"{source_key} {tuple(tensor.shape)} -> {target_key} expects {tuple(expected)}"
                     + (f" per block of {len(target_keys)}" if len(target_keys) > 1 else "")
                 )
             else:
-                # Split pieces are views into one storage: clone so that each tensor is saved on its own.
-                weights[target_key] = piece.to(dtype).clone() if len(target_keys) > 1 else piece.to(dtype)
+                sources[target_key] = TensorSource(source_key, block, len(target_keys))
     problems["unexpected"] = sorted(k for k in source if k not in consumed)
     named_targets = {key for keys in table.values() for key in keys}
     problems["unfilled"] += sorted(k for k in target_shapes if k != TIED_HEAD_KEY and k not in named_targets)
     if any(problems.values()):
         raise ConversionError(_describe(problems, spec))
-    return weights, notes
+    return WeightPlan(source, sources), notes
 
 
 def _check_decay_buffer(buffer: torch.Tensor, arch: ReferenceArchitecture, shape_problems: list[str]) -> str:
@@ -172,4 +206,4 @@ def _layer_index(key: str) -> int | None:
     return None
 
 
-__all__ = ["apply_family_renames", "full_key_table", "map_state_dict"]
+__all__ = ["TensorSource", "WeightPlan", "apply_family_renames", "full_key_table", "map_state_dict"]

@@ -6,7 +6,7 @@ minutes of work (writable, enough free space), turns SIGTERM into the same clean
 staging and backup folders that an earlier run killed with SIGKILL left behind:
 
     parent/
-        NAME/                          the destination (a previous conversion, or absent)
+        NAME/                          the destination (absent, or a previous conversion with its manifest)
         .NAME.tmp-<pid>-<random>/      staging of a running conversion (process <pid>)
         .NAME.old-<pid>-<random>/      the previous NAME during the swap of `--overwrite`
 """
@@ -14,6 +14,7 @@ staging and backup folders that an earlier run killed with SIGKILL left behind:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -23,17 +24,16 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import ConversionError
 
-# Files a conversion writes (model, config, remote code, tokenizer, model card); a folder with anything else, or with
-# sub-folders, was not written by `jrt convert` and is never replaced.
-_CONVERSION_FILE = re.compile(
-    r"^(config\.json|generation_config\.json|README\.md|model(-\d+-of-\d+)?\.safetensors"
-    r"|model\.safetensors\.index\.json|[a-z_]+\.py|tokenizer(_config)?\.json|special_tokens_map\.json"
-    r"|vocab\.json|merges\.txt|added_tokens\.json|chat_template\.jinja)$"
-)
+# The record of what a conversion wrote: every file of the output folder with its size and SHA-256. `--overwrite`
+# replaces a folder only when it holds exactly these files, unchanged; anything else is the user's and is kept.
+MANIFEST_NAME = "jrt_convert_manifest.json"
+_MANIFEST_FORMAT = "jrt-convert-manifest/1"
+_HASH_CHUNK = 16 * 2**20
 # Free space kept beyond the estimated output (the model card, tokenizer and remote code are small).
 _SPACE_MARGIN_BYTES = 64 * 2**20
 
@@ -48,24 +48,115 @@ def backup_name(destination: Path) -> str:
     return f".{destination.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def is_conversion_output(folder: Path) -> bool:
-    """Whether `folder` looks like a folder that `jrt convert` wrote: only its files (no sub-folders) and a
-    `config.json` of a `jrt_rnn` model with the remote-code `auto_map`."""
+def sha256_of_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in chunks (never the whole file in memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path, hashes: dict[str, str] | None = None) -> None:
+    """Record every file of `folder` (relative path, size, SHA-256) in `folder/MANIFEST_NAME`.
+
+    Args:
+        folder: the finished staging folder.
+        hashes: SHA-256 already computed while writing (the weight shards), by relative path; the rest are hashed here.
+    """
+    hashes = hashes or {}
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        name = path.relative_to(folder).as_posix()
+        if path.is_file() and name != MANIFEST_NAME:
+            files[name] = {"size": path.stat().st_size, "sha256": hashes.get(name) or sha256_of_file(path)}
+    manifest = {"format": _MANIFEST_FORMAT, "written_by": "jrt convert", "files": files}
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class ManifestCheck:
+    """Why a folder may not be replaced: its files that the manifest does not list, and those changed since."""
+
+    unlisted: list[str]
+    changed: list[str]
+    manifest_problem: str | None = None
+
+    @property
+    def replaceable(self) -> bool:
+        return not (self.unlisted or self.changed or self.manifest_problem)
+
+
+def check_manifest(folder: Path) -> tuple[ManifestCheck, dict[str, tuple[int, int]]]:
+    """Compare `folder` with the manifest a conversion wrote into it.
+
+    Returns:
+        (the check, and `(size, mtime_ns)` of each file as checked, so that a later `unchanged_since` can tell cheaply
+        whether anything moved between the check and the swap).
+    """
+    entries = sorted(folder.rglob("*"))
+    names = [path.relative_to(folder).as_posix() for path in entries]
+    stats = {name: _stat(path) for name, path in zip(names, entries)}
+    others = [name for name, path in zip(names, entries) if name != MANIFEST_NAME and not path.is_dir()]
+    folders = [name + "/" for name, path in zip(names, entries) if path.is_dir() and not path.is_symlink()]
+    manifest_path = folder / MANIFEST_NAME
+    if not manifest_path.is_file() or manifest_path.is_symlink():
+        return ManifestCheck(sorted(others + folders), [], f"no {MANIFEST_NAME}"), stats
     try:
-        entries = list(folder.iterdir())
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    if not isinstance(config, dict) or config.get("model_type") != "jrt_rnn" or "auto_map" not in config:
-        return False
-    return all(entry.is_file() and _CONVERSION_FILE.match(entry.name) for entry in entries)
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        listed = manifest["files"]
+        if manifest.get("format") != _MANIFEST_FORMAT or not isinstance(listed, dict):
+            raise ValueError(manifest.get("format"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ManifestCheck(sorted(others + folders), [], f"an unreadable {MANIFEST_NAME}"), stats
+    unlisted, changed = [], []
+    for name, path in zip(names, entries):
+        if name == MANIFEST_NAME or (path.is_dir() and not path.is_symlink()):
+            continue
+        record = listed.get(name)
+        if record is None or path.is_symlink():
+            unlisted.append(name)
+        elif not isinstance(record, dict) or path.stat().st_size != record.get("size") or (
+            sha256_of_file(path) != record.get("sha256")
+        ):
+            changed.append(name)
+    # Sub-folders of a conversion exist only to hold listed files (none today): any other folder is the user's.
+    listed_parents = {parent for name in listed for parent in _parents(name)}
+    unlisted += [name for name in folders if name.rstrip("/") not in listed_parents]
+    return ManifestCheck(sorted(unlisted), sorted(changed)), stats
 
 
-def check_destination(source: Path | None, destination: Path, *, overwrite: bool) -> None:
+def unchanged_since(folder: Path, stats: dict[str, tuple[int, int]]) -> list[str]:
+    """Paths of `folder` added, removed or modified since `check_manifest` returned `stats`."""
+    now = {path.relative_to(folder).as_posix(): _stat(path) for path in folder.rglob("*")}
+    return sorted(name for name in set(now) | set(stats) if now.get(name) != stats.get(name))
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    info = path.lstat()
+    return info.st_size, info.st_mtime_ns
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split("/")[:-1]
+    return ["/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _listing(names: list[str], limit: int = 10) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_destination(source: Path | None, destination: Path, *, overwrite: bool) -> dict[str, tuple[int, int]]:
     """Refuse a destination whose replacement could lose data.
 
     Refused: the source itself, a folder containing the source, an existing destination without `overwrite`, and with
-    `overwrite` anything but an empty folder or a folder a previous conversion wrote (`is_conversion_output`).
+    `overwrite` anything but an empty folder or a folder a previous conversion wrote, file for file and unchanged
+    (`check_manifest`). The message names the files that would be lost.
+
+    Returns:
+        The `(size, mtime_ns)` of the destination's entries as checked (empty when it does not exist), for
+        `unchanged_since` right before the swap.
     """
     target = destination.expanduser().resolve()
     if source is not None:
@@ -76,7 +167,7 @@ def check_destination(source: Path | None, destination: Path, *, overwrite: bool
                 f"({str(source)!r}); writing there would delete the source. Choose a new folder for DST."
             )
     if not destination.exists() and not destination.is_symlink():
-        return
+        return {}
     if not overwrite:
         raise ConversionError(
             f"Destination {str(destination)!r} already exists; choose another folder or pass --overwrite to replace "
@@ -87,12 +178,26 @@ def check_destination(source: Path | None, destination: Path, *, overwrite: bool
             f"Destination {str(destination)!r} is not a folder; --overwrite replaces only a folder that a previous "
             "conversion wrote. Remove it yourself or choose another DST."
         )
-    if any(destination.iterdir()) and not is_conversion_output(destination):
+    if not any(destination.iterdir()):
+        return {}
+    check, stats = check_manifest(destination)
+    if check.replaceable:
+        return stats
+    if check.manifest_problem is not None:
         raise ConversionError(
-            f"Destination {str(destination)!r} was not written by `jrt convert` (it holds other files or folders, or "
-            "no jrt_rnn config.json with auto_map), so --overwrite will not delete it. Choose another DST, or empty "
-            "it yourself."
+            f"Destination {str(destination)!r} was not written by `jrt convert` ({check.manifest_problem}; it holds "
+            f"{_listing(check.unlisted)}), so --overwrite will not replace it. Choose another DST, or empty it "
+            "yourself."
         )
+    reasons = []
+    if check.unlisted:
+        reasons.append(f"files the conversion did not write: {_listing(check.unlisted)}")
+    if check.changed:
+        reasons.append(f"files changed since the conversion: {_listing(check.changed)}")
+    raise ConversionError(
+        f"Destination {str(destination)!r} holds {'; and '.join(reasons)}. --overwrite replaces only what `jrt "
+        "convert` wrote, unchanged, so nothing was touched: move those files out (or choose another DST) and run again."
+    )
 
 
 def remove_stale_staging(destination: Path) -> list[str]:
@@ -191,7 +296,12 @@ __all__ = [
     "check_destination",
     "check_free_space",
     "check_writable",
-    "is_conversion_output",
+    "MANIFEST_NAME",
+    "ManifestCheck",
+    "check_manifest",
+    "sha256_of_file",
+    "unchanged_since",
+    "write_manifest",
     "remove_stale_staging",
     "staging_prefix",
     "terminate_cleanly",

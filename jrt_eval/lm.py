@@ -33,7 +33,6 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 import modeling_jrt  # noqa: F401  (registers model_type "jrt_rnn" with the Auto classes)
-from modeling_jrt.generation import prepare_prefix
 
 SCORING_MODES: tuple[str, ...] = ("leak_free", "reference")
 
@@ -166,19 +165,10 @@ class JRTLM(HFLM):
         logits = None
         for index, length in enumerate(lengths.tolist()):
             row = inps[index : index + 1, :length]  # (1, L)
-            prepared = prepare_prefix(
-                row, None, None,
-                prefix_length=config.prefix_length - 1, strategy="pad",
-                prefix_pad_token_id=config.prefix_pad_token_id, batch_pad_token_id=0,
-                embed=self.model.get_input_embeddings(), vocab_size=config.vocab_size,
-            )
-            if prepared is None:
-                row_logits = self.model(row).logits
-            else:
-                row_logits = self.model(
-                    prepared.input_ids, attention_mask=prepared.attention_mask,
-                    linear_attention_mask=prepared.linear_attention_mask,
-                ).logits[:, -length:]
+            if length >= config.prefix_length - 1:  # long enough: not filled, the encoder reads its prefix
+                row_logits = self.model(row, prefix_strategy="none").logits
+            else:  # the model fills the row to prefix_length - 1 with its pad token and returns the row's logits
+                row_logits = self.model(row, prefix_length=config.prefix_length - 1, prefix_strategy="pad").logits
             if logits is None:
                 logits = row_logits.new_zeros(inps.shape[0], inps.shape[1], row_logits.shape[-1])
             logits[index, :length] = row_logits[0]

@@ -119,10 +119,20 @@ def _pair_index(o_p, o_k, K: tl.constexpr):
 
 @triton.jit
 def _pair_scatter(b_u, b_xi, b_xj, b_eit, b_ejt, SDOT: tl.constexpr, EMULATE: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, SPLIT: tl.constexpr):
     """d/dx of sum_p u_p x_i x_j: [BT, BH] per-pair weights u and gathered x_i, x_j -> [BT, BK]; each pair (i, j)
-    adds u x_j to feature i and u x_i to feature j (operands in SDOT: u grows with the state)."""
-    return _dot_fp32(b_u * b_xj, b_eit) + _dot_fp32(b_u * b_xi, b_ejt)
+    adds u x_j to feature i and u x_i to feature j, by the transposed selection matrices on the tensor cores.
+
+    The products u x are operands in SDOT (u grows with the state); the 0/1 selections are exact, so the only
+    rounding is that of u x to SDOT. SPLIT adds the rounding's remainder as a second product (about fp32 accuracy,
+    for the dq scan, whose numerator and denominator terms cancel strongly)."""
+    b_a = b_u * b_xj
+    b_b = b_u * b_xi
+    b_out = _dot(b_a, b_eit, SDOT, EMULATE, PRECISION) + _dot(b_b, b_ejt, SDOT, EMULATE, PRECISION)
+    if SPLIT and SDOT != tl.float32:
+        b_out += _dot(b_a - b_a.to(SDOT).to(tl.float32), b_eit, SDOT, EMULATE, PRECISION)
+        b_out += _dot(b_b - b_b.to(SDOT).to(tl.float32), b_ejt, SDOT, EMULATE, PRECISION)
+    return b_out
 
 
 @triton.jit
@@ -189,3 +199,46 @@ def _add_chunk_t(b_h0, b_h1, b_hd, b_hoa, b_hob, b_vt, b_kw, b_kp, pair_scale, b
 def _scale_state(b_h0, b_h1, b_hd, b_hoa, b_hob, factor):
     """The numerator state times a scalar (the Based decay over one chunk)."""
     return b_h0 * factor, b_h1 * factor, b_hd * factor, b_hoa * factor, b_hob * factor
+
+
+@triton.jit
+def _store_pairs_t(p_s, b_hot, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
+    """S_ij = S_ji = ho / sqrt(2) (b_hot = ho^T [BV, BH]): the symmetric state of the keys. An initial state's
+    antisymmetric part is added by the launcher (`_add_antisymmetric_part`), so no pointer to it stays live here."""
+    m_vp = m_v[:, None] & m_p[None, :]
+    b_half = b_hot * 0.7071067811865476
+    tl.store(p_s + r_ij[None, :] * W + o_v[:, None], b_half, mask=m_vp)
+    tl.store(p_s + r_ji[None, :] * W + o_v[:, None], b_half, mask=m_vp)
+
+
+def _add_antisymmetric_part(
+    state: torch.Tensor, source: torch.Tensor, log_decay: torch.Tensor | None, K: int, T: int, *,
+    denominator: bool = False,
+) -> None:
+    """Add to a kernel's (B, H, F, V + 1) result, in place, the antisymmetric part (S_ij - S_ji) / 2 of `source`'s
+    2nd-order numerator rows, which the kernels (symmetric 2nd order) do not carry and nothing reads, times
+    gamma**T with the Based decay; with `denominator`, also that of its denominator column (no decay there).
+
+    The forward passes an initial state's part into the final state (its denominator column keeps it in the kernel,
+    through Z); the backward passes dS's into the initial state's gradient (its reverse Rz is symmetric)."""
+    B, H, _, W = state.shape
+    columns = W if denominator else W - 1
+    second = source[:, :, 1 + K :, :columns].view(B, H, K, K, columns)
+    anti = 0.5 * (second - second.transpose(2, 3))
+    if log_decay is not None:
+        anti[..., : W - 1] *= torch.exp(log_decay.to(torch.float32) * T).view(1, H, 1, 1, 1)
+    state[:, :, 1 + K :, :columns] += anti.reshape(B, H, K * K, columns)
+
+
+def _key_rows(key_mask: torch.Tensor) -> torch.Tensor:
+    """(B, 3) int32 `[is_range, lo, hi]` of a (B, T) bool key mask: is_range when row b's True entries are exactly
+    the positions lo <= t < hi (padding on the left and/or right, no padding, or no key at all: lo = T, hi = 0).
+
+    Computed on the device without a sync. The kernel then reads those rows' masks as two comparisons per token
+    instead of loading them (docs/kernels.md: the mask loads cost registers and instructions in every chunk)."""
+    T = key_mask.shape[1]
+    positions = torch.arange(T, device=key_mask.device)
+    lo = torch.where(key_mask, positions, T).amin(dim=1)
+    hi = torch.where(key_mask, positions + 1, 0).amax(dim=1)
+    is_range = key_mask.sum(dim=1) == (hi - lo).clamp(min=0)
+    return torch.stack([is_range.to(torch.int32), lo.to(torch.int32), hi.to(torch.int32)], dim=1).contiguous()

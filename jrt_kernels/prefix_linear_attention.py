@@ -55,8 +55,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
-    _add_chunk_t, _dot, _dot_fp32, _key_weights, _load_state_t, _pair_features_t, _pair_index, _scale_state, _tile,
-    dot_types,
+    _add_antisymmetric_part, _add_chunk_t, _dot, _dot_fp32, _key_rows, _key_weights, _load_state_t,
+    _pair_features_t, _pair_index, _scale_state, _store_pairs_t, _tile, dot_types,
 )
 from .prefix_linear_attention_backward import prefix_linear_attention_backward
 
@@ -91,16 +91,6 @@ def configs_for_architecture(major: int, V: int = 64) -> list[triton.Config]:
 # The interpreter (CPU tests) gets BT = 32, which keeps the per-step numpy cost low, and BV = 32, so that the tests'
 # value dims above 32 run the split over programs.
 _INTERPRETER_CONFIGS = [_config(32, 32, 4)]
-
-
-@triton.jit
-def _store_pairs_t(p_s, b_hot, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
-    """S_ij = S_ji = ho / sqrt(2) (b_hot = ho^T [BV, BH]): the symmetric state of the keys. An initial state's
-    antisymmetric part is added by the launcher (`_add_antisymmetric_part`), so no pointer to it stays live here."""
-    m_vp = m_v[:, None] & m_p[None, :]
-    b_half = b_hot * 0.7071067811865476
-    tl.store(p_s + r_ij[None, :] * W + o_v[:, None], b_half, mask=m_vp)
-    tl.store(p_s + r_ji[None, :] * W + o_v[:, None], b_half, mask=m_vp)
 
 
 @triton.jit(do_not_specialize=["T", "T_BUCKET"])
@@ -340,34 +330,6 @@ def _prefix_linear_attention_fwd(
     if initial_state is not None:
         _add_antisymmetric_part(state, initial_state, log_decay, K, T)
     return o, state
-
-
-def _add_antisymmetric_part(
-    state: torch.Tensor, initial_state: torch.Tensor, log_decay: torch.Tensor | None, K: int, T: int
-) -> None:
-    """Add to the kernel's final state (B, H, F, V + 1), in place, the antisymmetric part (S_ij - S_ji) / 2 of the
-    initial state's 2nd-order numerator rows, which the kernel (symmetric 2nd order) does not carry and no query
-    reads, times gamma**T with the Based decay. (The denominator column keeps it in the kernel, through Z.)"""
-    B, H, _, W = state.shape
-    second = initial_state[:, :, 1 + K :, : W - 1].view(B, H, K, K, W - 1)
-    anti = 0.5 * (second - second.transpose(2, 3))
-    if log_decay is not None:
-        anti = anti * torch.exp(log_decay.to(torch.float32) * T).view(1, H, 1, 1, 1)
-    state[:, :, 1 + K :, : W - 1] += anti.reshape(B, H, K * K, W - 1)
-
-
-def _key_rows(key_mask: torch.Tensor) -> torch.Tensor:
-    """(B, 3) int32 `[is_range, lo, hi]` of a (B, T) bool key mask: is_range when row b's True entries are exactly
-    the positions lo <= t < hi (padding on the left and/or right, no padding, or no key at all: lo = T, hi = 0).
-
-    Computed on the device without a sync. The kernel then reads those rows' masks as two comparisons per token
-    instead of loading them (docs/kernels.md: the mask loads cost registers and instructions in every chunk)."""
-    T = key_mask.shape[1]
-    positions = torch.arange(T, device=key_mask.device)
-    lo = torch.where(key_mask, positions, T).amin(dim=1)
-    hi = torch.where(key_mask, positions + 1, 0).amax(dim=1)
-    is_range = key_mask.sum(dim=1) == (hi - lo).clamp(min=0)
-    return torch.stack([is_range.to(torch.int32), lo.to(torch.int32), hi.to(torch.int32)], dim=1).contiguous()
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:

@@ -20,14 +20,20 @@ is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunke
                by E^T (tensor cores); the numerator state held transposed ([V, features], the A operand of the
                read); the denominator's 2nd order as the (K, K) matrix Z = sum k' k'^T.
     dkv kernel (backward in time, one program per batch x head): the reverse state R = dS + sum phi(q_i) G_i^T over
-               the queries after the chunk; per chunk (last to first)
-                   dv_j   = w_j (R0 + k'_j R1 + 1/2 (k'_j (x) k'_j) R2)[:V] + sum_{i >= j} a_ij g_i
-                   dk'_j  = w_j (R1 [v_j, 1] + 1/2 (B_j + B_j^T) k'_j) + sum_{i >= j} (G_i . [v_j, 1]) a'_ij q'_i
+               the queries after the chunk, held in the same layout (transposed, symmetric, (K, K) matrix Rz for the
+               denominator); per chunk (last to first)
+                   dv_j   = w_j (R0 + R1 k'_j + 1/2 Rd k'_j**2 + Ro P(k'_j))[:V] + sum_{i >= j} a_ij g_i
+                   dk'_j  = w_j (R1 v_j + k'_j * (Rd v_j) + sum_{pairs (a, b)} u_jp (k'_b e_a + k'_a e_b)
+                                 + rz1 + Rz k'_j),       u_j = Ro v_j
+                            + sum_{i >= j} (G_i . [v_j, 1]) (1 + s_ij) q'_i
                then the encoder keys of the row (they see every query: R after the whole scan), and
-               dS_0 = R at the end (the initial state is seen by every query and passes into S_T).
+               dS_0 = R at the end (the initial state is seen by every query and passes into S_T; the launcher adds
+               dS's antisymmetric 2nd-order part, which the symmetric R does not carry).
 
-The dkv kernel keeps the full K**2-row 2nd order (`_outer`, `_sym_contract`): with the symmetric form its dk pair
-scatter spilled 3x more (docs/kernels.md "The backward").
+Both pair scatters (u_p times the gathered factor, summed back by E^T) take their products as SDOT operands: the
+selections are exact, so that is one rounding of u x, the order of the state operand's own rounding. The dq scan,
+whose numerator and denominator terms cancel, adds the remainder as a second product (`_pair_scatter`'s SPLIT).
+Launch configs per architecture: `configs_for_architecture` (docs/kernels.md "The backward").
 
 State rows use the kernel's convention (2nd order without phi's 1/sqrt(2), applied when reading or writing the
 (B, H, F, V + 1) cache layout). Key masks follow `modeling_jrt.linear_attention`: a key's raw value is zeroed where
@@ -37,7 +43,7 @@ operands for fp16 inputs: the state can exceed fp16's range), or, in the CPU int
 multiplied in fp32 (`EMULATE`: the interpreter's bf16 dot is wrong), which is the same arithmetic.
 
 Dims: B batch, T decoder length, M encoder length, H heads, K feature dim, V value dim; tiles BT (tokens),
-BK (feature dim, power of two >= 16), BV (whole value dim, power of two).
+BK (feature dim, power of two >= 16), BV (whole value dim, power of two), BP (pair rows, two halves of BP / 2).
 """
 
 from __future__ import annotations
@@ -48,14 +54,14 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
-    _add_chunk_t, _dot, _dot_fp32, _key_weights, _load_state_t, _outer, _pair_features_t, _pair_index, _pair_scatter,
-    _scale_state, _select, _sym_contract, _tile, dot_types,
+    _add_antisymmetric_part, _add_chunk_t, _dot, _dot_fp32, _key_rows, _key_weights, _load_state_t,
+    _pair_features_t, _pair_index, _pair_scatter, _scale_state, _select, _store_pairs_t, _tile, dot_types,
 )
 
 
 @triton.jit(do_not_specialize=["T", "M"])
 def _pla_bwd_dq_kernel(
-    q, k, v, k_enc, v_enc, key_mask, enc_start, enc_end, state_in, log_decay, gate, do, dq, rden, dcol, dgate,
+    q, k, v, k_enc, v_enc, key_mask, key_rows, enc_start, enc_end, state_in, log_decay, gate, do, dq, rden, dcol, dgate,
     s_qb, s_qt, s_qh, s_qk,
     s_kb, s_kt, s_kh, s_kk,
     s_vb, s_vt, s_vh, s_vv,
@@ -66,7 +72,7 @@ def _pla_bwd_dq_kernel(
     T, M, eps, key_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
-    HAS_MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
+    MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -80,6 +86,15 @@ def _pla_bwd_dq_kernel(
     """
     i_bh = tl.program_id(0)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    # Key masks as in the forward: MASK = 1 the rows whose mask is one range [lo, hi), MASK = 2 the others.
+    key_lo, key_hi = 0, 0
+    if MASK != 0:
+        is_range = tl.load(key_rows + i_b * 3)
+        if (MASK == 1 and is_range == 0) or (MASK == 2 and is_range != 0):
+            return
+        if MASK == 1:
+            key_lo = tl.load(key_rows + i_b * 3 + 1)
+            key_hi = tl.load(key_rows + i_b * 3 + 2)
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1
     BH: tl.constexpr = BP // 2
@@ -118,7 +133,7 @@ def _pla_bwd_dq_kernel(
     for i_t in range(start // BT, tl.cdiv(end, BT)):
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < M
-        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, 0, 0, HAS_MASK * 2, STRICT, True)
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK, STRICT, True)
         # [BT, BK] weighted keys (w is 0 or 1; raw = unscaled, for the exact pair gathers), [BV, BT] values
         b_kr = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek), 0.0)
         b_kw = b_kr * key_scale
@@ -146,7 +161,7 @@ def _pla_bwd_dq_kernel(
     for i_t in range(0, tl.cdiv(T, BT)):
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
-        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, 0, 0, HAS_MASK * 2, STRICT, False)
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK, STRICT, False)
         # queries [BK, BT] (the read) and raw [BT, BK] (dq), keys [BT, BK] and [BK, BT], values [BV, BT]
         b_qtr = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt)
         b_qt = b_qtr * key_scale
@@ -199,10 +214,12 @@ def _pla_bwd_dq_kernel(
         b_dq += b_q * _dot(b_gs, b_hd, SDOT, EMULATE, PRECISION)
         b_dq += _pair_scatter(_dot(b_gs, b_hoa, SDOT, EMULATE, PRECISION),
                               _select(b_qr, b_eia, DOT, EMULATE) * key_scale,
-                              _select(b_qr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION)
+                              _select(b_qr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION,
+                              True)
         b_dq += _pair_scatter(_dot(b_gs, b_hob, SDOT, EMULATE, PRECISION),
                               _select(b_qr, b_eib, DOT, EMULATE) * key_scale,
-                              _select(b_qr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION)
+                              _select(b_qr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION,
+                              True)
         # intra-chunk: dw_ij = G_i . [gamma**(i - j) v_j, 1], ds_ij = dw_ij (1 + s_ij). [BT queries, BT keys]
         b_s = _dot(b_q, b_kt, DOT, EMULATE, PRECISION)
         b_dw = _dot(b_g, b_vt, DOT, EMULATE, PRECISION)
@@ -231,28 +248,43 @@ def _pla_bwd_dq_kernel(
 
 
 @triton.jit
-def _key_grads(b_k, b_v, b_w, b_kd, b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT: tl.constexpr, BK: tl.constexpr,
-               HAS_DECAY: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
-    """(dv [BT, BV], dk' [BT, BK]) of keys through the reverse state R (queries after them and dS), times w.
+def _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_kd, b_r0, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz,
+               b_eia, b_eja, b_eita, b_ejta, b_eib, b_ejb, b_eitb, b_ejtb,
+               HAS_DECAY: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """(dv^T [BV, BT], dk' [BT, BK]) of keys through the reverse state R (queries after them and dS), times w.
 
-    With HAS_DECAY the numerator path is scaled by b_kd [BT] = gamma**(L - 1 - p), the decay from the key to the
-    chunk's end, where R is anchored; the denominator path (rz*) has no decay.
+    b_kr [BT, BK] / b_ktr [BK, BT]: the raw (unscaled) keys, zero where masked; R transposed ([BV, features]) and
+    symmetric like the forward state. With HAS_DECAY the numerator path is scaled by b_kd [BT] = gamma**(L - 1 - p),
+    the decay from the key to the chunk's end, where R is anchored; the denominator path (rz1, Rz) has no decay.
     """
-    b_k2 = _outer(b_k, BT, BK)
-    b_dv = b_r0[None, :] + _dot(b_k, b_r1, SDOT, EMULATE, PRECISION) + 0.5 * _dot(b_k2, b_r2, SDOT, EMULATE, PRECISION)
+    b_k = b_kr * key_scale
+    b_kt = b_ktr * key_scale
+    # dv^T = R^T phi(k')^T [BV, BT]: the state is the A operand, as in the forward's read
+    b_dvt = b_r0[:, None] + _dot(b_r1, b_kt, SDOT, EMULATE, PRECISION)
+    b_dvt += _dot(b_rd, 0.5 * (b_kt * b_kt), SDOT, EMULATE, PRECISION)
+    b_dvt += _dot(b_roa, _pair_features_t(b_ktr, b_eita, b_ejta, key_scale, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+    b_dvt += _dot(b_rob, _pair_features_t(b_ktr, b_eitb, b_ejtb, key_scale, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+    # dk' = R1 v + k' * (Rd v) + the pairs' u = Ro v scattered + rz1 + Rz k'. [BT, BK]
     b_vd = b_v * b_kd[:, None] if HAS_DECAY else b_v
-    b_dk = _dot(b_vd, tl.trans(b_r1), SDOT, EMULATE, PRECISION) + b_rz1[None, :]
-    b_p = _dot(b_vd, tl.trans(b_r2), SDOT, EMULATE, PRECISION) + b_rz2[None, :]  # [BT, BK * BK]
-    b_dk += _sym_contract(b_p, b_k, BT, BK)
-    b_wf = b_w.to(tl.float32)[:, None]
+    b_dk = _dot(b_vd, b_r1, SDOT, EMULATE, PRECISION) + b_rz1[None, :] + _dot_fp32(b_k, b_rzz)
+    b_dk += b_k * _dot(b_vd, b_rd, SDOT, EMULATE, PRECISION)
+    b_dk += _pair_scatter(_dot(b_vd, b_roa, SDOT, EMULATE, PRECISION),
+                          _select(b_kr, b_eia, DOT, EMULATE) * key_scale,
+                          _select(b_kr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION,
+                          False)
+    b_dk += _pair_scatter(_dot(b_vd, b_rob, SDOT, EMULATE, PRECISION),
+                          _select(b_kr, b_eib, DOT, EMULATE) * key_scale,
+                          _select(b_kr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION,
+                          False)
     if HAS_DECAY:
-        b_dv = b_dv * b_kd[:, None]
-    return b_dv * b_wf, b_dk * b_wf
+        b_dvt = b_dvt * b_kd[None, :]
+    return b_dvt * b_w.to(tl.float32)[None, :], b_dk * b_w.to(tl.float32)[:, None]
 
 
 @triton.jit(do_not_specialize=["T", "M"])
 def _pla_bwd_dkv_kernel(
-    q, k, v, k_enc, v_enc, key_mask, enc_start, enc_end, rden, dcol, log_decay, gate, do, dstate,
+    q, k, v, k_enc, v_enc, key_mask, key_rows, enc_start, enc_end, rden, dcol, log_decay, gate, do, dstate,
     dk, dv, dk_enc, dv_enc, dstate_in,
     s_qb, s_qt, s_qh, s_qk,
     s_kb, s_kt, s_kh, s_kk,
@@ -263,44 +295,65 @@ def _pla_bwd_dkv_kernel(
     s_ob, s_ot, s_oh, s_ov,
     T, M, key_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_MASK: tl.constexpr, STRICT: tl.constexpr, HAS_DSTATE: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
+    MASK: tl.constexpr, STRICT: tl.constexpr, HAS_DSTATE: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """dk, dv (decoder), dk_enc, dv_enc (encoder range of the row) and d initial state, by a reverse scan."""
+    """dk, dv (decoder), dk_enc, dv_enc (encoder range of the row) and d initial state, by a reverse scan.
+
+    The reverse state is held as the forward kernel holds its state: symmetric 2nd order, transposed ([BV,
+    features]: the read dv^T = R^T phi(K)^T takes it as the A operand from registers), Rz [BK, BK] for the
+    denominator. The antisymmetric part of dS's 2nd-order blocks, which no key reads, is added by the launcher.
+    """
     i_bh = tl.program_id(0)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    # With a key mask the launcher runs the scan twice, MASK = 1 for the rows whose mask is one range [lo, hi)
+    # (padding), MASK = 2 for the others (the mask loaded per chunk); each launch skips the other's rows.
+    key_lo, key_hi = 0, 0
+    if MASK != 0:
+        is_range = tl.load(key_rows + i_b * 3)
+        if (MASK == 1 and is_range == 0) or (MASK == 2 and is_range != 0):
+            return
+        if MASK == 1:
+            key_lo = tl.load(key_rows + i_b * 3 + 1)
+            key_hi = tl.load(key_rows + i_b * 3 + 2)
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1
     SQRT2: tl.constexpr = 1.4142135623730951
+    BH: tl.constexpr = BP // 2
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = tl.arange(0, BV)
     m_v = o_v < V
-    o_k2 = tl.arange(0, BK * BK)
-    m_k2 = ((o_k2 // BK) < K) & ((o_k2 % BK) < K)
-    r_k2 = 1 + K + (o_k2 // BK) * K + (o_k2 % BK)
+    m_vk = m_v[:, None] & m_k[None, :]
+    m_kk = m_k[:, None] & m_k[None, :]
+    r_d = 1 + K + o_k * (K + 1)
+    r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
+    # the pair rows in two halves a, b of BH = BP / 2 (each product's pair operand half as large; _common)
+    m_pa, r_ija, r_jia, b_eia, b_eja, b_eita, b_ejta = _pair_index(tl.arange(0, BH), o_k, K)
+    m_pb, r_ijb, r_jib, b_eib, b_ejb, b_eitb, b_ejtb = _pair_index(BH + tl.arange(0, BH), o_k, K)
     p_m = key_mask + i_b * s_mb
     start = tl.load(enc_start + i_b)
     end = tl.load(enc_end + i_b)
     p_state = i_bh.to(tl.int64) * F * W
 
-    # Reverse state R = dS (in the kernel's convention: 2nd order times sqrt(2)); r* numerator, rz* denominator.
+    # Reverse state R = dS + sum phi(q) G^T (kernel convention: 2nd order times sqrt(2)), transposed and symmetric:
+    # r1 [BV, BK], diagonal rd [BV, BK] (read with 1/2), pair halves roa, rob [BV, BH] (R_ij + R_ji) / 2 (read with
+    # 1), denominators rz0, rz1 [BK] and the symmetric part of the 2nd-order block, Rz [BK, BK].
     b_r0 = tl.zeros([BV], dtype=tl.float32)
-    b_r1 = tl.zeros([BK, BV], dtype=tl.float32)
-    b_r2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+    b_r1 = tl.zeros([BV, BK], dtype=tl.float32)
+    b_rd = tl.zeros([BV, BK], dtype=tl.float32)
+    b_roa = tl.zeros([BV, BH], dtype=tl.float32)
+    b_rob = tl.zeros([BV, BH], dtype=tl.float32)
     b_rz0 = tl.zeros([1], dtype=tl.float32)
     b_rz1 = tl.zeros([BK], dtype=tl.float32)
-    b_rz2 = tl.zeros([BK * BK], dtype=tl.float32)
+    b_rzz = tl.zeros([BK, BK], dtype=tl.float32)
     if HAS_DSTATE:
-        p_s = dstate + p_state
-        b_r0 += tl.load(p_s + o_v, mask=m_v, other=0.0)
-        b_r1 += tl.load(p_s + (1 + o_k[:, None]) * W + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_r2 += tl.load(p_s + r_k2[:, None] * W + o_v[None, :], mask=m_k2[:, None] & m_v[None, :], other=0.0) * SQRT2
-        b_rz0 += tl.load(p_s + V + tl.zeros([1], dtype=tl.int32))
-        b_rz1 += tl.load(p_s + (1 + o_k) * W + V, mask=m_k, other=0.0)
-        b_rz2 += tl.load(p_s + r_k2 * W + V, mask=m_k2, other=0.0) * SQRT2
+        b_r0, b_r1, b_rd, b_roa, b_rob, b_rz0, b_rz1, b_rzz = _load_state_t(
+            dstate + p_state, o_k, m_k, o_v, m_v, r_d, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, K, V, W
+        )
+        b_rzz = 0.5 * (b_rzz + tl.trans(b_rzz))
 
     p_q = q + i_b * s_qb + i_h * s_qh
     p_k = k + i_b * s_kb + i_h * s_kh
@@ -319,58 +372,63 @@ def _pla_bwd_dkv_kernel(
         i_t = n_t - 1 - i_r
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
-        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, 0, 0, HAS_MASK * 2, STRICT, False)
-        b_q = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk) * key_scale  # [BT, BK]
-        b_k = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk) * key_scale, 0.0)
-        b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)  # [BT, BV]
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK, STRICT, False)
+        # queries [BT, BK] (raw, for the exact pair gathers, and scaled) and [BK, BT], raw keys [BT, BK] and
+        # [BK, BT], values [BT, BV], g^T [BV, BT]
+        b_qr = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk)
+        b_q = b_qr * key_scale
+        b_qt = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt) * key_scale
+        b_kr = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk), 0.0)
+        b_ktr = tl.where(b_raw[None, :], _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt), 0.0)
+        b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
         b_rden = tl.load(p_r + o_t * H, mask=m_t, other=0.0)
         b_c = tl.load(p_c + o_t * H, mask=m_t, other=0.0)
-        b_g = _tile(p_do, o_t, m_t, s_ot, o_v, m_v, s_ov) * b_rden[:, None]  # [BT, BV]
+        b_gt = _tile(p_do, o_v, m_v, s_ov, o_t, m_t, s_ot) * b_rden[None, :]
         if HAS_GATE:
-            b_g = b_g * tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)[:, None]
+            b_gt = b_gt * tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)[None, :]
         b_kd = tl.zeros([BT], dtype=tl.float32)
         if HAS_DECAY:
             b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
             b_kd = tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))  # [BT] gamma**(L - 1 - p)
 
         # through the reverse state (later queries, dS)
-        b_dv, b_dk = _key_grads(b_k, b_v, b_w, b_kd, b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT, BK, HAS_DECAY,
-                                SDOT, EMULATE, PRECISION)
-        # intra-chunk, transposed: row j = key, column i = query. [BT, BT]
-        b_st = _dot(b_k, tl.trans(b_q), DOT, EMULATE, PRECISION)
+        b_dvt, b_dk = _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_kd, b_r0, b_r1, b_rd, b_roa, b_rob, b_rz1,
+                                 b_rzz, b_eia, b_eja, b_eita, b_ejta, b_eib, b_ejb, b_eitb, b_ejtb,
+                                 HAS_DECAY, DOT, SDOT, EMULATE, PRECISION)
+        # intra-chunk. dv^T [BV, keys] += g^T a (a: [queries, keys]); dk from [keys, queries] tiles.
+        b_k = b_kr * key_scale
+        b_s = _dot(b_q, b_ktr * key_scale, DOT, EMULATE, PRECISION)
+        b_a = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :] & m_t[:, None], 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
+        b_st = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)
         b_keep = (o_c[:, None] <= o_c[None, :]) & b_w[:, None] & m_t[None, :]
-        b_at = tl.where(b_keep, 1.0 + b_st + 0.5 * b_st * b_st, 0.0)
-        b_dwt = _dot(b_v, tl.trans(b_g), DOT, EMULATE, PRECISION)
+        b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
         if HAS_DECAY:
-            b_gap = tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))  # gamma**(i - j)
-            b_dv += _dot(b_at * b_gap, b_g, DOT, EMULATE, PRECISION)
-            b_dwt = b_dwt * b_gap
+            b_dvt += _dot(b_gt, b_a * tl.exp(b_lg * tl.maximum(o_c[:, None] - o_c[None, :], 0).to(tl.float32)),
+                          DOT, EMULATE, PRECISION)
+            b_dwt = b_dwt * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))  # gamma**(i-j)
         else:
-            b_dv += _dot(b_at, b_g, DOT, EMULATE, PRECISION)
+            b_dvt += _dot(b_gt, b_a, DOT, EMULATE, PRECISION)
         b_dwt += b_c[None, :]
         b_dst = tl.where(b_keep, b_dwt * (1.0 + b_st), 0.0)
         b_dk += _dot(b_dst, b_q, DOT, EMULATE, PRECISION)
         b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
         tl.store(p_dk + o_t[:, None] * s_kt + o_k[None, :] * s_kk, (b_dk * key_scale).to(dk.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
-        tl.store(p_dv + o_t[:, None] * s_vt + o_v[None, :] * s_vv, b_dv.to(dv.dtype.element_ty),
-                 mask=m_t[:, None] & m_v[None, :])
+        tl.store(p_dv + o_t[None, :] * s_vt + o_v[:, None] * s_vv, b_dvt.to(dv.dtype.element_ty),
+                 mask=m_v[:, None] & m_t[None, :])
 
-        # R += phi(Q_c)^T G_c; decayed: R <- gamma**L R + sum_i gamma**(p_i + 1) phi(q_i) g_i
-        b_q2 = _outer(b_q, BT, BK)
+        # R += G_c^T phi(Q_c) (transposed, as the forward's state update); decayed: R <- gamma**L R + sum_i
+        # gamma**(p_i + 1) g_i phi(q_i)
         if HAS_DECAY:
-            b_gd = b_g * tl.exp(b_lg * (o_c + 1).to(tl.float32))[:, None]
-            b_chunk = tl.exp(b_lg * b_len)
-            b_r0 = b_r0 * b_chunk + tl.sum(b_gd, axis=0)
-            b_r1 = b_r1 * b_chunk + _dot(tl.trans(b_q), b_gd, DOT, EMULATE, PRECISION)
-            b_r2 = b_r2 * b_chunk + _dot(tl.trans(b_q2), b_gd, DOT, EMULATE, PRECISION)
-        else:
-            b_r0 += tl.sum(b_g, axis=0)
-            b_r1 += _dot(tl.trans(b_q), b_g, DOT, EMULATE, PRECISION)
-            b_r2 += _dot(tl.trans(b_q2), b_g, DOT, EMULATE, PRECISION)
+            b_gt = b_gt * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]
+            b_r0, b_r1, b_rd, b_roa, b_rob = _scale_state(b_r0, b_r1, b_rd, b_roa, b_rob, tl.exp(b_lg * b_len))
+        b_r0, b_r1, b_rd, b_roa, b_rob = _add_chunk_t(
+            b_r0, b_r1, b_rd, b_roa, b_rob, b_gt, b_q, b_qr, key_scale, b_eia, b_eja, b_eib, b_ejb,
+            DOT, EMULATE, PRECISION,
+        )
         b_rz0 += tl.sum(b_c)
         b_rz1 += tl.sum(b_q * b_c[:, None], axis=0)
-        b_rz2 += tl.sum(b_q2 * b_c[:, None], axis=0)
+        b_rzz += _dot_fp32(b_qt, b_q * b_c[:, None])
 
     # 2. The encoder keys of the row see every query: gradients through the complete R.
     p_ke = k_enc + i_b * s_keb + i_h * s_keh
@@ -380,28 +438,51 @@ def _pla_bwd_dkv_kernel(
     for i_t in range(start // BT, tl.cdiv(end, BT)):
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < M
-        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, 0, 0, HAS_MASK * 2, STRICT, True)
-        b_k = tl.where(b_raw[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek) * key_scale, 0.0)
+        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK, STRICT, True)
+        b_kr = tl.where(b_raw[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek), 0.0)
+        b_ktr = tl.where(b_raw[None, :], _tile(p_ke, o_k, m_k, s_kek, o_t, m_t, s_ket), 0.0)
         b_v = _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev)
-        b_dv, b_dk = _key_grads(b_k, b_v, b_w, b_w.to(tl.float32), b_r0, b_r1, b_r2, b_rz0, b_rz1, b_rz2, BT, BK,
-                                False, SDOT, EMULATE, PRECISION)
+        b_dvt, b_dk = _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_w.to(tl.float32), b_r0, b_r1, b_rd, b_roa,
+                                 b_rob, b_rz1, b_rzz, b_eia, b_eja, b_eita, b_ejta, b_eib, b_ejb, b_eitb, b_ejtb,
+                                 False, DOT, SDOT, EMULATE, PRECISION)
         b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
         tl.store(p_dke + o_t[:, None] * s_ket + o_k[None, :] * s_kek, (b_dk * key_scale).to(dk_enc.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
-        tl.store(p_dve + o_t[:, None] * s_vet + o_v[None, :] * s_vev, b_dv.to(dv_enc.dtype.element_ty),
-                 mask=m_t[:, None] & m_v[None, :])
+        tl.store(p_dve + o_t[None, :] * s_vet + o_v[:, None] * s_vev, b_dvt.to(dv_enc.dtype.element_ty),
+                 mask=m_v[:, None] & m_t[None, :])
 
-    # 3. d initial state = R, in the cache layout.
+    # 3. d initial state = R, in the cache layout (B, H, F, V + 1): the symmetric 2nd-order rows written to (i, j)
+    #    and (j, i); the launcher adds dS's antisymmetric part (`add_antisymmetric_part`).
     p_s = dstate_in + p_state
     tl.store(p_s + o_v, b_r0, mask=m_v)
-    tl.store(p_s + (1 + o_k[:, None]) * W + o_v[None, :], b_r1, mask=m_k[:, None] & m_v[None, :])
-    tl.store(p_s + r_k2[:, None] * W + o_v[None, :], b_r2 / SQRT2, mask=m_k2[:, None] & m_v[None, :])
+    tl.store(p_s + (1 + o_k[None, :]) * W + o_v[:, None], b_r1, mask=m_vk)
+    tl.store(p_s + r_d[None, :] * W + o_v[:, None], b_rd / SQRT2, mask=m_vk)
+    _store_pairs_t(p_s, b_roa, r_ija, r_jia, m_pa, o_v, m_v, W)
+    _store_pairs_t(p_s, b_rob, r_ijb, r_jib, m_pb, o_v, m_v, W)
     tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_rz0)
     tl.store(p_s + (1 + o_k) * W + V, b_rz1, mask=m_k)
-    tl.store(p_s + r_k2 * W + V, b_rz2 / SQRT2, mask=m_k2)
+    tl.store(p_s + r_kk * W + V, b_rzz / SQRT2, mask=m_kk)
 
 
 INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
+
+# Launch configs per GPU generation, (BT, num_warps) per scan, 1 stage, from benchmarks/kernel_aot.py
+# (docs/kernels.md); the first of each list is the one launched, the others are what kernel_aot.py also builds.
+# - sm_90: dq (16, 4) spills least ((32, 4) issues fewer instructions, with more spills); dk/dv (64, 4): with
+#   64 tokens and 4 warps each warp owns 16 whole rows, so the pair weights u = v Ro^T (wgmma, M = 64) feed the
+#   scatter's A operand straight from registers.
+# - other architectures (sm_80): at BT = 16 the dq scan builds to 32 registers; (32, 4) keeps 255 for both scans.
+# The interpreter (CPU tests) takes the "other" list.
+_ARCH_CONFIGS = {
+    "sm_90": {"dq": [(16, 4), (32, 4)], "dkv": [(64, 4), (32, 4), (64, 8)]},
+    "other": {"dq": [(32, 4), (16, 4)], "dkv": [(32, 4), (64, 4), (32, 8)]},
+}
+
+
+def configs_for_architecture(major: int) -> dict[str, list[tuple[int, int]]]:
+    """{"dq": [(BT, num_warps), ...], "dkv": [...]} for a GPU of compute capability `major`.x, the launched first."""
+    return _ARCH_CONFIGS["sm_90" if major == 9 else "other"]
+
 
 
 def _dense(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -438,7 +519,7 @@ def prefix_linear_attention_backward(
         strict: pad_masking == "strict".
         log_decay: `(H,)` log gamma of the Based decay (no gradient: the decay is fixed), or None.
         gate: `(B, T, H)` Based numerator gate, or None.
-        chunk_size: BT of both scans (default 16 for dq, 32 for dk/dv).
+        chunk_size: BT of both scans (default: the architecture's configs, `configs_for_architecture`).
 
     Returns:
         `(dq, dk, dv, dk_enc, dv_enc, d initial_state, d gate)` in the inputs' dtypes (fp32 for the state), None
@@ -454,11 +535,10 @@ def prefix_linear_attention_backward(
     # The kernels store each gradient with its input's strides: inputs whose layout empty_like cannot reproduce
     # (e.g. heads split from a fused projection) are copied once.
     q, k, v, k_enc, v_enc = _dense(q, k, v, k_enc, v_enc)
-    # Launch configs (benchmarks/kernel_aot.py, docs/kernels.md), 1 stage each. dq scan: BT = 16, 4 warps (against
-    # 32 / 8: about the same spills on sm_90, far fewer on sm_80, a lower issue estimate on both). dk/dv scan:
-    # BT = 32, 8 warps (half the spills and shared memory of BT = 64 at the same estimate). chunk_size sets both.
-    BT_DQ = chunk_size or 16
-    BT_DKV = chunk_size or 32
+    major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
+    (BT_DQ, warps_dq), (BT_DKV, warps_dkv) = (configs[0] for configs in configs_for_architecture(major).values())
+    if chunk_size is not None:
+        BT_DQ = BT_DKV = chunk_size
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, triton.next_power_of_2(V))
     BP = max(32, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))  # two halves of >= 16 pair rows (tl.dot)
@@ -483,24 +563,31 @@ def prefix_linear_attention_backward(
     state_in = dstate_in if initial_state is None else initial_state.contiguous()
     dstate = dstate_in if grad_state is None else grad_state.contiguous()
     grad_output = grad_output if grad_output.stride(-1) == 1 else grad_output.contiguous()
-    common = dict(H=H, K=K, V=V, BK=BK, BV=BV, HAS_MASK=key_mask is not None, STRICT=strict,
-                  HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **dot_types(q.dtype, INTERPRETED))
+    key_rows = rden if key_mask is None else _key_rows(key_mask)
+    common = dict(H=H, K=K, V=V, BK=BK, BV=BV, BP=BP, STRICT=strict, HAS_DECAY=log_decay is not None,
+                  HAS_GATE=gate is not None, num_stages=1, **dot_types(q.dtype, INTERPRETED))
     strides = (*q.stride(), *k.stride(), *v.stride(), *ke.stride(), *ve.stride(), *mask_strides,
                *grad_output.stride())
-    num_stages = 1
-    _pla_bwd_dq_kernel[(B * H,)](
-        q, k, v, ke, ve, mask, encoder_start, encoder_end, state_in, decay_in, gate_in, grad_output, dq, rden, dcol,
-        rden if dgate is None else dgate,
-        *strides, T, M, eps, K**-0.25, BT=BT_DQ, BP=BP, HAS_INITIAL_STATE=initial_state is not None, num_warps=4,
-        num_stages=num_stages, **common,
-    )
+    # A key mask takes two launches of each scan, as in the forward: the rows whose mask is one range, the others.
+    mask_kinds = (0,) if key_mask is None else (1, 2)
+    for mask_kind in mask_kinds:
+        _pla_bwd_dq_kernel[(B * H,)](
+            q, k, v, ke, ve, mask, key_rows, encoder_start, encoder_end, state_in, decay_in, gate_in, grad_output,
+            dq, rden, dcol, rden if dgate is None else dgate,
+            *strides, T, M, eps, K**-0.25, BT=BT_DQ, MASK=mask_kind, HAS_INITIAL_STATE=initial_state is not None,
+            num_warps=warps_dq, **common,
+        )
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
-    _pla_bwd_dkv_kernel[(B * H,)](
-        q, k, v, ke, ve, mask, encoder_start, encoder_end, rden, dcol, decay_in, gate_in, grad_output, dstate,
-        dk, dv, dke, dve, dstate_in,
-        *strides, T, M, K**-0.25, BT=BT_DKV, HAS_DSTATE=grad_state is not None, num_warps=4 if INTERPRETED else 8,
-        num_stages=num_stages, **common,
-    )
+    for mask_kind in mask_kinds:
+        _pla_bwd_dkv_kernel[(B * H,)](
+            q, k, v, ke, ve, mask, key_rows, encoder_start, encoder_end, rden, dcol, decay_in, gate_in, grad_output,
+            dstate, dk, dv, dke, dve, dstate_in,
+            *strides, T, M, K**-0.25, BT=BT_DKV, MASK=mask_kind, HAS_DSTATE=grad_state is not None,
+            num_warps=warps_dkv, **common,
+        )
+    if grad_state is not None and initial_state is not None:
+        # dS's antisymmetric 2nd-order part reaches the initial state unread (numerator decayed over the T tokens)
+        _add_antisymmetric_part(dstate_in, grad_state, log_decay, K, T, denominator=True)
     dgate = None if dgate is None else dgate.to(gate.dtype)
     return dq, dk, dv, dk_enc, dv_enc, (None if initial_state is None else dstate_in), dgate
 

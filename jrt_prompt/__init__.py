@@ -4,7 +4,7 @@ Text only: nothing here is part of the model (a converted folder ships none of i
 model's `"repeat"` prefix strategy uses, lives with the generation code and is re-exported here.
 """
 
-from modeling_jrt.generation import repeat_to_fill
+from modeling_jrt.prefix_fill import repeat_to_fill
 
 from .templates import (
     DOCUMENT_SEPARATOR,

@@ -13,7 +13,7 @@ vLLM never schedules, and a fixed window of W - 1 keys is what an O(1) model kee
 
 The JRT prefix (docs: README "Serve with vLLM"). The first forward of a request reads its whole prompt (chunked
 prefill is off for prefix models, `jrt_vllm.config`). A prompt of L < prefix_length tokens is filled in front, as
-`generate()` fills it (`prefix_strategy` of the folder's generation_config.json): "pad" prepends
+the transformers model's first forward fills it (`config.prefix_strategy`, `modeling_jrt.prefix_fill`): "pad" prepends
 `prefix_length - L` copies of `prefix_pad_token_id` (read by convolutions and sliding attention, removed from the
 linear attention as `prefix_pad_masking` says), "repeat" repeats the prompt, "none" adds nothing. The fill runs
 through every layer inside this forward and never reaches vLLM (no logits, no logprobs, not counted in the
@@ -42,7 +42,7 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from modeling_jrt.configuration_jrt import JRTRNNConfig
-from modeling_jrt.generation import DEFAULT_PREFIX_STRATEGY, PREFIX_STRATEGIES, never_generated_ids, repeat_to_fill
+from modeling_jrt.prefix_fill import check_prefix_strategy, never_generated_ids, repeat_to_fill
 from modeling_jrt.linear_attention import linear_attention_step, num_taylor_features, prefix_linear_attention
 from modeling_jrt.modeling_jrt import (
     JRTRNNLinearAttention,
@@ -423,20 +423,15 @@ class JRTModel(nn.Module):
 
 
 def _prefix_strategy(model_path: str, config: JRTRNNConfig) -> str:
-    """The folder's `prefix_strategy` (generation_config.json, as `generate()` reads it), else "pad"."""
+    """`config.prefix_strategy`, or the `prefix_strategy` of an older folder's generation_config.json (jrt-rnn 0.2
+    saved it there; `JRTRNNForCausalLM` reads it the same way)."""
     from transformers import GenerationConfig
 
     try:
-        generation_config = GenerationConfig.from_pretrained(model_path)
-    except OSError:  # no generation_config.json: generate() uses its default as well
-        return DEFAULT_PREFIX_STRATEGY
-    strategy = getattr(generation_config, "prefix_strategy", None) or DEFAULT_PREFIX_STRATEGY
-    if strategy not in PREFIX_STRATEGIES:
-        raise ValueError(
-            f"generation_config.json of {model_path} sets prefix_strategy={strategy!r}; allowed: "
-            f"{list(PREFIX_STRATEGIES)}."
-        )
-    return strategy
+        legacy = getattr(GenerationConfig.from_pretrained(model_path), "prefix_strategy", None)
+    except OSError:  # no generation_config.json
+        legacy = None
+    return check_prefix_strategy(config.prefix_strategy if legacy is None else legacy)
 
 
 class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
@@ -461,7 +456,7 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         if self.prefix_strategy == "pad" and config.prefix_pad_token_id is None:
             raise ValueError(
                 "prefix_strategy='pad' needs `prefix_pad_token_id` in config.json (220 in the released models), or "
-                "another prefix_strategy in generation_config.json."
+                "another `prefix_strategy` in config.json."
             )
         self.model = JRTModel(config, prefix=f"{prefix}.model" if prefix else "model")
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

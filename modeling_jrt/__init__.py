@@ -1,13 +1,14 @@
 """jrt-rnn: JRT-RNN (prefix linear attention) and Based models for HuggingFace Transformers.
 
 Importing this package registers `model_type = "jrt_rnn"` with `AutoConfig`, `AutoModel` and
-`AutoModelForCausalLM`. The package holds the model only (configuration, modeling, linear-attention ops, generation
-glue, the losses forward computes): it is what a saved folder ships as remote code. Training helpers are in
+`AutoModelForCausalLM`. The package holds the model only (configuration, modeling, its cache, the prefix fill,
+linear-attention ops, the losses forward computes): it is what a saved folder ships as remote code. Training helpers are in
 `jrt_train`, prompt builders in `jrt_prompt`.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .cache import JRTRNNCache
 from .configuration_jrt import JRTRNNConfig, default_layer_types
 from .linear_attention import (
     linear_attention_step,
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "IGNORE_INDEX",
+    "JRTRNNCache",
     "JRTRNNCausalLMOutput",
     "JRTRNNConfig",
     "JRTRNNForCausalLM",

@@ -11,6 +11,7 @@ LAYER_TYPES = ("conv", "sliding_attention", "linear_attention")
 LINEAR_ATTENTION_TYPES = ("prefix", "causal")
 PREFIX_PAD_MASKINGS = ("strict", "reference")
 LINEAR_ATTENTION_IMPLEMENTATIONS = ("auto", "chunked", "triton", "quadratic")
+PREFIX_STRATEGIES = ("pad", "repeat", "none")
 
 
 # Field checks run on construction and on load (`from_pretrained` builds the config through `__init__`), before
@@ -119,8 +120,11 @@ class JRTRNNConfig(PreTrainedConfig):
             map, so each pad still adds its value with weight 1, as the original code does). Batch padding
             (`attention_mask = 0`) is always removed entirely, so a left-padded row equals the row alone.
         prefix_pad_token_id: The token that fills a JRT prefix (GPT-2's " " = 220 in the reference): `generate()`'s
-            `"pad"` prefix strategy and the reference's loglikelihood scoring (`jrt_eval`) left-pad with it. How
-            `generate()` fills short prompts (`prefix_strategy`) is a generation default: `generation_config.json`.
+            `"pad"` prefix strategy and the reference's loglikelihood scoring (`jrt_eval`) left-pad with it.
+        prefix_strategy: How the first forward of a sequence fills a prompt shorter than `prefix_length`
+            (`modeling_jrt.prefix_fill`): `"pad"` (the reference protocol: `prefix_pad_token_id` before the prompt,
+            ignored by the linear attention), `"repeat"` (the prompt repeated before itself) or `"none"`. Per call:
+            `forward(prefix_strategy=...)` / `generate(prefix_strategy=...)`.
         linear_attention_decay: Fixed per-head decay `gamma_h = 1 - 2**(decay_const - h)` of the numerator state
             (based-360M-30B). Only with `linear_attention_type="causal"`.
         decay_const: Exponent offset of the fixed decay (-3 in the released model).
@@ -162,6 +166,7 @@ class JRTRNNConfig(PreTrainedConfig):
     prefix_length: int = 1024
     prefix_pad_masking: str = "strict"
     prefix_pad_token_id: int | None = 220
+    prefix_strategy: str = "pad"
     linear_attention_decay: bool = False
     decay_const: float = -3.0
     use_decay_proj: bool = False
@@ -241,6 +246,7 @@ class JRTRNNConfig(PreTrainedConfig):
             )
         _check_choice("linear_attention_type", self.linear_attention_type, LINEAR_ATTENTION_TYPES)
         _check_choice("prefix_pad_masking", self.prefix_pad_masking, PREFIX_PAD_MASKINGS)
+        _check_choice("prefix_strategy", self.prefix_strategy, PREFIX_STRATEGIES)
         _check_choice(
             "linear_attention_implementation", self.linear_attention_implementation, LINEAR_ATTENTION_IMPLEMENTATIONS
         )

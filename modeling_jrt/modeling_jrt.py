@@ -21,51 +21,26 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import (
-    Cache,
-    DynamicCache,
-    DynamicSlidingWindowLayer,
-    LinearAttentionCacheLayerMixin,
-)
-from transformers.generation import (
-    BaseStreamer,
-    GenerationConfig,
-    GenerationMixin,
-    LogitsProcessorList,
-)
-from transformers.generation.utils import GenerateOutput
-from transformers.masking_utils import create_recurrent_attention_mask, create_sliding_window_causal_mask
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import can_return_tuple, logging
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .cache import JRTRNNCache, JRTRNNPrefixRecord
+from .compat import CACHE_FIELD, add_cache_alias, keep_last_logits, model_output
 from .configuration_jrt import JRTRNNConfig
-from .generation import (
-    CallerView,
-    CallerViewLogitsProcessor,
-    align_linear_attention_mask,
-    cache_has_state,
-    DEFAULT_PREFIX_STRATEGY,
-    cached_prompt,
-    chunked_prefill,
-    generate_with_prefix,
-    never_generated_ids,
-)
 from .linear_attention import linear_attention_step, prefix_linear_attention
+from .loss import IGNORE_INDEX, ignore_prefix_targets, jrt_loss
+from .prefix_fill import check_prefix_strategy, fill_prefix, never_generated_ids
 from .sliding_window import BLOCKED_IMPLEMENTATIONS, blocked_sliding_window_attention
-from .loss import ignore_prefix_targets, jrt_loss
-
-if TYPE_CHECKING:
-    from torch.nn.attention.flex_attention import BlockMask
 
 logger = logging.get_logger(__name__)
 
@@ -136,7 +111,6 @@ class JRTRNNRotaryEmbedding(nn.Module):
     def __init__(self, config: JRTRNNConfig):
         super().__init__()
         self.config = config
-        self.inv_freq = nn.Buffer(self.compute_inv_freq(config), persistent=False)
 
     @staticmethod
     def compute_inv_freq(config: JRTRNNConfig) -> torch.Tensor:
@@ -146,7 +120,9 @@ class JRTRNNRotaryEmbedding(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids (B, T) -> cos, sin (B, T, head_dim) in x's dtype, computed in fp32."""
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float32)
+        # Computed per call (a few dozen floats): no buffer to restore after meta-device loading.
+        inv_freq = self.compute_inv_freq(self.config).to(x.device)
+        freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
@@ -191,7 +167,7 @@ class JRTRNNShortConv(nn.Module):
         c = causal depthwise conv_K(u)          tap K-1 multiplies u_t, tap 0 multiplies u_{t-K+1}
         y = out_proj(SiLU(c) * g)
 
-    Cache: the last K inputs u of the convolution (a `"conv"` layer of transformers' cache).
+    Cache: the last K - 1 inputs u of the convolution (`JRTRNNConvState`).
     """
 
     def __init__(self, config: JRTRNNConfig, layer_idx: int):
@@ -216,13 +192,10 @@ class JRTRNNShortConv(nn.Module):
 
         During inference a long input goes through in token chunks (`inference_chunk_rows`), each chunk's convolution
         reading the last K - 1 inputs before it (through the cache, or carried here without one), so that no
-        `(B, T, 2 * D)` intermediate is built; the result equals the one-pass forward. A cache that records its whole
-        past (`record_past`) keeps the one-pass forward, as chunking it would copy the growing past per chunk."""
+        `(B, T, 2 * D)` intermediate is built; the result equals the one-pass forward."""
         batch_size, seq_len = hidden_states.shape[:2]
         mask = None if attention_mask is None else attention_mask[:, -seq_len:]  # (B, T)
         chunk = inference_chunk_rows(seq_len, batch_size * 2 * self.inner_size)
-        if chunk is not None and cache is not None and getattr(cache.layers[self.layer_idx], "record_past", False):
-            chunk = None
         if chunk is None:
             return self._mix(hidden_states, mask, cache, None)[0]
         output = None
@@ -256,7 +229,7 @@ class JRTRNNShortConv(nn.Module):
         conv_input = conv_input.transpose(1, 2)  # (B, D, t)
         # 3. Causal depthwise convolution over [earlier inputs, new inputs]; the cache keeps the last K inputs.
         if cache is not None:
-            conv_input = cache.update_conv_state(conv_input, self.layer_idx, conv_kernel_size=self.kernel_size)
+            conv_input = cache.layers[self.layer_idx].update(conv_input)
         elif past_inputs is not None:
             conv_input = torch.cat([past_inputs, conv_input], dim=-1)
         conv_output = F.conv1d(
@@ -272,11 +245,12 @@ class JRTRNNSlidingWindowAttention(nn.Module):
 
     The reference's fused `Wqkv` is split into `q_proj`, `k_proj`, `v_proj` (rows q | k | v) by the converter.
 
-    Two paths, picked by the mask `JRTRNNModel.forward` hands over:
-    - a 2D key padding mask `(B, T_total)` or None, with the `"eager"` or `"sdpa"` implementation: the blocked
-      O(T * W) attention of `sliding_window.py` (prefill, chunked prefill, training);
-    - anything else (the small 4D mask of a decode step, a static cache's prepared mask, a flash-attention padding
-      mask, a flex `BlockMask`): the implementation transformers registers under `config._attn_implementation`.
+    The layer gets the padding mask of this forward's tokens only; the cache (`JRTRNNSlidingWindowState`) keeps the
+    last `W - 1` keys with their own padding flags. With the `"eager"` or `"sdpa"` implementation the attention is
+    the blocked O(T * W) form of `sliding_window.py` for prefill and decode alike; any other implementation
+    registered with transformers (`config._attn_implementation`, e.g. flash attention) gets the `(B, S)` key padding
+    mask and the window through `ALL_ATTENTION_FUNCTIONS`. Returning the attention weights (`output_attentions`)
+    runs the eager form with a full `(B, 1, T, S)` mask: weights are quadratic by nature.
     """
 
     def __init__(self, config: JRTRNNConfig, layer_idx: int):
@@ -299,10 +273,13 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
+        cache: JRTRNNCache | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states (B, T, hidden); attention_mask (B, T) padding of these tokens (0) or None -> (B, T, hidden)
+        and the attention weights (B, H, T, S) when `output_attentions`, else None."""
         batch_size, seq_len, _ = hidden_states.shape
         hidden_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
         # 1. Projections and RoPE.
@@ -311,90 +288,43 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        # 2. The cached window goes in front of the new keys.
+        # 2. The cached window (and its padding flags) goes in front of the new keys.
+        key_mask = None if attention_mask is None else attention_mask.bool()  # (B, T)
         if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)  # (B, H, S, D): cached window + new tokens
-        # 3. Attention: blocked for a padding mask, the registered implementation otherwise.
+            key, value, key_mask = cache.layers[self.layer_idx].update(key, value, key_mask)  # (B, H, S, D), (B, S)
+        # 3. Attention.
         implementation = self.config._attn_implementation
-        if implementation in BLOCKED_IMPLEMENTATIONS and (attention_mask is None or attention_mask.dim() == 2):
+        if output_attentions:
+            mask = sliding_window_additive_mask(key_mask, seq_len, key.shape[2], self.sliding_window, query.dtype)
+            output, weights = eager_attention_forward(self, query, key, value, mask, scaling=self.scaling)
+            return self.o_proj(output.reshape(batch_size, seq_len, -1)), weights
+        if implementation in BLOCKED_IMPLEMENTATIONS:
             output = blocked_sliding_window_attention(
-                query, key, value, _key_padding_mask(attention_mask, key.shape[2]),
+                query, key, value, key_mask,
                 sliding_window=self.sliding_window, scaling=self.scaling, implementation=implementation,
             )  # (B, T, H, D)
             return self.o_proj(output.reshape(batch_size, seq_len, -1)), None
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        output, weights = attention_interface(
-            self, query, key, value, attention_mask,
+        output, _ = attention_interface(
+            self, query, key, value, None if key_mask is None else key_mask.long(),
             dropout=0.0, scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
-        )  # (B, T, H, D); weights (B, H, T, S) with eager attention, else None
-        return self.o_proj(output.reshape(batch_size, seq_len, -1)), weights
+        )  # (B, T, H, D)
+        return self.o_proj(output.reshape(batch_size, seq_len, -1)), None
 
 
-class JRTRNNSlidingWindowCacheLayer(DynamicSlidingWindowLayer):
-    """transformers' dynamic sliding-window cache layer, made correct for `sliding_window = 1`.
-
-    The parent keeps the last `sliding_window - 1` keys with `keys[:, :, -sliding_window + 1:]`, and for a window
-    of 1 that slice is `[-0:]`, i.e. every key: the cache grows without bound while its mask sizes
-    (`get_mask_sizes`) still assume an empty window, so a decode step attended to every past token and cached decode
-    differed from the parallel forward. This layer keeps exactly `max(sliding_window - 1, 0)` keys for every window.
-    """
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """key/value states `(B, H, T, D)` -> the cached window plus the new states `(B, H, S, D)`."""
-        if self.record_past:  # assisted decoding keeps everything until `crop` (never used by JRT-RNN)
-            return super().update(key_states, value_states, *args, **kwargs)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.cumulative_length += key_states.shape[-2]
-        full_keys = torch.cat([self.keys, key_states], dim=-2) if self.keys.numel() else key_states
-        full_values = torch.cat([self.values, value_states], dim=-2) if self.values.numel() else value_states
-        start = max(full_keys.shape[-2] - (self.sliding_window - 1), 0)
-        self.keys, self.values = full_keys[:, :, start:], full_values[:, :, start:]
-        return full_keys, full_values
-
-
-def use_exact_sliding_window_layers(cache: Cache) -> None:
-    """Make every dynamic sliding-window layer of `cache` a `JRTRNNSlidingWindowCacheLayer` (in place).
-
-    Caches are built by transformers (`generate()`, `DynamicCache(config=...)`) from `config.layer_types`, so the
-    layer class cannot be chosen at construction; the class is switched on the model's first use of the cache. The
-    subclass adds no state, so the switch keeps whatever the layer holds.
-    """
-    for layer in cache.layers:
-        if type(layer) is DynamicSlidingWindowLayer:
-            layer.__class__ = JRTRNNSlidingWindowCacheLayer
-
-
-def _key_padding_mask(attention_mask: torch.Tensor | None, num_keys: int) -> torch.Tensor | None:
-    """The `(B, S)` bool padding mask of the S keys a sliding layer attends to (the last S tokens of the sequence),
-    from the `(B, T_total)` mask of the whole sequence."""
-    if attention_mask is None:
-        return None
-    if attention_mask.shape[1] < num_keys:
-        raise ValueError(
-            f"attention_mask covers {attention_mask.shape[1]} tokens but the sliding-window layer attends to "
-            f"{num_keys} (cached window + new tokens): pass the mask of the whole sequence, past tokens included."
-        )
-    return attention_mask[:, -num_keys:].bool()
-
-
-def read_linear_attention_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
-    """The (B, H, F, V + 1) fp32 state of a linear-attention layer, or None before its first forward.
-
-    Read the slot directly: `Cache.get_recurrent_state()` returns None for a layer without a conv state, which
-    would silently restart every decode step from an empty state.
-    """
-    if cache is None:
-        return None
-    layer = cache.layers[layer_idx]
-    return layer.recurrent_states[0] if layer.has_previous_state[0] else None
-
-
-def write_linear_attention_state(cache: Cache, layer_idx: int, state: torch.Tensor) -> None:
-    cache.update_recurrent_state(state, layer_idx)
-    cache.layers[layer_idx].has_previous_state[0] = True
+def sliding_window_additive_mask(
+    key_mask: torch.Tensor | None, query_length: int, key_length: int, sliding_window: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The `(B or 1, 1, T, S)` additive mask of T queries that are the last T of S keys: query i (at key position
+    `S - T + i`) sees keys `j` with `0 <= S - T + i - j < sliding_window` that are not padding."""
+    query_positions = torch.arange(key_length - query_length, key_length)[:, None]
+    key_positions = torch.arange(key_length)[None, :]
+    distance = query_positions - key_positions
+    allowed = ((distance >= 0) & (distance < sliding_window))[None, None]  # (1, 1, T, S)
+    if key_mask is not None:
+        allowed = allowed.to(key_mask.device) & key_mask[:, None, None, :]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 @dataclass
@@ -433,26 +363,15 @@ def prefix_encoder_range(
         batch_size, seq_len: B and T of the forward.
         device: where the range lives (the device of the hidden states).
     """
+    prefix_length = check_prefix_length(prefix_length, batch_size)
     if isinstance(prefix_length, torch.Tensor):
-        dtype = prefix_length.dtype
-        if prefix_length.shape != (batch_size,) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-            raise ValueError(
-                f"prefix_length must be an int or a (B,) = ({batch_size},) integer tensor of per-row prefix lengths; "
-                f"got a {prefix_length.dtype} tensor of shape {tuple(prefix_length.shape)}."
-            )
         lengths = prefix_length.to(device=device, dtype=torch.long)
-        if bool((lengths < 0).any()):
-            raise ValueError(f"prefix_length must be >= 0 in every row; got {lengths.tolist()}.")
-    elif isinstance(prefix_length, int) and not isinstance(prefix_length, bool):
-        if prefix_length < 0:
-            raise ValueError(f"prefix_length must be >= 0; got {prefix_length}.")
+    else:
         if attention_mask is None:  # the common case: no padding, no host sync
             length = min(prefix_length, seq_len)
             start = torch.zeros(batch_size, dtype=torch.long, device=device)
             return JRTRNNEncoderRange(start=start, end=start + length, length=length)
         lengths = torch.full((batch_size,), prefix_length, dtype=torch.long, device=device)
-    else:
-        raise TypeError(f"prefix_length must be an int or a (B,) LongTensor; got {type(prefix_length).__name__}.")
     if attention_mask is None:
         start = torch.zeros(batch_size, dtype=torch.long, device=device)
         real = torch.full((batch_size,), seq_len, dtype=torch.long, device=device)
@@ -461,7 +380,10 @@ def prefix_encoder_range(
         start = mask.long().argmax(-1)  # first real token; 0 for a row without any
         real = mask.sum(-1)
     end = start + torch.minimum(lengths, real)
-    return JRTRNNEncoderRange(start=start, end=end, length=int(end.max()) if batch_size > 0 else 0)
+    # Positions the encoder projections are computed for: the widest range, read from the data; under torch.compile
+    # every position (a static shape; the per-row ranges still select what each row reads).
+    length = seq_len if torch.compiler.is_compiling() else (int(end.max()) if batch_size > 0 else 0)
+    return JRTRNNEncoderRange(start=start, end=end, length=length)
 
 
 class JRTRNNLinearAttention(nn.Module):
@@ -507,7 +429,7 @@ class JRTRNNLinearAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
+        cache: JRTRNNCache | None = None,
         linear_attention_mask: torch.Tensor | None = None,
         encoder_range: JRTRNNEncoderRange | None = None,
         **kwargs,
@@ -522,7 +444,7 @@ class JRTRNNLinearAttention(nn.Module):
         value = self.v_proj(hidden_states).view(batch_size, seq_len, heads, self.head_dim)  # (B, T, H, V)
         gate = self.decay_proj(hidden_states) if self.config.use_decay_proj else None  # (B, T, H)
         log_decay = self.log_decay(hidden_states.device)
-        state = read_linear_attention_state(cache, self.layer_idx)
+        state = None if cache is None else cache.layers[self.layer_idx].state
 
         if state is not None and seq_len == 1:
             # 2a. Decode: one recurrent step.
@@ -560,7 +482,7 @@ class JRTRNNLinearAttention(nn.Module):
                 implementation=self.config.linear_attention_implementation,
             )
         if cache is not None:
-            write_linear_attention_state(cache, self.layer_idx, state)
+            cache.layers[self.layer_idx].state = state
         # 4. Merge heads, output projection.
         return self.o_proj(output.reshape(batch_size, seq_len, -1).to(hidden_states.dtype))
 
@@ -650,12 +572,11 @@ class JRTRNNPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["JRTRNNDecoderLayer"]
     _supports_sdpa = True
-    # Windowed kernels: the sliding layers pass `sliding_window` to transformers' flash-attention and flex-attention
-    # functions (through `ALL_ATTENTION_FUNCTIONS`), which build their own window from it.
+    # Windowed kernels: the sliding layers pass `sliding_window` and a (B, S) key padding mask to transformers'
+    # flash-attention functions (through `ALL_ATTENTION_FUNCTIONS`), which build their own window from it.
     _supports_flash_attn = True
-    _supports_flex_attn = True
-    # `torch.compile(model, fullgraph=True)` traces prefill without padding and every decode step (with or without
-    # padding). A left-padded prefill still graph-breaks on data-dependent checks in the linear-attention layer.
+    # `torch.compile(model, fullgraph=True)` traces a prefill (with the tokenizer's mask, left padding and the JRT fill)
+    # and every decode step (tests/modeling_jrt/test_compile.py).
     _can_compile_fullgraph = True
     _is_stateful = True  # the recurrent state cannot be rolled back: no assisted decoding
     # `output_hidden_states`: the input of the first block, then every block's output (the last one after the final
@@ -681,80 +602,82 @@ class JRTRNNPreTrainedModel(PreTrainedModel):
         }
         return super().save_pretrained(save_directory, *args, **kwargs)
 
-    @torch.no_grad()
-    def _init_weights(self, module: nn.Module) -> None:
-        """Every parameter and every derived buffer (from_pretrained builds on the meta device)."""
-        std = self.config.initializer_range
-        if isinstance(module, (nn.Linear, nn.Conv1d)):
-            init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, JRTRNNRMSNorm):
-            init.ones_(module.weight)
-        elif isinstance(module, JRTRNNRotaryEmbedding):
-            init.copy_(module.inv_freq, module.compute_inv_freq(module.config))
+
+def resolve_cache(cache: object, past_key_values: object, config: JRTRNNConfig) -> JRTRNNCache | None:
+    """The cache of a forward, from `cache=` or its older name `past_key_values=` (transformers < 5.24 passes the
+    latter). Only a `JRTRNNCache` of this model's layer types holds this model's state: anything else is refused with
+    the fix (a key/value cache such as PEFT prefix tuning's virtual tokens cannot feed recurrent layers)."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("Pass the cache once, as `cache=` or as `past_key_values=`, not both.")
+    cache = cache if cache is not None else past_key_values
+    if cache is None:
+        return None
+    if not isinstance(cache, JRTRNNCache):
+        raise ValueError(
+            f"The cache is a {type(cache).__name__}; this model keeps a constant-size recurrent state in a "
+            "`JRTRNNCache`: pass `JRTRNNCache(model.config)`, the cache a forward with `use_cache=True` returned, or "
+            "none. Methods that inject attention key/value prefixes, such as PEFT prefix tuning "
+            "(`PrefixTuningConfig`), cannot work with JRT-RNN / Based models; use prompt tuning "
+            "(`PromptTuningConfig`) or LoRA instead."
+        )
+    if cache.layer_types != list(config.layer_types):
+        raise ValueError(
+            f"The cache was built for layer types {cache.layer_types}, but this model has {list(config.layer_types)}: "
+            "pass `JRTRNNCache(model.config)`."
+        )
+    return cache
 
 
-def _check_cache_layout(cache: Cache | None, config: JRTRNNConfig) -> None:
-    """Every "conv" / "linear_attention" layer needs a recurrent-state slot in the cache. A key/value cache (such as
-    the one PEFT prefix tuning fills with virtual-token keys and values) has none: fail with the fix, not deep inside."""
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        return
-    for index, layer_type in enumerate(config.layer_types):
-        layer = layers[index] if index < len(layers) else None
-        if layer_type in ("conv", "linear_attention") and not isinstance(layer, LinearAttentionCacheLayerMixin):
-            raise ValueError(
-                f"The cache holds {type(layer).__name__} at layer {index}, a {layer_type!r} layer that keeps a "
-                "recurrent state: pass a cache built from this model's config (`DynamicCache(config=model.config)`) "
-                "or none. Methods that inject attention key/value prefixes, such as PEFT prefix tuning "
-                "(`PrefixTuningConfig`), cannot work with JRT-RNN / Based models; use prompt tuning "
-                "(`PromptTuningConfig`) or LoRA instead."
-            )
-
-
-def check_attention_mask(
-    attention_mask: torch.Tensor, batch_size: int, seq_len: int, cache: Cache | None, has_sliding: bool
-) -> None:
-    """Refuse a `(B, T_total)` padding mask that does not describe this forward's tokens.
-
-    Its width must be the cached length plus `seq_len` (the cached length is known exactly when the model has
-    sliding-window layers; a purely recurrent cache only bounds it below), and its values 0 or 1 (checked outside
-    decode steps): any other width or value used to change the logits silently (the layers read the trailing columns,
-    or weight tokens by the value).
-    """
+def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, seq_len: int, cache: JRTRNNCache | None) -> None:
+    """Refuse a padding mask that does not describe `(cached tokens + this forward's tokens)`: any other width or
+    value used to change the logits silently. Values are checked outside decode steps and torch.compile tracing (a
+    check reads the data: a device synchronisation per token)."""
     if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size:
         raise ValueError(
-            f"`attention_mask` must be (batch_size, past + seq_len) = ({batch_size}, ...), got shape "
+            f"`attention_mask` must be a 2D (batch_size, past + seq_len) = ({batch_size}, ...) padding mask, got shape "
             f"{tuple(attention_mask.shape)}."
         )
-    width = attention_mask.shape[1]
-    has_state = cache is not None and cache_has_state(cache)
-    if has_state and has_sliding:
-        expected = cache.get_seq_length() + seq_len
-        if width != expected:
-            raise ValueError(
-                f"`attention_mask` has {width} columns but the cache holds {expected - seq_len} tokens and the input "
-                f"{seq_len}: pass a mask over all {expected} tokens (cached and new)."
-            )
-    elif (width < seq_len) if has_state else (width != seq_len):
+    past = 0 if cache is None else cache.num_read
+    if attention_mask.shape[1] != past + seq_len:
         raise ValueError(
-            f"`attention_mask` has {width} columns but the input has {seq_len} tokens"
-            + (" (and the cache some more)" if has_state else "")
-            + ": pass one mask column per token."
+            f"`attention_mask` has {attention_mask.shape[1]} columns but the cache holds {past} tokens and the input "
+            f"{seq_len}: pass one mask column per token, cached and new ({past + seq_len})."
         )
-    # The values are checked when new tokens arrive in bulk; a decode step (one token after a checked prefill) skips
-    # the check, which would cost a device synchronisation per generated token.
-    is_decode_step = has_state and seq_len == 1
-    if is_decode_step or torch.compiler.is_compiling():
+    if (past > 0 and seq_len == 1) or torch.compiler.is_compiling():
         return
     if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
         raise ValueError(
             "`attention_mask` must hold only 0 (padding) and 1 (token); got other values. Pass a binary mask "
             "(`mask.ne(0).long()` if any nonzero value means a token)."
         )
+
+
+def check_inputs(
+    config: JRTRNNConfig, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
+) -> tuple[int, int]:
+    """(B, T) of the forward's input, after checking its shape at the model's door."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+    if input_ids is not None and input_ids.ndim != 2:
+        raise ValueError(f"`input_ids` must be (batch_size, seq_len) token ids, got shape {tuple(input_ids.shape)}.")
+    if inputs_embeds is not None and (inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != config.hidden_size):
+        raise ValueError(
+            f"`inputs_embeds` must be (batch_size, seq_len, hidden_size={config.hidden_size}), got shape "
+            f"{tuple(inputs_embeds.shape)}."
+        )
+    reference = input_ids if input_ids is not None else inputs_embeds
+    if reference.shape[1] == 0:
+        raise ValueError(
+            f"The input has 0 tokens (shape {tuple(reference.shape[:2])}): pass at least one token; "
+            "`generate()` without a prompt starts from `bos_token_id`."
+        )
+    return reference.shape[0], reference.shape[1]
+
+
+@add_cache_alias
+@dataclass
+class JRTRNNModelOutput(BaseModelOutputWithPast):
+    """`BaseModelOutputWithPast` (its cache field is `cache` on transformers >= 5.24, `past_key_values` before)."""
 
 
 class JRTRNNModel(JRTRNNPreTrainedModel):
@@ -769,155 +692,207 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def sliding_window_mask(
-        self,
-        inputs_embeds: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        cache: Cache | None,
-        position_ids: torch.Tensor,
-        output_attentions: bool = False,
-    ) -> torch.Tensor | BlockMask | None:
-        """The mask of the `sliding_attention` layers for this forward.
+    @property
+    def is_prefix_model(self) -> bool:
+        return self.config.linear_attention_type == "prefix" and "linear_attention" in self.config.layer_types
 
-        A multi-token forward with eager or SDPA attention and a dynamic (or no) cache gets the 2D padding mask
-        `(B, T_total)` itself (or None): the layers run the blocked O(T * W) attention and build only
-        `(block, block + W - 1)` masks. Everything else gets transformers' `create_sliding_window_causal_mask`: a
-        decode step (a `(B, 1, 1, <= W)` mask), a static cache (fixed-size buffers whose slots the mask tracks),
-        a custom 4D mask, flash attention (a 2D mask or None) and flex attention (a `BlockMask`), and a forward that
-        returns the attention weights (`output_attentions`: eager `(B, H, T, S)` weights are quadratic by nature).
-        """
-        blocked = (
-            self.config._attn_implementation in BLOCKED_IMPLEMENTATIONS
-            and inputs_embeds.shape[1] > 1
-            and (attention_mask is None or attention_mask.dim() == 2)
-            and (cache is None or not cache.is_compileable)
-            and not output_attentions
-        )
-        if blocked:
-            return attention_mask
-        return create_sliding_window_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
-
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
-    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | dict | None = None,
+        attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
+        cache: JRTRNNCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         linear_attention_mask: torch.Tensor | None = None,
         prefix_length: int | torch.LongTensor | None = None,
+        prompt_lengths: torch.LongTensor | None = None,
+        prefix_strategy: str | None = None,
+        prefix_pad_token_id: int | None = None,
+        past_key_values: JRTRNNCache | None = None,
+        return_dict: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> JRTRNNModelOutput | tuple:
         """
         Args:
             input_ids: `(B, T)` token ids (or `inputs_embeds` `(B, T, hidden)`).
-            attention_mask: `(B, T_total)` 1 for real tokens, 0 for padding (left padding), covering the cached tokens
-                too; or the per-layer-type dict of prepared masks that `generate()` passes with a static cache.
-            position_ids: `(B, T)` RoPE positions; default: counting on from the cached length.
-            cache: a transformers `Cache` built from `config.layer_types` (`past_key_values` is accepted as a
-                deprecated alias, as in transformers' own models).
-            use_cache: create a `DynamicCache` when none is given (default `config.use_cache` in eval mode, False in
-                training mode, so `Trainer(args=TrainingArguments(use_cache=True))` keeps `use_cache: true` in the
-                checkpoints it saves without building a cache per training step).
-            linear_attention_mask: `(B, T)` extra mask for the linear-attention layers only (0 = ignore the token as
-                a key, e.g. the pads of the JRT prefix that the other layers read as ordinary tokens). Inside a row's
-                encoder range these keys are removed as `config.prefix_pad_masking` says, elsewhere always.
-            prefix_length: the JRT prefix of this forward: an int, or a `(B,)` LongTensor of per-row prefix lengths,
-                counted from each row's first real token (after its left padding; with right padding the first real
-                token is position 0); default `config.prefix_length`. The encoder reads each row's first
-                `min(prefix_length_b, real tokens)` tokens, never padding, in the first forward of a sequence (a cache
-                without linear-attention state). So the outputs at positions `>= prefix_length_b - 1` of a row never
-                depend on later tokens.
+            attention_mask: `(B, past + T)` 1 for real tokens, 0 for padding (left or right), covering the cached
+                tokens too, as transformers' models take it.
+            position_ids: `(B, T)` RoPE positions; default: counting on from the positions the cache has read (the
+                JRT fill included). With a fill, the fill's positions count back from each row's first token.
+            cache: a `JRTRNNCache` to continue (`past_key_values=` is the same argument under its pre-5.24 name).
+            use_cache: create a `JRTRNNCache` when none is given (default `config.use_cache` in eval mode, False in
+                training mode).
+            linear_attention_mask: `(B, T)` extra mask for the linear-attention layers only (0 = ignore the token as a
+                key). Inside a row's encoder range these keys are removed as `config.prefix_pad_masking` says.
+            prefix_length: P, the JRT prefix of this forward: an int or a `(B,)` LongTensor per row; default
+                `config.prefix_length`.
+            prompt_lengths: `(B,)` the tokens of each row (from its first real token) that form its prompt; default:
+                all of them. The encoder reads `min(P, prompt)` of them in the first forward of a sequence (empty
+                cache), filled to P as `prefix_strategy` says when the prompt is shorter (`modeling_jrt.prefix_fill`);
+                outputs at a row's prompt positions may depend on the whole prompt, never on later tokens.
+            prefix_strategy: `"pad"`, `"repeat"` or `"none"`; default `config.prefix_strategy`.
+            prefix_pad_token_id: the fill token of `"pad"`; default `config.prefix_pad_token_id`.
             output_hidden_states, output_attentions, return_dict: (keywords) transformers' output capturing
-                (`_can_record_outputs`); `return_dict=False` returns a tuple.
+                (`_can_record_outputs`); `return_dict=False` returns a tuple. Hidden states and attentions cover the
+                caller's positions only, as everything else.
         """
-        _check_cache_layout(cache, self.config)
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        if inputs_embeds.shape[1] == 0:
-            raise ValueError(
-                f"The input has 0 tokens (shape {tuple(inputs_embeds.shape[:2])}): pass at least one token; "
-                "`generate()` without a prompt starts from `bos_token_id`."
-            )
+        config = self.config
+        cache = resolve_cache(cache, past_key_values, config)
+        batch_size, seq_len = check_inputs(config, input_ids, inputs_embeds)
         if use_cache is None:  # config.use_cache is the inference default: training builds no cache unless asked
-            use_cache = self.config.use_cache and not self.training
+            use_cache = config.use_cache and not self.training
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False
         if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        if cache is not None:
-            use_exact_sliding_window_layers(cache)
-        has_sliding = "sliding_attention" in self.config.layer_types
-        if isinstance(attention_mask, torch.Tensor):
-            check_attention_mask(attention_mask, inputs_embeds.shape[0], inputs_embeds.shape[1], cache, has_sliding)
+            cache = JRTRNNCache(config)
+        continuing = cache is not None and cache.has_state
+        if continuing and cache.num_rows != batch_size:
+            raise ValueError(
+                f"The cache holds {cache.num_rows} rows but the input has {batch_size}: continue with the same rows, "
+                "or reshape the cache first (`cache.batch_repeat_interleave(n)`, `cache.reorder_cache(rows)`)."
+            )
+        if attention_mask is not None:
+            check_attention_mask(attention_mask, batch_size, seq_len, cache)
+            attention_mask = attention_mask[:, -seq_len:]  # this forward's tokens (the cache keeps its own flags)
+        if linear_attention_mask is not None:
+            linear_attention_mask = linear_attention_mask[:, -seq_len:]
 
-        if position_ids is None:
-            past_length = cache.get_seq_length() if (cache is not None and has_sliding) else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
-            position_ids = position_ids.unsqueeze(0)
-
-        if isinstance(attention_mask, dict):
-            mask_mapping = attention_mask
-        else:
-            recurrent_mask = create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache)
-            mask_mapping = {"conv": recurrent_mask, "linear_attention": recurrent_mask}
-            if has_sliding:
-                mask_mapping["sliding_attention"] = self.sliding_window_mask(
-                    inputs_embeds, attention_mask, cache, position_ids,
-                    output_attentions=bool(kwargs.get("output_attentions", self.config.output_attentions)),
+        # 1. The first forward of a JRT sequence lays out each row's prefix (fill and encoder range).
+        fill_columns, encoder_range, record = 0, None, None
+        if self.is_prefix_model and not continuing:
+            strategy = check_prefix_strategy(config.prefix_strategy if prefix_strategy is None else prefix_strategy)
+            pad_id = config.prefix_pad_token_id if prefix_pad_token_id is None else prefix_pad_token_id
+            prefix_length = config.prefix_length if prefix_length is None else prefix_length
+            filled = fill_prefix(
+                input_ids, inputs_embeds, attention_mask,
+                prefix_length=check_prefix_length(prefix_length, batch_size),
+                prompt_lengths=prompt_lengths, strategy=strategy, pad_token_id=pad_id,
+                embed=self.embed_tokens, vocab_size=config.vocab_size,
+            )
+            fill_columns = filled.fill_columns
+            input_ids, inputs_embeds, attention_mask = filled.input_ids, filled.inputs_embeds, filled.attention_mask
+            if fill_columns and linear_attention_mask is not None:
+                linear_attention_mask = F.pad(linear_attention_mask, (fill_columns, 0), value=1)
+            if filled.linear_attention_mask is not None:
+                linear_attention_mask = (
+                    filled.linear_attention_mask if linear_attention_mask is None
+                    else filled.linear_attention_mask * linear_attention_mask
                 )
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if has_sliding else None
-        prefix_range = self.encoder_range(prefix_length, mask_mapping.get("linear_attention"), inputs_embeds, cache)
+            reference = input_ids if input_ids is not None else inputs_embeds
+            encoder_range = prefix_encoder_range(
+                filled.prefix_lengths, attention_mask, batch_size, reference.shape[1], reference.device
+            )
+            record = JRTRNNPrefixRecord(
+                fill_columns, filled.prompt_lengths, encoder_range.prefix_lengths, strategy, pad_id
+            )
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
 
+        # 2. RoPE positions: the model's own columns, counting on from what the cache has read; given positions
+        #    are the caller's (the fill counts back from each row's first token).
+        if position_ids is None:
+            past_positions = cache.num_positions if continuing else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_positions)[None]
+        elif fill_columns:
+            position_ids = filled.positions(position_ids.to(inputs_embeds.device))
+        has_sliding = "sliding_attention" in config.layer_types
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if has_sliding else None
+
+        # 3. The blocks, with output capturing (hidden states, attention weights), in the model's layout.
+        outputs = self.run_layers(
+            inputs_embeds, attention_mask=attention_mask, position_embeddings=position_embeddings, cache=cache,
+            linear_attention_mask=linear_attention_mask, encoder_range=encoder_range, return_dict=True, **kwargs,
+        )
+        if cache is not None:
+            cache.num_read += seq_len
+            cache.num_rows = batch_size
+            if record is not None:
+                cache.prefix = record
+
+        # 4. The caller's positions only: the fill columns never leave the model.
+        if fill_columns:
+            outputs.last_hidden_state = outputs.last_hidden_state[:, fill_columns:]
+            if outputs.hidden_states is not None:
+                outputs.hidden_states = tuple(h[:, fill_columns:] for h in outputs.hidden_states)
+            if outputs.attentions is not None:
+                outputs.attentions = tuple(a[:, :, fill_columns:] for a in outputs.attentions)
+        result = model_output(
+            JRTRNNModelOutput, cache, last_hidden_state=outputs.last_hidden_state,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+        )
+        return result if (return_dict if return_dict is not None else getattr(config, "return_dict", True)) else result.to_tuple()
+
+    @capture_outputs
+    def run_layers(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: JRTRNNCache | None,
+        linear_attention_mask: torch.Tensor | None,
+        encoder_range: JRTRNNEncoderRange | None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """The blocks and the final norm over `inputs_embeds` `(B, T', hidden)` in the model's layout (after the
+        fill); attention_mask `(B, T')` the padding of these tokens, or None."""
+        output_attentions = bool(kwargs.pop("output_attentions", None) or self.config.output_attentions)
         hidden_states = inputs_embeds.float()  # the residual stream stays fp32
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
-                attention_mask=mask_mapping.get(layer.layer_type),
+                attention_mask=attention_mask,
                 position_embeddings=position_embeddings,
                 cache=cache,
                 linear_attention_mask=linear_attention_mask,
-                encoder_range=prefix_range,
+                encoder_range=encoder_range,
+                output_attentions=output_attentions,
                 **kwargs,
             )
-        hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
-
-    def encoder_range(
-        self,
-        prefix_length: int | torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        inputs: torch.Tensor,
-        cache: Cache | None,
-    ) -> JRTRNNEncoderRange | None:
-        """The per-row encoder range of this forward, or None when the encoder reads nothing: a causal (Based)
-        model, or a cache whose linear-attention layers already hold the state of earlier tokens.
-
-        Args:
-            prefix_length: as in `forward` (None = `config.prefix_length`).
-            attention_mask: `(B, >= T)` padding mask whose last T columns cover this forward's tokens, or None.
-            inputs: `(B, T)` input ids or `(B, T, hidden)` embeddings of this forward (for B, T and the device).
-            cache: the cache this forward continues, or None.
-        """
-        config = self.config
-        if config.linear_attention_type != "prefix" or "linear_attention" not in config.layer_types:
-            return None
-        first_linear = config.layer_types.index("linear_attention")
-        if read_linear_attention_state(cache, first_linear) is not None:
-            return None
-        batch_size, seq_len = inputs.shape[:2]
-        prefix_length = config.prefix_length if prefix_length is None else prefix_length
-        return prefix_encoder_range(prefix_length, attention_mask, batch_size, seq_len, inputs.device)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
 
 
+def check_prefix_length(prefix_length: object, batch_size: int) -> int | torch.Tensor:
+    """An int >= 0 or a `(B,)` integer tensor of per-row lengths >= 0 (one rule for `forward` and the loss helpers)."""
+    if isinstance(prefix_length, torch.Tensor):
+        dtype = prefix_length.dtype
+        if prefix_length.shape != (batch_size,) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise ValueError(
+                f"prefix_length must be an int or a (B,) = ({batch_size},) integer tensor of per-row prefix lengths; "
+                f"got a {prefix_length.dtype} tensor of shape {tuple(prefix_length.shape)}."
+            )
+        if not torch.compiler.is_compiling() and bool((prefix_length < 0).any()):
+            raise ValueError(f"prefix_length must be >= 0 in every row; got {prefix_length.tolist()}.")
+        return prefix_length
+    if isinstance(prefix_length, int) and not isinstance(prefix_length, bool):
+        if prefix_length < 0:
+            raise ValueError(f"prefix_length must be >= 0; got {prefix_length}.")
+        return prefix_length
+    raise TypeError(f"prefix_length must be an int or a (B,) LongTensor; got {type(prefix_length).__name__}.")
+
+
+def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """`(B,)` prompt of each row of a training batch: the tokens before its first scored target (the first label
+    that is not -100 after the shift), counted from the row's first real token, so that the encoder never reads a
+    token it is scored on. A row whose first possible target is scored (`labels=input_ids`) keeps the default
+    (its whole length); so does a row without any scored target. None when no row has a leading ignored run."""
+    batch_size, length = labels.shape
+    start = torch.zeros(batch_size, dtype=torch.long, device=labels.device)
+    if attention_mask is not None:
+        start = attention_mask[:, -length:].to(labels.device).bool().long().argmax(-1)
+    columns = torch.arange(length, device=labels.device)[None]
+    scored = (labels != IGNORE_INDEX) & (columns > start[:, None])  # targets: label index >= first token + 1
+    first = torch.where(scored, columns, length).min(-1).values  # (B,) first scored label index, T if none
+    has_leading_ignored = (first > start + 1) & (first < length)
+    full = torch.full_like(first, length)
+    return torch.where(has_leading_ignored, first - start, full)
+
+
+@add_cache_alias
 @dataclass
 class JRTRNNCausalLMOutput(CausalLMOutputWithPast):
-    """`CausalLMOutputWithPast` plus the two parts of the JRT objective (set only when `mlm_labels` are given).
+    """`CausalLMOutputWithPast` plus the two parts of the JRT objective (set only when `mlm_labels` are given). Its
+    cache field is `cache` on transformers >= 5.24 and `past_key_values` before (the installed release's name).
 
     Args:
         ntp_loss: detached mean next-token cross-entropy of the batch.
@@ -930,6 +905,10 @@ class JRTRNNCausalLMOutput(CausalLMOutputWithPast):
 
 class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
     """JRT-RNN / Based language model: `JRTRNNModel` plus a (tied) LM head.
+
+    `generate()` is transformers' own `GenerationMixin.generate`: the model fills the JRT prefix in the first forward
+    of a sequence and keeps its state in a `JRTRNNCache`, so every decoding strategy, streamer, processor and
+    stopping criterion sees the caller's tokens only.
 
     Example:
         >>> from transformers import AutoModelForCausalLM
@@ -950,79 +929,90 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-        # Generation defaults, saved in generation_config.json: how short prompts fill the JRT prefix, and the ids
-        # never generated (padded vocabulary rows, [MASK]). Not a mere copy of the model config any more: without
-        # the flag, transformers would drop `prefix_strategy` when it loads the file.
-        self.generation_config.prefix_strategy = DEFAULT_PREFIX_STRATEGY
-        self.generation_config._from_model_config = False
-        if never_generated_ids(config):
-            self.generation_config.suppress_tokens = never_generated_ids(config)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
-    @can_return_tuple
+    @property
+    def generation_config(self) -> GenerationConfig | None:
+        """The generation defaults (`generation_config.json`). Ids the model must never generate (padded vocabulary
+        rows, [MASK]: `never_generated_ids`) are always among its `suppress_tokens`, also after `config` changed."""
+        generation_config = self.__dict__.get("jrt_generation_config")
+        if generation_config is not None:
+            missing = set(never_generated_ids(self.config)) - set(generation_config.suppress_tokens or [])
+            if missing:
+                generation_config.suppress_tokens = sorted(set(generation_config.suppress_tokens or []) | missing)
+            legacy = getattr(generation_config, "prefix_strategy", None)
+            if legacy is not None:  # saved by jrt-rnn 0.2: the default now lives in the model config
+                self.config.prefix_strategy = check_prefix_strategy(legacy)
+                delattr(generation_config, "prefix_strategy")
+                logger.warning_once(
+                    "`generation_config.prefix_strategy` moved to the model config: set `model.config.prefix_strategy` "
+                    f"(now {legacy!r}); a per-call `generate(prefix_strategy=...)` overrides it."
+                )
+        return generation_config
+
+    @generation_config.setter
+    def generation_config(self, value: GenerationConfig | None) -> None:
+        self.__dict__["jrt_generation_config"] = value
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | dict | None = None,
+        attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
+        cache: JRTRNNCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         linear_attention_mask: torch.Tensor | None = None,
         prefix_length: int | torch.LongTensor | None = None,
+        prompt_lengths: torch.LongTensor | None = None,
+        prefix_strategy: str | None = None,
+        prefix_pad_token_id: int | None = None,
+        past_key_values: JRTRNNCache | None = None,
+        return_dict: bool | None = None,
         **kwargs,
-    ) -> JRTRNNCausalLMOutput:
+    ) -> JRTRNNCausalLMOutput | tuple:
         """
         Args:
             labels: `(B, T)` token ids; the loss is the mean next-token cross-entropy (labels are shifted inside,
                 -100 is ignored), through `self.loss_function` so that `Trainer`'s `num_items_in_batch` applies.
-                Leak-free: a prefix (JRT) model ignores the targets its encoder read, i.e. the label at index j of a
-                row is not scored when j < the row's prefix end (its first real token + its prefix length), so the
-                loss is the cross-entropy over the targets after each row's prefix. (With `Trainer`, mask those labels
-                in the collator, e.g. with `jrt_train.ignore_prefix_targets`, so that its `num_items_in_batch` counts
-                only the scored targets.)
+                Leak-free: the prompt of a row ends at its first scored target (labels with a leading -100 run, as
+                completion-only fine-tuning builds them, make the prompt the prefix), and targets the encoder read
+                (inside each row's prefix) are never scored (`prompt_lengths_from_labels`, `ignore_prefix_targets`).
             mlm_labels: (keyword, through `**kwargs`) `(B, T)` masked-LM targets of the JRT objective, predicted at
                 their own position (-100 elsewhere), as `JRTDataCollator` builds them. With them the loss is
-                `NTP + config.mlm_weight * MLM` (see `modeling_jrt.loss`), with the labels as given. They travel in
-                `**kwargs`, like `shift_labels`, so that `Trainer` keeps `label_names == ["labels"]` and still
-                reports the loss of plain causal-LM evaluation batches. The collator's batches carry its
-                `prefix_length`; one that differs from `config.prefix_length` raises `ValueError`.
+                `NTP + config.mlm_weight * MLM` (see `modeling_jrt.loss`), with the labels as given.
             logits_to_keep: compute logits for the last `logits_to_keep` positions only (0 = all), or for the
-                positions a tensor selects (`transformers.modeling_utils.slice_logits_to_keep`).
-            Other arguments: see `JRTRNNModel.forward` (`output_hidden_states`, `output_attentions` and
-                `return_dict=False` as in transformers' models).
+                positions a tensor selects.
+            Other arguments: see `JRTRNNModel.forward`.
 
         Returns:
-            `JRTRNNCausalLMOutput` with `loss`, `logits` `(B, T, vocab_size)`, `cache`, and `ntp_loss` / `mlm_loss`
+            `JRTRNNCausalLMOutput` with `loss`, `logits` `(B, T, vocab_size)`, the cache, and `ntp_loss` / `mlm_loss`
             when `mlm_labels` are given.
         """
         mlm_labels = kwargs.pop("mlm_labels", None)
-        prefix_range = None  # the encoder range of this forward, for the loss
-        if labels is not None:
-            # The range reads the cache before `self.model` checks it: check it here (only then) for the same error.
-            _check_cache_layout(cache, self.config)
-            prefix_range = self.model.encoder_range(
-                prefix_length,
-                attention_mask if isinstance(attention_mask, torch.Tensor) else None,
-                input_ids if input_ids is not None else inputs_embeds,
-                cache,
-            )
         if mlm_labels is not None:
             self._check_jrt_objective_prefix(prefix_length)
+        if labels is not None and prompt_lengths is None and mlm_labels is None and self.model.is_prefix_model:
+            prompt_lengths = prompt_lengths_from_labels(labels, attention_mask)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache,
+            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             linear_attention_mask=linear_attention_mask,
             prefix_length=prefix_length,
-            **kwargs,
+            prompt_lengths=prompt_lengths,
+            prefix_strategy=prefix_strategy,
+            prefix_pad_token_id=prefix_pad_token_id,
+            return_dict=True,
+            **{k: v for k, v in kwargs.items() if k not in LOSS_KWARGS},
         )
-        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        model_cache = getattr(outputs, CACHE_FIELD)
+        logits = self.lm_head(keep_last_logits(outputs.last_hidden_state, logits_to_keep))
 
         loss = ntp_loss = mlm_loss = None
         if mlm_labels is not None:
@@ -1033,13 +1023,40 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
                 mlm_weight=self.config.mlm_weight, num_items_in_batch=kwargs.get("num_items_in_batch"),
             )
         elif labels is not None:
-            if prefix_range is not None:
-                labels, kwargs = self._ignore_encoder_targets(labels, prefix_range.end, kwargs)
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return JRTRNNCausalLMOutput(
-            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            prefix_end = self.encoder_end(labels, attention_mask, prompt_lengths, prefix_length, cache, past_key_values)
+            if prefix_end is not None:
+                labels, kwargs = self._ignore_encoder_targets(labels, prefix_end, kwargs)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                      **{k: v for k, v in kwargs.items() if k in LOSS_KWARGS})
+        result = model_output(
+            JRTRNNCausalLMOutput, model_cache, loss=loss, logits=logits, hidden_states=outputs.hidden_states,
             attentions=outputs.attentions, ntp_loss=ntp_loss, mlm_loss=mlm_loss,
         )
+        return result if (return_dict if return_dict is not None else getattr(self.config, "return_dict", True)) else result.to_tuple()
+
+    def encoder_end(
+        self,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        prompt_lengths: torch.Tensor | None,
+        prefix_length: int | torch.Tensor | None,
+        cache: object,
+        past_key_values: object,
+    ) -> torch.Tensor | None:
+        """`(B,)` label index where each row's encoder read ends, in the caller's columns (the targets before it are
+        never scored), or None when the encoder read nothing of these tokens (causal model, continued cache)."""
+        given = cache if cache is not None else past_key_values
+        if not self.model.is_prefix_model or (isinstance(given, JRTRNNCache) and given.has_state):
+            return None
+        batch_size, length = labels.shape
+        start = torch.zeros(batch_size, dtype=torch.long, device=labels.device)
+        tokens = torch.full((batch_size,), length, dtype=torch.long, device=labels.device)
+        if attention_mask is not None:
+            real = attention_mask[:, -length:].to(labels.device).bool()
+            start, tokens = real.long().argmax(-1), real.sum(-1)
+        prompt = tokens if prompt_lengths is None else torch.minimum(prompt_lengths.to(labels.device), tokens)
+        target = torch.as_tensor(self.config.prefix_length if prefix_length is None else prefix_length, device=labels.device)
+        return start + torch.minimum(prompt, target)
 
     def _ignore_encoder_targets(
         self, labels: torch.LongTensor, prefix_end: torch.Tensor, kwargs: dict
@@ -1070,70 +1087,6 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
                 "`JRTDataCollator.from_config(model.config)` (or give it the model's prefix_length)."
             )
 
-    def generate(
-        self,
-        inputs: torch.Tensor | None = None,
-        generation_config: GenerationConfig | None = None,
-        logits_processor: LogitsProcessorList | None = None,
-        streamer: BaseStreamer | None = None,
-        prefix_strategy: str | None = None,
-        prefix_pad_token_id: int | None = None,
-        **kwargs,
-    ) -> GenerateOutput | torch.LongTensor:
-        """`GenerationMixin.generate` with the JRT prefix handling of `generation.py`.
-
-        The prompt is read in parallel (prefix linear attention prefill), then tokens are decoded one by one from the
-        constant-size recurrent state. Prompts shorter than `prefix_length` are filled as `prefix_strategy` says; the
-        fill never appears in the returned sequences, the streamer or the scores. Every other argument is the
-        standard one. Ids `>= config.generation_vocab_size` and `config.mask_token_id` are never generated
-        (`suppress_tokens` of the generation config). transformers refuses assisted decoding for this stateful model
-        (`_is_stateful`: the recurrent state cannot be rolled back).
-
-        Args:
-            prefix_strategy: `"pad"` (left-pad with `prefix_pad_token_id` and mask the pads in the linear attention,
-                the reference protocol), `"repeat"` (fill the prefix by repeating the prompt) or `"none"` (the prompt
-                is the prefix); default: `generation_config.prefix_strategy` (saved in `generation_config.json`),
-                else `"pad"`.
-            prefix_pad_token_id: Fill token of `"pad"`; default `config.prefix_pad_token_id`.
-
-        Example:
-            >>> out = model.generate(**tokenizer(["Hello"], return_tensors="pt"), max_new_tokens=8,
-            ...                      prefix_strategy="repeat")
-        """
-        return generate_with_prefix(
-            self, super().generate, inputs, generation_config, logits_processor, streamer,
-            prefix_strategy, prefix_pad_token_id, kwargs,
-        )
-
-    def _get_logits_processor(self, *args, **kwargs) -> LogitsProcessorList:
-        """transformers' processors (built-in and the caller's), run on the caller's tokens when `generate()` filled
-        the JRT prefix: `repetition_penalty`, `no_repeat_ngram_size` and the like never see the fill."""
-        processors = super()._get_logits_processor(*args, **kwargs)
-        view = (kwargs.get("model_kwargs") or {}).get("caller_view")
-        if view is None or len(processors) == 0:
-            return processors
-        return LogitsProcessorList([CallerViewLogitsProcessor(processors, view)])
-
-    def _prefill(
-        self,
-        input_ids: torch.LongTensor,
-        generation_config: GenerationConfig,
-        model_kwargs: dict,
-        is_first_iteration: bool = True,
-    ):
-        """transformers' prefill; with `prefill_chunk_size`, the first chunk spans the JRT encoder region of every
-        row (left padding included), so that chunked and one-shot prefills read the same prefix (`chunked_prefill`)."""
-        cache = model_kwargs.get("cache")
-        if generation_config.prefill_chunk_size is None or cache is None:
-            return super()._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=is_first_iteration)
-        inputs_embeds = model_kwargs.get("inputs_embeds") if is_first_iteration else None
-        inputs = inputs_embeds if inputs_embeds is not None else input_ids
-        encoder_range = self.model.encoder_range(
-            model_kwargs.get("prefix_length"), model_kwargs.get("attention_mask"), inputs, cache
-        )
-        encoder_end = 0 if encoder_range is None or encoder_range.length == 0 else int(encoder_range.end.max())
-        return chunked_prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration, encoder_end)
-
     def prepare_inputs_for_generation(
         self,
         input_ids: torch.LongTensor,
@@ -1142,38 +1095,130 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         is_first_iteration: bool | None = False,
-        linear_attention_mask: torch.Tensor | None = None,
-        caller_view: CallerView | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
         **kwargs,
     ) -> dict:
-        """The standard inputs, plus the columns of the prompt's `linear_attention_mask` for the tokens of this
-        forward (the whole sequence without a cache, nothing for a decode step).
+        """The inputs of one forward of `generate()` (transformers' public hook; nothing else is overridden).
 
-        `caller_view` (set by `generate()` when it fills the prefix) is for the logits processors only, never an
-        input. A cache whose layers are all recurrent has no sequence length for `GenerationMixin` to skip the tokens
-        it has read; `generate()` records them on the cache (`CachedPrompt`), and only the new ones are fed here.
+        - The model keeps its state in a `JRTRNNCache`. A cache that transformers built for the call (from
+          `cache_implementation`, or the default one) holds nothing of this model's: the first forward gets a fresh
+          `JRTRNNCache` instead, and `generate()` carries the returned one on.
+        - Only the tokens the cache has not read are fed (`cache.get_seq_length()` counts the caller's columns).
+        - RoPE positions are the model's own (the columns it has read, the JRT fill included): the `position_ids`
+          that `generate()` derives from the attention mask are not forwarded (RoPE sees relative positions only, so
+          a row's padding never changes what it computes).
+        - `generate(use_cache=False)` recomputes the whole sequence each step. The first forward still returns a
+          cache: the record of each row's prompt (`JRTRNNPrefixRecord`), so that every later forward reads the same
+          prefix (fill included) and never lets the encoder read a generated token.
+        - `prefill_chunk_size`: a first chunk that does not hold every row's prompt up to `prefix_length` is kept,
+          and read again with the next chunk as one first forward (`JRTRNNCache.pending_prefill`), so chunked and
+          one-shot prefills read the same prefix.
         """
-        record = cached_prompt(cache)
-        if next_sequence_length is None and is_first_iteration and record is not None and cache_has_state(cache):
-            next_sequence_length = (input_ids if inputs_embeds is None else inputs_embeds).shape[1] - record.num_read
-        model_inputs = super().prepare_inputs_for_generation(
-            input_ids,
-            next_sequence_length=next_sequence_length,
-            cache=cache,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            is_first_iteration=is_first_iteration,
-            **kwargs,
-        )
-        if linear_attention_mask is not None:
-            reads_embeds = model_inputs.get("inputs_embeds") is not None
-            total_length = inputs_embeds.shape[1] if reads_embeds else input_ids.shape[1]
-            input_length = model_inputs["inputs_embeds" if reads_embeds else "input_ids"].shape[1]
-            aligned = align_linear_attention_mask(linear_attention_mask, total_length, input_length)
-            if aligned is not None:
-                model_inputs["linear_attention_mask"] = aligned
+        # `cache=` and `past_key_values=` both reach here when a caller names the cache the other release's way;
+        # generate() then measured `next_sequence_length` against its own (empty) cache: slice by our count instead.
+        if isinstance(cache, JRTRNNCache) and past_key_values is not None and past_key_values is not cache:
+            next_sequence_length = next_sequence_length if next_sequence_length == 1 else None
+        elif isinstance(past_key_values, JRTRNNCache) and cache is not None and cache is not past_key_values:
+            cache, next_sequence_length = past_key_values, (next_sequence_length if next_sequence_length == 1 else None)
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and not isinstance(cache, JRTRNNCache):
+            if cache_is_static(cache):
+                logger.warning_once(
+                    f"generate() built a {type(cache).__name__} (`cache_implementation`); JRT-RNN / Based keep a "
+                    "constant-size `JRTRNNCache` of their own instead (the recurrent state and a window of "
+                    "`sliding_window - 1` keys), which is what this generation uses."
+                )
+            cache = None
+        reads_embeds = inputs_embeds is not None and (is_first_iteration or cache is None or not cache.has_state)
+        sequence = inputs_embeds if reads_embeds else input_ids
+        total = sequence.shape[1]
+        model_inputs: dict = {}
+
+        if use_cache is False:
+            # Uncached generation: one record-keeping cache from the first forward, then full recomputes.
+            if cache is None:
+                model_inputs.update(use_cache=True)
+            else:
+                record = cache.prefix
+                model_inputs.update(use_cache=False)
+                if record is not None:
+                    model_inputs.update(prompt_lengths=record.prompt_lengths, prefix_strategy=record.strategy,
+                                        prefix_pad_token_id=record.pad_token_id)
+                    kwargs.pop("prefix_strategy", None), kwargs.pop("prefix_pad_token_id", None)
+            new = sequence
+            mask = attention_mask
+            forward_cache = None
+        else:
+            if cache is None:
+                cache = JRTRNNCache(self.config)
+            forward_cache = cache
+            read = cache.num_read
+            mask_width = attention_mask.shape[1] if attention_mask is not None else None
+            if reads_embeds:  # embeddings are always the full sequence: the columns the mask covers, minus the read
+                new = sequence[:, read : mask_width or total]
+            elif next_sequence_length is not None:  # generate() knows (a decode step, or a prefill on our cache)
+                new = sequence[:, total - next_sequence_length :]
+            elif (total == mask_width) if mask_width is not None else (total > read):
+                new = sequence[:, read:]  # the full sequence: skip what the cache holds
+            else:
+                new = sequence  # only the new tokens (a prefill chunk, or new tokens with the full mask)
+            mask = attention_mask
+            # Fewer columns than the cache read: generate() says so by a length <= 0, a mask by its width.
+            short = next_sequence_length != 1 and (
+                (next_sequence_length is not None and next_sequence_length <= 0)
+                or (mask_width is not None and mask_width <= read)
+            )
+            width = total if mask_width is None else mask_width
+            if read and not reads_embeds and short:
+                raise ValueError(
+                    f"This cache has read {read} tokens, but `input_ids` has {width}: continue with the full "
+                    "sequence (the tokens the cache read, then the new ones), or generate from a fresh cache."
+                )
+            if not read and next_sequence_length is not None and attention_mask is not None:
+                check_left_padding(attention_mask)
+            if next_sequence_length == 1:
+                cache.pending_prefill = None
+            elif cache.pending_prefill is not None:
+                # The previous forward was a prefill chunk whose prompt may go on: read it again with this chunk.
+                new, mask, forward_cache = cache.take_pending_prefill(new, mask, self.config)
+            if next_sequence_length is None and not forward_cache.has_state and self.model.is_prefix_model:
+                # A prefill chunk (generate() gives no length for those): keep it until the prompt is complete.
+                forward_cache.remember_prefill_chunk(new, mask, self.config.prefix_length, kwargs.get("prefix_length"))
+        model_inputs["inputs_embeds" if reads_embeds else "input_ids"] = new
+        if forward_cache is not None:
+            # Under the name every transformers release (and PEFT's prompt learning, which reads it) knows.
+            model_inputs["past_key_values"] = forward_cache
+        if mask is not None:
+            model_inputs["attention_mask"] = mask
+        for key, value in kwargs.items():
+            if key not in model_inputs and key not in ("labels", "position_ids"):
+                model_inputs[key] = value
+        device = self.device
+        if device.type != "meta":
+            model_inputs = {
+                key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in model_inputs.items()
+            }
         return model_inputs
 
+
+def check_left_padding(attention_mask: torch.Tensor) -> None:
+    """Generation appends tokens at the right end of each row: a row whose padding is on the right would continue
+    after its pads."""
+    if attention_mask.shape[1] and not torch.compiler.is_compiling() and bool((attention_mask[:, -1] == 0).any()):
+        raise ValueError(
+            "generate() needs left-padded prompts (padding first, then the prompt): set "
+            "`tokenizer.padding_side = 'left'` before tokenizing the batch."
+        )
+
+
+def cache_is_static(cache: Cache) -> bool:
+    """Whether a transformers cache has fixed-size buffers (`cache_implementation="static"` and the like)."""
+    return bool(getattr(cache, "is_compileable", False))
+
+
+# Keyword arguments of transformers' loss functions (they travel in `**kwargs` of `forward`, never to the layers).
+LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 
 # The auto classes each model class is saved under (`auto_map`); registered so that `save_pretrained` ships the code.
 _AUTO_CLASSES = {JRTRNNModel: "AutoModel", JRTRNNForCausalLM: "AutoModelForCausalLM"}
@@ -1188,12 +1233,12 @@ __all__ = [
     "JRTRNNLinearAttention",
     "JRTRNNMLP",
     "JRTRNNModel",
+    "JRTRNNModelOutput",
     "JRTRNNPreTrainedModel",
     "JRTRNNRMSNorm",
     "JRTRNNShortConv",
     "JRTRNNSlidingWindowAttention",
-    "JRTRNNSlidingWindowCacheLayer",
+    "check_prefix_length",
     "prefix_encoder_range",
-    "read_linear_attention_state",
-    "write_linear_attention_state",
+    "prompt_lengths_from_labels",
 ]

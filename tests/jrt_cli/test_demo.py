@@ -36,7 +36,7 @@ def test_shipped_model_files(name, kind):
 def test_shipped_models_have_equal_recurrent_state():
     batch = set_disjointness(np.random.RandomState(0), 2, 4, 16)
     sizes = [recurrent_state_size(_load(name), batch) for name in MODEL_DIRS]
-    assert sizes[0] == sizes[1] == {"linear_attention": 924, "conv": 384, "total": 1308}
+    assert sizes[0] == sizes[1] == {"linear_attention": 924, "conv": 256, "total": 1180}
 
 
 def _reference_accuracy(name: str, repeat: int, slices=((4, 16), (16, 4)), num_examples: int = 200) -> float:
@@ -58,7 +58,7 @@ def test_demo_runs_and_its_accuracy_matches_a_recomputation(capsys):
         line = next(line for line in output.splitlines() if line.strip().startswith(arm.label) and "accuracy" in line)
         printed = float(re.search(r"accuracy (\d\.\d{3})", line).group(1))
         assert printed == pytest.approx(_reference_accuracy(arm.model_dir, arm.repeat), abs=5e-4), arm.label
-        assert "state 1308 floats (linear attention 924 + conv 384)" in line
+        assert "state 1180 floats (linear attention 924 + conv 256)" in line
         line = next(line for line in output.splitlines() if line.strip().startswith(arm.label) and "longer" in line)
         printed = float(re.search(r"longer-set accuracy (\d\.\d{3})", line).group(1))
         assert printed == pytest.approx(_reference_accuracy(arm.model_dir, arm.repeat, ((8, 24), (24, 8))), abs=5e-4)

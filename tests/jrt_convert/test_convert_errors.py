@@ -129,7 +129,7 @@ def test_failure_after_staging_leaves_nothing(tmp_path, monkeypatch):
     """An error while writing or verifying (here: during verification) removes the half-written folder."""
     import jrt_convert.pipeline as pipeline
 
-    def broken_verify(folder, model):
+    def broken_verify(folder, hashes, model):
         assert any(folder.iterdir())  # the staging folder was being written
         raise ConversionError("Verification failed: simulated")
 

@@ -103,7 +103,7 @@ import sys, time
 from pathlib import Path
 import jrt_convert.pipeline as pipeline
 
-def slow_verify(folder, model):
+def slow_verify(folder, hashes, model):
     Path(sys.argv[3]).write_text(str(folder))
     time.sleep(120)
 

@@ -109,6 +109,20 @@ def test_backward_left_padding_and_initial_state(device, pad_masking):
     assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, pad_masking=pad_masking)
 
 
+@pytest.mark.parametrize("pad_masking", ["strict", "reference"])
+def test_backward_range_and_holed_masks(device, pad_masking):
+    """One batch with a padding row (the range launch of each scan) and a row with holes (the loaded-mask launch)."""
+    inputs, grad_output, dstate = make_case(2, 40, 2, 4, 6, 12, dtype=torch.float32, device=device, seed=12,
+                                            initial_state=True)
+    key_mask = torch.ones(2, 40, dtype=torch.bool, device=device)
+    key_mask[0, :5] = False
+    key_mask[1, 3:6] = False
+    key_mask[1, 20:23] = False
+    rows = backward_module._key_rows(key_mask)[:, 0].tolist()
+    assert rows == [1, 0]
+    assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, pad_masking=pad_masking)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_backward_low_precision_operands(device, dtype):
     """bf16 / fp16 inputs: the operands are rounded as on tensor cores (emulated in the interpreter)."""
@@ -207,9 +221,9 @@ def test_based_decay_and_gate_run_fused(device):
 
 @pytest.fixture
 def backward_launches(monkeypatch, auto_takes_kernel):
-    """Counts the fused backward's launches (its first kernel); "auto" resolves to the kernel on CPU too until it
-    fails, and the failure flag starts clear. `launches.fail = True` makes the launch raise as on a GPU without
-    enough shared memory."""
+    """Counts the fused backward's runs (the first launch of its first kernel: a key mask takes two, the range rows
+    and the others); "auto" resolves to the kernel on CPU too until it fails, and the failure flag starts clear.
+    `launches.fail = True` makes the launch raise as on a GPU without enough shared memory."""
     from triton.runtime.errors import OutOfResources
 
     kernel = backward_module._pla_bwd_dq_kernel
@@ -217,7 +231,7 @@ def backward_launches(monkeypatch, auto_takes_kernel):
     launches = types.SimpleNamespace(count=0, fail=False)
 
     def counted(*args, **kwargs):
-        launches.count += 1
+        launches.count += kwargs.get("MASK", 0) != 2
         if launches.fail:
             raise OutOfResources(262144, 232448, "shared memory")
         return run(*args, **kwargs)

@@ -11,7 +11,7 @@ from vllm_models import MODEL_KINDS, greedy_reference, save_model
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (`.ci/vllm` runs these tests in a venv with it)")
 
-from modeling_jrt.generation import never_generated_ids, prepare_prefix  # noqa: E402
+from modeling_jrt.prefix_fill import never_generated_ids  # noqa: E402
 
 MAX_NEW_TOKENS = 8
 # Prompt lengths around the tiny models' prefix_length = 8 and sliding_window = 5: a single token, shorter than the
@@ -99,21 +99,10 @@ def test_request_added_mid_stream_equals_generate(engine):
 
 
 def forward_logprobs(model, prompt: list[int]) -> torch.Tensor:
-    """`(L - 1,)` log p(prompt[t] | prompt[:t]) from `forward()` of the prompt as `generate()` prepares it (the JRT
-    fill in front of a short prompt, masked in the linear attention for "pad"), over the ids that can be generated."""
-    ids = torch.tensor([prompt])
-    kwargs = {}
-    if model.config.linear_attention_type == "prefix":
-        prepared = prepare_prefix(
-            ids, None, None, prefix_length=model.config.prefix_length,
-            strategy=model.generation_config.prefix_strategy, prefix_pad_token_id=model.config.prefix_pad_token_id,
-            batch_pad_token_id=0, embed=model.get_input_embeddings(), vocab_size=model.config.vocab_size,
-        )
-        if prepared is not None:
-            ids = prepared.input_ids
-            kwargs = dict(attention_mask=prepared.attention_mask, linear_attention_mask=prepared.linear_attention_mask)
+    """`(L - 1,)` log p(prompt[t] | prompt[:t]) from `forward()` of the prompt (which fills a short prompt's JRT prefix
+    itself), over the ids that can be generated."""
     with torch.no_grad():
-        logits = model(ids, **kwargs).logits[0, -len(prompt) :].double()  # the caller's positions
+        logits = model(torch.tensor([prompt])).logits[0].double()  # (L, vocab): the caller's positions
     logits[:, never_generated_ids(model.config)] = float("-inf")  # jrt_vllm masks them in the logits
     logprobs = torch.log_softmax(logits, dim=-1)[:-1]  # (L - 1, vocab): the prediction of each next token
     return logprobs.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]

@@ -19,16 +19,14 @@ from conftest import tiny_config
 
 # Vocabulary of the byte-level BPE tokenizer the folders carry (`byte_bpe_tokenizer`, "<pad>" = 0, "<eos>" = 1).
 VOCAB_SIZE = 300
-# The folders: JRT-RNN with the default "pad" prefix strategy, JRT-RNN with "repeat" (and suppressed ids), Based with
-# the fixed decay and the input-dependent gate. Weights are drawn with a large std so that greedy decoding does not just repeat a token.
+# The folders: JRT-RNN with the "pad" prefix strategy (the default), JRT-RNN with "repeat" (and suppressed ids), Based
+# with the fixed decay and the input-dependent gate. The weights are drawn with a large std (`initializer_range`), so
+# that greedy decoding does not just repeat a token.
 MODEL_KINDS = {
-    "jrt-pad": dict(config=dict(), prefix_strategy="pad"),
+    "jrt-pad": dict(prefix_strategy="pad"),
     # Ids >= 250 are never generated (the released models' padded vocabulary rows): masked in vLLM's logits too.
-    "jrt-repeat": dict(config=dict(generation_vocab_size=250), prefix_strategy="repeat"),
-    "based-decay": dict(
-        config=dict(linear_attention_type="causal", linear_attention_decay=True, use_decay_proj=True),
-        prefix_strategy=None,
-    ),
+    "jrt-repeat": dict(prefix_strategy="repeat", generation_vocab_size=250),
+    "based-decay": dict(linear_attention_type="causal", linear_attention_decay=True, use_decay_proj=True),
 }
 
 
@@ -38,13 +36,9 @@ def build_model(kind: str) -> modeling_jrt.JRTRNNForCausalLM:
         vocab_size=VOCAB_SIZE, bos_token_id=None, eos_token_id=1, pad_token_id=0, prefix_pad_token_id=220,
         initializer_range=0.2,
     )
-    overrides.update(MODEL_KINDS[kind]["config"])
+    overrides.update(MODEL_KINDS[kind])
     torch.manual_seed(0)
-    model = modeling_jrt.JRTRNNForCausalLM(tiny_config(**overrides)).eval()
-    strategy = MODEL_KINDS[kind]["prefix_strategy"]
-    if strategy is not None:
-        model.generation_config.prefix_strategy = strategy
-    return model
+    return modeling_jrt.JRTRNNForCausalLM(tiny_config(**overrides)).eval()
 
 
 def save_model(kind: str, path, tokenizer) -> modeling_jrt.JRTRNNForCausalLM:

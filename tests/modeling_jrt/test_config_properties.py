@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM
+from modeling_jrt.compat import output_cache
 
 SEQ_LEN = 7
 NUM_CASES = 40
@@ -72,7 +73,7 @@ def test_small_valid_configs_give_finite_logits_and_cached_equals_parallel(seed)
         output = model(input_ids[:, :prefill], use_cache=True)
         steps = [output.logits]
         for t in range(prefill, SEQ_LEN):
-            output = model(input_ids[:, t : t + 1], cache=output.cache, use_cache=True)
+            output = model(input_ids[:, t : t + 1], cache=output_cache(output), use_cache=True)
             steps.append(output.logits)
     cached = torch.cat(steps, dim=1)
     assert torch.isfinite(parallel).all()
@@ -90,7 +91,7 @@ def test_window_of_one_key_generates_like_the_parallel_forward(make_config, cach
         cache_implementation=cache_implementation, return_dict_in_generate=True,
     )
     if cache_implementation is None:
-        assert output.cache.layers[2].keys.shape[-2] == 0
+        assert output_cache(output).layers[2].keys.shape[-2] == 0
     with torch.no_grad():
         logits = model(output.sequences[:, :-1], use_cache=False).logits
     assert torch.equal(logits[:, 8:].argmax(-1), output.sequences[:, 9:])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from modeling_jrt import JRTRNNForCausalLM
+from modeling_jrt.compat import output_cache
 
 KINDS = ["prefix", "causal"]
 
@@ -26,7 +27,7 @@ def test_zero_tokens_raise_a_clear_error(model):
 def test_generate_refuses_an_empty_prompt(model, empty):
     prompt = torch.zeros(1, 0, 32) if empty == "inputs_embeds" else torch.zeros(1, 0, dtype=torch.long)
     kwargs = {"inputs": prompt} if empty == "inputs" else {empty: prompt}
-    with pytest.raises(ValueError, match=r"generate\(\) got an empty prompt \(0 tokens\)"):
+    with pytest.raises(ValueError, match=r"The input has 0 tokens"):
         model.generate(**kwargs, max_new_tokens=3)
 
 
@@ -43,22 +44,22 @@ def test_generate_without_inputs_starts_from_bos(make_config, kind):
 
 def test_generate_without_inputs_or_bos_is_refused(make_config):
     model = JRTRNNForCausalLM(make_config(bos_token_id=None)).eval()
-    with pytest.raises(ValueError, match=r"no prompt and the model has no `bos_token_id`"):
+    with pytest.raises(ValueError, match=r"`bos_token_id` has to be defined when no `input_ids` are provided"):
         model.generate(max_new_tokens=2)
 
 
 @pytest.mark.parametrize("width", [5, 9, 12])
 def test_forward_refuses_a_mask_of_the_wrong_width(model, width):
     input_ids = torch.randint(4, 99, (2, 7))
-    with pytest.raises(ValueError, match=rf"`attention_mask` has {width} columns but the input has 7 tokens"):
+    with pytest.raises(ValueError, match=rf"`attention_mask` has {width} columns but the cache holds 0 tokens and the input 7"):
         model(input_ids, attention_mask=torch.ones(2, width, dtype=torch.long))
 
 
 def test_forward_refuses_a_mask_that_does_not_cover_the_cache(make_config):
     model = JRTRNNForCausalLM(make_config(prefix_length=4)).eval()  # the prefill covers the whole prefix
     input_ids = torch.randint(4, 99, (1, 9))
-    cache = model(input_ids[:, :6], use_cache=True).cache
-    with pytest.raises(ValueError, match=r"the cache holds 6 tokens and the input 1: pass a mask over all 7 tokens"):
+    cache = output_cache(model(input_ids[:, :6], use_cache=True))
+    with pytest.raises(ValueError, match=r"the cache holds 6 tokens and the input 1: pass one mask column per token, cached and new \(7\)"):
         model(input_ids[:, 6:7], cache=cache, attention_mask=torch.ones(1, 1, dtype=torch.long))
     # The right width is accepted and gives the parallel logits.
     step = model(input_ids[:, 6:7], cache=cache, attention_mask=torch.ones(1, 7, dtype=torch.long)).logits
@@ -66,14 +67,17 @@ def test_forward_refuses_a_mask_that_does_not_cover_the_cache(make_config):
     torch.testing.assert_close(step[:, -1], parallel[:, -1], rtol=1e-4, atol=1e-4)
 
 
-def test_purely_recurrent_cache_accepts_any_mask_covering_the_input(make_config):
-    """Without sliding layers the cache does not count tokens, so only a mask narrower than the input is refused."""
+def test_purely_recurrent_cache_counts_its_tokens_for_the_mask(make_config):
+    """Without sliding layers the cache still counts the tokens it read: the mask must cover exactly those and the
+    input."""
     model = JRTRNNForCausalLM(make_config(layer_types=["conv", "linear_attention", "conv", "conv"])).eval()
     input_ids = torch.randint(4, 99, (1, 8))
-    cache = model(input_ids[:, :6], use_cache=True).cache
+    cache = output_cache(model(input_ids[:, :6], use_cache=True))
+    assert cache.get_seq_length() == 6
+    for width in (1, 9):
+        with pytest.raises(ValueError, match=rf"has {width} columns but the cache holds 6 tokens and the input 2"):
+            model(input_ids[:, 6:8], cache=cache, attention_mask=torch.ones(1, width, dtype=torch.long))
     model(input_ids[:, 6:8], cache=cache, attention_mask=torch.ones(1, 8, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"has 1 columns but the input has 2 tokens \(and the cache some more\)"):
-        model(input_ids[:, 6:8], cache=cache, attention_mask=torch.ones(1, 1, dtype=torch.long))
 
 
 @pytest.mark.parametrize("mask", [[[1, 1, 2, 1, 1]], [[0.5, 1, 1, 1, 1]], [[1, -1, 1, 1, 1]]])
@@ -83,7 +87,7 @@ def test_forward_refuses_non_binary_masks(model, mask):
 
 
 def test_forward_refuses_a_mask_of_the_wrong_shape(model):
-    with pytest.raises(ValueError, match=r"`attention_mask` must be \(batch_size, past \+ seq_len\) = \(2, \.\.\.\)"):
+    with pytest.raises(ValueError, match=r"`attention_mask` must be a 2D \(batch_size, past \+ seq_len\) = \(2, \.\.\.\)"):
         model(torch.randint(4, 99, (2, 5)), attention_mask=torch.ones(1, 5, dtype=torch.long))
 
 

@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 from transformers import (
-    DynamicCache,
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     PreTrainedTokenizerFast,
@@ -21,7 +20,9 @@ from transformers import (
 from transformers.generation import BaseStreamer, GenerationMixin
 
 from modeling_jrt import JRTRNNForCausalLM
-from modeling_jrt.generation import cached_prompt, prefill_segments
+from modeling_jrt.compat import CACHE_FIELD, output_cache
+from modeling_jrt import JRTRNNCache
+
 
 # The tiny config of conftest: prefix_length 8, sliding_window 5, vocab 99, pad 0, eos 2, prefix pad 3.
 PREFIX = 8
@@ -69,9 +70,9 @@ def test_prefill_then_decode_equals_parallel_forward(make_config, kind, prompt_l
     """Across the prefix boundary (prompt shorter, equal, longer) and the sliding window (5): every position."""
     model = build(make_config, **kind)
     input_ids = prompt(22, batch=2)
-    # The prefill's encoder covers the first min(prefix_length, prompt_length) tokens: the same in the full forward.
-    full = model(input_ids, prefix_length=min(PREFIX, prompt_length)).logits
-    cache = DynamicCache(config=model.config)
+    # The prefill's encoder reads the prompt (filled to the prefix when shorter): the same prompt in the full forward.
+    full = model(input_ids, prompt_lengths=torch.full((2,), prompt_length)).logits
+    cache = JRTRNNCache(model.config)
     pieces = [model(input_ids[:, :prompt_length], cache=cache).logits]
     # A multi-token forward continuing from the state, then single-token steps.
     pieces.append(model(input_ids[:, prompt_length : prompt_length + 3], cache=cache).logits)
@@ -163,9 +164,13 @@ def assert_continuation_equals_one_shot(model, input_ids, first_tokens, more_tok
     """Greedy generation of first_tokens, continued from the returned cache for more_tokens: the same tokens and
     scores as one call for all of them."""
     settings = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
-    one_shot = model.generate(input_ids, max_new_tokens=first_tokens + more_tokens, **settings)
-    first = model.generate(input_ids, max_new_tokens=first_tokens, **settings)
-    second = model.generate(first.sequences, cache=first.cache, max_new_tokens=more_tokens, **settings)
+    # The model's cache under the installed release's own name: a model without attention layers needs it passed
+    # on transformers < 5.24 (transformers' default cache cannot count tokens there).
+    fresh = lambda: {CACHE_FIELD: JRTRNNCache(model.config)}  # noqa: E731
+    one_shot = model.generate(input_ids, max_new_tokens=first_tokens + more_tokens, **fresh(), **settings)
+    first = model.generate(input_ids, max_new_tokens=first_tokens, **fresh(), **settings)
+    second = model.generate(first.sequences, **{CACHE_FIELD: output_cache(first)}, max_new_tokens=more_tokens,
+                            **settings)
     torch.testing.assert_close(second.sequences, one_shot.sequences, rtol=0, atol=0)
     torch.testing.assert_close(
         torch.stack(first.scores + second.scores), torch.stack(one_shot.scores), rtol=1e-4, atol=1e-4
@@ -279,24 +284,21 @@ def test_prefill_chunk_size_with_embeddings_and_continuation(make_config, layer_
     input_ids = prompt(17)
     with torch.no_grad():
         embeds = model.get_input_embeddings()(input_ids)
-    one, chunked = one_shot_and_chunked(model, None, 3, inputs_embeds=embeds)
+    if CACHE_FIELD != "cache":
+        pytest.skip("transformers < 5.24 chunks neither `inputs_embeds` nor a continuation (its loop restarts at 0)")
+    # (transformers' own default cache cannot count tokens without an attention layer: pass the model's cache)
+    cache = {} if layer_types is None else dict(cache=JRTRNNCache(model.config))
+    settings = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
+    one = model.generate(inputs_embeds=embeds, **settings)
+    chunked = model.generate(inputs_embeds=embeds, prefill_chunk_size=3, **cache, **settings)
     assert_same_generation(chunked, one)
     settings = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, **NO_EOS)
     with torch.no_grad():
         first = model.generate(input_ids, **settings)
         longer = torch.cat([first.sequences, prompt(9, seed=2)], dim=1)
-        expected = model.generate(longer, cache=copy.deepcopy(first.cache), **settings)
-        chunked = model.generate(longer, cache=first.cache, prefill_chunk_size=2, **settings)
+        expected = model.generate(longer, **{CACHE_FIELD: copy.deepcopy(output_cache(first))}, **settings)
+        chunked = model.generate(longer, **{CACHE_FIELD: output_cache(first)}, prefill_chunk_size=2, **settings)
     torch.testing.assert_close(chunked.sequences, expected.sequences, rtol=0, atol=0)
-
-
-def test_prefill_segments():
-    assert prefill_segments(total=30, past=0, chunk_size=4, encoder_end=11) == [
-        (0, 11), (11, 15), (15, 19), (19, 23), (23, 27), (27, 30)
-    ]
-    assert prefill_segments(total=10, past=0, chunk_size=4, encoder_end=3) == [(0, 4), (4, 8), (8, 10)]
-    assert prefill_segments(total=10, past=0, chunk_size=64, encoder_end=8) == [(0, 10)]
-    assert prefill_segments(total=10, past=6, chunk_size=3) == [(6, 9), (9, 10)]
 
 
 def test_generation_lengths_count_the_callers_prompt(make_config):
@@ -320,8 +322,6 @@ def test_prefix_errors_are_clear(make_config):
         greedy(model, prompt(4, batch=2), 2, attention_mask=right_padded)
     with pytest.raises(ValueError, match="vocab_size=99"):
         greedy(model, prompt(3), 2, prefix_pad_token_id=220)
-    with pytest.raises(ValueError, match="prefill_chunk_size must be a positive"):
-        prefill_segments(total=10, past=0, chunk_size=0)
 
 
 def test_transformers_refuses_assisted_decoding_for_the_stateful_model(make_config):
@@ -341,12 +341,7 @@ def test_cache_bytes_stay_flat_past_the_window(make_config, kind):
 
     def cache_bytes(new_tokens: int) -> int:
         out = model.generate(prompt(6), max_new_tokens=new_tokens, return_dict_in_generate=True, **NO_EOS)
-        tensors = []
-        for layer in out.cache.layers:
-            for name in ("keys", "values"):
-                tensors.append(getattr(layer, name, None))
-            for name in ("conv_states", "recurrent_states"):
-                tensors.extend(getattr(layer, name, {}).values())
+        tensors = [tensor for layer in output_cache(out).layers for tensor in layer.tensors()]
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
     assert cache_bytes(10) == cache_bytes(200) > 0
@@ -456,16 +451,6 @@ def test_text_generation_pipeline(make_config, tmp_path):
         assert result[0]["generated_text"].strip() == expected.strip()
 
 
-def test_linear_attention_mask_follows_the_tokens_of_each_forward():
-    from modeling_jrt.generation import align_linear_attention_mask
-
-    prompt_mask = torch.tensor([[0, 0, 1, 1]])
-    torch.testing.assert_close(align_linear_attention_mask(prompt_mask, 4, 4), prompt_mask)  # prefill
-    torch.testing.assert_close(align_linear_attention_mask(prompt_mask, 6, 6), torch.tensor([[0, 0, 1, 1, 1, 1]]))
-    assert align_linear_attention_mask(prompt_mask, 6, 1) is None  # decode step: a generated token is never masked
-    torch.testing.assert_close(align_linear_attention_mask(prompt_mask, 4, 3), torch.tensor([[0, 1, 1]]))
-
-
 def test_generation_vocab_size_is_validated(make_config):
     with pytest.raises(ValueError, match="generation_vocab_size"):
         make_config(generation_vocab_size=100)
@@ -484,33 +469,49 @@ def test_deepcopy_of_a_cache_continues_like_the_original(make_config, kind, stra
     settings = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, prefix_strategy=strategy,
                     **NO_EOS)
     first = model.generate(input_ids, max_new_tokens=4, **settings)
-    saved = copy.deepcopy(first.cache)
+    saved = copy.deepcopy(output_cache(first))
     from_copy = model.generate(first.sequences, cache=saved, max_new_tokens=5, **settings)
-    from_original = model.generate(first.sequences, cache=first.cache, max_new_tokens=5, **settings)
+    from_original = model.generate(first.sequences, cache=output_cache(first), max_new_tokens=5, **settings)
     torch.testing.assert_close(from_copy.sequences, from_original.sequences, rtol=0, atol=0)
     torch.testing.assert_close(torch.stack(from_copy.scores), torch.stack(from_original.scores), rtol=0, atol=0)
-    record = cached_prompt(saved)
-    assert record is not None and record.tokens.shape == (2, 3 + 4 + 5 - 1)
+    assert saved.get_seq_length() == 3 + 4 + 5 - 1  # the caller's tokens read (the last one is not yet)
     if kind["linear_attention_type"] == "prefix":
-        assert record.prefix_lengths.tolist() == [PREFIX, PREFIX]  # the encoder read the filled first turn only
+        assert saved.prefix.prefix_lengths.tolist() == [PREFIX, PREFIX]  # the encoder read the filled first turn
+        assert saved.prefix.prompt_lengths.tolist() == [3, 3] and saved.fill_columns == PREFIX - 3
 
 
-def test_reusing_a_cache_for_another_prompt_raises(make_config):
+def test_continuing_from_a_cache_needs_the_tokens_it_read(make_config):
+    """`input_ids` of a continuation start with the tokens the cache read (it keeps a constant-size state, not the
+    tokens: it counts them, `get_seq_length()`); fewer are refused."""
     model = build(make_config)
     first = model.generate(prompt(5), max_new_tokens=3, do_sample=False, return_dict_in_generate=True, **NO_EOS)
-    with pytest.raises(ValueError, match="do not start with the 7 tokens this cache was built from"):
-        greedy(model, prompt(9, seed=5), 3, cache=first.cache)
-    with pytest.raises(ValueError, match="already read 7 tokens, but `input_ids` has only 5"):
-        greedy(model, prompt(5), 3, cache=first.cache)
-    used = DynamicCache(config=model.config)
-    model(prompt(5), cache=used)  # a plain forward: generate() cannot know what it read
-    with pytest.raises(ValueError, match="did not record"):
-        greedy(model, prompt(6), 3, cache=used)
+    assert output_cache(first).get_seq_length() == 7
+    with pytest.raises(ValueError, match="This cache has read 7 tokens, but `input_ids` has 5"):
+        greedy(model, prompt(5), 3, cache=output_cache(first))
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+def test_generate_continues_from_the_cache_of_a_plain_forward(make_config, kind):
+    """transformers' own `test_generate_continue_from_inputs_embeds` pattern: a forward with `use_cache=True`, then
+    `generate(cache=...)` with the full sequence, equals one `generate()` over it."""
+    model = build(make_config, **kind)
+    input_ids = prompt(10, batch=2)
+    settings = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
+    one_shot = model.generate(input_ids, **settings)
+    with torch.no_grad():
+        cache = output_cache(model(input_ids[:, :6], use_cache=True))
+    continued = model.generate(input_ids, cache=cache, **settings)
+    # The encoder of the forward read its 6 tokens (prompt_lengths 6): the same as a one-shot prompt of 6 whose
+    # 4 further tokens are read causally, i.e. generate(prompt_lengths=6) on the whole prompt.
+    expected = model.generate(input_ids, prompt_lengths=torch.full((2,), 6), **settings) if kind is KINDS[
+        "jrt-prefix"] else one_shot
+    torch.testing.assert_close(continued.sequences, expected.sequences, rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(continued.scores), torch.stack(expected.scores), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("prompt_length", [3, 10])
 def test_continuation_on_an_all_recurrent_cache_reads_each_token_once(make_config, prompt_length):
-    """No sliding-attention layer: transformers cannot tell which tokens such a cache has read; the record can."""
+    """No sliding-attention layer: the cache counts the tokens it read all the same."""
     model = build(make_config, layer_types=["conv", "linear_attention", "linear_attention"], num_hidden_layers=3)
     assert_continuation_equals_one_shot(model, prompt(prompt_length, batch=2), 4, 5)
 
@@ -574,24 +575,29 @@ def test_left_padded_batch_without_a_cache_keeps_each_rows_prefix(make_config, s
     torch.testing.assert_close(uncached, cached, rtol=0, atol=0)
 
 
-def test_prefix_strategy_is_a_generation_default_saved_in_generation_config(make_config, tmp_path):
-    """The model config holds architecture only; `prefix_strategy` is read from `generation_config.json`."""
-    model = build(make_config)
-    assert "prefix_strategy" not in model.config.to_dict()
-    model.generation_config.prefix_strategy = "repeat"
+def test_prefix_strategy_default_is_the_model_configs_and_generate_overrides_it(make_config, tmp_path):
+    """`config.prefix_strategy` (saved in config.json) is the default of every first forward; `generate(
+    prefix_strategy=...)` overrides it per call."""
+    model = build(make_config, prefix_strategy="repeat")
     model.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "generation_config.json").read_text())["prefix_strategy"] == "repeat"
+    assert json.loads((tmp_path / "config.json").read_text())["prefix_strategy"] == "repeat"
     reloaded = JRTRNNForCausalLM.from_pretrained(tmp_path).eval()
     short = prompt(3)
     assert torch.equal(greedy(reloaded, short, 6), greedy(reloaded, short, 6, prefix_strategy="repeat"))
     assert not torch.equal(greedy(reloaded, short, 6), greedy(reloaded, short, 6, prefix_strategy="pad"))
-    reloaded.generation_config.prefix_strategy = "truncate"
     with pytest.raises(ValueError, match=r"`prefix_strategy` must be one of \['pad', 'repeat', 'none'\]"):
-        greedy(reloaded, short, 2)
+        greedy(reloaded, short, 2, prefix_strategy="truncate")
 
 
-def test_a_config_json_with_the_former_prefix_strategy_key_still_loads(make_config, tmp_path):
+def test_a_generation_config_with_the_former_prefix_strategy_key_still_loads(make_config, tmp_path):
+    """Folders saved by jrt-rnn 0.2 keep `prefix_strategy` in generation_config.json: it becomes the model config's
+    default (with a warning), and per-call values still override it."""
     build(make_config).save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "prefix_strategy": "none"}))
-    assert JRTRNNForCausalLM.from_pretrained(tmp_path).generation_config.prefix_strategy == "pad"
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**generation, "_from_model_config": False, "prefix_strategy": "repeat"}))
+    reloaded = JRTRNNForCausalLM.from_pretrained(tmp_path).eval()
+    short = prompt(3)
+    assert torch.equal(greedy(reloaded, short, 6), greedy(reloaded, short, 6, prefix_strategy="repeat"))
+    assert reloaded.config.prefix_strategy == "repeat"
+    assert not hasattr(reloaded.generation_config, "prefix_strategy")
+    assert not torch.equal(greedy(reloaded, short, 6), greedy(reloaded, short, 6, prefix_strategy="pad"))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 import modeling_jrt.modeling_jrt as modeling
 from modeling_jrt import JRTRNNForCausalLM
+from modeling_jrt import JRTRNNCache
 
 ATOL = RTOL = 1e-5  # fp32
 
@@ -29,7 +29,7 @@ def in_proj_lengths(model: JRTRNNForCausalLM) -> list[int]:
 
 def run(model: JRTRNNForCausalLM, input_ids: torch.Tensor, mask: torch.Tensor, decode: int = 3) -> list[torch.Tensor]:
     """Logits of a full prefill (all positions) through a fresh cache, then of `decode` greedy single-token steps."""
-    cache = DynamicCache(config=model.config)
+    cache = JRTRNNCache(model.config)
     out = model(input_ids, attention_mask=mask, cache=cache)
     logits = [out.logits]
     for _ in range(decode):

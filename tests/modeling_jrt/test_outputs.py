@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from modeling_jrt import JRTRNNForCausalLM
+from modeling_jrt import JRTRNNCache, JRTRNNForCausalLM
+from modeling_jrt.compat import output_cache
 
 NO_EOS = dict(eos_token_id=None, pad_token_id=0)
 
@@ -82,16 +83,18 @@ def test_logits_to_keep_slices_like_transformers(make_config):
         torch.testing.assert_close(model(input_ids, logits_to_keep=positions).logits, full[:, positions])
 
 
-def test_past_key_values_is_a_deprecated_alias_of_cache(make_config):
+def test_past_key_values_is_the_same_argument_as_cache(make_config):
+    """`past_key_values=` is the name transformers < 5.24 passes the cache under: the same argument, no warning."""
     model = build(make_config)
     input_ids = ids()
     with torch.no_grad():
         first = model(input_ids[:, :9], use_cache=True)
-        expected = model(input_ids[:, 9:], cache=first.cache).logits
+        expected = model(input_ids[:, 9:], cache=output_cache(first)).logits
         first = model(input_ids[:, :9], use_cache=True)
-        with pytest.warns(FutureWarning, match="past_key_values"):
-            aliased = model(input_ids[:, 9:], past_key_values=first.cache).logits
+        aliased = model(input_ids[:, 9:], past_key_values=output_cache(first)).logits
     torch.testing.assert_close(aliased, expected)
+    with pytest.raises(ValueError, match="Pass the cache once"):
+        model(input_ids[:, 9:], cache=output_cache(first), past_key_values=JRTRNNCache(model.config))
 
 
 @pytest.mark.parametrize("strategy", ["pad", "repeat", "none"])

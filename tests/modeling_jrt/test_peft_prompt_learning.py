@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from modeling_jrt import JRTRNNForCausalLM
+from modeling_jrt import JRTRNNCache
 
 
 @pytest.mark.parametrize("linear_attention_type", ["prefix", "causal"])
@@ -46,10 +46,15 @@ def test_prefix_tuning_is_refused_with_the_alternatives(make_config):
         model(input_ids=input_ids, labels=input_ids)
 
 
-def test_a_cache_without_recurrent_state_slots_is_refused(make_config):
+def test_a_cache_of_another_kind_is_refused(make_config):
+    from transformers import DynamicCache
+
     model = JRTRNNForCausalLM(make_config())
     input_ids = torch.randint(4, 99, (1, 6))
-    with pytest.raises(ValueError, match=r"at layer 0, a 'conv' layer .*DynamicCache\(config=model.config\)"):
+    with pytest.raises(ValueError, match=r"The cache is a DynamicCache.*`JRTRNNCache\(model.config\)`"):
         model(input_ids=input_ids, cache=DynamicCache())
+    with pytest.raises(ValueError, match=r"built for layer types \['conv', 'linear_attention'\]"):
+        model(input_ids=input_ids, cache=JRTRNNCache(make_config(num_hidden_layers=2,
+                                                                 layer_types=["conv", "linear_attention"])))
     # A cache built from the config is accepted (and is what the model builds itself).
-    model(input_ids=input_ids, cache=DynamicCache(config=model.config))
+    model(input_ids=input_ids, cache=JRTRNNCache(model.config))

@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM, DynamicCache
-from transformers.masking_utils import create_sliding_window_causal_mask
+from transformers import AutoModelForCausalLM
 
+from modeling_jrt import JRTRNNCache
 from modeling_jrt.modeling_jrt import JRTRNNModel, eager_attention_forward
 from modeling_jrt.sliding_window import blocked_sliding_window_attention
 
@@ -84,29 +84,24 @@ def build(make_config, implementation: str, **overrides):
     return AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
 
 
-def dense_sliding_masks(model, monkeypatch) -> None:
-    """Make `model` build transformers' full `(B, 1, T, S)` sliding mask, i.e. run the pre-blocked dense path."""
-
-    def dense(self, inputs_embeds, attention_mask, cache, position_ids, **kwargs):
-        return create_sliding_window_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
-
-    monkeypatch.setattr(model.model, "sliding_window_mask", dense.__get__(model.model, JRTRNNModel))
+def dense_logits(model, input_ids, **kwargs) -> torch.Tensor:
+    """The logits of the dense path: a forward that returns the attention weights runs eager attention with the full
+    `(B, 1, T, S)` sliding mask (`sliding_window_additive_mask`), i.e. what the blocked path avoids."""
+    return model(input_ids, output_attentions=True, **kwargs).logits
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("window", [2, 5, 9])
-def test_model_blocked_prefill_equals_dense_masked_prefill(make_config, monkeypatch, implementation, window):
+def test_model_blocked_prefill_equals_dense_masked_prefill(make_config, implementation, window):
     """Whole model, left-padded batch, T = 150 (several 64-row blocks) against the dense-mask path."""
     model = build(make_config, implementation, sliding_window=window)
-    dense = copy.deepcopy(model)
-    dense_sliding_masks(dense, monkeypatch)
     input_ids = torch.randint(4, 99, (2, 150))
     mask = torch.ones_like(input_ids)
     mask[1, :37] = 0
     with torch.no_grad():
         blocked_logits = model(input_ids, attention_mask=mask).logits
-        dense_logits = dense(input_ids, attention_mask=mask).logits
-    torch.testing.assert_close(blocked_logits[mask.bool()], dense_logits[mask.bool()], rtol=RTOL, atol=ATOL)
+        dense = dense_logits(model, input_ids, attention_mask=mask)
+    torch.testing.assert_close(blocked_logits[mask.bool()], dense[mask.bool()], rtol=RTOL, atol=ATOL)
 
 
 def assert_cached_forwards_equal_one_shot(model, input_ids, mask, ends):
@@ -114,7 +109,7 @@ def assert_cached_forwards_equal_one_shot(model, input_ids, mask, ends):
     chunks or single-token decode steps), give the logits of one forward over everything (real tokens compared)."""
     with torch.no_grad():
         expected = model(input_ids, attention_mask=mask, use_cache=False).logits
-        cache = DynamicCache(config=model.config)
+        cache = JRTRNNCache(model.config)
         starts = [0, *ends[:-1]]
         pieces = [
             model(input_ids[:, start:end], attention_mask=mask[:, :end], cache=cache).logits
@@ -156,7 +151,7 @@ def test_chunked_blocked_prefill_equals_one_shot_for_tiny_windows(make_config, i
 def test_key_mask_shorter_than_the_keys_is_a_clear_error(make_config):
     model = build(make_config, "sdpa")
     input_ids = torch.randint(4, 99, (1, 12))
-    cache = DynamicCache(config=model.config)
+    cache = JRTRNNCache(model.config)
     with torch.no_grad():
         model(input_ids[:, :8], cache=cache)
         with pytest.raises(ValueError, match="has 4 columns but the cache holds 8 tokens and the input 4"):
@@ -188,27 +183,22 @@ def test_prefill_at_4096_tokens_allocates_no_t_by_t_tensor(make_config, implemen
     mask = torch.ones_like(input_ids)
     mask[0, :3] = 0
     with torch.no_grad(), LargestTensor() as largest:
-        model(input_ids, attention_mask=mask, cache=DynamicCache(config=model.config), logits_to_keep=1)
+        model(input_ids, attention_mask=mask, cache=JRTRNNCache(model.config), logits_to_keep=1)
     assert largest.numel < length * length // 16, (largest.numel, largest.op)
 
 
-def test_the_largest_tensor_hook_sees_a_dense_mask(make_config, monkeypatch):
+def test_the_largest_tensor_hook_sees_a_dense_mask(make_config):
     """The hook above can fail: the dense-mask path at T = 1024 trips it."""
     length = 1024
-    model = build(make_config, "sdpa")
-    dense_sliding_masks(model, monkeypatch)
+    model = build(make_config, "eager")
     input_ids = torch.randint(4, 99, (1, length))
     with torch.no_grad(), LargestTensor() as largest:
-        model(input_ids, attention_mask=torch.ones_like(input_ids), logits_to_keep=1)
+        dense_logits(model, input_ids, attention_mask=torch.ones_like(input_ids), logits_to_keep=1)
     assert largest.numel >= length * length
 
 
-@pytest.mark.parametrize(
-    "implementation", ["eager", pytest.param("flex_attention", marks=pytest.mark.slow)]  # flex compiles on CPU
-)
+@pytest.mark.parametrize("implementation", ["eager"])
 def test_set_attn_implementation_switches_the_sliding_layers(make_config, implementation, caplog):
-    if implementation == "flex_attention":
-        pytest.importorskip("torch.nn.attention.flex_attention", reason="flex attention needs torch >= 2.5")
     model = build(make_config, "sdpa")
     input_ids = torch.randint(4, 99, (2, 19))
     mask = torch.ones_like(input_ids)
@@ -218,17 +208,15 @@ def test_set_attn_implementation_switches_the_sliding_layers(make_config, implem
         model.set_attn_implementation(implementation)
         assert model.config._attn_implementation == implementation
         assert model.model.layers[2].mixer.config._attn_implementation == implementation
-        if implementation == "flex_attention":  # flex compiles on CPU: one prefill is enough here
-            logits = model(input_ids, attention_mask=mask, use_cache=False).logits
-        else:
-            logits = model(input_ids, attention_mask=mask).logits
+        logits = model(input_ids, attention_mask=mask).logits
     assert "does not support setting its attention implementation" not in caplog.text
     torch.testing.assert_close(logits[mask.bool()], expected[mask.bool()], rtol=RTOL, atol=ATOL)
 
 
 def test_windowed_kernels_are_declared(make_config):
     model = build(make_config, "sdpa")
-    assert model._supports_flash_attn and model._supports_flex_attn and model._supports_sdpa
+    assert model._supports_flash_attn and model._supports_sdpa
+    assert not model._supports_flex_attn  # flex attention takes a BlockMask: the sliding layers pass a key mask
     assert model._can_set_attn_implementation()
     assert model._can_compile_fullgraph
 
@@ -246,7 +234,7 @@ def test_fullgraph_compile_of_prefill_and_padded_decode(make_config):
             compiled(input_ids, use_cache=False).logits, model(input_ids, use_cache=False).logits, rtol=1e-5, atol=1e-5
         )
         expected = model(input_ids, attention_mask=mask).logits[:, -1]
-        cache = DynamicCache(config=model.config)
+        cache = JRTRNNCache(model.config)
         model(input_ids[:, :-1], attention_mask=mask[:, :-1], cache=cache)
         step = compiled(input_ids[:, -1:], attention_mask=mask, cache=cache).logits[:, -1]
     torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-4)

@@ -212,7 +212,7 @@ def train_run(spec: RunSpec, out_dir: str | Path | None = None, progress_positio
     eval_sets = spec.task.eval_sets()
     config = build_model_config(spec, prefix_length=next(iter(eval_sets.values())).prefix_length)
     model = JRTRNNForCausalLM(config)
-    model.generation_config.prefix_strategy = "none"  # the task's inputs are the prompts, never filled
+    model.config.prefix_strategy = "none"  # the task's inputs are the prompts, never filled
     if spec.embedding_init_std is not None:
         torch.nn.init.normal_(model.model.embed_tokens.weight, std=spec.embedding_init_std)
     model.train()

@@ -1,0 +1,273 @@
+"""The JRT prefix of a sequence's first forward: how prompts shorter than `prefix_length` are filled.
+
+JRT-RNN's encoder reads each row's prompt non-causally, up to `prefix_length` tokens. A shorter prompt is filled to
+`prefix_length` by the model itself, in the first forward of a sequence (nothing in the cache yet), as the
+`prefix_strategy` says:
+
+    "pad"     `prefix_length - L` copies of `prefix_pad_token_id` before the prompt. Convolutions and sliding attention
+              read them as ordinary tokens (the reference protocol); the linear attention ignores them as keys
+              (`linear_attention_mask = 0`), as `config.prefix_pad_masking` says.
+    "repeat"  the prompt repeated before itself (JRT-Prompt style), so that the fill ends with an intact copy.
+    "none"    nothing: the encoder reads the prompt only.
+
+The fill is the model's internal business: outputs (logits, hidden states, the loss) cover the caller's positions
+only, `generate()` sees the caller's tokens only, and the cache records the layout (`JRTRNNPrefixRecord`), so later
+forwards continue from it without the caller knowing. Each row is filled on its own; the filled batch is laid out so
+that every row's fill sits right before its first real token, with the batch padding before it:
+
+    caller row, left padded (L = 3, prefix 6):          [pad pad pad pad][p0 p1 p2]
+    the model's row (F = 3 columns in front):  [pad pad pad pad][f  f  f][p0 p1 p2]      F = max over rows of
+    caller row, unpadded (L = 7):                       [p0 p1 p2 p3 p4 p5 p6]           (fill - left padding)
+    the model's row:                           [pad pad pad][p0 p1 p2 p3 p4 p5 p6]
+
+so the caller's column j is the model's column F + j, and a row of a batch reads exactly what it reads alone.
+
+This file ships with the Hub remote code: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import overload
+
+import torch
+
+from .configuration_jrt import JRTRNNConfig
+
+from .configuration_jrt import PREFIX_STRATEGIES  # noqa: E402  (the fills `forward` knows, `config.prefix_strategy`)
+
+
+def never_generated_ids(config: JRTRNNConfig) -> list[int]:
+    """The ids generation must never emit, sorted: every id `>= config.generation_vocab_size` (LM-head rows that only
+    pad the vocabulary, e.g. 50257..50263 of the released models) and `config.mask_token_id` (the [MASK] token of the
+    JRT training objective). The model's generation config carries them as `suppress_tokens` (saved in
+    `generation_config.json`), so transformers' own `SuppressTokensLogitsProcessor` applies them on every path."""
+    ids = set() if config.generation_vocab_size is None else set(range(config.generation_vocab_size, config.vocab_size))
+    if config.mask_token_id is not None:
+        ids.add(config.mask_token_id)
+    return sorted(ids)
+
+
+@overload
+def repeat_to_fill(prompt_ids: torch.Tensor, length: int) -> torch.Tensor: ...
+@overload
+def repeat_to_fill(prompt_ids: list[int], length: int) -> list[int]: ...
+def repeat_to_fill(prompt_ids: torch.Tensor | list[int], length: int) -> torch.Tensor | list[int]:
+    """Fill `length` tokens by repeating the prompt so that its last full copy ends at the end.
+
+    `out[i] = prompt[(i - length) mod T]`: the result ends with the whole prompt, is preceded by as many whole
+    copies as fit, and starts with the tail of one more copy when `length` is not a multiple of `T`. JRT-RNN's
+    `"repeat"` prefix strategy fills its non-causal prefix this way, so that the prompt is read twice (or more)
+    and generation continues right after an intact copy.
+
+    Args:
+        prompt_ids: `(T,)` tensor or list of token ids, or a `(B, T)` tensor whose rows are repeated independently
+            (every row as it is: strip left padding first and call once per row when the lengths differ).
+        length: Output length along the last dimension; at least `T`.
+
+    Returns:
+        `(length,)` or `(B, length)` tensor on `prompt_ids`' device and dtype, or a list for a list input.
+
+    Example:
+        >>> repeat_to_fill([1, 2, 3], 8)
+        [2, 3, 1, 2, 3, 1, 2, 3]
+    """
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() not in (1, 2):
+            raise ValueError(
+                f"`prompt_ids` must be a (T,) or (B, T) tensor, got shape {tuple(prompt_ids.shape)}."
+            )
+        prompt_length = prompt_ids.shape[-1]
+    elif isinstance(prompt_ids, list):
+        prompt_length = len(prompt_ids)
+    else:
+        raise TypeError(f"`prompt_ids` must be a torch.Tensor or a list of ints, got {type(prompt_ids).__name__}.")
+    if prompt_length == 0:
+        raise ValueError("`prompt_ids` is empty: there is nothing to repeat.")
+    if length < prompt_length:
+        raise ValueError(
+            f"`length` ({length}) is shorter than the prompt ({prompt_length} tokens): repeating cannot keep a "
+            f"whole copy; truncate the prompt or use a longer length."
+        )
+    if isinstance(prompt_ids, list):
+        return [prompt_ids[(i - length) % prompt_length] for i in range(length)]
+    index = (torch.arange(length, device=prompt_ids.device) - length) % prompt_length  # (length,)
+    return prompt_ids[..., index]  # (length,) or (B, length)
+
+
+@dataclass
+class FilledInputs:
+    """A batch in the model's layout after the prefix fill (`fill_prefix`).
+
+    Attributes:
+        input_ids: `(B, F + T)` ids, or None when the input is embeddings.
+        inputs_embeds: `(B, F + T, hidden)` embeddings, or None when the input is ids.
+        attention_mask: `(B, F + T)` 1 for every token the model reads (fill included), 0 for batch padding; None
+            when nothing is padding.
+        linear_attention_mask: `(B, F + T)` 0 at the `"pad"` fill (the linear attention ignores those keys), or None.
+        fill_columns: F, the columns in front of the caller's first column.
+        prefix_lengths: `(B,)` tokens each row's encoder reads, counted from its first token in the model's layout
+            (the fill included).
+        prompt_lengths: `(B,)` the caller's tokens that form each row's prompt.
+        starts: `(B,)` each row's first token in the caller's columns.
+        fill_lengths: `(B,)` fill tokens of each row (right before its first token).
+    """
+
+    input_ids: torch.Tensor | None
+    inputs_embeds: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    linear_attention_mask: torch.Tensor | None
+    fill_columns: int
+    prefix_lengths: torch.Tensor
+    prompt_lengths: torch.Tensor
+    starts: torch.Tensor | None = None
+    fill_lengths: torch.Tensor | None = None
+
+    def positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The caller's `(B, T)` RoPE positions in the model's layout `(B, F + T)`: the fill counts back from each
+        row's first token, the columns in front of it are 0 (padding)."""
+        if self.fill_columns == 0:
+            return position_ids
+        batch_size = self.starts.shape[0]
+        position_ids = position_ids.expand(batch_size, -1)
+        first = position_ids.gather(1, self.starts[:, None])  # (B, 1) position of each row's first token
+        columns = torch.arange(self.fill_columns + position_ids.shape[1], device=position_ids.device)[None]
+        row_start = (self.fill_columns + self.starts)[:, None]
+        in_front = torch.where(columns >= row_start - self.fill_lengths[:, None], first - (row_start - columns), 0)
+        return torch.cat([in_front[:, : self.fill_columns], position_ids], dim=1)
+
+
+def check_prefix_strategy(strategy: object) -> str:
+    if strategy not in PREFIX_STRATEGIES:
+        raise ValueError(f"`prefix_strategy` must be one of {list(PREFIX_STRATEGIES)}, got {strategy!r}.")
+    return strategy
+
+
+def fill_prefix(
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    *,
+    prefix_length: int | torch.Tensor,
+    prompt_lengths: torch.Tensor | None,
+    strategy: str,
+    pad_token_id: int | None,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int,
+) -> FilledInputs:
+    """Fill each row's prompt to `prefix_length` tokens as `strategy` says (see the module docstring).
+
+    Args:
+        input_ids: `(B, T)` the caller's ids, or None.
+        inputs_embeds: `(B, T, hidden)` the caller's embeddings, or None (exactly one of the two is given).
+        attention_mask: `(B, T)` 1 for tokens, 0 for padding, or None (no padding). With a fill, each row's tokens
+            must be one run (left or right padding).
+        prefix_length: P, an int or `(B,)` per-row lengths: the encoder reads `min(P, prompt)` caller tokens, filled
+            to P when the prompt is shorter.
+        prompt_lengths: `(B,)` caller tokens per row that form the prompt (counted from the row's first token), or
+            None: all of the row's tokens (generation).
+        strategy: `"pad"`, `"repeat"` or `"none"`.
+        pad_token_id: the fill token of `"pad"`.
+        embed: the model's input embedding (to fill embeddings with the pad token).
+        vocab_size: rows of the embedding, to check `pad_token_id`.
+    """
+    reference = input_ids if input_ids is not None else inputs_embeds
+    batch_size, length = reference.shape[:2]
+    device = reference.device
+    compiling = torch.compiler.is_compiling()
+    # 1. Each row's first token, token count and prompt (one run of tokens per row, checked eagerly).
+    if attention_mask is None:
+        start = torch.zeros(batch_size, dtype=torch.long, device=device)
+        tokens = torch.full((batch_size,), length, dtype=torch.long, device=device)
+    else:
+        real = attention_mask.to(device).bool()
+        start = real.long().argmax(-1)
+        tokens = real.sum(-1)
+    prompt = tokens if prompt_lengths is None else torch.minimum(prompt_lengths.to(device=device, dtype=torch.long), tokens)
+    if isinstance(prefix_length, torch.Tensor):
+        target = prefix_length.to(device=device, dtype=torch.long)
+    else:
+        target = torch.full((batch_size,), prefix_length, dtype=torch.long, device=device)
+    encoder_tokens = torch.minimum(prompt, target)
+    fill = torch.where((prompt > 0) & (strategy != "none"), target - encoder_tokens, torch.zeros_like(target))
+    if strategy == "none":
+        return FilledInputs(input_ids, inputs_embeds, attention_mask, None, 0, encoder_tokens, prompt)
+    # 2. Columns in front of the caller's: the widest (fill - left padding). With left padding (or none) and the
+    #    prompt being the whole row that is max(P - T, 0), known without reading the mask (so torch.compile sees a
+    #    static shape); otherwise it is read from the data.
+    if compiling and prompt_lengths is None and not isinstance(prefix_length, torch.Tensor):
+        fill_columns = max(prefix_length - length, 0)
+    else:
+        if attention_mask is not None and not compiling:
+            columns = torch.arange(length, device=device)
+            one_run = (columns >= start[:, None]) & (columns < (start + tokens)[:, None])
+            if bool((fill > 0).any()) and not bool((one_run == real).all()):
+                raise ValueError(
+                    "The JRT prefix fill needs each row's tokens in one run (left or right padding, no holes): "
+                    "pass such an `attention_mask`, or `prefix_strategy='none'`."
+                )
+        fill_columns = int((fill - start).clamp(min=0).max()) if batch_size > 0 else 0
+    if strategy == "pad" and not compiling and bool((fill > 0).any()):
+        if pad_token_id is None:
+            raise ValueError(
+                "prefix_strategy='pad' needs a fill token: pass `prefix_pad_token_id=` or set "
+                "`config.prefix_pad_token_id` (220, GPT-2's ' ', in the released models)."
+            )
+        if not 0 <= pad_token_id < vocab_size:
+            raise ValueError(
+                f"prefix_pad_token_id={pad_token_id} is not a token of this model (vocab_size={vocab_size}): pass "
+                "another `prefix_pad_token_id=`, or `prefix_strategy='repeat'`/`'none'`."
+            )
+    if fill_columns == 0 and not compiling and not bool((fill > 0).any()):
+        return FilledInputs(input_ids, inputs_embeds, attention_mask, None, 0, encoder_tokens, prompt)
+
+    # 3. The model's layout: F columns in front; row b's fill at columns [F + start_b - fill_b, F + start_b).
+    width = fill_columns + length
+    columns = torch.arange(width, device=device)[None, :]  # (1, T')
+    fill_start = (fill_columns + start - fill)[:, None]  # (B, 1)
+    is_fill = (columns >= fill_start) & (columns < (fill_columns + start)[:, None])  # (B, T')
+    caller_mask = (
+        torch.ones(batch_size, length, dtype=torch.bool, device=device) if attention_mask is None else real
+    )
+    mask = torch.cat([caller_mask.new_zeros(batch_size, fill_columns), caller_mask], dim=1) | is_fill
+    # Caller column each model column reads: itself (shifted), or for "repeat" fills the prompt token whose copy
+    # ends right before the prompt: prompt[(k - fill) mod prompt] for the k-th fill token.
+    source = (columns - fill_columns).clamp(min=0).expand(batch_size, width)
+    if strategy == "repeat":
+        k = columns - fill_start
+        repeated = start[:, None] + torch.remainder(k - fill[:, None], prompt.clamp(min=1)[:, None])
+        source = torch.where(is_fill, repeated, source)
+    pad_fill = is_fill if strategy == "pad" else torch.zeros_like(is_fill)
+    new_ids = new_embeds = None
+    if input_ids is not None:
+        new_ids = torch.gather(input_ids.to(device), 1, source)
+        if strategy == "pad":
+            new_ids = torch.where(pad_fill, torch.full_like(new_ids, pad_token_id or 0), new_ids)
+    if inputs_embeds is not None:
+        index = source[:, :, None].expand(-1, -1, inputs_embeds.shape[-1])
+        new_embeds = torch.gather(inputs_embeds, 1, index)
+        if strategy == "pad":
+            pad = embed(torch.full((1, 1), pad_token_id or 0, dtype=torch.long, device=device)).to(new_embeds.dtype)
+            new_embeds = torch.where(pad_fill[:, :, None], pad, new_embeds)
+    return FilledInputs(
+        input_ids=new_ids,
+        inputs_embeds=new_embeds,
+        attention_mask=mask.long(),
+        linear_attention_mask=(~pad_fill).long() if strategy == "pad" else None,
+        fill_columns=fill_columns,
+        prefix_lengths=encoder_tokens + fill,
+        prompt_lengths=prompt,
+        starts=start,
+        fill_lengths=fill,
+    )
+
+
+__all__ = [
+    "PREFIX_STRATEGIES",
+    "FilledInputs",
+    "check_prefix_strategy",
+    "fill_prefix",
+    "never_generated_ids",
+    "repeat_to_fill",
+]
