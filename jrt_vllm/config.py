@@ -1,0 +1,63 @@
+"""Engine settings that JRT-RNN / Based need, applied when vLLM builds its config for a `JRTRNNForCausalLM` folder."""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateConfig
+
+logger = logging.getLogger(__name__)
+
+
+class JRTRNNVllmConfig(VerifyAndUpdateConfig):
+    """Eager execution, prefix caching off (both families), chunked prefill off for prefix (JRT-RNN) models.
+
+    - Eager: the layers map vLLM's batch onto requests in Python (per-request prefills, the JRT fill), which neither
+      torch.compile nor CUDA graphs can capture.
+
+    - Prefix caching: a request's state depends on its whole prompt (the JRT encoder reads the first
+      `prefix_length` tokens non-causally, and a short prompt's fill depends on its length), so a cached state of a
+      shared prompt prefix is not the state of another prompt. Based could reuse states at block boundaries (vLLM's
+      "align" mode), which jrt_vllm does not implement.
+    - Chunked prefill: the encoder must read a request's prefix in one forward (the output of every prefix token
+      depends on the later prefix tokens), and vLLM may cut a prompt anywhere. With chunked prefill off, vLLM
+      schedules whole prompts, so `max_num_batched_tokens` is raised to `max_model_len` when it is smaller.
+    """
+
+    @classmethod
+    def verify_and_update_config(cls, vllm_config) -> None:
+        hf_config = vllm_config.model_config.hf_config
+        cache_config = vllm_config.cache_config
+        scheduler_config = vllm_config.scheduler_config
+        model_config = vllm_config.model_config
+        if not model_config.enforce_eager:
+            logger.info("jrt_vllm: running eagerly (enforce_eager): JRT-RNN / Based layers are not captured in graphs.")
+            model_config.enforce_eager = True
+        if cache_config.enable_prefix_caching:
+            logger.info("jrt_vllm: prefix caching is off for JRT-RNN / Based (a state depends on the whole prompt).")
+            cache_config.enable_prefix_caching = False
+        is_prefix = hf_config.linear_attention_type == "prefix" and "linear_attention" in hf_config.layer_types
+        if is_prefix and scheduler_config.enable_chunked_prefill:
+            logger.warning(
+                "jrt_vllm: chunked prefill is off for this JRT-RNN model: its encoder reads the first prefix_length=%d "
+                "tokens of each prompt in one forward, and a chunk boundary inside them would change the outputs. "
+                "Prompts are prefilled whole.",
+                hf_config.prefix_length,
+            )
+            scheduler_config.enable_chunked_prefill = False
+        if not scheduler_config.enable_chunked_prefill:
+            max_model_len = vllm_config.model_config.max_model_len
+            if scheduler_config.max_num_batched_tokens < max_model_len:
+                logger.warning(
+                    "jrt_vllm: max_num_batched_tokens raised from %d to max_model_len=%d so that every prompt fits "
+                    "one forward (or pass a smaller max_model_len).",
+                    scheduler_config.max_num_batched_tokens,
+                    max_model_len,
+                )
+                scheduler_config.max_num_batched_tokens = max_model_len
+                scheduler_config.max_num_encoder_input_tokens = max_model_len
+                scheduler_config.encoder_cache_size = max_model_len
+        MambaModelConfig.verify_and_update_config(vllm_config)
+
+
+__all__ = ["JRTRNNVllmConfig"]

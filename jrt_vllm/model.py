@@ -1,0 +1,566 @@
+"""JRT-RNN / Based as a vLLM model: every mixer keeps a constant-size per-request state that vLLM pages.
+
+vLLM sees an attention-free model (`IsAttentionFree`, like Mamba2): each mixer is a `MambaBase` layer that declares
+its state, and vLLM allocates one slot per request, binds it and hands the slot indices to every forward (the
+metadata of its short-conv backend). The states are those of transformers' cache in `modeling_jrt`:
+
+    "conv"               the last K - 1 inputs of the depthwise convolution             (K - 1, D)      model dtype
+    "sliding_attention"  the last W - 1 rotated keys and values, and the tokens read   (W - 1, d) x 2, (1,) fp32
+    "linear_attention"   the Taylor-feature state, encoder sum included                (H, F, V + 1)   fp32
+
+The sliding window is a state as well (not vLLM's paged `Attention`): the JRT prefix fill below adds tokens that
+vLLM never schedules, and a fixed window of W - 1 keys is what an O(1) model keeps anyway.
+
+The JRT prefix (docs: README "Serve with vLLM"). The first forward of a request reads its whole prompt (chunked
+prefill is off for prefix models, `jrt_vllm.config`). A prompt of L < prefix_length tokens is filled in front, as
+the transformers model's first forward fills it (`config.prefix_strategy`, `modeling_jrt.prefix_fill`): "pad" prepends
+`prefix_length - L` copies of `prefix_pad_token_id` (read by convolutions and sliding attention, removed from the
+linear attention as `prefix_pad_masking` says), "repeat" repeats the prompt, "none" adds nothing. The fill runs
+through every layer inside this forward and never reaches vLLM (no logits, no logprobs, not counted in the
+request's length). The linear-attention encoder then reads the first `min(prefix_length, tokens)` tokens
+non-causally; later forwards are O(1) recurrent steps.
+
+The math is `modeling_jrt`'s (linear attention, blocked sliding-window attention, RMSNorm, SwiGLU, RoPE): this file
+only maps vLLM's flattened batch onto it. Requests are computed one at a time in a prefill, and all together in a
+decode step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.sequence import IntermediateTensors
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from modeling_jrt.configuration_jrt import JRTRNNConfig
+from modeling_jrt.prefix_fill import check_prefix_strategy, never_generated_ids, repeat_to_fill
+from modeling_jrt.linear_attention import linear_attention_step, num_taylor_features, prefix_linear_attention
+from modeling_jrt.modeling_jrt import (
+    JRTRNNLinearAttention,
+    JRTRNNMLP,
+    JRTRNNRMSNorm,
+    JRTRNNRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+from modeling_jrt.sliding_window import blocked_sliding_window_attention
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Segment:
+    """The tokens of one request that are read in one pass (a prompt, or any forward that is not an O(1) step).
+
+    Attributes:
+        request: index of the request in vLLM's batch order (decodes first), to look up its state slot.
+        start, end: its rows in the expanded batch (fill included).
+        fill: rows of JRT prefix fill at the start (0 when nothing is filled).
+        fresh: the first forward of the request (no state yet: the encoder reads and the states start empty).
+    """
+
+    request: int
+    start: int
+    end: int
+    fill: int
+    fresh: bool
+
+
+@dataclass
+class BatchPlan:
+    """How one vLLM forward maps onto the layers.
+
+    Attributes:
+        decode_requests: requests that read one token on top of their state (the batched O(1) step), in order.
+        decode_rows: their rows in the expanded batch.
+        segments: every other request, read one at a time.
+        input_rows: `(num_actual_tokens,)` the expanded row of each of vLLM's tokens.
+    """
+
+    decode_requests: list[int]
+    decode_rows: torch.Tensor
+    segments: list[Segment]
+    input_rows: torch.Tensor
+
+
+def _slots(metadata) -> list[int]:
+    """The state slot of every request of this forward, in batch order (decodes first), for one layer group."""
+    slots = []
+    if metadata.num_decodes > 0:
+        decode = metadata.state_indices_tensor_d
+        slots += (decode[:, 0] if decode.dim() > 1 else decode)[: metadata.num_decodes].tolist()
+    if metadata.num_prefills > 0:
+        slots += metadata.state_indices_tensor_p.flatten()[: metadata.num_prefills].tolist()
+    return slots
+
+
+class JRTStateLayer(MambaBase, nn.Module):
+    """A mixer whose per-request state vLLM allocates (`get_state_shape` / `get_state_dtype`) and binds to
+    `self.kv_cache`. All three mixers use the metadata of vLLM's short-conv backend (slots, query ranges)."""
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.prefix = prefix
+        vllm_config = get_current_vllm_config()
+        self.model_dtype = vllm_config.model_config.dtype
+        context = vllm_config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+        self.kv_cache = (torch.tensor([]),)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.SHORT_CONV
+
+    def slots(self) -> list[int] | None:
+        """This layer's state slot per request, or None in a forward without metadata (vLLM's profiling run)."""
+        metadata = get_forward_context().attn_metadata
+        if not isinstance(metadata, dict) or metadata.get(self.prefix) is None:
+            return None
+        return _slots(metadata[self.prefix])
+
+    def forward(self, hidden_states: torch.Tensor, plan: BatchPlan | None) -> torch.Tensor:
+        """hidden_states `(N, hidden)`: the expanded batch -> `(N, hidden)`."""
+        slots = None if plan is None else self.slots()
+        if slots is None:  # profiling: one stateless pass, the output does not matter
+            return self.read(hidden_states, None, Segment(0, 0, hidden_states.shape[0], 0, True))
+        output = torch.empty_like(hidden_states)
+        if plan.decode_requests:
+            rows = plan.decode_rows
+            output[rows] = self.step(hidden_states[rows], torch.tensor([slots[r] for r in plan.decode_requests]))
+        for segment in plan.segments:
+            rows = slice(segment.start, segment.end)
+            output[rows] = self.read(hidden_states[rows], slots[segment.request], segment)
+        return output
+
+
+class JRTShortConv(JRTStateLayer):
+    """`JRTRNNShortConv` (same weights): u, g = in_proj(x); y = out_proj(SiLU(causal_conv_K(u)) * g).
+    State: the last K - 1 inputs u `(K - 1, D)`."""
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
+        super().__init__(config, layer_idx, prefix)
+        self.kernel_size = config.conv_kernel_size
+        self.inner_size = config.conv_expansion * config.hidden_size
+        self.history = max(self.kernel_size - 1, 1)  # a state of at least one row (K = 1 keeps nothing)
+        self.in_proj = nn.Linear(config.hidden_size, 2 * self.inner_size, bias=config.conv_bias)
+        self.conv = nn.Conv1d(
+            self.inner_size, self.inner_size, kernel_size=self.kernel_size, groups=self.inner_size, bias=False
+        )
+        self.out_proj = nn.Linear(self.inner_size, config.hidden_size, bias=config.conv_bias)
+
+    def get_state_shape(self) -> tuple[tuple[int, ...]]:
+        return ((self.history, self.inner_size),)
+
+    def get_state_dtype(self) -> tuple[torch.dtype]:
+        return (self.model_dtype,)
+
+    def read(self, hidden_states: torch.Tensor, slot: int | None, segment: Segment) -> torch.Tensor:
+        """hidden_states `(T, hidden)` of one request -> `(T, hidden)`; updates its state."""
+        conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (T, D) each
+        if segment.fresh or slot is None:
+            past = conv_input.new_zeros(self.history, self.inner_size)
+        else:
+            past = self.kv_cache[0][slot].to(conv_input.dtype)
+        full = torch.cat([past, conv_input])  # (history + T, D)
+        conv_output = F.conv1d(full.T[None], self.conv.weight, groups=self.inner_size)[0]  # (D, history + T - K + 1)
+        conv_output = conv_output[:, -hidden_states.shape[0] :].T  # (T, D)
+        if slot is not None:
+            self.kv_cache[0][slot] = full[-self.history :]
+        return self.out_proj(F.silu(conv_output) * gate)
+
+    def step(self, hidden_states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """hidden_states `(B, hidden)`: one token of each of B requests -> `(B, hidden)`."""
+        conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, D) each
+        full = torch.cat([self.kv_cache[0][slots].to(conv_input.dtype), conv_input[:, None]], dim=1)  # (B, hist+1, D)
+        taps = full[:, -self.kernel_size :]  # (B, K, D)
+        conv_output = (taps * self.conv.weight[:, 0].T[None]).sum(1)  # (B, D)
+        self.kv_cache[0][slots] = full[:, -self.history :]
+        return self.out_proj(F.silu(conv_output) * gate)
+
+
+class JRTSlidingWindowAttention(JRTStateLayer):
+    """`JRTRNNSlidingWindowAttention` (same weights): softmax attention over the last W tokens, RoPE on q and k.
+
+    State: the last W - 1 rotated keys and values `(W - 1, hidden)` each, oldest first, and the number of tokens the
+    request has read `(1,)` fp32 (its next RoPE position, fill included; it also tells which rows hold keys).
+    """
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
+        super().__init__(config, layer_idx, prefix)
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.window = config.sliding_window
+        self.rows = max(self.window - 1, 1)
+        self.scaling = self.head_dim**-0.5
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, hidden, bias=False)
+        self.v_proj = nn.Linear(hidden, hidden, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.rotary_emb = JRTRNNRotaryEmbedding(config)
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        hidden = self.num_heads * self.head_dim
+        return ((self.rows, hidden), (self.rows, hidden), (1,))
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return (self.model_dtype, self.model_dtype, torch.float32)
+
+    def _project(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """hidden_states `(B, T, hidden)`, positions `(B, T)` -> q, k, v `(B, H, T, D)`, q and k rotated."""
+        batch_size, seq_len, _ = hidden_states.shape
+        shape = (batch_size, seq_len, self.num_heads, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # (B, H, T, D)
+        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # (B, H, T, D)
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)  # (B, H, T, D)
+        cos, sin = self.rotary_emb(hidden_states, positions)
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        return query, key, value
+
+    def _heads(self, rows: torch.Tensor) -> torch.Tensor:
+        """(B, S, hidden) -> (B, H, S, D)."""
+        return rows.view(rows.shape[0], rows.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+
+    def _window_mask(self, seen: torch.Tensor, new: int) -> torch.Tensor:
+        """(B, rows + new) bool: the state rows that hold keys (the last min(seen, W - 1)), then the new keys."""
+        held = torch.clamp(seen.long(), max=self.window - 1)  # (B,)
+        row = torch.arange(self.rows, device=seen.device)
+        past = row[None, :] >= (self.rows - held)[:, None]  # (B, rows)
+        return torch.cat([past, past.new_ones(seen.shape[0], new)], dim=1)
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        rows_k: torch.Tensor,
+        rows_v: torch.Tensor,
+        seen: torch.Tensor,
+        slots: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention of the new queries over [state rows, new keys], then each state keeps its last W - 1 keys.
+
+        Args:
+            query: `(B, H, T, D)` the T new tokens of B requests, rotated.
+            rows_k, rows_v: `(B, W - 1 + T, hidden)` the state rows, then the T new rotated keys / values.
+            seen: `(B,)` tokens each request read before these.
+            slots: `(B,)` their state slots, or None (profiling: nothing is stored).
+
+        Returns:
+            `(B, T, hidden)`.
+        """
+        key_mask = self._window_mask(seen, query.shape[2])  # (B, W - 1 + T)
+        output = blocked_sliding_window_attention(
+            query, self._heads(rows_k), self._heads(rows_v), key_mask,
+            sliding_window=self.window, scaling=self.scaling, implementation="sdpa",
+        )  # (B, T, H, D)
+        if slots is not None:
+            keys, values, count = self.kv_cache
+            keys[slots] = rows_k[:, -self.rows :].to(keys.dtype)
+            values[slots] = rows_v[:, -self.rows :].to(values.dtype)
+            count[slots] = (seen + query.shape[2])[:, None].to(count.dtype)  # (B, 1)
+        return self.o_proj(output.reshape(output.shape[0], output.shape[1], -1))
+
+    def read(self, hidden_states: torch.Tensor, slot: int | None, segment: Segment) -> torch.Tensor:
+        seq_len, hidden = hidden_states.shape
+        if segment.fresh or slot is None:
+            seen = torch.zeros(1, device=hidden_states.device)
+            past_keys = past_values = hidden_states.new_zeros(1, self.rows, hidden)
+        else:
+            seen = self.kv_cache[2][slot].float().view(1)
+            past_keys = self.kv_cache[0][slot][None].to(hidden_states.dtype)
+            past_values = self.kv_cache[1][slot][None].to(hidden_states.dtype)
+        positions = seen.long()[:, None] + torch.arange(seq_len, device=hidden_states.device)[None]  # (1, T)
+        query, key, value = self._project(hidden_states[None], positions)
+        rows_k = torch.cat([past_keys, key.transpose(1, 2).reshape(1, seq_len, hidden)], dim=1)  # (1, rows + T, d)
+        rows_v = torch.cat([past_values, value.transpose(1, 2).reshape(1, seq_len, hidden)], dim=1)
+        return self._attend(query, rows_k, rows_v, seen, None if slot is None else torch.tensor([slot]))[0]
+
+    def step(self, hidden_states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        batch_size, hidden = hidden_states.shape
+        seen = self.kv_cache[2][slots].float().view(batch_size)
+        query, key, value = self._project(hidden_states[:, None], seen.long()[:, None])
+        new_k = key.transpose(1, 2).reshape(batch_size, 1, hidden)  # (B, 1, hidden)
+        new_v = value.transpose(1, 2).reshape(batch_size, 1, hidden)  # (B, 1, hidden)
+        rows_k = torch.cat([self.kv_cache[0][slots].to(new_k.dtype), new_k], dim=1)  # (B, W, hidden)
+        rows_v = torch.cat([self.kv_cache[1][slots].to(new_v.dtype), new_v], dim=1)  # (B, W, hidden)
+        return self._attend(query, rows_k, rows_v, seen, slots)[:, 0]
+
+
+class JRTLinearAttention(JRTStateLayer):
+    """`JRTRNNLinearAttention` (same weights): prefix (JRT-RNN) or causal (Based, optional decay) linear attention.
+    State: `(H, F, V + 1)` fp32 (`modeling_jrt.linear_attention`), the encoder sum included."""
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
+        super().__init__(config, layer_idx, prefix)
+        self.num_heads = config.num_attention_heads
+        self.feature_dim = config.feature_dim
+        self.head_dim = config.head_dim
+        self.is_prefix = config.linear_attention_type == "prefix"
+        hidden = config.hidden_size
+        features = self.num_heads * self.feature_dim
+        self.q_proj = nn.Linear(hidden, features, bias=False)
+        self.k_proj = nn.Linear(hidden, features, bias=False)
+        self.v_proj = nn.Linear(hidden, hidden, bias=False)
+        if self.is_prefix:
+            self.k_enc_proj = nn.Linear(hidden, features, bias=False)
+            self.v_enc_proj = nn.Linear(hidden, hidden, bias=False)
+        if config.use_decay_proj:
+            self.decay_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        # Whether the fill of a first forward is the "pad" strategy's (removed from the sums); set by the model.
+        self.masks_fill = False
+
+    log_decay = JRTRNNLinearAttention.log_decay  # the same (H,) log gamma as the transformers layer
+
+    def get_state_shape(self) -> tuple[tuple[int, ...]]:
+        return ((self.num_heads, num_taylor_features(self.feature_dim), self.head_dim + 1),)
+
+    def get_state_dtype(self) -> tuple[torch.dtype]:
+        return (torch.float32,)
+
+    def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(..., hidden) -> q, k (..., H, K), v (..., H, V), gate (..., H) or None."""
+        lead = hidden_states.shape[:-1]
+        query = self.q_proj(hidden_states).view(*lead, self.num_heads, self.feature_dim)
+        key = self.k_proj(hidden_states).view(*lead, self.num_heads, self.feature_dim)
+        value = self.v_proj(hidden_states).view(*lead, self.num_heads, self.head_dim)
+        gate = self.decay_proj(hidden_states) if self.config.use_decay_proj else None
+        return query, key, value, gate
+
+    def read(self, hidden_states: torch.Tensor, slot: int | None, segment: Segment) -> torch.Tensor:
+        seq_len = hidden_states.shape[0]
+        query, key, value, gate = self._project(hidden_states[None])  # (1, T, H, K), (1, T, H, V), (1, T, H)
+        k_enc = v_enc = key_mask = None
+        if segment.fresh and self.is_prefix:
+            # The encoder reads the first min(prefix_length, T) tokens (fill included), this forward only.
+            length = min(self.config.prefix_length, seq_len)
+            if length > 0:
+                prefix = hidden_states[None, :length]
+                k_enc = self.k_enc_proj(prefix).view(1, length, self.num_heads, self.feature_dim)  # (1, M, H, K)
+                v_enc = self.v_enc_proj(prefix).view(1, length, self.num_heads, self.head_dim)  # (1, M, H, V)
+        if segment.fill > 0 and segment.fresh and self.masks_fill:
+            key_mask = torch.ones(1, seq_len, dtype=torch.bool, device=hidden_states.device)
+            key_mask[:, : segment.fill] = False  # the "pad" fill: removed as `prefix_pad_masking` says
+        initial_state = None if (segment.fresh or slot is None) else self.kv_cache[0][slot][None]
+        output, state = prefix_linear_attention(
+            query, key, value, k_enc, v_enc,
+            key_mask=key_mask,
+            pad_masking=self.config.prefix_pad_masking,
+            initial_state=initial_state,
+            log_decay=self.log_decay(hidden_states.device),
+            gate=gate,
+            eps=self.config.linear_attention_eps,
+            chunk_size=self.config.linear_attention_chunk_size,
+            implementation=self.config.linear_attention_implementation,
+        )  # (1, T, H, V), (1, H, F, V + 1)
+        if slot is not None:
+            self.kv_cache[0][slot] = state[0]
+        return self.o_proj(output.reshape(seq_len, -1).to(hidden_states.dtype))
+
+    def step(self, hidden_states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        query, key, value, gate = self._project(hidden_states)  # (B, H, K), (B, H, K), (B, H, V), (B, H)
+        output, state = linear_attention_step(
+            query, key, value, self.kv_cache[0][slots],
+            log_decay=self.log_decay(hidden_states.device), gate=gate, eps=self.config.linear_attention_eps,
+        )  # (B, H, V), (B, H, F, V + 1)
+        self.kv_cache[0][slots] = state
+        return self.o_proj(output.reshape(hidden_states.shape[0], -1).to(hidden_states.dtype))
+
+
+MIXER_CLASSES = {
+    "conv": JRTShortConv,
+    "sliding_attention": JRTSlidingWindowAttention,
+    "linear_attention": JRTLinearAttention,
+}
+
+
+class JRTDecoderLayer(nn.Module):
+    """Pre-norm block on an fp32 residual stream: r += mixer(norm(r)); r += mlp(norm(r)) (`JRTRNNDecoderLayer`)."""
+
+    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        self.input_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mixer = MIXER_CLASSES[self.layer_type](config, layer_idx, f"{prefix}.mixer")
+        has_mlp = config.intermediate_size > 0
+        self.post_attention_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps) if has_mlp else None
+        self.mlp = JRTRNNMLP(config, layer_idx) if has_mlp else None
+
+    def forward(self, hidden_states: torch.Tensor, plan: BatchPlan | None) -> torch.Tensor:
+        hidden_states = hidden_states + self.mixer(self.input_layernorm(hidden_states), plan).float()
+        if self.mlp is None:
+            return hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)).float()
+
+
+class JRTModel(nn.Module):
+    """Embeddings, blocks, final norm (`JRTRNNModel`'s names, so the safetensors load as they are)."""
+
+    def __init__(self, config: JRTRNNConfig, prefix: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [JRTDecoderLayer(config, i, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)]
+        )
+        self.norm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, plan: BatchPlan | None) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids).float()  # the residual stream stays fp32
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, plan)
+        return self.norm(hidden_states)
+
+
+def _prefix_strategy(model_path: str, config: JRTRNNConfig) -> str:
+    """`config.prefix_strategy`, or the `prefix_strategy` of an older folder's generation_config.json (jrt-rnn 0.2
+    saved it there; `JRTRNNForCausalLM` reads it the same way)."""
+    from transformers import GenerationConfig
+
+    try:
+        legacy = getattr(GenerationConfig.from_pretrained(model_path), "prefix_strategy", None)
+    except OSError:  # no generation_config.json
+        legacy = None
+    return check_prefix_strategy(config.prefix_strategy if legacy is None else legacy)
+
+
+class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+    """vLLM model for the `JRTRNNForCausalLM` folders that `save_pretrained` and `jrt convert` write."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+            raise NotImplementedError(
+                "jrt_vllm runs JRT-RNN / Based on one device: tensor and pipeline parallelism are not implemented "
+                f"(got tensor_parallel_size={parallel.tensor_parallel_size}, "
+                f"pipeline_parallel_size={parallel.pipeline_parallel_size}); use data parallelism (one engine per "
+                "device) instead."
+            )
+        if vllm_config.speculative_config is not None:
+            raise NotImplementedError("jrt_vllm does not support speculative decoding (the state cannot roll back).")
+        self.config = config
+        self.is_prefix = config.linear_attention_type == "prefix" and "linear_attention" in config.layer_types
+        self.prefix_strategy = _prefix_strategy(vllm_config.model_config.model, config) if self.is_prefix else "none"
+        if self.prefix_strategy == "pad" and config.prefix_pad_token_id is None:
+            raise ValueError(
+                "prefix_strategy='pad' needs `prefix_pad_token_id` in config.json (220 in the released models), or "
+                "another `prefix_strategy` in config.json."
+            )
+        self.model = JRTModel(config, prefix=f"{prefix}.model" if prefix else "model")
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.suppressed_ids = never_generated_ids(config)
+        for layer in self.model.layers:
+            if isinstance(layer.mixer, JRTLinearAttention):
+                layer.mixer.masks_fill = self.prefix_strategy == "pad"
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def _plan(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, BatchPlan] | None:
+        """The expanded ids (fill included) and the plan of this forward, or None without metadata (profiling)."""
+        metadata = get_forward_context().attn_metadata
+        if not isinstance(metadata, dict) or not metadata:
+            return None
+        first = next(iter(metadata.values()))
+        num_decodes, num_prefills = first.num_decodes, first.num_prefills
+        seq_lens = first.seq_lens[: num_decodes + num_prefills].tolist()
+        bounds = list(range(num_decodes + 1))
+        if num_prefills > 0:
+            bounds += [num_decodes + int(x) for x in first.query_start_loc_p[1 : num_prefills + 1].tolist()]
+        pieces, input_rows, segments, decode_requests, decode_rows = [], [], [], [], []
+        row = 0
+        for request in range(num_decodes + num_prefills):
+            tokens = input_ids[bounds[request] : bounds[request + 1]]
+            fresh = seq_lens[request] == tokens.shape[0]
+            if not fresh and tokens.shape[0] == 1:
+                decode_requests.append(request)
+                decode_rows.append(row)
+                pieces.append(tokens)
+                input_rows.append(row)
+                row += 1
+                continue
+            filled = self._fill(tokens) if fresh else tokens
+            fill = filled.shape[0] - tokens.shape[0]
+            pieces.append(filled)
+            segments.append(Segment(request, row, row + filled.shape[0], fill, fresh))
+            input_rows.extend(range(row + fill, row + filled.shape[0]))
+            row += filled.shape[0]
+        plan = BatchPlan(
+            decode_requests=decode_requests,
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long),
+            segments=segments,
+            input_rows=torch.tensor(input_rows, dtype=torch.long, device=input_ids.device),
+        )
+        return torch.cat(pieces), plan
+
+    def _fill(self, prompt: torch.Tensor) -> torch.Tensor:
+        """A whole prompt `(L,)` with the JRT prefix fill in front, as `generate()` prepares it."""
+        missing = self.config.prefix_length - prompt.shape[0]
+        if not self.is_prefix or missing <= 0 or self.prefix_strategy == "none":
+            return prompt
+        if self.prefix_strategy == "repeat":
+            return repeat_to_fill(prompt, self.config.prefix_length)
+        return torch.cat([prompt.new_full((missing,), self.config.prefix_pad_token_id), prompt])
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if input_ids is None:
+            raise NotImplementedError("jrt_vllm reads token ids (the JRT fill is made of tokens), not embeddings.")
+        planned = self._plan(input_ids)
+        if planned is None:
+            return self.model(input_ids, None)
+        expanded_ids, plan = planned
+        hidden_states = self.model(expanded_ids, plan)
+        output = hidden_states.new_zeros(input_ids.shape[0], hidden_states.shape[-1])
+        output[: plan.input_rows.shape[0]] = hidden_states[plan.input_rows]
+        return output
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden_states.to(self.lm_head.weight.dtype))
+        if self.suppressed_ids:  # padded vocabulary rows and [MASK]: never generated (`generate()`'s suppress_tokens)
+            logits[:, self.suppressed_ids] = float("-inf")
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The safetensors of a `save_pretrained` / `jrt convert` folder, by their own names."""
+        parameters = dict(self.named_parameters())
+        loaded = set()
+        unexpected = []
+        for name, weight in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied to the embedding
+            if name not in parameters:
+                unexpected.append(name)
+                continue
+            parameter = parameters[name]
+            if parameter.shape != weight.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(weight.shape)}, model {tuple(parameter.shape)}.")
+            with torch.no_grad():
+                parameter.copy_(weight)
+            loaded.add(name)
+        if unexpected:
+            raise ValueError(f"The checkpoint has weights this model does not: {sorted(unexpected)}.")
+        return loaded
+
+
+__all__ = ["JRTRNNForCausalLM"]

@@ -1,0 +1,154 @@
+"""jrt_vllm on vLLM's CPU engine (in this process) against `generate()` and `forward()` of the same folder."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from vllm_models import MODEL_KINDS, greedy_reference, save_model
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (`.ci/vllm` runs these tests in a venv with it)")
+
+from modeling_jrt.prefix_fill import never_generated_ids  # noqa: E402
+
+MAX_NEW_TOKENS = 8
+# Prompt lengths around the tiny models' prefix_length = 8 and sliding_window = 5: a single token, shorter than the
+# prefix, exactly the prefix, longer than prefix and window.
+PROMPTS = [
+    [37],
+    [70, 101, 44],
+    [12, 250, 7, 99, 180, 33, 5, 61],
+    [9, 140, 77, 3, 201, 56, 88, 19, 230, 41, 162, 28, 95],
+]
+
+
+@pytest.fixture(scope="module", params=list(MODEL_KINDS))
+def engine(request, tmp_path_factory, byte_bpe_tokenizer):
+    """(kind, the transformers model, a vLLM engine serving its folder); one engine at a time."""
+    kind = request.param
+    path = tmp_path_factory.mktemp(kind)
+    model = save_model(kind, path, byte_bpe_tokenizer)
+    llm = vllm.LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    yield kind, model, llm
+    del llm
+    gc.collect()
+
+
+def greedy(max_tokens: int = MAX_NEW_TOKENS, **kwargs) -> "vllm.SamplingParams":
+    return vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def test_engine_settings(engine):
+    """Prefix caching is off for both families; chunked prefill is off for JRT-RNN (its encoder reads in one
+    forward)."""
+    kind, model, llm = engine
+    vllm_config = llm.llm_engine.vllm_config
+    assert not vllm_config.cache_config.enable_prefix_caching
+    if model.config.linear_attention_type == "prefix":
+        assert not vllm_config.scheduler_config.enable_chunked_prefill
+
+
+def test_greedy_batch_of_mixed_lengths_equals_generate(engine):
+    """One batch of prompts shorter than, equal to and longer than the prefix: each gives `generate()`'s tokens for
+    that prompt alone."""
+    kind, model, llm = engine
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(), use_tqdm=False)
+    actual = [list(o.outputs[0].token_ids) for o in outputs]
+    expected = [greedy_reference(model, p, MAX_NEW_TOKENS) for p in PROMPTS]
+    assert actual == expected
+    suppressed = set(never_generated_ids(model.config))
+    assert not suppressed & {token for tokens in actual for token in tokens}
+    assert len({tuple(tokens) for tokens in expected}) == len(PROMPTS), "the tiny model must not be degenerate"
+
+
+def test_greedy_one_prompt_at_a_time_equals_generate(engine):
+    """Each prompt alone (the first forward of every request is a whole prompt, the rest are O(1) steps)."""
+    kind, model, llm = engine
+    for prompt in (PROMPTS[1], PROMPTS[3]):
+        output = llm.generate([{"prompt_token_ids": prompt}], greedy(), use_tqdm=False)[0]
+        assert list(output.outputs[0].token_ids) == greedy_reference(model, prompt, MAX_NEW_TOKENS)
+
+
+def test_request_added_mid_stream_equals_generate(engine):
+    """Continuous batching: requests join while others decode (their prefill shares forwards with decode steps)."""
+    kind, model, llm = engine
+    core = llm.llm_engine
+    params = greedy(max_tokens=12)
+    results: dict[str, list[int]] = {}
+
+    def step():
+        for output in core.step():
+            if output.finished:
+                results[output.request_id] = list(output.outputs[0].token_ids)
+
+    core.add_request("first", {"prompt_token_ids": PROMPTS[3]}, params)
+    for _ in range(3):
+        step()
+    core.add_request("second", {"prompt_token_ids": PROMPTS[1]}, params)
+    step()
+    core.add_request("third", {"prompt_token_ids": PROMPTS[0]}, params)
+    while core.has_unfinished_requests():
+        step()
+    assert results == {
+        "first": greedy_reference(model, PROMPTS[3], 12),
+        "second": greedy_reference(model, PROMPTS[1], 12),
+        "third": greedy_reference(model, PROMPTS[0], 12),
+    }
+
+
+def forward_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """`(L - 1,)` log p(prompt[t] | prompt[:t]) from `forward()` of the prompt (which fills a short prompt's JRT prefix
+    itself), over the ids that can be generated."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].double()  # (L, vocab): the caller's positions
+    logits[:, never_generated_ids(model.config)] = float("-inf")  # jrt_vllm masks them in the logits
+    logprobs = torch.log_softmax(logits, dim=-1)[:-1]  # (L - 1, vocab): the prediction of each next token
+    return logprobs.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("prompt_index", [1, 3], ids=["shorter-than-prefix", "longer-than-prefix"])
+def test_prompt_logprobs_equal_forward(engine, prompt_index):
+    """`prompt_logprobs` are the log-softmax of `forward()`'s logits (fp32 tolerance)."""
+    kind, model, llm = engine
+    prompt = PROMPTS[prompt_index]
+    output = llm.generate([{"prompt_token_ids": prompt}], greedy(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert output.prompt_logprobs[0] is None
+    actual = torch.tensor(
+        [position[token].logprob for position, token in zip(output.prompt_logprobs[1:], prompt[1:])],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(actual, forward_logprobs(model, prompt), rtol=0, atol=2e-4)
+
+
+LONG_PROMPT = [(7 * i + 3) % 290 + 5 for i in range(41)]
+
+
+@pytest.mark.parametrize("kind", ["based-decay", "jrt-pad"])
+def test_chunked_prefill_and_prefix_caching_requested(kind, tmp_path, byte_bpe_tokenizer):
+    """Chunked prefill and prefix caching asked for, with a 16-token budget per forward and prompts that share their
+    first 20 tokens. Based reads a 41-token prompt in chunks (states carried between them); JRT-RNN turns chunked
+    prefill off and reads it whole; prefix caching is turned off. Every prompt gives `generate()`'s tokens."""
+    model = save_model(kind, tmp_path, byte_bpe_tokenizer)
+    llm = vllm.LLM(
+        model=str(tmp_path), dtype="float32", enforce_eager=True, max_model_len=64, seed=0,
+        enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True,
+    )
+    try:
+        assert not llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        scheduler_config = llm.llm_engine.vllm_config.scheduler_config
+        if kind == "jrt-pad":
+            assert not scheduler_config.enable_chunked_prefill
+            assert scheduler_config.max_num_batched_tokens == 64  # raised to max_model_len: whole prompts fit
+        else:
+            assert scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens == 16
+        prompts = [LONG_PROMPT, PROMPTS[1], LONG_PROMPT[:20] + PROMPTS[3]]
+        for batch in (prompts[:2], prompts[2:]):  # the shared prefix is read first, then again in a later request
+            outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(), use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == [
+                greedy_reference(model, p, MAX_NEW_TOKENS) for p in batch
+            ]
+    finally:
+        del llm
+        gc.collect()
