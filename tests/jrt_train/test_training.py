@@ -301,3 +301,25 @@ def test_completion_only_labels_make_the_prompt_the_prefix(make_config):
     logits = model(input_ids, prompt_lengths=torch.full((2,), 7)).logits
     expected = torch.nn.functional.cross_entropy(logits[:, 6:-1].reshape(-1, 99), input_ids[:, 7:].reshape(-1))
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fine_tuned_model_generates_what_its_training_forward_predicts(make_config):
+    """Train as you generate: after a few steps on completion-only labels, the first token `generate()` gives for a
+    prompt is the argmax of the training forward's logits at the prompt's last position (both read the prompt with
+    the same fill)."""
+    torch.manual_seed(0)
+    model = JRTRNNForCausalLM(make_config(prefix_length=16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    input_ids = torch.randint(4, 99, (4, 10), generator=torch.Generator().manual_seed(3))
+    labels = input_ids.clone()
+    labels[:, :6] = -100  # 6-token prompts (shorter than the prefix: filled), 4-token completions
+    model.train()
+    for _ in range(5):
+        model(input_ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        training_logits = model(input_ids, labels=labels).logits
+    first = model.generate(input_ids[:, :6], max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
+    torch.testing.assert_close(first[:, 6], training_logits[:, 5].argmax(-1), rtol=0, atol=0)
