@@ -792,6 +792,15 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
 
         # 2. RoPE positions: the model's own columns, counting on from what the cache has read; given positions
         #    are the caller's (the fill counts back from each row's first token).
+        if position_ids is not None and seq_len > 1 and not torch.compiler.is_compiling():
+            restarts = position_ids[..., 1:] < position_ids[..., :-1]
+            if bool(restarts.any()):
+                raise ValueError(
+                    "`position_ids` restart inside a row: packed sequences (several documents in one row, e.g. TRL's "
+                    "`packing=True` / padding-free batches) are not supported: the convolutions, the sliding window "
+                    "and the recurrent state would carry one document into the next, and the JRT prefix is the "
+                    "row's first prompt only. Train with one sequence per row (`packing=False`)."
+                )
         if position_ids is None:
             past_positions = cache.num_positions if continuing else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_positions)[None]

@@ -107,3 +107,39 @@ def test_sft_with_full_labels_never_scores_what_the_encoder_read(make_config, tm
     for row in range(batch["input_ids"].shape[0]):
         read = min(16, int(tokens[row]))  # the encoder's tokens (right padding: from position 0)
         assert not outputs.label_mask[row, : read - 1].any()
+
+
+def test_conversational_data_with_assistant_only_loss(make_config, tmp_path):
+    """The assistant's reply is scored, the user's turn is the prompt (the prefix): TRL's loss equals the
+    hand-computed leak-free loss."""
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = (
+        "{% for message in messages %}{% if message['role'] == 'assistant' %}{% generation %}"
+        "{{ message['content'] }}{% endgeneration %}{% else %}{{ message['content'] }} {% endif %}{% endfor %}"
+    )
+    rows = [{"messages": [{"role": "user", "content": "w5 w6 w7 w8"}, {"role": "assistant", "content": " w9 w10 w11"}]},
+            {"messages": [{"role": "user", "content": "w12 w13"}, {"role": "assistant", "content": " w14 w15"}]}] * 4
+    torch.manual_seed(0)
+    model = JRTRNNForCausalLM(make_config(prefix_length=16, initializer_range=0.3))
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to="none",
+                         use_cpu=True, save_strategy="no", assistant_only_loss=True)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=tokenizer)
+    batch = first_batch(trainer)
+    assert (batch["labels"][0, :4] == -100).all() and (batch["labels"][0, 4:7] != -100).all()
+    model = trainer.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.compute_loss(model, batch), hand_loss(model, batch), rtol=1e-4, atol=1e-4)
+
+
+def test_packing_is_refused_with_the_reason(make_config, tmp_path):
+    """TRL's packing puts several documents in one row (positions restart): the recurrent layers would carry one into
+    the next, so the model refuses it in one line."""
+    torch.manual_seed(0)
+    model = JRTRNNForCausalLM(make_config(prefix_length=16))
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to="none",
+                         use_cpu=True, save_strategy="no", packing=True, max_length=32)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=prompt_completion_dataset(),
+                             processing_class=word_tokenizer())
+    with pytest.raises(ValueError, match="packed sequences .* are not supported"):
+        trainer.train()
