@@ -652,6 +652,22 @@ def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, seq_len:
         )
 
 
+def check_one_sequence_per_row(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Refuse packed rows: positions `(B or 1, T)` that restart between two real tokens of a row (padding may hold
+    any position)."""
+    restarts = position_ids[..., 1:] < position_ids[..., :-1]
+    if attention_mask is not None:
+        real = attention_mask.to(position_ids.device).bool()
+        restarts = restarts & real[:, 1:] & real[:, :-1]
+    if bool(restarts.any()):
+        raise ValueError(
+            "`position_ids` restart inside a row: packed sequences (several documents in one row, e.g. TRL's "
+            "`packing=True` / padding-free batches) are not supported: the convolutions, the sliding window and the "
+            "recurrent state would carry one document into the next, and the JRT prefix is the row's first prompt "
+            "only. Train with one sequence per row (`packing=False`)."
+        )
+
+
 def check_inputs(
     config: JRTRNNConfig, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
 ) -> tuple[int, int]:
@@ -757,6 +773,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             attention_mask = attention_mask[:, -seq_len:]  # this forward's tokens (the cache keeps its own flags)
         if linear_attention_mask is not None:
             linear_attention_mask = linear_attention_mask[:, -seq_len:]
+        if position_ids is not None and seq_len > 1 and not torch.compiler.is_compiling():
+            check_one_sequence_per_row(position_ids, attention_mask)
 
         # 1. The first forward of a JRT sequence lays out each row's prefix (fill and encoder range).
         fill_columns, encoder_range, record = 0, None, None
@@ -953,7 +971,8 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         self.post_init()
         # Every call with `labels` states where each row's prompt ends, before any forward sees them: the model's own,
         # and one that a trainer put in its place (TRL's fused LM head scores log-probabilities from the backbone).
-        self.register_forward_pre_hook(leak_free_labels, with_kwargs=True)
+        # (`leak_free_labels_hook.remove()` restores the leaky behaviour; benchmarks/sft_leak.py measures it.)
+        self.leak_free_labels_hook = self.register_forward_pre_hook(leak_free_labels, with_kwargs=True)
 
     @property
     def generation_config(self) -> GenerationConfig | None:
@@ -1169,57 +1188,24 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
             cache = None
         reads_embeds = inputs_embeds is not None and (is_first_iteration or cache is None or not cache.has_state)
         sequence = inputs_embeds if reads_embeds else input_ids
-        total = sequence.shape[1]
         model_inputs: dict = {}
 
         if use_cache is False:
             # Uncached generation: one record-keeping cache from the first forward, then full recomputes.
-            if cache is None:
-                model_inputs.update(use_cache=True)
-            else:
+            new, mask, forward_cache = sequence, attention_mask, None
+            model_inputs["use_cache"] = cache is None
+            if cache is not None and cache.prefix is not None:
                 record = cache.prefix
-                model_inputs.update(use_cache=False)
-                if record is not None:
-                    model_inputs.update(prompt_lengths=record.prompt_lengths, prefix_strategy=record.strategy,
-                                        prefix_pad_token_id=record.pad_token_id)
-                    kwargs.pop("prefix_strategy", None), kwargs.pop("prefix_pad_token_id", None)
-            new = sequence
-            mask = attention_mask
-            forward_cache = None
+                model_inputs.update(prompt_lengths=record.prompt_lengths, prefix_strategy=record.strategy,
+                                    prefix_pad_token_id=record.pad_token_id)
+                kwargs = {k: v for k, v in kwargs.items() if k not in ("prefix_strategy", "prefix_pad_token_id")}
         else:
-            if cache is None:
-                cache = JRTRNNCache(self.config)
-            forward_cache = cache
-            read = cache.num_read
-            mask_width = attention_mask.shape[1] if attention_mask is not None else None
-            if reads_embeds:  # embeddings are always the full sequence: the columns the mask covers, minus the read
-                new = sequence[:, read : mask_width or total]
-            elif next_sequence_length is not None:  # generate() knows (a decode step, or a prefill on our cache)
-                new = sequence[:, total - next_sequence_length :]
-            elif (total == mask_width) if mask_width is not None else (total > read):
-                new = sequence[:, read:]  # the full sequence: skip what the cache holds
-            else:
-                new = sequence  # only the new tokens (a prefill chunk, or new tokens with the full mask)
-            mask = attention_mask
-            # Fewer columns than the cache read: generate() says so by a length <= 0, a mask by its width.
-            short = next_sequence_length != 1 and (
-                (next_sequence_length is not None and next_sequence_length <= 0)
-                or (mask_width is not None and mask_width <= read)
-            )
-            width = total if mask_width is None else mask_width
-            if read and not reads_embeds and short:
-                raise ValueError(
-                    f"This cache has read {read} tokens, but `input_ids` has {width}: continue with the full "
-                    "sequence (the tokens the cache read, then the new ones), or generate from a fresh cache."
-                )
-            if read and cache.holds_beams and is_first_iteration:
-                raise ValueError(
-                    "This cache comes from beam search: its rows hold the beams of the last step, not the sequences "
-                    "generate() returned, so it cannot continue them. Continue from a greedy or sampling cache, or "
-                    "generate again from the returned sequences with a fresh cache."
-                )
-            if not read and next_sequence_length is not None and attention_mask is not None:
-                check_left_padding(attention_mask)
+            cache = JRTRNNCache(self.config) if cache is None else cache
+            new = unread_columns(sequence, cache.num_read, attention_mask, next_sequence_length, reads_embeds)
+            check_generation_cache(cache, sequence, attention_mask, next_sequence_length, reads_embeds,
+                                   is_first_iteration)
+            mask, forward_cache = attention_mask, cache
+            model_inputs["use_cache"] = True
             if next_sequence_length == 1:
                 cache.pending_prefill = None
             elif cache.pending_prefill is not None:
@@ -1243,6 +1229,62 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
                 key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in model_inputs.items()
             }
         return model_inputs
+
+
+def unread_columns(
+    sequence: torch.Tensor,
+    read: int,
+    attention_mask: torch.Tensor | None,
+    next_sequence_length: int | None,
+    reads_embeds: bool,
+) -> torch.Tensor:
+    """The columns of `sequence` (`(B, T)` ids or `(B, T, hidden)` embeddings of a `generate()` step) that a cache
+    which has read `read` of the caller's columns has not read yet.
+
+    `generate()` passes either the full sequence, or only the new tokens with a mask over the full sequence; it gives
+    `next_sequence_length` for decode steps and prefills (not for prefill chunks). Embeddings are always the full
+    sequence, up to the columns the mask covers."""
+    total = sequence.shape[1]
+    mask_width = attention_mask.shape[1] if attention_mask is not None else None
+    if reads_embeds:
+        return sequence[:, read : mask_width or total]
+    if next_sequence_length is not None:
+        return sequence[:, total - next_sequence_length :]
+    if (total == mask_width) if mask_width is not None else (total > read):
+        return sequence[:, read:]  # the full sequence: skip what the cache holds
+    return sequence  # only the new tokens (a prefill chunk, or new tokens with the full mask)
+
+
+def check_generation_cache(
+    cache: JRTRNNCache,
+    sequence: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    next_sequence_length: int | None,
+    reads_embeds: bool,
+    is_first_iteration: bool | None,
+) -> None:
+    """Refuse, in one line, a `generate()` step that cannot continue `cache`: input with fewer columns than the cache
+    read, a beam-search cache (its rows are beams), a right-padded batch."""
+    read = cache.num_read
+    mask_width = attention_mask.shape[1] if attention_mask is not None else None
+    # Fewer columns than the cache read: generate() says so by a length <= 0, a mask by its width.
+    short = next_sequence_length != 1 and (
+        (next_sequence_length is not None and next_sequence_length <= 0) or (mask_width is not None and mask_width <= read)
+    )
+    if read and not reads_embeds and short:
+        width = sequence.shape[1] if mask_width is None else mask_width
+        raise ValueError(
+            f"This cache has read {read} tokens, but `input_ids` has {width}: continue with the full sequence (the "
+            "tokens the cache read, then the new ones), or generate from a fresh cache."
+        )
+    if read and cache.holds_beams and is_first_iteration:
+        raise ValueError(
+            "This cache comes from beam search: its rows hold the beams of the last step, not the sequences "
+            "generate() returned, so it cannot continue them. Continue from a greedy or sampling cache, or generate "
+            "again from the returned sequences with a fresh cache."
+        )
+    if not read and next_sequence_length is not None and attention_mask is not None:
+        check_left_padding(attention_mask)
 
 
 def check_left_padding(attention_mask: torch.Tensor) -> None:
