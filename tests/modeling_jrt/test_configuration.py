@@ -160,11 +160,14 @@ def test_a_model_with_default_ids_and_a_small_vocabulary_generates():
     prefix of 1024 with id 0 (transformers' `test_model_forward_default_config_values` built this config and failed)."""
     import torch
 
-    from modeling_jrt import JRTRNNForCausalLM
+    from modeling_jrt import JRTRNNCache, JRTRNNForCausalLM
+    from modeling_jrt.compat import CACHE_FIELD
 
     config = JRTRNNConfig(vocab_size=64, hidden_size=16, intermediate_size=0, num_hidden_layers=2,
                           num_attention_heads=2, layer_types=["conv", "linear_attention"], feature_dim=2)
     model = JRTRNNForCausalLM(config).eval()
     input_ids = torch.randint(0, 64, (1, 5))
-    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=2, do_sample=False)
+    # (no attention layer: on transformers < 5.24 generate() needs the model's own cache, see the README)
+    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=2, do_sample=False,
+                            **{CACHE_FIELD: JRTRNNCache(config)})
     assert output.shape == (1, 7) and torch.equal(output[:, :5], input_ids)
