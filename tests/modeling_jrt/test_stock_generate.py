@@ -169,3 +169,22 @@ def test_continuing_from_a_beam_search_cache_is_refused(make_config):
                          return_dict_in_generate=True, **NO_EOS)
     with pytest.raises(ValueError, match="This cache comes from beam search"):
         model.generate(out.sequences, cache=output_cache(out), max_new_tokens=2, **NO_EOS)
+
+
+def test_only_a_requested_cache_implementation_is_warned_about(make_config, caplog):
+    """The default cache that generate() builds is replaced silently; a `cache_implementation` gets one warning."""
+    from transformers.utils import logging as hf_logging
+
+    from modeling_jrt.compat import CACHE_FIELD
+
+    # A model without attention layers is where transformers' default cache reads as compileable (on >= 5.24; older
+    # releases need the model's cache passed for it, see the README).
+    recurrent = ["conv", "linear_attention", "conv", "linear_attention"]
+    model = build(make_config, **(dict(layer_types=recurrent) if CACHE_FIELD == "cache" else {}))
+    hf_logging.enable_propagation()
+    with caplog.at_level("WARNING"):
+        model.generate(prompt(4), max_new_tokens=2, do_sample=False, **NO_EOS)
+    assert "JRTRNNCache" not in caplog.text
+    with caplog.at_level("WARNING"):
+        model.generate(prompt(4), max_new_tokens=2, do_sample=False, cache_implementation="static", **NO_EOS)
+    assert "constant-size `JRTRNNCache` of their own" in caplog.text

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -1298,8 +1298,9 @@ def check_left_padding(attention_mask: torch.Tensor) -> None:
 
 
 def cache_is_static(cache: Cache) -> bool:
-    """Whether a transformers cache has fixed-size buffers (`cache_implementation="static"` and the like)."""
-    return bool(getattr(cache, "is_compileable", False))
+    """Whether `generate()` built a transformers cache of another kind than its default `DynamicCache` (a static,
+    quantized or offloaded one: what `cache_implementation` asks for)."""
+    return not isinstance(cache, DynamicCache)
 
 
 # Keyword arguments of transformers' loss functions (they travel in `**kwargs` of `forward`, never to the layers).
