@@ -171,20 +171,21 @@ def test_continuing_from_a_beam_search_cache_is_refused(make_config):
         model.generate(out.sequences, cache=output_cache(out), max_new_tokens=2, **NO_EOS)
 
 
-def test_only_a_requested_cache_implementation_is_warned_about(make_config, caplog):
-    """The default cache that generate() builds is replaced silently; a `cache_implementation` gets one warning."""
+def test_the_default_cache_generate_builds_is_replaced_without_a_warning(make_config, caplog):
+    """The default cache that generate() builds is replaced silently (only a `cache_implementation` gets a one-time
+    warning); it used to read as "static" for a model without attention layers."""
+    from transformers import DynamicCache
     from transformers.utils import logging as hf_logging
 
     from modeling_jrt.compat import CACHE_FIELD
+    from modeling_jrt.modeling_jrt import cache_is_static
 
     # A model without attention layers is where transformers' default cache reads as compileable (on >= 5.24; older
     # releases need the model's cache passed for it, see the README).
     recurrent = ["conv", "linear_attention", "conv", "linear_attention"]
     model = build(make_config, **(dict(layer_types=recurrent) if CACHE_FIELD == "cache" else {}))
+    assert not cache_is_static(DynamicCache(config=model.config))
     hf_logging.enable_propagation()
     with caplog.at_level("WARNING"):
         model.generate(prompt(4), max_new_tokens=2, do_sample=False, **NO_EOS)
     assert "JRTRNNCache" not in caplog.text
-    with caplog.at_level("WARNING"):
-        model.generate(prompt(4), max_new_tokens=2, do_sample=False, cache_implementation="static", **NO_EOS)
-    assert "constant-size `JRTRNNCache` of their own" in caplog.text
