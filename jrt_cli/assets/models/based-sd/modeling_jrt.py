@@ -896,19 +896,8 @@ def leak_free_labels(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
     prefix_end = model.encoder_end(
         labels, attention_mask, kwargs["prompt_lengths"], kwargs.get("prefix_length"), None, None
     )
-    kwargs["labels"] = ignore_prefix_targets(labels, prefix_end)
-    if kwargs.get("num_items_in_batch") is not None and bool((kwargs["labels"] != labels)[:, 1:].any()):
-        logger.warning_once(
-            "The labels of this batch include targets that the JRT encoder reads (inside each row's prefix): the "
-            "loss ignores them, but `num_items_in_batch` (from Trainer) still counts them, which scales the loss "
-            "down. Set them to -100 in the data collator (`jrt_train.ignore_prefix_targets`, or "
-            "`labels[:, :prefix_length] = -100` for unpadded blocks), use completion-only labels, or use "
-            "`JRTDataCollator`."
-        )
-    shift_labels = kwargs.get("shift_labels")
-    if isinstance(shift_labels, torch.Tensor):  # pre-shifted: column t holds the target at index t + 1
-        kwargs["shift_labels"] = ignore_prefix_targets(shift_labels, (prefix_end - 1).clamp(min=0))
-    return args, kwargs
+    masked, kwargs = model._ignore_encoder_targets(labels, prefix_end, kwargs)  # labels, shift_labels, the warning
+    return args, {**kwargs, "labels": masked}
 
 
 def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
