@@ -145,14 +145,18 @@ BLOCK_CASES = [
     pytest.param(dict(padded=True, initial=True), id="prefix-padding-initial-state"),
     pytest.param(dict(encoder=False, decay=True), id="based-decay"),
     pytest.param(dict(encoder=False, decay=True, gate=True, padded=True, initial=True), id="based-decay-gate-all"),
+    pytest.param(dict(holes=True, ranges=True, reference=True, initial=True), id="prefix-ranges-holes-reference"),
+    pytest.param(dict(holes=True, ranges=True, initial=True), id="prefix-ranges-holes-strict"),
+    pytest.param(dict(encoder=False, gate=True, padded=True), id="causal-gate"),
 ]
 
 
 @pytest.mark.parametrize("case", BLOCK_CASES)
 @pytest.mark.parametrize("block_token_heads", [1, 12, 1 << 20], ids=["block1", "block3", "one-block"])
 def test_chunked_blocks_match_oracle(monkeypatch, case, block_token_heads):
-    """The eager scan in blocks of chunks (state carried between blocks) and in one block (the torch.compile graph)
-    match the oracle, with a last chunk shorter than the others."""
+    """The eager scan in blocks of chunks (state carried between blocks) and in one block match the oracle, with a
+    last chunk shorter than the others: without autograd (the in-place scan of inference) and with it (the batched
+    scan that autograd differentiates)."""
     import modeling_jrt.linear_attention as linear_attention
 
     monkeypatch.setattr(linear_attention, "BLOCK_TOKEN_HEADS", block_token_heads)
@@ -168,13 +172,23 @@ def test_chunked_blocks_match_oracle(monkeypatch, case, block_token_heads):
         key_mask = torch.ones(batch, seq_len, dtype=torch.bool)
         key_mask[0, :4] = False
         kwargs["key_mask"] = key_mask
+    if case.get("holes"):  # a mask with holes inside and outside the encoder ranges
+        key_mask = torch.rand(batch, seq_len) > 0.3
+        key_mask[:, -1] = True
+        kwargs["key_mask"] = key_mask
+    if case.get("ranges"):
+        kwargs["encoder_start"], kwargs["encoder_end"] = torch.tensor([1, 0]), torch.tensor([6, 7])
+    if case.get("reference"):
+        kwargs["pad_masking"] = "reference"
     if case.get("initial"):
         kwargs["initial_state"] = torch.randn(batch, heads, num_taylor_features(4), 6, dtype=torch.float64)
     expected, expected_state = prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
-    actual, state = prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, chunk_size=4, **kwargs)
     valid = kwargs.get("key_mask", torch.ones(batch, seq_len, dtype=torch.bool))[..., None, None]
-    torch.testing.assert_close(actual * valid, expected * valid, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(state, expected_state, rtol=1e-10, atol=1e-10)
+    for differentiable in (False, True):
+        inputs = [None if t is None else t.clone().requires_grad_(differentiable) for t in (q, k, v, k_enc, v_enc)]
+        actual, state = prefix_linear_attention_chunked(*inputs, chunk_size=4, **kwargs)
+        torch.testing.assert_close(actual * valid, expected * valid, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(state, expected_state, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("with_decay", [False, True], ids=["prefix", "based-decay"])
