@@ -62,6 +62,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 
 import torch
 from transformers.utils import logging
@@ -682,11 +683,18 @@ def prefix_linear_attention_chunked(
         intra-chunk  o_c += tril(1 + S + S**2 / 2) @ [V_c, 1]          S = Q_c K_c^T / sqrt(K): no (C, F) features
         state_c      = state_0 + sum_{d < c} phi(K_d)^T @ [V_d, 1]     a cumulative sum over chunks
 
-    `_scan_chunks` does this for many chunks with one batched op per step. Eagerly the chunks go in blocks of about
-    `BLOCK_TOKEN_HEADS` token-heads (memory O(block x state), whatever T is), the state carried from block to block;
-    under torch.compile the whole sequence is one block, so the graph has no loop over T. The encoder sum over each
-    row's encoder range is the initial state (one matmul per block of encoder tokens). The features are the compact
-    ones of `_CompactTaylor` (153 instead of 273 rows for K = 16); the state is returned in the full layout.
+    The encoder sum over each row's encoder range is the initial state. The features are the compact ones of
+    `_CompactTaylor` (153 instead of 273 rows for K = 16); the state is returned in the full layout. Three
+    executions of the same arithmetic:
+
+    - without autograd (inference), eagerly: `_scan_in_place`, blocks of chunks in reused buffers (no decay; with a
+      decay the batched scan below, without autograd);
+    - with autograd: `_scan_chunks`, one batched op per step for a block of chunks, blocks of about
+      `BLOCK_TOKEN_HEADS` token-heads eagerly (memory O(block x state)) and one block for the whole sequence under
+      torch.compile (a graph without a loop over T);
+    - under torch.compile without autograd: one opaque custom op (`torch.ops.jrt.<module>_chunked_prefill`) that
+      runs the eager inference scan, so the compiled graph holds one node whatever T is: compile time and memory do
+      not depend on T, and `dynamic=True` does not recompile for a new length.
     """
     encoder_start, encoder_end, key_mask = validate_linear_attention_inputs(
         q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
@@ -694,6 +702,38 @@ def prefix_linear_attention_chunked(
     )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    differentiable = (q, k, v, k_enc, v_enc, initial_state, gate)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+    if torch.compiler.is_compiling() and not needs_grad:
+        return _chunked_prefill_op(
+            q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, pad_masking,
+            eps, chunk_size,
+        )
+    return _chunked_prefill(
+        q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, pad_masking,
+        eps, chunk_size, in_place=not needs_grad and not torch.compiler.is_compiling(),
+    )
+
+
+def _chunked_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_enc: torch.Tensor | None,
+    v_enc: torch.Tensor | None,
+    encoder_start: torch.Tensor | None,
+    encoder_end: torch.Tensor | None,
+    key_mask: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    log_decay: torch.Tensor | None,
+    gate: torch.Tensor | None,
+    pad_masking: str,
+    eps: float,
+    chunk_size: int,
+    *,
+    in_place: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prefix_linear_attention_chunked` on validated inputs; `in_place`: no autograd (the in-place scan)."""
     output_dtype = v.dtype
     dtype = _compute_dtype(q)
     batch_size, seq_len, num_heads, feature_dim = q.shape
@@ -704,9 +744,6 @@ def prefix_linear_attention_chunked(
     )
     taylor = _CompactTaylor(feature_dim, q.device)
     token_heads = batch_size * num_heads
-    differentiable = (q, k, v, k_enc, v_enc, initial_state, gate)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
-    in_place = not needs_grad and not torch.compiler.is_compiling()  # preallocated outputs, `out=` products
 
     residual = None  # the antisymmetric part of the initial state, which the compact state cannot hold
     if initial_state is None:
@@ -797,6 +834,46 @@ def _full_state(
         total_decay = torch.exp(decay * seq_len)[None, :, None, None]  # (1, H, 1, 1)
         residual = torch.cat([residual[..., :value_dim] * total_decay, residual[..., value_dim:]], dim=-1)
     return state + residual
+
+
+# The op's name carries this module's name: a converted checkpoint's copy of this file (imported by transformers as
+# `transformers_modules.<folder>.linear_attention`) registers its own op next to the installed package's.
+_CHUNKED_PREFILL_OP = "jrt::" + re.sub(r"\W", "_", __name__) + "_chunked_prefill"
+_CHUNKED_PREFILL_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? k_enc, Tensor? v_enc, Tensor? encoder_start, Tensor? encoder_end, "
+    "Tensor? key_mask, Tensor? initial_state, Tensor? log_decay, Tensor? gate, str pad_masking, float eps, "
+    "int chunk_size) -> (Tensor, Tensor)"
+)
+
+
+def _chunked_prefill_inference(q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay,
+                               gate, pad_masking, eps, chunk_size):
+    """The custom op's implementation: the eager inference scan (torch.compile runs it as one opaque node)."""
+    with torch.no_grad():
+        return _chunked_prefill(
+            q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate,
+            pad_masking, eps, chunk_size, in_place=True,
+        )
+
+
+def _chunked_prefill_fake(q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay,
+                          gate, pad_masking, eps, chunk_size):
+    """Shapes and dtypes of the op's results, for tracing: `(B, T, H, V)` in v's dtype, `(B, H, F, V + 1)`."""
+    batch_size, seq_len, num_heads, feature_dim = q.shape
+    value_dim = v.shape[-1]
+    output = v.new_empty(batch_size, seq_len, num_heads, value_dim)
+    state = q.new_empty(batch_size, num_heads, num_taylor_features(feature_dim), value_dim + 1,
+                        dtype=_compute_dtype(q))
+    return output, state
+
+
+try:
+    _chunked_prefill_op = torch.library.custom_op(
+        _CHUNKED_PREFILL_OP, _chunked_prefill_inference, mutates_args=(), schema=_CHUNKED_PREFILL_SCHEMA
+    )
+    _chunked_prefill_op.register_fake(_chunked_prefill_fake)
+except RuntimeError:  # this module was imported before under the same name (importlib.reload): reuse its op
+    _chunked_prefill_op = getattr(torch.ops.jrt, _CHUNKED_PREFILL_OP.split("::")[1]).default
 
 
 def linear_attention_step(

@@ -211,6 +211,45 @@ def test_chunked_traces_one_graph_for_every_length(with_decay):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def test_compiled_inference_is_one_opaque_op():
+    """Without autograd the compiled graph calls the chunked scan as one custom op, whatever T is."""
+    import torch._dynamo
+    from modeling_jrt import linear_attention
+
+    torch._dynamo.reset()
+    graph_ops = []
+
+    def backend(graph_module, example_inputs):
+        graph_ops.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module
+
+    compiled = torch.compile(prefix_linear_attention_chunked, dynamic=True, fullgraph=True, backend=backend)
+    q, k, v, k_enc, v_enc = make_inputs(2, 300, 2, 4, 8, 100, dtype=torch.float32)
+    with torch.no_grad():
+        compiled(q, k, v, k_enc, v_enc)
+    assert any(linear_attention._CHUNKED_PREFILL_OP.split("::")[1] in op for op in graph_ops), graph_ops
+    assert not any("bmm" in op or "matmul" in op for op in graph_ops), graph_ops
+
+
+@pytest.mark.parametrize("with_decay", [False, True], ids=["prefix", "based-decay"])
+def test_compiled_training_graph_matches_eager_gradients(with_decay):
+    """With autograd the compiled graph traces the batched scan (one block); its gradients are the eager ones."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(prefix_linear_attention_chunked, fullgraph=True, backend="aot_eager")
+    q, k, v, k_enc, v_enc = make_inputs(2, 45, 2, 4, 8, 0 if with_decay else 9, dtype=torch.float64)
+    kwargs = dict(log_decay=torch.log(torch.tensor([0.9, 0.99], dtype=torch.float64))) if with_decay else {}
+    leaves = [None if t is None else t.clone().requires_grad_(True) for t in (q, k, v, k_enc, v_enc)]
+    grads = []
+    for function in (compiled, prefix_linear_attention_chunked):
+        output, state = function(*leaves, chunk_size=16, **kwargs)
+        wanted = [t for t in leaves if t is not None]
+        grads.append(torch.autograd.grad((output * output).sum() + state.sum(), wanted))
+    for actual, expected in zip(*grads):
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("pad_masking", ["strict", "reference"])
 def test_chunked_with_padding_and_initial_state_matches_oracle(pad_masking):
     q, k, v, k_enc, v_enc = make_inputs(2, 29, 2, 4, 8, 12)
