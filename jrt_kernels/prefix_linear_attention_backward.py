@@ -61,7 +61,8 @@ from ._common import (
 
 @triton.jit(do_not_specialize=["T", "M"])
 def _pla_bwd_dq_kernel(
-    q, k, v, k_enc, v_enc, key_mask, key_rows, enc_start, enc_end, state_in, log_decay, gate, do, dq, rden, dcol, dgate,
+    q, k, v, k_enc, v_enc, key_mask, key_rows, enc_start, enc_end, state_in, log_decay, gate, do, y, dq, rden, dcol,
+    dgate,
     s_qb, s_qt, s_qh, s_qk,
     s_kb, s_kt, s_kh, s_kk,
     s_vb, s_vt, s_vh, s_vv,
@@ -69,14 +70,19 @@ def _pla_bwd_dq_kernel(
     s_veb, s_vet, s_veh, s_vev,
     s_mb, s_mt,
     s_ob, s_ot, s_oh, s_ov,
+    s_yb, s_yt, s_yh, s_yv,
     T, M, eps, key_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
     MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr, RECOMPUTE: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dq (stored in dq's dtype), 1 / (den + eps), c = -(dy . y) / (den + eps) and d gate (fp32, (B, T, H)).
+
+    y is the forward's output (B, T, H, V), read for dy . y unless RECOMPUTE (always with a gate, whose gradient
+    needs the ungated numerator): then the numerator is read from the rebuilt state, as the forward reads it. den
+    is always recomputed, from q' Z and the intra-chunk s, which dq needs anyway.
 
     The forward state is held as the forward kernel holds it: symmetric 2nd order, numerator transposed
     ([BV, features]: the read num^T = h^T phi(Q)^T takes it as the A operand from registers), Z for the denominator.
@@ -146,12 +152,15 @@ def _pla_bwd_dq_kernel(
         b_z1 += tl.sum(b_kw, axis=0)
         b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
 
-    # 2. The decoder scan: den and y as in the forward (transposed, queries along the columns), then dq (queries
-    #    along the rows); the state moves past the chunk at the end.
+    # 2. The decoder scan, queries along the rows: den from the terms dq needs anyway (q' Z, the intra-chunk s),
+    #    G = [g, c] from dy, 1 / (den + eps) and the forward's output y (c = -(dy . y) / (den + eps)); with a gate,
+    #    or without the saved output (RECOMPUTE), the numerator is read from the state as the forward reads it.
+    #    The state moves past the chunk at the end.
     p_q = q + i_b * s_qb + i_h * s_qh
     p_k = k + i_b * s_kb + i_h * s_kh
     p_v = v + i_b * s_vb + i_h * s_vh
     p_do = do + i_b * s_ob + i_h * s_oh
+    p_y = y + i_b * s_yb + i_h * s_yh
     p_dq = dq + i_b * s_qb + i_h * s_qh
     p_r = rden + (i_b * T * H + i_h)
     p_c = dcol + (i_b * T * H + i_h)
@@ -162,9 +171,7 @@ def _pla_bwd_dq_kernel(
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK, STRICT, False)
-        # queries [BK, BT] (the read) and raw [BT, BK] (dq), keys [BT, BK] and [BK, BT], values [BV, BT]
-        b_qtr = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt)
-        b_qt = b_qtr * key_scale
+        # queries [BT, BK] (raw, for the pair gathers, and scaled), keys [BT, BK] and [BK, BT], values [BV, BT]
         b_qr = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk)
         b_q = b_qr * key_scale
         b_kr = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk), 0.0)
@@ -172,45 +179,54 @@ def _pla_bwd_dq_kernel(
         b_kt = tl.where(b_raw[None, :], _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt) * key_scale, 0.0)
         b_vt = tl.where(b_w[None, :], _tile(p_v, o_v, m_v, s_vv, o_t, m_t, s_vt), 0.0)
 
-        # forward recompute (fp32), as the forward kernel: numerator [BV, BT] (before the gate), denominator [BT]
-        b_num = b_h0[:, None] + _dot(b_h1, b_qt, SDOT, EMULATE, PRECISION)
-        b_num += _dot(b_hd, 0.5 * (b_qt * b_qt), SDOT, EMULATE, PRECISION)
-        b_num += _dot(b_hoa, _pair_features_t(b_qtr, b_eita, b_ejta, key_scale, DOT, EMULATE), SDOT, EMULATE,
-                      PRECISION)
-        b_num += _dot(b_hob, _pair_features_t(b_qtr, b_eitb, b_ejtb, key_scale, DOT, EMULATE), SDOT, EMULATE,
-                      PRECISION)
-        b_den = tl.sum(b_z0) + tl.sum(b_qt * (b_z1[:, None] + 0.5 * _dot_fp32(b_zz, b_qt)), axis=0)
-        b_st = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)  # [BT keys, BT queries]
-        b_at = tl.where((o_c[None, :] >= o_c[:, None]) & b_w[:, None], 1.0 + b_st + 0.5 * b_st * b_st, 0.0)
-        b_den += tl.sum(b_at, axis=0)
-        if HAS_DECAY:
-            b_num = b_num * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]  # the state is gamma**(p + 1) old
-            b_num += _dot(b_vt, b_at * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32)),
-                          DOT, EMULATE, PRECISION)
-        else:
-            b_num += _dot(b_vt, b_at, DOT, EMULATE, PRECISION)
+        # den [BT] as the forward's (fp32): z0 + q' z1 + 1/2 q'^T Z q' + the causal row sums of 1 + s + s**2 / 2.
+        # q' Z (as loaded: the cancelling q'^T Z q' rounds as the forward's) and s [queries, keys] serve dq too.
+        b_qz = _dot_fp32(b_q, b_zz)
+        b_s = _dot(b_q, b_kt, DOT, EMULATE, PRECISION)
+        b_causal = (o_c[:, None] >= o_c[None, :]) & b_w[None, :]
+        b_den = tl.sum(b_z0) + tl.sum(b_q * (b_z1[None, :] + 0.5 * b_qz), axis=1)
+        b_den += tl.sum(tl.where(b_causal, 1.0 + b_s + 0.5 * b_s * b_s, 0.0), axis=1)
         b_rden = 1.0 / (b_den + eps)
-        # G = [g, c]: the gradient with respect to the (ungated) numerator and the denominator. [BV, BT], [BT]
-        b_gt = _tile(p_do, o_v, m_v, s_ov, o_t, m_t, s_ot) * b_rden[None, :]
-        if HAS_GATE:
-            b_gate = tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)
-            tl.store(p_dg + o_t * H, tl.sum(b_gt * b_num, axis=0), mask=m_t)
-            b_gt = b_gt * b_gate[None, :]
-        b_c = -tl.sum(b_gt * b_num, axis=0) * b_rden
+        b_do = _tile(p_do, o_t, m_t, s_ot, o_v, m_v, s_ov)  # [BT, BV]
+        if RECOMPUTE:
+            # the (ungated) numerator, transposed [BV, BT] as the forward reads it; dy . num per query
+            b_qtr = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt)
+            b_qt = b_qtr * key_scale
+            b_num = b_h0[:, None] + _dot(b_h1, b_qt, SDOT, EMULATE, PRECISION)
+            b_num += _dot(b_hd, 0.5 * (b_qt * b_qt), SDOT, EMULATE, PRECISION)
+            b_num += _dot(b_hoa, _pair_features_t(b_qtr, b_eita, b_ejta, key_scale, DOT, EMULATE), SDOT, EMULATE,
+                          PRECISION)
+            b_num += _dot(b_hob, _pair_features_t(b_qtr, b_eitb, b_ejtb, key_scale, DOT, EMULATE), SDOT, EMULATE,
+                          PRECISION)
+            b_st = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)  # [BT keys, BT queries]
+            b_at = tl.where((o_c[None, :] >= o_c[:, None]) & b_w[:, None], 1.0 + b_st + 0.5 * b_st * b_st, 0.0)
+            if HAS_DECAY:
+                b_num = b_num * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]  # the state is gamma**(p + 1) old
+                b_num += _dot(b_vt, b_at * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32)),
+                              DOT, EMULATE, PRECISION)
+            else:
+                b_num += _dot(b_vt, b_at, DOT, EMULATE, PRECISION)
+            b_dyn = tl.sum(_tile(p_do, o_v, m_v, s_ov, o_t, m_t, s_ot) * b_num, axis=0) * b_rden  # dy . y / gate
+            if HAS_GATE:
+                b_gate = tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+                tl.store(p_dg + o_t * H, b_dyn, mask=m_t)
+                b_dyn = b_dyn * b_gate
+        else:
+            # the forward's output y (gated, in its dtype): dy . y per query
+            b_dyn = tl.sum(b_do * _tile(p_y, o_t, m_t, s_yt, o_v, m_v, s_yv), axis=1)
+        # G = [g, c]: the gradient with respect to the (ungated) numerator and the denominator. [BT, BV], [BT]
+        b_c = -b_dyn * b_rden
         tl.store(p_r + o_t * H, b_rden, mask=m_t)
         tl.store(p_c + o_t * H, b_c, mask=m_t)
-
-        # dq, queries along the rows: g [BT, BV] again from dy (a load instead of a transpose of g^T)
-        b_g = _tile(p_do, o_t, m_t, s_ot, o_v, m_v, s_ov) * b_rden[:, None]
+        b_g = b_do * b_rden[:, None]
         if HAS_GATE:
             b_g = b_g * b_gate[:, None]
-        b_cr = b_c
+
         # inter-chunk: d(phi(q).S G)/dq' = h1 g + q' * (hd g) + pairs (ho g) scattered, + c (z1 + Z_sym q'). [BT, BK]
         b_gs = b_g * tl.exp(b_lg * (o_c + 1).to(tl.float32))[:, None] if HAS_DECAY else b_g
-        b_qz = _dot_fp32(b_q, b_zz)
         if HAS_INITIAL_STATE:  # an initial Z may have an antisymmetric part: d(q' Z q')/dq' = (Z + Z^T) q'
             b_qz = 0.5 * (b_qz + _dot_fp32(b_q, tl.trans(b_zz)))
-        b_dq = _dot(b_gs, b_h1, SDOT, EMULATE, PRECISION) + b_cr[:, None] * (b_z1[None, :] + b_qz)
+        b_dq = _dot(b_gs, b_h1, SDOT, EMULATE, PRECISION) + b_c[:, None] * (b_z1[None, :] + b_qz)
         b_dq += b_q * _dot(b_gs, b_hd, SDOT, EMULATE, PRECISION)
         b_dq += _pair_scatter(_dot(b_gs, b_hoa, SDOT, EMULATE, PRECISION),
                               _select(b_qr, b_eia, DOT, EMULATE) * key_scale,
@@ -221,12 +237,11 @@ def _pla_bwd_dq_kernel(
                               _select(b_qr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION,
                               True)
         # intra-chunk: dw_ij = G_i . [gamma**(i - j) v_j, 1], ds_ij = dw_ij (1 + s_ij). [BT queries, BT keys]
-        b_s = _dot(b_q, b_kt, DOT, EMULATE, PRECISION)
         b_dw = _dot(b_g, b_vt, DOT, EMULATE, PRECISION)
         if HAS_DECAY:
             b_dw = b_dw * tl.exp(b_lg * tl.maximum(o_c[:, None] - o_c[None, :], 0).to(tl.float32))
-        b_dw += b_cr[:, None]
-        b_ds = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :], b_dw * (1.0 + b_s), 0.0)
+        b_dw += b_c[:, None]
+        b_ds = tl.where(b_causal, b_dw * (1.0 + b_s), 0.0)
         b_dq += _dot(b_ds, b_k, DOT, EMULATE, PRECISION)
         p_out = p_dq + o_t[:, None] * s_qt + o_k[None, :] * s_qk
         tl.store(p_out, (b_dq * key_scale).to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
@@ -508,6 +523,7 @@ def prefix_linear_attention_backward(
     gate: torch.Tensor | None = None,
     eps: float = 1e-12,
     chunk_size: int | None = None,
+    output: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of `prefix_linear_attention` from validated inputs; launches the two scans.
 
@@ -520,6 +536,9 @@ def prefix_linear_attention_backward(
         log_decay: `(H,)` log gamma of the Based decay (no gradient: the decay is fixed), or None.
         gate: `(B, T, H)` Based numerator gate, or None.
         chunk_size: BT of both scans (default: the architecture's configs, `configs_for_architecture`).
+        output: `(B, T, H, V)` the forward's output y, or None. Given (and without a gate), the dq scan takes
+            `dy . y` from it instead of reading the numerator from the state again (the forward's read); None keeps
+            that recomputation (callers that saved only the inputs).
 
     Returns:
         `(dq, dk, dv, dk_enc, dv_enc, d initial_state, d gate)` in the inputs' dtypes (fp32 for the state), None
@@ -563,6 +582,8 @@ def prefix_linear_attention_backward(
     state_in = dstate_in if initial_state is None else initial_state.contiguous()
     dstate = dstate_in if grad_state is None else grad_state.contiguous()
     grad_output = grad_output if grad_output.stride(-1) == 1 else grad_output.contiguous()
+    recompute = output is None or gate is not None
+    y = grad_output if recompute else output  # never read when recompute
     key_rows = rden if key_mask is None else _key_rows(key_mask)
     common = dict(H=H, K=K, V=V, BK=BK, BV=BV, BP=BP, STRICT=strict, HAS_DECAY=log_decay is not None,
                   HAS_GATE=gate is not None, num_stages=1, **dot_types(q.dtype, INTERPRETED))
@@ -573,9 +594,9 @@ def prefix_linear_attention_backward(
     for mask_kind in mask_kinds:
         _pla_bwd_dq_kernel[(B * H,)](
             q, k, v, ke, ve, mask, key_rows, encoder_start, encoder_end, state_in, decay_in, gate_in, grad_output,
-            dq, rden, dcol, rden if dgate is None else dgate,
-            *strides, T, M, eps, K**-0.25, BT=BT_DQ, MASK=mask_kind, HAS_INITIAL_STATE=initial_state is not None,
-            num_warps=warps_dq, **common,
+            y, dq, rden, dcol, rden if dgate is None else dgate,
+            *strides, *y.stride(), T, M, eps, K**-0.25, BT=BT_DQ, MASK=mask_kind,
+            HAS_INITIAL_STATE=initial_state is not None, RECOMPUTE=recompute, num_warps=warps_dq, **common,
         )
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
     for mask_kind in mask_kinds:
