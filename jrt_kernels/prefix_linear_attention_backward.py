@@ -11,7 +11,10 @@ is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunke
 
     dq kernel  (forward in time, one program per batch x head): rebuilds the forward state S (initial state, encoder,
                decoder keys < chunk) in the forward kernel's layout, and per chunk
-                   den, y           exactly as the forward (fp32), then g and c;      stores 1 / (den + eps) and c
+                   den              as the forward (fp32, from q' Z and s, which dq needs too)
+                   g, c             from dy, 1 / (den + eps) and the forward's saved output y (c = -(dy . y) /
+                                    (den + eps)); with a gate or without a saved y, y's numerator is read from S
+                                    again, as the forward reads it;                  stores 1 / (den + eps) and c
                    dq'_i  = h1 g_i + q'_i * (hd g_i) + sum_{pairs (a, b)} u_ip (q'_b e_a + q'_a e_b)
                             + c_i (z1 + Z q'_i),       u_i = ho g_i                    inter-chunk
                           + sum_{j <= i} w_j (G_i . [v_j, 1]) (1 + s_ij) k'_j              intra-chunk
@@ -486,7 +489,8 @@ INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
 # - sm_90: dq (16, 4) spills least ((32, 4) issues fewer instructions, with more spills); dk/dv (64, 4): with
 #   64 tokens and 4 warps each warp owns 16 whole rows, so the pair weights u = v Ro^T (wgmma, M = 64) feed the
 #   scatter's A operand straight from registers.
-# - other architectures (sm_80): at BT = 16 the dq scan builds to 32 registers; (32, 4) keeps 255 for both scans.
+# - other architectures (sm_80): (32, 4) keeps 255 registers for both scans in every launch kind; the dq scan at
+#   (64, 4) issues a third less but falls to 168 registers with a key mask and an initial state.
 # The interpreter (CPU tests) takes the "other" list.
 _ARCH_CONFIGS = {
     "sm_90": {"dq": [(16, 4), (32, 4)], "dkv": [(64, 4), (32, 4), (64, 8)]},
