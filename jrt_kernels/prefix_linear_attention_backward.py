@@ -10,18 +10,20 @@ where the keys of query i are the encoder keys of its row and the decoder keys j
 is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunked scan of docs/prefill.md §4.2, run backwards):
 
     dq kernel  (forward in time, one program per batch x head): rebuilds the forward state S (initial state, encoder,
-               decoder keys < chunk) in the forward kernel's layout, and per chunk
-                   den              as the forward (fp32, from q' Z and s, which dq needs too)
+               decoder keys < chunk), feature-major, and per chunk (queries along the columns, as the forward)
+                   den              as the forward computes it (fp32)
                    g, c             from dy, 1 / (den + eps) and the forward's saved output y (c = -(dy . y) /
                                     (den + eps)); with a gate or without a saved y, y's numerator is read from S
                                     again, as the forward reads it;                  stores 1 / (den + eps) and c
-                   dq'_i  = h1 g_i + q'_i * (hd g_i) + sum_{pairs (a, b)} u_ip (q'_b e_a + q'_a e_b)
-                            + c_i (z1 + Z q'_i),       u_i = ho g_i                    inter-chunk
+                   dq'_i  = h1 g_i + c_i z1 + q'_i * (hd g_i + c_i zd)
+                            + sum_{pairs (a, b)} u_ip (q'_b e_a + q'_a e_b),  u_i = ho g_i + c_i zp   inter-chunk
                           + sum_{j <= i} w_j (G_i . [v_j, 1]) (1 + s_ij) k'_j              intra-chunk
                with the symmetric 2nd order: diagonal rows hd (sum k_a**2 v) and pair rows ho (sum k_a k_b v, in
                two halves), the pair features gathered by 0/1 selection matmuls E and the pair sums scattered back
-               by E^T (tensor cores); the numerator state held transposed ([V, features], the A operand of the
-               read); the denominator's 2nd order as the (K, K) matrix Z = sum k' k'^T.
+               by E (tensor cores); the state held feature-major ([features, V]: dq contracts it over the value
+               dim, so it is the A operand of u^T = ho g^T, from registers); the denominator's 2nd order as the
+               (K, K) matrix Z = sum k' k'^T (for den) with its diagonal zd and pair entries zp (for dq: the
+               denominator's pair term joins u in fp32, before u x is rounded for the scatter).
     dkv kernel (backward in time, one program per batch x head): the reverse state R = dS + sum phi(q_i) G_i^T over
                the queries after the chunk, held in the same layout (transposed, symmetric, (K, K) matrix Rz for the
                denominator); per chunk (last to first)
@@ -33,9 +35,10 @@ is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunke
                dS_0 = R at the end (the initial state is seen by every query and passes into S_T; the launcher adds
                dS's antisymmetric 2nd-order part, which the symmetric R does not carry).
 
-Both pair scatters (u_p times the gathered factor, summed back by E^T) take their products as SDOT operands: the
-selections are exact, so that is one rounding of u x, the order of the state operand's own rounding. The dq scan,
-whose numerator and denominator terms cancel, adds the remainder as a second product (`_pair_scatter`'s SPLIT).
+Both pair scatters (u_p times the gathered factor, summed back by E) take their products as SDOT operands: the
+selections are exact, so that is one rounding of u x, the order of the state operand's own rounding. In the dq scan
+the numerator and denominator terms cancel (G_i . [v_j, 1] = dy_i . (v_j - y_i) / (den_i + eps)), so its u includes
+the denominator's pair term c zp before that rounding.
 Launch configs per architecture: `configs_for_architecture` (docs/kernels.md "The backward").
 
 State rows use the kernel's convention (2nd order without phi's 1/sqrt(2), applied when reading or writing the
@@ -79,16 +82,11 @@ def _add_chunk_f(b_h0, b_h1, b_hd, b_hoa, b_hob, b_v, b_kwt, b_pat, b_pbt,
 
 @triton.jit
 def _pair_scatter_t(b_ut, b_xit, b_xjt, b_ei, b_ej, SDOT: tl.constexpr, EMULATE: tl.constexpr,
-                    PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+                    PRECISION: tl.constexpr):
     """`_pair_scatter` transposed: per-pair weights u^T and gathered x_i^T, x_j^T [BH, BT] -> [BK, BT], by the
-    selection matrices e_i, e_j [BK, BH] (the A operand: constant across the scan)."""
-    b_a = b_ut * b_xjt
-    b_b = b_ut * b_xit
-    b_out = _dot(b_ei, b_a, SDOT, EMULATE, PRECISION) + _dot(b_ej, b_b, SDOT, EMULATE, PRECISION)
-    if SPLIT and SDOT != tl.float32:
-        b_out += _dot(b_ei, b_a - b_a.to(SDOT).to(tl.float32), SDOT, EMULATE, PRECISION)
-        b_out += _dot(b_ej, b_b - b_b.to(SDOT).to(tl.float32), SDOT, EMULATE, PRECISION)
-    return b_out
+    selection matrices e_i, e_j [BK, BH] (the A operand: constant across the scan). One rounding of u x to SDOT."""
+    return (_dot(b_ei, b_ut * b_xjt, SDOT, EMULATE, PRECISION)
+            + _dot(b_ej, b_ut * b_xit, SDOT, EMULATE, PRECISION))
 
 
 @triton.jit(do_not_specialize=["T", "M"])
@@ -161,17 +159,21 @@ def _pla_bwd_dq_kernel(
     b_z0 = tl.zeros([1], dtype=tl.float32)
     b_z1 = tl.zeros([BK], dtype=tl.float32)
     b_zz = tl.zeros([BK, BK], dtype=tl.float32)
+    # Z's diagonal zd [BK] and symmetric pair entries zpa, zpb [BH] (sum k'_i k'_j), kept next to Z: dq folds the
+    # denominator's pair term c Z_ij into the numerator's pair weights before their rounding (see the scatter).
+    b_zd = tl.zeros([BK], dtype=tl.float32)
+    b_zpa = tl.zeros([BH], dtype=tl.float32)
+    b_zpb = tl.zeros([BH], dtype=tl.float32)
     if HAS_INITIAL_STATE:
         b_h0, b_h1t, b_hdt, b_hoat, b_hobt, b_z0, b_z1, b_zz = _load_state_t(
             state_in + i_bh.to(tl.int64) * F * W, o_k, m_k, o_v, m_v, r_d, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb,
             K, V, W,
         )
         b_h1, b_hd, b_hoa, b_hob = tl.trans(b_h1t), tl.trans(b_hdt), tl.trans(b_hoat), tl.trans(b_hobt)
-    # Z's diagonal zd [BK] and symmetric pair entries zpa, zpb [BH] (sum k'_i k'_j), kept next to Z: dq folds the
-    # denominator's pair term c Z_ij into the numerator's pair weights before their rounding (see the scatter).
-    b_zd = tl.sum(tl.where(o_k[:, None] == o_k[None, :], b_zz, 0.0), axis=1)
-    b_zpa = tl.sum(b_eia * _dot_fp32(0.5 * (b_zz + tl.trans(b_zz)), b_eja), axis=0)
-    b_zpb = tl.sum(b_eib * _dot_fp32(0.5 * (b_zz + tl.trans(b_zz)), b_ejb), axis=0)
+        b_zd = tl.sum(tl.where(o_k[:, None] == o_k[None, :], b_zz, 0.0), axis=1)
+        b_zsym = 0.5 * (b_zz + tl.trans(b_zz))  # an initial Z may have an antisymmetric part, which no query reads
+        b_zpa = tl.sum(b_eia * _dot_fp32(b_zsym, b_eja), axis=0)
+        b_zpb = tl.sum(b_eib * _dot_fp32(b_zsym, b_ejb), axis=0)
 
     # 1. The encoder keys of this row (positions [start, end) of k_enc / v_enc): state updates only.
     p_ke = k_enc + i_b * s_keb + i_h * s_keh
@@ -277,11 +279,11 @@ def _pla_bwd_dq_kernel(
         b_dqt += _pair_scatter_t(_dot(b_hoa, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpa[:, None],
                                  _select(b_eita, b_qtr, DOT, EMULATE) * key_scale,
                                  _select(b_ejta, b_qtr, DOT, EMULATE) * key_scale, b_eia, b_eja, SDOT, EMULATE,
-                                 PRECISION, False)
+                                 PRECISION)
         b_dqt += _pair_scatter_t(_dot(b_hob, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpb[:, None],
                                  _select(b_eitb, b_qtr, DOT, EMULATE) * key_scale,
                                  _select(b_ejtb, b_qtr, DOT, EMULATE) * key_scale, b_eib, b_ejb, SDOT, EMULATE,
-                                 PRECISION, False)
+                                 PRECISION)
         # intra-chunk: dw_ji = G_i . [gamma**(i - j) v_j, 1], ds_ji = dw_ji (1 + s_ji). [BT keys, BT queries]
         b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
         if HAS_DECAY:
@@ -333,12 +335,10 @@ def _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_kd, b_r0, b_r1, b_rd, b_roa, 
     b_dk += b_k * _dot(b_vd, b_rd, SDOT, EMULATE, PRECISION)
     b_dk += _pair_scatter(_dot(b_vd, b_roa, SDOT, EMULATE, PRECISION),
                           _select(b_kr, b_eia, DOT, EMULATE) * key_scale,
-                          _select(b_kr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION,
-                          False)
+                          _select(b_kr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION)
     b_dk += _pair_scatter(_dot(b_vd, b_rob, SDOT, EMULATE, PRECISION),
                           _select(b_kr, b_eib, DOT, EMULATE) * key_scale,
-                          _select(b_kr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION,
-                          False)
+                          _select(b_kr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION)
     if HAS_DECAY:
         b_dvt = b_dvt * b_kd[None, :]
     return b_dvt * b_w.to(tl.float32)[None, :], b_dk * b_w.to(tl.float32)[:, None]
