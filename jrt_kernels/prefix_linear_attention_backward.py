@@ -460,9 +460,9 @@ def _pla_bwd_dkv_kernel(
         # intra-chunk. dv^T [BV, keys] += g^T a (a: [queries, keys]); dk from [keys, queries] tiles.
         b_k = b_kr * key_scale
         b_s = _dot(b_q, b_ktr * key_scale, DOT, EMULATE, PRECISION)
-        b_a = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :] & m_t[:, None], 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
+        b_a = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :], 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
         b_st = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)
-        b_keep = (o_c[:, None] <= o_c[None, :]) & b_w[:, None] & m_t[None, :]
+        b_keep = (o_c[:, None] <= o_c[None, :]) & b_w[:, None]
         b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
         if HAS_DECAY:
             b_dvt += _dot(b_gt, b_a * tl.exp(b_lg * tl.maximum(o_c[:, None] - o_c[None, :], 0).to(tl.float32)),
