@@ -457,11 +457,11 @@ def _pla_bwd_dkv_kernel(
         b_dvt, b_dk = _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_kd, b_r0, b_r1, b_rd, b_roa, b_rob, b_rz1,
                                  b_rzz, b_eia, b_eja, b_eita, b_ejta, b_eib, b_ejb, b_eitb, b_ejtb,
                                  HAS_DECAY, DOT, SDOT, EMULATE, PRECISION)
-        # intra-chunk. dv^T [BV, keys] += g^T a (a: [queries, keys]); dk from [keys, queries] tiles.
-        b_k = b_kr * key_scale
+        # intra-chunk. dv^T [BV, keys] += g^T a (a: [queries, keys]); dk from [keys, queries] tiles (s^T: the
+        # transpose of s, not a second product)
         b_s = _dot(b_q, b_ktr * key_scale, DOT, EMULATE, PRECISION)
         b_a = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :], 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
-        b_st = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)
+        b_st = tl.trans(b_s)
         b_keep = (o_c[:, None] <= o_c[None, :]) & b_w[:, None]
         b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
         if HAS_DECAY:
