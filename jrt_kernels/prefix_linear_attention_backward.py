@@ -536,15 +536,19 @@ INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
 # - other architectures (sm_80): dq (16, 4) (the feature-major dq scan spills 4 – 5x less there than at (32, 4), at
 #   about the same estimate; at (64, 4) it falls to 32 registers); dk/dv (32, 4) keeps 255 registers without a
 #   key mask.
+# - "dq_recompute": the dq scan that reads the numerator from the state again (a gate, or no saved output). On
+#   sm_80 it falls to 32 registers at (16, 4) without a gate; (32, 4) keeps 255 (with a gate every config falls to 32,
+#   as it did before the saved output).
 # The interpreter (CPU tests) takes the "other" list.
 _ARCH_CONFIGS = {
-    "sm_90": {"dq": [(16, 4), (32, 4)], "dkv": [(64, 4), (32, 4), (64, 8)]},
-    "other": {"dq": [(16, 4), (32, 4)], "dkv": [(32, 4), (64, 4), (32, 8)]},
+    "sm_90": {"dq": [(16, 4), (32, 4)], "dq_recompute": [(16, 4)], "dkv": [(64, 4), (32, 4), (64, 8)]},
+    "other": {"dq": [(16, 4), (32, 4)], "dq_recompute": [(32, 4)], "dkv": [(32, 4), (64, 4), (32, 8)]},
 }
 
 
 def configs_for_architecture(major: int) -> dict[str, list[tuple[int, int]]]:
-    """{"dq": [(BT, num_warps), ...], "dkv": [...]} for a GPU of compute capability `major`.x, the launched first."""
+    """{"dq": [(BT, num_warps), ...], "dq_recompute": [...], "dkv": [...]} for a GPU of compute capability
+    `major`.x, the launched config first ("dq_recompute": the dq scan without a saved output or with a gate)."""
     return _ARCH_CONFIGS["sm_90" if major == 9 else "other"]
 
 
@@ -604,7 +608,9 @@ def prefix_linear_attention_backward(
     # (e.g. heads split from a fused projection) are copied once.
     q, k, v, k_enc, v_enc = _dense(q, k, v, k_enc, v_enc)
     major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
-    (BT_DQ, warps_dq), (BT_DKV, warps_dkv) = (configs[0] for configs in configs_for_architecture(major).values())
+    recompute = output is None or gate is not None
+    configs = configs_for_architecture(major)
+    (BT_DQ, warps_dq), (BT_DKV, warps_dkv) = configs["dq_recompute" if recompute else "dq"][0], configs["dkv"][0]
     if chunk_size is not None:
         BT_DQ = BT_DKV = chunk_size
     BK = max(16, triton.next_power_of_2(K))
@@ -631,7 +637,6 @@ def prefix_linear_attention_backward(
     state_in = dstate_in if initial_state is None else initial_state.contiguous()
     dstate = dstate_in if grad_state is None else grad_state.contiguous()
     grad_output = grad_output if grad_output.stride(-1) == 1 else grad_output.contiguous()
-    recompute = output is None or gate is not None
     y = grad_output if recompute else output  # never read when recompute
     key_rows = rden if key_mask is None else _key_rows(key_mask)
     common = dict(H=H, K=K, V=V, BK=BK, BV=BV, BP=BP, STRICT=strict, HAS_DECAY=log_decay is not None,
