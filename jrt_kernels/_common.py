@@ -119,20 +119,14 @@ def _pair_index(o_p, o_k, K: tl.constexpr):
 
 @triton.jit
 def _pair_scatter(b_u, b_xi, b_xj, b_eit, b_ejt, SDOT: tl.constexpr, EMULATE: tl.constexpr,
-                  PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+                  PRECISION: tl.constexpr):
     """d/dx of sum_p u_p x_i x_j: [BT, BH] per-pair weights u and gathered x_i, x_j -> [BT, BK]; each pair (i, j)
     adds u x_j to feature i and u x_i to feature j, by the transposed selection matrices on the tensor cores.
 
     The products u x are operands in SDOT (u grows with the state); the 0/1 selections are exact, so the only
-    rounding is that of u x to SDOT. SPLIT adds the rounding's remainder as a second product (about fp32 accuracy,
-    for the dq scan, whose numerator and denominator terms cancel strongly)."""
-    b_a = b_u * b_xj
-    b_b = b_u * b_xi
-    b_out = _dot(b_a, b_eit, SDOT, EMULATE, PRECISION) + _dot(b_b, b_ejt, SDOT, EMULATE, PRECISION)
-    if SPLIT and SDOT != tl.float32:
-        b_out += _dot(b_a - b_a.to(SDOT).to(tl.float32), b_eit, SDOT, EMULATE, PRECISION)
-        b_out += _dot(b_b - b_b.to(SDOT).to(tl.float32), b_ejt, SDOT, EMULATE, PRECISION)
-    return b_out
+    rounding is that of u x to SDOT."""
+    return (_dot(b_u * b_xj, b_eit, SDOT, EMULATE, PRECISION)
+            + _dot(b_u * b_xi, b_ejt, SDOT, EMULATE, PRECISION))
 
 
 @triton.jit

@@ -334,20 +334,22 @@ def _prefix_linear_attention_fwd(
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
     q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, strict, eps = inputs
-    ctx.save_for_backward(q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate)
+    # the output too: the dq scan takes dy . y from it instead of reading the numerator from the state again
+    ctx.save_for_backward(q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate,
+                          output[0])
     ctx.strict, ctx.eps = strict, eps
 
 
 def _backward(ctx, grad_output: torch.Tensor | None, grad_state: torch.Tensor | None) -> tuple:
     """The fused backward (`prefix_linear_attention_backward`): gradients of q, k, v, k_enc, v_enc, initial_state
     and gate; none for the encoder range, the key mask, the (fixed) decay and the flags."""
-    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate = ctx.saved_tensors
+    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, o = ctx.saved_tensors
     if grad_output is None:
         grad_output = torch.zeros_like(v)
     dq, dk, dv, dk_enc, dv_enc, dinitial, dgate = prefix_linear_attention_backward(
         q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start, encoder_end=encoder_end,
         key_mask=key_mask, strict=ctx.strict, initial_state=initial_state, log_decay=log_decay, gate=gate,
-        eps=ctx.eps,
+        eps=ctx.eps, output=o,
     )
     return dq, dk, dv, dk_enc, dv_enc, None, None, None, dinitial, None, dgate, None, None
 

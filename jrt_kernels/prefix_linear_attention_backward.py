@@ -10,15 +10,20 @@ where the keys of query i are the encoder keys of its row and the decoder keys j
 is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunked scan of docs/prefill.md §4.2, run backwards):
 
     dq kernel  (forward in time, one program per batch x head): rebuilds the forward state S (initial state, encoder,
-               decoder keys < chunk) in the forward kernel's layout, and per chunk
-                   den, y           exactly as the forward (fp32), then g and c;      stores 1 / (den + eps) and c
-                   dq'_i  = h1 g_i + q'_i * (hd g_i) + sum_{pairs (a, b)} u_ip (q'_b e_a + q'_a e_b)
-                            + c_i (z1 + Z q'_i),       u_i = ho g_i                    inter-chunk
+               decoder keys < chunk), feature-major, and per chunk (queries along the columns, as the forward)
+                   den              as the forward computes it (fp32)
+                   g, c             from dy, 1 / (den + eps) and the forward's saved output y (c = -(dy . y) /
+                                    (den + eps)); with a gate or without a saved y, y's numerator is read from S
+                                    again, as the forward reads it;                  stores 1 / (den + eps) and c
+                   dq'_i  = h1 g_i + c_i z1 + q'_i * (hd g_i + c_i zd)
+                            + sum_{pairs (a, b)} u_ip (q'_b e_a + q'_a e_b),  u_i = ho g_i + c_i zp   inter-chunk
                           + sum_{j <= i} w_j (G_i . [v_j, 1]) (1 + s_ij) k'_j              intra-chunk
                with the symmetric 2nd order: diagonal rows hd (sum k_a**2 v) and pair rows ho (sum k_a k_b v, in
                two halves), the pair features gathered by 0/1 selection matmuls E and the pair sums scattered back
-               by E^T (tensor cores); the numerator state held transposed ([V, features], the A operand of the
-               read); the denominator's 2nd order as the (K, K) matrix Z = sum k' k'^T.
+               by E (tensor cores); the state held feature-major ([features, V]: dq contracts it over the value
+               dim, so it is the A operand of u^T = ho g^T, from registers); the denominator's 2nd order as the
+               (K, K) matrix Z = sum k' k'^T (for den) with its diagonal zd and pair entries zp (for dq: the
+               denominator's pair term joins u in fp32, before u x is rounded for the scatter).
     dkv kernel (backward in time, one program per batch x head): the reverse state R = dS + sum phi(q_i) G_i^T over
                the queries after the chunk, held in the same layout (transposed, symmetric, (K, K) matrix Rz for the
                denominator); per chunk (last to first)
@@ -30,9 +35,10 @@ is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunke
                dS_0 = R at the end (the initial state is seen by every query and passes into S_T; the launcher adds
                dS's antisymmetric 2nd-order part, which the symmetric R does not carry).
 
-Both pair scatters (u_p times the gathered factor, summed back by E^T) take their products as SDOT operands: the
-selections are exact, so that is one rounding of u x, the order of the state operand's own rounding. The dq scan,
-whose numerator and denominator terms cancel, adds the remainder as a second product (`_pair_scatter`'s SPLIT).
+Both pair scatters (u_p times the gathered factor, summed back by E) take their products as SDOT operands: the
+selections are exact, so that is one rounding of u x, the order of the state operand's own rounding. In the dq scan
+the numerator and denominator terms cancel (G_i . [v_j, 1] = dy_i . (v_j - y_i) / (den_i + eps)), so its u includes
+the denominator's pair term c zp before that rounding.
 Launch configs per architecture: `configs_for_architecture` (docs/kernels.md "The backward").
 
 State rows use the kernel's convention (2nd order without phi's 1/sqrt(2), applied when reading or writing the
@@ -59,9 +65,34 @@ from ._common import (
 )
 
 
+@triton.jit
+def _add_chunk_f(b_h0, b_h1, b_hd, b_hoa, b_hob, b_v, b_kwt, b_pat, b_pbt,
+                 DOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+    """The forward state held feature-major (h1, hd [BK, BV], hoa, hob [BH, BV]) plus one chunk of keys: h0 += 1^T V,
+    h1 += K'^T V, hd += (K'^T)**2 V, ho += P(K')^T V, for weighted values b_v [BT, BV], scaled keys b_kwt = K'^T
+    [BK, BT] and their pair features b_pat, b_pbt = P(K')^T [BH, BT] (`_pair_features_t`)."""
+    return (
+        b_h0 + tl.sum(b_v, axis=0),
+        b_h1 + _dot(b_kwt, b_v, DOT, EMULATE, PRECISION),
+        b_hd + _dot(b_kwt * b_kwt, b_v, DOT, EMULATE, PRECISION),
+        b_hoa + _dot(b_pat, b_v, DOT, EMULATE, PRECISION),
+        b_hob + _dot(b_pbt, b_v, DOT, EMULATE, PRECISION),
+    )
+
+
+@triton.jit
+def _pair_scatter_t(b_ut, b_xit, b_xjt, b_ei, b_ej, SDOT: tl.constexpr, EMULATE: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """`_pair_scatter` transposed: per-pair weights u^T and gathered x_i^T, x_j^T [BH, BT] -> [BK, BT], by the
+    selection matrices e_i, e_j [BK, BH] (the A operand: constant across the scan). One rounding of u x to SDOT."""
+    return (_dot(b_ei, b_ut * b_xjt, SDOT, EMULATE, PRECISION)
+            + _dot(b_ej, b_ut * b_xit, SDOT, EMULATE, PRECISION))
+
+
 @triton.jit(do_not_specialize=["T", "M"])
 def _pla_bwd_dq_kernel(
-    q, k, v, k_enc, v_enc, key_mask, key_rows, enc_start, enc_end, state_in, log_decay, gate, do, dq, rden, dcol, dgate,
+    q, k, v, k_enc, v_enc, key_mask, key_rows, enc_start, enc_end, state_in, log_decay, gate, do, y, dq, rden, dcol,
+    dgate,
     s_qb, s_qt, s_qh, s_qk,
     s_kb, s_kt, s_kh, s_kk,
     s_vb, s_vt, s_vh, s_vv,
@@ -69,14 +100,19 @@ def _pla_bwd_dq_kernel(
     s_veb, s_vet, s_veh, s_vev,
     s_mb, s_mt,
     s_ob, s_ot, s_oh, s_ov,
+    s_yb, s_yt, s_yh, s_yv,
     T, M, eps, key_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
     MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr, RECOMPUTE: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dq (stored in dq's dtype), 1 / (den + eps), c = -(dy . y) / (den + eps) and d gate (fp32, (B, T, H)).
+
+    y is the forward's output (B, T, H, V), read for dy . y unless RECOMPUTE (always with a gate, whose gradient
+    needs the ungated numerator): then the numerator is read from the rebuilt state, as the forward reads it. den
+    is always recomputed, from q' Z and the intra-chunk s, which dq needs anyway.
 
     The forward state is held as the forward kernel holds it: symmetric 2nd order, numerator transposed
     ([BV, features]: the read num^T = h^T phi(Q)^T takes it as the A operand from registers), Z for the denominator.
@@ -110,21 +146,34 @@ def _pla_bwd_dq_kernel(
     start = tl.load(enc_start + i_b)
     end = tl.load(enc_end + i_b)
 
-    # The forward state, transposed and symmetric: h1 [BV, BK], diagonal hd [BV, BK] (sum k_i**2 v, read with 1/2),
-    # pair halves hoa, hob [BV, BH] (sum k_i k_j v, read with 1), denominators z0, z1 [BK], Z [BK, BK] (sum k k^T).
+    # The forward state, feature-major and symmetric: h1 [BK, BV], diagonal hd [BK, BV] (sum k_i**2 v, read with
+    # 1/2), pair halves hoa, hob [BH, BV] (sum k_i k_j v, read with 1), denominators z0, z1 [BK], Z [BK, BK]
+    # (sum k k^T). Feature-major because dq contracts the state over the value dim: u^T = h @ g^T takes it as the A
+    # operand straight from the registers it accumulates in (the forward's value-major layout would make it the B
+    # operand, staged through shared memory every chunk).
     b_h0 = tl.zeros([BV], dtype=tl.float32)
-    b_h1 = tl.zeros([BV, BK], dtype=tl.float32)
-    b_hd = tl.zeros([BV, BK], dtype=tl.float32)
-    b_hoa = tl.zeros([BV, BH], dtype=tl.float32)
-    b_hob = tl.zeros([BV, BH], dtype=tl.float32)
+    b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
+    b_hd = tl.zeros([BK, BV], dtype=tl.float32)
+    b_hoa = tl.zeros([BH, BV], dtype=tl.float32)
+    b_hob = tl.zeros([BH, BV], dtype=tl.float32)
     b_z0 = tl.zeros([1], dtype=tl.float32)
     b_z1 = tl.zeros([BK], dtype=tl.float32)
     b_zz = tl.zeros([BK, BK], dtype=tl.float32)
+    # Z's diagonal zd [BK] and symmetric pair entries zpa, zpb [BH] (sum k'_i k'_j), kept next to Z: dq folds the
+    # denominator's pair term c Z_ij into the numerator's pair weights before their rounding (see the scatter).
+    b_zd = tl.zeros([BK], dtype=tl.float32)
+    b_zpa = tl.zeros([BH], dtype=tl.float32)
+    b_zpb = tl.zeros([BH], dtype=tl.float32)
     if HAS_INITIAL_STATE:
-        b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz = _load_state_t(
+        b_h0, b_h1t, b_hdt, b_hoat, b_hobt, b_z0, b_z1, b_zz = _load_state_t(
             state_in + i_bh.to(tl.int64) * F * W, o_k, m_k, o_v, m_v, r_d, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb,
             K, V, W,
         )
+        b_h1, b_hd, b_hoa, b_hob = tl.trans(b_h1t), tl.trans(b_hdt), tl.trans(b_hoat), tl.trans(b_hobt)
+        b_zd = tl.sum(tl.where(o_k[:, None] == o_k[None, :], b_zz, 0.0), axis=1)
+        b_zsym = 0.5 * (b_zz + tl.trans(b_zz))  # an initial Z may have an antisymmetric part, which no query reads
+        b_zpa = tl.sum(b_eia * _dot_fp32(b_zsym, b_eja), axis=0)
+        b_zpb = tl.sum(b_eib * _dot_fp32(b_zsym, b_ejb), axis=0)
 
     # 1. The encoder keys of this row (positions [start, end) of k_enc / v_enc): state updates only.
     p_ke = k_enc + i_b * s_keb + i_h * s_keh
@@ -134,24 +183,33 @@ def _pla_bwd_dq_kernel(
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < M
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK, STRICT, True)
-        # [BT, BK] weighted keys (w is 0 or 1; raw = unscaled, for the exact pair gathers), [BV, BT] values
-        b_kr = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek), 0.0)
-        b_kw = b_kr * key_scale
-        b_vt = tl.where(b_w[None, :], _tile(p_ve, o_v, m_v, s_vev, o_t, m_t, s_vet), 0.0)
-        b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_t(
-            b_h0, b_h1, b_hd, b_hoa, b_hob, b_vt, b_kw, b_kr, key_scale, b_eia, b_eja, b_eib, b_ejb,
-            DOT, EMULATE, PRECISION,
+        # weighted keys [BT, BK] and raw [BK, BT] (w is 0 or 1; raw = unscaled, for the exact pair gathers),
+        # values [BT, BV]
+        b_kw = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek), 0.0) * key_scale
+        b_ktr = tl.where(b_raw[None, :] & b_w[None, :], _tile(p_ke, o_k, m_k, s_kek, o_t, m_t, s_ket), 0.0)
+        b_v = tl.where(b_w[:, None], _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev), 0.0)
+        b_kwt = b_ktr * key_scale
+        b_pat = _pair_features_t(b_ktr, b_eita, b_ejta, key_scale, DOT, EMULATE)
+        b_pbt = _pair_features_t(b_ktr, b_eitb, b_ejtb, key_scale, DOT, EMULATE)
+        b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_f(
+            b_h0, b_h1, b_hd, b_hoa, b_hob, b_v, b_kwt, b_pat, b_pbt, DOT, EMULATE, PRECISION,
         )
+        b_zd += tl.sum(b_kwt * b_kwt, axis=1)
+        b_zpa += tl.sum(b_pat, axis=1)
+        b_zpb += tl.sum(b_pbt, axis=1)
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
         b_z1 += tl.sum(b_kw, axis=0)
         b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
 
-    # 2. The decoder scan: den and y as in the forward (transposed, queries along the columns), then dq (queries
-    #    along the rows); the state moves past the chunk at the end.
+    # 2. The decoder scan, queries along the columns (as the forward's read): den as the forward computes it, G =
+    #    [g, c] from dy, 1 / (den + eps) and the forward's output y (c = -(dy . y) / (den + eps)); with a gate, or
+    #    without the saved output (RECOMPUTE), the numerator is read from the state as the forward reads it. Then
+    #    dq^T [BK, BT]; the state moves past the chunk at the end.
     p_q = q + i_b * s_qb + i_h * s_qh
     p_k = k + i_b * s_kb + i_h * s_kh
     p_v = v + i_b * s_vb + i_h * s_vh
     p_do = do + i_b * s_ob + i_h * s_oh
+    p_y = y + i_b * s_yb + i_h * s_yh
     p_dq = dq + i_b * s_qb + i_h * s_qh
     p_r = rden + (i_b * T * H + i_h)
     p_c = dcol + (i_b * T * H + i_h)
@@ -162,89 +220,95 @@ def _pla_bwd_dq_kernel(
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK, STRICT, False)
-        # queries [BK, BT] (the read) and raw [BT, BK] (dq), keys [BT, BK] and [BK, BT], values [BV, BT]
+        # queries [BK, BT] (raw, for the pair gathers, and scaled), keys [BT, BK] and raw [BK, BT], values [BT, BV].
+        # Keys of weight 0 are zeroed too: every use of a key here is weighted (the intra-chunk block, the update).
         b_qtr = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt)
         b_qt = b_qtr * key_scale
-        b_qr = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk)
-        b_q = b_qr * key_scale
-        b_kr = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk), 0.0)
-        b_k = b_kr * key_scale
-        b_kt = tl.where(b_raw[None, :], _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt) * key_scale, 0.0)
-        b_vt = tl.where(b_w[None, :], _tile(p_v, o_v, m_v, s_vv, o_t, m_t, s_vt), 0.0)
+        b_k = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk), 0.0) * key_scale
+        b_ktr = tl.where(b_raw[None, :] & b_w[None, :], _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt), 0.0)
+        b_kt = b_ktr * key_scale
+        b_v = tl.where(b_w[:, None], _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv), 0.0)
 
-        # forward recompute (fp32), as the forward kernel: numerator [BV, BT] (before the gate), denominator [BT]
-        b_num = b_h0[:, None] + _dot(b_h1, b_qt, SDOT, EMULATE, PRECISION)
-        b_num += _dot(b_hd, 0.5 * (b_qt * b_qt), SDOT, EMULATE, PRECISION)
-        b_num += _dot(b_hoa, _pair_features_t(b_qtr, b_eita, b_ejta, key_scale, DOT, EMULATE), SDOT, EMULATE,
-                      PRECISION)
-        b_num += _dot(b_hob, _pair_features_t(b_qtr, b_eitb, b_ejtb, key_scale, DOT, EMULATE), SDOT, EMULATE,
-                      PRECISION)
-        b_den = tl.sum(b_z0) + tl.sum(b_qt * (b_z1[:, None] + 0.5 * _dot_fp32(b_zz, b_qt)), axis=0)
-        b_st = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)  # [BT keys, BT queries]
-        b_at = tl.where((o_c[None, :] >= o_c[:, None]) & b_w[:, None], 1.0 + b_st + 0.5 * b_st * b_st, 0.0)
-        b_den += tl.sum(b_at, axis=0)
-        if HAS_DECAY:
-            b_num = b_num * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]  # the state is gamma**(p + 1) old
-            b_num += _dot(b_vt, b_at * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32)),
-                          DOT, EMULATE, PRECISION)
-        else:
-            b_num += _dot(b_vt, b_at, DOT, EMULATE, PRECISION)
+        # den [BT] as the forward's (fp32). s^T [BT keys, BT queries] and Z q' serve dq too.
+        b_zq = _dot_fp32(b_zz, b_qt)  # [BK, BT]
+        b_st = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)
+        b_causal = (o_c[None, :] >= o_c[:, None]) & b_w[:, None]
+        b_at = tl.where(b_causal, 1.0 + b_st + 0.5 * b_st * b_st, 0.0)
+        b_den = tl.sum(b_z0) + tl.sum(b_qt * (b_z1[:, None] + 0.5 * b_zq), axis=0) + tl.sum(b_at, axis=0)
         b_rden = 1.0 / (b_den + eps)
+        b_dot = _tile(p_do, o_v, m_v, s_ov, o_t, m_t, s_ot)  # dy^T [BV, BT]
+        if RECOMPUTE:
+            # the (ungated) numerator [BV, BT], as the forward reads it (here the state is transposed first)
+            b_num = b_h0[:, None] + _dot(tl.trans(b_h1), b_qt, SDOT, EMULATE, PRECISION)
+            b_num += _dot(tl.trans(b_hd), 0.5 * (b_qt * b_qt), SDOT, EMULATE, PRECISION)
+            b_num += _dot(tl.trans(b_hoa), _pair_features_t(b_qtr, b_eita, b_ejta, key_scale, DOT, EMULATE), SDOT,
+                          EMULATE, PRECISION)
+            b_num += _dot(tl.trans(b_hob), _pair_features_t(b_qtr, b_eitb, b_ejtb, key_scale, DOT, EMULATE), SDOT,
+                          EMULATE, PRECISION)
+            b_vt = tl.where(b_w[None, :], _tile(p_v, o_v, m_v, s_vv, o_t, m_t, s_vt), 0.0)
+            if HAS_DECAY:
+                b_num = b_num * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]  # the state is gamma**(p + 1) old
+                b_num += _dot(b_vt, b_at * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32)),
+                              DOT, EMULATE, PRECISION)
+            else:
+                b_num += _dot(b_vt, b_at, DOT, EMULATE, PRECISION)
+            b_dyn = tl.sum(b_dot * b_num, axis=0) * b_rden  # dy . y / gate
+            if HAS_GATE:
+                b_gate = tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+                tl.store(p_dg + o_t * H, b_dyn, mask=m_t)
+                b_dyn = b_dyn * b_gate
+        else:
+            # the forward's output y (gated, in its dtype): dy . y per query
+            b_dyn = tl.sum(b_dot * _tile(p_y, o_v, m_v, s_yv, o_t, m_t, s_yt), axis=0)
         # G = [g, c]: the gradient with respect to the (ungated) numerator and the denominator. [BV, BT], [BT]
-        b_gt = _tile(p_do, o_v, m_v, s_ov, o_t, m_t, s_ot) * b_rden[None, :]
-        if HAS_GATE:
-            b_gate = tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)
-            tl.store(p_dg + o_t * H, tl.sum(b_gt * b_num, axis=0), mask=m_t)
-            b_gt = b_gt * b_gate[None, :]
-        b_c = -tl.sum(b_gt * b_num, axis=0) * b_rden
+        b_c = -b_dyn * b_rden
         tl.store(p_r + o_t * H, b_rden, mask=m_t)
         tl.store(p_c + o_t * H, b_c, mask=m_t)
-
-        # dq, queries along the rows: g [BT, BV] again from dy (a load instead of a transpose of g^T)
-        b_g = _tile(p_do, o_t, m_t, s_ot, o_v, m_v, s_ov) * b_rden[:, None]
+        b_gt = b_dot * b_rden[None, :]
         if HAS_GATE:
-            b_g = b_g * b_gate[:, None]
-        b_cr = b_c
-        # inter-chunk: d(phi(q).S G)/dq' = h1 g + q' * (hd g) + pairs (ho g) scattered, + c (z1 + Z_sym q'). [BT, BK]
-        b_gs = b_g * tl.exp(b_lg * (o_c + 1).to(tl.float32))[:, None] if HAS_DECAY else b_g
-        b_qz = _dot_fp32(b_q, b_zz)
-        if HAS_INITIAL_STATE:  # an initial Z may have an antisymmetric part: d(q' Z q')/dq' = (Z + Z^T) q'
-            b_qz = 0.5 * (b_qz + _dot_fp32(b_q, tl.trans(b_zz)))
-        b_dq = _dot(b_gs, b_h1, SDOT, EMULATE, PRECISION) + b_cr[:, None] * (b_z1[None, :] + b_qz)
-        b_dq += b_q * _dot(b_gs, b_hd, SDOT, EMULATE, PRECISION)
-        b_dq += _pair_scatter(_dot(b_gs, b_hoa, SDOT, EMULATE, PRECISION),
-                              _select(b_qr, b_eia, DOT, EMULATE) * key_scale,
-                              _select(b_qr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION,
-                              True)
-        b_dq += _pair_scatter(_dot(b_gs, b_hob, SDOT, EMULATE, PRECISION),
-                              _select(b_qr, b_eib, DOT, EMULATE) * key_scale,
-                              _select(b_qr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION,
-                              True)
-        # intra-chunk: dw_ij = G_i . [gamma**(i - j) v_j, 1], ds_ij = dw_ij (1 + s_ij). [BT queries, BT keys]
-        b_s = _dot(b_q, b_kt, DOT, EMULATE, PRECISION)
-        b_dw = _dot(b_g, b_vt, DOT, EMULATE, PRECISION)
+            b_gt = b_gt * b_gate[None, :]
+
+        # inter-chunk, transposed: dq'^T = h1 g^T + q'^T * (hd g^T) + pairs (ho g^T) scattered + c (z1 + Z_sym q').
+        # The state is the A operand of each product (feature-major). [BK, BT]
+        b_gst = b_gt * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :] if HAS_DECAY else b_gt
+        # The denominator's 2nd order c Z_sym q' is split like the numerator's: its diagonal joins hd g and its
+        # pairs c Z_ij join the pair weights u = ho g in fp32, before u x is rounded for the scatter; the two cancel
+        # (G_i . [v_j, 1] = dy_i . (v_j - y_i) / (den_i + eps)), so what is rounded is the small sum.
+        b_dqt = _dot(b_h1, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_z1[:, None]
+        b_dqt += b_qt * (_dot(b_hd, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zd[:, None])
+        b_dqt += _pair_scatter_t(_dot(b_hoa, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpa[:, None],
+                                 _select(b_eita, b_qtr, DOT, EMULATE) * key_scale,
+                                 _select(b_ejta, b_qtr, DOT, EMULATE) * key_scale, b_eia, b_eja, SDOT, EMULATE,
+                                 PRECISION)
+        b_dqt += _pair_scatter_t(_dot(b_hob, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpb[:, None],
+                                 _select(b_eitb, b_qtr, DOT, EMULATE) * key_scale,
+                                 _select(b_ejtb, b_qtr, DOT, EMULATE) * key_scale, b_eib, b_ejb, SDOT, EMULATE,
+                                 PRECISION)
+        # intra-chunk: dw_ji = G_i . [gamma**(i - j) v_j, 1], ds_ji = dw_ji (1 + s_ji). [BT keys, BT queries]
+        b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
         if HAS_DECAY:
-            b_dw = b_dw * tl.exp(b_lg * tl.maximum(o_c[:, None] - o_c[None, :], 0).to(tl.float32))
-        b_dw += b_cr[:, None]
-        b_ds = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :], b_dw * (1.0 + b_s), 0.0)
-        b_dq += _dot(b_ds, b_k, DOT, EMULATE, PRECISION)
-        p_out = p_dq + o_t[:, None] * s_qt + o_k[None, :] * s_qk
-        tl.store(p_out, (b_dq * key_scale).to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+            b_dwt = b_dwt * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))
+        b_dst = tl.where(b_causal, (b_dwt + b_c[None, :]) * (1.0 + b_st), 0.0)
+        b_dqt += _dot(b_kt, b_dst, DOT, EMULATE, PRECISION)
+        p_out = p_dq + o_t[None, :] * s_qt + o_k[:, None] * s_qk
+        tl.store(p_out, (b_dqt * key_scale).to(dq.dtype.element_ty), mask=m_k[:, None] & m_t[None, :])
 
         # state update with the chunk's counted keys; decayed: gamma**L old + gamma**(L - 1 - p) new
-        b_kr = tl.where(b_w[:, None], b_kr, 0.0)
-        b_kw = b_kr * key_scale
-        b_z1 += tl.sum(b_kw, axis=0)
-        b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
+        b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
+        b_z1 += tl.sum(b_k, axis=0)
+        b_zz += _dot_fp32(tl.trans(b_k), b_k)
         if HAS_DECAY:
             b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
-            b_vt = b_vt * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[None, :]
+            b_v = b_v * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[:, None]
             b_h0, b_h1, b_hd, b_hoa, b_hob = _scale_state(b_h0, b_h1, b_hd, b_hoa, b_hob, tl.exp(b_lg * b_len))
-        b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_t(
-            b_h0, b_h1, b_hd, b_hoa, b_hob, b_vt, b_kw, b_kr, key_scale, b_eia, b_eja, b_eib, b_ejb,
-            DOT, EMULATE, PRECISION,
+        b_pat = _pair_features_t(b_ktr, b_eita, b_ejta, key_scale, DOT, EMULATE)
+        b_pbt = _pair_features_t(b_ktr, b_eitb, b_ejtb, key_scale, DOT, EMULATE)
+        b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_f(
+            b_h0, b_h1, b_hd, b_hoa, b_hob, b_v, b_kt, b_pat, b_pbt, DOT, EMULATE, PRECISION,
         )
-        b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
+        b_zd += tl.sum(b_kt * b_kt, axis=1)
+        b_zpa += tl.sum(b_pat, axis=1)
+        b_zpb += tl.sum(b_pbt, axis=1)
 
 
 @triton.jit
@@ -271,12 +335,10 @@ def _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_kd, b_r0, b_r1, b_rd, b_roa, 
     b_dk += b_k * _dot(b_vd, b_rd, SDOT, EMULATE, PRECISION)
     b_dk += _pair_scatter(_dot(b_vd, b_roa, SDOT, EMULATE, PRECISION),
                           _select(b_kr, b_eia, DOT, EMULATE) * key_scale,
-                          _select(b_kr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION,
-                          False)
+                          _select(b_kr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION)
     b_dk += _pair_scatter(_dot(b_vd, b_rob, SDOT, EMULATE, PRECISION),
                           _select(b_kr, b_eib, DOT, EMULATE) * key_scale,
-                          _select(b_kr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION,
-                          False)
+                          _select(b_kr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION)
     if HAS_DECAY:
         b_dvt = b_dvt * b_kd[None, :]
     return b_dvt * b_w.to(tl.float32)[None, :], b_dk * b_w.to(tl.float32)[:, None]
@@ -395,12 +457,12 @@ def _pla_bwd_dkv_kernel(
         b_dvt, b_dk = _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_kd, b_r0, b_r1, b_rd, b_roa, b_rob, b_rz1,
                                  b_rzz, b_eia, b_eja, b_eita, b_ejta, b_eib, b_ejb, b_eitb, b_ejtb,
                                  HAS_DECAY, DOT, SDOT, EMULATE, PRECISION)
-        # intra-chunk. dv^T [BV, keys] += g^T a (a: [queries, keys]); dk from [keys, queries] tiles.
-        b_k = b_kr * key_scale
+        # intra-chunk. dv^T [BV, keys] += g^T a (a: [queries, keys]); dk from [keys, queries] tiles (s^T: the
+        # transpose of s, not a second product)
         b_s = _dot(b_q, b_ktr * key_scale, DOT, EMULATE, PRECISION)
-        b_a = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :] & m_t[:, None], 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
-        b_st = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)
-        b_keep = (o_c[:, None] <= o_c[None, :]) & b_w[:, None] & m_t[None, :]
+        b_a = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :], 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
+        b_st = tl.trans(b_s)
+        b_keep = (o_c[:, None] <= o_c[None, :]) & b_w[:, None]
         b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
         if HAS_DECAY:
             b_dvt += _dot(b_gt, b_a * tl.exp(b_lg * tl.maximum(o_c[:, None] - o_c[None, :], 0).to(tl.float32)),
@@ -468,19 +530,25 @@ INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
 
 # Launch configs per GPU generation, (BT, num_warps) per scan, 1 stage, from benchmarks/kernel_aot.py
 # (docs/kernels.md); the first of each list is the one launched, the others are what kernel_aot.py also builds.
-# - sm_90: dq (16, 4) spills least ((32, 4) issues fewer instructions, with more spills); dk/dv (64, 4): with
+# - sm_90: dq (16, 4) spills least ((32, 4) issues a fifth less, with 7x the spills); dk/dv (64, 4): with
 #   64 tokens and 4 warps each warp owns 16 whole rows, so the pair weights u = v Ro^T (wgmma, M = 64) feed the
 #   scatter's A operand straight from registers.
-# - other architectures (sm_80): at BT = 16 the dq scan builds to 32 registers; (32, 4) keeps 255 for both scans.
+# - other architectures (sm_80): dq (16, 4) (the feature-major dq scan spills 4 – 5x less there than at (32, 4), at
+#   about the same estimate; at (64, 4) it falls to 32 registers); dk/dv (32, 4) keeps 255 registers without a
+#   key mask.
+# - "dq_recompute": the dq scan that reads the numerator from the state again (a gate, or no saved output). On
+#   sm_80 it falls to 32 registers at (16, 4) without a gate; (32, 4) keeps 255 (with a gate every config falls to 32,
+#   as it did before the saved output).
 # The interpreter (CPU tests) takes the "other" list.
 _ARCH_CONFIGS = {
-    "sm_90": {"dq": [(16, 4), (32, 4)], "dkv": [(64, 4), (32, 4), (64, 8)]},
-    "other": {"dq": [(32, 4), (16, 4)], "dkv": [(32, 4), (64, 4), (32, 8)]},
+    "sm_90": {"dq": [(16, 4), (32, 4)], "dq_recompute": [(16, 4)], "dkv": [(64, 4), (32, 4), (64, 8)]},
+    "other": {"dq": [(16, 4), (32, 4)], "dq_recompute": [(32, 4)], "dkv": [(32, 4), (64, 4), (32, 8)]},
 }
 
 
 def configs_for_architecture(major: int) -> dict[str, list[tuple[int, int]]]:
-    """{"dq": [(BT, num_warps), ...], "dkv": [...]} for a GPU of compute capability `major`.x, the launched first."""
+    """{"dq": [(BT, num_warps), ...], "dq_recompute": [...], "dkv": [...]} for a GPU of compute capability
+    `major`.x, the launched config first ("dq_recompute": the dq scan without a saved output or with a gate)."""
     return _ARCH_CONFIGS["sm_90" if major == 9 else "other"]
 
 
@@ -508,6 +576,7 @@ def prefix_linear_attention_backward(
     gate: torch.Tensor | None = None,
     eps: float = 1e-12,
     chunk_size: int | None = None,
+    output: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of `prefix_linear_attention` from validated inputs; launches the two scans.
 
@@ -520,6 +589,9 @@ def prefix_linear_attention_backward(
         log_decay: `(H,)` log gamma of the Based decay (no gradient: the decay is fixed), or None.
         gate: `(B, T, H)` Based numerator gate, or None.
         chunk_size: BT of both scans (default: the architecture's configs, `configs_for_architecture`).
+        output: `(B, T, H, V)` the forward's output y, or None. Given (and without a gate), the dq scan takes
+            `dy . y` from it instead of reading the numerator from the state again (the forward's read); None keeps
+            that recomputation (callers that saved only the inputs).
 
     Returns:
         `(dq, dk, dv, dk_enc, dv_enc, d initial_state, d gate)` in the inputs' dtypes (fp32 for the state), None
@@ -536,7 +608,9 @@ def prefix_linear_attention_backward(
     # (e.g. heads split from a fused projection) are copied once.
     q, k, v, k_enc, v_enc = _dense(q, k, v, k_enc, v_enc)
     major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
-    (BT_DQ, warps_dq), (BT_DKV, warps_dkv) = (configs[0] for configs in configs_for_architecture(major).values())
+    recompute = output is None or gate is not None
+    configs = configs_for_architecture(major)
+    (BT_DQ, warps_dq), (BT_DKV, warps_dkv) = configs["dq_recompute" if recompute else "dq"][0], configs["dkv"][0]
     if chunk_size is not None:
         BT_DQ = BT_DKV = chunk_size
     BK = max(16, triton.next_power_of_2(K))
@@ -563,6 +637,7 @@ def prefix_linear_attention_backward(
     state_in = dstate_in if initial_state is None else initial_state.contiguous()
     dstate = dstate_in if grad_state is None else grad_state.contiguous()
     grad_output = grad_output if grad_output.stride(-1) == 1 else grad_output.contiguous()
+    y = grad_output if recompute else output  # never read when recompute
     key_rows = rden if key_mask is None else _key_rows(key_mask)
     common = dict(H=H, K=K, V=V, BK=BK, BV=BV, BP=BP, STRICT=strict, HAS_DECAY=log_decay is not None,
                   HAS_GATE=gate is not None, num_stages=1, **dot_types(q.dtype, INTERPRETED))
@@ -573,9 +648,9 @@ def prefix_linear_attention_backward(
     for mask_kind in mask_kinds:
         _pla_bwd_dq_kernel[(B * H,)](
             q, k, v, ke, ve, mask, key_rows, encoder_start, encoder_end, state_in, decay_in, gate_in, grad_output,
-            dq, rden, dcol, rden if dgate is None else dgate,
-            *strides, T, M, eps, K**-0.25, BT=BT_DQ, MASK=mask_kind, HAS_INITIAL_STATE=initial_state is not None,
-            num_warps=warps_dq, **common,
+            y, dq, rden, dcol, rden if dgate is None else dgate,
+            *strides, *y.stride(), T, M, eps, K**-0.25, BT=BT_DQ, MASK=mask_kind,
+            HAS_INITIAL_STATE=initial_state is not None, RECOMPUTE=recompute, num_warps=warps_dq, **common,
         )
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
     for mask_kind in mask_kinds:

@@ -1087,23 +1087,27 @@ class _KernelWithSafeBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask, log_decay,
                 pad_masking, eps, chunk_size):
-        ctx.save_for_backward(q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask,
-                              log_decay)
-        ctx.pad_masking, ctx.eps, ctx.chunk_size = pad_masking, eps, chunk_size
-        ctx.set_materialize_grads(False)  # no grad_state: the fused backward skips that term
-        return _load_triton_prefill()(
+        output, state = _load_triton_prefill()(
             q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
             pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps,
         )
+        # the output too: the fused backward reads dy . y from it instead of recomputing the forward's read
+        ctx.save_for_backward(q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask,
+                              log_decay, output)
+        ctx.pad_masking, ctx.eps, ctx.chunk_size = pad_masking, eps, chunk_size
+        ctx.set_materialize_grads(False)  # no grad_state: the fused backward skips that term
+        return output, state
 
     @staticmethod
     def backward(ctx, grad_output, grad_state):
-        q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask, log_decay = ctx.saved_tensors
+        q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask, log_decay, output = (
+            ctx.saved_tensors
+        )
         grad_output = torch.zeros_like(v) if grad_output is None else grad_output
         grads = _fused_backward_or_none(
             q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start, encoder_end=encoder_end,
             key_mask=key_mask, strict=ctx.pad_masking == "strict", initial_state=initial_state, log_decay=log_decay,
-            gate=gate, eps=ctx.eps,
+            gate=gate, eps=ctx.eps, output=output,
         )
         if grads is None:
             grads = _chunked_gradients(

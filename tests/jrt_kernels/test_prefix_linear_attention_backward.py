@@ -65,11 +65,20 @@ def oracle_grads(inputs, grad_output, grad_state, **kwargs):
     return [None if leaves[name] is None else leaves[name].grad for name in NAMES]
 
 
-def assert_grads_match(inputs, grad_output, grad_state, *, key_mask=None, pad_masking="strict", log_decay=None):
+def assert_grads_match(inputs, grad_output, grad_state, *, key_mask=None, pad_masking="strict", log_decay=None,
+                       saved_output=True):
+    """The fused gradients against the oracle's; `saved_output` passes the forward kernel's output to the backward
+    (what the op's autograd does: the dq scan reads dy . y from it), False leaves it to the recomputation."""
+    output = None
+    if saved_output:
+        output, _ = kernel_module.prefix_linear_attention_triton(
+            inputs["q"], inputs["k"], inputs["v"], inputs["k_enc"], inputs["v_enc"], key_mask=key_mask,
+            pad_masking=pad_masking, initial_state=inputs["initial_state"], log_decay=log_decay, gate=inputs["gate"],
+        )
     grads = prefix_linear_attention_backward(
         inputs["q"], inputs["k"], inputs["v"], inputs["k_enc"], inputs["v_enc"], grad_output, grad_state,
         key_mask=key_mask, strict=pad_masking == "strict", initial_state=inputs["initial_state"],
-        log_decay=log_decay, gate=inputs["gate"],
+        log_decay=log_decay, gate=inputs["gate"], output=output,
     )
     expected = oracle_grads(inputs, grad_output, grad_state, key_mask=key_mask, pad_masking=pad_masking,
                             log_decay=None if log_decay is None else log_decay.double())
@@ -123,11 +132,22 @@ def test_backward_range_and_holed_masks(device, pad_masking):
     assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, pad_masking=pad_masking)
 
 
+@pytest.mark.parametrize("saved_output", [True, False], ids=["saved-y", "recomputed-y"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_backward_low_precision_operands(device, dtype):
-    """bf16 / fp16 inputs: the operands are rounded as on tensor cores (emulated in the interpreter)."""
+def test_backward_low_precision_operands(device, dtype, saved_output):
+    """bf16 / fp16 inputs: the operands are rounded as on tensor cores (emulated in the interpreter). With the saved
+    output, dy . y reads y rounded to the input dtype; without it the numerator is read from the state again."""
     inputs, grad_output, dstate = make_case(1, 40, 2, 4, 6, 12, dtype=dtype, device=device, seed=2)
-    assert_grads_match(inputs, grad_output, dstate)
+    assert_grads_match(inputs, grad_output, dstate, saved_output=saved_output)
+
+
+def test_backward_without_the_saved_output(device):
+    """Callers that saved only the inputs (output=None): the dq scan recomputes the forward's read of y."""
+    inputs, grad_output, dstate = make_case(2, 40, 2, 4, 6, 12, dtype=torch.float32, device=device, seed=13,
+                                            initial_state=True)
+    key_mask = torch.ones(2, 40, dtype=torch.bool, device=device)
+    key_mask[1, :5] = False
+    assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, saved_output=False)
 
 
 def test_backward_strided_inputs(device):
