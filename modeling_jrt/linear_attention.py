@@ -60,6 +60,7 @@ Implementations behind `prefix_linear_attention(..., implementation=...)`:
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 import re
@@ -1027,8 +1028,11 @@ def _fused_backward_or_none(*args, **kwargs) -> tuple[torch.Tensor | None, ...] 
     """
     global _backward_failure
     if _triton_failure is None and _backward_failure is None:
+        launcher = _load_triton_backward()
+        if "output" in kwargs and "output" not in inspect.signature(launcher).parameters:
+            kwargs.pop("output")  # an older jrt_kernels next to newer model code: its dq scan recomputes the output
         try:
-            return _load_triton_backward()(*args, **kwargs)
+            return launcher(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
             _backward_failure = _warn_kernel_failure(error, "backward kernel")
     if _triton_failure is None:  # runs _mark_backward_failure once the engine finishes this backward pass

@@ -500,3 +500,27 @@ def test_bad_encoder_ranges_raise_clear_errors():
         linear_attention_step(q, k, v, torch.zeros(2, 2, 21, 5))
     with pytest.raises(ValueError, match="initial_state must be"):
         linear_attention_step(q[:, 0], k[:, 0], v[:, 0], torch.zeros(2, 2, 21, 4))
+
+
+def test_fused_backward_call_fits_an_older_kernel_package(monkeypatch):
+    """Model code that saves the forward's output still calls a `jrt_kernels` backward without `output=` (an older
+    installed package next to a newer checkpoint's code) instead of failing over to the chunked path."""
+    from modeling_jrt import linear_attention
+
+    calls = []
+
+    def older_launcher(q, k, v, k_enc, v_enc, grad_output, grad_state, *, encoder_start=None, eps=1e-12):
+        calls.append(dict(encoder_start=encoder_start, eps=eps))
+        return ("gradients",)
+
+    def newer_launcher(q, k, v, k_enc, v_enc, grad_output, grad_state, *, encoder_start=None, eps=1e-12, output=None):
+        calls.append(dict(output=output))
+        return ("gradients",)
+
+    for launcher, expected in ((older_launcher, dict(encoder_start=None, eps=0.5)), (newer_launcher, dict(output=7))):
+        monkeypatch.setattr(linear_attention, "_load_triton_backward", lambda launcher=launcher: launcher)
+        monkeypatch.setattr(linear_attention, "_triton_failure", None)
+        monkeypatch.setattr(linear_attention, "_backward_failure", None)
+        result = linear_attention._fused_backward_or_none(*[None] * 7, eps=0.5, output=7)
+        assert result == ("gradients",)
+        assert calls[-1] == expected
