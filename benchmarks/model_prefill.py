@@ -180,7 +180,8 @@ def profile_point(length: int, args: argparse.Namespace) -> dict:
     shares["other"] = max(total * 1e3 - sum(shares.values()), 0.0)
     return {
         "length": length, "total_ms": total * 1e3, "ms": shares,
-        "user_ms": (end_usage.ru_utime - usage.ru_utime) * 1e3, "system_ms": (end_usage.ru_stime - usage.ru_stime) * 1e3,
+        "user_ms": (end_usage.ru_utime - usage.ru_utime) * 1e3,
+        "system_ms": (end_usage.ru_stime - usage.ru_stime) * 1e3,
         "minor_faults": end_usage.ru_minflt - usage.ru_minflt,
     }
 

@@ -199,7 +199,7 @@ class JRTRNNShortConv(nn.Module):
         if chunk is None:
             return self._mix(hidden_states, mask, cache, None)[0]
         output = None
-        past_inputs = None  # (B, D, K - 1) the convolution inputs before the chunk, without a cache
+        past_inputs = None  # (B, K - 1, D) the convolution inputs before the chunk, without a cache
         for start in range(0, seq_len, chunk):
             end = min(start + chunk, seq_len)
             part, past_inputs = self._mix(
@@ -217,27 +217,67 @@ class JRTRNNShortConv(nn.Module):
         cache: Cache | None,
         past_inputs: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass over hidden_states (B, t, hidden) with its mask (B, t); past_inputs (B, D, K - 1): the convolution
-        inputs before these tokens when no cache holds them. Returns the output (B, t, hidden) and the last K - 1
-        convolution inputs (B, D, <= K - 1) for the next chunk."""
+        """One pass over hidden_states (B, t, hidden) with its mask (B, t); past_inputs (B, <= K - 1, D): the
+        convolution inputs before these tokens when no cache holds them. Returns the output (B, t, hidden) and the
+        last K - 1 convolution inputs (B, <= K - 1, D) for the next chunk."""
         seq_len = hidden_states.shape[1]
+        keep = self.kernel_size - 1
         # 1. Input projection into the convolution branch and the gate.
         conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, t, D) each
         # 2. Padded positions enter the convolution as zeros, so pads never reach the window of a real token.
         if mask is not None:
             conv_input = conv_input * mask[:, :, None].to(conv_input.dtype)
-        conv_input = conv_input.transpose(1, 2)  # (B, D, t)
-        # 3. Causal depthwise convolution over [earlier inputs, new inputs]; the cache keeps the last K inputs.
+        # 3. Causal depthwise convolution over [earlier inputs, new inputs], in the (B, t, D) layout; the cache keeps
+        # the last K - 1 inputs in its (B, D, K - 1) layout.
+        history = past_inputs
         if cache is not None:
-            conv_input = cache.layers[self.layer_idx].update(conv_input)
-        elif past_inputs is not None:
-            conv_input = torch.cat([past_inputs, conv_input], dim=-1)
-        conv_output = F.conv1d(
-            F.pad(conv_input, (self.kernel_size - 1, 0)), self.conv.weight, groups=self.inner_size
-        )[..., -seq_len:]  # (B, D, t)
-        tail = conv_input[..., max(conv_input.shape[-1] - (self.kernel_size - 1), 0) :]
-        # 4. SiLU, multiplicative gate, output projection.
-        return self.out_proj(F.silu(conv_output).transpose(1, 2) * gate), tail
+            state = cache.layers[self.layer_idx]
+            if state.inputs is not None:
+                history = state.inputs.to(conv_input.dtype).transpose(1, 2)  # (B, h, D)
+            # The cache keeps a copy: a view would hold this forward's whole projection alive.
+            newest = conv_input[:, max(seq_len - keep, 0) :].transpose(1, 2)  # (B, D, <= K - 1)
+            state.update(newest.clone(memory_format=torch.contiguous_format))
+        conv_output = causal_depthwise_conv(conv_input, history, self.conv.weight)  # (B, t, D)
+        tail = conv_input[:, max(seq_len - keep, 0) :].clone()  # a copy, not a view of the projection
+        if history is not None and seq_len < keep:
+            tail = torch.cat([history, tail], dim=1)[:, -keep:]
+        # 4. SiLU, multiplicative gate, output projection (in place when no autograd graph records them).
+        if torch.is_grad_enabled():
+            mixed = F.silu(conv_output) * gate
+        else:
+            mixed = F.silu(conv_output, inplace=True).mul_(gate)
+        return self.out_proj(mixed), tail
+
+
+def causal_depthwise_conv(inputs: torch.Tensor, history: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise convolution in the `(B, t, D)` layout, as K shifted multiply-adds along the time axis.
+
+        out[:, i] = sum_k weight[:, 0, k] * x[i - (K - 1) + k]     x = [history, inputs], zeros before the history
+
+    equal to `F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), weight, groups=D)` on the positions of `inputs`, without
+    the transposed copies (a strided `(B, D, t)` view costs more to pad and convolve than the K taps themselves).
+
+    Args:
+        inputs: `(B, t, D)` the new convolution inputs (may be a strided view).
+        history: `(B, h, D)` with h <= K - 1, the inputs just before them, or None (zeros).
+        weight: `(D, 1, K)` the depthwise `nn.Conv1d` weight; tap K - 1 multiplies the current input.
+
+    Returns:
+        `(B, t, D)`, a new contiguous tensor.
+    """
+    kernel_size = weight.shape[-1]
+    taps = weight[:, 0].t().contiguous().to(inputs.dtype)  # (K, D)
+    seq_len = inputs.shape[1]
+    past = 0 if history is None else history.shape[1]
+    output = inputs * taps[kernel_size - 1]
+    for k in range(kernel_size - 1):
+        shift = kernel_size - 1 - k  # tap k reads the input `shift` positions back
+        if seq_len > shift:
+            output[:, shift:].addcmul_(inputs[:, : seq_len - shift], taps[k])
+        low, high = max(shift - past, 0), min(shift, seq_len)  # output rows that read the history with this tap
+        if high > low:
+            output[:, low:high].addcmul_(history[:, past + low - shift : past + high - shift], taps[k])
+    return output
 
 
 class JRTRNNSlidingWindowAttention(nn.Module):

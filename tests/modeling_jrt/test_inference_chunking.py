@@ -81,3 +81,25 @@ def test_default_chunk_bounds_intermediates():
         assert modeling.inference_chunk_rows(65536, 1024) == 2048
         assert modeling.inference_chunk_rows(2048, 1024) is None  # fits one chunk: the one-pass forward
         assert modeling.inference_chunk_rows(65536, 1 << 20) == 64
+
+
+@pytest.mark.parametrize("kernel_size", [1, 2, 3, 4])
+def test_causal_depthwise_conv_equals_conv1d(kernel_size):
+    """The shifted multiply-adds in the (B, t, D) layout equal `F.conv1d` over the transposed [history, inputs] (zeros
+    before them), for every history length and inputs shorter than the kernel; gradients too."""
+    torch.manual_seed(0)
+    weight = torch.randn(6, 1, kernel_size, requires_grad=True)
+    for seq_len in (1, 2, 3, 7):
+        for past in range(kernel_size):
+            inputs = torch.randn(2, seq_len, 12)[..., ::2].requires_grad_()  # a strided view, as in_proj's chunk
+            history = torch.randn(2, past, 6) if past else None
+            full = inputs if history is None else torch.cat([history, inputs], dim=1)
+            expected = torch.nn.functional.conv1d(
+                torch.nn.functional.pad(full.transpose(1, 2), (kernel_size - 1, 0)), weight, groups=6
+            )[..., -seq_len:].transpose(1, 2)
+            actual = modeling.causal_depthwise_conv(inputs, history, weight)
+            torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL)
+            grads = torch.autograd.grad(actual.square().sum(), (inputs, weight))
+            expected_grads = torch.autograd.grad(expected.square().sum(), (inputs, weight))
+            for grad, expected_grad in zip(grads, expected_grads):
+                torch.testing.assert_close(grad, expected_grad, atol=ATOL, rtol=RTOL)
