@@ -34,13 +34,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .cache import JRTRNNCache, JRTRNNPrefixRecord
+from .cache import JRTRNNCache, JRTRNNConvState, JRTRNNPrefixRecord, JRTRNNSlidingWindowState
 from .compat import CACHE_FIELD, add_cache_alias, keep_last_logits, model_output
 from .configuration_jrt import JRTRNNConfig
 from .linear_attention import linear_attention_step, prefix_linear_attention
 from .loss import IGNORE_INDEX, check_prefix_length, ignore_prefix_targets, jrt_loss
 from .prefix_fill import check_prefix_strategy, fill_prefix, never_generated_ids
-from .sliding_window import BLOCKED_IMPLEMENTATIONS, blocked_sliding_window_attention
+from .sliding_window import BLOCKED_IMPLEMENTATIONS, blocked_sliding_window_attention, default_block_size
 
 logger = logging.get_logger(__name__)
 
@@ -186,67 +186,64 @@ class JRTRNNShortConv(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        layer_state: JRTRNNConvState | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """hidden_states (B, T, hidden), attention_mask (B, >= T) -> (B, T, hidden).
+        """hidden_states (B, T, hidden), attention_mask (B, >= T) -> (B, T, hidden). `layer_state`: the convolution
+        state to read and update instead of the cache's (`JRTRNNDecoderLayer` carries the inputs between the token
+        chunks of one forward in one).
 
         During inference a long input goes through in token chunks (`inference_chunk_rows`), each chunk's convolution
         reading the last K - 1 inputs before it (through the cache, or carried here without one), so that no
         `(B, T, 2 * D)` intermediate is built; the result equals the one-pass forward."""
         batch_size, seq_len = hidden_states.shape[:2]
         mask = None if attention_mask is None else attention_mask[:, -seq_len:]  # (B, T)
-        chunk = inference_chunk_rows(seq_len, batch_size * 2 * self.inner_size)
+        state = layer_state if layer_state is not None or cache is None else cache.layers[self.layer_idx]
+        chunk = inference_chunk_rows(seq_len, self.inference_width(batch_size))
         if chunk is None:
-            return self._mix(hidden_states, mask, cache, None)[0]
+            return self.mix(hidden_states, mask, state)
+        state = JRTRNNConvState(self.kernel_size) if state is None else state  # carries the inputs between chunks
         output = None
-        past_inputs = None  # (B, K - 1, D) the convolution inputs before the chunk, without a cache
         for start in range(0, seq_len, chunk):
             end = min(start + chunk, seq_len)
-            part, past_inputs = self._mix(
-                hidden_states[:, start:end], None if mask is None else mask[:, start:end], cache, past_inputs
-            )
+            part = self.mix(hidden_states[:, start:end], None if mask is None else mask[:, start:end], state)
             if output is None:
                 output = part.new_empty(batch_size, seq_len, part.shape[-1])
             output[:, start:end] = part
         return output
 
-    def _mix(
-        self,
-        hidden_states: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: Cache | None,
-        past_inputs: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass over hidden_states (B, t, hidden) with its mask (B, t); past_inputs (B, <= K - 1, D): the
-        convolution inputs before these tokens when no cache holds them. Returns the output (B, t, hidden) and the
-        last K - 1 convolution inputs (B, <= K - 1, D) for the next chunk."""
+    def inference_width(self, batch_size: int) -> int:
+        """Elements per token of the widest intermediate (the input projection), for `inference_chunk_rows`."""
+        return batch_size * 2 * self.inner_size
+
+    def mix(
+        self, hidden_states: torch.Tensor, mask: torch.Tensor | None, state: JRTRNNConvState | None
+    ) -> torch.Tensor:
+        """One pass over hidden_states (B, t, hidden) with its padding mask (B, t) (or None) -> (B, t, hidden).
+        `state`: the convolution inputs before these tokens (`JRTRNNConvState`: a cache's, or one that carries them
+        between the chunks of one forward), updated with the last K - 1 inputs; None: no earlier inputs, none kept."""
         seq_len = hidden_states.shape[1]
-        keep = self.kernel_size - 1
         # 1. Input projection into the convolution branch and the gate.
         conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, t, D) each
         # 2. Padded positions enter the convolution as zeros, so pads never reach the window of a real token.
         if mask is not None:
             conv_input = conv_input * mask[:, :, None].to(conv_input.dtype)
-        # 3. Causal depthwise convolution over [earlier inputs, new inputs], in the (B, t, D) layout; the cache keeps
+        # 3. Causal depthwise convolution over [earlier inputs, new inputs], in the (B, t, D) layout; the state keeps
         # the last K - 1 inputs in its (B, D, K - 1) layout.
-        history = past_inputs
-        if cache is not None:
-            state = cache.layers[self.layer_idx]
+        history = None
+        if state is not None:
             if state.inputs is not None:
                 history = state.inputs.to(conv_input.dtype).transpose(1, 2)  # (B, h, D)
-            # The cache keeps a copy: a view would hold this forward's whole projection alive.
-            newest = conv_input[:, max(seq_len - keep, 0) :].transpose(1, 2)  # (B, D, <= K - 1)
+            # The state keeps a copy: a view would hold this forward's whole projection alive.
+            newest = conv_input[:, max(seq_len - (self.kernel_size - 1), 0) :].transpose(1, 2)  # (B, D, <= K - 1)
             state.update(newest.clone(memory_format=torch.contiguous_format))
         conv_output = causal_depthwise_conv(conv_input, history, self.conv.weight)  # (B, t, D)
-        tail = conv_input[:, max(seq_len - keep, 0) :].clone()  # a copy, not a view of the projection
-        if history is not None and seq_len < keep:
-            tail = torch.cat([history, tail], dim=1)[:, -keep:]
         # 4. SiLU, multiplicative gate, output projection (in place when no autograd graph records them).
         if torch.is_grad_enabled():
             mixed = F.silu(conv_output) * gate
         else:
             mixed = F.silu(conv_output, inplace=True).mul_(gate)
-        return self.out_proj(mixed), tail
+        return self.out_proj(mixed)
 
 
 def causal_depthwise_conv(inputs: torch.Tensor, history: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
@@ -309,6 +306,12 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, hidden, bias=False)
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
 
+    def inference_width(self, batch_size: int) -> int:
+        """Elements per query of the widest prefill intermediate (the blocked key and value slabs, `Q + W - 1` keys
+        per `Q` queries), for `inference_chunk_rows`."""
+        block = default_block_size(self.sliding_window)
+        return batch_size * self.num_heads * self.head_dim * -(-(block + self.sliding_window - 1) // block)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -316,10 +319,14 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         cache: JRTRNNCache | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         output_attentions: bool = False,
+        layer_state: JRTRNNSlidingWindowState | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states (B, T, hidden); attention_mask (B, T) padding of these tokens (0) or None -> (B, T, hidden)
-        and the attention weights (B, H, T, S) when `output_attentions`, else None."""
+        and the attention weights (B, H, T, S) when `output_attentions`, else None. `layer_state`: the window state
+        to read and update instead of the cache's (`JRTRNNDecoderLayer` carries the last W - 1 keys between the
+        token chunks of one forward in one)."""
+        state = layer_state if layer_state is not None or cache is None else cache.layers[self.layer_idx]
         batch_size, seq_len, _ = hidden_states.shape
         hidden_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
         # 1. Projections and RoPE.
@@ -330,8 +337,8 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         # 2. The cached window (and its padding flags) goes in front of the new keys.
         key_mask = None if attention_mask is None else attention_mask.bool()  # (B, T)
-        if cache is not None:
-            key, value, key_mask = cache.layers[self.layer_idx].update(key, value, key_mask)  # (B, H, S, D), (B, S)
+        if state is not None:
+            key, value, key_mask = state.update(key, value, key_mask)  # (B, H, S, D), (B, S)
         # 3. Attention.
         implementation = self.config._attn_implementation
         if output_attentions:
@@ -578,6 +585,9 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
     ) -> torch.Tensor:
         """hidden_states: (B, T, hidden) fp32 residual stream; returns the updated fp32 residual. `kwargs` (e.g.
         `output_attentions`) reach the mixer and, for sliding attention, transformers' attention function."""
+        chunk = self.layer_chunk_rows(hidden_states, kwargs)
+        if chunk is not None:
+            return self._forward_in_chunks(hidden_states, attention_mask, position_embeddings, cache, chunk)
         mixed = self.mixer(
             self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
@@ -603,6 +613,70 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
             part = flat[start : start + chunk]
             part += self.mlp(self.post_attention_layernorm(part)).float()
         return hidden_states
+
+    def layer_chunk_rows(self, hidden_states: torch.Tensor, kwargs: dict) -> int | None:
+        """Tokens per chunk when the whole layer runs in token chunks (`_forward_in_chunks`), else None.
+
+        Conv and sliding-window layers see a bounded past (the last K - 1 inputs, the last W - 1 keys), which a
+        layer state carries from one chunk to the next, so during inference (`inference_chunk_rows`) a long input
+        goes through the whole block (norm, mixer, residual add, norm, MLP, residual add) one token chunk at a
+        time: no `(B, T, ...)` intermediate but the output. Not for linear attention (the prefix encoder reads
+        ahead), attention weights (`output_attentions`) or attention implementations other than the blocked ones."""
+        if self.layer_type == "linear_attention":
+            return None
+        if self.layer_type == "sliding_attention" and (
+            kwargs.get("output_attentions") or self.mixer.config._attn_implementation not in BLOCKED_IMPLEMENTATIONS
+        ):
+            return None
+        batch_size, seq_len = hidden_states.shape[:2]
+        width = self.mixer.inference_width(batch_size)
+        if self.mlp is not None:
+            width = max(width, batch_size * self.mlp.gate_proj.out_features)
+        chunk = inference_chunk_rows(seq_len, width)
+        block = default_block_size(self.mixer.sliding_window) if self.layer_type == "sliding_attention" else 1
+        if chunk is not None and chunk > block:
+            chunk -= chunk % block  # whole query blocks per chunk
+        return chunk
+
+    def _forward_in_chunks(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: Cache | None,
+        chunk: int,
+    ) -> torch.Tensor:
+        """`forward` of a conv or sliding-window layer (inference only), `chunk` tokens at a time: each chunk's mixer
+        reads the inputs before it from the layer's state (the cache's, or a fresh one that lives for this forward),
+        as a chunked prefill through the cache does; the result lands in one preallocated residual."""
+        batch_size, seq_len = hidden_states.shape[:2]
+        mask = None if attention_mask is None else attention_mask[:, -seq_len:]  # (B, T)
+        if cache is not None:
+            state = cache.layers[self.mixer.layer_idx]
+        elif self.layer_type == "conv":
+            state = JRTRNNConvState(self.mixer.kernel_size)
+        else:
+            state = JRTRNNSlidingWindowState(self.mixer.sliding_window)
+        output = torch.empty_like(hidden_states, dtype=torch.float32)
+        for start in range(0, seq_len, chunk):
+            end = min(start + chunk, seq_len)
+            part = hidden_states[:, start:end]
+            rope = None
+            if position_embeddings is not None:
+                rope = tuple(table[:, start:end] for table in position_embeddings)
+            mixed = self.mixer(
+                self.input_layernorm(part),
+                attention_mask=None if mask is None else mask[:, start:end],
+                position_embeddings=rope,
+                layer_state=state,
+            )
+            if self.layer_type == "sliding_attention":
+                mixed = mixed[0]
+            residual = output[:, start:end]
+            torch.add(part, mixed.float(), out=residual)
+            if self.mlp is not None:
+                residual += self.mlp(self.post_attention_layernorm(residual)).float()
+        return output
 
 
 class JRTRNNPreTrainedModel(PreTrainedModel):

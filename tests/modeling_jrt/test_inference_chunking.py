@@ -1,4 +1,4 @@
-"""Inference-time token chunking of the position-wise parts (RMSNorm, MLP, short-conv block): equal to one pass."""
+"""Inference-time token chunking (RMSNorm, MLP, whole conv and sliding-window layers): equal to one pass."""
 
 from __future__ import annotations
 
@@ -18,13 +18,19 @@ def set_chunking(monkeypatch: pytest.MonkeyPatch, elements: int) -> None:
     monkeypatch.setattr(modeling, "MIN_INFERENCE_CHUNK", 1)
 
 
-def in_proj_lengths(model: JRTRNNForCausalLM) -> list[int]:
-    """A list that records the token count of every later conv `in_proj` call of `model`."""
+def projection_lengths(model: JRTRNNForCausalLM, layer_type: str = "conv") -> list[int]:
+    """A list that records the token count of every later call of the first projection (conv `in_proj`, sliding
+    `q_proj`) of `model`'s `layer_type` layers."""
     lengths: list[int] = []
     for layer in model.model.layers:
-        if layer.layer_type == "conv":
-            layer.mixer.in_proj.register_forward_hook(lambda module, args, out: lengths.append(args[0].shape[1]))
+        if layer.layer_type == layer_type:
+            projection = layer.mixer.in_proj if layer_type == "conv" else layer.mixer.q_proj
+            projection.register_forward_hook(lambda module, args, out: lengths.append(args[0].shape[1]))
     return lengths
+
+
+def in_proj_lengths(model: JRTRNNForCausalLM) -> list[int]:
+    return projection_lengths(model, "conv")
 
 
 def run(model: JRTRNNForCausalLM, input_ids: torch.Tensor, mask: torch.Tensor, decode: int = 3) -> list[torch.Tensor]:
@@ -42,24 +48,29 @@ def run(model: JRTRNNForCausalLM, input_ids: torch.Tensor, mask: torch.Tensor, d
 
 @pytest.mark.parametrize("kernel_size", [4, 1])
 def test_chunked_prefill_equals_one_pass(monkeypatch, make_config, kernel_size):
-    """Left-padded batch of 2, 50 tokens: conv chunks of 3 tokens, MLP chunks of 12 rows, norm chunks of 24 rows
-    (uneven last chunks); prefill logits, cached decode after it and the forward without a cache all match."""
+    """Left-padded batch of 2, 50 tokens: conv layers in chunks of 3 tokens, the sliding-window layer (window 5) in
+    chunks of 6 (uneven last chunks), norm and MLP chunks of the linear-attention layer; prefill logits at the real
+    tokens (a padded query is don't-care), cached decode after it and the forward without a cache all match."""
     model = JRTRNNForCausalLM(make_config(conv_kernel_size=kernel_size)).eval()
     input_ids = torch.randint(4, 99, (2, 50))
     mask = torch.ones(2, 50, dtype=torch.long)
     mask[1, :9] = 0
+    real = mask.bool()
     with torch.no_grad():
         set_chunking(monkeypatch, 1 << 40)
         reference = run(model, input_ids, mask)
         reference_nocache = model(input_ids, attention_mask=mask, use_cache=False).logits
         set_chunking(monkeypatch, 3 * 2 * 2 * 64)  # conv width B * 2 * D = 256 -> 3 rows
         lengths = in_proj_lengths(model)
+        sliding_lengths = projection_lengths(model, "sliding_attention")
         chunked = run(model, input_ids, mask)
         chunked_nocache = model(input_ids, attention_mask=mask, use_cache=False).logits
     assert max(lengths) == 3  # the conv really ran in chunks (decode steps are single tokens)
-    for expected, actual in zip(reference, chunked):
+    assert max(sliding_lengths) == 6  # sliding width B * H * Dh * 2 slabs = 128 -> 6 rows
+    torch.testing.assert_close(chunked[0][real], reference[0][real], atol=ATOL, rtol=RTOL)
+    for expected, actual in zip(reference[1:], chunked[1:]):
         torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(chunked_nocache, reference_nocache, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(chunked_nocache[real], reference_nocache[real], atol=ATOL, rtol=RTOL)
 
 
 def test_autograd_forward_is_not_chunked(monkeypatch, make_config):
