@@ -64,17 +64,21 @@ def inference_chunk_rows(rows: int, width: int) -> int | None:
 
 
 def map_position_chunks(
-    fn: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor, width: int
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    hidden_states: torch.Tensor,
+    width: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`fn(hidden_states)` for a position-wise `fn` (each output row depends on its own input row only), computed over
     row chunks of `hidden_states` `(..., C)` viewed as `(rows, C)` when `inference_chunk_rows` says so; the rows land
-    in one preallocated output `(..., C_out)`. `width`: the widest intermediate of `fn` per row, in elements."""
+    in one preallocated output `(..., C_out)`, or in `out` (contiguous, of that shape; it may be `hidden_states`
+    itself: a chunk's rows are read before they are written). `width`: the widest intermediate of `fn` per row."""
     rows = hidden_states.numel() // max(hidden_states.shape[-1], 1)
     chunk = inference_chunk_rows(rows, width)
     if chunk is None:
         return fn(hidden_states)
     flat = hidden_states.reshape(rows, hidden_states.shape[-1])
-    output = None
+    output = None if out is None else out.view(rows, out.shape[-1])
     for start in range(0, rows, chunk):
         part = fn(flat[start : start + chunk])
         if output is None:
@@ -91,9 +95,10 @@ class JRTRNNRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(..., hidden) -> (..., hidden); in token chunks during inference (`map_position_chunks`)."""
-        return map_position_chunks(self._normalize, hidden_states, hidden_states.shape[-1])
+    def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., hidden) -> (..., hidden); in token chunks during inference (`map_position_chunks`), written into
+        `out` there when given (e.g. `hidden_states` itself)."""
+        return map_position_chunks(self._normalize, hidden_states, hidden_states.shape[-1], out=out)
 
     def _normalize(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = hidden_states.float()
@@ -548,7 +553,9 @@ class JRTRNNMLP(nn.Module):
         return map_position_chunks(self._swiglu, x, self.gate_proj.out_features)
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))  # no autograd: in place
 
 
 MIXER_CLASSES = {
@@ -581,13 +588,20 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         linear_attention_mask: torch.Tensor | None = None,
         encoder_range: JRTRNNEncoderRange | None = None,
+        update_residual: bool = False,
         **kwargs,
     ) -> torch.Tensor:
         """hidden_states: (B, T, hidden) fp32 residual stream; returns the updated fp32 residual. `kwargs` (e.g.
-        `output_attentions`) reach the mixer and, for sliding attention, transformers' attention function."""
+        `output_attentions`) reach the mixer and, for sliding attention, transformers' attention function.
+
+        `update_residual`: the caller owns `hidden_states` and nothing else reads it later (`JRTRNNModel.run_layers`
+        says so during inference, when no hook or output capturing can see a layer's input or output): the layer
+        adds into it in place and returns it, instead of a new `(B, T, hidden)` tensor."""
+        update_residual = update_residual and not torch.is_grad_enabled() and hidden_states.dtype == torch.float32
         chunk = self.layer_chunk_rows(hidden_states, kwargs)
         if chunk is not None:
-            return self._forward_in_chunks(hidden_states, attention_mask, position_embeddings, cache, chunk)
+            output = hidden_states if update_residual else torch.empty_like(hidden_states, dtype=torch.float32)
+            return self._forward_in_chunks(hidden_states, attention_mask, position_embeddings, cache, chunk, output)
         mixed = self.mixer(
             self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
@@ -599,7 +613,10 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         )
         if self.layer_type == "sliding_attention":  # (output, weights): output capturing records the weights
             mixed = mixed[0]
-        hidden_states = hidden_states + mixed.float()  # a new tensor, owned here
+        if update_residual:
+            hidden_states += mixed.float()
+        else:
+            hidden_states = hidden_states + mixed.float()  # a new tensor, owned here
         if self.mlp is None:
             return hidden_states
         # Norm, MLP and residual add are position-wise: during inference one pass per token chunk, added in place
@@ -645,10 +662,12 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         cache: Cache | None,
         chunk: int,
+        output: torch.Tensor,
     ) -> torch.Tensor:
         """`forward` of a conv or sliding-window layer (inference only), `chunk` tokens at a time: each chunk's mixer
         reads the inputs before it from the layer's state (the cache's, or a fresh one that lives for this forward),
-        as a chunked prefill through the cache does; the result lands in one preallocated residual."""
+        as a chunked prefill through the cache does; the result lands in `output` (B, T, hidden) fp32, which may be
+        `hidden_states` itself (a chunk's rows are read before they are written)."""
         batch_size, seq_len = hidden_states.shape[:2]
         mask = None if attention_mask is None else attention_mask[:, -seq_len:]  # (B, T)
         if cache is not None:
@@ -657,7 +676,6 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
             state = JRTRNNConvState(self.mixer.kernel_size)
         else:
             state = JRTRNNSlidingWindowState(self.mixer.sliding_window)
-        output = torch.empty_like(hidden_states, dtype=torch.float32)
         for start in range(0, seq_len, chunk):
             end = min(start + chunk, seq_len)
             part = hidden_states[:, start:end]
@@ -956,6 +974,19 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         )
         return result if (return_dict if return_dict is not None else getattr(config, "return_dict", True)) else result.to_tuple()
 
+    def residual_unobserved(self, kwargs: dict) -> bool:
+        """Whether the layers may update the residual stream in place: inference (no autograd, no `torch.compile`
+        trace), no `output_hidden_states` and no forward hook (pre or post) on a layer, on the final norm (which
+        then normalizes in place) or registered globally, so no one holds a layer's input or output."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return False
+        if kwargs.get("output_hidden_states", self.config.output_hidden_states):
+            return False
+        global_hooks = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
+        if any(global_hooks):
+            return False
+        return not any(module._forward_hooks or module._forward_pre_hooks for module in [*self.layers, self.norm])
+
     @capture_outputs
     def run_layers(
         self,
@@ -971,7 +1002,10 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         fill); attention_mask `(B, T')` the padding of these tokens, or None."""
         output_attentions = bool(kwargs.pop("output_attentions", None) or self.config.output_attentions)
         hidden_states = inputs_embeds.float()  # the residual stream stays fp32
-        for layer in self.layers:
+        # During inference the layers after the first add into the residual the one before made, when nothing can
+        # see it: no hidden-state capturing, no hook on any layer (the first layer's input may be the caller's).
+        update_residual = self.residual_unobserved(kwargs)
+        for index, layer in enumerate(self.layers):
             hidden_states = layer(
                 hidden_states,
                 attention_mask=attention_mask,
@@ -980,9 +1014,13 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 linear_attention_mask=linear_attention_mask,
                 encoder_range=encoder_range,
                 output_attentions=output_attentions,
+                update_residual=update_residual and index > 0,
                 **kwargs,
             )
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
+        # The final norm, in place into the residual stream where the layers updated it in place (a layer made it).
+        in_place = update_residual and len(self.layers) > 0 and hidden_states.is_contiguous()
+        hidden_states = self.norm(hidden_states, out=hidden_states if in_place else None)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states)
 
 
 def leak_free_labels(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

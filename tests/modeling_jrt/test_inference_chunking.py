@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -114,3 +116,35 @@ def test_causal_depthwise_conv_equals_conv1d(kernel_size):
             expected_grads = torch.autograd.grad(expected.square().sum(), (inputs, weight))
             for grad, expected_grad in zip(grads, expected_grads):
                 torch.testing.assert_close(grad, expected_grad, atol=ATOL, rtol=RTOL)
+
+
+def test_residual_updated_in_place_only_when_unobserved(monkeypatch, make_config):
+    """During inference the layers after the first add into the residual stream in place; hidden states that
+    `output_hidden_states` or a layer hook receive, and the caller's `inputs_embeds`, are never overwritten."""
+    model = JRTRNNForCausalLM(make_config()).eval()
+    input_ids = torch.randint(4, 99, (2, 40))
+    with torch.enable_grad():  # no in-place update, no chunking: the reference (a copy: capturing installs hooks)
+        expected = copy.deepcopy(model)(input_ids, output_hidden_states=True).hidden_states
+    expected = [h.detach() for h in expected]
+    set_chunking(monkeypatch, 3 * 2 * 2 * 64)
+    with torch.no_grad():
+        assert model.model.residual_unobserved({})
+        assert not model.model.residual_unobserved({"output_hidden_states": True})
+        plain = model(input_ids).logits
+        embeds = model.get_input_embeddings()(input_ids)
+        given = embeds.clone()
+        from_embeds = model(inputs_embeds=embeds).logits
+        seen: list[torch.Tensor] = []
+        handle = model.model.layers[1].register_forward_hook(lambda module, args, out: seen.append(out))
+        assert not model.model.residual_unobserved({})
+        hooked = model(input_ids).logits
+        handle.remove()
+        # Output capturing installs its hooks on the layers (for good): from then on no in-place update at all.
+        captured = model(input_ids, output_hidden_states=True).hidden_states
+    assert len(captured) == len(expected)
+    for actual, reference in zip(captured, expected):
+        torch.testing.assert_close(actual, reference, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(seen[0], expected[2], atol=ATOL, rtol=RTOL)  # layer 1's output, intact
+    torch.testing.assert_close(hooked, plain, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(from_embeds, plain, atol=ATOL, rtol=RTOL)
+    assert torch.equal(embeds, given)
