@@ -138,7 +138,7 @@ def measure_point(name: str, length: int, args: argparse.Namespace, *, compiled:
     return {"ms": min(timings) * 1e3, "peak_mib": max(peak - baseline, 0) / 2**20}
 
 
-PROFILED = {  # module type -> profile row (the rows never nest: an MLP holds no norm, a mixer no MLP)
+PROFILED = {  # module type -> profile row; a call inside another (a norm a mixer runs) counts for its own row only
     "JRTRNNLinearAttention": "linear attention",
     "JRTRNNSlidingWindowAttention": "sliding window",
     "JRTRNNMLP": "MLP",
@@ -151,19 +151,25 @@ PROFILED = {  # module type -> profile row (the rows never nest: an MLP holds no
 def profile_point(length: int, args: argparse.Namespace) -> dict:
     """Process CPU time (ms) per module type of one JRT-RNN prefill of `length` tokens, in this process: forward
     hooks read `time.process_time()` around every call of the `PROFILED` modules; "other" is the rest of the
-    forward. Also the forward's user and system time from `getrusage`."""
+    forward. Times are exclusive: a profiled call made inside another (the norm that a linear-attention layer
+    applies chunk by chunk on the way into its projections) counts for its own row only. Also the forward's user
+    and system time and minor page faults from `getrusage`."""
     model = build_model("jrt", args)
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, args.vocab_size, (1, length), generator=generator).to(args.device)
     prefill(model, input_ids)  # warm-up at the same length (allocator, kernel selection)
     totals = dict.fromkeys(PROFILED.values(), 0.0)
-    started: list[float] = []
+    started: list[list[float]] = []  # [start, time of the profiled calls inside] per open call
 
     def before(module, inputs):
-        started.append(time.process_time())
+        started.append([time.process_time(), 0.0])
 
     def after(module, inputs, output):
-        totals[PROFILED[type(module).__name__]] += time.process_time() - started.pop()
+        start, inner = started.pop()
+        elapsed = time.process_time() - start
+        totals[PROFILED[type(module).__name__]] += elapsed - inner
+        if started:
+            started[-1][1] += elapsed
 
     handles = []
     for module in model.modules():

@@ -64,21 +64,17 @@ def inference_chunk_rows(rows: int, width: int) -> int | None:
 
 
 def map_position_chunks(
-    fn: Callable[[torch.Tensor], torch.Tensor],
-    hidden_states: torch.Tensor,
-    width: int,
-    out: torch.Tensor | None = None,
+    fn: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor, width: int
 ) -> torch.Tensor:
     """`fn(hidden_states)` for a position-wise `fn` (each output row depends on its own input row only), computed over
     row chunks of `hidden_states` `(..., C)` viewed as `(rows, C)` when `inference_chunk_rows` says so; the rows land
-    in one preallocated output `(..., C_out)`, or in `out` (contiguous, of that shape; it may be `hidden_states`
-    itself: a chunk's rows are read before they are written). `width`: the widest intermediate of `fn` per row."""
+    in one preallocated output `(..., C_out)`. `width`: the widest intermediate of `fn` per row, in elements."""
     rows = hidden_states.numel() // max(hidden_states.shape[-1], 1)
     chunk = inference_chunk_rows(rows, width)
     if chunk is None:
         return fn(hidden_states)
     flat = hidden_states.reshape(rows, hidden_states.shape[-1])
-    output = None if out is None else out.view(rows, out.shape[-1])
+    output = None
     for start in range(0, rows, chunk):
         part = fn(flat[start : start + chunk])
         if output is None:
@@ -96,20 +92,36 @@ class JRTRNNRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """(..., hidden) -> (..., hidden); in token chunks during inference (`map_position_chunks`), written into
-        `out` there when given (e.g. `hidden_states` itself)."""
-        return map_position_chunks(self._normalize, hidden_states, hidden_states.shape[-1], out=out)
+        """(..., hidden) -> (..., hidden). During inference a long input goes in token chunks (`inference_chunk_rows`)
+        written straight into one output: `out` when given (contiguous, e.g. `hidden_states` itself: a chunk's rows
+        are read before they are written), else a new tensor. Otherwise `out` is not used."""
+        width = hidden_states.shape[-1]
+        rows = hidden_states.numel() // max(width, 1)
+        chunk = inference_chunk_rows(rows, width)
+        if chunk is None:
+            return self._normalize(hidden_states)
+        if out is None:
+            out = hidden_states.new_empty(hidden_states.shape, dtype=self.weight.dtype)
+        flat, output = hidden_states.reshape(rows, width), out.view(rows, width)
+        for start in range(0, rows, chunk):
+            self._normalize(flat[start : start + chunk], out=output[start : start + chunk])
+        return out
 
-    def _normalize(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _normalize(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of hidden_states (rows, hidden), into `out` (rows, hidden) in w's dtype when given."""
         hidden_states = hidden_states.float()
         if not torch.is_grad_enabled():
             # Without autograd: mean(x**2) from one reduction (sqrt(sum x**2)), scaled in place (2 passes fewer).
             scale = torch.linalg.vector_norm(hidden_states, dim=-1, keepdim=True)
             scale.square_().div_(hidden_states.shape[-1]).add_(self.variance_epsilon).rsqrt_()
-            return (hidden_states * scale).mul_(self.weight.float()).to(self.weight.dtype)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return (hidden_states * self.weight.float()).to(self.weight.dtype)
+            if out is not None and out.dtype == torch.float32 and self.weight.dtype == torch.float32:
+                return torch.mul(hidden_states, scale, out=out).mul_(self.weight)
+            normalized = (hidden_states * scale).mul_(self.weight.float()).to(self.weight.dtype)
+        else:
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            normalized = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+            normalized = (normalized * self.weight.float()).to(self.weight.dtype)
+        return normalized if out is None else out.copy_(normalized)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
@@ -489,19 +501,32 @@ class JRTRNNLinearAttention(nn.Module):
         cache: JRTRNNCache | None = None,
         linear_attention_mask: torch.Tensor | None = None,
         encoder_range: JRTRNNEncoderRange | None = None,
+        input_norm: nn.Module | None = None,
+        residual: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """hidden_states `(B, T, hidden)`; attention_mask `(B, T)` batch padding (0) of this forward's tokens;
-        linear_attention_mask `(B, >= T)` the JRT prefix fill (0); encoder_range: the prefix of a first forward."""
+        linear_attention_mask `(B, >= T)` the JRT prefix fill (0); encoder_range: the prefix of a first forward.
+
+        `input_norm` (inference): `hidden_states` is the residual stream, normalized by `input_norm` on its way into
+        the projections, in token chunks (`inference_chunk_rows`): the normalized `(B, T, hidden)` is never built
+        whole. `residual` (inference): the fp32 `(B, T, hidden)` the output is added into in place, chunk by chunk,
+        and which is returned instead of the output."""
         batch_size, seq_len, _ = hidden_states.shape
         heads = self.num_heads
-        # 1. Decoder projections (and the Based gate).
-        query = self.q_proj(hidden_states).view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
-        key = self.k_proj(hidden_states).view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
-        value = self.v_proj(hidden_states).view(batch_size, seq_len, heads, self.head_dim)  # (B, T, H, V)
-        gate = self.decay_proj(hidden_states) if self.config.use_decay_proj else None  # (B, T, H)
-        log_decay = self.log_decay(hidden_states.device)
         state = None if cache is None else cache.layers[self.layer_idx].state
+        reads_prefix = self.is_prefix and state is None and encoder_range is not None and encoder_range.length > 0
+        # 1. Decoder projections (and the Based gate), and the normalized encoder rows.
+        projections = [self.q_proj, self.k_proj, self.v_proj]
+        projections += [self.decay_proj] if self.config.use_decay_proj else []
+        projected, prefix = self._project(
+            hidden_states, projections, input_norm, encoder_range.length if reads_prefix else 0
+        )
+        query = projected[0].view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
+        key = projected[1].view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
+        value = projected[2].view(batch_size, seq_len, heads, self.head_dim)  # (B, T, H, V)
+        gate = projected[3] if self.config.use_decay_proj else None  # (B, T, H)
+        log_decay = self.log_decay(hidden_states.device)
 
         if state is not None and seq_len == 1:
             # 2a. Decode: one recurrent step.
@@ -519,9 +544,8 @@ class JRTRNNLinearAttention(nn.Module):
                 fill = linear_attention_mask[:, -seq_len:].bool()
                 key_mask = fill if key_mask is None else key_mask & fill
             k_enc = v_enc = start = end = None
-            if self.is_prefix and state is None and encoder_range is not None and encoder_range.length > 0:
+            if reads_prefix:
                 # 3. Encoder projections of the positions the encoder ranges cover (the first forward only).
-                prefix = hidden_states[:, : encoder_range.length]
                 k_enc = self.k_enc_proj(prefix).view(batch_size, -1, heads, self.feature_dim)  # (B, M, H, K)
                 v_enc = self.v_enc_proj(prefix).view(batch_size, -1, heads, self.head_dim)  # (B, M, H, V)
                 start, end = encoder_range.start, encoder_range.end
@@ -540,8 +564,41 @@ class JRTRNNLinearAttention(nn.Module):
             )
         if cache is not None:
             cache.layers[self.layer_idx].state = state
-        # 4. Merge heads, output projection.
-        return self.o_proj(output.reshape(batch_size, seq_len, -1).to(hidden_states.dtype))
+        # 4. Merge heads, output projection (into the residual, in token chunks, when one is given).
+        merged = output.reshape(batch_size, seq_len, -1).to(value.dtype)
+        if residual is None:
+            return self.o_proj(merged)
+        chunk = inference_chunk_rows(seq_len, batch_size * residual.shape[-1]) or seq_len
+        for start in range(0, seq_len, chunk):
+            residual[:, start : start + chunk] += self.o_proj(merged[:, start : start + chunk]).float()
+        return residual
+
+    def _project(
+        self, hidden_states: torch.Tensor, projections: list[nn.Module], input_norm: nn.Module | None, prefix_rows: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """`[projection(x) for projection in projections]` with x = `input_norm(hidden_states)` (or hidden_states),
+        each `(B, T, out)`, and x's first `prefix_rows` positions `(B, M, hidden)` (None for 0). With `input_norm`,
+        during inference, x is computed and projected one token chunk at a time."""
+        batch_size, seq_len, width = hidden_states.shape
+        chunk = None if input_norm is None else inference_chunk_rows(seq_len, batch_size * width)
+        if chunk is None:
+            normed = hidden_states if input_norm is None else input_norm(hidden_states)
+            prefix = normed[:, :prefix_rows] if prefix_rows else None
+            return [projection(normed) for projection in projections], prefix
+        projected: list[torch.Tensor | None] = [None] * len(projections)
+        prefix_parts = []
+        for start in range(0, seq_len, chunk):
+            end = min(start + chunk, seq_len)
+            normed = input_norm(hidden_states[:, start:end])
+            for index, projection in enumerate(projections):
+                part = projection(normed)
+                if projected[index] is None:
+                    projected[index] = part.new_empty(batch_size, seq_len, part.shape[-1])
+                projected[index][:, start:end] = part
+            if start < prefix_rows:
+                prefix_parts.append(normed[:, : prefix_rows - start])
+        prefix = torch.cat(prefix_parts, dim=1) if prefix_parts else None
+        return projected, prefix
 
 
 class JRTRNNMLP(nn.Module):
@@ -607,21 +664,36 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         if chunk is not None:
             output = hidden_states if update_residual else torch.empty_like(hidden_states, dtype=torch.float32)
             return self._forward_in_chunks(hidden_states, attention_mask, position_embeddings, cache, chunk, output)
-        mixed = self.mixer(
-            self.input_layernorm(hidden_states),
-            attention_mask=attention_mask,
-            cache=cache,
-            position_embeddings=position_embeddings,
-            linear_attention_mask=linear_attention_mask,
-            encoder_range=encoder_range,
-            **kwargs,
-        )
-        if self.layer_type == "sliding_attention":  # (output, weights): output capturing records the weights
-            mixed = mixed[0]
-        if update_residual:
-            hidden_states += mixed.float()
+        if self.layer_type == "linear_attention" and not torch.is_grad_enabled():
+            # Inference: the layer normalizes its input chunk by chunk on the way into its projections, and adds its
+            # output into the residual in place when it may.
+            mixed = self.mixer(
+                hidden_states,
+                attention_mask=attention_mask,
+                cache=cache,
+                linear_attention_mask=linear_attention_mask,
+                encoder_range=encoder_range,
+                input_norm=self.input_layernorm,
+                residual=hidden_states if update_residual else None,
+                **kwargs,
+            )
+            hidden_states = mixed if update_residual else hidden_states + mixed.float()
         else:
-            hidden_states = hidden_states + mixed.float()  # a new tensor, owned here
+            mixed = self.mixer(
+                self.input_layernorm(hidden_states),
+                attention_mask=attention_mask,
+                cache=cache,
+                position_embeddings=position_embeddings,
+                linear_attention_mask=linear_attention_mask,
+                encoder_range=encoder_range,
+                **kwargs,
+            )
+            if self.layer_type == "sliding_attention":  # (output, weights): output capturing records the weights
+                mixed = mixed[0]
+            if update_residual:
+                hidden_states += mixed.float()
+            else:
+                hidden_states = hidden_states + mixed.float()  # a new tensor, owned here
         if self.mlp is None:
             return hidden_states
         # Norm, MLP and residual add are position-wise: during inference one pass per token chunk, added in place

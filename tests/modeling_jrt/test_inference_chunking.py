@@ -48,12 +48,23 @@ def run(model: JRTRNNForCausalLM, input_ids: torch.Tensor, mask: torch.Tensor, d
     return logits
 
 
-@pytest.mark.parametrize("kernel_size", [4, 1])
-def test_chunked_prefill_equals_one_pass(monkeypatch, make_config, kernel_size):
+CHUNKED_CONFIGS = [
+    pytest.param({"conv_kernel_size": 4}, id="K4"),
+    pytest.param({"conv_kernel_size": 1}, id="K1"),
+    pytest.param({"prefix_length": 30}, id="prefix-over-chunks"),
+    pytest.param(
+        {"linear_attention_type": "causal", "linear_attention_decay": True, "use_decay_proj": True}, id="based-decay"
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides", CHUNKED_CONFIGS)
+def test_chunked_prefill_equals_one_pass(monkeypatch, make_config, overrides):
     """Left-padded batch of 2, 50 tokens: conv layers in chunks of 3 tokens, the sliding-window layer (window 5) in
-    chunks of 6 (uneven last chunks), norm and MLP chunks of the linear-attention layer; prefill logits at the real
-    tokens (a padded query is don't-care), cached decode after it and the forward without a cache all match."""
-    model = JRTRNNForCausalLM(make_config(conv_kernel_size=kernel_size)).eval()
+    chunks of 6 (uneven last chunks), the linear-attention layer's norm and projections in chunks of 12 (its
+    encoder rows across several chunks with a prefix of 30), its MLP in chunks; prefill logits at the real tokens
+    (a padded query is don't-care), cached decode after it and the forward without a cache all match."""
+    model = JRTRNNForCausalLM(make_config(**overrides)).eval()
     input_ids = torch.randint(4, 99, (2, 50))
     mask = torch.ones(2, 50, dtype=torch.long)
     mask[1, :9] = 0
