@@ -1107,7 +1107,10 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 **kwargs,
             )
         # The final norm, in place into the residual stream where the layers updated it in place (a layer made it).
-        in_place = update_residual and len(self.layers) > 0 and hidden_states.is_contiguous()
+        in_place = (
+            update_residual and len(self.layers) > 0 and hidden_states.is_contiguous()
+            and self.norm.weight.dtype == hidden_states.dtype
+        )
         hidden_states = self.norm(hidden_states, out=hidden_states if in_place else None)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states)
 
