@@ -44,12 +44,16 @@ from .sliding_window import BLOCKED_IMPLEMENTATIONS, blocked_sliding_window_atte
 
 logger = logging.get_logger(__name__)
 
-# Inference-time token chunking of the position-wise parts (RMSNorm, SwiGLU MLP, the short-conv block). A long prefill
-# would otherwise build `(B, T, width)` intermediates that grow with T: at 16k tokens the conv and MLP ones pass glibc's
-# largest mmap threshold (32 MiB), so each is a fresh mmap that is page-faulted in, and the peak memory grows with them.
-# Chunking keeps every such intermediate below INFERENCE_CHUNK_ELEMENTS elements (8 MiB in fp32), never shorter than
-# MIN_INFERENCE_CHUNK rows. It runs only when autograd is off (`torch.no_grad` / `torch.inference_mode`, as in
-# `generate()`) and outside `torch.compile` tracing, so training and compiled graphs see the unchunked ops.
+# Inference-time token chunking. A long prefill would otherwise build `(B, T, width)` intermediates that grow with T:
+# from 16k tokens on they pass glibc's largest mmap threshold (32 MiB), so each is a fresh mmap that is page-faulted in,
+# and the peak memory grows with them. So during inference conv and sliding-window layers run whole (norm, mixer,
+# residual add, norm, MLP, residual add) one token chunk at a time, their bounded past carried by a layer state
+# (`JRTRNNDecoderLayer.layer_chunk_rows`); linear-attention layers normalize and project their input, and add their
+# output projection into the residual, in chunks; RMSNorm and the MLP chunk on their own. Chunking keeps every such
+# intermediate below INFERENCE_CHUNK_ELEMENTS elements (8 MiB in fp32), never shorter than MIN_INFERENCE_CHUNK rows,
+# and the residual stream is updated in place where nothing observes it (`JRTRNNModel.residual_unobserved`). It runs
+# only when autograd is off (`torch.no_grad` / `torch.inference_mode`, as in `generate()`) and outside
+# `torch.compile` tracing, so training and compiled graphs see the unchunked ops.
 INFERENCE_CHUNK_ELEMENTS = 1 << 21
 MIN_INFERENCE_CHUNK = 64
 
