@@ -18,6 +18,11 @@ peak memory and allocator state never leak into the next. Llama runs while N <= 
     OMP_NUM_THREADS=1 python benchmarks/model_prefill.py                        # N = 2k .. 64k (long: tens of minutes)
     OMP_NUM_THREADS=1 python benchmarks/model_prefill.py --lengths 2048 4096    # a few points
     python benchmarks/model_prefill.py --compile 8192 --json out.json           # compiled column at 8k, save JSON
+    OMP_NUM_THREADS=1 python benchmarks/model_prefill.py --profile 16384        # where JRT-RNN's time goes at 16k
+
+`--profile N` times one JRT-RNN prefill of N tokens in a fresh worker (after a warm-up prefill of the same length) and
+prints the share of process CPU time per module type: linear attention, sliding window, MLP, short conv, RMSNorm,
+and other (embedding, fill, LM head, the layers' glue and residual adds), with the system (page-fault) time.
 """
 
 from __future__ import annotations
@@ -133,16 +138,84 @@ def measure_point(name: str, length: int, args: argparse.Namespace, *, compiled:
     return {"ms": min(timings) * 1e3, "peak_mib": max(peak - baseline, 0) / 2**20}
 
 
+PROFILED = {  # module type -> profile row; a call inside another (a norm a mixer runs) counts for its own row only
+    "JRTRNNLinearAttention": "linear attention",
+    "JRTRNNSlidingWindowAttention": "sliding window",
+    "JRTRNNMLP": "MLP",
+    "JRTRNNShortConv": "short conv",
+    "JRTRNNRMSNorm": "RMSNorm",
+}
+
+
+@torch.no_grad()
+def profile_point(length: int, args: argparse.Namespace) -> dict:
+    """Process CPU time (ms) per module type of one JRT-RNN prefill of `length` tokens, in this process: forward
+    hooks read `time.process_time()` around every call of the `PROFILED` modules; "other" is the rest of the
+    forward. Times are exclusive: a profiled call made inside another (the norm that a linear-attention layer
+    applies chunk by chunk on the way into its projections) counts for its own row only. Also the forward's user
+    and system time and minor page faults from `getrusage`."""
+    model = build_model("jrt", args)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, args.vocab_size, (1, length), generator=generator).to(args.device)
+    prefill(model, input_ids)  # warm-up at the same length (allocator, kernel selection)
+    totals = dict.fromkeys(PROFILED.values(), 0.0)
+    started: list[list[float]] = []  # [start, time of the profiled calls inside] per open call
+
+    def before(module, inputs):
+        started.append([time.process_time(), 0.0])
+
+    def after(module, inputs, output):
+        start, inner = started.pop()
+        elapsed = time.process_time() - start
+        totals[PROFILED[type(module).__name__]] += elapsed - inner
+        if started:
+            started[-1][1] += elapsed
+
+    handles = []
+    for module in model.modules():
+        if type(module).__name__ in PROFILED:
+            handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    start = time.process_time()
+    prefill(model, input_ids)
+    total = time.process_time() - start
+    end_usage = resource.getrusage(resource.RUSAGE_SELF)
+    for handle in handles:
+        handle.remove()
+    shares = {name: seconds * 1e3 for name, seconds in totals.items()}
+    shares["other"] = max(total * 1e3 - sum(shares.values()), 0.0)
+    return {
+        "length": length, "total_ms": total * 1e3, "ms": shares,
+        "user_ms": (end_usage.ru_utime - usage.ru_utime) * 1e3,
+        "system_ms": (end_usage.ru_stime - usage.ru_stime) * 1e3,
+        "minor_faults": end_usage.ru_minflt - usage.ru_minflt,
+    }
+
+
+def print_profile(result: dict) -> None:
+    total = result["total_ms"]
+    print(f"JRT-RNN prefill of {result['length']} tokens: {total:.0f} ms process CPU time "
+          f"(user {result['user_ms']:.0f}, system {result['system_ms']:.0f}, minor faults {result['minor_faults']})")
+    print("| module type | ms | share |")
+    print("|---|---|---|")
+    for name, ms in sorted(result["ms"].items(), key=lambda item: -item[1]):
+        print(f"| {name} | {ms:.0f} | {100 * ms / total:.1f}% |")
+
+
 FORWARDED = ("hidden_size", "layers", "heads", "vocab_size", "sliding_window", "prefix_length", "repeats", "device")
 
 
-def run_point(name: str, length: int, args: argparse.Namespace, *, compiled: bool = False) -> dict | str:
-    """One measurement; on CPU in a fresh worker process. Returns the measurement or a short failure reason."""
+def run_point(
+    name: str, length: int, args: argparse.Namespace, *, compiled: bool = False, profile: bool = False
+) -> dict | str:
+    """One measurement (or `profile_point` with `profile`); on CPU in a fresh worker process. Returns the
+    measurement or a short failure reason."""
     if args.device != "cpu":
-        return measure_point(name, length, args, compiled=compiled)
+        return profile_point(length, args) if profile else measure_point(name, length, args, compiled=compiled)
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--lengths", str(length)]
     command += [f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items() if key in FORWARDED]
     command += ["--worker-compiled"] if compiled else []
+    command += ["--worker-profile"] if profile else []
     environment = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     try:
         result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=args.timeout)
@@ -214,9 +287,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--sliding-window", type=int, default=129)
     parser.add_argument("--prefix-length", type=int, default=1024)
+    parser.add_argument(
+        "--profile", type=int, metavar="N",
+        help="instead of the table: the share of JRT-RNN's process CPU time per module type in a prefill of N tokens",
+    )
     parser.add_argument("--json", type=Path, help="also write every measurement to this file")
     parser.add_argument("--worker", choices=("jrt", "llama"), help=argparse.SUPPRESS)
     parser.add_argument("--worker-compiled", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-profile", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -224,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:  # one point, in this (fresh) process: print its JSON line
         torch.set_num_threads(args.threads)
+        if args.worker_profile:
+            print(json.dumps(profile_point(args.lengths[0], args)))
+            return
         print(json.dumps(measure_point(args.worker, args.lengths[0], args, compiled=args.worker_compiled)))
         return
     environment = {
@@ -235,6 +316,14 @@ def main(argv: list[str] | None = None) -> None:
         f"prefix {args.prefix_length}, fp32, batch 1, logits_to_keep=1",
     }
     print(", ".join(f"{key} {value}" for key, value in environment.items() if value is not None))
+    if args.profile:
+        result = run_point("jrt", args.profile, args, profile=True)
+        if not isinstance(result, dict):
+            raise SystemExit(f"profile at N={args.profile}: {result}")
+        print_profile(result)
+        if args.json:
+            args.json.write_text(json.dumps({"environment": environment, "profile": result}, indent=1))
+        return
     results: dict[str, list] = {"jrt": [], "llama": [], "jrt_compiled": []}
     for length in args.lengths:
         results["jrt"].append(run_point("jrt", length, args))

@@ -93,6 +93,7 @@ def blocked_sliding_window_attention(
         raise ValueError(f"implementation={implementation!r} is not blocked; use one of {BLOCKED_IMPLEMENTATIONS}.")
     batch_size, num_heads, query_length, head_dim = query.shape
     window = sliding_window
+    padded = key_mask is not None  # without padding every query sees at least itself
     if key_mask is None:
         key_mask = torch.ones(1, key.shape[2], dtype=torch.bool, device=key.device)
     key, value, key_mask = _aligned_keys(key, value, key_mask.bool(), query_length, window)
@@ -111,12 +112,13 @@ def blocked_sliding_window_attention(
     value = value.unfold(2, slab, rows).transpose(-1, -2)  # (B, H, N, L, D)
 
     # 2. Mask: the band r <= column <= r + W - 1, and the key's padding. A row with no visible key (a left pad)
-    # attends to its whole slab rather than producing NaN.
+    # attends to its whole slab rather than producing NaN (only padding can empty a row: each query sees itself).
     column = torch.arange(slab, device=query.device)
     row = torch.arange(rows, device=query.device)[:, None]
     band = (column >= row) & (column < row + window)  # (Q, L)
     mask = band & key_mask.unfold(1, slab, rows)[:, :, None, :]  # (B', N, Q, L)
-    mask = mask | ~mask.any(-1, keepdim=True)
+    if padded:
+        mask = mask | ~mask.any(-1, keepdim=True)
 
     # 3. Attention inside each block.
     if implementation == "sdpa":

@@ -41,3 +41,22 @@ def test_model_prefill_models_have_the_same_size(model_prefill):
         assert getattr(jrt.config, field) == getattr(llama.config, field), field
     with pytest.raises(ValueError, match="unknown model 'gpt'"):
         model_prefill.build_model("gpt", args)
+
+
+@pytest.mark.slow  # one worker process, importing transformers
+def test_model_prefill_profile_prints_the_share_per_module_type(model_prefill, tmp_path, capsys):
+    output = tmp_path / "profile.json"
+    model_prefill.main([
+        "--device", "cpu", "--profile", "96", "--hidden-size", "32", "--layers", "3", "--heads", "2",
+        "--vocab-size", "64", "--sliding-window", "5", "--prefix-length", "16", "--json", str(output),
+    ])
+    table = capsys.readouterr().out
+    profile = json.loads(output.read_text())["profile"]
+    rows = ("linear attention", "sliding window", "MLP", "short conv", "RMSNorm", "other")
+    assert profile["length"] == 96 and set(profile["ms"]) == set(rows)
+    assert all(ms >= 0 for ms in profile["ms"].values()) and profile["total_ms"] > 0
+    # "other" is the rest of the forward (clipped at 0): the rows add up to at least the total
+    assert sum(profile["ms"].values()) >= profile["total_ms"] - 1e-6
+    assert "JRT-RNN prefill of 96 tokens" in table and "| module type | ms | share |" in table
+    for row in rows:
+        assert f"| {row} |" in table

@@ -34,22 +34,26 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .cache import JRTRNNCache, JRTRNNPrefixRecord
+from .cache import JRTRNNCache, JRTRNNConvState, JRTRNNPrefixRecord, JRTRNNSlidingWindowState
 from .compat import CACHE_FIELD, add_cache_alias, keep_last_logits, model_output
 from .configuration_jrt import JRTRNNConfig
 from .linear_attention import linear_attention_step, prefix_linear_attention
 from .loss import IGNORE_INDEX, check_prefix_length, ignore_prefix_targets, jrt_loss
 from .prefix_fill import check_prefix_strategy, fill_prefix, never_generated_ids
-from .sliding_window import BLOCKED_IMPLEMENTATIONS, blocked_sliding_window_attention
+from .sliding_window import BLOCKED_IMPLEMENTATIONS, blocked_sliding_window_attention, default_block_size
 
 logger = logging.get_logger(__name__)
 
-# Inference-time token chunking of the position-wise parts (RMSNorm, SwiGLU MLP, the short-conv block). A long prefill
-# would otherwise build `(B, T, width)` intermediates that grow with T: at 16k tokens the conv and MLP ones pass glibc's
-# largest mmap threshold (32 MiB), so each is a fresh mmap that is page-faulted in, and the peak memory grows with them.
-# Chunking keeps every such intermediate below INFERENCE_CHUNK_ELEMENTS elements (8 MiB in fp32), never shorter than
-# MIN_INFERENCE_CHUNK rows. It runs only when autograd is off (`torch.no_grad` / `torch.inference_mode`, as in
-# `generate()`) and outside `torch.compile` tracing, so training and compiled graphs see the unchunked ops.
+# Inference-time token chunking. A long prefill would otherwise build `(B, T, width)` intermediates that grow with T:
+# from 16k tokens on they pass glibc's largest mmap threshold (32 MiB), so each is a fresh mmap that is page-faulted in,
+# and the peak memory grows with them. So during inference conv and sliding-window layers run whole (norm, mixer,
+# residual add, norm, MLP, residual add) one token chunk at a time, their bounded past carried by a layer state
+# (`JRTRNNDecoderLayer.layer_chunk_rows`); linear-attention layers normalize and project their input, and add their
+# output projection into the residual, in chunks; RMSNorm and the MLP chunk on their own. Chunking keeps every such
+# intermediate below INFERENCE_CHUNK_ELEMENTS elements (8 MiB in fp32), never shorter than MIN_INFERENCE_CHUNK rows,
+# and the residual stream is updated in place where nothing observes it (`JRTRNNModel.residual_unobserved`). It runs
+# only when autograd is off (`torch.no_grad` / `torch.inference_mode`, as in `generate()`) and outside
+# `torch.compile` tracing, so training and compiled graphs see the unchunked ops.
 INFERENCE_CHUNK_ELEMENTS = 1 << 21
 MIN_INFERENCE_CHUNK = 64
 
@@ -91,15 +95,37 @@ class JRTRNNRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(..., hidden) -> (..., hidden); in token chunks during inference (`map_position_chunks`)."""
-        return map_position_chunks(self._normalize, hidden_states, hidden_states.shape[-1])
+    def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., hidden) -> (..., hidden). During inference a long input goes in token chunks (`inference_chunk_rows`)
+        written straight into one output: `out` when given (contiguous, e.g. `hidden_states` itself: a chunk's rows
+        are read before they are written), else a new tensor. Otherwise `out` is not used."""
+        width = hidden_states.shape[-1]
+        rows = hidden_states.numel() // max(width, 1)
+        chunk = inference_chunk_rows(rows, width)
+        if chunk is None:
+            return self._normalize(hidden_states)
+        if out is None:
+            out = hidden_states.new_empty(hidden_states.shape, dtype=self.weight.dtype)
+        flat, output = hidden_states.reshape(rows, width), out.view(rows, width)
+        for start in range(0, rows, chunk):
+            self._normalize(flat[start : start + chunk], out=output[start : start + chunk])
+        return out
 
-    def _normalize(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _normalize(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of hidden_states (rows, hidden), into `out` (rows, hidden) in w's dtype when given."""
         hidden_states = hidden_states.float()
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return (hidden_states * self.weight.float()).to(self.weight.dtype)
+        if not torch.is_grad_enabled():
+            # Without autograd: mean(x**2) from one reduction (sqrt(sum x**2)), scaled in place (2 passes fewer).
+            scale = torch.linalg.vector_norm(hidden_states, dim=-1, keepdim=True)
+            scale.square_().div_(hidden_states.shape[-1]).add_(self.variance_epsilon).rsqrt_()
+            if out is not None and out.dtype == torch.float32 and self.weight.dtype == torch.float32:
+                return torch.mul(hidden_states, scale, out=out).mul_(self.weight)
+            normalized = (hidden_states * scale).mul_(self.weight.float()).to(self.weight.dtype)
+        else:
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            normalized = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+            normalized = (normalized * self.weight.float()).to(self.weight.dtype)
+        return normalized if out is None else out.copy_(normalized)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
@@ -137,7 +163,19 @@ def apply_rotary_pos_emb(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k (B, H, T, D); cos, sin (B, T, D)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if not torch.is_grad_enabled():
+        return rotary_without_autograd(q, cos, sin), rotary_without_autograd(k, cos, sin)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotary_without_autograd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`x * cos + rotate_half(x) * sin` (no autograd) as one product and two multiply-adds on the halves: no negated
+    copy, no concatenation (half the memory passes)."""
+    half = x.shape[-1] // 2
+    output = x * cos
+    output[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+    output[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return output
 
 
 def eager_attention_forward(
@@ -186,58 +224,95 @@ class JRTRNNShortConv(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        layer_state: JRTRNNConvState | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """hidden_states (B, T, hidden), attention_mask (B, >= T) -> (B, T, hidden).
+        """hidden_states (B, T, hidden), attention_mask (B, >= T) -> (B, T, hidden). `layer_state`: the convolution
+        state to read and update instead of the cache's (`JRTRNNDecoderLayer` carries the inputs between the token
+        chunks of one forward in one).
 
         During inference a long input goes through in token chunks (`inference_chunk_rows`), each chunk's convolution
         reading the last K - 1 inputs before it (through the cache, or carried here without one), so that no
         `(B, T, 2 * D)` intermediate is built; the result equals the one-pass forward."""
         batch_size, seq_len = hidden_states.shape[:2]
         mask = None if attention_mask is None else attention_mask[:, -seq_len:]  # (B, T)
-        chunk = inference_chunk_rows(seq_len, batch_size * 2 * self.inner_size)
+        state = layer_state if layer_state is not None or cache is None else cache.layers[self.layer_idx]
+        chunk = inference_chunk_rows(seq_len, self.inference_width(batch_size))
         if chunk is None:
-            return self._mix(hidden_states, mask, cache, None)[0]
+            return self.mix(hidden_states, mask, state)
+        state = JRTRNNConvState(self.kernel_size) if state is None else state  # carries the inputs between chunks
         output = None
-        past_inputs = None  # (B, D, K - 1) the convolution inputs before the chunk, without a cache
         for start in range(0, seq_len, chunk):
             end = min(start + chunk, seq_len)
-            part, past_inputs = self._mix(
-                hidden_states[:, start:end], None if mask is None else mask[:, start:end], cache, past_inputs
-            )
+            part = self.mix(hidden_states[:, start:end], None if mask is None else mask[:, start:end], state)
             if output is None:
                 output = part.new_empty(batch_size, seq_len, part.shape[-1])
             output[:, start:end] = part
         return output
 
-    def _mix(
-        self,
-        hidden_states: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: Cache | None,
-        past_inputs: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass over hidden_states (B, t, hidden) with its mask (B, t); past_inputs (B, D, K - 1): the convolution
-        inputs before these tokens when no cache holds them. Returns the output (B, t, hidden) and the last K - 1
-        convolution inputs (B, D, <= K - 1) for the next chunk."""
+    def inference_width(self, batch_size: int) -> int:
+        """Elements per token of the widest intermediate (the input projection), for `inference_chunk_rows`."""
+        return batch_size * 2 * self.inner_size
+
+    def mix(
+        self, hidden_states: torch.Tensor, mask: torch.Tensor | None, state: JRTRNNConvState | None
+    ) -> torch.Tensor:
+        """One pass over hidden_states (B, t, hidden) with its padding mask (B, t) (or None) -> (B, t, hidden).
+        `state`: the convolution inputs before these tokens (`JRTRNNConvState`: a cache's, or one that carries them
+        between the chunks of one forward), updated with the last K - 1 inputs; None: no earlier inputs, none kept."""
         seq_len = hidden_states.shape[1]
         # 1. Input projection into the convolution branch and the gate.
         conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, t, D) each
         # 2. Padded positions enter the convolution as zeros, so pads never reach the window of a real token.
         if mask is not None:
             conv_input = conv_input * mask[:, :, None].to(conv_input.dtype)
-        conv_input = conv_input.transpose(1, 2)  # (B, D, t)
-        # 3. Causal depthwise convolution over [earlier inputs, new inputs]; the cache keeps the last K inputs.
-        if cache is not None:
-            conv_input = cache.layers[self.layer_idx].update(conv_input)
-        elif past_inputs is not None:
-            conv_input = torch.cat([past_inputs, conv_input], dim=-1)
-        conv_output = F.conv1d(
-            F.pad(conv_input, (self.kernel_size - 1, 0)), self.conv.weight, groups=self.inner_size
-        )[..., -seq_len:]  # (B, D, t)
-        tail = conv_input[..., max(conv_input.shape[-1] - (self.kernel_size - 1), 0) :]
-        # 4. SiLU, multiplicative gate, output projection.
-        return self.out_proj(F.silu(conv_output).transpose(1, 2) * gate), tail
+        # 3. Causal depthwise convolution over [earlier inputs, new inputs], in the (B, t, D) layout; the state keeps
+        # the last K - 1 inputs in its (B, D, K - 1) layout.
+        history = None
+        if state is not None:
+            if state.inputs is not None:
+                history = state.inputs.to(conv_input.dtype).transpose(1, 2)  # (B, h, D)
+            # The state keeps a copy: a view would hold this forward's whole projection alive.
+            newest = conv_input[:, max(seq_len - (self.kernel_size - 1), 0) :].transpose(1, 2)  # (B, D, <= K - 1)
+            state.update(newest.clone(memory_format=torch.contiguous_format))
+        conv_output = causal_depthwise_conv(conv_input, history, self.conv.weight)  # (B, t, D)
+        # 4. SiLU, multiplicative gate, output projection (in place when no autograd graph records them).
+        if torch.is_grad_enabled():
+            mixed = F.silu(conv_output) * gate
+        else:
+            mixed = F.silu(conv_output, inplace=True).mul_(gate)
+        return self.out_proj(mixed)
+
+
+def causal_depthwise_conv(inputs: torch.Tensor, history: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise convolution in the `(B, t, D)` layout, as K shifted multiply-adds along the time axis.
+
+        out[:, i] = sum_k weight[:, 0, k] * x[i - (K - 1) + k]     x = [history, inputs], zeros before the history
+
+    equal to `F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), weight, groups=D)` on the positions of `inputs`, without
+    the transposed copies (a strided `(B, D, t)` view costs more to pad and convolve than the K taps themselves).
+
+    Args:
+        inputs: `(B, t, D)` the new convolution inputs (may be a strided view).
+        history: `(B, h, D)` with h <= K - 1, the inputs just before them, or None (zeros).
+        weight: `(D, 1, K)` the depthwise `nn.Conv1d` weight; tap K - 1 multiplies the current input.
+
+    Returns:
+        `(B, t, D)`, a new contiguous tensor.
+    """
+    kernel_size = weight.shape[-1]
+    taps = weight[:, 0].t().contiguous().to(inputs.dtype)  # (K, D)
+    seq_len = inputs.shape[1]
+    past = 0 if history is None else history.shape[1]
+    output = inputs * taps[kernel_size - 1]
+    for k in range(kernel_size - 1):
+        shift = kernel_size - 1 - k  # tap k reads the input `shift` positions back
+        if seq_len > shift:
+            output[:, shift:].addcmul_(inputs[:, : seq_len - shift], taps[k])
+        low, high = max(shift - past, 0), min(shift, seq_len)  # output rows that read the history with this tap
+        if high > low:
+            output[:, low:high].addcmul_(history[:, past + low - shift : past + high - shift], taps[k])
+    return output
 
 
 class JRTRNNSlidingWindowAttention(nn.Module):
@@ -269,6 +344,12 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, hidden, bias=False)
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
 
+    def inference_width(self, batch_size: int) -> int:
+        """Elements per query of the widest prefill intermediate (the blocked key and value slabs, `Q + W - 1` keys
+        per `Q` queries), for `inference_chunk_rows`."""
+        block = default_block_size(self.sliding_window)
+        return batch_size * self.num_heads * self.head_dim * -(-(block + self.sliding_window - 1) // block)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -276,10 +357,14 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         cache: JRTRNNCache | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         output_attentions: bool = False,
+        layer_state: JRTRNNSlidingWindowState | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states (B, T, hidden); attention_mask (B, T) padding of these tokens (0) or None -> (B, T, hidden)
-        and the attention weights (B, H, T, S) when `output_attentions`, else None."""
+        and the attention weights (B, H, T, S) when `output_attentions`, else None. `layer_state`: the window state
+        to read and update instead of the cache's (`JRTRNNDecoderLayer` carries the last W - 1 keys between the
+        token chunks of one forward in one)."""
+        state = layer_state if layer_state is not None or cache is None else cache.layers[self.layer_idx]
         batch_size, seq_len, _ = hidden_states.shape
         hidden_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
         # 1. Projections and RoPE.
@@ -290,8 +375,8 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         # 2. The cached window (and its padding flags) goes in front of the new keys.
         key_mask = None if attention_mask is None else attention_mask.bool()  # (B, T)
-        if cache is not None:
-            key, value, key_mask = cache.layers[self.layer_idx].update(key, value, key_mask)  # (B, H, S, D), (B, S)
+        if state is not None:
+            key, value, key_mask = state.update(key, value, key_mask)  # (B, H, S, D), (B, S)
         # 3. Attention.
         implementation = self.config._attn_implementation
         if output_attentions:
@@ -432,19 +517,32 @@ class JRTRNNLinearAttention(nn.Module):
         cache: JRTRNNCache | None = None,
         linear_attention_mask: torch.Tensor | None = None,
         encoder_range: JRTRNNEncoderRange | None = None,
+        input_norm: nn.Module | None = None,
+        residual: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """hidden_states `(B, T, hidden)`; attention_mask `(B, T)` batch padding (0) of this forward's tokens;
-        linear_attention_mask `(B, >= T)` the JRT prefix fill (0); encoder_range: the prefix of a first forward."""
+        linear_attention_mask `(B, >= T)` the JRT prefix fill (0); encoder_range: the prefix of a first forward.
+
+        `input_norm` (inference): `hidden_states` is the residual stream, normalized by `input_norm` on its way into
+        the projections, in token chunks (`inference_chunk_rows`): the normalized `(B, T, hidden)` is never built
+        whole. `residual` (inference): the fp32 `(B, T, hidden)` the output is added into in place, chunk by chunk,
+        and which is returned instead of the output."""
         batch_size, seq_len, _ = hidden_states.shape
         heads = self.num_heads
-        # 1. Decoder projections (and the Based gate).
-        query = self.q_proj(hidden_states).view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
-        key = self.k_proj(hidden_states).view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
-        value = self.v_proj(hidden_states).view(batch_size, seq_len, heads, self.head_dim)  # (B, T, H, V)
-        gate = self.decay_proj(hidden_states) if self.config.use_decay_proj else None  # (B, T, H)
-        log_decay = self.log_decay(hidden_states.device)
         state = None if cache is None else cache.layers[self.layer_idx].state
+        reads_prefix = self.is_prefix and state is None and encoder_range is not None and encoder_range.length > 0
+        # 1. Decoder projections (and the Based gate), and the normalized encoder rows.
+        projections = [self.q_proj, self.k_proj, self.v_proj]
+        projections += [self.decay_proj] if self.config.use_decay_proj else []
+        projected, prefix = self._project(
+            hidden_states, projections, input_norm, encoder_range.length if reads_prefix else 0
+        )
+        query = projected[0].view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
+        key = projected[1].view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
+        value = projected[2].view(batch_size, seq_len, heads, self.head_dim)  # (B, T, H, V)
+        gate = projected[3] if self.config.use_decay_proj else None  # (B, T, H)
+        log_decay = self.log_decay(hidden_states.device)
 
         if state is not None and seq_len == 1:
             # 2a. Decode: one recurrent step.
@@ -462,9 +560,8 @@ class JRTRNNLinearAttention(nn.Module):
                 fill = linear_attention_mask[:, -seq_len:].bool()
                 key_mask = fill if key_mask is None else key_mask & fill
             k_enc = v_enc = start = end = None
-            if self.is_prefix and state is None and encoder_range is not None and encoder_range.length > 0:
+            if reads_prefix:
                 # 3. Encoder projections of the positions the encoder ranges cover (the first forward only).
-                prefix = hidden_states[:, : encoder_range.length]
                 k_enc = self.k_enc_proj(prefix).view(batch_size, -1, heads, self.feature_dim)  # (B, M, H, K)
                 v_enc = self.v_enc_proj(prefix).view(batch_size, -1, heads, self.head_dim)  # (B, M, H, V)
                 start, end = encoder_range.start, encoder_range.end
@@ -483,8 +580,41 @@ class JRTRNNLinearAttention(nn.Module):
             )
         if cache is not None:
             cache.layers[self.layer_idx].state = state
-        # 4. Merge heads, output projection.
-        return self.o_proj(output.reshape(batch_size, seq_len, -1).to(hidden_states.dtype))
+        # 4. Merge heads, output projection (into the residual, in token chunks, when one is given).
+        merged = output.reshape(batch_size, seq_len, -1).to(value.dtype)
+        if residual is None:
+            return self.o_proj(merged)
+        chunk = inference_chunk_rows(seq_len, batch_size * residual.shape[-1]) or seq_len
+        for start in range(0, seq_len, chunk):
+            residual[:, start : start + chunk] += self.o_proj(merged[:, start : start + chunk]).float()
+        return residual
+
+    def _project(
+        self, hidden_states: torch.Tensor, projections: list[nn.Module], input_norm: nn.Module | None, prefix_rows: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """`[projection(x) for projection in projections]` with x = `input_norm(hidden_states)` (or hidden_states),
+        each `(B, T, out)`, and x's first `prefix_rows` positions `(B, M, hidden)` (None for 0). With `input_norm`,
+        during inference, x is computed and projected one token chunk at a time."""
+        batch_size, seq_len, width = hidden_states.shape
+        chunk = None if input_norm is None else inference_chunk_rows(seq_len, batch_size * width)
+        if chunk is None:
+            normed = hidden_states if input_norm is None else input_norm(hidden_states)
+            prefix = normed[:, :prefix_rows] if prefix_rows else None
+            return [projection(normed) for projection in projections], prefix
+        projected: list[torch.Tensor | None] = [None] * len(projections)
+        prefix_parts = []
+        for start in range(0, seq_len, chunk):
+            end = min(start + chunk, seq_len)
+            normed = input_norm(hidden_states[:, start:end])
+            for index, projection in enumerate(projections):
+                part = projection(normed)
+                if projected[index] is None:
+                    projected[index] = part.new_empty(batch_size, seq_len, part.shape[-1])
+                projected[index][:, start:end] = part
+            if start < prefix_rows:
+                prefix_parts.append(normed[:, : prefix_rows - start])
+        prefix = torch.cat(prefix_parts, dim=1) if prefix_parts else None
+        return projected, prefix
 
 
 class JRTRNNMLP(nn.Module):
@@ -501,7 +631,9 @@ class JRTRNNMLP(nn.Module):
         return map_position_chunks(self._swiglu, x, self.gate_proj.out_features)
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))  # no autograd: in place
 
 
 MIXER_CLASSES = {
@@ -534,22 +666,50 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         linear_attention_mask: torch.Tensor | None = None,
         encoder_range: JRTRNNEncoderRange | None = None,
+        update_residual: bool = False,
         **kwargs,
     ) -> torch.Tensor:
         """hidden_states: (B, T, hidden) fp32 residual stream; returns the updated fp32 residual. `kwargs` (e.g.
-        `output_attentions`) reach the mixer and, for sliding attention, transformers' attention function."""
-        mixed = self.mixer(
-            self.input_layernorm(hidden_states),
-            attention_mask=attention_mask,
-            cache=cache,
-            position_embeddings=position_embeddings,
-            linear_attention_mask=linear_attention_mask,
-            encoder_range=encoder_range,
-            **kwargs,
-        )
-        if self.layer_type == "sliding_attention":  # (output, weights): output capturing records the weights
-            mixed = mixed[0]
-        hidden_states = hidden_states + mixed.float()  # a new tensor, owned here
+        `output_attentions`) reach the mixer and, for sliding attention, transformers' attention function.
+
+        `update_residual`: the caller owns `hidden_states` and nothing else reads it later (`JRTRNNModel.run_layers`
+        says so during inference, when no hook or output capturing can see a layer's input or output): the layer
+        adds into it in place and returns it, instead of a new `(B, T, hidden)` tensor."""
+        update_residual = update_residual and not torch.is_grad_enabled() and hidden_states.dtype == torch.float32
+        chunk = self.layer_chunk_rows(hidden_states, kwargs)
+        if chunk is not None:
+            output = hidden_states if update_residual else torch.empty_like(hidden_states, dtype=torch.float32)
+            return self._forward_in_chunks(hidden_states, attention_mask, position_embeddings, cache, chunk, output)
+        if self.layer_type == "linear_attention" and not torch.is_grad_enabled():
+            # Inference: the layer normalizes its input chunk by chunk on the way into its projections, and adds its
+            # output into the residual in place when it may.
+            mixed = self.mixer(
+                hidden_states,
+                attention_mask=attention_mask,
+                cache=cache,
+                linear_attention_mask=linear_attention_mask,
+                encoder_range=encoder_range,
+                input_norm=self.input_layernorm,
+                residual=hidden_states if update_residual else None,
+                **kwargs,
+            )
+            hidden_states = mixed if update_residual else hidden_states + mixed.float()
+        else:
+            mixed = self.mixer(
+                self.input_layernorm(hidden_states),
+                attention_mask=attention_mask,
+                cache=cache,
+                position_embeddings=position_embeddings,
+                linear_attention_mask=linear_attention_mask,
+                encoder_range=encoder_range,
+                **kwargs,
+            )
+            if self.layer_type == "sliding_attention":  # (output, weights): output capturing records the weights
+                mixed = mixed[0]
+            if update_residual:
+                hidden_states += mixed.float()
+            else:
+                hidden_states = hidden_states + mixed.float()  # a new tensor, owned here
         if self.mlp is None:
             return hidden_states
         # Norm, MLP and residual add are position-wise: during inference one pass per token chunk, added in place
@@ -563,6 +723,71 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
             part = flat[start : start + chunk]
             part += self.mlp(self.post_attention_layernorm(part)).float()
         return hidden_states
+
+    def layer_chunk_rows(self, hidden_states: torch.Tensor, kwargs: dict) -> int | None:
+        """Tokens per chunk when the whole layer runs in token chunks (`_forward_in_chunks`), else None.
+
+        Conv and sliding-window layers see a bounded past (the last K - 1 inputs, the last W - 1 keys), which a
+        layer state carries from one chunk to the next, so during inference (`inference_chunk_rows`) a long input
+        goes through the whole block (norm, mixer, residual add, norm, MLP, residual add) one token chunk at a
+        time: no `(B, T, ...)` intermediate but the output. Not for linear attention (the prefix encoder reads
+        ahead), attention weights (`output_attentions`) or attention implementations other than the blocked ones."""
+        if self.layer_type == "linear_attention":
+            return None
+        if self.layer_type == "sliding_attention" and (
+            kwargs.get("output_attentions") or self.mixer.config._attn_implementation not in BLOCKED_IMPLEMENTATIONS
+        ):
+            return None
+        batch_size, seq_len = hidden_states.shape[:2]
+        width = self.mixer.inference_width(batch_size)
+        if self.mlp is not None:
+            width = max(width, batch_size * self.mlp.gate_proj.out_features)
+        chunk = inference_chunk_rows(seq_len, width)
+        block = default_block_size(self.mixer.sliding_window) if self.layer_type == "sliding_attention" else 1
+        if chunk is not None and chunk > block:
+            chunk -= chunk % block  # whole query blocks per chunk
+        return chunk
+
+    def _forward_in_chunks(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: Cache | None,
+        chunk: int,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` of a conv or sliding-window layer (inference only), `chunk` tokens at a time: each chunk's mixer
+        reads the inputs before it from the layer's state (the cache's, or a fresh one that lives for this forward),
+        as a chunked prefill through the cache does; the result lands in `output` (B, T, hidden) fp32, which may be
+        `hidden_states` itself (a chunk's rows are read before they are written)."""
+        batch_size, seq_len = hidden_states.shape[:2]
+        mask = None if attention_mask is None else attention_mask[:, -seq_len:]  # (B, T)
+        if cache is not None:
+            state = cache.layers[self.mixer.layer_idx]
+        elif self.layer_type == "conv":
+            state = JRTRNNConvState(self.mixer.kernel_size)
+        else:
+            state = JRTRNNSlidingWindowState(self.mixer.sliding_window)
+        for start in range(0, seq_len, chunk):
+            end = min(start + chunk, seq_len)
+            part = hidden_states[:, start:end]
+            rope = None
+            if position_embeddings is not None:
+                rope = tuple(table[:, start:end] for table in position_embeddings)
+            mixed = self.mixer(
+                self.input_layernorm(part),
+                attention_mask=None if mask is None else mask[:, start:end],
+                position_embeddings=rope,
+                layer_state=state,
+            )
+            if self.layer_type == "sliding_attention":
+                mixed = mixed[0]
+            residual = output[:, start:end]
+            torch.add(part, mixed.float(), out=residual)
+            if self.mlp is not None:
+                residual += self.mlp(self.post_attention_layernorm(residual)).float()
+        return output
 
 
 class JRTRNNPreTrainedModel(PreTrainedModel):
@@ -842,6 +1067,19 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         )
         return result if (return_dict if return_dict is not None else getattr(config, "return_dict", True)) else result.to_tuple()
 
+    def residual_unobserved(self, kwargs: dict) -> bool:
+        """Whether the layers may update the residual stream in place: inference (no autograd, no `torch.compile`
+        trace), no `output_hidden_states` and no forward hook (pre or post) on a layer, on the final norm (which
+        then normalizes in place) or registered globally, so no one holds a layer's input or output."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return False
+        if kwargs.get("output_hidden_states", self.config.output_hidden_states):
+            return False
+        global_hooks = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
+        if any(global_hooks):
+            return False
+        return not any(module._forward_hooks or module._forward_pre_hooks for module in [*self.layers, self.norm])
+
     @capture_outputs
     def run_layers(
         self,
@@ -857,7 +1095,10 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         fill); attention_mask `(B, T')` the padding of these tokens, or None."""
         output_attentions = bool(kwargs.pop("output_attentions", None) or self.config.output_attentions)
         hidden_states = inputs_embeds.float()  # the residual stream stays fp32
-        for layer in self.layers:
+        # During inference the layers after the first add into the residual the one before made, when nothing can
+        # see it: no hidden-state capturing, no hook on any layer (the first layer's input may be the caller's).
+        update_residual = self.residual_unobserved(kwargs)
+        for index, layer in enumerate(self.layers):
             hidden_states = layer(
                 hidden_states,
                 attention_mask=attention_mask,
@@ -866,9 +1107,16 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 linear_attention_mask=linear_attention_mask,
                 encoder_range=encoder_range,
                 output_attentions=output_attentions,
+                update_residual=update_residual and index > 0,
                 **kwargs,
             )
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
+        # The final norm, in place into the residual stream where the layers updated it in place (a layer made it).
+        in_place = (
+            update_residual and len(self.layers) > 0 and hidden_states.is_contiguous()
+            and self.norm.weight.dtype == hidden_states.dtype
+        )
+        hidden_states = self.norm(hidden_states, out=hidden_states if in_place else None)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states)
 
 
 def leak_free_labels(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
