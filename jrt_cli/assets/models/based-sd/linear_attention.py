@@ -625,23 +625,23 @@ def _scan_in_place(
         if gates is not None:
             _copy_chunk_major(gates[:n], gate[:, start:end, :, None], position_last=False)
             numerator.mul_(gates[:n])
-        numerator.div_(denominator)
-        _copy_from_chunk_major(output[:, start:end], numerator)
+        _divide_into_rows(output[:, start:end], numerator, denominator)
     return output, running.clone().view(state.shape)
 
 
-def _copy_from_chunk_major(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy the chunk-major `source` `(n, B, H, C, D)` into `destination` `(B, L, H, D)`, L <= n C (the inverse of
-    `_copy_chunk_major` for position-second layouts; positions past L are dropped)."""
+def _divide_into_rows(destination: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor) -> None:
+    """destination `(B, L, H, V)` = numerator / denominator, both chunk-major `(n, B, H, C, V)` / `(n, B, H, C, 1)`,
+    L <= n C (positions past L are dropped): the normalisation and the layout change in one pass."""
     batch_size, length, num_heads, dim = destination.shape
-    chunk_size = source.shape[-2]
+    chunk_size = numerator.shape[-2]
     whole = length // chunk_size
     if whole:
-        destination[:, : whole * chunk_size].view(batch_size, whole, chunk_size, num_heads, dim).copy_(
-            source[:whole].permute(1, 0, 3, 2, 4))
+        rows = destination[:, : whole * chunk_size].view(batch_size, whole, chunk_size, num_heads, dim)
+        torch.div(numerator[:whole], denominator[:whole], out=rows.permute(1, 0, 3, 2, 4))
     rest = length - whole * chunk_size
     if rest:
-        destination[:, whole * chunk_size :].copy_(source[whole, :, :, :rest].transpose(1, 2))
+        torch.div(numerator[whole, :, :, :rest], denominator[whole, :, :, :rest],
+                  out=destination[:, whole * chunk_size :].transpose(1, 2))
 
 
 def _blocks(num_items: int, per_block: int) -> list[tuple[int, int]]:
