@@ -138,6 +138,19 @@ class FilledInputs:
         return torch.cat([in_front[:, : self.fill_columns], position_ids], dim=1)
 
 
+def row_spans(
+    attention_mask: torch.Tensor | None, batch_size: int, length: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(start, tokens)`, both `(B,)` int64: each row's first real column and its number of real tokens, in the last
+    `length` columns of `attention_mask` (`(B, S)`, S >= length; None: every token is real). Rows are one run of
+    real tokens (left or right padding), so the run is `[start, start + tokens)`; a row without any has start 0."""
+    if attention_mask is None:
+        start = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return start, torch.full((batch_size,), length, dtype=torch.long, device=device)
+    real = attention_mask[:, attention_mask.shape[1] - length :].to(device).bool()
+    return real.long().argmax(-1), real.sum(-1)
+
+
 def check_prefix_strategy(strategy: object) -> str:
     if strategy not in PREFIX_STRATEGIES:
         raise ValueError(f"`prefix_strategy` must be one of {list(PREFIX_STRATEGIES)}, got {strategy!r}.")
@@ -177,13 +190,8 @@ def fill_prefix(
     device = reference.device
     compiling = torch.compiler.is_compiling()
     # 1. Each row's first token, token count and prompt (one run of tokens per row, checked eagerly).
-    if attention_mask is None:
-        start = torch.zeros(batch_size, dtype=torch.long, device=device)
-        tokens = torch.full((batch_size,), length, dtype=torch.long, device=device)
-    else:
-        real = attention_mask.to(device).bool()
-        start = real.long().argmax(-1)
-        tokens = real.sum(-1)
+    start, tokens = row_spans(attention_mask, batch_size, length, device)
+    real = None if attention_mask is None else attention_mask.to(device).bool()  # (B, T)
     prompt = tokens if prompt_lengths is None else torch.minimum(prompt_lengths.to(device=device, dtype=torch.long), tokens)
     if isinstance(prefix_length, torch.Tensor):
         target = prefix_length.to(device=device, dtype=torch.long)

@@ -39,7 +39,7 @@ from .compat import CACHE_FIELD, add_cache_alias, keep_last_logits, model_output
 from .configuration_jrt import JRTRNNConfig
 from .linear_attention import linear_attention_step, prefix_linear_attention
 from .loss import IGNORE_INDEX, check_prefix_length, ignore_prefix_targets, jrt_loss
-from .prefix_fill import check_prefix_strategy, fill_prefix, never_generated_ids
+from .prefix_fill import check_prefix_strategy, fill_prefix, never_generated_ids, row_spans
 from .sliding_window import BLOCKED_IMPLEMENTATIONS, blocked_sliding_window_attention, default_block_size
 
 logger = logging.get_logger(__name__)
@@ -457,13 +457,7 @@ def prefix_encoder_range(
             start = torch.zeros(batch_size, dtype=torch.long, device=device)
             return JRTRNNEncoderRange(start=start, end=start + length, length=length)
         lengths = torch.full((batch_size,), prefix_length, dtype=torch.long, device=device)
-    if attention_mask is None:
-        start = torch.zeros(batch_size, dtype=torch.long, device=device)
-        real = torch.full((batch_size,), seq_len, dtype=torch.long, device=device)
-    else:
-        mask = attention_mask[:, -seq_len:].to(device=device).bool()  # (B, T)
-        start = mask.long().argmax(-1)  # first real token; 0 for a row without any
-        real = mask.sum(-1)
+    start, real = row_spans(attention_mask, batch_size, seq_len, device)
     end = start + torch.minimum(lengths, real)
     # Positions the encoder projections are computed for: the widest range, read from the data; under torch.compile
     # every position (a static shape; the per-row ranges still select what each row reads).
@@ -1154,9 +1148,7 @@ def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tenso
     token it is scored on. A row whose first possible target is scored (`labels=input_ids`) keeps the default
     (its whole length); so does a row without any scored target. None when no row has a leading ignored run."""
     batch_size, length = labels.shape
-    start = torch.zeros(batch_size, dtype=torch.long, device=labels.device)
-    if attention_mask is not None:
-        start = attention_mask[:, -length:].to(labels.device).bool().long().argmax(-1)
+    start, _ = row_spans(attention_mask, batch_size, length, labels.device)
     columns = torch.arange(length, device=labels.device)[None]
     scored = (labels != IGNORE_INDEX) & (columns > start[:, None])  # targets: label index >= first token + 1
     first = torch.where(scored, columns, length).min(-1).values  # (B,) first scored label index, T if none
@@ -1342,11 +1334,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         if not self.model.is_prefix_model or (isinstance(given, JRTRNNCache) and given.has_state):
             return None
         batch_size, length = labels.shape
-        start = torch.zeros(batch_size, dtype=torch.long, device=labels.device)
-        tokens = torch.full((batch_size,), length, dtype=torch.long, device=labels.device)
-        if attention_mask is not None:
-            real = attention_mask[:, -length:].to(labels.device).bool()
-            start, tokens = real.long().argmax(-1), real.sum(-1)
+        start, tokens = row_spans(attention_mask, batch_size, length, labels.device)
         prompt = tokens if prompt_lengths is None else torch.minimum(prompt_lengths.to(labels.device), tokens)
         target = torch.as_tensor(self.config.prefix_length if prefix_length is None else prefix_length, device=labels.device)
         return start + torch.minimum(prompt, target)
