@@ -587,6 +587,8 @@ def _scan_in_place(
     weights = q.new_empty(*shape, chunk_size, chunk_size, dtype=dtype)
     combined = q.new_empty(*shape, chunk_size, width, dtype=dtype)
     gates = None if gate is None else q.new_empty(*shape, chunk_size, 1, dtype=dtype)
+    raw_weights = None if raw is None else q.new_empty(*shape, 1, chunk_size, dtype=dtype)  # 0 / 1 per raw key
+    counted_weights = q.new_empty(*shape, chunk_size, 1, dtype=dtype)  # 0 / 1 per [v, 1] row (masks, padding)
     output = q.new_empty(batch_size, seq_len, num_heads, value_dim, dtype=dtype)
     for first in range(0, num_chunks, block):
         n = min(block, num_chunks - first)
@@ -595,18 +597,17 @@ def _scan_in_place(
         w_n, o_n = weights[:n].flatten(0, 2), combined[:n]
         _copy_chunk_major(q_n, q[:, start:end], position_last=True)
         _copy_chunk_major(k_n, k[:, start:end], position_last=True)
-        if raw is not None:
-            _copy_chunk_major(phi_k_n[..., :1, :], raw[:, start:end, None, None].expand(-1, -1, num_heads, 1),
-                              position_last=True)  # borrows phi_k's first row for the mask (overwritten below)
-            k_n.mul_(phi_k_n[..., :1, :])
+        if raw_weights is not None:  # "reference": a masked raw key is 0 (phi(0) keeps weight 1)
+            _copy_chunk_major(raw_weights[:n], raw[:, start:end, None, None].expand(-1, -1, num_heads, 1),
+                              position_last=True)
+            k_n.mul_(raw_weights[:n])
         _copy_chunk_major(v_n[..., :value_dim], v[:, start:end], position_last=False)
         v_n[..., value_dim] = 1.0
-        counted = None if decoder_keys is None else decoder_keys[:, start:end, None, None].expand(-1, -1, num_heads, 1)
-        if counted is not None or end - start < n * chunk_size:  # keys that do not count, padding to whole chunks
-            _copy_chunk_major(o_n[..., :1], counted if counted is not None else
-                              v.new_ones(1, 1, 1, 1, dtype=dtype).expand(batch_size, end - start, num_heads, 1),
-                              position_last=False)  # borrows the output buffer's first column for the mask
-            v_n.mul_(o_n[..., :1])
+        if decoder_keys is not None or end - start < n * chunk_size:  # keys that do not count, padding of the chunks
+            counted = v.new_ones(1, 1, 1, 1, dtype=dtype).expand(batch_size, end - start, num_heads, 1) \
+                if decoder_keys is None else decoder_keys[:, start:end, None, None].expand(-1, -1, num_heads, 1)
+            _copy_chunk_major(counted_weights[:n], counted, position_last=False)  # zeros past the last token
+            v_n.mul_(counted_weights[:n])
         taylor.features(q_n, key=False, out=phi_q_n)
         taylor.features(k_n, key=True, out=phi_k_n)
         # Intra-chunk: tril(1 + s + s**2 / 2) [V, 1] with s = q.k / sqrt(K); (1 + s + s**2 / 2) = (1 + (1 + s)**2) / 2.
