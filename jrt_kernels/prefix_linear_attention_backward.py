@@ -319,9 +319,10 @@ def _key_dv(b_ktr, key_scale, b_r0, b_r1, b_rd, b_roa, b_rob, b_eita, b_ejta, b_
     b_kt = b_ktr * key_scale
     b_dvt = b_r0[:, None] + _dot(b_r1, b_kt, SDOT, EMULATE, PRECISION)
     b_dvt += _dot(b_rd, 0.5 * (b_kt * b_kt), SDOT, EMULATE, PRECISION)
-    b_dvt += _dot(b_roa, _pair_features_t(b_ktr, b_eita, b_ejta, key_scale, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-    b_dvt += _dot(b_rob, _pair_features_t(b_ktr, b_eitb, b_ejtb, key_scale, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-    return b_dvt
+    # the pair features of the raw keys (exact products, one rounding to SDOT), the scale applied to the sum
+    b_dvp = _dot(b_roa, _pair_features_t(b_ktr, b_eita, b_ejta, 1.0, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+    b_dvp += _dot(b_rob, _pair_features_t(b_ktr, b_eitb, b_ejtb, 1.0, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+    return b_dvt + b_dvp * (key_scale * key_scale)
 
 
 @triton.jit
@@ -333,13 +334,12 @@ def _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz, b_eia
     b_k = b_kr * key_scale
     b_dk = _dot(b_vd, b_r1, SDOT, EMULATE, PRECISION) + b_rz1[None, :] + _dot_fp32(b_k, b_rzz)
     b_dk += b_k * _dot(b_vd, b_rd, SDOT, EMULATE, PRECISION)
-    b_dk += _pair_scatter(_dot(b_vd, b_roa, SDOT, EMULATE, PRECISION),
-                          _select(b_kr, b_eia, DOT, EMULATE) * key_scale,
-                          _select(b_kr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION)
-    b_dk += _pair_scatter(_dot(b_vd, b_rob, SDOT, EMULATE, PRECISION),
-                          _select(b_kr, b_eib, DOT, EMULATE) * key_scale,
-                          _select(b_kr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION)
-    return b_dk
+    # the pair scatter of u times the raw gathered keys; the key scale applied to the [BT, BK] sum
+    b_dkp = _pair_scatter(_dot(b_vd, b_roa, SDOT, EMULATE, PRECISION), _select(b_kr, b_eia, DOT, EMULATE),
+                          _select(b_kr, b_eja, DOT, EMULATE), b_eita, b_ejta, SDOT, EMULATE, PRECISION)
+    b_dkp += _pair_scatter(_dot(b_vd, b_rob, SDOT, EMULATE, PRECISION), _select(b_kr, b_eib, DOT, EMULATE),
+                           _select(b_kr, b_ejb, DOT, EMULATE), b_eitb, b_ejtb, SDOT, EMULATE, PRECISION)
+    return b_dk + b_dkp * key_scale
 
 
 @triton.jit(do_not_specialize=["T", "M"])
