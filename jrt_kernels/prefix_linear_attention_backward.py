@@ -438,8 +438,11 @@ def _pla_bwd_dkv_kernel(
         b_qr = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk)
         b_q = b_qr * key_scale
         b_qt = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt) * key_scale
-        b_kr = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk), 0.0)
-        b_ktr = tl.where(b_raw[None, :], _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt), 0.0)
+        b_kr = _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk)
+        b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
+        if MASK != 0:  # without a key mask, raw and weight are "in bounds": the loads and stores mask already
+            b_kr = tl.where(b_raw[:, None], b_kr, 0.0)
+            b_ktr = tl.where(b_raw[None, :], b_ktr, 0.0)
         b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
         b_rden = tl.load(p_r + o_t * H, mask=m_t, other=0.0)
         b_c = tl.load(p_c + o_t * H, mask=m_t, other=0.0)
@@ -456,9 +459,15 @@ def _pla_bwd_dkv_kernel(
         b_wf = b_w.to(tl.float32)
         b_dvt = _key_dv(b_ktr, key_scale, b_r0, b_r1, b_rd, b_roa, b_rob, b_eita, b_ejta, b_eitb, b_ejtb,
                         DOT, SDOT, EMULATE, PRECISION)
-        b_dvt = b_dvt * (b_kd * b_wf)[None, :] if HAS_DECAY else b_dvt * b_wf[None, :]
+        if HAS_DECAY:
+            b_dvt = b_dvt * (b_kd * b_wf)[None, :] if MASK != 0 else b_dvt * b_kd[None, :]
+        elif MASK != 0:
+            b_dvt = b_dvt * b_wf[None, :]
         b_s = _dot(b_q, b_ktr * key_scale, DOT, EMULATE, PRECISION)
-        b_a = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :], 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
+        b_causal = o_c[:, None] >= o_c[None, :]
+        if MASK != 0:
+            b_causal = b_causal & b_w[None, :]
+        b_a = tl.where(b_causal, 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
         if HAS_DECAY:
             b_dvt += _dot(b_gt, b_a * tl.exp(b_lg * tl.maximum(o_c[:, None] - o_c[None, :], 0).to(tl.float32)),
                           DOT, EMULATE, PRECISION)
@@ -469,7 +478,9 @@ def _pla_bwd_dkv_kernel(
         # dk: intra-chunk from [keys, queries] tiles (s^T: the transpose of s, not a second product), then through
         # the reverse state
         b_st = tl.trans(b_s)
-        b_keep = (o_c[:, None] <= o_c[None, :]) & b_w[:, None]
+        b_keep = o_c[:, None] <= o_c[None, :]
+        if MASK != 0:
+            b_keep = b_keep & b_w[:, None]
         b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
         if HAS_DECAY:
             b_dwt = b_dwt * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))  # gamma**(i-j)
@@ -477,9 +488,13 @@ def _pla_bwd_dkv_kernel(
         b_dst = tl.where(b_keep, b_dwt * (1.0 + b_st), 0.0)
         b_dk = _dot(b_dst, b_q, DOT, EMULATE, PRECISION)
         b_vd = b_v * b_kd[:, None] if HAS_DECAY else b_v
-        b_dk += _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz, b_eia, b_eja, b_eita, b_ejta,
-                        b_eib, b_ejb, b_eitb, b_ejtb, DOT, SDOT, EMULATE, PRECISION) * b_wf[:, None]
-        b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
+        if MASK != 0:
+            b_dk += _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz, b_eia, b_eja, b_eita,
+                            b_ejta, b_eib, b_ejb, b_eitb, b_ejtb, DOT, SDOT, EMULATE, PRECISION) * b_wf[:, None]
+            b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
+        else:
+            b_dk += _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz, b_eia, b_eja, b_eita,
+                            b_ejta, b_eib, b_ejb, b_eitb, b_ejtb, DOT, SDOT, EMULATE, PRECISION)
         tl.store(p_dk + o_t[:, None] * s_kt + o_k[None, :] * s_kk, (b_dk * key_scale).to(dk.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
 
