@@ -276,14 +276,14 @@ def _pla_bwd_dq_kernel(
         # (G_i . [v_j, 1] = dy_i . (v_j - y_i) / (den_i + eps)), so what is rounded is the small sum.
         b_dqt = _dot(b_h1, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_z1[:, None]
         b_dqt += b_qt * (_dot(b_hd, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zd[:, None])
-        b_dqt += _pair_scatter_t(_dot(b_hoa, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpa[:, None],
-                                 _select(b_eita, b_qtr, DOT, EMULATE) * key_scale,
-                                 _select(b_ejta, b_qtr, DOT, EMULATE) * key_scale, b_eia, b_eja, SDOT, EMULATE,
-                                 PRECISION)
-        b_dqt += _pair_scatter_t(_dot(b_hob, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpb[:, None],
-                                 _select(b_eitb, b_qtr, DOT, EMULATE) * key_scale,
-                                 _select(b_ejtb, b_qtr, DOT, EMULATE) * key_scale, b_eib, b_ejb, SDOT, EMULATE,
-                                 PRECISION)
+        # (the pair terms from the raw gathered queries, the key scale applied to their [BK, BT] sum)
+        b_dqp = _pair_scatter_t(_dot(b_hoa, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpa[:, None],
+                                _select(b_eita, b_qtr, DOT, EMULATE), _select(b_ejta, b_qtr, DOT, EMULATE),
+                                b_eia, b_eja, SDOT, EMULATE, PRECISION)
+        b_dqp += _pair_scatter_t(_dot(b_hob, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpb[:, None],
+                                 _select(b_eitb, b_qtr, DOT, EMULATE), _select(b_ejtb, b_qtr, DOT, EMULATE),
+                                 b_eib, b_ejb, SDOT, EMULATE, PRECISION)
+        b_dqt += b_dqp * key_scale
         # intra-chunk: dw_ji = G_i . [gamma**(i - j) v_j, 1], ds_ji = dw_ji (1 + s_ji). [BT keys, BT queries]
         b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
         if HAS_DECAY:
