@@ -224,15 +224,23 @@ def _pla_bwd_dq_kernel(
         # Keys of weight 0 are zeroed too: every use of a key here is weighted (the intra-chunk block, the update).
         b_qtr = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt)
         b_qt = b_qtr * key_scale
-        b_k = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk), 0.0) * key_scale
-        b_ktr = tl.where(b_raw[None, :] & b_w[None, :], _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt), 0.0)
+        # Without a key mask the weight is "in bounds" and the loads zero the tail already (its keys reach only
+        # queries past T, which are not stored; the count z0 still takes the weights).
+        b_k = _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk)
+        b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
+        b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
+        b_causal = o_c[None, :] >= o_c[:, None]
+        if MASK != 0:
+            b_k = tl.where(b_raw[:, None] & b_w[:, None], b_k, 0.0)
+            b_ktr = tl.where(b_raw[None, :] & b_w[None, :], b_ktr, 0.0)
+            b_v = tl.where(b_w[:, None], b_v, 0.0)
+            b_causal = b_causal & b_w[:, None]
+        b_k = b_k * key_scale
         b_kt = b_ktr * key_scale
-        b_v = tl.where(b_w[:, None], _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv), 0.0)
 
         # den [BT] as the forward's (fp32). s^T [BT keys, BT queries] and Z q' serve dq too.
         b_zq = _dot_fp32(b_zz, b_qt)  # [BK, BT]
         b_st = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)
-        b_causal = (o_c[None, :] >= o_c[:, None]) & b_w[:, None]
         b_at = tl.where(b_causal, 1.0 + b_st + 0.5 * b_st * b_st, 0.0)
         b_den = tl.sum(b_z0) + tl.sum(b_qt * (b_z1[:, None] + 0.5 * b_zq), axis=0) + tl.sum(b_at, axis=0)
         b_rden = 1.0 / (b_den + eps)
