@@ -227,16 +227,11 @@ def _pla_bwd_dq_kernel(
         # Without a key mask the weight is "in bounds" and the loads zero the tail already (its keys reach only
         # queries past T, which are not stored; the count z0 still takes the weights).
         b_k = _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk)
-        b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
-        b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
         b_causal = o_c[None, :] >= o_c[:, None]
         if MASK != 0:
             b_k = tl.where(b_raw[:, None] & b_w[:, None], b_k, 0.0)
-            b_ktr = tl.where(b_raw[None, :] & b_w[None, :], b_ktr, 0.0)
-            b_v = tl.where(b_w[:, None], b_v, 0.0)
             b_causal = b_causal & b_w[:, None]
         b_k = b_k * key_scale
-        b_kt = b_ktr * key_scale
 
         # den [BT] as the forward's (fp32). s^T [BT keys, BT queries] and Z q' serve dq too.
         b_zq = _dot_fp32(b_zz, b_qt)  # [BK, BT]
@@ -292,6 +287,14 @@ def _pla_bwd_dq_kernel(
                                  _select(b_eitb, b_qtr, DOT, EMULATE), _select(b_ejtb, b_qtr, DOT, EMULATE),
                                  b_eib, b_ejb, SDOT, EMULATE, PRECISION)
         b_dqt += b_dqp * key_scale
+        # the chunk's raw keys [BK, BT] and values [BT, BV] (loaded here, after the inter-chunk terms: fewer tiles
+        # live during the pair scatter)
+        b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
+        b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
+        if MASK != 0:
+            b_ktr = tl.where(b_raw[None, :] & b_w[None, :], b_ktr, 0.0)
+            b_v = tl.where(b_w[:, None], b_v, 0.0)
+        b_kt = b_ktr * key_scale
         # intra-chunk: dw_ji = G_i . [gamma**(i - j) v_j, 1], ds_ji = dw_ji (1 + s_ji). [BT keys, BT queries]
         b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
         if HAS_DECAY:
