@@ -280,12 +280,12 @@ def _pla_bwd_dq_kernel(
         b_dqt = _dot(b_h1, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_z1[:, None]
         b_dqt += b_qt * (_dot(b_hd, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zd[:, None])
         # (the pair terms from the raw gathered queries, the key scale applied to their [BK, BT] sum)
-        b_dqp = _pair_scatter_t(_dot(b_hoa, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpa[:, None],
-                                _select(b_eita, b_qtr, DOT, EMULATE), _select(b_ejta, b_qtr, DOT, EMULATE),
-                                b_eia, b_eja, SDOT, EMULATE, PRECISION)
-        b_dqp += _pair_scatter_t(_dot(b_hob, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpb[:, None],
-                                 _select(b_eitb, b_qtr, DOT, EMULATE), _select(b_ejtb, b_qtr, DOT, EMULATE),
-                                 b_eib, b_ejb, SDOT, EMULATE, PRECISION)
+        b_ut = _dot(b_hoa, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpa[:, None]
+        b_dqp = _dot(b_eia, b_ut * _select(b_ejta, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_dqp += _dot(b_eja, b_ut * _select(b_eita, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_ut = _dot(b_hob, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpb[:, None]
+        b_dqp += _dot(b_eib, b_ut * _select(b_ejtb, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_dqp += _dot(b_ejb, b_ut * _select(b_eitb, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
         b_dqt += b_dqp * key_scale
         # the chunk's raw keys [BK, BT] and values [BT, BV] (loaded here, after the inter-chunk terms: fewer tiles
         # live during the pair scatter)
