@@ -224,15 +224,18 @@ def _pla_bwd_dq_kernel(
         # Keys of weight 0 are zeroed too: every use of a key here is weighted (the intra-chunk block, the update).
         b_qtr = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt)
         b_qt = b_qtr * key_scale
-        b_k = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk), 0.0) * key_scale
-        b_ktr = tl.where(b_raw[None, :] & b_w[None, :], _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt), 0.0)
-        b_kt = b_ktr * key_scale
-        b_v = tl.where(b_w[:, None], _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv), 0.0)
+        # Without a key mask the weight is "in bounds" and the loads zero the tail already (its keys reach only
+        # queries past T, which are not stored; the count z0 still takes the weights).
+        b_k = _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk)
+        b_causal = o_c[None, :] >= o_c[:, None]
+        if MASK != 0:
+            b_k = tl.where(b_raw[:, None] & b_w[:, None], b_k, 0.0)
+            b_causal = b_causal & b_w[:, None]
+        b_k = b_k * key_scale
 
         # den [BT] as the forward's (fp32). s^T [BT keys, BT queries] and Z q' serve dq too.
         b_zq = _dot_fp32(b_zz, b_qt)  # [BK, BT]
         b_st = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)
-        b_causal = (o_c[None, :] >= o_c[:, None]) & b_w[:, None]
         b_at = tl.where(b_causal, 1.0 + b_st + 0.5 * b_st * b_st, 0.0)
         b_den = tl.sum(b_z0) + tl.sum(b_qt * (b_z1[:, None] + 0.5 * b_zq), axis=0) + tl.sum(b_at, axis=0)
         b_rden = 1.0 / (b_den + eps)
@@ -276,14 +279,22 @@ def _pla_bwd_dq_kernel(
         # (G_i . [v_j, 1] = dy_i . (v_j - y_i) / (den_i + eps)), so what is rounded is the small sum.
         b_dqt = _dot(b_h1, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_z1[:, None]
         b_dqt += b_qt * (_dot(b_hd, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zd[:, None])
-        b_dqt += _pair_scatter_t(_dot(b_hoa, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpa[:, None],
-                                 _select(b_eita, b_qtr, DOT, EMULATE) * key_scale,
-                                 _select(b_ejta, b_qtr, DOT, EMULATE) * key_scale, b_eia, b_eja, SDOT, EMULATE,
-                                 PRECISION)
-        b_dqt += _pair_scatter_t(_dot(b_hob, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpb[:, None],
-                                 _select(b_eitb, b_qtr, DOT, EMULATE) * key_scale,
-                                 _select(b_ejtb, b_qtr, DOT, EMULATE) * key_scale, b_eib, b_ejb, SDOT, EMULATE,
-                                 PRECISION)
+        # (the pair terms from the raw gathered queries, the key scale applied to their [BK, BT] sum)
+        b_ut = _dot(b_hoa, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpa[:, None]
+        b_dqp = _dot(b_eia, b_ut * _select(b_ejta, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_dqp += _dot(b_eja, b_ut * _select(b_eita, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_ut = _dot(b_hob, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpb[:, None]
+        b_dqp += _dot(b_eib, b_ut * _select(b_ejtb, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_dqp += _dot(b_ejb, b_ut * _select(b_eitb, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_dqt += b_dqp * key_scale
+        # the chunk's raw keys [BK, BT] and values [BT, BV] (loaded here, after the inter-chunk terms: fewer tiles
+        # live during the pair scatter)
+        b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
+        b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
+        if MASK != 0:
+            b_ktr = tl.where(b_raw[None, :] & b_w[None, :], b_ktr, 0.0)
+            b_v = tl.where(b_w[:, None], b_v, 0.0)
+        b_kt = b_ktr * key_scale
         # intra-chunk: dw_ji = G_i . [gamma**(i - j) v_j, 1], ds_ji = dw_ji (1 + s_ji). [BT keys, BT queries]
         b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
         if HAS_DECAY:
@@ -312,36 +323,34 @@ def _pla_bwd_dq_kernel(
 
 
 @triton.jit
-def _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_kd, b_r0, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz,
-               b_eia, b_eja, b_eita, b_ejta, b_eib, b_ejb, b_eitb, b_ejtb,
-               HAS_DECAY: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """(dv^T [BV, BT], dk' [BT, BK]) of keys through the reverse state R (queries after them and dS), times w.
-
-    b_kr [BT, BK] / b_ktr [BK, BT]: the raw (unscaled) keys, zero where masked; R transposed ([BV, features]) and
-    symmetric like the forward state. With HAS_DECAY the numerator path is scaled by b_kd [BT] = gamma**(L - 1 - p),
-    the decay from the key to the chunk's end, where R is anchored; the denominator path (rz1, Rz) has no decay.
-    """
-    b_k = b_kr * key_scale
+def _key_dv(b_ktr, key_scale, b_r0, b_r1, b_rd, b_roa, b_rob, b_eita, b_ejta, b_eitb, b_ejtb,
+            DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+    """dv^T = R^T phi(k')^T [BV, BT] of keys through the reverse state R (without weight and decay); b_ktr [BK, BT]
+    the raw keys. The state is the A operand, as in the forward's read."""
     b_kt = b_ktr * key_scale
-    # dv^T = R^T phi(k')^T [BV, BT]: the state is the A operand, as in the forward's read
     b_dvt = b_r0[:, None] + _dot(b_r1, b_kt, SDOT, EMULATE, PRECISION)
     b_dvt += _dot(b_rd, 0.5 * (b_kt * b_kt), SDOT, EMULATE, PRECISION)
-    b_dvt += _dot(b_roa, _pair_features_t(b_ktr, b_eita, b_ejta, key_scale, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-    b_dvt += _dot(b_rob, _pair_features_t(b_ktr, b_eitb, b_ejtb, key_scale, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-    # dk' = R1 v + k' * (Rd v) + the pairs' u = Ro v scattered + rz1 + Rz k'. [BT, BK]
-    b_vd = b_v * b_kd[:, None] if HAS_DECAY else b_v
+    # the pair features of the raw keys (exact products, one rounding to SDOT), the scale applied to the sum
+    b_dvp = _dot(b_roa, _pair_features_t(b_ktr, b_eita, b_ejta, 1.0, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+    b_dvp += _dot(b_rob, _pair_features_t(b_ktr, b_eitb, b_ejtb, 1.0, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+    return b_dvt + b_dvp * (key_scale * key_scale)
+
+
+@triton.jit
+def _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz, b_eia, b_eja, b_eita, b_ejta,
+            b_eib, b_ejb, b_eitb, b_ejtb,
+            DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+    """dk' [BT, BK] of keys through the reverse state (without weight): R1 v + k' * (Rd v) + the pairs' u = Ro v
+    scattered + rz1 + Rz k', for b_kr [BT, BK] the raw keys and b_vd [BT, BV] the (decayed) values."""
+    b_k = b_kr * key_scale
     b_dk = _dot(b_vd, b_r1, SDOT, EMULATE, PRECISION) + b_rz1[None, :] + _dot_fp32(b_k, b_rzz)
     b_dk += b_k * _dot(b_vd, b_rd, SDOT, EMULATE, PRECISION)
-    b_dk += _pair_scatter(_dot(b_vd, b_roa, SDOT, EMULATE, PRECISION),
-                          _select(b_kr, b_eia, DOT, EMULATE) * key_scale,
-                          _select(b_kr, b_eja, DOT, EMULATE) * key_scale, b_eita, b_ejta, SDOT, EMULATE, PRECISION)
-    b_dk += _pair_scatter(_dot(b_vd, b_rob, SDOT, EMULATE, PRECISION),
-                          _select(b_kr, b_eib, DOT, EMULATE) * key_scale,
-                          _select(b_kr, b_ejb, DOT, EMULATE) * key_scale, b_eitb, b_ejtb, SDOT, EMULATE, PRECISION)
-    if HAS_DECAY:
-        b_dvt = b_dvt * b_kd[None, :]
-    return b_dvt * b_w.to(tl.float32)[None, :], b_dk * b_w.to(tl.float32)[:, None]
+    # the pair scatter of u times the raw gathered keys; the key scale applied to the [BT, BK] sum
+    b_dkp = _pair_scatter(_dot(b_vd, b_roa, SDOT, EMULATE, PRECISION), _select(b_kr, b_eia, DOT, EMULATE),
+                          _select(b_kr, b_eja, DOT, EMULATE), b_eita, b_ejta, SDOT, EMULATE, PRECISION)
+    b_dkp += _pair_scatter(_dot(b_vd, b_rob, SDOT, EMULATE, PRECISION), _select(b_kr, b_eib, DOT, EMULATE),
+                           _select(b_kr, b_ejb, DOT, EMULATE), b_eitb, b_ejtb, SDOT, EMULATE, PRECISION)
+    return b_dk + b_dkp * key_scale
 
 
 @triton.jit(do_not_specialize=["T", "M"])
@@ -440,8 +449,11 @@ def _pla_bwd_dkv_kernel(
         b_qr = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk)
         b_q = b_qr * key_scale
         b_qt = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt) * key_scale
-        b_kr = tl.where(b_raw[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk), 0.0)
-        b_ktr = tl.where(b_raw[None, :], _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt), 0.0)
+        b_kr = _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk)
+        b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
+        if MASK != 0:  # without a key mask, raw and weight are "in bounds": the loads and stores mask already
+            b_kr = tl.where(b_raw[:, None], b_kr, 0.0)
+            b_ktr = tl.where(b_raw[None, :], b_ktr, 0.0)
         b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
         b_rden = tl.load(p_r + o_t * H, mask=m_t, other=0.0)
         b_c = tl.load(p_c + o_t * H, mask=m_t, other=0.0)
@@ -453,31 +465,49 @@ def _pla_bwd_dkv_kernel(
             b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
             b_kd = tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))  # [BT] gamma**(L - 1 - p)
 
-        # through the reverse state (later queries, dS)
-        b_dvt, b_dk = _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_kd, b_r0, b_r1, b_rd, b_roa, b_rob, b_rz1,
-                                 b_rzz, b_eia, b_eja, b_eita, b_ejta, b_eib, b_ejb, b_eitb, b_ejtb,
-                                 HAS_DECAY, DOT, SDOT, EMULATE, PRECISION)
-        # intra-chunk. dv^T [BV, keys] += g^T a (a: [queries, keys]); dk from [keys, queries] tiles (s^T: the
-        # transpose of s, not a second product)
+        # dv first, then dk, so that dv's [BV, BT] accumulator and the intra-chunk a are dead before the dk pair
+        # scatter. dv^T: through the reverse state (later queries, dS), then intra-chunk g^T a (a: [queries, keys])
+        b_wf = b_w.to(tl.float32)
+        b_dvt = _key_dv(b_ktr, key_scale, b_r0, b_r1, b_rd, b_roa, b_rob, b_eita, b_ejta, b_eitb, b_ejtb,
+                        DOT, SDOT, EMULATE, PRECISION)
+        if HAS_DECAY:
+            b_dvt = b_dvt * (b_kd * b_wf)[None, :] if MASK != 0 else b_dvt * b_kd[None, :]
+        elif MASK != 0:
+            b_dvt = b_dvt * b_wf[None, :]
         b_s = _dot(b_q, b_ktr * key_scale, DOT, EMULATE, PRECISION)
-        b_a = tl.where((o_c[:, None] >= o_c[None, :]) & b_w[None, :], 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
-        b_st = tl.trans(b_s)
-        b_keep = (o_c[:, None] <= o_c[None, :]) & b_w[:, None]
-        b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
+        b_causal = o_c[:, None] >= o_c[None, :]
+        if MASK != 0:
+            b_causal = b_causal & b_w[None, :]
+        b_a = tl.where(b_causal, 1.0 + b_s + 0.5 * b_s * b_s, 0.0)
         if HAS_DECAY:
             b_dvt += _dot(b_gt, b_a * tl.exp(b_lg * tl.maximum(o_c[:, None] - o_c[None, :], 0).to(tl.float32)),
                           DOT, EMULATE, PRECISION)
-            b_dwt = b_dwt * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))  # gamma**(i-j)
         else:
             b_dvt += _dot(b_gt, b_a, DOT, EMULATE, PRECISION)
-        b_dwt += b_c[None, :]
-        b_dst = tl.where(b_keep, b_dwt * (1.0 + b_st), 0.0)
-        b_dk += _dot(b_dst, b_q, DOT, EMULATE, PRECISION)
-        b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
-        tl.store(p_dk + o_t[:, None] * s_kt + o_k[None, :] * s_kk, (b_dk * key_scale).to(dk.dtype.element_ty),
-                 mask=m_t[:, None] & m_k[None, :])
         tl.store(p_dv + o_t[None, :] * s_vt + o_v[:, None] * s_vv, b_dvt.to(dv.dtype.element_ty),
                  mask=m_v[:, None] & m_t[None, :])
+        # dk: intra-chunk from [keys, queries] tiles (s^T: the transpose of s, not a second product), then through
+        # the reverse state
+        b_st = tl.trans(b_s)
+        b_keep = o_c[:, None] <= o_c[None, :]
+        if MASK != 0:
+            b_keep = b_keep & b_w[:, None]
+        b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
+        if HAS_DECAY:
+            b_dwt = b_dwt * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))  # gamma**(i-j)
+        b_dwt += b_c[None, :]
+        b_dst = tl.where(b_keep, b_dwt * (1.0 + b_st), 0.0)
+        b_dk = _dot(b_dst, b_q, DOT, EMULATE, PRECISION)
+        b_vd = b_v * b_kd[:, None] if HAS_DECAY else b_v
+        if MASK != 0:
+            b_dk += _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz, b_eia, b_eja, b_eita,
+                            b_ejta, b_eib, b_ejb, b_eitb, b_ejtb, DOT, SDOT, EMULATE, PRECISION) * b_wf[:, None]
+            b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
+        else:
+            b_dk += _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz, b_eia, b_eja, b_eita,
+                            b_ejta, b_eib, b_ejb, b_eitb, b_ejtb, DOT, SDOT, EMULATE, PRECISION)
+        tl.store(p_dk + o_t[:, None] * s_kt + o_k[None, :] * s_kk, (b_dk * key_scale).to(dk.dtype.element_ty),
+                 mask=m_t[:, None] & m_k[None, :])
 
         # R += G_c^T phi(Q_c) (transposed, as the forward's state update); decayed: R <- gamma**L R + sum_i
         # gamma**(p_i + 1) g_i phi(q_i)
@@ -504,14 +534,16 @@ def _pla_bwd_dkv_kernel(
         b_kr = tl.where(b_raw[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek), 0.0)
         b_ktr = tl.where(b_raw[None, :], _tile(p_ke, o_k, m_k, s_kek, o_t, m_t, s_ket), 0.0)
         b_v = _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev)
-        b_dvt, b_dk = _key_grads(b_kr, b_ktr, key_scale, b_v, b_w, b_w.to(tl.float32), b_r0, b_r1, b_rd, b_roa,
-                                 b_rob, b_rz1, b_rzz, b_eia, b_eja, b_eita, b_ejta, b_eib, b_ejb, b_eitb, b_ejtb,
-                                 False, DOT, SDOT, EMULATE, PRECISION)
+        b_wf = b_w.to(tl.float32)
+        b_dvt = _key_dv(b_ktr, key_scale, b_r0, b_r1, b_rd, b_roa, b_rob, b_eita, b_ejta, b_eitb, b_ejtb,
+                        DOT, SDOT, EMULATE, PRECISION) * b_wf[None, :]
+        tl.store(p_dve + o_t[None, :] * s_vet + o_v[:, None] * s_vev, b_dvt.to(dv_enc.dtype.element_ty),
+                 mask=m_v[:, None] & m_t[None, :])
+        b_dk = _key_dk(b_kr, key_scale, b_v, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz, b_eia, b_eja, b_eita, b_ejta,
+                       b_eib, b_ejb, b_eitb, b_ejtb, DOT, SDOT, EMULATE, PRECISION) * b_wf[:, None]
         b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
         tl.store(p_dke + o_t[:, None] * s_ket + o_k[None, :] * s_kek, (b_dk * key_scale).to(dk_enc.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
-        tl.store(p_dve + o_t[None, :] * s_vet + o_v[:, None] * s_vev, b_dvt.to(dv_enc.dtype.element_ty),
-                 mask=m_v[:, None] & m_t[None, :])
 
     # 3. d initial state = R, in the cache layout (B, H, F, V + 1): the symmetric 2nd-order rows written to (i, j)
     #    and (j, i); the launcher adds dS's antisymmetric part (`add_antisymmetric_part`).
