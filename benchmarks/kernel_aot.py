@@ -308,7 +308,8 @@ def _backward_case() -> Case:
         flops=lambda T, M: 2 * _pla_flops(T, M),  # dq (with the state rebuilt) + dk/dv: about 2 forwards
         bytes=lambda T, M, size: 2 * _pla_bytes(T, M, size),
         configs=lambda arch, kernel: [
-            triton.Config({"BT": BT}, num_warps=warps, num_stages=1)
+            triton.Config({"BT": BT, **({} if "dq" in kernel else module.dkv_constexprs(arch // 10))},
+                          num_warps=warps, num_stages=1)
             for BT, warps in module.configs_for_architecture(arch // 10)["dq" if "dq" in kernel else "dkv"]
         ],
     )

@@ -353,10 +353,21 @@ def _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz, b_eia
     return b_dk + b_dkp * key_scale
 
 
+@triton.jit
+def _sel_at(b_e, p_sel, m: tl.constexpr, R: tl.constexpr, C: tl.constexpr, SEL_TABLE: tl.constexpr):
+    """The selection matrix b_e [R, C], or with SEL_TABLE the same matrix loaded from the launcher's table
+    (`_selection_table`, entry m) at its point of use, so that no register copy of it is held across the loop."""
+    if SEL_TABLE:
+        o_r = tl.arange(0, R)
+        o_c = tl.arange(0, C)
+        b_e = tl.load(p_sel + m * R * C + o_r[:, None] * C + o_c[None, :])
+    return b_e
+
+
 @triton.jit(do_not_specialize=["T", "M"])
 def _pla_bwd_dkv_kernel(
     q, k, v, k_enc, v_enc, key_mask, key_rows, enc_start, enc_end, rden, dcol, log_decay, gate, do, dstate,
-    dk, dv, dk_enc, dv_enc, dstate_in,
+    dk, dv, dk_enc, dv_enc, dstate_in, sel,
     s_qb, s_qt, s_qh, s_qk,
     s_kb, s_kt, s_kh, s_kk,
     s_vb, s_vt, s_vh, s_vv,
@@ -368,7 +379,7 @@ def _pla_bwd_dkv_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
     MASK: tl.constexpr, STRICT: tl.constexpr, HAS_DSTATE: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr, SEL_TABLE: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dk, dv (decoder), dk_enc, dv_enc (encoder range of the row) and d initial state, by a reverse scan.
@@ -468,7 +479,9 @@ def _pla_bwd_dkv_kernel(
         # dv first, then dk, so that dv's [BV, BT] accumulator and the intra-chunk a are dead before the dk pair
         # scatter. dv^T: through the reverse state (later queries, dS), then intra-chunk g^T a (a: [queries, keys])
         b_wf = b_w.to(tl.float32)
-        b_dvt = _key_dv(b_ktr, key_scale, b_r0, b_r1, b_rd, b_roa, b_rob, b_eita, b_ejta, b_eitb, b_ejtb,
+        b_dvt = _key_dv(b_ktr, key_scale, b_r0, b_r1, b_rd, b_roa, b_rob,
+                        _sel_at(b_eita, sel, 4, BH, BK, SEL_TABLE), _sel_at(b_ejta, sel, 5, BH, BK, SEL_TABLE),
+                        _sel_at(b_eitb, sel, 6, BH, BK, SEL_TABLE), _sel_at(b_ejtb, sel, 7, BH, BK, SEL_TABLE),
                         DOT, SDOT, EMULATE, PRECISION)
         if HAS_DECAY:
             b_dvt = b_dvt * (b_kd * b_wf)[None, :] if MASK != 0 else b_dvt * b_kd[None, :]
@@ -500,12 +513,20 @@ def _pla_bwd_dkv_kernel(
         b_dk = _dot(b_dst, b_q, DOT, EMULATE, PRECISION)
         b_vd = b_v * b_kd[:, None] if HAS_DECAY else b_v
         if MASK != 0:
-            b_dk += _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz, b_eia, b_eja, b_eita,
-                            b_ejta, b_eib, b_ejb, b_eitb, b_ejtb, DOT, SDOT, EMULATE, PRECISION) * b_wf[:, None]
+            b_dk += _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz,
+                            _sel_at(b_eia, sel, 0, BK, BH, SEL_TABLE), _sel_at(b_eja, sel, 1, BK, BH, SEL_TABLE),
+                            _sel_at(b_eita, sel, 4, BH, BK, SEL_TABLE), _sel_at(b_ejta, sel, 5, BH, BK, SEL_TABLE),
+                            _sel_at(b_eib, sel, 2, BK, BH, SEL_TABLE), _sel_at(b_ejb, sel, 3, BK, BH, SEL_TABLE),
+                            _sel_at(b_eitb, sel, 6, BH, BK, SEL_TABLE), _sel_at(b_ejtb, sel, 7, BH, BK, SEL_TABLE),
+                            DOT, SDOT, EMULATE, PRECISION) * b_wf[:, None]
             b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
         else:
-            b_dk += _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz, b_eia, b_eja, b_eita,
-                            b_ejta, b_eib, b_ejb, b_eitb, b_ejtb, DOT, SDOT, EMULATE, PRECISION)
+            b_dk += _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz,
+                            _sel_at(b_eia, sel, 0, BK, BH, SEL_TABLE), _sel_at(b_eja, sel, 1, BK, BH, SEL_TABLE),
+                            _sel_at(b_eita, sel, 4, BH, BK, SEL_TABLE), _sel_at(b_ejta, sel, 5, BH, BK, SEL_TABLE),
+                            _sel_at(b_eib, sel, 2, BK, BH, SEL_TABLE), _sel_at(b_ejb, sel, 3, BK, BH, SEL_TABLE),
+                            _sel_at(b_eitb, sel, 6, BH, BK, SEL_TABLE), _sel_at(b_ejtb, sel, 7, BH, BK, SEL_TABLE),
+                            DOT, SDOT, EMULATE, PRECISION)
         tl.store(p_dk + o_t[:, None] * s_kt + o_k[None, :] * s_kk, (b_dk * key_scale).to(dk.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
 
@@ -515,7 +536,9 @@ def _pla_bwd_dkv_kernel(
             b_gt = b_gt * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]
             b_r0, b_r1, b_rd, b_roa, b_rob = _scale_state(b_r0, b_r1, b_rd, b_roa, b_rob, tl.exp(b_lg * b_len))
         b_r0, b_r1, b_rd, b_roa, b_rob = _add_chunk_t(
-            b_r0, b_r1, b_rd, b_roa, b_rob, b_gt, b_q, b_qr, key_scale, b_eia, b_eja, b_eib, b_ejb,
+            b_r0, b_r1, b_rd, b_roa, b_rob, b_gt, b_q, b_qr, key_scale,
+            _sel_at(b_eia, sel, 0, BK, BH, SEL_TABLE), _sel_at(b_eja, sel, 1, BK, BH, SEL_TABLE),
+            _sel_at(b_eib, sel, 2, BK, BH, SEL_TABLE), _sel_at(b_ejb, sel, 3, BK, BH, SEL_TABLE),
             DOT, EMULATE, PRECISION,
         )
         b_rz0 += tl.sum(b_c)
@@ -583,6 +606,28 @@ def configs_for_architecture(major: int) -> dict[str, list[tuple[int, int]]]:
     `major`.x, the launched config first ("dq_recompute": the dq scan without a saved output or with a gate)."""
     return _ARCH_CONFIGS["sm_90" if major == 9 else "other"]
 
+
+
+def dkv_constexprs(major: int) -> dict[str, bool]:
+    """The dk/dv scan's per-architecture constexprs: SEL_TABLE, its pair selection matrices loaded from a table
+    at each use instead of held in registers across the loop (kept off sm_90, where the B operands stay in shared
+    memory across the loop anyway and the table loads cost more than they save; docs/kernels.md "Pass 3")."""
+    return {"SEL_TABLE": major != 9}
+
+
+def _selection_table(K: int, BK: int, BH: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(8, BK * BH) the pair selection matrices of `_pair_index` (e_i, e_j of the halves a, b, [BK, BH] row-major,
+    then their transposes [BH, BK]) in the operands' dtype, for the dk/dv scan's SEL_TABLE loads."""
+    o_k = torch.arange(BK, device=device)
+    mats = []
+    for half in range(2):
+        o_p = half * BH + torch.arange(BH, device=device)
+        m_p = o_p < K * (K - 1) // 2
+        p_i = o_p % K
+        p_j = (p_i + o_p // K + 1) % K
+        mats += [(o_k[:, None] == p_i[None, :]) & m_p[None, :], (o_k[:, None] == p_j[None, :]) & m_p[None, :]]
+    mats += [e.T for e in mats]
+    return torch.stack([e.reshape(-1) for e in mats]).to(dtype).contiguous()
 
 
 def _dense(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -685,12 +730,13 @@ def prefix_linear_attention_backward(
             HAS_INITIAL_STATE=initial_state is not None, RECOMPUTE=recompute, num_warps=warps_dq, **common,
         )
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
+    sel = _selection_table(K, BK, BP // 2, q.dtype, device) if dkv_constexprs(major)["SEL_TABLE"] else rden
     for mask_kind in mask_kinds:
         _pla_bwd_dkv_kernel[(B * H,)](
             q, k, v, ke, ve, mask, key_rows, encoder_start, encoder_end, rden, dcol, decay_in, gate_in, grad_output,
-            dstate, dk, dv, dke, dve, dstate_in,
+            dstate, dk, dv, dke, dve, dstate_in, sel,
             *strides, T, M, K**-0.25, BT=BT_DKV, MASK=mask_kind, HAS_DSTATE=grad_state is not None,
-            num_warps=warps_dkv, **common,
+            num_warps=warps_dkv, **dkv_constexprs(major), **common,
         )
     if grad_state is not None and initial_state is not None:
         # dS's antisymmetric 2nd-order part reaches the initial state unread (numerator decayed over the T tokens)
