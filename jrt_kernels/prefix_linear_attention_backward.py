@@ -367,7 +367,7 @@ def _sel_at(b_e, p_sel, m: tl.constexpr, R: tl.constexpr, C: tl.constexpr, SEL_T
 @triton.jit(do_not_specialize=["T", "M"])
 def _pla_bwd_dkv_kernel(
     q, k, v, k_enc, v_enc, key_mask, key_rows, enc_start, enc_end, rden, dcol, log_decay, gate, do, dstate,
-    dk, dv, dk_enc, dv_enc, dstate_in, sel,
+    dk, dv, dk_enc, dv_enc, dstate_in, sel, sel_s,
     s_qb, s_qt, s_qh, s_qk,
     s_kb, s_kt, s_kh, s_kk,
     s_vb, s_vt, s_vh, s_vv,
@@ -515,17 +515,17 @@ def _pla_bwd_dkv_kernel(
         if MASK != 0:
             b_dk += _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz,
                             _sel_at(b_eia, sel, 0, BK, BH, SEL_TABLE), _sel_at(b_eja, sel, 1, BK, BH, SEL_TABLE),
-                            _sel_at(b_eita, sel, 4, BH, BK, SEL_TABLE), _sel_at(b_ejta, sel, 5, BH, BK, SEL_TABLE),
+                            _sel_at(b_eita, sel_s, 4, BH, BK, SEL_TABLE), _sel_at(b_ejta, sel_s, 5, BH, BK, SEL_TABLE),
                             _sel_at(b_eib, sel, 2, BK, BH, SEL_TABLE), _sel_at(b_ejb, sel, 3, BK, BH, SEL_TABLE),
-                            _sel_at(b_eitb, sel, 6, BH, BK, SEL_TABLE), _sel_at(b_ejtb, sel, 7, BH, BK, SEL_TABLE),
+                            _sel_at(b_eitb, sel_s, 6, BH, BK, SEL_TABLE), _sel_at(b_ejtb, sel_s, 7, BH, BK, SEL_TABLE),
                             DOT, SDOT, EMULATE, PRECISION) * b_wf[:, None]
             b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
         else:
             b_dk += _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz,
                             _sel_at(b_eia, sel, 0, BK, BH, SEL_TABLE), _sel_at(b_eja, sel, 1, BK, BH, SEL_TABLE),
-                            _sel_at(b_eita, sel, 4, BH, BK, SEL_TABLE), _sel_at(b_ejta, sel, 5, BH, BK, SEL_TABLE),
+                            _sel_at(b_eita, sel_s, 4, BH, BK, SEL_TABLE), _sel_at(b_ejta, sel_s, 5, BH, BK, SEL_TABLE),
                             _sel_at(b_eib, sel, 2, BK, BH, SEL_TABLE), _sel_at(b_ejb, sel, 3, BK, BH, SEL_TABLE),
-                            _sel_at(b_eitb, sel, 6, BH, BK, SEL_TABLE), _sel_at(b_ejtb, sel, 7, BH, BK, SEL_TABLE),
+                            _sel_at(b_eitb, sel_s, 6, BH, BK, SEL_TABLE), _sel_at(b_ejtb, sel_s, 7, BH, BK, SEL_TABLE),
                             DOT, SDOT, EMULATE, PRECISION)
         tl.store(p_dk + o_t[:, None] * s_kt + o_k[None, :] * s_kk, (b_dk * key_scale).to(dk.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
@@ -730,11 +730,15 @@ def prefix_linear_attention_backward(
             HAS_INITIAL_STATE=initial_state is not None, RECOMPUTE=recompute, num_warps=warps_dq, **common,
         )
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
-    sel = _selection_table(K, BK, BP // 2, q.dtype, device) if dkv_constexprs(major)["SEL_TABLE"] else rden
+    sel = sel_s = rden
+    if dkv_constexprs(major)["SEL_TABLE"]:
+        # in the operands' dtypes: DOT for the gathers, SDOT for the dk scatter (bf16 for fp16 inputs)
+        sel = _selection_table(K, BK, BP // 2, q.dtype, device)
+        sel_s = sel if q.dtype != torch.float16 else sel.to(torch.bfloat16)
     for mask_kind in mask_kinds:
         _pla_bwd_dkv_kernel[(B * H,)](
             q, k, v, ke, ve, mask, key_rows, encoder_start, encoder_end, rden, dcol, decay_in, gate_in, grad_output,
-            dstate, dk, dv, dke, dve, dstate_in, sel,
+            dstate, dk, dv, dke, dve, dstate_in, sel, sel_s,
             *strides, T, M, K**-0.25, BT=BT_DKV, MASK=mask_kind, HAS_DSTATE=grad_state is not None,
             num_warps=warps_dkv, **dkv_constexprs(major), **common,
         )
