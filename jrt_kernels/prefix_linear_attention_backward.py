@@ -590,7 +590,7 @@ INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
 #   scatter's A operand straight from registers.
 # - other architectures (sm_80): dq (16, 4) (the feature-major dq scan spills 4 – 5x less there than at (32, 4), at
 #   about the same estimate; at (64, 4) it falls to 32 registers); dk/dv (32, 4) keeps 255 registers without a
-#   key mask.
+#   key mask; its selection matrices come from a table at each use there (`dkv_constexprs`).
 # - "dq_recompute": the dq scan that reads the numerator from the state again (a gate, or no saved output). On
 #   sm_80 it falls to 32 registers at (16, 4) without a gate; (32, 4) keeps 255 (with a gate every config falls to 32,
 #   as it did before the saved output).
