@@ -50,7 +50,8 @@ them once for every implementation (the Triton kernel too: the dispatcher valida
 
 Implementations behind `prefix_linear_attention(..., implementation=...)`:
     "quadratic"  materialises the (T, T) weights and the full feature map: the oracle of the tests (use fp64).
-    "chunked"    O(T) time, O(state) memory chunked scan in PyTorch; the encoder sum is its initial state.
+    "chunked"    O(T) time, O(block x state) working memory chunked scan in PyTorch; the encoder sum is its initial
+                 state; under torch.compile without autograd one opaque custom op (`prefix_linear_attention_chunked`).
     "triton"     the fused GPU kernel of `jrt_kernels` (optional dependency; forward and backward, decay and gate).
     "auto"       "triton" on CUDA tensors when the kernel imports, else "chunked"; a kernel that fails to compile or
                  launch on the device (forward or backward) warns once and the call (and every later one) runs
