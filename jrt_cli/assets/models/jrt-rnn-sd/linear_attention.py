@@ -532,9 +532,10 @@ def _scan_in_place(
     The same arithmetic as `_scan_chunks` (inter-chunk read of the running state, intra-chunk `(C, C)` weights,
     chunk sums), organised for a CPU: one set of block buffers is allocated per call and reused by every block
     (repeated multi-MiB allocations cost page faults: a third of the time before), the chunk-major layouts are copied
-    block by block from the inputs instead of for the whole sequence, every product writes into its buffer (`out=`,
-    in-place `baddbmm_`), and the running state `(B H, F', W)` is read and updated chunk by chunk, so no chunk
-    states are materialised. Memory: the inputs, the output and O(block) buffers, whatever T is.
+    block by block from the inputs instead of for the whole sequence, and every product writes into its buffer
+    (`out=`, in-place `baddbmm_`); the states before each chunk of a block are the block's chunk sums (one batched
+    product) accumulated by n in-place adds onto the running state. Memory: the inputs, the output and O(block)
+    buffers, whatever T is.
 
     Args:
         state: `(B, H, F', V + 1)` compact state before the encoder and the first token.
@@ -705,8 +706,7 @@ def prefix_linear_attention_chunked(
     )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
-    differentiable = (q, k, v, k_enc, v_enc, initial_state, gate)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+    needs_grad = _records_gradients(q, k, v, k_enc, v_enc, initial_state, gate)
     if torch.compiler.is_compiling() and not needs_grad:
         return _chunked_prefill_op(
             q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, pad_masking,
@@ -716,6 +716,11 @@ def prefix_linear_attention_chunked(
         q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, pad_masking,
         eps, chunk_size, in_place=not needs_grad and not torch.compiler.is_compiling(),
     )
+
+
+def _records_gradients(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records a graph through any of `tensors` (the differentiable inputs; None = absent)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _chunked_prefill(
@@ -803,7 +808,7 @@ def _chunked_prefill(
     per_block = max(1, BLOCK_TOKEN_HEADS // (token_heads * chunk_size))
     for start, end in _blocks(num_chunks, per_block):
         state, combined = _scan_chunks(
-            state, q[start:end], k[start:end], values[start:end], taylor, decay, padding if end == num_chunks else 0,
+            state, q[start:end], k[start:end], values[start:end], taylor, decay, padding if end == num_chunks else 0
         )
         numerator, denominator = combined[..., :value_dim], combined[..., value_dim:]  # (n, B, H, C, V / 1)
         if gate is not None:
@@ -1177,8 +1182,7 @@ def prefix_linear_attention(
         return prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
     if chosen == "triton":
         explicit = implementation == "triton" or os.environ.get(IMPLEMENTATION_ENV_VAR, "").strip().lower() == "triton"
-        differentiable = (q, k, v, k_enc, v_enc, initial_state, gate)
-        training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+        training = _records_gradients(q, k, v, k_enc, v_enc, initial_state, gate)
         if explicit or not training or torch.compiler.is_compiling():
             # The op's own autograd (the fused backward, which raises on failure); torch.compile traces the op.
             run_triton = functools.partial(_load_triton_prefill(), q, k, v, k_enc, v_enc, **kwargs)
