@@ -229,26 +229,12 @@ class JRTRNNShortConv(nn.Module):
     ) -> torch.Tensor:
         """hidden_states (B, T, hidden), attention_mask (B, >= T) -> (B, T, hidden). `layer_state`: the convolution
         state to read and update instead of the cache's (`JRTRNNDecoderLayer` carries the inputs between the token
-        chunks of one forward in one).
-
-        During inference a long input goes through in token chunks (`inference_chunk_rows`), each chunk's convolution
-        reading the last K - 1 inputs before it (through the cache, or carried here without one), so that no
-        `(B, T, 2 * D)` intermediate is built; the result equals the one-pass forward."""
-        batch_size, seq_len = hidden_states.shape[:2]
+        chunks of one forward in one: during inference it runs a long input through the whole layer chunk by chunk,
+        `layer_chunk_rows`, so no `(B, T, 2 * D)` intermediate is built here)."""
+        seq_len = hidden_states.shape[1]
         mask = None if attention_mask is None else attention_mask[:, -seq_len:]  # (B, T)
         state = layer_state if layer_state is not None or cache is None else cache.layers[self.layer_idx]
-        chunk = inference_chunk_rows(seq_len, self.inference_width(batch_size))
-        if chunk is None:
-            return self.mix(hidden_states, mask, state)
-        state = JRTRNNConvState(self.kernel_size) if state is None else state  # carries the inputs between chunks
-        output = None
-        for start in range(0, seq_len, chunk):
-            end = min(start + chunk, seq_len)
-            part = self.mix(hidden_states[:, start:end], None if mask is None else mask[:, start:end], state)
-            if output is None:
-                output = part.new_empty(batch_size, seq_len, part.shape[-1])
-            output[:, start:end] = part
-        return output
+        return self.mix(hidden_states, mask, state)
 
     def inference_width(self, batch_size: int) -> int:
         """Elements per token of the widest intermediate (the input projection), for `inference_chunk_rows`."""
