@@ -191,6 +191,18 @@ def test_chunked_blocks_match_oracle(monkeypatch, case, block_token_heads):
         torch.testing.assert_close(state, expected_state, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("differentiable", [False, True], ids=["inference", "autograd"])
+def test_chunked_empty_encoder_is_no_encoder(differentiable):
+    """Encoder tensors with M = 0 (an empty prompt prefix) give the causal result, in both executions (the inference
+    scan used to fail on them with `range() arg 3 must not be zero`)."""
+    q, k, v, _, _ = make_inputs(2, 11, 2, 4, 5, 0, dtype=torch.float32)
+    expected, expected_state = prefix_linear_attention_chunked(q, k, v, chunk_size=4)
+    inputs = [t.clone().requires_grad_(differentiable) for t in (q, k, v, k[:, :0], v[:, :0])]
+    actual, state = prefix_linear_attention_chunked(*inputs, chunk_size=4)
+    torch.testing.assert_close(actual, expected, **FP32_TOL)
+    torch.testing.assert_close(state, expected_state, **FP32_TOL)
+
+
 @pytest.mark.parametrize("with_decay", [False, True], ids=["prefix", "based-decay"])
 def test_chunked_traces_one_graph_for_every_length(with_decay):
     """Under torch.compile(dynamic=True) the scan is one graph without a loop over T: a full-graph trace, no
