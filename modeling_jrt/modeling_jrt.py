@@ -892,6 +892,8 @@ def check_inputs(
             f"The input has 0 tokens (shape {tuple(reference.shape[:2])}): pass at least one token; "
             "`generate()` without a prompt starts from `bos_token_id`."
         )
+    if reference.shape[0] == 0:
+        raise ValueError(f"The input has 0 rows (shape {tuple(reference.shape[:2])}): pass a batch of at least one row.")
     return reference.shape[0], reference.shape[1]
 
 
@@ -1106,10 +1108,10 @@ def leak_free_labels(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
     loss, `num_items_in_batch`-style sums, TRL's fused LM head (which replaces `forward` and calls the backbone
     without labels) or a `compute_loss_func`, scores only what the model cannot have read."""
     labels = kwargs.get("labels")
-    if (
-        not isinstance(labels, torch.Tensor) or labels.ndim != 2 or kwargs.get("mlm_labels") is not None
-        or not model.model.is_prefix_model
-    ):
+    if not isinstance(labels, torch.Tensor):
+        return None
+    check_labels_shape(labels, args[0] if args else kwargs.get("input_ids"), kwargs.get("inputs_embeds"))
+    if kwargs.get("mlm_labels") is not None or not model.model.is_prefix_model:
         return None
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, JRTRNNCache) and cache.has_state:
@@ -1126,6 +1128,25 @@ def leak_free_labels(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
     )
     masked, kwargs = model._ignore_encoder_targets(labels, prefix_end, kwargs)  # labels, shift_labels, the warning
     return args, {**kwargs, "labels": masked}
+
+
+def check_labels_shape(
+    labels: torch.Tensor | None, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
+) -> None:
+    """Raise unless `labels` holds one target per input token: `(B, T)` like `input_ids` (or `inputs_embeds`
+    without its last dimension). Labels of another length would otherwise be masked against the wrong prompt ends and
+    scored against the wrong positions."""
+    if labels is None:
+        return
+    inputs = input_ids if isinstance(input_ids, torch.Tensor) else inputs_embeds
+    if not isinstance(inputs, torch.Tensor):
+        return  # no input: the backbone raises its own error
+    expected = tuple(inputs.shape[:2])
+    if tuple(labels.shape) != expected:
+        raise ValueError(
+            f"`labels` {tuple(labels.shape)} must have the shape (batch, seq_len) of the input, {expected}: one "
+            "target per input token (the model shifts them; -100 where nothing is scored)."
+        )
 
 
 def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -1249,6 +1270,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
             `JRTRNNCausalLMOutput` with `loss`, `logits` `(B, T, vocab_size)`, the cache, and `ntp_loss` / `mlm_loss`
             when `mlm_labels` are given.
         """
+        check_labels_shape(labels, input_ids, inputs_embeds)
         mlm_labels = kwargs.pop("mlm_labels", None)
         if mlm_labels is not None:
             self._check_jrt_objective_prefix(prefix_length)

@@ -23,6 +23,26 @@ def test_zero_tokens_raise_a_clear_error(model):
         model(inputs_embeds=torch.zeros(2, 0, 32))
 
 
+def test_zero_rows_raise_a_clear_error(model):
+    with pytest.raises(ValueError, match=r"The input has 0 rows \(shape \(0, 5\)\): pass a batch of at least one row"):
+        model(torch.zeros(0, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("labels_shape", [(2, 6), (2, 8), (1, 7), (14,)])
+def test_labels_of_another_shape_are_refused(make_config, kind, labels_shape):
+    """Labels must hold one target per input token: a prefix model used to mask them against the wrong prompt ends
+    and return a zero loss ("no scored target") instead of an error."""
+    model = JRTRNNForCausalLM(make_config(linear_attention_type=kind, prefix_length=0 if kind == "causal" else 4))
+    input_ids = torch.randint(4, 99, (2, 7))
+    labels = torch.randint(4, 99, labels_shape)
+    match = rf"`labels` \({', '.join(map(str, labels_shape))},?\) must have the shape \(batch, seq_len\) of the input, \(2, 7\)"
+    with pytest.raises(ValueError, match=match):
+        model(input_ids, labels=labels)
+    with pytest.raises(ValueError, match=match):
+        model(inputs_embeds=model.get_input_embeddings()(input_ids), labels=labels)
+
+
 @pytest.mark.parametrize("empty", ["inputs", "input_ids", "inputs_embeds"])
 def test_generate_refuses_an_empty_prompt(model, empty):
     prompt = torch.zeros(1, 0, 32) if empty == "inputs_embeds" else torch.zeros(1, 0, dtype=torch.long)

@@ -191,6 +191,25 @@ def test_chunked_blocks_match_oracle(monkeypatch, case, block_token_heads):
         torch.testing.assert_close(state, expected_state, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("batch,seq_len", [(2, 0), (0, 5), (0, 0)], ids=["no-tokens", "no-rows", "neither"])
+@pytest.mark.parametrize("with_initial_state", [False, True], ids=["zero-state", "initial-state"])
+def test_empty_inputs_match_oracle(batch, seq_len, with_initial_state):
+    """No tokens or no rows: an empty output and the unchanged state, as the oracle gives (the chunked path used to
+    fail on them with `range() arg 3 must not be zero` / a division by zero); the state keeps its gradient path."""
+    q, k, v, _, _ = make_inputs(batch, seq_len, 2, 4, 5, 0)
+    initial = torch.randn(batch, 2, num_taylor_features(4), 6, dtype=torch.float64) if with_initial_state else None
+    expected, expected_state = prefix_linear_attention_quadratic(q, k, v, initial_state=initial)
+    for differentiable in (False, True):
+        leaf = None if initial is None else initial.clone().requires_grad_(differentiable)
+        for run in (prefix_linear_attention_chunked, prefix_linear_attention):
+            actual, state = run(q, k, v, initial_state=leaf)
+            assert actual.shape == expected.shape == (batch, seq_len, 2, 5)
+            torch.testing.assert_close(state, expected_state)
+        if differentiable and leaf is not None:
+            state.sum().backward()
+            torch.testing.assert_close(leaf.grad, torch.ones_like(leaf))
+
+
 @pytest.mark.parametrize("differentiable", [False, True], ids=["inference", "autograd"])
 def test_chunked_empty_encoder_is_no_encoder(differentiable):
     """Encoder tensors with M = 0 (an empty prompt prefix) give the causal result, in both executions (the inference

@@ -738,6 +738,8 @@ def prefix_linear_attention_chunked(
     )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return _empty_prefill(q, v, initial_state)
     needs_grad = _records_gradients(q, k, v, k_enc, v_enc, initial_state, gate)
     if torch.compiler.is_compiling() and not needs_grad:
         return _chunked_prefill_op(
@@ -748,6 +750,20 @@ def prefix_linear_attention_chunked(
         q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, pad_masking,
         eps, chunk_size, in_place=not needs_grad and not torch.compiler.is_compiling(),
     )
+
+
+def _empty_prefill(
+    q: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result for no rows (B = 0) or no tokens (T = 0, hence M = 0): an empty output and the state unchanged
+    (the initial state, or zeros), as the oracle gives; both stay connected to the inputs for autograd."""
+    batch_size, _, num_heads, feature_dim = q.shape
+    if initial_state is not None:
+        state = initial_state.to(_compute_dtype(q)) * 1
+    else:
+        state = q.new_zeros(batch_size, num_heads, num_taylor_features(feature_dim), v.shape[-1] + 1,
+                            dtype=_compute_dtype(q))
+    return v * 0, state
 
 
 def _records_gradients(*tensors: torch.Tensor | None) -> bool:
@@ -1206,6 +1222,8 @@ def prefix_linear_attention(
         pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate,
     )
     chosen = resolve_implementation(implementation, q)
+    if chosen == "triton" and (q.shape[0] == 0 or q.shape[1] == 0):
+        chosen = "chunked"  # nothing to launch a kernel for: the chunked path returns the empty result
     kwargs = dict(
         encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask, pad_masking=pad_masking,
         initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps,
