@@ -371,8 +371,9 @@ class JRTLinearAttention(JRTStateLayer):
     def step(self, hidden_states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         query, key, value, gate = self._project(hidden_states)  # (B, H, K), (B, H, K), (B, H, V), (B, H)
         output, state = linear_attention_step(
-            query, key, value, self.kv_cache[0][slots],
+            query, key, value, self.kv_cache[0][slots],  # a gathered copy: updated in place, then written back
             log_decay=self.log_decay(hidden_states.device), gate=gate, eps=self.config.linear_attention_eps,
+            in_place=True,
         )  # (B, H, V), (B, H, F, V + 1)
         self.kv_cache[0][slots] = state
         return self.o_proj(output.reshape(hidden_states.shape[0], -1).to(hidden_states.dtype))

@@ -529,7 +529,7 @@ class JRTRNNLinearAttention(nn.Module):
             output, state = linear_attention_step(
                 query[:, 0], key[:, 0], value[:, 0], state,
                 log_decay=log_decay, gate=None if gate is None else gate[:, 0],
-                eps=self.config.linear_attention_eps,
+                eps=self.config.linear_attention_eps, in_place=True,  # the cache owns the state (no autograd)
             )
             output = output[:, None]  # (B, 1, H, V)
         else:

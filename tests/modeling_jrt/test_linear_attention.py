@@ -384,6 +384,38 @@ def test_based_decay_parallel_equals_recurrent(with_gate):
     torch.testing.assert_close(oracle_state, state)
 
 
+@pytest.mark.parametrize("variant", ["prefix", "decay", "decay-gate"])
+def test_step_in_place_equals_functional(variant):
+    """`in_place=True` updates the given state tensor and gives the functional step's output and state; under
+    autograd, or for a state that is not contiguous, it leaves the state alone and returns a new one."""
+    heads = 3
+    q, k, v, _, _ = make_inputs(2, 1, heads, 4, 6, 0)
+    q, k, v = q[:, 0], k[:, 0], v[:, 0]
+    kwargs = {}
+    if variant != "prefix":
+        kwargs["log_decay"] = torch.log(torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64))
+    if variant == "decay-gate":
+        kwargs["gate"] = torch.rand(2, heads, dtype=torch.float64)
+    state = torch.randn(2, heads, num_taylor_features(4), 7, dtype=torch.float64).abs()
+    expected_out, expected_state = linear_attention_step(q, k, v, state.clone(), **kwargs)
+    owned = state.clone()
+    out, new_state = linear_attention_step(q, k, v, owned, in_place=True, **kwargs)
+    assert new_state is owned
+    torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(owned, expected_state, rtol=1e-12, atol=1e-12)
+
+    leaf = state.clone().requires_grad_(True)
+    out, new_state = linear_attention_step(q, k, v, leaf, in_place=True, **kwargs)
+    assert new_state is not leaf and torch.equal(leaf.detach(), state)
+    out.sum().backward()
+    assert leaf.grad is not None and leaf.grad.abs().sum() > 0
+
+    strided = state.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, not contiguous
+    out, new_state = linear_attention_step(q, k, v, strided, in_place=True, **kwargs)
+    assert torch.equal(strided, state)
+    torch.testing.assert_close(new_state, expected_state, rtol=1e-12, atol=1e-12)
+
+
 def test_prefill_state_then_step_equals_longer_prefill():
     """Decode consistency: state after N tokens + one step == the last row of the prefill over N + 1 tokens."""
     q, k, v, k_enc, v_enc = make_inputs(2, 26, 2, 4, 8, 10)
