@@ -548,11 +548,12 @@ def _scan_in_place(
     decoder_keys: torch.Tensor | None,
     encoder_keys: torch.Tensor | None,
     gate: torch.Tensor | None,
+    decay: torch.Tensor | None,
     taylor: _CompactTaylor,
     chunk_size: int,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked scan without autograd and without a decay: what every CPU prefill runs.
+    """The chunked scan without autograd: what every CPU prefill runs.
 
     The same arithmetic as `_scan_chunks` (inter-chunk read of the running state, intra-chunk `(C, C)` weights,
     state updates), organised for a CPU:
@@ -567,6 +568,11 @@ def _scan_in_place(
       6% faster than the chunk sums as one product plus a cumulative sum over the block);
     - the normalised rows go straight into the `(B, T, H, V)` output.
 
+    With the Based decay (`decay`, log gamma per head) the numerator columns decay as in `_scan_chunks`, chunk by
+    chunk: the intra-chunk numerator weights get gamma**(i - j) (the denominator's do not: its column is taken before),
+    the read of the state gamma**(i + 1), and the update is `S[:, :V] = gamma**L S[:, :V] + sum_j gamma**(L - 1 - j)
+    phi(k_j) v_j` for a chunk of L tokens (the last one may be shorter), the denominator column undecayed.
+
     Memory: the inputs, the output and O(block) scratch, whatever T is.
 
     Args:
@@ -574,6 +580,7 @@ def _scan_in_place(
         q, k, v: `(B, T, H, K / V)`; k_enc, v_enc: `(B, M, H, K / V)` or None.
         raw, decoder_keys, encoder_keys: the masks of `_key_masks` (None: every key counts).
         gate: `(B, T, H)` numerator gate, or None.
+        decay: `(H,)` log gamma in the compute dtype, or None.
 
     Returns:
         `(output (B, T, H, V) in the compute dtype, compact state after the last token (B, H, F', V + 1))`.
@@ -587,7 +594,8 @@ def _scan_in_place(
     encoder_block = max(1, min(encoder_length, ENCODER_BLOCK_TOKEN_HEADS // token_heads))
     # Per token-head of a block: q and k (K each, position last), [v, 1] and the combined output (W each), the
     # features of q and k (F' each), a row of (C, C) weights, the gate, raw-key and counted-key weights.
-    decoder_numel = block * chunk_size * token_heads * (2 * feature_dim + 2 * width + 2 * num_features + chunk_size + 3)
+    decoder_numel = block * chunk_size * token_heads * (2 * feature_dim + 2 * width + 2 * num_features + chunk_size + 4)
+    decoder_numel += chunk_size * token_heads * width  # the decayed scan's read of one chunk
     encoder_numel = encoder_block * token_heads * (feature_dim + width + num_features)
     workspace = _Workspace(max(decoder_numel, encoder_numel), q, dtype)
     running = state.reshape(token_heads, num_features, width).clone()  # (B H, F', W), updated in place
@@ -626,6 +634,16 @@ def _scan_in_place(
     gates = None if gate is None else workspace.take(*shape, chunk_size, 1)
     raw_weights = None if raw is None else workspace.take(*shape, 1, chunk_size)  # 0 / 1 per raw key
     counted_weights = workspace.take(*shape, chunk_size, 1)  # 0 / 1 per [v, 1] row (masks, padding)
+    if decay is not None:
+        position = torch.arange(chunk_size, device=q.device, dtype=dtype)
+        log_gamma = decay[:, None, None]  # (H, 1, 1)
+        distance = position[:, None] - position[None, :]  # (C, C): i - j
+        intra_decay = torch.exp(log_gamma * distance.clamp(min=0)).tril_()  # (H, C, C): gamma**(i - j), i >= j
+        read_decay = torch.exp(log_gamma[..., 0] * (position + 1))[..., None]  # (H, C, 1): gamma**(i + 1)
+        intra_denominator = workspace.take(*shape, chunk_size, 1)
+        read = workspace.take(token_heads, chunk_size, width)
+        read_numerator = read.view(batch_size, num_heads, chunk_size, width)[..., :value_dim]
+        running_numerator = running.view(batch_size, num_heads, num_features, width)[..., :value_dim]
     output = q.new_empty(batch_size, seq_len, num_heads, value_dim, dtype=dtype)
     for first in range(0, num_chunks, block):
         n = min(block, num_chunks - first)
@@ -651,11 +669,27 @@ def _scan_in_place(
         torch.bmm(q_n.flatten(0, 2).transpose(1, 2), k_n.flatten(0, 2), out=w_n)
         w_n.mul_(feature_dim**-0.5).add_(1.0)
         torch.addcmul(w_n.new_full((), 0.5), w_n, w_n, value=0.5, out=w_n).tril_()
-        torch.bmm(w_n, v_n.flatten(0, 2), out=o_n.flatten(0, 2))
-        # Inter-chunk, chunk by chunk: read the state before the chunk, then add the chunk's keys to it.
-        for c in range(n):
-            o_n[c].flatten(0, 1).baddbmm_(phi_q_n[c].flatten(0, 1).transpose(1, 2), running)
-            running.baddbmm_(phi_k_n[c].flatten(0, 1), v_n[c].flatten(0, 1))
+        if decay is None:
+            torch.bmm(w_n, v_n.flatten(0, 2), out=o_n.flatten(0, 2))
+            # Inter-chunk, chunk by chunk: read the state before the chunk, then add the chunk's keys to it.
+            for c in range(n):
+                o_n[c].flatten(0, 1).baddbmm_(phi_q_n[c].flatten(0, 1).transpose(1, 2), running)
+                running.baddbmm_(phi_k_n[c].flatten(0, 1), v_n[c].flatten(0, 1))
+        else:
+            # The denominator column from the undecayed weights, the numerator from gamma**(i - j) times them.
+            torch.bmm(w_n, v_n[..., value_dim:].flatten(0, 2), out=intra_denominator[:n].flatten(0, 2))
+            weights[:n].mul_(intra_decay)
+            torch.bmm(w_n, v_n.flatten(0, 2), out=o_n.flatten(0, 2))
+            o_n[..., value_dim:].copy_(intra_denominator[:n])
+            for c in range(n):
+                length = min(chunk_size, end - start - c * chunk_size)  # tokens in this chunk
+                torch.bmm(phi_q_n[c].flatten(0, 1).transpose(1, 2), running, out=read)
+                read_numerator.mul_(read_decay)
+                o_n[c].flatten(0, 1).add_(read)
+                # Each key's value decays to the chunk's end, the state over the chunk's L tokens.
+                v_n[c, ..., :value_dim].mul_(torch.exp(log_gamma * (length - 1 - position)[:, None]))
+                running_numerator.mul_(torch.exp(log_gamma * length))
+                running.baddbmm_(phi_k_n[c].flatten(0, 1), v_n[c].flatten(0, 1))
         numerator, denominator = o_n[..., :value_dim], o_n[..., value_dim:].add_(eps)
         if gates is not None:
             _copy_chunk_major(gates[:n], gate[:, start:end, :, None], position_last=False)
@@ -723,8 +757,8 @@ def prefix_linear_attention_chunked(
     `_CompactTaylor` (153 instead of 273 rows for K = 16); the state is returned in the full layout. Three
     executions of the same arithmetic:
 
-    - without autograd (inference), eagerly: `_scan_in_place`, blocks of chunks in reused buffers (no decay; with a
-      decay the batched scan below, without autograd);
+    - without autograd (inference), eagerly: `_scan_in_place`, blocks of chunks in one reused workspace, the state
+      read and updated chunk by chunk (the Based decay included);
     - with autograd: `_scan_chunks`, one batched op per step for a block of chunks, blocks of about
       `BLOCK_TOKEN_HEADS` token-heads eagerly (memory O(block x state)) and one block for the whole sequence under
       torch.compile (a graph without a loop over T);
@@ -808,12 +842,13 @@ def _chunked_prefill(
         state = taylor.compress(initial_state.to(dtype))  # (B, H, F', V + 1)
         residual = initial_state.to(dtype) - taylor.expand(state)  # (B, H, F, V + 1)
 
-    if in_place and log_decay is None:
+    if in_place:
+        decay = None if log_decay is None else log_decay.to(dtype)
         output, state = _scan_in_place(
             state, q, k, v, k_enc, v_enc, raw=raw, decoder_keys=decoder_keys, encoder_keys=encoder_keys, gate=gate,
-            taylor=taylor, chunk_size=chunk_size, eps=eps,
+            decay=decay, taylor=taylor, chunk_size=chunk_size, eps=eps,
         )
-        return output.to(output_dtype), _full_state(state, residual, taylor, None, seq_len)
+        return output.to(output_dtype), _full_state(state, residual, taylor, decay, seq_len)
 
     # 1. Encoder reduction: state += sum_m phi(k_enc_m) [v_enc_m, 1] over each row's range, in blocks of tokens.
     if k_enc is not None:

@@ -362,14 +362,18 @@ def test_prefix_is_non_causal_and_decoder_is_causal():
     assert (changed[:, 11:] - base[:, 11:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("chunk_size", [5, 32], ids=["chunks-of-5", "one-short-chunk"])
 @pytest.mark.parametrize("with_gate", [False, True])
-def test_based_decay_parallel_equals_recurrent(with_gate):
-    """Parallel (chunked and oracle) decay form == its recurrent definition S_t = gamma S_{t-1} + phi(k_t) v_t."""
+def test_based_decay_parallel_equals_recurrent(with_gate, chunk_size):
+    """Parallel (chunked and oracle) decay form == its recurrent definition S_t = gamma S_{t-1} + phi(k_t) v_t; the
+    chunked scan here is the inference one (no autograd), whose last chunk decays over its own length."""
     heads = 3
     q, k, v, _, _ = make_inputs(2, 21, heads, 4, 6, 0)
     log_decay = torch.log1p(-torch.pow(2.0, -3.0 - torch.arange(heads, dtype=torch.float64)))
     gate = torch.randn(2, 21, heads, dtype=torch.float64) if with_gate else None
-    parallel, parallel_state = prefix_linear_attention_chunked(q, k, v, log_decay=log_decay, gate=gate, chunk_size=5)
+    parallel, parallel_state = prefix_linear_attention_chunked(
+        q, k, v, log_decay=log_decay, gate=gate, chunk_size=chunk_size
+    )
     oracle, oracle_state = prefix_linear_attention_quadratic(q, k, v, log_decay=log_decay, gate=gate)
     state = torch.zeros(2, heads, num_taylor_features(4), 7, dtype=torch.float64)
     steps = []
