@@ -593,7 +593,8 @@ def _scan_in_place(
     encoder_length = 0 if k_enc is None else k_enc.shape[1]
     encoder_block = max(1, min(encoder_length, ENCODER_BLOCK_TOKEN_HEADS // token_heads))
     # Per token-head of a block: q and k (K each, position last), [v, 1] and the combined output (W each), the
-    # features of q and k (F' each), a row of (C, C) weights, the gate, raw-key and counted-key weights.
+    # features of q and k (F' each), a row of (C, C) weights, the gate, raw-key and counted-key weights and the
+    # decayed scan's intra-chunk denominator.
     decoder_numel = block * chunk_size * token_heads * (2 * feature_dim + 2 * width + 2 * num_features + chunk_size + 4)
     decoder_numel += chunk_size * token_heads * width  # the decayed scan's read of one chunk
     encoder_numel = encoder_block * token_heads * (feature_dim + width + num_features)
@@ -602,24 +603,9 @@ def _scan_in_place(
     as_dtype = (lambda mask: None if mask is None else mask.to(dtype))
     raw, decoder_keys, encoder_keys = as_dtype(raw), as_dtype(decoder_keys), as_dtype(encoder_keys)
 
-    # 1. Encoder reduction: running += phi(K_enc)^T [V_enc, 1] over each row's range, in blocks of m tokens.
+    # 1. Encoder reduction: running += phi(K_enc)^T [V_enc, 1] over each row's range.
     if k_enc is not None:
-        keys = workspace.take(batch_size, num_heads, feature_dim, encoder_block)
-        values = workspace.take(batch_size, num_heads, encoder_block, width)
-        phi = workspace.take(batch_size, num_heads, num_features, encoder_block)
-        for start in range(0, encoder_length, encoder_block):
-            end = min(start + encoder_block, encoder_length)
-            m = end - start
-            keys_m, values_m, phi_m = keys[..., :m], values[:, :, :m], phi[..., :m]
-            keys_m.copy_(k_enc[:, start:end].permute(0, 2, 3, 1))
-            if raw is not None:  # "reference": a masked raw key is 0
-                keys_m.mul_(raw[:, None, None, start:end])
-            values_m[..., :value_dim].copy_(v_enc[:, start:end].transpose(1, 2))
-            values_m[..., value_dim] = 1.0
-            if encoder_keys is not None:  # outside the row's range (or a strict pad): no encoder key
-                values_m.mul_(encoder_keys[:, None, start:end, None])
-            taylor.features(keys_m, key=True, out=phi_m)
-            running.baddbmm_(phi_m.flatten(0, 1), values_m.flatten(0, 1))
+        _add_encoder_in_place(running, k_enc, v_enc, raw, encoder_keys, taylor, workspace, encoder_block)
 
     # 2. Causal scan, in blocks of n chunks (the encoder's buffers are free again).
     workspace.reset()
@@ -696,6 +682,39 @@ def _scan_in_place(
             numerator.mul_(gates[:n])
         _divide_into_rows(output[:, start:end], numerator, denominator)
     return output, running.view(state.shape)
+
+
+def _add_encoder_in_place(
+    running: torch.Tensor,
+    k_enc: torch.Tensor,
+    v_enc: torch.Tensor,
+    raw: torch.Tensor | None,
+    encoder_keys: torch.Tensor | None,
+    taylor: _CompactTaylor,
+    workspace: _Workspace,
+    block: int,
+) -> None:
+    """running `(B H, F', V + 1)` += phi(K_enc)^T [V_enc, 1] over each row's encoder range, `block` tokens at a time
+    (one product per block: the encoder has no causal structure). `raw` / `encoder_keys` `(B, >= M)` are the 0 / 1
+    masks of `_scan_in_place` in the compute dtype (None: every key counts)."""
+    batch_size, encoder_length, num_heads, feature_dim = k_enc.shape
+    value_dim = v_enc.shape[-1]
+    keys = workspace.take(batch_size, num_heads, feature_dim, block)
+    values = workspace.take(batch_size, num_heads, block, value_dim + 1)
+    phi = workspace.take(batch_size, num_heads, taylor.num_features, block)
+    for start in range(0, encoder_length, block):
+        end = min(start + block, encoder_length)
+        m = end - start
+        keys_m, values_m, phi_m = keys[..., :m], values[:, :, :m], phi[..., :m]
+        keys_m.copy_(k_enc[:, start:end].permute(0, 2, 3, 1))
+        if raw is not None:  # "reference": a masked raw key is 0
+            keys_m.mul_(raw[:, None, None, start:end])
+        values_m[..., :value_dim].copy_(v_enc[:, start:end].transpose(1, 2))
+        values_m[..., value_dim] = 1.0
+        if encoder_keys is not None:  # outside the row's range (or a strict pad): no encoder key
+            values_m.mul_(encoder_keys[:, None, start:end, None])
+        taylor.features(keys_m, key=True, out=phi_m)
+        running.baddbmm_(phi_m.flatten(0, 1), values_m.flatten(0, 1))
 
 
 def _divide_into_rows(destination: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor) -> None:
