@@ -3,7 +3,10 @@
 Every kernel of `jrt_kernels` is compiled for sm_90 and sm_80 (one build per autotune config) from the exact
 arguments its launcher passes: the launcher runs on small CPU tensors with the paper's B, H, K and V (strides and
 constexprs are what the real call specialises on; T and M are not specialised), the launch is intercepted, and
-triton's own binder turns the arguments into the compile signature. Then
+triton's own binder turns the arguments into the compile signature. Each case is built for every launch kind
+(`VARIANTS`): "plain" (an encoder prefix), "mask+state" (a key mask and an initial state; its one-range rows are
+launched apart and reported as "range+state") and "decay+gate" (the Based checkpoints: fixed per-head decay,
+numerator gate, no encoder; the backward's dq scan in its recomputing form). Then
 
     ptxas -v        registers per thread, spill stores/loads, stack frame (spills make slow local-memory traffic)
     metadata        shared memory per program, checked against the architecture's per-block limit
@@ -56,6 +59,15 @@ ARCHS = {
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PAPER = dict(B=16, H=16, K=16, V=64)
 PAPER_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+# Launch kinds built per case: key mask and initial state (a mask of the same kind in every row; a key-mask launch
+# pair reports its one-range rows as "range+state"), and the encoder (M = N / 2 in the estimates, else 0). "decay+gate"
+# is the Based checkpoints' kind (a fixed per-head decay, an input-dependent numerator gate, no encoder): the backward
+# launches its dq scan in the RECOMPUTE form (the gate's gradient needs the ungated numerator).
+VARIANTS = {
+    "plain": dict(padded=False, encoder=True, based=False),
+    "mask+state": dict(padded=True, encoder=True, based=False),
+    "decay+gate": dict(padded=False, encoder=False, based=True),
+}
 
 # SASS opcode (first dot-separated part) -> class.
 CLASSES = {
@@ -112,7 +124,7 @@ def configs_of(case: Case, launch: Launch, arch: int) -> list[triton.Config]:
     """The configs `arch` would autotune over (the case's own list per architecture, else the autotuner's), or the
     launch's own options for a plain jit kernel."""
     if case.configs is not None:
-        return case.configs(arch, kernel_name(launch))
+        return case.configs(arch, kernel_name(launch), launch.kwargs)
     if isinstance(launch.kernel, Autotuner):
         return list(launch.kernel.configs)
     options = {name: launch.kwargs[name] for name in ("num_warps", "num_stages") if name in launch.kwargs}
@@ -227,21 +239,22 @@ def sass_loops(sass: str) -> tuple[list[dict], dict[str, int]]:
 class Case:
     """A kernel launch to build: how to trigger it, and its per-program loop trip counts and grid at a shape.
 
-    `trips(kernel, meta, T, M)` gives the trip count of each top-level loop of the named kernel in source order;
-    `programs(meta, B, H, T, M)` the number of programs. `flops(T, M)` / `bytes(T, M, element_size)` per
-    (batch, head) give the floors of the whole case (all its launches). `configs(arch, kernel)`, when given, is the
-    list a GPU of that architecture autotunes over or launches the named kernel with (default first); otherwise the
-    autotuner's own list, or a plain launch's own options.
+    `launch(dtype, variant)` runs the launcher with the inputs of a `VARIANTS` kind. `trips(kernel, meta, T, M)`
+    gives the trip count of each top-level loop of the named kernel in source order; `programs(meta, B, H, T, M)`
+    the number of programs. `flops(T, M)` / `bytes(T, M, element_size)` per (batch, head) give the floors of the
+    whole case (all its launches). `configs(arch, kernel, kwargs)`, when given, is the list a GPU of that
+    architecture autotunes over or launches the named kernel with (default first; the launch's kwargs say which form
+    of a scan it is); otherwise the autotuner's own list, or a plain launch's own options.
     """
 
     name: str
     kernels: Callable[[], list]
-    launch: Callable[[torch.dtype, bool], None]
+    launch: Callable[[torch.dtype, str], None]
     trips: Callable[[str, dict, int, int], list[int]]
     programs: Callable[[dict, int, int, int, int], int]
     flops: Callable[[int, int], float]
     bytes: Callable[[int, int, int], float]
-    configs: Callable[[int, str], list[triton.Config]] | None = None  # per (architecture, kernel), default first
+    configs: Callable[[int, str, dict], list[triton.Config]] | None = None  # per (arch, kernel, launch kwargs)
 
 
 def _pla_flops(T: int, M: int, K: int = 16, V: int = 64, chunk: int = 64) -> float:
@@ -257,16 +270,14 @@ def _pla_bytes(T: int, M: int, element_size: int, K: int = 16, V: int = 64) -> f
 def _forward_case() -> Case:
     from jrt_kernels import prefix_linear_attention as module
 
-    def launch(dtype: torch.dtype, padded: bool) -> None:
+    def launch(dtype: torch.dtype, variant: str) -> None:
         B, H, K, V = PAPER["B"], PAPER["H"], PAPER["K"], PAPER["V"]
         T, M = 64, 32
         q, k = torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype)
         v = torch.randn(B, T, H, V, dtype=dtype)
-        k_enc, v_enc = torch.randn(B, M, H, K, dtype=dtype), torch.randn(B, M, H, V, dtype=dtype)
-        mask = torch.ones(B, T, dtype=torch.bool) if padded else None
-        state = torch.zeros(B, H, 1 + K + K * K, V + 1) if padded else None
-        start, end = torch.zeros(B, dtype=torch.long), torch.full((B,), M, dtype=torch.long)
-        module._prefix_linear_attention_fwd(q, k, v, k_enc, v_enc, start, end, mask, state, None, None, True, 1e-12)
+        k_enc, v_enc, start, end, mask, state, log_decay, gate = _variant_inputs(variant, dtype, B, T, M, H, K, V)
+        module._prefix_linear_attention_fwd(q, k, v, k_enc, v_enc, start, end, mask, state, log_decay, gate, True,
+                                            1e-12)
 
     return Case(
         name="prefix_linear_attention_fwd",
@@ -276,24 +287,23 @@ def _forward_case() -> Case:
         programs=lambda meta, B, H, T, M: math.ceil(PAPER["V"] / meta.get("BV", PAPER["V"])) * B * H,
         flops=lambda T, M: _pla_flops(T, M),
         bytes=lambda T, M, size: _pla_bytes(T, M, size),
-        configs=lambda arch, kernel: module.configs_for_architecture(arch // 10),
+        configs=lambda arch, kernel, kwargs: module.configs_for_architecture(arch // 10),
     )
 
 
 def _backward_case() -> Case:
     from jrt_kernels import prefix_linear_attention_backward as module
 
-    def launch(dtype: torch.dtype, padded: bool) -> None:
+    def launch(dtype: torch.dtype, variant: str) -> None:
         B, H, K, V = PAPER["B"], PAPER["H"], PAPER["K"], PAPER["V"]
         T, M = 64, 32
         q, k = torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype)
         v, do = torch.randn(B, T, H, V, dtype=dtype), torch.randn(B, T, H, V, dtype=dtype)
-        k_enc, v_enc = torch.randn(B, M, H, K, dtype=dtype), torch.randn(B, M, H, V, dtype=dtype)
-        mask = torch.ones(B, T, dtype=torch.bool) if padded else None
-        state = torch.zeros(B, H, 1 + K + K * K, V + 1) if padded else None
+        k_enc, v_enc, start, end, mask, state, log_decay, gate = _variant_inputs(variant, dtype, B, T, M, H, K, V)
         y = torch.randn(B, T, H, V, dtype=dtype)  # the forward's output, saved by the op's autograd
-        module.prefix_linear_attention_backward(q, k, v, k_enc, v_enc, do, state, key_mask=mask,
-                                                initial_state=state, output=y)
+        module.prefix_linear_attention_backward(q, k, v, k_enc, v_enc, do, state, encoder_start=start,
+                                                encoder_end=end, key_mask=mask, initial_state=state,
+                                                log_decay=log_decay, gate=gate, output=y)
 
     def trips(kernel: str, meta: dict, T: int, M: int) -> list[int]:
         encoder, decoder = math.ceil(M / meta["BT"]), math.ceil(T / meta["BT"])
@@ -307,12 +317,33 @@ def _backward_case() -> Case:
         programs=lambda meta, B, H, T, M: math.ceil(PAPER["V"] / meta.get("BV", PAPER["V"])) * B * H,
         flops=lambda T, M: 2 * _pla_flops(T, M),  # dq (with the state rebuilt) + dk/dv: about 2 forwards
         bytes=lambda T, M, size: 2 * _pla_bytes(T, M, size),
-        configs=lambda arch, kernel: [
+        configs=lambda arch, kernel, kwargs: [
             triton.Config({"BT": BT, **({} if "dq" in kernel else module.dkv_constexprs(arch // 10))},
                           num_warps=warps, num_stages=1)
-            for BT, warps in module.configs_for_architecture(arch // 10)["dq" if "dq" in kernel else "dkv"]
+            for BT, warps in module.configs_for_architecture(arch // 10)[_backward_scan(kernel, kwargs)]
         ],
     )
+
+
+def _backward_scan(kernel: str, kwargs: dict) -> str:
+    """The key of `configs_for_architecture` that the backward launcher takes for this launch of `kernel`."""
+    if "dq" not in kernel:
+        return "dkv"
+    return "dq_recompute" if kwargs.get("RECOMPUTE") else "dq"
+
+
+def _variant_inputs(variant: str, dtype: torch.dtype, B: int, T: int, M: int, H: int, K: int, V: int) -> tuple:
+    """(k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate) of a `VARIANTS` kind."""
+    kind = VARIANTS[variant]
+    M = M if kind["encoder"] else 0
+    k_enc = torch.randn(B, M, H, K, dtype=dtype) if M else None
+    v_enc = torch.randn(B, M, H, V, dtype=dtype) if M else None
+    start, end = torch.zeros(B, dtype=torch.long), torch.full((B,), M, dtype=torch.long)
+    mask = torch.ones(B, T, dtype=torch.bool) if kind["padded"] else None
+    state = torch.zeros(B, H, 1 + K + K * K, V + 1) if kind["padded"] else None
+    log_decay = torch.log(torch.linspace(0.9, 0.999, H)) if kind["based"] else None
+    gate = torch.rand(B, T, H, dtype=dtype) if kind["based"] else None
+    return k_enc, v_enc, start, end, mask, state, log_decay, gate
 
 
 def all_cases() -> list[Case]:
@@ -322,10 +353,10 @@ def all_cases() -> list[Case]:
 # ------------------------------------------------------------------------------------------------------ the report
 
 
-def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtype: str, padded: bool) -> dict:
+def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtype: str, variant: str) -> dict:
     """Compile one (launch, config, arch) and measure it; a build error becomes the row's `error`."""
     meta = {**launch.kwargs, **config.kwargs}
-    variant = "mask+state" if padded else "plain"
+    encoder = VARIANTS[variant]["encoder"]
     if launch.kwargs.get("MASK") == 1:  # the forward's launch for the rows whose key mask is one range
         variant = "range+state"
     row = dict(
@@ -352,18 +383,20 @@ def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtyp
     row["loops"] = loops
     row["total_instructions"] = sum(whole.values())
     row["compile_s"] = round(time.perf_counter() - started, 1)
-    row["estimates"] = estimates(case, row, meta, arch, dtype)
+    row["estimates"] = estimates(case, row, meta, arch, dtype, encoder)
     return row
 
 
-def estimates(case: Case, row: dict, meta: dict, arch: int, dtype: str) -> dict[int, dict[str, float]]:
-    """Issue-bound, tensor-core and memory floors (ms) at the paper shape for each N (M = N / 2)."""
+def estimates(case: Case, row: dict, meta: dict, arch: int, dtype: str, encoder: bool = True
+              ) -> dict[int, dict[str, float]]:
+    """Issue-bound, tensor-core and memory floors (ms) at the paper shape for each N (M = N / 2, or 0 without an
+    encoder)."""
     spec = ARCHS[arch]
     size = DTYPES[dtype].itemsize
     in_loops = sum(loop["count"] for loop in row["loops"])
     out = {}
     for T in PAPER_LENGTHS:
-        M = T // 2
+        M = T // 2 if encoder else 0
         trips = case.trips(row["kernel"], meta, T, M)
         if len(trips) != len(row["loops"]):
             out[T] = dict(issue_ms=float("nan"))
@@ -378,7 +411,7 @@ def estimates(case: Case, row: dict, meta: dict, arch: int, dtype: str) -> dict[
 
 
 def format_row(row: dict) -> str:
-    head = f"{row['kernel'].strip('_'):<28} sm_{row['arch']} {row['dtype']:<4} {row['variant']:<10} {row['config']:<22}"
+    head = f"{row['kernel'].strip('_'):<28} sm_{row['arch']} {row['dtype']:<4} {row['variant']:<11} {row['config']:<22}"
     if "error" in row:
         return f"{head} BUILD ERROR {row['error']}"
     smem = f"{row['shared'] / 1024:6.1f}KB" + ("" if row["smem_ok"] else " OVER")
@@ -402,7 +435,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, nargs="*", default=sorted(ARCHS, reverse=True), choices=sorted(ARCHS))
     parser.add_argument("--dtype", nargs="*", default=list(DTYPES), choices=list(DTYPES))
-    parser.add_argument("--variant", nargs="*", default=["plain", "mask+state"], choices=["plain", "mask+state"])
+    parser.add_argument("--variant", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="launch kinds (default: all): " + ", ".join(VARIANTS))
     parser.add_argument("--kernel", nargs="*", default=None,
                         help="cases: prefix_linear_attention_fwd, prefix_linear_attention_bwd (default: all)")
     parser.add_argument("--configs", type=int, default=None, help="only the first N autotune configs")
@@ -412,7 +446,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         sys.exit("kernel_aot.py compiles real GPU code: unset TRITON_INTERPRET (it makes triton.jit interpret on CPU).")
 
     print(f"triton {triton.__version__}, torch {torch.__version__}; paper shape B={PAPER['B']} H={PAPER['H']} "
-          f"K={PAPER['K']} V={PAPER['V']}, M=N/2; issue bound = instructions x warps x programs / (SMs x 4 x clock)")
+          f"K={PAPER['K']} V={PAPER['V']}, M=N/2 (decay+gate: 0); issue bound = instructions x warps x programs / "
+          "(SMs x 4 x clock)")
     for arch in args.arch:
         spec = ARCHS[arch]
         print(f"  {spec['name']}: {spec['sms']} SMs, {spec['clock'] / 1e9:.2f} GHz, smem/block {spec['smem']} B")
@@ -422,11 +457,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             continue
         for dtype in args.dtype:
             for variant in args.variant:
-                launches = capture_launches(case.kernels(), lambda: case.launch(DTYPES[dtype], variant != "plain"))
+                launches = capture_launches(case.kernels(), lambda: case.launch(DTYPES[dtype], variant))
                 for launch in launches:
                     for arch in args.arch:
                         for index, config in enumerate(configs_of(case, launch, arch)[: args.configs]):
-                            row = build_row(case, launch, config, arch, dtype, variant != "plain")
+                            row = build_row(case, launch, config, arch, dtype, variant)
                             row["default"] = index == 0
                             print(format_row(row), flush=True)
                             rows.append(row)

@@ -72,3 +72,24 @@ def test_plain_kernel_options_serve_every_architecture(kernel_aot):
     for arch in (90, 80):
         (config,) = kernel_aot.configs_of(case, launch, arch)
         assert (config.num_warps, config.num_stages) == (8, 1)
+
+
+def test_gated_based_backward_variant_builds_both_scans(tmp_path):
+    """The "decay+gate" variant (the Based checkpoints' backward: the recomputing dq scan and the dk/dv scan with
+    decay and gate, no encoder) builds both scans at their sm_80 defaults."""
+    output = tmp_path / "aot.json"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run(
+        [sys.executable, str(TOOL), "--arch", "80", "--dtype", "bf16", "--variant", "decay+gate", "--configs", "1",
+         "--kernel", "prefix_linear_attention_bwd", "--json", str(output)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(output.read_text())
+    assert [row["kernel"] for row in rows] == ["_pla_bwd_dq_kernel", "_pla_bwd_dkv_kernel"], rows
+    for row in rows:
+        assert "error" not in row and row["variant"] == "decay+gate" and row["default"], row
+        assert row["registers"] > 0
+        # no encoder: the estimate runs the decoder loop only (M = 0)
+        assert row["estimates"]["32768"]["issue_ms"] > 0
