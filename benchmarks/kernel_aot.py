@@ -319,7 +319,7 @@ def _backward_case() -> Case:
         bytes=lambda T, M, size: 2 * _pla_bytes(T, M, size),
         configs=lambda arch, kernel, kwargs: [
             triton.Config({"BT": BT, **({} if "dq" in kernel else module.dkv_constexprs(arch // 10))},
-                          num_warps=warps, num_stages=1)
+                          num_warps=warps, num_stages=1, **module.launch_options(arch // 10))
             for BT, warps in module.configs_for_architecture(arch // 10)[_backward_scan(kernel, kwargs)]
         ],
     )
@@ -362,7 +362,7 @@ def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtyp
     row = dict(
         kernel=kernel_name(launch), arch=arch, dtype=dtype, variant=variant,
         config=" ".join(f"{key}={value}" for key, value in config.kwargs.items())
-        + f" w{config.num_warps} s{config.num_stages}",
+        + f" w{config.num_warps} s{config.num_stages}" + (f" r{config.maxnreg}" if config.maxnreg else ""),
         num_warps=config.num_warps,
     )
     started = time.perf_counter()

@@ -589,15 +589,17 @@ INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
 #   64 tokens and 4 warps each warp owns 16 whole rows, so the pair weights u = v Ro^T (wgmma, M = 64) feed the
 #   scatter's A operand straight from registers.
 # - other architectures (sm_80): dq (16, 4) (the feature-major dq scan spills 4 – 5x less there than at (32, 4), at
-#   about the same estimate; at (64, 4) it falls to 32 registers); dk/dv (32, 4) keeps 255 registers without a
-#   key mask; its selection matrices come from a table at each use there (`dkv_constexprs`).
-# - "dq_recompute": the dq scan that reads the numerator from the state again (a gate, or no saved output). On
-#   sm_80 it falls to 32 registers at (16, 4) without a gate; (32, 4) keeps 255 (with a gate every config falls to 32,
-#   as it did before the saved output).
+#   about the same estimate); dk/dv (32, 4) keeps 255 registers without a key mask; its selection matrices come from
+#   a table at each use there (`dkv_constexprs`). Both scans there carry `.maxnreg 255` (`launch_options`): without
+#   it ptxas gave the gated dq scan (every config) and the dq scans at (64, 4) 32 registers.
+# - "dq_recompute": the dq scan that reads the numerator from the state again (a gate, or no saved output). sm_90
+#   (16, 4) spills least ((32, 4) issues a quarter less with the gate, at twice the spills); sm_80 (32, 4) ((16, 4)
+#   spills half as much at a fifth more issue, (64, 4) twice as much; docs/kernels.md "Pass 5").
 # The interpreter (CPU tests) takes the "other" list.
 _ARCH_CONFIGS = {
-    "sm_90": {"dq": [(16, 4), (32, 4)], "dq_recompute": [(16, 4)], "dkv": [(64, 4), (32, 4), (64, 8)]},
-    "other": {"dq": [(16, 4), (32, 4)], "dq_recompute": [(32, 4)], "dkv": [(32, 4), (64, 4), (32, 8)]},
+    "sm_90": {"dq": [(16, 4), (32, 4)], "dq_recompute": [(16, 4), (32, 4)], "dkv": [(64, 4), (32, 4), (64, 8)]},
+    "other": {"dq": [(16, 4), (32, 4)], "dq_recompute": [(32, 4), (16, 4), (64, 4)],
+              "dkv": [(32, 4), (64, 4), (32, 8)]},
 }
 
 
@@ -613,6 +615,15 @@ def dkv_constexprs(major: int) -> dict[str, bool]:
     at each use instead of held in registers across the loop (kept off sm_90, where the B operands stay in shared
     memory across the loop anyway and the table loads cost more than they save; docs/kernels.md "Pass 3")."""
     return {"SEL_TABLE": major != 9}
+
+
+def launch_options(major: int) -> dict[str, int]:
+    """Compile options of both scans for a CUDA GPU of compute capability `major`.x. Off sm_90: `maxnreg=255`, which
+    puts `.maxnreg 255` into the PTX. Without a register bound there (triton emits only `.reqntid`), the sm_80 ptxas
+    of triton 3.9 gives some large builds 32 registers and 7 – 32 KB of spills (the gated Based dq scan at every
+    config, the dq scans at (64, 4)); with it they keep 255, and the builds that had 255 are unchanged. sm_90 keeps
+    the default (there the bound moves the dk/dv scan's spills, mostly up; docs/kernels.md "Pass 5")."""
+    return {} if major == 9 else {"maxnreg": 255}
 
 
 def _selection_table(K: int, BK: int, BH: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -687,6 +698,7 @@ def prefix_linear_attention_backward(
     major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
     recompute = output is None or gate is not None
     configs = configs_for_architecture(major)
+    options = launch_options(major) if device.type == "cuda" and torch.version.hip is None else {}
     (BT_DQ, warps_dq), (BT_DKV, warps_dkv) = configs["dq_recompute" if recompute else "dq"][0], configs["dkv"][0]
     if chunk_size is not None:
         BT_DQ = BT_DKV = chunk_size
@@ -727,7 +739,7 @@ def prefix_linear_attention_backward(
             q, k, v, ke, ve, mask, key_rows, encoder_start, encoder_end, state_in, decay_in, gate_in, grad_output,
             y, dq, rden, dcol, rden if dgate is None else dgate,
             *strides, *y.stride(), T, M, eps, K**-0.25, BT=BT_DQ, MASK=mask_kind,
-            HAS_INITIAL_STATE=initial_state is not None, RECOMPUTE=recompute, num_warps=warps_dq, **common,
+            HAS_INITIAL_STATE=initial_state is not None, RECOMPUTE=recompute, num_warps=warps_dq, **options, **common,
         )
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
     sel = sel_s = rden
@@ -740,7 +752,7 @@ def prefix_linear_attention_backward(
             q, k, v, ke, ve, mask, key_rows, encoder_start, encoder_end, rden, dcol, decay_in, gate_in, grad_output,
             dstate, dk, dv, dke, dve, dstate_in, sel, sel_s,
             *strides, T, M, K**-0.25, BT=BT_DKV, MASK=mask_kind, HAS_DSTATE=grad_state is not None,
-            num_warps=warps_dkv, **dkv_constexprs(major), **common,
+            num_warps=warps_dkv, **dkv_constexprs(major), **options, **common,
         )
     if grad_state is not None and initial_state is not None:
         # dS's antisymmetric 2nd-order part reaches the initial state unread (numerator decayed over the T tokens)
