@@ -271,36 +271,38 @@ def _pla_bwd_dq_kernel(
         if HAS_GATE:
             b_gt = b_gt * b_gate[None, :]
 
-        # inter-chunk, transposed: dq'^T = h1 g^T + q'^T * (hd g^T) + pairs (ho g^T) scattered + c (z1 + Z_sym q').
-        # The state is the A operand of each product (feature-major). [BK, BT]
-        b_gst = b_gt * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :] if HAS_DECAY else b_gt
-        # The denominator's 2nd order c Z_sym q' is split like the numerator's: its diagonal joins hd g and its
-        # pairs c Z_ij join the pair weights u = ho g in fp32, before u x is rounded for the scatter; the two cancel
-        # (G_i . [v_j, 1] = dy_i . (v_j - y_i) / (den_i + eps)), so what is rounded is the small sum.
-        b_dqt = _dot(b_h1, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_z1[:, None]
-        b_dqt += b_qt * (_dot(b_hd, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zd[:, None])
-        # (the pair terms from the raw gathered queries, the key scale applied to their [BK, BT] sum)
-        b_ut = _dot(b_hoa, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpa[:, None]
-        b_dqp = _dot(b_eia, b_ut * _select(b_ejta, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-        b_dqp += _dot(b_eja, b_ut * _select(b_eita, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-        b_ut = _dot(b_hob, b_gst, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpb[:, None]
-        b_dqp += _dot(b_eib, b_ut * _select(b_ejtb, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-        b_dqp += _dot(b_ejb, b_ut * _select(b_eitb, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-        b_dqt += b_dqp * key_scale
-        # the chunk's raw keys [BK, BT] and values [BT, BV] (loaded here, after the inter-chunk terms: fewer tiles
-        # live during the pair scatter)
+        # intra-chunk first: dw_ji = G_i . [gamma**(i - j) v_j, 1], ds_ji = dw_ji (1 + s_ji) [BT keys, BT queries],
+        # dq'^T = K'^T ds^T. Before the inter-chunk terms, so that s and ds are dead during the pair scatter and g is
+        # decayed in place for it. The chunk's raw keys [BK, BT] and values [BT, BV] stay for the state update.
         b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
         b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
         if MASK != 0:
             b_ktr = tl.where(b_raw[None, :] & b_w[None, :], b_ktr, 0.0)
             b_v = tl.where(b_w[:, None], b_v, 0.0)
         b_kt = b_ktr * key_scale
-        # intra-chunk: dw_ji = G_i . [gamma**(i - j) v_j, 1], ds_ji = dw_ji (1 + s_ji). [BT keys, BT queries]
         b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
         if HAS_DECAY:
             b_dwt = b_dwt * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))
         b_dst = tl.where(b_causal, (b_dwt + b_c[None, :]) * (1.0 + b_st), 0.0)
-        b_dqt += _dot(b_kt, b_dst, DOT, EMULATE, PRECISION)
+        b_dqt = _dot(b_kt, b_dst, DOT, EMULATE, PRECISION)
+
+        # inter-chunk, transposed: dq'^T += h1 g^T + q'^T * (hd g^T) + pairs (ho g^T) scattered + c (z1 + Z_sym q').
+        # The state is the A operand of each product (feature-major); decayed, it is gamma**(p + 1) old. [BK, BT]
+        if HAS_DECAY:
+            b_gt = b_gt * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]
+        # The denominator's 2nd order c Z_sym q' is split like the numerator's: its diagonal joins hd g and its
+        # pairs c Z_ij join the pair weights u = ho g in fp32, before u x is rounded for the scatter; the two cancel
+        # (G_i . [v_j, 1] = dy_i . (v_j - y_i) / (den_i + eps)), so what is rounded is the small sum.
+        b_dqt += _dot(b_h1, b_gt, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_z1[:, None]
+        b_dqt += b_qt * (_dot(b_hd, b_gt, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zd[:, None])
+        # (the pair terms from the raw gathered queries, the key scale applied to their [BK, BT] sum)
+        b_ut = _dot(b_hoa, b_gt, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpa[:, None]
+        b_dqp = _dot(b_eia, b_ut * _select(b_ejta, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_dqp += _dot(b_eja, b_ut * _select(b_eita, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_ut = _dot(b_hob, b_gt, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpb[:, None]
+        b_dqp += _dot(b_eib, b_ut * _select(b_ejtb, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_dqp += _dot(b_ejb, b_ut * _select(b_eitb, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+        b_dqt += b_dqp * key_scale
         p_out = p_dq + o_t[None, :] * s_qt + o_k[:, None] * s_qk
         tl.store(p_out, (b_dqt * key_scale).to(dq.dtype.element_ty), mask=m_k[:, None] & m_t[None, :])
 
