@@ -241,70 +241,103 @@ def _pla_bwd_dq_kernel(
         b_rden = 1.0 / (b_den + eps)
         b_dot = _tile(p_do, o_v, m_v, s_ov, o_t, m_t, s_ot)  # dy^T [BV, BT]
         if RECOMPUTE:
-            # the (ungated) numerator [BV, BT], as the forward reads it (here the state is transposed first)
-            b_num = b_h0[:, None] + _dot(tl.trans(b_h1), b_qt, SDOT, EMULATE, PRECISION)
-            b_num += _dot(tl.trans(b_hd), 0.5 * (b_qt * b_qt), SDOT, EMULATE, PRECISION)
-            b_num += _dot(tl.trans(b_hoa), _pair_features_t(b_qtr, b_eita, b_ejta, key_scale, DOT, EMULATE), SDOT,
-                          EMULATE, PRECISION)
-            b_num += _dot(tl.trans(b_hob), _pair_features_t(b_qtr, b_eitb, b_ejtb, key_scale, DOT, EMULATE), SDOT,
-                          EMULATE, PRECISION)
-            b_vt = tl.where(b_w[None, :], _tile(p_v, o_v, m_v, s_vv, o_t, m_t, s_vt), 0.0)
+            # dy . num (the ungated numerator, read as the forward reads it) from the products of dy^T with the state
+            # and with the chunk's values, which dq's terms share: g = dy / (den + eps) (times the gate) is dy^T
+            # scaled per query, so h g^T is h dy^T scaled and dw = V g^T is V dy^T scaled. Only dy's and the state's
+            # rounding (SDOT) enter; the query features multiply the products in fp32.
+            b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
+            b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
+            if MASK != 0:
+                b_ktr = tl.where(b_raw[None, :] & b_w[None, :], b_ktr, 0.0)
+                b_v = tl.where(b_w[:, None], b_v, 0.0)
+            b_kt = b_ktr * key_scale
+            b_x1 = _dot(b_h1, b_dot, SDOT, EMULATE, PRECISION)  # [BK, BT]
+            b_xd = _dot(b_hd, b_dot, SDOT, EMULATE, PRECISION)
+            b_xa = _dot(b_hoa, b_dot, SDOT, EMULATE, PRECISION)  # [BH, BT]
+            b_xb = _dot(b_hob, b_dot, SDOT, EMULATE, PRECISION)
+            b_dwt = _dot(b_v, b_dot, DOT, EMULATE, PRECISION)  # [BT keys, BT queries]
+            b_dyn = tl.sum(b_h0[:, None] * b_dot, axis=0) + tl.sum(b_qt * (b_x1 + 0.5 * (b_qt * b_xd)), axis=0)
+            b_dyn += tl.sum(_pair_features_t(b_qtr, b_eita, b_ejta, key_scale, DOT, EMULATE) * b_xa, axis=0)
+            b_dyn += tl.sum(_pair_features_t(b_qtr, b_eitb, b_ejtb, key_scale, DOT, EMULATE) * b_xb, axis=0)
+            b_gs = b_rden  # g = dy^T * b_gs per query
             if HAS_DECAY:
-                b_num = b_num * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]  # the state is gamma**(p + 1) old
-                b_num += _dot(b_vt, b_at * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32)),
-                              DOT, EMULATE, PRECISION)
-            else:
-                b_num += _dot(b_vt, b_at, DOT, EMULATE, PRECISION)
-            b_dyn = tl.sum(b_dot * b_num, axis=0) * b_rden  # dy . y / gate
+                b_dec = tl.exp(b_lg * (o_c + 1).to(tl.float32))  # the state is gamma**(p + 1) old
+                b_dwt = b_dwt * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))
+                b_dyn = b_dyn * b_dec
+            b_dyn = (b_dyn + tl.sum(b_at * b_dwt, axis=0)) * b_rden  # dy . num / (den + eps)
             if HAS_GATE:
                 b_gate = tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)
                 tl.store(p_dg + o_t * H, b_dyn, mask=m_t)
                 b_dyn = b_dyn * b_gate
+                b_gs = b_gs * b_gate
+            # G = [g, c]: the gradient with respect to the (ungated) numerator and the denominator
+            b_c = -b_dyn * b_rden
+            tl.store(p_r + o_t * H, b_rden, mask=m_t)
+            tl.store(p_c + o_t * H, b_c, mask=m_t)
+            # intra-chunk: dw_ji = G_i . [gamma**(i - j) v_j, 1], ds_ji = dw_ji (1 + s_ji), dq'^T = K'^T ds^T
+            b_dwt = b_dwt * b_gs[None, :]
+            b_dst = tl.where(b_causal, (b_dwt + b_c[None, :]) * (1.0 + b_st), 0.0)
+            b_dqt = _dot(b_kt, b_dst, DOT, EMULATE, PRECISION)
+            # inter-chunk as below, the state products h g^T being h dy^T scaled per query (and decayed). The raw
+            # queries are loaded again for the scatter's gathers: otherwise the compiler keeps the numerator's
+            # gathers of them ([BH, BT], four) live from the read to here.
+            if HAS_DECAY:
+                b_gs = b_gs * b_dec
+            b_qtr = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt)
+            b_dqt += b_x1 * b_gs[None, :] + b_c[None, :] * b_z1[:, None]
+            b_dqt += b_qt * (b_xd * b_gs[None, :] + b_c[None, :] * b_zd[:, None])
+            b_ut = b_xa * b_gs[None, :] + b_c[None, :] * b_zpa[:, None]
+            b_dqp = _dot(b_eia, b_ut * _select(b_ejta, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+            b_dqp += _dot(b_eja, b_ut * _select(b_eita, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+            b_ut = b_xb * b_gs[None, :] + b_c[None, :] * b_zpb[:, None]
+            b_dqp += _dot(b_eib, b_ut * _select(b_ejtb, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+            b_dqp += _dot(b_ejb, b_ut * _select(b_eitb, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+            b_dqt += b_dqp * key_scale
+            p_out = p_dq + o_t[None, :] * s_qt + o_k[:, None] * s_qk
+            tl.store(p_out, (b_dqt * key_scale).to(dq.dtype.element_ty), mask=m_k[:, None] & m_t[None, :])
         else:
-            # the forward's output y (gated, in its dtype): dy . y per query
+            # the forward's output y (no gate here, in its dtype): dy . y per query
             b_dyn = tl.sum(b_dot * _tile(p_y, o_v, m_v, s_yv, o_t, m_t, s_yt), axis=0)
-        # G = [g, c]: the gradient with respect to the (ungated) numerator and the denominator. [BV, BT], [BT]
-        b_c = -b_dyn * b_rden
-        tl.store(p_r + o_t * H, b_rden, mask=m_t)
-        tl.store(p_c + o_t * H, b_c, mask=m_t)
-        b_gt = b_dot * b_rden[None, :]
-        if HAS_GATE:
-            b_gt = b_gt * b_gate[None, :]
+            # G = [g, c]: the gradient with respect to the (ungated) numerator and the denominator. [BV, BT], [BT]
+            b_c = -b_dyn * b_rden
+            tl.store(p_r + o_t * H, b_rden, mask=m_t)
+            tl.store(p_c + o_t * H, b_c, mask=m_t)
+            b_gt = b_dot * b_rden[None, :]
 
-        # intra-chunk first: dw_ji = G_i . [gamma**(i - j) v_j, 1], ds_ji = dw_ji (1 + s_ji) [BT keys, BT queries],
-        # dq'^T = K'^T ds^T. Before the inter-chunk terms, so that s and ds are dead during the pair scatter and g is
-        # decayed in place for it. The chunk's raw keys [BK, BT] and values [BT, BV] stay for the state update.
-        b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
-        b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
-        if MASK != 0:
-            b_ktr = tl.where(b_raw[None, :] & b_w[None, :], b_ktr, 0.0)
-            b_v = tl.where(b_w[:, None], b_v, 0.0)
-        b_kt = b_ktr * key_scale
-        b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
-        if HAS_DECAY:
-            b_dwt = b_dwt * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))
-        b_dst = tl.where(b_causal, (b_dwt + b_c[None, :]) * (1.0 + b_st), 0.0)
-        b_dqt = _dot(b_kt, b_dst, DOT, EMULATE, PRECISION)
+            # intra-chunk first: dw_ji = G_i . [gamma**(i - j) v_j, 1], ds_ji = dw_ji (1 + s_ji) [BT keys, BT queries],
+            # dq'^T = K'^T ds^T. Before the inter-chunk terms, so that s and ds are dead during the pair scatter and g is
+            # decayed in place for it. The chunk's raw keys [BK, BT] and values [BT, BV] stay for the state update.
+            b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
+            b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
+            if MASK != 0:
+                b_ktr = tl.where(b_raw[None, :] & b_w[None, :], b_ktr, 0.0)
+                b_v = tl.where(b_w[:, None], b_v, 0.0)
+            b_kt = b_ktr * key_scale
+            b_dwt = _dot(b_v, b_gt, DOT, EMULATE, PRECISION)
+            if HAS_DECAY:
+                b_dwt = b_dwt * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))
+            b_dst = tl.where(b_causal, (b_dwt + b_c[None, :]) * (1.0 + b_st), 0.0)
+            b_dqt = _dot(b_kt, b_dst, DOT, EMULATE, PRECISION)
 
-        # inter-chunk, transposed: dq'^T += h1 g^T + q'^T * (hd g^T) + pairs (ho g^T) scattered + c (z1 + Z_sym q').
-        # The state is the A operand of each product (feature-major); decayed, it is gamma**(p + 1) old. [BK, BT]
-        if HAS_DECAY:
-            b_gt = b_gt * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]
-        # The denominator's 2nd order c Z_sym q' is split like the numerator's: its diagonal joins hd g and its
-        # pairs c Z_ij join the pair weights u = ho g in fp32, before u x is rounded for the scatter; the two cancel
-        # (G_i . [v_j, 1] = dy_i . (v_j - y_i) / (den_i + eps)), so what is rounded is the small sum.
-        b_dqt += _dot(b_h1, b_gt, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_z1[:, None]
-        b_dqt += b_qt * (_dot(b_hd, b_gt, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zd[:, None])
-        # (the pair terms from the raw gathered queries, the key scale applied to their [BK, BT] sum)
-        b_ut = _dot(b_hoa, b_gt, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpa[:, None]
-        b_dqp = _dot(b_eia, b_ut * _select(b_ejta, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-        b_dqp += _dot(b_eja, b_ut * _select(b_eita, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-        b_ut = _dot(b_hob, b_gt, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpb[:, None]
-        b_dqp += _dot(b_eib, b_ut * _select(b_ejtb, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-        b_dqp += _dot(b_ejb, b_ut * _select(b_eitb, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
-        b_dqt += b_dqp * key_scale
-        p_out = p_dq + o_t[None, :] * s_qt + o_k[:, None] * s_qk
-        tl.store(p_out, (b_dqt * key_scale).to(dq.dtype.element_ty), mask=m_k[:, None] & m_t[None, :])
+            # inter-chunk, transposed: dq'^T += h1 g^T + q'^T * (hd g^T) + pairs (ho g^T) scattered + c (z1 + Z_sym q').
+            # The state is the A operand of each product (feature-major); decayed, it is gamma**(p + 1) old. [BK, BT]
+            if HAS_DECAY:
+                b_gt = b_gt * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]
+            # The denominator's 2nd order c Z_sym q' is split like the numerator's: its diagonal joins hd g and its
+            # pairs c Z_ij join the pair weights u = ho g in fp32, before u x is rounded for the scatter; the two cancel
+            # (G_i . [v_j, 1] = dy_i . (v_j - y_i) / (den_i + eps)), so what is rounded is the small sum.
+            b_dqt += _dot(b_h1, b_gt, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_z1[:, None]
+            b_dqt += b_qt * (_dot(b_hd, b_gt, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zd[:, None])
+            # (the pair terms from the raw gathered queries, the key scale applied to their [BK, BT] sum)
+            b_ut = _dot(b_hoa, b_gt, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpa[:, None]
+            b_dqp = _dot(b_eia, b_ut * _select(b_ejta, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+            b_dqp += _dot(b_eja, b_ut * _select(b_eita, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+            b_ut = _dot(b_hob, b_gt, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zpb[:, None]
+            b_dqp += _dot(b_eib, b_ut * _select(b_ejtb, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+            b_dqp += _dot(b_ejb, b_ut * _select(b_eitb, b_qtr, DOT, EMULATE), SDOT, EMULATE, PRECISION)
+            b_dqt += b_dqp * key_scale
+            p_out = p_dq + o_t[None, :] * s_qt + o_k[:, None] * s_qk
+            tl.store(p_out, (b_dqt * key_scale).to(dq.dtype.element_ty), mask=m_k[:, None] & m_t[None, :])
 
         # state update with the chunk's counted keys; decayed: gamma**L old + gamma**(L - 1 - p) new
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)

@@ -175,6 +175,17 @@ def test_backward_based_decay_and_gate(device, use_gate):
     assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, log_decay=log_decay)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_backward_based_decay_and_gate_low_precision(device, dtype):
+    """The Based variant with bf16 / fp16 operands: the recomputing dq scan reads dy . num through the state's
+    products with dy (shared with dq's terms), so the gate's gradient and dq see those roundings."""
+    B, T, H, K, V = 1, 40, 2, 4, 16
+    inputs, grad_output, dstate = make_case(B, T, H, K, V, 0, dtype=dtype, device=device, seed=2, initial_state=True)
+    inputs["gate"] = torch.randn(B, T, H, generator=torch.Generator().manual_seed(3)).to(device=device, dtype=dtype)
+    log_decay = torch.log1p(-torch.tensor([2.0**-3, 2.0**-6])).to(device)
+    assert_grads_match(inputs, grad_output, dstate, log_decay=log_decay)
+
+
 # Through the dispatcher: the kernel's autograd registration (torch.library.register_autograd) in a training step.
 
 from modeling_jrt.linear_attention import prefix_linear_attention  # noqa: E402
