@@ -627,13 +627,13 @@ INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
 #   about the same estimate); dk/dv (32, 4) keeps 255 registers without a key mask; its selection matrices come from
 #   a table at each use there (`dkv_constexprs`). Both scans there carry `.maxnreg 255` (`launch_options`): without
 #   it ptxas gave the gated dq scan (every config) and the dq scans at (64, 4) 32 registers.
-# - "dq_recompute": the dq scan that reads the numerator from the state again (a gate, or no saved output). sm_90
-#   (16, 4) spills least ((32, 4) issues a quarter less with the gate, at twice the spills); sm_80 (32, 4) ((16, 4)
-#   spills half as much at a fifth more issue, (64, 4) twice as much; docs/kernels.md "Pass 5").
+# - "dq_recompute": the dq scan that reads the numerator again (a gate, or no saved output), both architectures
+#   (16, 4), which spills least: with the gate sm_90 (32, 4) issues a fifth less at 3.8x the spills; sm_80 (32, 4)
+#   4% less at 2.7x, (64, 4) 6% less at 7x (docs/kernels.md "Pass 5").
 # The interpreter (CPU tests) takes the "other" list.
 _ARCH_CONFIGS = {
     "sm_90": {"dq": [(16, 4), (32, 4)], "dq_recompute": [(16, 4), (32, 4)], "dkv": [(64, 4), (32, 4), (64, 8)]},
-    "other": {"dq": [(16, 4), (32, 4)], "dq_recompute": [(32, 4), (16, 4), (64, 4)],
+    "other": {"dq": [(16, 4), (32, 4)], "dq_recompute": [(16, 4), (32, 4), (64, 4)],
               "dkv": [(32, 4), (64, 4), (32, 8)]},
 }
 
