@@ -13,8 +13,8 @@ is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunke
                decoder keys < chunk), feature-major, and per chunk (queries along the columns, as the forward)
                    den              as the forward computes it (fp32)
                    g, c             from dy, 1 / (den + eps) and the forward's saved output y (c = -(dy . y) /
-                                    (den + eps)); with a gate or without a saved y, y's numerator is read from S
-                                    again, as the forward reads it;                  stores 1 / (den + eps) and c
+                                    (den + eps)); with a gate or without a saved y, dy . num from the products
+                                    S dy^T and V dy^T, which dq's terms share;       stores 1 / (den + eps) and c
                    dq'_i  = h1 g_i + c_i z1 + q'_i * (hd g_i + c_i zd)
                             + sum_{pairs (a, b)} u_ip (q'_b e_a + q'_a e_b),  u_i = ho g_i + c_i zp   inter-chunk
                           + sum_{j <= i} w_j (G_i . [v_j, 1]) (1 + s_ij) k'_j              intra-chunk
@@ -111,11 +111,12 @@ def _pla_bwd_dq_kernel(
     """dq (stored in dq's dtype), 1 / (den + eps), c = -(dy . y) / (den + eps) and d gate (fp32, (B, T, H)).
 
     y is the forward's output (B, T, H, V), read for dy . y unless RECOMPUTE (always with a gate, whose gradient
-    needs the ungated numerator): then the numerator is read from the rebuilt state, as the forward reads it. den
-    is always recomputed, from q' Z and the intra-chunk s, which dq needs anyway.
+    needs the ungated numerator): then dy . num, the numerator as the forward reads it, is reduced from the
+    products of dy^T with the rebuilt state and with the chunk's values, which dq's terms take too (g is dy scaled
+    per query). den is always recomputed, from q' Z and the intra-chunk s, which dq needs anyway.
 
-    The forward state is held as the forward kernel holds it: symmetric 2nd order, numerator transposed
-    ([BV, features]: the read num^T = h^T phi(Q)^T takes it as the A operand from registers), Z for the denominator.
+    The forward state is symmetric in its 2nd order, held feature-major ([features, BV]: dq contracts it over the
+    value dim, so it is the A operand of h g^T from registers), with Z for the denominator.
     With the Based decay (HAS_DECAY; never with an encoder) the numerator state is decayed by gamma per token and
     the intra-chunk numerator weights by gamma**(i - j); the denominator has no decay. The gate multiplies the
     numerator of each query (HAS_GATE).
@@ -203,7 +204,7 @@ def _pla_bwd_dq_kernel(
 
     # 2. The decoder scan, queries along the columns (as the forward's read): den as the forward computes it, G =
     #    [g, c] from dy, 1 / (den + eps) and the forward's output y (c = -(dy . y) / (den + eps)); with a gate, or
-    #    without the saved output (RECOMPUTE), the numerator is read from the state as the forward reads it. Then
+    #    without the saved output (RECOMPUTE), dy . num from the state's and the values' products with dy^T. Then
     #    dq^T [BK, BT]; the state moves past the chunk at the end.
     p_q = q + i_b * s_qb + i_h * s_qh
     p_k = k + i_b * s_kb + i_h * s_kh
@@ -241,8 +242,8 @@ def _pla_bwd_dq_kernel(
         b_rden = 1.0 / (b_den + eps)
         b_dot = _tile(p_do, o_v, m_v, s_ov, o_t, m_t, s_ot)  # dy^T [BV, BT]
         if RECOMPUTE:
-            # dy . num (the ungated numerator, read as the forward reads it) from the products of dy^T with the state
-            # and with the chunk's values, which dq's terms share: g = dy / (den + eps) (times the gate) is dy^T
+            # dy . num (the ungated numerator as the forward reads it) from the products of dy^T with the state and
+            # with the chunk's values, which dq's terms share: g = dy / (den + eps) (times the gate) is dy^T
             # scaled per query, so h g^T is h dy^T scaled and dw = V g^T is V dy^T scaled. Only dy's and the state's
             # rounding (SDOT) enter; the query features multiply the products in fp32.
             b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
@@ -304,9 +305,10 @@ def _pla_bwd_dq_kernel(
             tl.store(p_c + o_t * H, b_c, mask=m_t)
             b_gt = b_dot * b_rden[None, :]
 
-            # intra-chunk first: dw_ji = G_i . [gamma**(i - j) v_j, 1], ds_ji = dw_ji (1 + s_ji) [BT keys, BT queries],
-            # dq'^T = K'^T ds^T. Before the inter-chunk terms, so that s and ds are dead during the pair scatter and g is
-            # decayed in place for it. The chunk's raw keys [BK, BT] and values [BT, BV] stay for the state update.
+            # intra-chunk first: dw_ji = G_i . [gamma**(i - j) v_j, 1], ds_ji = dw_ji (1 + s_ji) [BT keys, BT
+            # queries], dq'^T = K'^T ds^T. Before the inter-chunk terms, so that s and ds are dead during the pair
+            # scatter and g is decayed in place for it. The chunk's raw keys [BK, BT] and values [BT, BV] stay for
+            # the state update.
             b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
             b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
             if MASK != 0:
