@@ -893,7 +893,9 @@ def check_inputs(
             "`generate()` without a prompt starts from `bos_token_id`."
         )
     if reference.shape[0] == 0:
-        raise ValueError(f"The input has 0 rows (shape {tuple(reference.shape[:2])}): pass a batch of at least one row.")
+        raise ValueError(
+            f"The input has 0 rows (shape {tuple(reference.shape[:2])}): pass a batch of at least one row."
+        )
     return reference.shape[0], reference.shape[1]
 
 
