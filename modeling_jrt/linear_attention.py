@@ -1006,7 +1006,8 @@ def linear_attention_step(
         log_decay: `(H,)` log gamma of the Based decay, or None.
         gate: `(B, H)` numerator gate of the Based decay variant, or None.
         in_place: update `state` itself and return it, instead of a new tensor. Only taken where it is safe: a
-            contiguous state and no autograd graph through the step (otherwise the step is functional). The model's
+            contiguous state, no autograd graph through the step, not a state made under `torch.inference_mode`
+            when the step runs outside it, and not under torch.compile (otherwise the step is functional). The model's
             decode uses it: the cache owns its state, and allocating a fresh `(B, H, F, V + 1)` tensor per layer and
             token costs more than the update itself.
 
@@ -1030,7 +1031,11 @@ def linear_attention_step(
     batch_size, num_heads, _ = q.shape
     value_dim, num_features, dtype = v.shape[-1], state.shape[-2], state.dtype
     rows = batch_size * num_heads
-    in_place = in_place and state.is_contiguous() and not _records_gradients(q, k, v, state, gate)
+    in_place = (
+        in_place and not torch.compiler.is_compiling()  # traced: functional (inductor fuses it; no input mutation)
+        and state.is_contiguous() and not _records_gradients(q, k, v, state, gate)
+        and (torch.is_inference_mode_enabled() or not state.is_inference())  # such a tensor is read-only outside it
+    )
     phi_q = taylor_feature_map(q.to(dtype)).view(rows, 1, num_features)
     phi_k = taylor_feature_map(k.to(dtype)).view(rows, num_features, 1)
     value_and_one = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)  # (B, H, V + 1)

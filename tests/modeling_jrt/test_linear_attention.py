@@ -419,6 +419,18 @@ def test_step_in_place_equals_functional(variant):
     assert torch.equal(strided, state)
     torch.testing.assert_close(new_state, expected_state, rtol=1e-12, atol=1e-12)
 
+    with torch.inference_mode():  # a cache filled under inference_mode, continued outside it
+        frozen = state.clone()
+    with torch.no_grad():
+        out, new_state = linear_attention_step(q, k, v, frozen, in_place=True, **kwargs)
+    assert new_state is not frozen and torch.equal(frozen, state)
+    torch.testing.assert_close(new_state, expected_state, rtol=1e-12, atol=1e-12)
+    with torch.inference_mode():  # and inside it: in place
+        frozen = state.clone()
+        out, new_state = linear_attention_step(q, k, v, frozen, in_place=True, **kwargs)
+        assert new_state is frozen
+        torch.testing.assert_close(frozen, expected_state, rtol=1e-12, atol=1e-12)
+
 
 def test_prefill_state_then_step_equals_longer_prefill():
     """Decode consistency: state after N tokens + one step == the last row of the prefill over N + 1 tokens."""
