@@ -38,6 +38,19 @@ def kernel_aot(load_benchmark):
     return load_benchmark("kernel_aot")
 
 
+def run_tool(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Run kernel_aot.py compiled (TRITON_INTERPRET unset) with `args` and `--json`; its result and JSON rows."""
+    output = tmp_path / "aot.json"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run(
+        [sys.executable, str(TOOL), *args, "--json", str(output)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result, json.loads(output.read_text())
+
+
 def test_sass_loops_finds_top_level_loops(kernel_aot):
     loops, whole = kernel_aot.sass_loops(SASS)
     assert [(loop["start"], loop["end"], loop["count"]) for loop in loops] == [(0x10, 0x60, 6)]
@@ -47,16 +60,10 @@ def test_sass_loops_finds_top_level_loops(kernel_aot):
 
 def test_one_sm90_build_reports_registers_spills_and_loops(tmp_path):
     """The forward kernel's first config, bf16, for sm_90: compiled from the launcher's own arguments."""
-    output = tmp_path / "aot.json"
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run(
-        [sys.executable, str(TOOL), "--arch", "90", "--dtype", "bf16", "--variant", "plain", "--configs", "1",
-         "--kernel", "prefix_linear_attention_fwd", "--json", str(output)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    result, rows = run_tool(
+        tmp_path, "--arch", "90", "--dtype", "bf16", "--variant", "plain", "--configs", "1",
+        "--kernel", "prefix_linear_attention_fwd",
     )
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = json.loads(output.read_text())
     assert len(rows) == 1 and "error" not in rows[0], rows
     row = rows[0]
     assert 16 <= row["registers"] <= 255 and row["spill_stores"] >= 0 and row["shared"] > 0
@@ -78,16 +85,10 @@ def test_gated_based_backward_keeps_its_registers_on_sm80(tmp_path):
     """The "decay+gate" variant (the Based checkpoints' backward: the recomputing dq scan and the dk/dv scan with
     decay and gate, no encoder) builds both scans at their sm_80 defaults, with the register bound of
     `launch_options`, and ptxas keeps >= 128 registers (without `.maxnreg` the dq scan got 32 and spilled 15 KB)."""
-    output = tmp_path / "aot.json"
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run(
-        [sys.executable, str(TOOL), "--arch", "80", "--dtype", "bf16", "--variant", "decay+gate", "--configs", "1",
-         "--kernel", "prefix_linear_attention_bwd", "--json", str(output)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    _, rows = run_tool(
+        tmp_path, "--arch", "80", "--dtype", "bf16", "--variant", "decay+gate", "--configs", "1",
+        "--kernel", "prefix_linear_attention_bwd",
     )
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = json.loads(output.read_text())
     assert [row["kernel"] for row in rows] == ["_pla_bwd_dq_kernel", "_pla_bwd_dkv_kernel"], rows
     for row in rows:
         assert "error" not in row and row["variant"] == "decay+gate" and row["default"], row
