@@ -472,7 +472,7 @@ def _scan_chunks(
     position = torch.arange(chunk_size, device=q.device, dtype=q.dtype)
     decay = decay[:, None, None]  # (h, 1, 1)
     # 1. Chunk sums: the numerator columns of key j decay (C - 1 - j) times until the chunk's end.
-    age = torch.exp(decay * (chunk_size - 1 - position)[:, None])  # (h, c, 1)
+    age, _ = _chunk_decays(decay, position, chunk_size)  # (h, c, 1)
     sums = phi_k @ torch.cat([values[..., :value_dim] * age, values[..., value_dim:]], dim=-1)  # (n, b, h, f, w)
     # 2. States: numerator columns through the decayed prefix weights, the denominator column by a plain cumsum.
     stacked = torch.cat([state[None], sums], dim=0)  # (n + 1, b, h, f, w)
@@ -626,6 +626,7 @@ def _scan_in_place(
         distance = position[:, None] - position[None, :]  # (C, C): i - j
         intra_decay = torch.exp(log_gamma * distance.clamp(min=0)).tril_()  # (H, C, C): gamma**(i - j), i >= j
         read_decay = torch.exp(log_gamma[..., 0] * (position + 1))[..., None]  # (H, C, 1): gamma**(i + 1)
+        whole_chunk_decays = _chunk_decays(log_gamma, position, chunk_size)  # recomputed only for a shorter last one
         intra_denominator = workspace.take(*shape, chunk_size, 1)
         read = workspace.take(token_heads, chunk_size, width)
         read_numerator = read.view(batch_size, num_heads, chunk_size, width)[..., :value_dim]
@@ -672,9 +673,11 @@ def _scan_in_place(
                 torch.bmm(phi_q_n[c].flatten(0, 1).transpose(1, 2), running, out=read)
                 read_numerator.mul_(read_decay)
                 o_n[c].flatten(0, 1).add_(read)
-                # Each key's value decays to the chunk's end, the state over the chunk's L tokens.
-                v_n[c, ..., :value_dim].mul_(torch.exp(log_gamma * (length - 1 - position)[:, None]))
-                running_numerator.mul_(torch.exp(log_gamma * length))
+                value_decay, state_decay = (
+                    whole_chunk_decays if length == chunk_size else _chunk_decays(log_gamma, position, length)
+                )
+                v_n[c, ..., :value_dim].mul_(value_decay)
+                running_numerator.mul_(state_decay)
                 running.baddbmm_(phi_k_n[c].flatten(0, 1), v_n[c].flatten(0, 1))
         numerator, denominator = o_n[..., :value_dim], o_n[..., value_dim:].add_(eps)
         if gates is not None:
@@ -682,6 +685,14 @@ def _scan_in_place(
             numerator.mul_(gates[:n])
         _divide_into_rows(output[:, start:end], numerator, denominator)
     return output, running.view(state.shape)
+
+
+def _chunk_decays(
+    log_gamma: torch.Tensor, position: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decays over a chunk of `length` tokens (log_gamma `(H, 1, 1)`, position `(C,)`): each key's value to the
+    chunk's end, gamma**(L - 1 - j) `(H, C, 1)`, and the state, gamma**L `(H, 1, 1)`."""
+    return torch.exp(log_gamma * (length - 1 - position)[:, None]), torch.exp(log_gamma * length)
 
 
 def _add_encoder_in_place(
