@@ -157,10 +157,10 @@ def test_chunked_blocks_match_oracle(monkeypatch, case, block_token_heads):
     """The eager scan in blocks of chunks (state carried between blocks) and in one block match the oracle, with a
     last chunk shorter than the others: without autograd (the in-place scan of inference) and with it (the batched
     scan that autograd differentiates)."""
-    import modeling_jrt.linear_attention as linear_attention
+    import modeling_jrt.chunked_scan as chunked_scan
 
-    monkeypatch.setattr(linear_attention, "BLOCK_TOKEN_HEADS", block_token_heads)
-    monkeypatch.setattr(linear_attention, "ENCODER_BLOCK_TOKEN_HEADS", block_token_heads)
+    monkeypatch.setattr(chunked_scan, "BLOCK_TOKEN_HEADS", block_token_heads)
+    monkeypatch.setattr(chunked_scan, "ENCODER_BLOCK_TOKEN_HEADS", block_token_heads)
     batch, seq_len, heads = 2, 23, 2
     q, k, v, k_enc, v_enc = make_inputs(batch, seq_len, heads, 4, 5, 7 if case.get("encoder", True) else 0)
     kwargs = {}

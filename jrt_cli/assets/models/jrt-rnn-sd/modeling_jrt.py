@@ -25,13 +25,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.utils import can_return_tuple, logging
+from transformers.utils import logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache import JRTRNNCache, JRTRNNConvState, JRTRNNPrefixRecord, JRTRNNSlidingWindowState
