@@ -7,8 +7,9 @@ One run prints, for each shape, the time of
     sdpa        causal `scaled_dot_product_attention` with the same B, H, N and head dim (flash backend on CUDA)
     fla_chunk / fla_parallel   flash-linear-attention's Based kernels (causal, no encoder) when `fla` imports
 and the ratios to SDPA, achieved TFLOP/s and the fraction of the roofline floor (FLOPs from `pla_flops` / `sdpa_flops` below, bytes from the tensors each pass must move).
-With --backward (the CUDA default) it also times forward + backward (`*_fb` columns: the fused backward for ours,
-the flash backward for SDPA, autograd for chunked and fla). --train-step times a training step of a small model
+With --backward (the CUDA default) it also times forward + backward (`*_fb` columns: the fused backward for ours on
+CUDA, the chunked path's explicit backward on a CPU, the flash backward for SDPA, autograd for fla) and reports what
+autograd keeps for the backward pass beyond the inputs (`saved MiB`, ours and SDPA). --train-step times a training step of a small model
 (forward + backward + AdamW, tokens per second) with the chunked and the Triton linear attention. --compile-lengths
 times `torch.compile(prefix_linear_attention_chunked, dynamic=True)` at each length, each in a fresh process with
 inductor's caches off: the compile time (first call minus a compiled call), the compiled call, and whether a call
@@ -169,6 +170,13 @@ def measure_shape(args, device, dtype, B: int, T: int, kernel, fla) -> dict:
         methods[name] = lambda fn=fn: fn(q, k, v)
     if args.backward:
         add_backward_methods(methods, args, kernel, fla, (q, k, v, k_enc, v_enc), (qs, ks, vs))
+        for name, fn, inputs in (("ours_fb", prefix_linear_attention_chunked if args.impl != "triton" else kernel,
+                                  (q, k, v, k_enc, v_enc)),
+                                 ("sdpa_fb", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                  (qs, ks, vs))):
+            if fn is not None and name in methods:
+                with sdpa_context(device) if name.startswith("sdpa") else contextlib.nullcontext():
+                    row[f"{name}_saved_mib"] = saved_for_backward_mib(fn, inputs)
 
     for name, result in time_methods(methods, device, args).items():
         if isinstance(result, str):
@@ -216,6 +224,25 @@ def _forward_backward(fn: Callable, inputs: tuple) -> Callable[[], None]:
                 leaf.grad = None
 
     return run
+
+
+def saved_for_backward_mib(fn: Callable, inputs: tuple) -> float:
+    """MiB that autograd keeps from a forward of `fn` until its backward, beyond the inputs themselves: the distinct
+    storages of every tensor saved for backward (`torch.autograd.graph.saved_tensors_hooks`), leaves excluded."""
+    leaves = tuple(None if t is None else t.detach().clone().requires_grad_() for t in inputs)
+    leaf_storages = {t.untyped_storage().data_ptr() for t in leaves if t is not None}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in leaf_storages:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = fn(*leaves)
+    del result
+    return sum(storages.values()) / 2**20
 
 
 def add_backward_methods(methods: dict, args, kernel, fla: dict, pla_inputs: tuple, sdpa_inputs: tuple) -> None:
@@ -363,6 +390,7 @@ def format_table(rows: list[dict]) -> str:
         ("ours_fb", "ours fwd+bwd ms", "{:.2f}"), ("chunked_fb", "chunked fwd+bwd ms", "{:.2f}"),
         ("sdpa_fb", "sdpa fwd+bwd ms", "{:.2f}"), ("fla_chunk_fb", "fla chunk fwd+bwd ms", "{:.2f}"),
         ("sdpa_fb_over_ours_fb", "sdpa/ours fwd+bwd", "{:.2f}x"),
+        ("ours_fb_saved_mib", "ours saved MiB", "{:.1f}"), ("sdpa_fb_saved_mib", "sdpa saved MiB", "{:.1f}"),
     ]
     columns = [c for c in columns if any(row.get(c[0]) is not None for row in rows)]
     header = "| " + " | ".join(title for _, title, _ in columns) + " |"

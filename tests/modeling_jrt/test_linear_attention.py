@@ -151,17 +151,8 @@ BLOCK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", BLOCK_CASES)
-@pytest.mark.parametrize("block_token_heads", [1, 12, 1 << 20], ids=["block1", "block3", "one-block"])
-def test_chunked_blocks_match_oracle(monkeypatch, case, block_token_heads):
-    """The eager scan in blocks of chunks (state carried between blocks) and in one block match the oracle, with a
-    last chunk shorter than the others: without autograd (the in-place scan of inference) and with it (the batched
-    scan that autograd differentiates)."""
-    import modeling_jrt.chunked_scan as chunked_scan
-
-    monkeypatch.setattr(chunked_scan, "BLOCK_TOKEN_HEADS", block_token_heads)
-    monkeypatch.setattr(chunked_scan, "ENCODER_BLOCK_TOKEN_HEADS", block_token_heads)
-    batch, seq_len, heads = 2, 23, 2
+def block_case_inputs(case: dict, batch: int = 2, seq_len: int = 23, heads: int = 2):
+    """(q, k, v, k_enc, v_enc, kwargs) of a BLOCK_CASES case: fp64, K = 4, V = 5, M = 7 (none without an encoder)."""
     q, k, v, k_enc, v_enc = make_inputs(batch, seq_len, heads, 4, 5, 7 if case.get("encoder", True) else 0)
     kwargs = {}
     if case.get("decay"):
@@ -182,13 +173,56 @@ def test_chunked_blocks_match_oracle(monkeypatch, case, block_token_heads):
         kwargs["pad_masking"] = "reference"
     if case.get("initial"):
         kwargs["initial_state"] = torch.randn(batch, heads, num_taylor_features(4), 6, dtype=torch.float64)
+    return q, k, v, k_enc, v_enc, kwargs
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES)
+@pytest.mark.parametrize("block_token_heads", [1, 12, 1 << 20], ids=["block1", "block3", "one-block"])
+def test_chunked_blocks_match_oracle(monkeypatch, case, block_token_heads):
+    """The eager scan in blocks of chunks (state carried between blocks) and in one block matches the oracle, with a
+    last chunk shorter than the others: without autograd (the in-place scan of inference) and with it (the custom
+    op with the explicit backward)."""
+    import modeling_jrt.chunked_scan as chunked_scan
+
+    monkeypatch.setattr(chunked_scan, "BLOCK_TOKEN_HEADS", block_token_heads)
+    monkeypatch.setattr(chunked_scan, "ENCODER_BLOCK_TOKEN_HEADS", block_token_heads)
+    q, k, v, k_enc, v_enc, kwargs = block_case_inputs(case)
     expected, expected_state = prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
-    valid = kwargs.get("key_mask", torch.ones(batch, seq_len, dtype=torch.bool))[..., None, None]
+    valid = kwargs.get("key_mask", torch.ones(q.shape[:2], dtype=torch.bool))[..., None, None]
     for differentiable in (False, True):
         inputs = [None if t is None else t.clone().requires_grad_(differentiable) for t in (q, k, v, k_enc, v_enc)]
         actual, state = prefix_linear_attention_chunked(*inputs, chunk_size=4, **kwargs)
         torch.testing.assert_close(actual * valid, expected * valid, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(state, expected_state, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES)
+@pytest.mark.parametrize("block_token_heads,chunk_size", [(1, 4), (12, 4), (1 << 20, 64)],
+                         ids=["block1", "block3", "one-chunk"])
+def test_chunked_gradients_match_oracle(monkeypatch, case, block_token_heads, chunk_size):
+    """The explicit backward (two sweeps over the chunks) gives autograd's gradients through the fp64 oracle for every
+    differentiable input (q, k, v, the encoder's, the gate and the initial state), from a loss on the output at the
+    real positions and on the final state: masks, ranges, both pad maskings, decay, blocks of one chunk and more,
+    and one chunk longer than the sequence."""
+    import modeling_jrt.chunked_scan as chunked_scan
+
+    monkeypatch.setattr(chunked_scan, "BLOCK_TOKEN_HEADS", block_token_heads)
+    monkeypatch.setattr(chunked_scan, "ENCODER_BLOCK_TOKEN_HEADS", block_token_heads)
+    q, k, v, k_enc, v_enc, kwargs = block_case_inputs(case)
+    valid = kwargs.get("key_mask", torch.ones(q.shape[:2], dtype=torch.bool))[..., None, None]
+    weights = torch.randn(q.shape[:3] + v.shape[-1:], dtype=torch.float64) * valid
+    state_weights = torch.randn(q.shape[0], q.shape[2], num_taylor_features(4), 6, dtype=torch.float64)
+    names = [name for name in ("gate", "initial_state") if name in kwargs]
+    gradients = []
+    for function, extra in ((prefix_linear_attention_chunked, dict(chunk_size=chunk_size)),
+                            (prefix_linear_attention_quadratic, {})):
+        leaves = [None if t is None else t.clone().requires_grad_(True) for t in (q, k, v, k_enc, v_enc)]
+        options = {**kwargs, **{name: kwargs[name].clone().requires_grad_(True) for name in names}}
+        output, state = function(*leaves, **options, **extra)
+        wanted = [t for t in leaves if t is not None] + [options[name] for name in names]
+        gradients.append(torch.autograd.grad((output * weights).sum() + (state * state_weights).sum(), wanted))
+    for actual, expected in zip(*gradients):
+        torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-9 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("batch,seq_len", [(2, 0), (0, 5), (0, 0)], ids=["no-tokens", "no-rows", "neither"])
@@ -242,10 +276,12 @@ def test_chunked_traces_one_graph_for_every_length(with_decay):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
-def test_compiled_inference_is_one_opaque_op():
-    """Without autograd the compiled graph calls the chunked scan as one custom op, whatever T is."""
+@pytest.mark.parametrize("differentiable", [False, True], ids=["inference", "training"])
+def test_compiled_scan_is_one_opaque_op(differentiable):
+    """The compiled graph calls the chunked scan as one custom op whatever T is, without autograd and with it (the
+    op's backward is a custom op too): no matmul of the scan is traced."""
     import torch._dynamo
-    from modeling_jrt import linear_attention
+    from modeling_jrt import chunked_scan_autograd
 
     torch._dynamo.reset()
     graph_ops = []
@@ -255,16 +291,17 @@ def test_compiled_inference_is_one_opaque_op():
         return graph_module
 
     compiled = torch.compile(prefix_linear_attention_chunked, dynamic=True, fullgraph=True, backend=backend)
-    q, k, v, k_enc, v_enc = make_inputs(2, 300, 2, 4, 8, 100, dtype=torch.float32)
-    with torch.no_grad():
-        compiled(q, k, v, k_enc, v_enc)
-    assert any(linear_attention._CHUNKED_PREFILL_OP.split("::")[1] in op for op in graph_ops), graph_ops
+    inputs = [t.requires_grad_(differentiable) for t in make_inputs(2, 300, 2, 4, 8, 100, dtype=torch.float32)]
+    compiled(*inputs)
+    op_name = chunked_scan_autograd._OP_PREFIX.split("::")[1] + "_scan"
+    assert any(op_name in op for op in graph_ops), graph_ops
     assert not any("bmm" in op or "matmul" in op for op in graph_ops), graph_ops
 
 
 @pytest.mark.parametrize("with_decay", [False, True], ids=["prefix", "based-decay"])
 def test_compiled_training_graph_matches_eager_gradients(with_decay):
-    """With autograd the compiled graph traces the batched scan (one block); its gradients are the eager ones."""
+    """With autograd the compiled graph holds the scan's custom op and its backward; its gradients are the eager
+    ones."""
     import torch._dynamo
 
     torch._dynamo.reset()

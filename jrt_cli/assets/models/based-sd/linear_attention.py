@@ -51,8 +51,8 @@ them once for every implementation (the Triton kernel too: the dispatcher valida
 Implementations behind `prefix_linear_attention(..., implementation=...)`:
     "quadratic"  materialises the (T, T) weights and the full feature map: the oracle of the tests (use fp64).
     "chunked"    O(T) time, O(block x state) working memory chunked scan in PyTorch (`chunked_scan.py`); the encoder
-                 sum is its initial state; under torch.compile without autograd one opaque custom op
-                 (`prefix_linear_attention_chunked`).
+                 sum is its initial state; with autograd and under torch.compile one custom op with an explicit
+                 backward (`chunked_scan_autograd.py`).
     "triton"     the fused GPU kernel of `jrt_kernels` (optional dependency; forward and backward, decay and gate).
     "auto"       "triton" on CUDA tensors when the kernel imports, else "chunked"; a kernel that fails to compile or
                  launch on the device (forward or backward) warns once and the call (and every later one) runs
@@ -65,12 +65,12 @@ import functools
 import inspect
 import math
 import os
-import re
 
 import torch
 from transformers.utils import logging
 
-from .chunked_scan import chunked_scan
+from .chunked_scan import CompactTaylor, full_state, scan_in_place
+from .chunked_scan_autograd import scan
 from .configuration_jrt import LINEAR_ATTENTION_IMPLEMENTATIONS, PREFIX_PAD_MASKINGS
 
 logger = logging.get_logger(__name__)
@@ -339,26 +339,24 @@ def prefix_linear_attention_chunked(
     eps: float = 1e-12,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked scan: O(T) time, differentiable, no loop over chunks. Same arguments and results as the oracle.
+    """Chunked scan: O(T) time, differentiable. Same arguments and results as the oracle.
 
     Per chunk of C tokens (docs/prefill.md §4.2):
 
-        inter-chunk  o_c  = phi(Q_c) @ state_c                       everything before the chunk (and the encoder)
+        inter-chunk  o_c  = phi(Q_c) @ state                         everything before the chunk (and the encoder)
         intra-chunk  o_c += tril(1 + S + S**2 / 2) @ [V_c, 1]          S = Q_c K_c^T / sqrt(K): no (C, F) features
-        state_c      = state_0 + sum_{d < c} phi(K_d)^T @ [V_d, 1]     a cumulative sum over chunks
+        update       state += phi(K_c)^T @ [V_c, 1]
 
     The encoder sum over each row's encoder range is the initial state. The features are the compact ones of
-    `chunked_scan._CompactTaylor` (153 instead of 273 rows for K = 16); the state is returned in the full layout.
-    Three executions of the same arithmetic (`chunked_scan.py`):
+    `chunked_scan.CompactTaylor` (153 instead of 273 rows for K = 16); the state is returned in the full layout.
+    Two executions of the same scan:
 
-    - without autograd (inference), eagerly: `_scan_in_place`, blocks of chunks in one reused workspace, the state
-      read and updated chunk by chunk (the Based decay included);
-    - with autograd: `_scan_chunks`, one batched op per step for a block of chunks, blocks of about
-      `BLOCK_TOKEN_HEADS` token-heads eagerly (memory O(block x state)) and one block for the whole sequence under
-      torch.compile (a graph without a loop over T);
-    - under torch.compile without autograd: one opaque custom op (`torch.ops.jrt.<module>_chunked_prefill`) that
-      runs the eager inference scan, so the compiled graph holds one node whatever T is: compile time and memory do
-      not depend on T, and `dynamic=True` does not recompile for a new length.
+    - without autograd (inference), eagerly: `chunked_scan.scan_in_place`, blocks of chunks in one reused
+      workspace, the state read and updated chunk by chunk (the Based decay included);
+    - with autograd, or under torch.compile: the custom op `chunked_scan_autograd.scan`, whose forward is the same
+      scan and whose backward is explicit (two sweeps over the chunks, keeping only the output and one denominator
+      per token for the backward pass; docs/prefill.md §4.4). A compiled graph holds the op as one node whatever T
+      is: compile time and memory do not depend on T, and `dynamic=True` does not recompile for a new length.
     """
     encoder_start, encoder_end, key_mask = validate_linear_attention_inputs(
         q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
@@ -368,15 +366,9 @@ def prefix_linear_attention_chunked(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
     if q.shape[0] == 0 or q.shape[1] == 0:
         return _empty_prefill(q, v, initial_state)
-    needs_grad = _records_gradients(q, k, v, k_enc, v_enc, initial_state, gate)
-    if torch.compiler.is_compiling() and not needs_grad:
-        return _chunked_prefill_op(
-            q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, pad_masking,
-            eps, chunk_size,
-        )
     return _chunked_prefill(
         q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, pad_masking,
-        eps, chunk_size, in_place=not needs_grad and not torch.compiler.is_compiling(),
+        eps, chunk_size,
     )
 
 
@@ -414,59 +406,37 @@ def _chunked_prefill(
     pad_masking: str,
     eps: float,
     chunk_size: int,
-    *,
-    in_place: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`prefix_linear_attention_chunked` on validated inputs with rows and tokens: the masks, then `chunked_scan`;
-    `in_place`: no autograd (the in-place scan)."""
-    raw, decoder_keys, encoder_keys = _key_masks(
-        key_mask, encoder_start, encoder_end, q.shape[1], 0 if k_enc is None else k_enc.shape[1], pad_masking
-    )
-    return chunked_scan(
-        q, k, v, k_enc, v_enc, raw=raw, decoder_keys=decoder_keys, encoder_keys=encoder_keys,
-        initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps, chunk_size=chunk_size,
-        dtype=_compute_dtype(q), in_place=in_place,
-    )
+    """`prefix_linear_attention_chunked` on validated inputs with rows and tokens.
 
-
-# The op's name carries this module's name: a converted checkpoint's copy of this file (imported by transformers as
-# `transformers_modules.<folder>.linear_attention`) registers its own op next to the installed package's.
-_CHUNKED_PREFILL_OP = "jrt::" + re.sub(r"\W", "_", __name__) + "_chunked_prefill"
-_CHUNKED_PREFILL_SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, Tensor? k_enc, Tensor? v_enc, Tensor? encoder_start, Tensor? encoder_end, "
-    "Tensor? key_mask, Tensor? initial_state, Tensor? log_decay, Tensor? gate, str pad_masking, float eps, "
-    "int chunk_size) -> (Tensor, Tensor)"
-)
-
-
-def _chunked_prefill_inference(q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay,
-                               gate, pad_masking, eps, chunk_size):
-    """The custom op's implementation: the eager inference scan (torch.compile runs it as one opaque node)."""
-    with torch.no_grad():
-        return _chunked_prefill(
-            q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate,
-            pad_masking, eps, chunk_size, in_place=True,
-        )
-
-
-def _chunked_prefill_fake(q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay,
-                          gate, pad_masking, eps, chunk_size):
-    """Shapes and dtypes of the op's results, for tracing: `(B, T, H, V)` in v's dtype, `(B, H, F, V + 1)`."""
+    The key masks and the compact initial state, then the scan: eagerly without autograd the in-place scan with the
+    gate inside (`chunked_scan.scan_in_place`); with autograd or under torch.compile the custom op
+    `chunked_scan_autograd.scan` (the same scan, an explicit backward, one opaque node in a compiled graph) and the
+    gate outside. The state goes back to the full layout.
+    """
     batch_size, seq_len, num_heads, feature_dim = q.shape
-    value_dim = v.shape[-1]
-    output = v.new_empty(batch_size, seq_len, num_heads, value_dim)
-    state = q.new_empty(batch_size, num_heads, num_taylor_features(feature_dim), value_dim + 1,
-                        dtype=_compute_dtype(q))
-    return output, state
-
-
-try:
-    _chunked_prefill_op = torch.library.custom_op(
-        _CHUNKED_PREFILL_OP, _chunked_prefill_inference, mutates_args=(), schema=_CHUNKED_PREFILL_SCHEMA
+    value_dim, dtype = v.shape[-1], _compute_dtype(q)
+    raw, decoder_keys, encoder_keys = _key_masks(
+        key_mask, encoder_start, encoder_end, seq_len, 0 if k_enc is None else k_enc.shape[1], pad_masking
     )
-    _chunked_prefill_op.register_fake(_chunked_prefill_fake)
-except RuntimeError:  # this module was imported before under the same name (importlib.reload): reuse its op
-    _chunked_prefill_op = getattr(torch.ops.jrt, _CHUNKED_PREFILL_OP.split("::")[1]).default
+    taylor = CompactTaylor(feature_dim, q.device)
+    residual = None  # the antisymmetric part of the initial state, which the compact state cannot hold
+    if initial_state is None:
+        state = q.new_zeros(batch_size, num_heads, taylor.num_features, value_dim + 1, dtype=dtype)
+    else:
+        state = taylor.compress(initial_state.to(dtype))  # (B, H, F', V + 1)
+        residual = initial_state.to(dtype) - taylor.expand(state)  # (B, H, F, V + 1)
+    decay = None if log_decay is None else log_decay.to(dtype)
+    if torch.compiler.is_compiling() or _records_gradients(q, k, v, k_enc, v_enc, initial_state, gate):
+        output, state, _ = scan(q, k, v, k_enc, v_enc, state, raw, decoder_keys, encoder_keys, decay, chunk_size, eps)
+        if gate is not None:
+            output = output * gate[..., None].to(dtype)
+    else:
+        output, state = scan_in_place(
+            state, q, k, v, k_enc, v_enc, raw=raw, decoder_keys=decoder_keys, encoder_keys=encoder_keys, gate=gate,
+            decay=decay, taylor=taylor, chunk_size=chunk_size, eps=eps,
+        )
+    return output.to(v.dtype), full_state(state, residual, taylor, decay, seq_len)
 
 
 def linear_attention_step(

@@ -1,0 +1,346 @@
+"""The chunked scan as one differentiable custom op: `scan`, with an explicit backward in O(block x state) memory.
+
+This is what runs when the chunked path must be differentiated (training on a CPU, or wherever the fused kernel
+does not run) and what torch.compile sees of it. Forward: the inference scan (`scan_in_place`), which also keeps
+each query's denominator; the op saves its inputs, its output and those denominators (O(T (K + V))) instead of
+every block's features, `(C, C)` weights and chunk states (about 100 KB per token at H = 16 under autograd, twelve
+times the inputs). Backward: two sweeps over the chunks, the features rebuilt block by block (docs/prefill.md §4.4):
+
+    G_i = [dy_i, -(dy_i . y_i)] / (den_i + eps)          the gradient of query i's (numerator, denominator) row
+
+    forward sweep (state S before each chunk, rebuilt as the forward builds it)
+        d phi(Q_c) = S_c G_c^T                          the inter-chunk read's gradient (numerator columns decayed)
+        intra-chunk: dA = tril(G_c [V_c, 1]^T) (decayed as A), ds = dA (1 + s),
+                     dq += ds K_c / sqrt(K), dk += ds^T Q_c / sqrt(K), d[V_c] += A^T G_c
+    backward sweep (R = the gradient of the state after each chunk, from the final state's gradient back)
+        d phi(K_c) = R [V_c, 1]^T,  d[V_c, 1] = phi(K_c)^T R,  then  R <- gamma^L R + phi(Q_c) G_c
+    encoder keys: the same with R after the whole sweep, which is also the initial state's gradient.
+
+The features' own gradient (`d phi -> d x`) is `CompactTaylor.features_backward`'s. The gate stays outside (the op
+returns the ungated output), as do the compact/full state maps and the key masks: autograd and torch.compile trace
+those. Both the forward and the gradients are custom ops (`torch.ops.jrt.<module>_scan`, `..._scan_gradients`,
+named after this module so that a checkpoint's copy of the code and the installed package do not collide), so a
+compiled graph holds two opaque nodes whatever T is: compile time and memory do not depend on T.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .chunked_scan import (
+    CompactTaylor,
+    Workspace,
+    add_encoder_in_place,
+    block_token_heads,
+    chunk_decays,
+    scan_in_place,
+)
+
+
+def _chunk_major(x: torch.Tensor, num_chunks: int, chunk_size: int, *, position_last: bool) -> torch.Tensor:
+    """(B, T, H, D) -> contiguous (N, B, H, D, C) (`position_last`) or (N, B, H, C, D), zeros past T."""
+    batch_size, seq_len, num_heads, dim = x.shape
+    padding = num_chunks * chunk_size - seq_len
+    if padding:
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, padding))
+    chunks = x.reshape(batch_size, num_chunks, chunk_size, num_heads, dim)
+    return chunks.permute(1, 0, 3, 4, 2).contiguous() if position_last else chunks.permute(1, 0, 3, 2, 4).contiguous()
+
+
+def _rows(x: torch.Tensor, seq_len: int, *, position_last: bool) -> torch.Tensor:
+    """Inverse of `_chunk_major`: (N, B, H, D, C) or (N, B, H, C, D) -> (B, T, H, D)."""
+    chunks = x.permute(1, 0, 4, 2, 3) if position_last else x.permute(1, 0, 3, 2, 4)  # (B, N, C, H, D)
+    return chunks.reshape(chunks.shape[0], -1, *chunks.shape[3:])[:, :seq_len]
+
+
+def scan_gradients(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_enc: torch.Tensor | None,
+    v_enc: torch.Tensor | None,
+    state: torch.Tensor,
+    output: torch.Tensor,
+    denominators: torch.Tensor,
+    raw: torch.Tensor | None,
+    decoder_keys: torch.Tensor | None,
+    encoder_keys: torch.Tensor | None,
+    decay: torch.Tensor | None,
+    taylor: CompactTaylor,
+    chunk_size: int,
+    d_output: torch.Tensor | None,
+    d_state: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of `scan` (module docstring): `(dq, dk, dv, dk_enc, dv_enc, d state)`, each in its input's dtype
+    (None for an absent encoder).
+
+    Args:
+        q, k, v, k_enc, v_enc, state, raw, decoder_keys, encoder_keys, decay: the forward's inputs.
+        output: `(B, T, H, V)` the forward's (ungated) output y; denominators: `(N, B, H, C, 1)` its `den + eps`.
+        d_output, d_state: the gradients of the output and of the compact final state (None: zero).
+    """
+    batch_size, seq_len, num_heads, feature_dim = q.shape
+    value_dim, dtype = v.shape[-1], state.dtype
+    width, num_features, token_heads = value_dim + 1, taylor.num_features, batch_size * num_heads
+    num_chunks = -(-seq_len // chunk_size)
+    block_size, encoder_block_size = block_token_heads()
+    block = min(num_chunks, max(1, block_size // (token_heads * chunk_size)))
+    blocks = [(first, min(first + block, num_chunks)) for first in range(0, num_chunks, block)]
+    as_dtype = (lambda mask: None if mask is None else mask.to(dtype))
+    raw, decoder_keys, encoder_keys = as_dtype(raw), as_dtype(decoder_keys), as_dtype(encoder_keys)
+
+    # Chunk-major operands of the whole sequence, O(T (K + V)) as the inputs: raw queries and keys (masked raw keys
+    # are 0), [v, 1] times the keys that count, and G = d(numerator, denominator) of every query.
+    chunks = dict(num_chunks=num_chunks, chunk_size=chunk_size)
+    queries = _chunk_major(q.to(dtype), **chunks, position_last=True)  # (N, B, H, K, C)
+    keys = k.to(dtype) if raw is None else k.to(dtype) * raw[:, :seq_len, None, None]
+    keys = _chunk_major(keys, **chunks, position_last=True)  # (N, B, H, K, C)
+    counted = q.new_ones(batch_size, seq_len, num_heads, 1, dtype=dtype) if decoder_keys is None \
+        else decoder_keys[:, :, None, None].expand(-1, -1, num_heads, 1)
+    values = _chunk_major(torch.cat([v.to(dtype), torch.ones_like(counted)], dim=-1) * counted, **chunks,
+                          position_last=False)  # (N, B, H, C, W); zero rows past T
+    if d_output is None:
+        gradient = queries.new_zeros(num_chunks, batch_size, num_heads, chunk_size, width)
+    else:
+        d_y = _chunk_major(d_output.to(dtype), **chunks, position_last=False)  # (N, B, H, C, V)
+        y = _chunk_major(output, **chunks, position_last=False)
+        gradient = torch.cat([d_y, -(d_y * y).sum(-1, keepdim=True)], dim=-1) / denominators  # (N, B, H, C, W)
+    running = state.reshape(token_heads, num_features, width).clone()  # (B H, F', W)
+    reverse = running.new_zeros(running.shape) if d_state is None else \
+        d_state.to(dtype).reshape(running.shape).clone()  # R, the gradient of the state after the last chunk
+
+    causal = torch.ones(chunk_size, chunk_size, dtype=dtype, device=q.device).tril_()  # (C, C)
+    position = torch.arange(chunk_size, device=q.device, dtype=dtype)
+    if decay is not None:
+        log_gamma = decay[:, None, None]  # (H, 1, 1)
+        intra_decay = torch.exp(log_gamma * (position[:, None] - position[None, :]).clamp(min=0)) * causal  # (H, C, C)
+        read_decay = torch.exp(log_gamma[..., 0] * (position + 1))[..., None]  # (H, C, 1)
+    # The gradient of the inter-chunk read: the numerator columns read the state decayed by gamma**(i + 1).
+    read_gradient = gradient if decay is None else \
+        torch.cat([gradient[..., :value_dim] * read_decay, gradient[..., value_dim:]], dim=-1)
+
+    def chunk_length(chunk: int) -> int:
+        return min(chunk_size, seq_len - chunk * chunk_size)
+
+    def aged(values_c: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[v, 1] of one chunk `(B, H, C, W)` with the numerator decayed to the chunk's end, and gamma**L."""
+        if decay is None:
+            return values_c, None
+        value_decay, state_decay = chunk_decays(log_gamma, position, length)
+        return torch.cat([values_c[..., :value_dim] * value_decay, values_c[..., value_dim:]], dim=-1), state_decay
+
+    d_queries, d_keys = torch.zeros_like(queries), torch.zeros_like(keys)
+    d_values = torch.zeros_like(values)
+    features_shape = (block, batch_size, num_heads, num_features, chunk_size)
+    phi_q, phi_k = queries.new_empty(features_shape), queries.new_empty(features_shape)  # a block's, written in place
+    d_phi = queries.new_empty(features_shape)
+
+    # Forward sweep: the state before each chunk, d phi(Q), and the intra-chunk block.
+    if k_enc is not None:
+        encoder_block = max(1, min(k_enc.shape[1], encoder_block_size // token_heads))
+        workspace = Workspace(encoder_block * token_heads * (feature_dim + width + num_features), q, dtype)
+        add_encoder_in_place(running, k_enc, v_enc, raw, encoder_keys, taylor, workspace, encoder_block)
+    for first, last in blocks:
+        n = last - first
+        q_n, k_n, values_n, gradient_n = queries[first:last], keys[first:last], values[first:last], gradient[first:last]
+        taylor.features(k_n, key=True, out=phi_k[:n])  # (n, B, H, F', C)
+        d_q_intra, d_k_intra, d_v_intra = _intra_chunk_gradients(
+            q_n, k_n, values_n, gradient_n, causal if decay is None else intra_decay, causal
+        )
+        d_queries[first:last] += d_q_intra
+        d_keys[first:last] += d_k_intra
+        d_values[first:last, ..., :value_dim] += d_v_intra
+        # Inter-chunk: d phi(Q_c) = S_c G_c^T, then the state update of the forward.
+        for c in range(n):
+            torch.bmm(running, read_gradient[first + c].flatten(0, 1).transpose(1, 2), out=d_phi[c].flatten(0, 1))
+            update, state_decay = aged(values_n[c], chunk_length(first + c))
+            if state_decay is not None:
+                running.view(batch_size, num_heads, num_features, width)[..., :value_dim].mul_(state_decay)
+            running.baddbmm_(phi_k[c].flatten(0, 1), update.flatten(0, 1))
+        d_queries[first:last] += taylor.features_backward(q_n, d_phi[:n], key=False)
+
+    # Backward sweep: R from the final state's gradient back to the state after the encoder.
+    reverse_numerator = reverse.view(batch_size, num_heads, num_features, width)[..., :value_dim]
+    for first, last in reversed(blocks):
+        n = last - first
+        q_n, k_n, values_n = queries[first:last], keys[first:last], values[first:last]
+        taylor.features(q_n, key=False, out=phi_q[:n])
+        taylor.features(k_n, key=True, out=phi_k[:n])
+        for c in reversed(range(n)):
+            length = chunk_length(first + c)
+            update, state_decay = aged(values_n[c], length)
+            torch.bmm(reverse, update.flatten(0, 1).transpose(1, 2), out=d_phi[c].flatten(0, 1))
+            d_update = (phi_k[c].flatten(0, 1).transpose(1, 2) @ reverse).view(update.shape)  # (B, H, C, W)
+            if state_decay is not None:
+                d_update = d_update[..., :value_dim] * chunk_decays(log_gamma, position, length)[0]
+                reverse_numerator.mul_(state_decay)
+            d_values[first + c, ..., :value_dim] += d_update[..., :value_dim]
+            reverse.baddbmm_(phi_q[c].flatten(0, 1), read_gradient[first + c].flatten(0, 1))
+        d_keys[first:last] += taylor.features_backward(k_n, d_phi[:n], key=True)
+
+    d_k_enc = d_v_enc = None
+    if k_enc is not None:  # every query reads every encoder key: R after the whole sweep
+        d_k_enc, d_v_enc = _encoder_gradients(
+            k_enc, v_enc, raw, encoder_keys, reverse.view(batch_size, num_heads, num_features, width), taylor,
+            encoder_block_size,
+        )
+
+    d_q = _rows(d_queries, seq_len, position_last=True)
+    d_k = _rows(d_keys, seq_len, position_last=True)
+    if raw is not None:
+        d_k = d_k * raw[:, :seq_len, None, None]
+    d_v = _rows(d_values[..., :value_dim], seq_len, position_last=False) * counted
+    return (d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), d_k_enc, d_v_enc,
+            reverse.view(state.shape).to(state.dtype))
+
+
+def _intra_chunk_gradients(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    values: torch.Tensor,
+    gradient: torch.Tensor,
+    numerator_mask: torch.Tensor,
+    causal: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk `(n, B, H, K, C)` and dv `(n, B, H, C, V)` through the intra-chunk products of n chunks.
+
+    Forward: numerator `(A * numerator_mask) V`, denominator `(A * causal) 1_counted`, A = 1 + s + s**2 / 2 with
+    s = q.k / sqrt(K); `numerator_mask` is the causal mask (`(C, C)`) or the decayed one gamma**(i - j) (`(H, C, C)`).
+    q, k `(n, B, H, K, C)`; values `(n, B, H, C, V + 1)` ([v, 1] of the keys that count); gradient `(n, B, H, C, V + 1)`.
+    """
+    value_dim = values.shape[-1] - 1
+    s = (q.transpose(-1, -2) @ k) * q.shape[-2] ** -0.5  # (n, B, H, C, C)
+    d_weights = (gradient[..., :value_dim] @ values[..., :value_dim].transpose(-1, -2)) * numerator_mask
+    d_weights = d_weights + (gradient[..., value_dim:] @ values[..., value_dim:].transpose(-1, -2)) * causal
+    d_scores = d_weights * (1 + s) * q.shape[-2] ** -0.5  # dA/ds = 1 + s, and the 1 / sqrt(K) of s
+    numerator_weights = (1 + s + s * s / 2) * numerator_mask
+    return k @ d_scores.transpose(-1, -2), q @ d_scores, numerator_weights.transpose(-1, -2) @ gradient[..., :value_dim]
+
+
+def _encoder_gradients(
+    k_enc: torch.Tensor,
+    v_enc: torch.Tensor,
+    raw: torch.Tensor | None,
+    encoder_keys: torch.Tensor | None,
+    reverse: torch.Tensor,
+    taylor: CompactTaylor,
+    block_token_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(dk_enc, dv_enc)` in the inputs' dtypes: the encoder keys add phi(K_enc)^T [V_enc, 1] to the state that every
+    query reads, so their gradients come from `reverse` `(B, H, F', V + 1)`, the gradient of the state after the
+    encoder: d phi(K_enc) = [V_enc, 1] R^T and d[V_enc, 1] = phi(K_enc) R, in blocks of encoder tokens. `raw`,
+    `encoder_keys`: the masks `(B, >= M)` in the compute dtype, or None."""
+    batch_size, encoder_length, num_heads, feature_dim = k_enc.shape
+    value_dim, dtype = v_enc.shape[-1], reverse.dtype
+    block = max(1, min(encoder_length, block_token_heads // (batch_size * num_heads)))
+    phi = reverse.new_empty(batch_size, num_heads, taylor.num_features, block)
+    d_k_enc, d_v_enc = torch.empty_like(k_enc), torch.empty_like(v_enc)
+    for start in range(0, encoder_length, block):
+        end = min(start + block, encoder_length)
+        keys = k_enc[:, start:end].to(dtype).permute(0, 2, 3, 1)  # (B, H, K, m)
+        if raw is not None:  # "reference": a masked raw key is 0
+            keys = keys * raw[:, None, None, start:end]
+        values = torch.cat([v_enc[:, start:end].to(dtype).transpose(1, 2), keys.new_ones(
+            batch_size, num_heads, end - start, 1)], dim=-1)  # (B, H, m, W)
+        if encoder_keys is not None:  # outside the row's range: no encoder key
+            values = values * encoder_keys[:, None, start:end, None]
+        phi_m = taylor.features(keys, key=True, out=phi[..., : end - start])  # (B, H, F', m)
+        d_keys = taylor.features_backward(keys, reverse @ values.transpose(-1, -2), key=True)  # (B, H, K, m)
+        if raw is not None:
+            d_keys = d_keys * raw[:, None, None, start:end]
+        d_k_enc[:, start:end] = d_keys.permute(0, 3, 1, 2)
+        d_values = (phi_m.transpose(-1, -2) @ reverse)[..., :value_dim]  # (B, H, m, V)
+        if encoder_keys is not None:
+            d_values = d_values * encoder_keys[:, None, start:end, None]
+        d_v_enc[:, start:end] = d_values.transpose(1, 2)
+    return d_k_enc, d_v_enc
+
+
+# The ops' names carry this module's name: a converted checkpoint's copy of this file (imported by transformers as
+# `transformers_modules.<folder>.chunked_scan_autograd`) registers its own ops next to the installed package's.
+_OP_PREFIX = "jrt::" + re.sub(r"\W", "_", __name__)
+_SCAN_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? k_enc, Tensor? v_enc, Tensor state, Tensor? raw, Tensor? decoder_keys, "
+    "Tensor? encoder_keys, Tensor? log_decay, int chunk_size, float eps) -> (Tensor, Tensor, Tensor)"
+)
+_GRADIENTS_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? k_enc, Tensor? v_enc, Tensor state, Tensor output, Tensor denominators, "
+    "Tensor? raw, Tensor? decoder_keys, Tensor? encoder_keys, Tensor? log_decay, int chunk_size, Tensor d_output, "
+    "Tensor d_state) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+
+
+def _scan_forward(q, k, v, k_enc, v_enc, state, raw, decoder_keys, encoder_keys, log_decay, chunk_size, eps):
+    """The op's implementation: `(ungated output (B, T, H, V), final compact state, denominators (N, B, H, C, 1))`
+    in the compute dtype (the state's)."""
+    batch_size, seq_len, num_heads, feature_dim = q.shape
+    num_chunks = -(-seq_len // chunk_size)
+    denominators = q.new_empty(num_chunks, batch_size, num_heads, chunk_size, 1, dtype=state.dtype)
+    output, final = scan_in_place(
+        state, q, k, v, k_enc, v_enc, raw=raw, decoder_keys=decoder_keys, encoder_keys=encoder_keys, gate=None,
+        decay=log_decay, taylor=CompactTaylor(feature_dim, q.device), chunk_size=chunk_size, eps=eps,
+        denominators=denominators,
+    )
+    return output, final, denominators
+
+
+def _scan_forward_fake(q, k, v, k_enc, v_enc, state, raw, decoder_keys, encoder_keys, log_decay, chunk_size, eps):
+    batch_size, seq_len, num_heads, _ = q.shape
+    num_chunks = -(-seq_len // chunk_size)
+    output = q.new_empty(batch_size, seq_len, num_heads, v.shape[-1], dtype=state.dtype)
+    return output, torch.empty_like(state), q.new_empty(num_chunks, batch_size, num_heads, chunk_size, 1,
+                                                        dtype=state.dtype)
+
+
+def _scan_gradients(q, k, v, k_enc, v_enc, state, output, denominators, raw, decoder_keys, encoder_keys, log_decay,
+                    chunk_size, d_output, d_state):
+    """The gradient op's implementation: `scan_gradients`, an absent encoder's gradients as empty tensors (an op
+    returns tensors only)."""
+    grads = scan_gradients(
+        q, k, v, k_enc, v_enc, state, output, denominators, raw, decoder_keys, encoder_keys, log_decay,
+        CompactTaylor(q.shape[-1], q.device), chunk_size, d_output, d_state,
+    )
+    return tuple(q.new_empty(0) if grad is None else grad for grad in grads)
+
+
+def _scan_gradients_fake(q, k, v, k_enc, v_enc, state, output, denominators, raw, decoder_keys, encoder_keys,
+                         log_decay, chunk_size, d_output, d_state):
+    absent = q.new_empty(0)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            absent if k_enc is None else torch.empty_like(k_enc), absent if v_enc is None else torch.empty_like(v_enc),
+            torch.empty_like(state))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, k_enc, v_enc, state, raw, decoder_keys, encoder_keys, log_decay, chunk_size, _ = inputs
+    ctx.save_for_backward(q, k, v, k_enc, v_enc, state, output[0], output[2], raw, decoder_keys, encoder_keys,
+                          log_decay)
+    ctx.chunk_size = chunk_size
+
+
+def _backward(ctx, d_output, d_state, _d_denominators):
+    q, k, v, k_enc, v_enc, state, output, denominators, raw, decoder_keys, encoder_keys, log_decay = ctx.saved_tensors
+    d_output = torch.zeros_like(output) if d_output is None else d_output
+    d_state = torch.zeros_like(state) if d_state is None else d_state
+    d_q, d_k, d_v, d_k_enc, d_v_enc, d_initial = _gradients_op(
+        q, k, v, k_enc, v_enc, state, output, denominators, raw, decoder_keys, encoder_keys, log_decay, ctx.chunk_size,
+        d_output, d_state,
+    )
+    absent = k_enc is None
+    return (d_q, d_k, d_v, None if absent else d_k_enc, None if absent else d_v_enc, d_initial,
+            None, None, None, None, None, None)
+
+
+try:
+    _gradients_op = torch.library.custom_op(
+        _OP_PREFIX + "_scan_gradients", _scan_gradients, mutates_args=(), schema=_GRADIENTS_SCHEMA
+    )
+    _gradients_op.register_fake(_scan_gradients_fake)
+    scan = torch.library.custom_op(_OP_PREFIX + "_scan", _scan_forward, mutates_args=(), schema=_SCAN_SCHEMA)
+    scan.register_fake(_scan_forward_fake)
+    scan.register_autograd(_backward, setup_context=_setup_context)
+except RuntimeError:  # this module was imported before under the same name (importlib.reload): reuse its ops
+    _gradients_op = getattr(torch.ops.jrt, _OP_PREFIX.split("::")[1] + "_scan_gradients").default
+    scan = getattr(torch.ops.jrt, _OP_PREFIX.split("::")[1] + "_scan").default
