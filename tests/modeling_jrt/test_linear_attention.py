@@ -478,6 +478,35 @@ def test_prefill_state_then_step_equals_longer_prefill():
     torch.testing.assert_close(out, full[:, -1])
 
 
+@pytest.mark.parametrize("with_decay", [False, True], ids=["prefix", "based-decay-gate"])
+def test_chunked_autograd_keeps_about_the_output_for_backward(with_decay):
+    """What autograd keeps from a chunked forward until its backward, beyond the inputs, is the op's output and a
+    few numbers per token (the explicit backward rebuilds the features): at most 1.25x the output's bytes, whatever
+    the number of chunks (autograd through the batched scan it replaced kept every block's features, weights and
+    chunk states, and fails this)."""
+    batch, seq_len, heads, value_dim = 2, 512, 4, 16
+    q, k, v, k_enc, v_enc = make_inputs(batch, seq_len, heads, 4, value_dim, 0 if with_decay else 200,
+                                        dtype=torch.float32)
+    kwargs = {}
+    if with_decay:
+        kwargs = dict(log_decay=torch.log(torch.tensor([0.9, 0.95, 0.99, 0.999])),
+                      gate=torch.rand(batch, seq_len, heads, requires_grad=True))
+    leaves = [None if t is None else t.requires_grad_(True) for t in (q, k, v, k_enc, v_enc)]
+    inputs = {t.untyped_storage().data_ptr() for t in leaves + [kwargs.get("gate")] if t is not None}
+    saved = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in inputs:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output, state = prefix_linear_attention_chunked(*leaves, chunk_size=16, **kwargs)
+    assert 0 < sum(saved.values()) <= 1.25 * output.numel() * output.element_size(), sum(saved.values())
+    (output.sum() + state.sum()).backward()
+    assert all(t.grad is not None for t in leaves if t is not None)
+
+
 def test_chunked_is_differentiable_like_the_oracle():
     q, k, v, k_enc, v_enc = make_inputs(1, 13, 2, 4, 4, 5)
     inputs = [t.clone().requires_grad_(True) for t in (q, k, v, k_enc, v_enc)]

@@ -160,6 +160,28 @@ def test_fullgraph_compile_of_a_prefill_with_the_tokenizers_mask_and_decode_step
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("prefix_strategy", ["none", None], ids=["no-fill-fullgraph", "default-fill"])
+def test_compile_of_a_training_step(make_config, prefix_strategy):
+    """`torch.compile(model)` in training: the loss and every parameter's gradient agree with eager (the chunked
+    linear attention is one custom op in the graph, its backward another, whose gradients have the layout the op
+    declares; aot_eager: the traced graphs without inductor's C++ build). Fullgraph without the JRT fill; with the
+    default fill, deriving each row's fill from `labels` breaks the graph once."""
+    overrides = {} if prefix_strategy is None else dict(prefix_strategy=prefix_strategy)
+    model = build(make_config, **overrides).train()
+    input_ids = prompt(41, batch=2)  # not whole chunks: the scan's gradients are cut from padded chunks
+    eager = model(input_ids, labels=input_ids).loss
+    eager.backward()
+    expected = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=prefix_strategy == "none")
+    traced = compiled(input_ids, labels=input_ids).loss
+    traced.backward()
+    torch.testing.assert_close(traced, eager, rtol=1e-6, atol=1e-6)
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_continuing_from_a_beam_search_cache_is_refused(make_config):
     """Beam search leaves the beams of its last step in the cache, not the returned sequences' states."""
     from modeling_jrt.compat import output_cache

@@ -290,27 +290,27 @@ def _scan_forward_fake(q, k, v, k_enc, v_enc, state, raw, decoder_keys, encoder_
     batch_size, seq_len, num_heads, _ = q.shape
     num_chunks = -(-seq_len // chunk_size)
     output = q.new_empty(batch_size, seq_len, num_heads, v.shape[-1], dtype=state.dtype)
-    return output, torch.empty_like(state), q.new_empty(num_chunks, batch_size, num_heads, chunk_size, 1,
-                                                        dtype=state.dtype)
+    return output, state.new_empty(state.shape), q.new_empty(num_chunks, batch_size, num_heads, chunk_size, 1,
+                                                             dtype=state.dtype)
 
 
 def _scan_gradients(q, k, v, k_enc, v_enc, state, output, denominators, raw, decoder_keys, encoder_keys, log_decay,
                     chunk_size, d_output, d_state):
-    """The gradient op's implementation: `scan_gradients`, an absent encoder's gradients as empty tensors (an op
-    returns tensors only)."""
+    """The gradient op's implementation: `scan_gradients`, contiguous (the layout the fake implementation promises
+    a compiled graph), an absent encoder's gradients as empty tensors (an op returns tensors only)."""
     grads = scan_gradients(
         q, k, v, k_enc, v_enc, state, output, denominators, raw, decoder_keys, encoder_keys, log_decay,
         CompactTaylor(q.shape[-1], q.device), chunk_size, d_output, d_state,
     )
-    return tuple(q.new_empty(0) if grad is None else grad for grad in grads)
+    return tuple(q.new_empty(0) if grad is None else grad.contiguous() for grad in grads)
 
 
 def _scan_gradients_fake(q, k, v, k_enc, v_enc, state, output, denominators, raw, decoder_keys, encoder_keys,
                          log_decay, chunk_size, d_output, d_state):
     absent = q.new_empty(0)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            absent if k_enc is None else torch.empty_like(k_enc), absent if v_enc is None else torch.empty_like(v_enc),
-            torch.empty_like(state))
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            absent if k_enc is None else k_enc.new_empty(k_enc.shape),
+            absent if v_enc is None else v_enc.new_empty(v_enc.shape), state.new_empty(state.shape))
 
 
 def _setup_context(ctx, inputs, output):
