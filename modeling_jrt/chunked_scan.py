@@ -117,7 +117,7 @@ class CompactTaylor:
         return torch.cat([compact[..., : 1 + self.feature_dim, :], quadratic], dim=-2)
 
 
-def _copy_chunk_major(destination: torch.Tensor, source: torch.Tensor, *, position_last: bool) -> None:
+def copy_chunk_major(destination: torch.Tensor, source: torch.Tensor, *, position_last: bool) -> None:
     """Copy `source` `(B, L, H, D)` into the chunk-major `destination` `(n, B, H, D, C)` (`position_last`) or
     `(n, B, H, C, D)`, for L <= n C tokens; the positions past L (a last chunk that is not whole) are set to 0."""
     num_chunks, chunk_size = destination.shape[0], destination.shape[-1 if position_last else -2]
@@ -265,18 +265,18 @@ def scan_in_place(
         start, end = first * chunk_size, min((first + n) * chunk_size, seq_len)
         q_n, k_n, v_n, phi_q_n, phi_k_n = queries[:n], keys[:n], values[:n], phi_q[:n], phi_k[:n]
         w_n, o_n = weights[:n].flatten(0, 2), combined[:n]
-        _copy_chunk_major(q_n, q[:, start:end], position_last=True)
-        _copy_chunk_major(k_n, k[:, start:end], position_last=True)
+        copy_chunk_major(q_n, q[:, start:end], position_last=True)
+        copy_chunk_major(k_n, k[:, start:end], position_last=True)
         if raw_weights is not None:  # "reference": a masked raw key is 0 (phi(0) keeps weight 1)
-            _copy_chunk_major(raw_weights[:n], raw[:, start:end, None, None].expand(-1, -1, num_heads, 1),
+            copy_chunk_major(raw_weights[:n], raw[:, start:end, None, None].expand(-1, -1, num_heads, 1),
                               position_last=True)
             k_n.mul_(raw_weights[:n])
-        _copy_chunk_major(v_n[..., :value_dim], v[:, start:end], position_last=False)
+        copy_chunk_major(v_n[..., :value_dim], v[:, start:end], position_last=False)
         v_n[..., value_dim] = 1.0
         if decoder_keys is not None or end - start < n * chunk_size:  # keys that do not count, padding of the chunks
             counted = v.new_ones(1, 1, 1, 1, dtype=dtype).expand(batch_size, end - start, num_heads, 1) \
                 if decoder_keys is None else decoder_keys[:, start:end, None, None].expand(-1, -1, num_heads, 1)
-            _copy_chunk_major(counted_weights[:n], counted, position_last=False)  # zeros past the last token
+            copy_chunk_major(counted_weights[:n], counted, position_last=False)  # zeros past the last token
             v_n.mul_(counted_weights[:n])
         taylor.features(q_n, key=False, out=phi_q_n)
         taylor.features(k_n, key=True, out=phi_k_n)
@@ -311,7 +311,7 @@ def scan_in_place(
         if denominators is not None:
             denominators[first : first + n].copy_(denominator)
         if gates is not None:
-            _copy_chunk_major(gates[:n], gate[:, start:end, :, None], position_last=False)
+            copy_chunk_major(gates[:n], gate[:, start:end, :, None], position_last=False)
             numerator.mul_(gates[:n])
         _divide_into_rows(output[:, start:end], numerator, denominator)
     return output, running.view(state.shape)

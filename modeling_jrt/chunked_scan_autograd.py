@@ -35,22 +35,13 @@ from .chunked_scan import (
     add_encoder_in_place,
     block_token_heads,
     chunk_decays,
+    copy_chunk_major,
     scan_in_place,
 )
 
 
-def _chunk_major(x: torch.Tensor, num_chunks: int, chunk_size: int, *, position_last: bool) -> torch.Tensor:
-    """(B, T, H, D) -> contiguous (N, B, H, D, C) (`position_last`) or (N, B, H, C, D), zeros past T."""
-    batch_size, seq_len, num_heads, dim = x.shape
-    padding = num_chunks * chunk_size - seq_len
-    if padding:
-        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, padding))
-    chunks = x.reshape(batch_size, num_chunks, chunk_size, num_heads, dim)
-    return chunks.permute(1, 0, 3, 4, 2).contiguous() if position_last else chunks.permute(1, 0, 3, 2, 4).contiguous()
-
-
 def _rows(x: torch.Tensor, seq_len: int, *, position_last: bool) -> torch.Tensor:
-    """Inverse of `_chunk_major`: (N, B, H, D, C) or (N, B, H, C, D) -> (B, T, H, D)."""
+    """(N, B, H, D, C) (`position_last`) or (N, B, H, C, D) chunk-major -> (B, T, H, D): `copy_chunk_major`'s inverse."""
     chunks = x.permute(1, 0, 4, 2, 3) if position_last else x.permute(1, 0, 3, 2, 4)  # (B, N, C, H, D)
     return chunks.reshape(chunks.shape[0], -1, *chunks.shape[3:])[:, :seq_len]
 
@@ -93,20 +84,25 @@ def scan_gradients(
 
     # Chunk-major operands of the whole sequence, O(T (K + V)) as the inputs: raw queries and keys (masked raw keys
     # are 0), [v, 1] times the keys that count, and G = d(numerator, denominator) of every query.
-    chunks = dict(num_chunks=num_chunks, chunk_size=chunk_size)
-    queries = _chunk_major(q.to(dtype), **chunks, position_last=True)  # (N, B, H, K, C)
-    keys = k.to(dtype) if raw is None else k.to(dtype) * raw[:, :seq_len, None, None]
-    keys = _chunk_major(keys, **chunks, position_last=True)  # (N, B, H, K, C)
+    shape = (num_chunks, batch_size, num_heads)
+    queries = q.new_empty(*shape, feature_dim, chunk_size, dtype=dtype)  # (N, B, H, K, C), zeros past T
+    copy_chunk_major(queries, q, position_last=True)
+    keys = q.new_empty(*shape, feature_dim, chunk_size, dtype=dtype)
+    copy_chunk_major(keys, k if raw is None else k * raw[:, :seq_len, None, None].to(k.dtype), position_last=True)
     counted = q.new_ones(batch_size, seq_len, num_heads, 1, dtype=dtype) if decoder_keys is None \
         else decoder_keys[:, :, None, None].expand(-1, -1, num_heads, 1)
-    values = _chunk_major(torch.cat([v.to(dtype), torch.ones_like(counted)], dim=-1) * counted, **chunks,
-                          position_last=False)  # (N, B, H, C, W); zero rows past T
-    if d_output is None:
-        gradient = queries.new_zeros(num_chunks, batch_size, num_heads, chunk_size, width)
-    else:
-        d_y = _chunk_major(d_output.to(dtype), **chunks, position_last=False)  # (N, B, H, C, V)
-        y = _chunk_major(output, **chunks, position_last=False)
-        gradient = torch.cat([d_y, -(d_y * y).sum(-1, keepdim=True)], dim=-1) / denominators  # (N, B, H, C, W)
+    values = q.new_empty(*shape, chunk_size, width, dtype=dtype)  # (N, B, H, C, W): [v, 1] of the keys that count
+    copy_chunk_major(values[..., value_dim:], counted, position_last=False)  # zero rows past T
+    copy_chunk_major(values[..., :value_dim], v, position_last=False)
+    if decoder_keys is not None:
+        values[..., :value_dim].mul_(values[..., value_dim:])
+    gradient = q.new_zeros(*shape, chunk_size, width, dtype=dtype)  # (N, B, H, C, W)
+    if d_output is not None:
+        copy_chunk_major(gradient[..., :value_dim], d_output, position_last=False)
+        y = q.new_empty(*shape, chunk_size, value_dim, dtype=dtype)
+        copy_chunk_major(y, output, position_last=False)
+        gradient[..., value_dim:] = (gradient[..., :value_dim] * y).sum(-1, keepdim=True).neg_()
+        gradient.div_(denominators)
     running = state.reshape(token_heads, num_features, width).clone()  # (B H, F', W)
     reverse = running.new_zeros(running.shape) if d_state is None else \
         d_state.to(dtype).reshape(running.shape).clone()  # R, the gradient of the state after the last chunk
@@ -210,13 +206,18 @@ def _intra_chunk_gradients(
     s = q.k / sqrt(K); `numerator_mask` is the causal mask (`(C, C)`) or the decayed one gamma**(i - j) (`(H, C, C)`).
     q, k `(n, B, H, K, C)`; values `(n, B, H, C, V + 1)` ([v, 1] of the keys that count); gradient `(n, B, H, C, V + 1)`.
     """
-    value_dim = values.shape[-1] - 1
-    s = (q.transpose(-1, -2) @ k) * q.shape[-2] ** -0.5  # (n, B, H, C, C)
-    d_weights = (gradient[..., :value_dim] @ values[..., :value_dim].transpose(-1, -2)) * numerator_mask
-    d_weights = d_weights + (gradient[..., value_dim:] @ values[..., value_dim:].transpose(-1, -2)) * causal
-    d_scores = d_weights * (1 + s) * q.shape[-2] ** -0.5  # dA/ds = 1 + s, and the 1 / sqrt(K) of s
-    numerator_weights = (1 + s + s * s / 2) * numerator_mask
-    return k @ d_scores.transpose(-1, -2), q @ d_scores, numerator_weights.transpose(-1, -2) @ gradient[..., :value_dim]
+    value_dim, scale = values.shape[-1] - 1, q.shape[-2] ** -0.5
+    s = torch.matmul(q.transpose(-1, -2), k).mul_(scale)  # (n, B, H, C, C)
+    if numerator_mask is causal:  # no decay: one product over the numerator and the denominator columns
+        d_weights = torch.matmul(gradient, values.transpose(-1, -2)).mul_(causal)
+    else:
+        d_weights = torch.matmul(gradient[..., :value_dim], values[..., :value_dim].transpose(-1, -2))
+        d_weights.mul_(numerator_mask).addcmul_(gradient[..., value_dim:], values[..., value_dim:].transpose(-1, -2)
+                                                * causal)
+    d_scores = d_weights.addcmul_(d_weights, s).mul_(scale)  # dA/ds = 1 + s, and the 1 / sqrt(K) of s
+    d_q, d_k = torch.matmul(k, d_scores.transpose(-1, -2)), torch.matmul(q, d_scores)
+    weights = torch.addcmul(s.new_full((), 0.5), s.add_(1.0), s, value=0.5, out=s).mul_(numerator_mask)  # A, masked
+    return d_q, d_k, torch.matmul(weights.transpose(-1, -2), gradient[..., :value_dim])
 
 
 def _encoder_gradients(
