@@ -507,6 +507,28 @@ def test_chunked_autograd_keeps_about_the_output_for_backward(with_decay):
     assert all(t.grad is not None for t in leaves if t is not None)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_chunked_low_precision_gradients(dtype):
+    """bf16 / fp16 inputs: the explicit backward computes in fp32 and returns each gradient in its input's dtype,
+    within the inputs' rounding of the fp64 oracle's (prefix with an encoder, and Based decay with a gate)."""
+    for case in (dict(), dict(encoder=False, decay=True, gate=True)):
+        q, k, v, k_enc, v_enc, kwargs = block_case_inputs(case)
+        names = [name for name in ("gate",) if name in kwargs]
+        gradients = []
+        for precision in (dtype, torch.float64):
+            leaves = [None if t is None else t.to(precision).requires_grad_(True) for t in (q, k, v, k_enc, v_enc)]
+            options = {**kwargs, **{name: kwargs[name].to(precision).requires_grad_(True) for name in names}}
+            function = prefix_linear_attention_chunked if precision == dtype else prefix_linear_attention_quadratic
+            output, _ = function(*leaves, **options)
+            assert output.dtype == precision
+            wanted = [t for t in leaves if t is not None] + [options[name] for name in names]
+            gradients.append(torch.autograd.grad(output.float().square().sum(), wanted))
+        for actual, expected in zip(*gradients):
+            assert actual.dtype == dtype
+            error = (actual.double() - expected).abs().max() / expected.abs().max()
+            assert error < (2.5e-2 if dtype == torch.bfloat16 else 3e-3), error  # about 2.5x the worst seen
+
+
 def test_chunked_is_differentiable_like_the_oracle():
     q, k, v, k_enc, v_enc = make_inputs(1, 13, 2, 4, 4, 5)
     inputs = [t.clone().requires_grad_(True) for t in (q, k, v, k_enc, v_enc)]
