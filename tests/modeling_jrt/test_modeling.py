@@ -332,3 +332,30 @@ def test_gradient_checkpointing_gives_the_same_gradients(make_config):
     checkpointed(input_ids, labels=input_ids).loss.backward()
     for (name, a), (_, b) in zip(model.named_parameters(), checkpointed.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_training_keeps_memory_linear_in_the_sequence(make_config, attn_implementation):
+    """What autograd keeps from a training forward (every layer kind: conv, linear and sliding-window attention,
+    MLP, loss) grows linearly with T: the bytes per token at 1024 tokens are within 5% of those at 256. A (T, T)
+    tensor adds 4 T bytes per token: with a window of 4096 instead of 32 (eager attention over the whole sequence)
+    this test fails."""
+    model = JRTRNNForCausalLM(make_config(
+        layer_types=["conv", "linear_attention", "sliding_attention", "linear_attention"], sliding_window=32,
+        prefix_length=40, linear_attention_chunk_size=16, attn_implementation=attn_implementation,
+    )).train()
+    per_token = []
+    for length in (256, 1024):
+        input_ids = torch.randint(4, 99, (1, length), generator=torch.Generator().manual_seed(length))
+        saved = {}
+
+        def pack(tensor):
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = model(input_ids, labels=input_ids).loss
+        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        per_token.append(sum(size for pointer, size in saved.items() if pointer not in parameters) / length)
+        loss.backward()
+    assert per_token[1] <= 1.05 * per_token[0], per_token
