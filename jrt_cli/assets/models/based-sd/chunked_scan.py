@@ -18,9 +18,9 @@ state read and updated chunk by chunk: every CPU prefill, and the forward of the
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
-
 
 # Token-heads per block of the scans (forward and backward): a block's features, weights and scratch stay within a few
 # MiB, whatever T is.
@@ -28,10 +28,28 @@ BLOCK_TOKEN_HEADS = 8192
 ENCODER_BLOCK_TOKEN_HEADS = 8192
 
 
-def block_token_heads() -> tuple[int, int]:
-    """`(BLOCK_TOKEN_HEADS, ENCODER_BLOCK_TOKEN_HEADS)` at call time: the explicit backward of
-    `chunked_scan_autograd.py` reads them here (a name imported there would keep its import-time value)."""
-    return BLOCK_TOKEN_HEADS, ENCODER_BLOCK_TOKEN_HEADS
+def block_sizes(num_chunks: int, chunk_size: int, encoder_length: int, token_heads: int) -> tuple[int, int]:
+    """`(chunks per decoder block, tokens per encoder block)` of every scan, forward and backward, from
+    `BLOCK_TOKEN_HEADS` / `ENCODER_BLOCK_TOKEN_HEADS` as they are at call time."""
+    block = min(num_chunks, max(1, BLOCK_TOKEN_HEADS // (token_heads * chunk_size)))
+    return block, max(1, min(encoder_length, ENCODER_BLOCK_TOKEN_HEADS // token_heads))
+
+
+def encoder_scratch_numel(block: int, token_heads: int, feature_dim: int, width: int, num_features: int) -> int:
+    """Elements of the `Workspace` that `encoder_blocks` takes its buffers from: keys, [v, 1] and features of a block
+    of `block` encoder tokens per token-head."""
+    return block * token_heads * (feature_dim + width + num_features)
+
+
+def decay_factors(decay: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, ...]:
+    """`(log_gamma (H, 1, 1), position (C,), intra-chunk gamma**(i - j) masked to i >= j (H, C, C), read decay
+    gamma**(i + 1) (H, C, 1))` of the decayed scans, from `decay` = log gamma `(H,)`."""
+    position = torch.arange(chunk_size, device=decay.device, dtype=decay.dtype)
+    log_gamma = decay[:, None, None]
+    distance = position[:, None] - position[None, :]  # (C, C): i - j
+    intra_decay = torch.exp(log_gamma * distance.clamp(min=0)).tril_()
+    read_decay = torch.exp(log_gamma[..., 0] * (position + 1))[..., None]
+    return log_gamma, position, intra_decay, read_decay
 
 
 class CompactTaylor:
@@ -208,7 +226,7 @@ def scan_in_place(
         gate: `(B, T, H)` numerator gate, or None.
         decay: `(H,)` log gamma in the compute dtype, or None.
         denominators: a chunk-major `(N, B, H, C, 1)` tensor (N = ceil(T / C)) that receives each query's
-            `denominator + eps` (what the explicit backward of `chunked_scan_backward.py` needs), or None.
+            `denominator + eps` (what the explicit backward of `chunked_scan_autograd.py` needs), or None.
 
     Returns:
         `(output (B, T, H, V) in the compute dtype, compact state after the last token (B, H, F', V + 1))`.
@@ -217,15 +235,13 @@ def scan_in_place(
     value_dim, dtype = v.shape[-1], state.dtype
     width, num_features, token_heads = value_dim + 1, taylor.num_features, batch_size * num_heads
     num_chunks = -(-seq_len // chunk_size)
-    block = min(num_chunks, max(1, BLOCK_TOKEN_HEADS // (token_heads * chunk_size)))
-    encoder_length = 0 if k_enc is None else k_enc.shape[1]
-    encoder_block = max(1, min(encoder_length, ENCODER_BLOCK_TOKEN_HEADS // token_heads))
+    block, encoder_block = block_sizes(num_chunks, chunk_size, 0 if k_enc is None else k_enc.shape[1], token_heads)
     # Per token-head of a block: q and k (K each, position last), [v, 1] and the combined output (W each), the
     # features of q and k (F' each), a row of (C, C) weights, the gate, raw-key and counted-key weights and the
     # decayed scan's intra-chunk denominator.
     decoder_numel = block * chunk_size * token_heads * (2 * feature_dim + 2 * width + 2 * num_features + chunk_size + 4)
     decoder_numel += chunk_size * token_heads * width  # the decayed scan's read of one chunk
-    encoder_numel = encoder_block * token_heads * (feature_dim + width + num_features)
+    encoder_numel = encoder_scratch_numel(encoder_block, token_heads, feature_dim, width, num_features)
     workspace = Workspace(max(decoder_numel, encoder_numel), q, dtype)
     running = state.reshape(token_heads, num_features, width).clone()  # (B H, F', W), updated in place
     as_dtype = (lambda mask: None if mask is None else mask.to(dtype))
@@ -249,11 +265,7 @@ def scan_in_place(
     raw_weights = None if raw is None else workspace.take(*shape, 1, chunk_size)  # 0 / 1 per raw key
     counted_weights = workspace.take(*shape, chunk_size, 1)  # 0 / 1 per [v, 1] row (masks, padding)
     if decay is not None:
-        position = torch.arange(chunk_size, device=q.device, dtype=dtype)
-        log_gamma = decay[:, None, None]  # (H, 1, 1)
-        distance = position[:, None] - position[None, :]  # (C, C): i - j
-        intra_decay = torch.exp(log_gamma * distance.clamp(min=0)).tril_()  # (H, C, C): gamma**(i - j), i >= j
-        read_decay = torch.exp(log_gamma[..., 0] * (position + 1))[..., None]  # (H, C, 1): gamma**(i + 1)
+        log_gamma, position, intra_decay, read_decay = decay_factors(decay, chunk_size)
         whole_chunk_decays = chunk_decays(log_gamma, position, chunk_size)  # recomputed only for a shorter last one
         intra_denominator = workspace.take(*shape, chunk_size, 1)
         read = workspace.take(token_heads, chunk_size, width)
@@ -325,8 +337,7 @@ def chunk_decays(
     return torch.exp(log_gamma * (length - 1 - position)[:, None]), torch.exp(log_gamma * length)
 
 
-def add_encoder_in_place(
-    running: torch.Tensor,
+def encoder_blocks(
     k_enc: torch.Tensor,
     v_enc: torch.Tensor,
     raw: torch.Tensor | None,
@@ -334,10 +345,12 @@ def add_encoder_in_place(
     taylor: CompactTaylor,
     workspace: Workspace,
     block: int,
-) -> None:
-    """running `(B H, F', V + 1)` += phi(K_enc)^T [V_enc, 1] over each row's encoder range, `block` tokens at a time
-    (one product per block: the encoder has no causal structure). `raw` / `encoder_keys` `(B, >= M)` are the 0 / 1
-    masks of `scan_in_place` in the compute dtype (None: every key counts)."""
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The encoder's operands, `block` tokens at a time: `(start, end, keys (B, H, K, m), [v, 1] (B, H, m, V + 1),
+    phi(keys) (B, H, F', m))` for positions [start, end), masked as the scan masks them: a masked raw key is 0
+    ("reference"), and the [v, 1] row of a key outside its row's encoder range (or a strict pad) is 0. `raw` /
+    `encoder_keys` `(B, >= M)` are 0 / 1 masks in the compute dtype (None: every key counts). The tensors are views
+    of buffers taken from `workspace` (`encoder_scratch_numel` elements), rewritten for the next block."""
     batch_size, encoder_length, num_heads, feature_dim = k_enc.shape
     value_dim = v_enc.shape[-1]
     keys = workspace.take(batch_size, num_heads, feature_dim, block)
@@ -348,14 +361,30 @@ def add_encoder_in_place(
         m = end - start
         keys_m, values_m, phi_m = keys[..., :m], values[:, :, :m], phi[..., :m]
         keys_m.copy_(k_enc[:, start:end].permute(0, 2, 3, 1))
-        if raw is not None:  # "reference": a masked raw key is 0
+        if raw is not None:
             keys_m.mul_(raw[:, None, None, start:end])
         values_m[..., :value_dim].copy_(v_enc[:, start:end].transpose(1, 2))
         values_m[..., value_dim] = 1.0
-        if encoder_keys is not None:  # outside the row's range (or a strict pad): no encoder key
+        if encoder_keys is not None:
             values_m.mul_(encoder_keys[:, None, start:end, None])
         taylor.features(keys_m, key=True, out=phi_m)
-        running.baddbmm_(phi_m.flatten(0, 1), values_m.flatten(0, 1))
+        yield start, end, keys_m, values_m, phi_m
+
+
+def add_encoder_in_place(
+    running: torch.Tensor,
+    k_enc: torch.Tensor,
+    v_enc: torch.Tensor,
+    raw: torch.Tensor | None,
+    encoder_keys: torch.Tensor | None,
+    taylor: CompactTaylor,
+    workspace: Workspace,
+    block: int,
+) -> None:
+    """running `(B H, F', V + 1)` += phi(K_enc)^T [V_enc, 1] over each row's encoder range, one product per block of
+    `encoder_blocks` (the encoder has no causal structure)."""
+    for _, _, _, values, phi in encoder_blocks(k_enc, v_enc, raw, encoder_keys, taylor, workspace, block):
+        running.baddbmm_(phi.flatten(0, 1), values.flatten(0, 1))
 
 
 def _divide_into_rows(destination: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor) -> None:

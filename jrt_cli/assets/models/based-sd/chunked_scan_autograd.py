@@ -33,9 +33,12 @@ from .chunked_scan import (
     CompactTaylor,
     Workspace,
     add_encoder_in_place,
-    block_token_heads,
+    block_sizes,
     chunk_decays,
     copy_chunk_major,
+    decay_factors,
+    encoder_blocks,
+    encoder_scratch_numel,
     scan_in_place,
 )
 
@@ -76,8 +79,7 @@ def scan_gradients(
     value_dim, dtype = v.shape[-1], state.dtype
     width, num_features, token_heads = value_dim + 1, taylor.num_features, batch_size * num_heads
     num_chunks = -(-seq_len // chunk_size)
-    block_size, encoder_block_size = block_token_heads()
-    block = min(num_chunks, max(1, block_size // (token_heads * chunk_size)))
+    block, encoder_block = block_sizes(num_chunks, chunk_size, 0 if k_enc is None else k_enc.shape[1], token_heads)
     blocks = [(first, min(first + block, num_chunks)) for first in range(0, num_chunks, block)]
     as_dtype = (lambda mask: None if mask is None else mask.to(dtype))
     raw, decoder_keys, encoder_keys = as_dtype(raw), as_dtype(decoder_keys), as_dtype(encoder_keys)
@@ -108,11 +110,8 @@ def scan_gradients(
         d_state.to(dtype).reshape(running.shape).clone()  # R, the gradient of the state after the last chunk
 
     causal = torch.ones(chunk_size, chunk_size, dtype=dtype, device=q.device).tril_()  # (C, C)
-    position = torch.arange(chunk_size, device=q.device, dtype=dtype)
     if decay is not None:
-        log_gamma = decay[:, None, None]  # (H, 1, 1)
-        intra_decay = torch.exp(log_gamma * (position[:, None] - position[None, :]).clamp(min=0)) * causal  # (H, C, C)
-        read_decay = torch.exp(log_gamma[..., 0] * (position + 1))[..., None]  # (H, C, 1)
+        log_gamma, position, intra_decay, read_decay = decay_factors(decay, chunk_size)
     # The gradient of the inter-chunk read: the numerator columns read the state decayed by gamma**(i + 1).
     read_gradient = gradient if decay is None else \
         torch.cat([gradient[..., :value_dim] * read_decay, gradient[..., value_dim:]], dim=-1)
@@ -120,12 +119,14 @@ def scan_gradients(
     def chunk_length(chunk: int) -> int:
         return min(chunk_size, seq_len - chunk * chunk_size)
 
-    def aged(values_c: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[v, 1] of one chunk `(B, H, C, W)` with the numerator decayed to the chunk's end, and gamma**L."""
+    def aged(values_c: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """[v, 1] of one chunk `(B, H, C, W)` with the numerator decayed to the chunk's end, each key's decay
+        gamma**(L - 1 - j) `(H, C, 1)` and the state's gamma**L (None, None without a decay)."""
         if decay is None:
-            return values_c, None
+            return values_c, None, None
         value_decay, state_decay = chunk_decays(log_gamma, position, length)
-        return torch.cat([values_c[..., :value_dim] * value_decay, values_c[..., value_dim:]], dim=-1), state_decay
+        update = torch.cat([values_c[..., :value_dim] * value_decay, values_c[..., value_dim:]], dim=-1)
+        return update, value_decay, state_decay
 
     d_queries, d_keys = torch.zeros_like(queries), torch.zeros_like(keys)
     d_values = torch.zeros_like(values)
@@ -135,9 +136,10 @@ def scan_gradients(
 
     # Forward sweep: the state before each chunk, d phi(Q), and the intra-chunk block.
     if k_enc is not None:
-        encoder_block = max(1, min(k_enc.shape[1], encoder_block_size // token_heads))
-        workspace = Workspace(encoder_block * token_heads * (feature_dim + width + num_features), q, dtype)
-        add_encoder_in_place(running, k_enc, v_enc, raw, encoder_keys, taylor, workspace, encoder_block)
+        encoder_workspace = Workspace(
+            encoder_scratch_numel(encoder_block, token_heads, feature_dim, width, num_features), q, dtype
+        )
+        add_encoder_in_place(running, k_enc, v_enc, raw, encoder_keys, taylor, encoder_workspace, encoder_block)
     for first, last in blocks:
         n = last - first
         q_n, k_n, values_n, gradient_n = queries[first:last], keys[first:last], values[first:last], gradient[first:last]
@@ -151,7 +153,7 @@ def scan_gradients(
         # Inter-chunk: d phi(Q_c) = S_c G_c^T, then the state update of the forward.
         for c in range(n):
             torch.bmm(running, read_gradient[first + c].flatten(0, 1).transpose(1, 2), out=d_phi[c].flatten(0, 1))
-            update, state_decay = aged(values_n[c], chunk_length(first + c))
+            update, _, state_decay = aged(values_n[c], chunk_length(first + c))
             if state_decay is not None:
                 running.view(batch_size, num_heads, num_features, width)[..., :value_dim].mul_(state_decay)
             running.baddbmm_(phi_k[c].flatten(0, 1), update.flatten(0, 1))
@@ -165,12 +167,11 @@ def scan_gradients(
         taylor.features(q_n, key=False, out=phi_q[:n])
         taylor.features(k_n, key=True, out=phi_k[:n])
         for c in reversed(range(n)):
-            length = chunk_length(first + c)
-            update, state_decay = aged(values_n[c], length)
+            update, value_decay, state_decay = aged(values_n[c], chunk_length(first + c))
             torch.bmm(reverse, update.flatten(0, 1).transpose(1, 2), out=d_phi[c].flatten(0, 1))
             d_update = (phi_k[c].flatten(0, 1).transpose(1, 2) @ reverse).view(update.shape)  # (B, H, C, W)
             if state_decay is not None:
-                d_update = d_update[..., :value_dim] * chunk_decays(log_gamma, position, length)[0]
+                d_update = d_update[..., :value_dim] * value_decay
                 reverse_numerator.mul_(state_decay)
             d_values[first + c, ..., :value_dim] += d_update[..., :value_dim]
             reverse.baddbmm_(phi_q[c].flatten(0, 1), read_gradient[first + c].flatten(0, 1))
@@ -178,9 +179,10 @@ def scan_gradients(
 
     d_k_enc = d_v_enc = None
     if k_enc is not None:  # every query reads every encoder key: R after the whole sweep
+        encoder_workspace.reset()
         d_k_enc, d_v_enc = _encoder_gradients(
             k_enc, v_enc, raw, encoder_keys, reverse.view(batch_size, num_heads, num_features, width), taylor,
-            encoder_block_size,
+            encoder_workspace, encoder_block,
         )
 
     d_q = _rows(d_queries, seq_len, position_last=True)
@@ -227,33 +229,22 @@ def _encoder_gradients(
     encoder_keys: torch.Tensor | None,
     reverse: torch.Tensor,
     taylor: CompactTaylor,
-    block_token_heads: int,
+    workspace: Workspace,
+    block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(dk_enc, dv_enc)` in the inputs' dtypes: the encoder keys add phi(K_enc)^T [V_enc, 1] to the state that every
     query reads, so their gradients come from `reverse` `(B, H, F', V + 1)`, the gradient of the state after the
-    encoder: d phi(K_enc) = [V_enc, 1] R^T and d[V_enc, 1] = phi(K_enc) R, in blocks of encoder tokens. `raw`,
-    `encoder_keys`: the masks `(B, >= M)` in the compute dtype, or None."""
-    batch_size, encoder_length, num_heads, feature_dim = k_enc.shape
-    value_dim, dtype = v_enc.shape[-1], reverse.dtype
-    block = max(1, min(encoder_length, block_token_heads // (batch_size * num_heads)))
-    phi = reverse.new_empty(batch_size, num_heads, taylor.num_features, block)
+    encoder: d phi(K_enc) = [V_enc, 1] R^T and d[V_enc, 1] = phi(K_enc) R, over the blocks of `encoder_blocks`
+    (the same operands and masks as the forward's)."""
+    value_dim = v_enc.shape[-1]
     d_k_enc, d_v_enc = torch.empty_like(k_enc), torch.empty_like(v_enc)
-    for start in range(0, encoder_length, block):
-        end = min(start + block, encoder_length)
-        keys = k_enc[:, start:end].to(dtype).permute(0, 2, 3, 1)  # (B, H, K, m)
-        if raw is not None:  # "reference": a masked raw key is 0
-            keys = keys * raw[:, None, None, start:end]
-        values = torch.cat([v_enc[:, start:end].to(dtype).transpose(1, 2), keys.new_ones(
-            batch_size, num_heads, end - start, 1)], dim=-1)  # (B, H, m, W)
-        if encoder_keys is not None:  # outside the row's range: no encoder key
-            values = values * encoder_keys[:, None, start:end, None]
-        phi_m = taylor.features(keys, key=True, out=phi[..., : end - start])  # (B, H, F', m)
+    for start, end, keys, values, phi in encoder_blocks(k_enc, v_enc, raw, encoder_keys, taylor, workspace, block):
         d_keys = taylor.features_backward(keys, reverse @ values.transpose(-1, -2), key=True)  # (B, H, K, m)
-        if raw is not None:
+        if raw is not None:  # "reference": a masked raw key is 0
             d_keys = d_keys * raw[:, None, None, start:end]
         d_k_enc[:, start:end] = d_keys.permute(0, 3, 1, 2)
-        d_values = (phi_m.transpose(-1, -2) @ reverse)[..., :value_dim]  # (B, H, m, V)
-        if encoder_keys is not None:
+        d_values = (phi.transpose(-1, -2) @ reverse)[..., :value_dim]  # (B, H, m, V)
+        if encoder_keys is not None:  # outside the row's range: no encoder key
             d_values = d_values * encoder_keys[:, None, start:end, None]
         d_v_enc[:, start:end] = d_values.transpose(1, 2)
     return d_k_enc, d_v_enc
