@@ -42,6 +42,24 @@ def tiny_config(**overrides) -> modeling_jrt.JRTRNNConfig:
     return modeling_jrt.JRTRNNConfig(**values)
 
 
+def saved_for_backward_bytes(run, exclude=()) -> tuple[int, object]:
+    """`(bytes, result)`: the distinct storages of every tensor autograd saves for the backward pass while `run()`
+    executes (`torch.autograd.graph.saved_tensors_hooks`), less those of the tensors in `exclude` (inputs,
+    parameters), and what `run()` returned."""
+    excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude if tensor is not None}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = run()
+    return sum(saved.values()), result
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

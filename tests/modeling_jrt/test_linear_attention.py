@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from conftest import saved_for_backward_bytes
 from modeling_jrt.linear_attention import (
     linear_attention_step,
     num_taylor_features,
@@ -492,17 +493,10 @@ def test_chunked_autograd_keeps_about_the_output_for_backward(with_decay):
         kwargs = dict(log_decay=torch.log(torch.tensor([0.9, 0.95, 0.99, 0.999])),
                       gate=torch.rand(batch, seq_len, heads, requires_grad=True))
     leaves = [None if t is None else t.requires_grad_(True) for t in (q, k, v, k_enc, v_enc)]
-    inputs = {t.untyped_storage().data_ptr() for t in leaves + [kwargs.get("gate")] if t is not None}
-    saved = {}
-
-    def pack(tensor):
-        if tensor.untyped_storage().data_ptr() not in inputs:
-            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        output, state = prefix_linear_attention_chunked(*leaves, chunk_size=16, **kwargs)
-    assert 0 < sum(saved.values()) <= 1.25 * output.numel() * output.element_size(), sum(saved.values())
+    saved, (output, state) = saved_for_backward_bytes(
+        lambda: prefix_linear_attention_chunked(*leaves, chunk_size=16, **kwargs), exclude=leaves + [kwargs.get("gate")]
+    )
+    assert 0 < saved <= 1.25 * output.numel() * output.element_size(), saved
     (output.sum() + state.sum()).backward()
     assert all(t.grad is not None for t in leaves if t is not None)
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from conftest import saved_for_backward_bytes
 from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM, JRTRNNModel
 from modeling_jrt.compat import output_cache
 from modeling_jrt.modeling_jrt import JRTRNNLinearAttention, JRTRNNShortConv, JRTRNNSlidingWindowAttention
@@ -347,15 +348,9 @@ def test_training_keeps_memory_linear_in_the_sequence(make_config, attn_implemen
     per_token = []
     for length in (256, 1024):
         input_ids = torch.randint(4, 99, (1, length), generator=torch.Generator().manual_seed(length))
-        saved = {}
-
-        def pack(tensor):
-            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            loss = model(input_ids, labels=input_ids).loss
-        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        per_token.append(sum(size for pointer, size in saved.items() if pointer not in parameters) / length)
-        loss.backward()
+        saved, output = saved_for_backward_bytes(
+            lambda: model(input_ids, labels=input_ids), exclude=list(model.parameters())
+        )
+        per_token.append(saved / length)
+        output.loss.backward()
     assert per_token[1] <= 1.05 * per_token[0], per_token
