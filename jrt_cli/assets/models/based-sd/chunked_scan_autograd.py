@@ -137,9 +137,10 @@ def scan_gradients(
     # Forward sweep: the state before each chunk, d phi(Q), and the intra-chunk block.
     if k_enc is not None:
         encoder_workspace = Workspace(
-            encoder_scratch_numel(encoder_block, token_heads, feature_dim, width, num_features), q, dtype
+            encoder_scratch_numel(encoder_block, token_heads, taylor), q, dtype
         )
-        add_encoder_in_place(running, k_enc, v_enc, raw, encoder_keys, taylor, encoder_workspace, encoder_block)
+        add_encoder_in_place(running.view(state.shape), k_enc, v_enc, raw, encoder_keys, taylor, encoder_workspace,
+                             encoder_block)
     for first, last in blocks:
         n = last - first
         q_n, k_n, values_n, gradient_n = queries[first:last], keys[first:last], values[first:last], gradient[first:last]
@@ -234,12 +235,16 @@ def _encoder_gradients(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(dk_enc, dv_enc)` in the inputs' dtypes: the encoder keys add phi(K_enc)^T [V_enc, 1] to the state that every
     query reads, so their gradients come from `reverse` `(B, H, F', V + 1)`, the gradient of the state after the
-    encoder: d phi(K_enc) = [V_enc, 1] R^T and d[V_enc, 1] = phi(K_enc) R, over the blocks of `encoder_blocks`
-    (the same operands and masks as the forward's)."""
-    value_dim = v_enc.shape[-1]
+    encoder: d phi(K_enc) = [V_enc, 1] R^T and d[V_enc, 1] = phi(K_enc) R for the keys that count, over the blocks
+    of `encoder_blocks` (the same operands and masks as the forward's)."""
+    value_dim, feature_dim = v_enc.shape[-1], k_enc.shape[-1]
     d_k_enc, d_v_enc = torch.empty_like(k_enc), torch.empty_like(v_enc)
-    for start, end, keys, values, phi in encoder_blocks(k_enc, v_enc, raw, encoder_keys, taylor, workspace, block):
-        d_keys = taylor.features_backward(keys, reverse @ values.transpose(-1, -2), key=True)  # (B, H, K, m)
+    for start, end, scaled, phi in encoder_blocks(k_enc, raw, taylor, workspace, block):
+        values = v_enc[:, start:end].transpose(1, 2).to(reverse.dtype)  # (B, H, m, V)
+        d_phi = (reverse[..., :value_dim] @ values.transpose(-1, -2)).add_(reverse[..., value_dim:])  # (B, H, F', m)
+        if encoder_keys is not None:  # outside the row's range: no encoder key
+            d_phi.mul_(encoder_keys[:, None, None, start:end])
+        d_keys = taylor.features_backward(scaled[..., :feature_dim, :], d_phi, key=True, scaled=True)  # (B, H, K, m)
         if raw is not None:  # "reference": a masked raw key is 0
             d_keys = d_keys * raw[:, None, None, start:end]
         d_k_enc[:, start:end] = d_keys.permute(0, 3, 1, 2)

@@ -17,7 +17,11 @@ state read and updated chunk by chunk: every CPU prefill, and the forward of the
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import mmap
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -28,6 +32,49 @@ BLOCK_TOKEN_HEADS = 8192
 ENCODER_BLOCK_TOKEN_HEADS = 8192
 
 
+# Outputs of at least this many bytes on a Linux CPU get `advise_huge_pages`: glibc's largest mmap threshold (64-bit),
+# so that the advice only ever covers a mapping of the tensor's own, never memory malloc hands out again.
+HUGE_PAGE_MIN_BYTES = 32 << 20
+_HUGE_PAGE = 2 << 20
+
+
+@functools.cache
+def _madvise():
+    """libc's `madvise`, or None where there is none to call (not Linux, no MADV_HUGEPAGE, no libc)."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> None:
+    """Ask Linux to back a new CPU tensor of at least `HUGE_PAGE_MIN_BYTES` with transparent huge pages.
+
+    A tensor this large gets a fresh mapping from the kernel at every allocation (malloc maps it, and unmaps it when
+    freed), and the first write to each 4 KiB page faults: about 1 us per page, 8 ms for the 32 MiB output of an 8k
+    prefill, as much as the division that writes it. With the advice (`madvise(MADV_HUGEPAGE)` on the 2 MiB-aligned
+    part of the tensor) a fault maps 2 MiB at once, where THP is in its `madvise` mode (`/sys/kernel/mm/
+    transparent_hugepage/enabled`; with `always` the pages are huge anyway, with `never` nothing changes). It
+    changes no value; on other systems or devices it does nothing. PyTorch's own `THP_MEM_ALLOC_ENABLE=1` does the
+    same for every allocation of a process.
+    """
+    if tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() < HUGE_PAGE_MIN_BYTES:
+        return
+    madvise = _madvise()
+    if madvise is None:
+        return
+    start = tensor.untyped_storage().data_ptr()
+    first = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+    last = (start + tensor.untyped_storage().nbytes()) // _HUGE_PAGE * _HUGE_PAGE
+    if last > first:
+        madvise(first, last - first, mmap.MADV_HUGEPAGE)  # advice: a failure changes nothing
+
+
 def block_sizes(num_chunks: int, chunk_size: int, encoder_length: int, token_heads: int) -> tuple[int, int]:
     """`(chunks per decoder block, tokens per encoder block)` of every scan, forward and backward, from
     `BLOCK_TOKEN_HEADS` / `ENCODER_BLOCK_TOKEN_HEADS` as they are at call time."""
@@ -35,10 +82,10 @@ def block_sizes(num_chunks: int, chunk_size: int, encoder_length: int, token_hea
     return block, max(1, min(encoder_length, ENCODER_BLOCK_TOKEN_HEADS // token_heads))
 
 
-def encoder_scratch_numel(block: int, token_heads: int, feature_dim: int, width: int, num_features: int) -> int:
-    """Elements of the `Workspace` that `encoder_blocks` takes its buffers from: keys, [v, 1] and features of a block
-    of `block` encoder tokens per token-head."""
-    return block * token_heads * (feature_dim + width + num_features)
+def encoder_scratch_numel(block: int, token_heads: int, taylor: CompactTaylor) -> int:
+    """Elements of the `Workspace` that `encoder_blocks` takes its buffers from: the scaled keys (`scaled_rows`) and
+    the features of a block of `block` encoder tokens per token-head."""
+    return block * token_heads * (taylor.scaled_rows + taylor.num_features)
 
 
 def decay_factors(decay: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, ...]:
@@ -59,26 +106,39 @@ class CompactTaylor:
     x_i x_j = x_j x_i, so the K**2 ordered pairs hold only K (K + 1) / 2 distinct products. With x' = x / K**(1/4),
     the chunked scan's features have F' = 1 + 2 K + K (K - 1) / 2 rows (153 instead of 273 for K = 16):
 
-        [1, x'_1 .. x'_K, x'_1**2 .. x'_K**2, x'_i x'_j for i < j (row-major)]
+        [1, x'_1 .. x'_K, x'_1**2 .. x'_K**2, the pairs x'_i x'_j (i != j) by cyclic distance]
 
-    unweighted for queries; for keys the squares carry a weight 1/2, so that phi(q).phi(k) = 1 + s + s**2 / 2 exactly
-    (sum_i 1/2 q'_i**2 k'_i**2 + sum_{i<j} q'_i q'_j k'_i k'_j = (q'.k')**2 / 2). The compact state sums the key
-    features times [v, 1]. In the full layout (module docstring) the quadratic row (i, j) is x'_i x'_j / sqrt(2), so
-    the full state is S_ii = sqrt(2) compact_ii and S_ij = S_ji = compact_ij / sqrt(2); `compress` maps a full state
-    back ((S_ij + S_ji) / sqrt(2)): exact for the symmetric sums the scan adds. The antisymmetric part of an arbitrary
-    initial state, which no query reads, is carried aside by the caller.
+    The pairs go by distance d = 1, 2, ..: all K pairs (i, (i + d) mod K) for d < K / 2, then, for an even K, the
+    K / 2 pairs (i, i + K / 2), i < K / 2. Each distance is one product of x' with x' shifted by d, so the features
+    take a handful of ops whatever K is (a row-major triangle takes one op per row). The shifted rows are windows of
+    `scaled`, x' followed by its first rows again (`scaled_rows` rows, written by `features_from_scaled`).
+
+    The features are unweighted for queries; for keys the squares carry a weight 1/2, so that phi(q).phi(k) =
+    1 + s + s**2 / 2 exactly (sum_i 1/2 q'_i**2 k'_i**2 + sum_{i<j} q'_i q'_j k'_i k'_j = (q'.k')**2 / 2). The
+    compact state sums the key features times [v, 1]. In the full layout (module docstring) the quadratic row
+    (i, j) is x'_i x'_j / sqrt(2), so the full state is S_ii = sqrt(2) compact_ii and S_ij = S_ji = compact_ij /
+    sqrt(2); `compress` maps a full state back ((S_ij + S_ji) / sqrt(2)): exact for the symmetric sums the scan adds.
+    The antisymmetric part of an arbitrary initial state, which no query reads, is carried aside by the caller.
     """
 
     def __init__(self, feature_dim: int, device: torch.device):
         K = feature_dim
         self.feature_dim = K
-        rows, cols = torch.triu_indices(K, K, offset=1, device=device)  # (K (K - 1) / 2,) each, i < j
+        self.full_distances = (K - 1) // 2  # distances with K pairs each
+        self.half_distance = K // 2 if K % 2 == 0 and K > 1 else 0  # the distance K / 2 of an even K: K / 2 pairs
+        self.scaled_rows = K + max(self.full_distances, self.half_distance)
+        index = torch.arange(K, device=device)
+        first = [index.repeat(self.full_distances)]
+        second = [(index[None, :] + torch.arange(1, self.full_distances + 1, device=device)[:, None]).flatten() % K]
+        if self.half_distance:
+            first.append(index[: self.half_distance])
+            second.append(index[: self.half_distance] + self.half_distance)
+        rows, cols = torch.cat(first), torch.cat(second)  # (K (K - 1) / 2,) each: the pairs in compact order
         self.num_features = 1 + 2 * K + rows.numel()
         offset = 1 + K  # first quadratic row of the full layout
-        diagonal = torch.arange(K, device=device)
-        # Full-layout row of each compact quadratic row (diagonal first, then i < j) and of its mirror (j, i).
-        self.upper = offset + torch.cat([diagonal * (K + 1), rows * K + cols])
-        self.lower = offset + torch.cat([diagonal * (K + 1), cols * K + rows])
+        # Full-layout row of each compact quadratic row (diagonal first, then the pairs) and of its mirror.
+        self.upper = offset + torch.cat([index * (K + 1), rows * K + cols])
+        self.lower = offset + torch.cat([index * (K + 1), cols * K + rows])
         self.is_diagonal = torch.arange(self.upper.numel(), device=device) < K
         # Full quadratic row f = i K + j -> its compact row (counted from the first quadratic one), and the factor.
         compact_row = torch.empty(K * K, dtype=torch.long, device=device)
@@ -89,38 +149,65 @@ class CompactTaylor:
         diagonal_row = (full // K == full % K).to(torch.float64)
         self.expand_factor = diagonal_row * math.sqrt(2.0) + (1 - diagonal_row) / math.sqrt(2.0)  # fp64, cast per use
 
+    def scale_into(self, x: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+        """scaled[..., :K, :] = x' = x / K**(1/4); x `(..., K, n)`, scaled `(..., scaled_rows, n)`."""
+        return torch.mul(x, self.feature_dim**-0.25, out=scaled[..., : self.feature_dim, :])
+
     def features(self, x: torch.Tensor, *, key: bool, out: torch.Tensor) -> torch.Tensor:
         """(..., K, n) -> (..., F', n): the compact features of n tokens, token index last (the matmuls' layout),
-        written into `out` `(..., F', n)` row block by row block with `out=` products (no autograd), about 5x faster on
-        a CPU than building the rows and concatenating them."""
-        K = self.feature_dim
+        written into `out` `(..., F', n)` (no autograd)."""
+        scaled = x.new_empty(*x.shape[:-2], self.scaled_rows, x.shape[-1])
+        self.scale_into(x, scaled)
+        return self.features_from_scaled(scaled, key=key, out=out)
+
+    def features_from_scaled(self, scaled: torch.Tensor, *, key: bool, out: torch.Tensor) -> torch.Tensor:
+        """The features of `features` from `scaled` `(..., scaled_rows, n)`, whose first K rows hold x' and whose
+        other rows this fills (x' again from its first row); every row block is written with an `out=` product."""
+        K, distances, half = self.feature_dim, self.full_distances, self.half_distance
+        x_scaled = scaled[..., :K, :]
+        scaled[..., K:, :].copy_(scaled[..., : self.scaled_rows - K, :])
         out[..., 0, :] = 1.0
-        scaled = torch.mul(x, K**-0.25, out=out[..., 1 : 1 + K, :])
-        squares = torch.mul(scaled, scaled, out=out[..., 1 + K : 1 + 2 * K, :])
+        out[..., 1 : 1 + K, :].copy_(x_scaled)
         if key:
-            squares.mul_(0.5)
+            torch.addcmul(out.new_zeros(()), x_scaled, x_scaled, value=0.5, out=out[..., 1 + K : 1 + 2 * K, :])
+        else:
+            torch.mul(x_scaled, x_scaled, out=out[..., 1 + K : 1 + 2 * K, :])
         row = 1 + 2 * K
-        for i in range(K - 1):  # x'_i x'_j for j > i: K - 1 - i rows
-            torch.mul(scaled[..., i : i + 1, :], scaled[..., i + 1 :, :], out=out[..., row : row + K - 1 - i, :])
-            row += K - 1 - i
+        if distances:
+            # windows[d - 1] = rows d .. d + K - 1 of `scaled`: x' shifted by d, (..., distances, K, n)
+            windows = scaled[..., 1 : K + distances, :].unfold(-2, K, 1).transpose(-1, -2)
+            pairs = out[..., row : row + distances * K, :].unflatten(-2, (distances, K))
+            torch.mul(windows, x_scaled.unsqueeze(-3), out=pairs)
+            row += distances * K
+        if half:
+            torch.mul(x_scaled[..., :half, :], x_scaled[..., half:, :], out=out[..., row : row + half, :])
         return out
 
-    def features_backward(self, x: torch.Tensor, d_phi: torch.Tensor, *, key: bool) -> torch.Tensor:
-        """The gradient `(..., K, n)` of x from that of its features `d_phi` `(..., F', n)` (the explicit backward).
+    def features_backward(
+        self, x: torch.Tensor, d_phi: torch.Tensor, *, key: bool, scaled: bool = False
+    ) -> torch.Tensor:
+        """The gradient `(..., K, n)` of x from that of its features `d_phi` `(..., F', n)` (the explicit backward);
+        `scaled`: x holds x' = x / K**(1/4) instead of x.
 
         d x'_a = d phi_(linear a) + 2 w x'_a d phi_(a, a) + sum_(b != a) x'_b d phi_(a, b), w the squares' weight;
-        the pairs go by the row blocks of `features` (row i pairs x'_i with x'_(i+1..K)), a few ops per block.
+        the pairs go by distance as in `features`: a pair (i, i + d) gives x'_(i + d) d phi to row i and x'_i d phi
+        to row i + d (mod K), a few ops per distance.
         """
-        K = self.feature_dim
-        scaled = x * K**-0.25
+        K, half = self.feature_dim, self.half_distance
+        scaled = x if scaled else x * K**-0.25
         squares = d_phi[..., 1 + K : 1 + 2 * K, :]
         d_scaled = torch.addcmul(d_phi[..., 1 : 1 + K, :], scaled, squares, value=1.0 if key else 2.0)
         row = 1 + 2 * K
-        for i in range(K - 1):  # the pair rows (i, j > i)
-            block = d_phi[..., row : row + K - 1 - i, :]
-            d_scaled[..., i, :] += (scaled[..., i + 1 :, :] * block).sum(-2)
-            d_scaled[..., i + 1 :, :].addcmul_(scaled[..., i : i + 1, :], block)
-            row += K - 1 - i
+        for d in range(1, self.full_distances + 1):
+            block = d_phi[..., row : row + K, :]  # pairs (i, (i + d) mod K)
+            shifted = torch.roll(scaled, -d, dims=-2)  # x'_(i + d)
+            d_scaled.addcmul_(shifted, block)
+            d_scaled.add_(torch.roll(scaled * block, d, dims=-2))
+            row += K
+        if half:
+            block = d_phi[..., row : row + half, :]  # pairs (i, i + K / 2), i < K / 2
+            d_scaled[..., :half, :].addcmul_(scaled[..., half:, :], block)
+            d_scaled[..., half:, :].addcmul_(scaled[..., :half, :], block)
         return d_scaled.mul_(K**-0.25)
 
     def compress(self, state: torch.Tensor) -> torch.Tensor:
@@ -135,23 +222,30 @@ class CompactTaylor:
         return torch.cat([compact[..., : 1 + self.feature_dim, :], quadratic], dim=-2)
 
 
-def copy_chunk_major(destination: torch.Tensor, source: torch.Tensor, *, position_last: bool) -> None:
-    """Copy `source` `(B, L, H, D)` into the chunk-major `destination` `(n, B, H, D, C)` (`position_last`) or
-    `(n, B, H, C, D)`, for L <= n C tokens; the positions past L (a last chunk that is not whole) are set to 0."""
+def copy_chunk_major(
+    destination: torch.Tensor, source: torch.Tensor, *, position_last: bool, scale: float | None = None
+) -> None:
+    """Copy `source` `(B, L, H, D)` (times `scale`, in the same pass, when given) into the chunk-major `destination`
+    `(n, B, H, D, C)` (`position_last`) or `(n, B, H, C, D)`, for L <= n C tokens; the positions past L (a last chunk
+    that is not whole) are set to 0."""
     num_chunks, chunk_size = destination.shape[0], destination.shape[-1 if position_last else -2]
     batch_size, length, num_heads, dim = source.shape
     whole = length // chunk_size
     order = (1, 0, 3, 4, 2) if position_last else (1, 0, 3, 2, 4)
+
+    def write(target: torch.Tensor, rows: torch.Tensor) -> None:
+        target.copy_(rows) if scale is None else torch.mul(rows, scale, out=target)
+
     if whole:
-        destination[:whole].copy_(source[:, : whole * chunk_size].view(
+        write(destination[:whole], source[:, : whole * chunk_size].view(
             batch_size, whole, chunk_size, num_heads, dim).permute(*order))
     if whole < num_chunks:
         destination[whole:].zero_()
         rest = length - whole * chunk_size
         if rest:
             last = destination[whole, ..., :rest] if position_last else destination[whole, ..., :rest, :]
-            last.copy_(source[:, whole * chunk_size :].permute(0, 2, 3, 1) if position_last
-                       else source[:, whole * chunk_size :].permute(0, 2, 1, 3))
+            write(last, source[:, whole * chunk_size :].permute(0, 2, 3, 1) if position_last
+                  else source[:, whole * chunk_size :].permute(0, 2, 1, 3))
 
 
 class Workspace:
@@ -236,26 +330,30 @@ def scan_in_place(
     width, num_features, token_heads = value_dim + 1, taylor.num_features, batch_size * num_heads
     num_chunks = -(-seq_len // chunk_size)
     block, encoder_block = block_sizes(num_chunks, chunk_size, 0 if k_enc is None else k_enc.shape[1], token_heads)
-    # Per token-head of a block: q and k (K each, position last), [v, 1] and the combined output (W each), the
-    # features of q and k (F' each), a row of (C, C) weights, the gate, raw-key and counted-key weights and the
-    # decayed scan's intra-chunk denominator.
-    decoder_numel = block * chunk_size * token_heads * (2 * feature_dim + 2 * width + 2 * num_features + chunk_size + 4)
+    # Per token-head of a block: q' and k' with their repeated rows (`taylor.scaled_rows` each, position last),
+    # [v, 1] and the combined output (W each), the features of q and k (F' each), a row of (C, C) weights, the gate,
+    # raw-key and counted-key weights and the decayed scan's intra-chunk denominator.
+    scaled_rows = taylor.scaled_rows
+    decoder_numel = block * chunk_size * token_heads * (2 * scaled_rows + 2 * width + 2 * num_features + chunk_size + 4)
     decoder_numel += chunk_size * token_heads * width  # the decayed scan's read of one chunk
-    encoder_numel = encoder_scratch_numel(encoder_block, token_heads, feature_dim, width, num_features)
+    encoder_numel = encoder_scratch_numel(encoder_block, token_heads, taylor)
     workspace = Workspace(max(decoder_numel, encoder_numel), q, dtype)
     running = state.reshape(token_heads, num_features, width).clone()  # (B H, F', W), updated in place
-    as_dtype = (lambda mask: None if mask is None else mask.to(dtype))
-    raw, decoder_keys, encoder_keys = as_dtype(raw), as_dtype(decoder_keys), as_dtype(encoder_keys)
+    raw, decoder_keys, encoder_keys = (_as_weights(mask, dtype) for mask in (raw, decoder_keys, encoder_keys))
 
     # 1. Encoder reduction: running += phi(K_enc)^T [V_enc, 1] over each row's range.
     if k_enc is not None:
-        add_encoder_in_place(running, k_enc, v_enc, raw, encoder_keys, taylor, workspace, encoder_block)
+        add_encoder_in_place(running.view(state.shape), k_enc, v_enc, raw, encoder_keys, taylor, workspace,
+                             encoder_block)
 
-    # 2. Causal scan, in blocks of n chunks (the encoder's buffers are free again).
+    # 2. Causal scan, in blocks of n chunks (the encoder's buffers are free again). Every query reads the state's
+    # constant-feature row with weight 1, so eps on that row's denominator adds eps to every denominator (taken off
+    # the returned state at the end).
+    running[:, 0, value_dim] += eps
     workspace.reset()
     shape = (block, batch_size, num_heads)
-    queries = workspace.take(*shape, feature_dim, chunk_size)
-    keys = workspace.take(*shape, feature_dim, chunk_size)
+    queries = workspace.take(*shape, scaled_rows, chunk_size)  # q' = q / K**(1/4) in the first K rows
+    keys = workspace.take(*shape, scaled_rows, chunk_size)
     values = workspace.take(*shape, chunk_size, width)
     phi_q = workspace.take(*shape, num_features, chunk_size)
     phi_k = workspace.take(*shape, num_features, chunk_size)
@@ -271,18 +369,24 @@ def scan_in_place(
         read = workspace.take(token_heads, chunk_size, width)
         read_numerator = read.view(batch_size, num_heads, chunk_size, width)[..., :value_dim]
         running_numerator = running.view(batch_size, num_heads, num_features, width)[..., :value_dim]
+    # The per-chunk operands of the state's read and update, as (B H)-batched matrices: the same views of the
+    # buffers for every block (a block of n < `block` chunks uses the first n).
+    reads = [(combined[c].flatten(0, 1), phi_q[c].flatten(0, 1).transpose(1, 2)) for c in range(block)]
+    updates = [(phi_k[c].flatten(0, 1), values[c].flatten(0, 1)) for c in range(block)]
     output = q.new_empty(batch_size, seq_len, num_heads, value_dim, dtype=dtype)
+    advise_huge_pages(output)
     for first in range(0, num_chunks, block):
         n = min(block, num_chunks - first)
         start, end = first * chunk_size, min((first + n) * chunk_size, seq_len)
         q_n, k_n, v_n, phi_q_n, phi_k_n = queries[:n], keys[:n], values[:n], phi_q[:n], phi_k[:n]
         w_n, o_n = weights[:n].flatten(0, 2), combined[:n]
-        copy_chunk_major(q_n, q[:, start:end], position_last=True)
-        copy_chunk_major(k_n, k[:, start:end], position_last=True)
+        scale = feature_dim**-0.25
+        copy_chunk_major(q_n[..., :feature_dim, :], q[:, start:end], position_last=True, scale=scale)
+        copy_chunk_major(k_n[..., :feature_dim, :], k[:, start:end], position_last=True, scale=scale)
         if raw_weights is not None:  # "reference": a masked raw key is 0 (phi(0) keeps weight 1)
             copy_chunk_major(raw_weights[:n], raw[:, start:end, None, None].expand(-1, -1, num_heads, 1),
                               position_last=True)
-            k_n.mul_(raw_weights[:n])
+            k_n[..., :feature_dim, :].mul_(raw_weights[:n])
         copy_chunk_major(v_n[..., :value_dim], v[:, start:end], position_last=False)
         v_n[..., value_dim] = 1.0
         if decoder_keys is not None or end - start < n * chunk_size:  # keys that do not count, padding of the chunks
@@ -290,18 +394,19 @@ def scan_in_place(
                 if decoder_keys is None else decoder_keys[:, start:end, None, None].expand(-1, -1, num_heads, 1)
             copy_chunk_major(counted_weights[:n], counted, position_last=False)  # zeros past the last token
             v_n.mul_(counted_weights[:n])
-        taylor.features(q_n, key=False, out=phi_q_n)
-        taylor.features(k_n, key=True, out=phi_k_n)
-        # Intra-chunk: tril(1 + s + s**2 / 2) [V, 1] with s = q.k / sqrt(K); (1 + s + s**2 / 2) = (1 + (1 + s)**2) / 2.
-        torch.bmm(q_n.flatten(0, 2).transpose(1, 2), k_n.flatten(0, 2), out=w_n)
-        w_n.mul_(feature_dim**-0.5).add_(1.0)
+        taylor.features_from_scaled(q_n, key=False, out=phi_q_n)
+        taylor.features_from_scaled(k_n, key=True, out=phi_k_n)
+        # Intra-chunk: tril(1 + s + s**2 / 2) [V, 1] with s = q'.k' = q.k / sqrt(K). The features' first rows
+        # [1, x'] give 1 + s in one product, and 1 + s + s**2 / 2 = (1 + (1 + s)**2) / 2.
+        torch.bmm(phi_q_n[..., : 1 + feature_dim, :].flatten(0, 2).transpose(1, 2),
+                  phi_k_n[..., : 1 + feature_dim, :].flatten(0, 2), out=w_n)
         torch.addcmul(w_n.new_full((), 0.5), w_n, w_n, value=0.5, out=w_n).tril_()
         if decay is None:
             torch.bmm(w_n, v_n.flatten(0, 2), out=o_n.flatten(0, 2))
             # Inter-chunk, chunk by chunk: read the state before the chunk, then add the chunk's keys to it.
-            for c in range(n):
-                o_n[c].flatten(0, 1).baddbmm_(phi_q_n[c].flatten(0, 1).transpose(1, 2), running)
-                running.baddbmm_(phi_k_n[c].flatten(0, 1), v_n[c].flatten(0, 1))
+            for (read_out, read_features), (update_features, update_values) in zip(reads[:n], updates[:n]):
+                read_out.baddbmm_(read_features, running)
+                running.baddbmm_(update_features, update_values)
         else:
             # The denominator column from the undecayed weights, the numerator from gamma**(i - j) times them.
             torch.bmm(w_n, v_n[..., value_dim:].flatten(0, 2), out=intra_denominator[:n].flatten(0, 2))
@@ -319,14 +424,21 @@ def scan_in_place(
                 v_n[c, ..., :value_dim].mul_(value_decay)
                 running_numerator.mul_(state_decay)
                 running.baddbmm_(phi_k_n[c].flatten(0, 1), v_n[c].flatten(0, 1))
-        numerator, denominator = o_n[..., :value_dim], o_n[..., value_dim:].add_(eps)
+        numerator, denominator = o_n[..., :value_dim], o_n[..., value_dim:]  # eps included by the state's read
         if denominators is not None:
             denominators[first : first + n].copy_(denominator)
         if gates is not None:
             copy_chunk_major(gates[:n], gate[:, start:end, :, None], position_last=False)
             numerator.mul_(gates[:n])
         _divide_into_rows(output[:, start:end], numerator, denominator)
+    running[:, 0, value_dim] -= eps
     return output, running.view(state.shape)
+
+
+def _as_weights(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A bool key mask as 0 / 1 weights in the compute dtype, or None when every key counts (no mask, or one that
+    is all True, as a whole encoder range or an unpadded batch gives): then the scans skip the products by it."""
+    return None if mask is None or bool(mask.all()) else mask.to(dtype)
 
 
 def chunk_decays(
@@ -339,40 +451,31 @@ def chunk_decays(
 
 def encoder_blocks(
     k_enc: torch.Tensor,
-    v_enc: torch.Tensor,
     raw: torch.Tensor | None,
-    encoder_keys: torch.Tensor | None,
     taylor: CompactTaylor,
     workspace: Workspace,
     block: int,
-) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The encoder's operands, `block` tokens at a time: `(start, end, keys (B, H, K, m), [v, 1] (B, H, m, V + 1),
-    phi(keys) (B, H, F', m))` for positions [start, end), masked as the scan masks them: a masked raw key is 0
-    ("reference"), and the [v, 1] row of a key outside its row's encoder range (or a strict pad) is 0. `raw` /
-    `encoder_keys` `(B, >= M)` are 0 / 1 masks in the compute dtype (None: every key counts). The tensors are views
-    of buffers taken from `workspace` (`encoder_scratch_numel` elements), rewritten for the next block."""
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """The encoder keys' operands, `block` tokens at a time: `(start, end, scaled (B, H, scaled_rows, m), phi(keys)
+    (B, H, F', m))` for positions [start, end), the first K rows of `scaled` holding k' = k / K**(1/4). A masked raw
+    key is 0 ("reference"; `raw` `(B, >= M)` a 0 / 1 mask in the compute dtype, or None). Which keys count (the
+    rows' encoder ranges) is the caller's: the features are not masked. The tensors are views of buffers taken from
+    `workspace` (`encoder_scratch_numel` elements), rewritten for the next block."""
     batch_size, encoder_length, num_heads, feature_dim = k_enc.shape
-    value_dim = v_enc.shape[-1]
-    keys = workspace.take(batch_size, num_heads, feature_dim, block)
-    values = workspace.take(batch_size, num_heads, block, value_dim + 1)
+    scaled = workspace.take(batch_size, num_heads, taylor.scaled_rows, block)
     phi = workspace.take(batch_size, num_heads, taylor.num_features, block)
     for start in range(0, encoder_length, block):
         end = min(start + block, encoder_length)
-        m = end - start
-        keys_m, values_m, phi_m = keys[..., :m], values[:, :, :m], phi[..., :m]
-        keys_m.copy_(k_enc[:, start:end].permute(0, 2, 3, 1))
+        scaled_m, phi_m = scaled[..., : end - start], phi[..., : end - start]
+        taylor.scale_into(k_enc[:, start:end].permute(0, 2, 3, 1), scaled_m)
         if raw is not None:
-            keys_m.mul_(raw[:, None, None, start:end])
-        values_m[..., :value_dim].copy_(v_enc[:, start:end].transpose(1, 2))
-        values_m[..., value_dim] = 1.0
-        if encoder_keys is not None:
-            values_m.mul_(encoder_keys[:, None, start:end, None])
-        taylor.features(keys_m, key=True, out=phi_m)
-        yield start, end, keys_m, values_m, phi_m
+            scaled_m[..., :feature_dim, :].mul_(raw[:, None, None, start:end])
+        taylor.features_from_scaled(scaled_m, key=True, out=phi_m)
+        yield start, end, scaled_m, phi_m
 
 
 def add_encoder_in_place(
-    running: torch.Tensor,
+    state: torch.Tensor,
     k_enc: torch.Tensor,
     v_enc: torch.Tensor,
     raw: torch.Tensor | None,
@@ -381,10 +484,18 @@ def add_encoder_in_place(
     workspace: Workspace,
     block: int,
 ) -> None:
-    """running `(B H, F', V + 1)` += phi(K_enc)^T [V_enc, 1] over each row's encoder range, one product per block of
-    `encoder_blocks` (the encoder has no causal structure)."""
-    for _, _, _, values, phi in encoder_blocks(k_enc, v_enc, raw, encoder_keys, taylor, workspace, block):
-        running.baddbmm_(phi.flatten(0, 1), values.flatten(0, 1))
+    """state `(B, H, F', V + 1)` += phi(K_enc)^T [V_enc, 1] over each row's encoder range (`encoder_keys` `(B, >= M)`,
+    0 / 1 in the compute dtype, or None: every key), a block of `encoder_blocks` at a time (the encoder has no causal
+    structure). The numerator reads v_enc where it is (one product per row, no copy), the denominator column adds
+    the features' sums over the tokens; a key outside its row's range has its features zeroed."""
+    value_dim = v_enc.shape[-1]
+    v_enc = v_enc.to(state.dtype)  # no copy in the compute dtype
+    for start, end, _, phi in encoder_blocks(k_enc, raw, taylor, workspace, block):
+        if encoder_keys is not None:
+            phi.mul_(encoder_keys[:, None, None, start:end])
+        for row in range(state.shape[0]):  # (H, F', m) @ (H, m, V), v_enc's rows strided
+            state[row, ..., :value_dim].baddbmm_(phi[row], v_enc[row, start:end].transpose(0, 1))
+        state[..., value_dim] += phi.sum(-1)
 
 
 def _divide_into_rows(destination: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor) -> None:

@@ -202,7 +202,7 @@ class JRTRNNConfig(PreTrainedConfig):
     use_decay_proj: bool = False
     linear_attention_eps: float = 1e-12
     linear_attention_implementation: str = "auto"
-    linear_attention_chunk_size: int = 64
+    linear_attention_chunk_size: int = 32
     mask_token_id: int | None = None
     generation_vocab_size: int | None = None
     mlm_weight: float = 0.25

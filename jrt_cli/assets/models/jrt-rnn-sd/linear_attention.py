@@ -337,7 +337,7 @@ def prefix_linear_attention_chunked(
     log_decay: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     eps: float = 1e-12,
-    chunk_size: int = 64,
+    chunk_size: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked scan: O(T) time, differentiable. Same arguments and results as the oracle.
 
@@ -720,7 +720,7 @@ def prefix_linear_attention(
     log_decay: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     eps: float = 1e-12,
-    chunk_size: int = 64,
+    chunk_size: int = 32,
     implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill of prefix (JRT-RNN) or causal (Based, `k_enc = v_enc = None`) linear attention.
