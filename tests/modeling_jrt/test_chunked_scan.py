@@ -29,7 +29,7 @@ def test_compact_features_are_the_distinct_products(feature_dim):
     query-key dot products are 1 + s + s**2 / 2 with s = q.k / sqrt(K): odd and even K, K = 1 and 2 included."""
     taylor = CompactTaylor(feature_dim, torch.device("cpu"))
     assert taylor.num_features == 1 + 2 * feature_dim + feature_dim * (feature_dim - 1) // 2
-    q, k = torch.randn(2, 3, feature_dim, 7, dtype=torch.float64), torch.randn(2, 3, feature_dim, 7, dtype=torch.float64)
+    q, k = (torch.randn(2, 3, feature_dim, 7, dtype=torch.float64) for _ in range(2))
     for x, key in ((q, False), (k, True)):
         out = torch.empty(2, 3, taylor.num_features, 7, dtype=torch.float64)
         actual = taylor.features(x, key=key, out=out)
