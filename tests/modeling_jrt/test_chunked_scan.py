@@ -140,3 +140,32 @@ def test_huge_page_advice_covers_only_large_outputs(monkeypatch):
     expected, _ = prefix_linear_attention_quadratic(q, k, v)
     torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
     assert [tensor.data_ptr() for tensor in advised] == [output.data_ptr()]  # the output, before it is written
+
+
+@pytest.mark.parametrize("feature_dim", FEATURE_DIMS)
+def test_denominator_form_reads_like_the_features(feature_dim):
+    """The denominator column as a quadratic form of [1, x']: phi(q) . z = [1, q'] form(z) [1, q'] for any compact
+    column z, `form_to_compact` inverts `form`, and the form of a set of keys (`key_form`, masked keys excluded)
+    is what their features add to the denominator column: sum over counted keys of 1 + s + s**2 / 2."""
+    taylor = CompactTaylor(feature_dim, torch.device("cpu"))
+    K, n = feature_dim, 6
+    column = torch.randn(3, taylor.num_features, dtype=torch.float64)
+    q = torch.randn(3, K, n, dtype=torch.float64)
+    phi_q = taylor.features(q, key=False, out=torch.empty(3, taylor.num_features, n, dtype=torch.float64))
+    rows_q = phi_q[:, : K + 1]  # [1, q']
+    form = taylor.form(column)
+    assert form.shape == (3, K + 1, K + 1)
+    torch.testing.assert_close(form, form.transpose(-1, -2))
+    torch.testing.assert_close(torch.einsum("bfn,bf->bn", phi_q, column),
+                               torch.einsum("zan,zab,zbn->zn", rows_q, form, rows_q))
+    torch.testing.assert_close(taylor.form_to_compact(form), column)
+
+    k = torch.randn(3, K, 9, dtype=torch.float64)
+    counts = (torch.rand(3, 1, 9) > 0.3).to(torch.float64)
+    phi_k = taylor.features(k, key=True, out=torch.empty(3, taylor.num_features, 9, dtype=torch.float64))
+    rows_k = phi_k[:, : K + 1]
+    key_form = taylor.key_form(rows_k * counts, rows_k)
+    s = torch.einsum("bkn,bkm->bnm", q, k) / K**0.5  # (3, n queries, 9 keys)
+    expected = ((1 + s + s * s / 2) * counts).sum(-1)
+    torch.testing.assert_close(torch.einsum("zan,zab,zbn->zn", rows_q, key_form, rows_q), expected)
+    torch.testing.assert_close(taylor.form_to_compact(key_form), (phi_k * counts).sum(-1))

@@ -8,8 +8,11 @@ runs on inputs it has checked; the algorithm and its measurements are in docs/pr
     update        state += phi(K_c)^T @ [V_c, 1]
     y_c = o_c[:, :V] / (o_c[:, V] + eps)
 
-The features are the compact Taylor features of `CompactTaylor` (153 instead of 273 rows for K = 16); the scan
-reads and returns the compact state, `full_state` maps it back to the cache layout of `linear_attention.py`
+The features are the compact Taylor features of `CompactTaylor` (153 instead of 273 rows for K = 16). The forward
+scan (`scan_in_place`) keeps the numerator columns `state[:, :V]` and the denominator column apart: the numerator
+products are then V = 64 wide instead of 65 (a 65th column costs a whole vector tail in every GEMM: the state
+products ran 26% slower at 8k), and the denominator column is carried as a quadratic form of [1, x']
+(`CompactTaylor.form`), read and updated with (K + 1)-sized products. The scan reads and returns the compact state, `full_state` maps it back to the cache layout of `linear_attention.py`
 `(B, H, F, V + 1)`. `scan_in_place` runs without autograd, in blocks of chunks in one reused workspace, the running
 state read and updated chunk by chunk: every CPU prefill, and the forward of the differentiable op of
 `chunked_scan_autograd.py`, whose backward uses the helpers here too.
@@ -134,6 +137,7 @@ class CompactTaylor:
             first.append(index[: self.half_distance])
             second.append(index[: self.half_distance] + self.half_distance)
         rows, cols = torch.cat(first), torch.cat(second)  # (K (K - 1) / 2,) each: the pairs in compact order
+        self.pair_rows, self.pair_cols = rows, cols
         self.num_features = 1 + 2 * K + rows.numel()
         offset = 1 + K  # first quadratic row of the full layout
         # Full-layout row of each compact quadratic row (diagonal first, then the pairs) and of its mirror.
@@ -209,6 +213,69 @@ class CompactTaylor:
             d_scaled[..., :half, :].addcmul_(scaled[..., half:, :], block)
             d_scaled[..., half:, :].addcmul_(scaled[..., :half, :], block)
         return d_scaled.mul_(K**-0.25)
+
+    @functools.cached_property
+    def _form_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp64 `(F', (K + 1)**2)` and `((K + 1)**2, F')` matrices between a compact column and its `form`."""
+        K, device = self.feature_dim, self.pair_rows.device
+        index = torch.arange(K, device=device)
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        # The entry (a, b) of the form that each compact row's product x~_a x~_b is, x~ = [1, x'].
+        a = torch.cat([zero, zero.expand(K), 1 + index, 1 + self.pair_rows])
+        b = torch.cat([zero, 1 + index, 1 + index, 1 + self.pair_cols])
+        rows = torch.arange(self.num_features, device=device)
+        to_form = torch.zeros(self.num_features, (K + 1) ** 2, dtype=torch.float64, device=device)
+        to_form.index_put_((rows, a * (K + 1) + b), torch.full_like(rows, 0.5, dtype=torch.float64), accumulate=True)
+        to_form.index_put_((rows, b * (K + 1) + a), torch.full_like(rows, 0.5, dtype=torch.float64), accumulate=True)
+        from_form = torch.zeros((K + 1) ** 2, self.num_features, dtype=torch.float64, device=device)
+        from_form[a * (K + 1) + b, rows] = 1.0
+        from_form[b * (K + 1) + a, rows] = 1.0
+        return to_form, from_form
+
+    def form(self, column: torch.Tensor) -> torch.Tensor:
+        """(..., F') -> (..., K + 1, K + 1): the symmetric F with phi(x) . column = [1, x'] F [1, x'] for every x, a
+        compact state column (the denominator's) as a quadratic form of the K + 1 numbers [1, x'] instead of F'."""
+        to_form = self._form_maps[0].to(column.dtype)
+        return (column @ to_form).unflatten(-1, (self.feature_dim + 1, self.feature_dim + 1))
+
+    def form_to_compact(self, form: torch.Tensor) -> torch.Tensor:
+        """(..., K + 1, K + 1) -> (..., F'): `form`'s inverse (exact for a symmetric form)."""
+        return form.flatten(-2) @ self._form_maps[1].to(form.dtype)
+
+    def key_form(self, counted_rows: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The form of what keys add to the denominator column, from their [1, k'] `rows` `(..., K + 1, n)` and the
+        same rows times 0 / 1 per key that counts, `counted_rows`: `(..., K + 1, K + 1)`.
+
+        A key adds phi(q) . phi(k) = 1 + s + s**2 / 2 = 1/2 + 1/2 ([1, q'] . [1, k'])**2 for each query, which is
+        [1, q'] F [1, q'] with F = 1/2 [1, k'] [1, k']^T + 1/2 e0 e0^T: half the keys' Gram, whose (0, 0) entry (the
+        count of keys) is taken whole.
+        """
+        gram = torch.matmul(counted_rows, rows.transpose(-1, -2), out=out)
+        return gram.mul_(self._form_scale.to(gram.dtype))
+
+    @functools.cached_property
+    def _form_scale(self) -> torch.Tensor:
+        """(K + 1, K + 1): 1/2, and 1 at (0, 0) (`key_form`)."""
+        scale = torch.full((self.feature_dim + 1,) * 2, 0.5, device=self.pair_rows.device)
+        scale[0, 0] = 1.0
+        return scale
+
+    def add_chunk_forms(
+        self,
+        counted_rows: torch.Tensor,
+        rows: torch.Tensor,
+        running: torch.Tensor,
+        chunk_forms: torch.Tensor,
+        before: torch.Tensor,
+    ) -> None:
+        """For a block of n chunks (`counted_rows`, `rows` `(n, B H, K + 1, C)` as in `key_form`): `before[c]` =
+        the running form `(B H, K + 1, K + 1)` plus the forms of chunks 0 .. c - 1, and `running` += the forms of all
+        n. `chunk_forms`, `before`: `(n, B H, K + 1, K + 1)` buffers."""
+        n = chunk_forms.shape[0]
+        self.key_form(counted_rows, rows, out=chunk_forms)
+        earlier = torch.ones(n, n, dtype=running.dtype, device=running.device).tril_(-1)  # chunk c' < c
+        torch.addmm(running.flatten()[None], earlier, chunk_forms.flatten(1), out=before.flatten(1))
+        torch.add(before[-1], chunk_forms[-1], out=running)
 
     def compress(self, state: torch.Tensor) -> torch.Tensor:
         """(..., F, W) full state -> (..., F', W) compact state."""
@@ -298,18 +365,22 @@ def scan_in_place(
 
     - the scratch tensors are views of one `Workspace` allocated per call and reused by every block of chunks
       (repeated multi-MiB allocations cost page faults);
-    - per block of n chunks (about `BLOCK_TOKEN_HEADS` token-heads), the chunk-major copies of q, k, [v, 1], the
+    - per block of n chunks (about `BLOCK_TOKEN_HEADS` token-heads), the chunk-major copies of q', k', v, the
       features and the intra-chunk products are batched over the block, every product writing into its buffer
       (`out=`);
-    - the running state is read and updated chunk by chunk, two `baddbmm_` over the B H heads per chunk: the state
-      `(B H, F', W)` stays in cache between the read and the update, and no per-chunk states are built (at 8k, about
-      6% faster than the chunk sums as one product plus a cumulative sum over the block);
+    - the running numerator state is read and updated chunk by chunk, two `baddbmm_` over the B H heads per chunk:
+      the state `(B H, F', V)` stays in cache between the read and the update, and no per-chunk states are built
+      (at 8k, about 6% faster than the chunk sums as one product plus a cumulative sum over the block);
+    - the denominators, per block: the intra-chunk weights' sums over the keys that count, plus [1, q'] F [1, q']
+      with F the denominator's form before the query's chunk (the running form plus `key_form` of the block's
+      earlier chunks, one small product with a lower-triangular matrix); eps is added through the form's constant
+      entry, which every query reads with weight 1;
     - the normalised rows go straight into the `(B, T, H, V)` output.
 
     With the Based decay (`decay`, log gamma per head) the numerator columns decay by gamma per token, chunk by
-    chunk: the intra-chunk numerator weights get gamma**(i - j) (the denominator's do not: its column is taken before),
-    the read of the state gamma**(i + 1), and the update is `S[:, :V] = gamma**L S[:, :V] + sum_j gamma**(L - 1 - j)
-    phi(k_j) v_j` for a chunk of L tokens (the last one may be shorter), the denominator column undecayed.
+    chunk: the intra-chunk numerator weights get gamma**(i - j) (the denominators are taken before), the read of the
+    state gamma**(i + 1), and the update is `S[:, :V] = gamma**L S[:, :V] + sum_j gamma**(L - 1 - j) phi(k_j) v_j`
+    for a chunk of L tokens (the last one may be shorter); the denominator never decays.
 
     Memory: the inputs, the output and O(block) scratch, whatever T is.
 
@@ -327,80 +398,107 @@ def scan_in_place(
     """
     batch_size, seq_len, num_heads, feature_dim = q.shape
     value_dim, dtype = v.shape[-1], state.dtype
-    width, num_features, token_heads = value_dim + 1, taylor.num_features, batch_size * num_heads
+    num_features, token_heads, form_dim = taylor.num_features, batch_size * num_heads, feature_dim + 1
     num_chunks = -(-seq_len // chunk_size)
     block, encoder_block = block_sizes(num_chunks, chunk_size, 0 if k_enc is None else k_enc.shape[1], token_heads)
-    # Per token-head of a block: q' and k' with their repeated rows (`taylor.scaled_rows` each, position last),
-    # [v, 1] and the combined output (W each), the features of q and k (F' each), a row of (C, C) weights, the gate,
-    # raw-key and counted-key weights and the decayed scan's intra-chunk denominator.
+    # Per token-head of a block: q' and k' with their repeated rows (`taylor.scaled_rows` each, position last), v and
+    # the numerator (V each), the features of q and k (F' each), a row of (C, C) weights, the denominator and its
+    # inter-chunk part, the gate, raw-key and counted-key weights, the counted [1, k'] rows and the read of the
+    # denominator's form (K + 1 each); per chunk-head the chunk's form and the form before the chunk.
     scaled_rows = taylor.scaled_rows
-    decoder_numel = block * chunk_size * token_heads * (2 * scaled_rows + 2 * width + 2 * num_features + chunk_size + 4)
-    decoder_numel += chunk_size * token_heads * width  # the decayed scan's read of one chunk
+    decoder_numel = block * chunk_size * token_heads * (
+        2 * scaled_rows + 2 * value_dim + 2 * num_features + chunk_size + 5 + 2 * form_dim
+    )
+    decoder_numel += block * token_heads * 2 * form_dim**2 + chunk_size * token_heads * value_dim
     encoder_numel = encoder_scratch_numel(encoder_block, token_heads, taylor)
     workspace = Workspace(max(decoder_numel, encoder_numel), q, dtype)
-    running = state.reshape(token_heads, num_features, width).clone()  # (B H, F', W), updated in place
+    # The running state: the numerator columns `(B H, F', V)`, updated in place by the 64-wide products, and the
+    # denominator column as the quadratic form of `CompactTaylor.form` `(B H, K + 1, K + 1)`.
+    running = state[..., :value_dim].reshape(token_heads, num_features, value_dim).clone()
+    form = taylor.form(state[..., value_dim].reshape(token_heads, num_features))
     raw, decoder_keys, encoder_keys = (_as_weights(mask, dtype) for mask in (raw, decoder_keys, encoder_keys))
 
-    # 1. Encoder reduction: running += phi(K_enc)^T [V_enc, 1] over each row's range.
+    # 1. Encoder reduction: running += phi(K_enc)^T V_enc and the form += its keys' [1, k'] Gram, over each row's range.
     if k_enc is not None:
-        add_encoder_in_place(running.view(state.shape), k_enc, v_enc, raw, encoder_keys, taylor, workspace,
-                             encoder_block)
+        add_encoder_in_place(running.view(batch_size, num_heads, num_features, value_dim),
+                             form.view(batch_size, num_heads, form_dim, form_dim), k_enc, v_enc, raw, encoder_keys,
+                             taylor, workspace, encoder_block)
 
-    # 2. Causal scan, in blocks of n chunks (the encoder's buffers are free again). Every query reads the state's
-    # constant-feature row with weight 1, so eps on that row's denominator adds eps to every denominator (taken off
-    # the returned state at the end).
-    running[:, 0, value_dim] += eps
+    # 2. Causal scan, in blocks of n chunks (the encoder's buffers are free again). The form's constant entry is
+    # every query's weight-1 read, so eps there adds eps to every denominator (taken off the returned state).
+    form[:, 0, 0] += eps
     workspace.reset()
     shape = (block, batch_size, num_heads)
     queries = workspace.take(*shape, scaled_rows, chunk_size)  # q' = q / K**(1/4) in the first K rows
     keys = workspace.take(*shape, scaled_rows, chunk_size)
-    values = workspace.take(*shape, chunk_size, width)
+    values = workspace.take(*shape, chunk_size, value_dim)
     phi_q = workspace.take(*shape, num_features, chunk_size)
     phi_k = workspace.take(*shape, num_features, chunk_size)
     weights = workspace.take(*shape, chunk_size, chunk_size)
-    combined = workspace.take(*shape, chunk_size, width)
+    numerators = workspace.take(*shape, chunk_size, value_dim)
+    denominator = workspace.take(*shape, chunk_size, 1)
+    inter_denominator = workspace.take(*shape, 1, chunk_size)
+    counted_keys = workspace.take(*shape, form_dim, chunk_size)  # [1, k'] of the keys that count
+    form_read = workspace.take(*shape, form_dim, chunk_size)
+    chunk_forms = workspace.take(block, token_heads, form_dim, form_dim)
+    forms_before = workspace.take(block, token_heads, form_dim, form_dim)
     gates = None if gate is None else workspace.take(*shape, chunk_size, 1)
     raw_weights = None if raw is None else workspace.take(*shape, 1, chunk_size)  # 0 / 1 per raw key
-    counted_weights = workspace.take(*shape, chunk_size, 1)  # 0 / 1 per [v, 1] row (masks, padding)
+    counted_weights = workspace.take(*shape, chunk_size, 1)  # 0 / 1 per v row (masks, padding)
     if decay is not None:
         log_gamma, position, intra_decay, read_decay = decay_factors(decay, chunk_size)
         whole_chunk_decays = chunk_decays(log_gamma, position, chunk_size)  # recomputed only for a shorter last one
-        intra_denominator = workspace.take(*shape, chunk_size, 1)
-        read = workspace.take(token_heads, chunk_size, width)
-        read_numerator = read.view(batch_size, num_heads, chunk_size, width)[..., :value_dim]
-        running_numerator = running.view(batch_size, num_heads, num_features, width)[..., :value_dim]
+        read = workspace.take(token_heads, chunk_size, value_dim)
     # The per-chunk operands of the state's read and update, as (B H)-batched matrices: the same views of the
     # buffers for every block (a block of n < `block` chunks uses the first n).
-    reads = [(combined[c].flatten(0, 1), phi_q[c].flatten(0, 1).transpose(1, 2)) for c in range(block)]
+    reads = [(numerators[c].flatten(0, 1), phi_q[c].flatten(0, 1).transpose(1, 2)) for c in range(block)]
     updates = [(phi_k[c].flatten(0, 1), values[c].flatten(0, 1)) for c in range(block)]
     output = q.new_empty(batch_size, seq_len, num_heads, value_dim, dtype=dtype)
     advise_huge_pages(output)
+    scale = feature_dim**-0.25
     for first in range(0, num_chunks, block):
         n = min(block, num_chunks - first)
         start, end = first * chunk_size, min((first + n) * chunk_size, seq_len)
         q_n, k_n, v_n, phi_q_n, phi_k_n = queries[:n], keys[:n], values[:n], phi_q[:n], phi_k[:n]
-        w_n, o_n = weights[:n].flatten(0, 2), combined[:n]
-        scale = feature_dim**-0.25
+        w_n, o_n, den_n = weights[:n].flatten(0, 2), numerators[:n], denominator[:n]
         copy_chunk_major(q_n[..., :feature_dim, :], q[:, start:end], position_last=True, scale=scale)
         copy_chunk_major(k_n[..., :feature_dim, :], k[:, start:end], position_last=True, scale=scale)
         if raw_weights is not None:  # "reference": a masked raw key is 0 (phi(0) keeps weight 1)
             copy_chunk_major(raw_weights[:n], raw[:, start:end, None, None].expand(-1, -1, num_heads, 1),
                               position_last=True)
             k_n[..., :feature_dim, :].mul_(raw_weights[:n])
-        copy_chunk_major(v_n[..., :value_dim], v[:, start:end], position_last=False)
-        v_n[..., value_dim] = 1.0
+        copy_chunk_major(v_n, v[:, start:end], position_last=False)
+        counted = None  # 0 / 1 per key of the block, (n, B, H, C, 1), when some key does not count
         if decoder_keys is not None or end - start < n * chunk_size:  # keys that do not count, padding of the chunks
-            counted = v.new_ones(1, 1, 1, 1, dtype=dtype).expand(batch_size, end - start, num_heads, 1) \
+            mask = v.new_ones(1, 1, 1, 1, dtype=dtype).expand(batch_size, end - start, num_heads, 1) \
                 if decoder_keys is None else decoder_keys[:, start:end, None, None].expand(-1, -1, num_heads, 1)
-            copy_chunk_major(counted_weights[:n], counted, position_last=False)  # zeros past the last token
-            v_n.mul_(counted_weights[:n])
+            counted = counted_weights[:n]
+            copy_chunk_major(counted, mask, position_last=False)  # zeros past the last token
+            v_n.mul_(counted)
         taylor.features_from_scaled(q_n, key=False, out=phi_q_n)
         taylor.features_from_scaled(k_n, key=True, out=phi_k_n)
-        # Intra-chunk: tril(1 + s + s**2 / 2) [V, 1] with s = q'.k' = q.k / sqrt(K). The features' first rows
-        # [1, x'] give 1 + s in one product, and 1 + s + s**2 / 2 = (1 + (1 + s)**2) / 2.
-        torch.bmm(phi_q_n[..., : 1 + feature_dim, :].flatten(0, 2).transpose(1, 2),
-                  phi_k_n[..., : 1 + feature_dim, :].flatten(0, 2), out=w_n)
+        # Intra-chunk: tril(1 + s + s**2 / 2) with s = q'.k' = q.k / sqrt(K). The features' first rows [1, x'] give
+        # 1 + s in one product, and 1 + s + s**2 / 2 = (1 + (1 + s)**2) / 2.
+        query_rows, key_rows = phi_q_n[..., :form_dim, :], phi_k_n[..., :form_dim, :]  # [1, x'] (n, B, H, K + 1, C)
+        torch.bmm(query_rows.flatten(0, 2).transpose(1, 2), key_rows.flatten(0, 2), out=w_n)
         torch.addcmul(w_n.new_full((), 0.5), w_n, w_n, value=0.5, out=w_n).tril_()
+        # Denominators: the intra-chunk weights' sums over the keys that count, plus [1, q'] F [1, q'] with F the
+        # form of every key before the chunk: the running form plus the forms of the block's earlier chunks.
+        if counted is None:
+            torch.sum(w_n, dim=-1, keepdim=True, out=den_n.flatten(0, 2))
+            keys_counted = key_rows
+        else:
+            torch.bmm(w_n, counted.flatten(0, 2), out=den_n.flatten(0, 2))
+            keys_counted = torch.mul(key_rows, counted.transpose(-1, -2), out=counted_keys[:n])
+        taylor.add_chunk_forms(keys_counted.flatten(1, 2), key_rows.flatten(1, 2), form, chunk_forms[:n],
+                               forms_before[:n])
+        form_read_n = form_read[:n]  # F [1, q'] (n, B, H, K + 1, C), then times [1, q'] and summed over the K + 1
+        torch.bmm(forms_before[:n].flatten(0, 1), query_rows.flatten(0, 2), out=form_read_n.flatten(0, 2))
+        form_read_n.mul_(query_rows)
+        torch.sum(form_read_n, dim=-2, keepdim=True, out=inter_denominator[:n])  # (n, B, H, 1, C)
+        den_n.add_(inter_denominator[:n].transpose(-1, -2))
+        if denominators is not None:
+            denominators[first : first + n].copy_(den_n)
         if decay is None:
             torch.bmm(w_n, v_n.flatten(0, 2), out=o_n.flatten(0, 2))
             # Inter-chunk, chunk by chunk: read the state before the chunk, then add the chunk's keys to it.
@@ -408,31 +506,27 @@ def scan_in_place(
                 read_out.baddbmm_(read_features, running)
                 running.baddbmm_(update_features, update_values)
         else:
-            # The denominator column from the undecayed weights, the numerator from gamma**(i - j) times them.
-            torch.bmm(w_n, v_n[..., value_dim:].flatten(0, 2), out=intra_denominator[:n].flatten(0, 2))
+            # The numerator from gamma**(i - j) times the weights (the denominators above are undecayed).
             weights[:n].mul_(intra_decay)
             torch.bmm(w_n, v_n.flatten(0, 2), out=o_n.flatten(0, 2))
-            o_n[..., value_dim:].copy_(intra_denominator[:n])
             for c in range(n):
                 length = min(chunk_size, end - start - c * chunk_size)  # tokens in this chunk
                 torch.bmm(phi_q_n[c].flatten(0, 1).transpose(1, 2), running, out=read)
-                read_numerator.mul_(read_decay)
+                read.view(batch_size, num_heads, chunk_size, value_dim).mul_(read_decay)
                 o_n[c].flatten(0, 1).add_(read)
                 value_decay, state_decay = (
                     whole_chunk_decays if length == chunk_size else chunk_decays(log_gamma, position, length)
                 )
-                v_n[c, ..., :value_dim].mul_(value_decay)
-                running_numerator.mul_(state_decay)
+                v_n[c].mul_(value_decay)
+                running.view(batch_size, num_heads, num_features, value_dim).mul_(state_decay)
                 running.baddbmm_(phi_k_n[c].flatten(0, 1), v_n[c].flatten(0, 1))
-        numerator, denominator = o_n[..., :value_dim], o_n[..., value_dim:]  # eps included by the state's read
-        if denominators is not None:
-            denominators[first : first + n].copy_(denominator)
         if gates is not None:
             copy_chunk_major(gates[:n], gate[:, start:end, :, None], position_last=False)
-            numerator.mul_(gates[:n])
-        _divide_into_rows(output[:, start:end], numerator, denominator)
-    running[:, 0, value_dim] -= eps
-    return output, running.view(state.shape)
+            o_n.mul_(gates[:n])
+        _divide_into_rows(output[:, start:end], o_n, den_n)
+    form[:, 0, 0] -= eps
+    compact = torch.cat([running, taylor.form_to_compact(form)[..., None]], dim=-1)
+    return output, compact.view(state.shape)
 
 
 def _as_weights(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -475,7 +569,8 @@ def encoder_blocks(
 
 
 def add_encoder_in_place(
-    state: torch.Tensor,
+    numerator: torch.Tensor,
+    form: torch.Tensor,
     k_enc: torch.Tensor,
     v_enc: torch.Tensor,
     raw: torch.Tensor | None,
@@ -484,18 +579,20 @@ def add_encoder_in_place(
     workspace: Workspace,
     block: int,
 ) -> None:
-    """state `(B, H, F', V + 1)` += phi(K_enc)^T [V_enc, 1] over each row's encoder range (`encoder_keys` `(B, >= M)`,
-    0 / 1 in the compute dtype, or None: every key), a block of `encoder_blocks` at a time (the encoder has no causal
-    structure). The numerator reads v_enc where it is (one product per row, no copy), the denominator column adds
-    the features' sums over the tokens; a key outside its row's range has its features zeroed."""
-    value_dim = v_enc.shape[-1]
-    v_enc = v_enc.to(state.dtype)  # no copy in the compute dtype
+    """Add the encoder keys over each row's range (`encoder_keys` `(B, >= M)`, 0 / 1 in the compute dtype, or None:
+    every key) to a state: `numerator` `(B, H, F', V)` += phi(K_enc)^T V_enc, and the denominator's `form`
+    `(B, H, K + 1, K + 1)` (`CompactTaylor.form`) += the keys' `key_form`; a block of `encoder_blocks` at a time (the
+    encoder has no causal structure). The numerator reads v_enc where it is (one product per batch row, its rows
+    strided, no copy); a key outside its row's range has its features zeroed."""
+    value_dim, form_dim = v_enc.shape[-1], taylor.feature_dim + 1
+    v_enc = v_enc.to(numerator.dtype)  # no copy in the compute dtype
     for start, end, _, phi in encoder_blocks(k_enc, raw, taylor, workspace, block):
         if encoder_keys is not None:
             phi.mul_(encoder_keys[:, None, None, start:end])
-        for row in range(state.shape[0]):  # (H, F', m) @ (H, m, V), v_enc's rows strided
-            state[row, ..., :value_dim].baddbmm_(phi[row], v_enc[row, start:end].transpose(0, 1))
-        state[..., value_dim] += phi.sum(-1)
+        for row in range(numerator.shape[0]):  # (H, F', m) @ (H, m, V)
+            numerator[row].baddbmm_(phi[row], v_enc[row, start:end].transpose(0, 1))
+        rows = phi[..., :form_dim, :]  # [1, k'] of the keys that count, 0 for the others
+        form += taylor.key_form(rows, rows)
 
 
 def _divide_into_rows(destination: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor) -> None:

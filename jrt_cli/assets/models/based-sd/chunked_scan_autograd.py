@@ -139,8 +139,10 @@ def scan_gradients(
         encoder_workspace = Workspace(
             encoder_scratch_numel(encoder_block, token_heads, taylor), q, dtype
         )
-        add_encoder_in_place(running.view(state.shape), k_enc, v_enc, raw, encoder_keys, taylor, encoder_workspace,
-                             encoder_block)
+        encoder_form = running.new_zeros(batch_size, num_heads, feature_dim + 1, feature_dim + 1)
+        add_encoder_in_place(running.view(state.shape)[..., :value_dim], encoder_form, k_enc, v_enc, raw,
+                             encoder_keys, taylor, encoder_workspace, encoder_block)
+        running.view(state.shape)[..., value_dim] += taylor.form_to_compact(encoder_form)
     for first, last in blocks:
         n = last - first
         q_n, k_n, values_n, gradient_n = queries[first:last], keys[first:last], values[first:last], gradient[first:last]
