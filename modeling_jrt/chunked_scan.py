@@ -10,12 +10,13 @@ runs on inputs it has checked; the algorithm and its measurements are in docs/pr
 
 The features are the compact Taylor features of `CompactTaylor` (153 instead of 273 rows for K = 16). The forward
 scan (`scan_in_place`) keeps the numerator columns `state[:, :V]` and the denominator column apart: the numerator
-products are then V = 64 wide instead of 65 (a 65th column costs a whole vector tail in every GEMM: the state
-products ran 26% slower at 8k), and the denominator column is carried as a quadratic form of [1, x']
-(`CompactTaylor.form`), read and updated with (K + 1)-sized products. The scan reads and returns the compact state, `full_state` maps it back to the cache layout of `linear_attention.py`
-`(B, H, F, V + 1)`. `scan_in_place` runs without autograd, in blocks of chunks in one reused workspace, the running
-state read and updated chunk by chunk: every CPU prefill, and the forward of the differentiable op of
-`chunked_scan_autograd.py`, whose backward uses the helpers here too.
+products are then V = 64 wide instead of 65 (a 65th column costs a whole vector tail in every GEMM: without it the
+state products take about 25% less time at 8k), and the denominator column is carried as a quadratic form of [1, x']
+(`CompactTaylor.form`), read and updated with (K + 1)-sized products. The scan reads and returns the compact state,
+`full_state` maps it back to the cache layout of `linear_attention.py` `(B, H, F, V + 1)`. `scan_in_place` runs
+without autograd, in blocks of chunks in one reused workspace, the running state read and updated chunk by chunk:
+every CPU prefill, and the forward of the differentiable op of `chunked_scan_autograd.py`, whose backward uses the
+helpers here too (with the state's 65 columns together).
 """
 
 from __future__ import annotations
@@ -340,6 +341,24 @@ class Workspace:
         self._offset = 0
 
 
+def without_autocast(function):
+    """Run `function` with autocast off on the device of its first tensor argument. The scans compute in the dtype
+    they are given (the fp32 state, `out=` products into their own buffers); a bf16 `torch.autocast` region around a
+    prefill (lm-eval's `mixed_precision_dtype`, an autocast training step) would otherwise run some of their
+    products in bf16 and mix dtypes."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        device = next(arg for arg in args if isinstance(arg, torch.Tensor)).device.type
+        if not torch.is_autocast_enabled(device):
+            return function(*args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return function(*args, **kwargs)
+
+    return run
+
+
+@without_autocast
 def scan_in_place(
     state: torch.Tensor,
     q: torch.Tensor,
@@ -584,7 +603,7 @@ def add_encoder_in_place(
     `(B, H, K + 1, K + 1)` (`CompactTaylor.form`) += the keys' `key_form`; a block of `encoder_blocks` at a time (the
     encoder has no causal structure). The numerator reads v_enc where it is (one product per batch row, its rows
     strided, no copy); a key outside its row's range has its features zeroed."""
-    value_dim, form_dim = v_enc.shape[-1], taylor.feature_dim + 1
+    form_dim = taylor.feature_dim + 1
     v_enc = v_enc.to(numerator.dtype)  # no copy in the compute dtype
     for start, end, _, phi in encoder_blocks(k_enc, raw, taylor, workspace, block):
         if encoder_keys is not None:

@@ -40,6 +40,7 @@ from .chunked_scan import (
     encoder_blocks,
     encoder_scratch_numel,
     scan_in_place,
+    without_autocast,
 )
 
 
@@ -49,6 +50,7 @@ def _rows(x: torch.Tensor, seq_len: int, *, position_last: bool) -> torch.Tensor
     return chunks.reshape(chunks.shape[0], -1, *chunks.shape[3:])[:, :seq_len]
 
 
+@without_autocast
 def scan_gradients(
     q: torch.Tensor,
     k: torch.Tensor,

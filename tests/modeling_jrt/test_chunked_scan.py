@@ -169,3 +169,25 @@ def test_denominator_form_reads_like_the_features(feature_dim):
     expected = ((1 + s + s * s / 2) * counts).sum(-1)
     torch.testing.assert_close(torch.einsum("zan,zab,zbn->zn", rows_q, key_form, rows_q), expected)
     torch.testing.assert_close(taylor.form_to_compact(key_form), (phi_k * counts).sum(-1))
+
+
+def test_scans_compute_in_their_dtype_under_autocast():
+    """A bf16 autocast region around the chunked path (lm-eval's `mixed_precision_dtype`, an autocast training step)
+    changes nothing in it: the scan and its explicit backward give the fp32 results (an autocast product in the scan
+    used to fail with mixed dtypes)."""
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 45, 2, 4) for _ in range(2))
+    v = torch.randn(2, 45, 2, 3)
+    k_enc, v_enc = torch.randn(2, 9, 2, 4), torch.randn(2, 9, 2, 3)
+    results = []
+    for autocast in (False, True):
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v, k_enc, v_enc)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.no_grad():
+                inference = prefix_linear_attention_chunked(*inputs)
+            output, state = prefix_linear_attention_chunked(*inputs)
+        gradients = torch.autograd.grad(output.square().sum() + state.sum(), inputs)
+        results.append([*inference, output, state, *gradients])
+    for with_autocast, without in zip(results[1], results[0]):
+        assert with_autocast.dtype == torch.float32
+        torch.testing.assert_close(with_autocast, without, rtol=0, atol=0)
