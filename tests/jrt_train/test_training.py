@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-import modeling_jrt
+import modeling_jrt  # noqa: F401  (registers model_type "jrt_rnn" with the Auto classes)
 import jrt_train
 from jrt_train import JRTDataCollator, default_lora_config, ignore_prefix_targets, jrt_loss, pack_token_blocks
 from modeling_jrt import JRTRNNForCausalLM

@@ -4,7 +4,6 @@ the standard tools (PEFT prompt tuning, torch.compile, continuing from a forward
 from __future__ import annotations
 
 import ast
-import inspect
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from transformers.generation import GenerationMixin
 
 import modeling_jrt
 from modeling_jrt.compat import output_cache
-from modeling_jrt import JRTRNNCache, JRTRNNForCausalLM
+from modeling_jrt import JRTRNNForCausalLM
 
 PACKAGE = Path(modeling_jrt.__file__).parent
 NO_EOS = dict(eos_token_id=None, pad_token_id=0)
