@@ -143,6 +143,8 @@ def _parents(name: str) -> list[str]:
 
 
 def _listing(names: list[str], limit: int = 10) -> str:
+    """`names` for an error message, weight files first (what tells a model folder apart), at most `limit` of them."""
+    names = sorted(names, key=lambda name: (not name.endswith((".safetensors", ".bin", ".pt")), name))
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 

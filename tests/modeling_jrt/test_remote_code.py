@@ -145,8 +145,9 @@ def test_save_pretrained_ships_the_model_files_with_relative_imports_only(tmp_pa
     modeling_jrt.JRTRNNForCausalLM(tiny_config()).save_pretrained(tmp_path)
     shipped = sorted(p.name for p in tmp_path.glob("*.py"))
     assert shipped == [
-        "cache.py", "chunked_scan.py", "chunked_scan_autograd.py", "compat.py", "configuration_jrt.py",
-        "linear_attention.py", "loss.py", "modeling_jrt.py", "prefix_fill.py", "sliding_window.py",
+        "cache.py", "chunked_scan.py", "chunked_scan_autograd.py", "compact_taylor.py", "compat.py",
+        "configuration_jrt.py", "huge_pages.py", "linear_attention.py", "loss.py", "modeling_jrt.py", "prefix_fill.py",
+        "sliding_window.py",
     ]
     for path in tmp_path.glob("*.py"):
         absolute = [name for name in get_imports(str(path)) if name.startswith(LOCAL_PACKAGES)]

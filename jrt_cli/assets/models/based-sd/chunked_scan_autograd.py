@@ -30,7 +30,6 @@ import re
 import torch
 
 from .chunked_scan import (
-    CompactTaylor,
     Workspace,
     add_encoder_in_place,
     block_sizes,
@@ -42,6 +41,7 @@ from .chunked_scan import (
     scan_in_place,
     without_autocast,
 )
+from .compact_taylor import CompactTaylor
 
 
 def _rows(x: torch.Tensor, seq_len: int, *, position_last: bool) -> torch.Tensor:

@@ -37,9 +37,11 @@ from .cache import JRTRNNCache, JRTRNNConvState, JRTRNNPrefixRecord, JRTRNNSlidi
 
 # Older transformers releases (5.5, the oldest this package declares) copy into their remote-code module cache only
 # the files the model file imports itself, not what those import in turn: so this file names every module of the
-# package once, the chunked scan's two included (`linear_attention.py` is their only user).
-from .chunked_scan import CompactTaylor  # noqa: F401
+# package once, the chunked scan's included (`linear_attention.py` is their only user).
+from .chunked_scan import scan_in_place  # noqa: F401
 from .chunked_scan_autograd import scan  # noqa: F401
+from .compact_taylor import CompactTaylor  # noqa: F401
+from .huge_pages import advise_huge_pages  # noqa: F401
 from .compat import CACHE_FIELD, add_cache_alias, keep_last_logits, model_output
 from .configuration_jrt import JRTRNNConfig
 from .linear_attention import linear_attention_step, prefix_linear_attention

@@ -69,8 +69,9 @@ import os
 import torch
 from transformers.utils import logging
 
-from .chunked_scan import CompactTaylor, full_state, scan_in_place
+from .chunked_scan import full_state, scan_in_place
 from .chunked_scan_autograd import scan
+from .compact_taylor import CompactTaylor
 from .configuration_jrt import LINEAR_ATTENTION_IMPLEMENTATIONS, PREFIX_PAD_MASKINGS
 
 logger = logging.get_logger(__name__)
@@ -348,7 +349,7 @@ def prefix_linear_attention_chunked(
         update       state += phi(K_c)^T @ [V_c, 1]
 
     The encoder sum over each row's encoder range is the initial state. The features are the compact ones of
-    `chunked_scan.CompactTaylor` (153 instead of 273 rows for K = 16); the state is returned in the full layout.
+    `compact_taylor.CompactTaylor` (153 instead of 273 rows for K = 16); the state is returned in the full layout.
     Two executions of the same scan:
 
     - without autograd (inference), eagerly: `chunked_scan.scan_in_place`, blocks of chunks in one reused
