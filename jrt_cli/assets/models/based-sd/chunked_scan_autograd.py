@@ -241,14 +241,14 @@ def _encoder_gradients(
     query reads, so their gradients come from `reverse` `(B, H, F', V + 1)`, the gradient of the state after the
     encoder: d phi(K_enc) = [V_enc, 1] R^T and d[V_enc, 1] = phi(K_enc) R for the keys that count, over the blocks
     of `encoder_blocks` (the same operands and masks as the forward's)."""
-    value_dim, feature_dim = v_enc.shape[-1], k_enc.shape[-1]
+    value_dim = v_enc.shape[-1]
     d_k_enc, d_v_enc = torch.empty_like(k_enc), torch.empty_like(v_enc)
     for start, end, scaled, phi in encoder_blocks(k_enc, raw, taylor, workspace, block):
         values = v_enc[:, start:end].transpose(1, 2).to(reverse.dtype)  # (B, H, m, V)
         d_phi = (reverse[..., :value_dim] @ values.transpose(-1, -2)).add_(reverse[..., value_dim:])  # (B, H, F', m)
         if encoder_keys is not None:  # outside the row's range: no encoder key
             d_phi.mul_(encoder_keys[:, None, None, start:end])
-        d_keys = taylor.features_backward(scaled[..., :feature_dim, :], d_phi, key=True, scaled=True)  # (B, H, K, m)
+        d_keys = taylor.features_backward(scaled, d_phi, key=True, scaled=True)  # (B, H, K, m)
         if raw is not None:  # "reference": a masked raw key is 0
             d_keys = d_keys * raw[:, None, None, start:end]
         d_k_enc[:, start:end] = d_keys.permute(0, 3, 1, 2)

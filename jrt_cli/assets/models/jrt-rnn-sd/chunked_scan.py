@@ -44,9 +44,9 @@ def block_sizes(num_chunks: int, chunk_size: int, encoder_length: int, token_hea
 
 
 def encoder_scratch_numel(block: int, token_heads: int, taylor: CompactTaylor) -> int:
-    """Elements of the `Workspace` that `encoder_blocks` takes its buffers from: the scaled keys (`scaled_rows`) and
-    the features of a block of `block` encoder tokens per token-head."""
-    return block * token_heads * (taylor.scaled_rows + taylor.num_features)
+    """Elements of the `Workspace` that `encoder_blocks` takes its buffer from: the features of a block of `block`
+    encoder tokens per token-head."""
+    return block * token_heads * taylor.num_features
 
 
 def decay_factors(decay: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, ...]:
@@ -190,14 +190,12 @@ def scan_in_place(
     num_features, token_heads, form_dim = taylor.num_features, batch_size * num_heads, feature_dim + 1
     num_chunks = -(-seq_len // chunk_size)
     block, encoder_block = block_sizes(num_chunks, chunk_size, 0 if k_enc is None else k_enc.shape[1], token_heads)
-    # Per token-head of a block: q' and k' with their repeated rows (`taylor.scaled_rows` each, position last), v and
-    # the numerator (V each), the features of q and k (F' each), a row of (C, C) weights, the denominator and its
+    # Per token-head of a block: v and the numerator (V each), the features of q and k (F' each, position last; q' and
+    # k' are copied into their rows 1 .. K), a row of (C, C) weights, the denominator and its
     # inter-chunk part, the gate, raw-key and counted-key weights, the counted [1, k'] rows and the read of the
     # denominator's form (K + 1 each); per chunk-head the chunk's form and the form before the chunk.
-    scaled_rows = taylor.scaled_rows
-    decoder_numel = block * chunk_size * token_heads * (
-        2 * scaled_rows + 2 * value_dim + 2 * num_features + chunk_size + 5 + 2 * form_dim
-    )
+    per_token_head = 2 * value_dim + 2 * num_features + chunk_size + 5 + 2 * form_dim
+    decoder_numel = block * chunk_size * token_heads * per_token_head
     decoder_numel += block * token_heads * 2 * form_dim**2 + chunk_size * token_heads * value_dim
     encoder_numel = encoder_scratch_numel(encoder_block, token_heads, taylor)
     workspace = Workspace(max(decoder_numel, encoder_numel), q, dtype)
@@ -218,11 +216,11 @@ def scan_in_place(
     form[:, 0, 0] += eps
     workspace.reset()
     shape = (block, batch_size, num_heads)
-    queries = workspace.take(*shape, scaled_rows, chunk_size)  # q' = q / K**(1/4) in the first K rows
-    keys = workspace.take(*shape, scaled_rows, chunk_size)
     values = workspace.take(*shape, chunk_size, value_dim)
     phi_q = workspace.take(*shape, num_features, chunk_size)
     phi_k = workspace.take(*shape, num_features, chunk_size)
+    phi_q[..., 0, :] = 1.0  # the constant feature, the same in every block
+    phi_k[..., 0, :] = 1.0
     weights = workspace.take(*shape, chunk_size, chunk_size)
     numerators = workspace.take(*shape, chunk_size, value_dim)
     denominator = workspace.take(*shape, chunk_size, 1)
@@ -248,14 +246,15 @@ def scan_in_place(
     for first in range(0, num_chunks, block):
         n = min(block, num_chunks - first)
         start, end = first * chunk_size, min((first + n) * chunk_size, seq_len)
-        q_n, k_n, v_n, phi_q_n, phi_k_n = queries[:n], keys[:n], values[:n], phi_q[:n], phi_k[:n]
+        v_n, phi_q_n, phi_k_n = values[:n], phi_q[:n], phi_k[:n]
         w_n, o_n, den_n = weights[:n].flatten(0, 2), numerators[:n], denominator[:n]
-        copy_chunk_major(q_n[..., :feature_dim, :], q[:, start:end], position_last=True, scale=scale)
-        copy_chunk_major(k_n[..., :feature_dim, :], k[:, start:end], position_last=True, scale=scale)
+        # q' and k' straight into the features' linear rows
+        copy_chunk_major(phi_q_n[..., 1 : 1 + feature_dim, :], q[:, start:end], position_last=True, scale=scale)
+        copy_chunk_major(phi_k_n[..., 1 : 1 + feature_dim, :], k[:, start:end], position_last=True, scale=scale)
         if raw_weights is not None:  # "reference": a masked raw key is 0 (phi(0) keeps weight 1)
             copy_chunk_major(raw_weights[:n], raw[:, start:end, None, None].expand(-1, -1, num_heads, 1),
                               position_last=True)
-            k_n[..., :feature_dim, :].mul_(raw_weights[:n])
+            phi_k_n[..., 1 : 1 + feature_dim, :].mul_(raw_weights[:n])
         copy_chunk_major(v_n, v[:, start:end], position_last=False)
         counted = None  # 0 / 1 per key of the block, (n, B, H, C, 1), when some key does not count
         if decoder_keys is not None or end - start < n * chunk_size:  # keys that do not count, padding of the chunks
@@ -264,8 +263,8 @@ def scan_in_place(
             counted = counted_weights[:n]
             copy_chunk_major(counted, mask, position_last=False)  # zeros past the last token
             v_n.mul_(counted)
-        taylor.features_from_scaled(q_n, key=False, out=phi_q_n)
-        taylor.features_from_scaled(k_n, key=True, out=phi_k_n)
+        taylor.features_in_place(phi_q_n, key=False, constant=False)
+        taylor.features_in_place(phi_k_n, key=True, constant=False)
         # Intra-chunk: tril(1 + s + s**2 / 2) with s = q'.k' = q.k / sqrt(K). The features' first rows [1, x'] give
         # 1 + s in one product, and 1 + s + s**2 / 2 = (1 + (1 + s)**2) / 2.
         query_rows, key_rows = phi_q_n[..., :form_dim, :], phi_k_n[..., :form_dim, :]  # [1, x'] (n, B, H, K + 1, C)
@@ -339,22 +338,22 @@ def encoder_blocks(
     workspace: Workspace,
     block: int,
 ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    """The encoder keys' operands, `block` tokens at a time: `(start, end, scaled (B, H, scaled_rows, m), phi(keys)
-    (B, H, F', m))` for positions [start, end), the first K rows of `scaled` holding k' = k / K**(1/4). A masked raw
-    key is 0 ("reference"; `raw` `(B, >= M)` a 0 / 1 mask in the compute dtype, or None). Which keys count (the
-    rows' encoder ranges) is the caller's: the features are not masked. The tensors are views of buffers taken from
-    `workspace` (`encoder_scratch_numel` elements), rewritten for the next block."""
+    """The encoder keys' operands, `block` tokens at a time: `(start, end, k' (B, H, K, m), phi(keys) (B, H, F', m))`
+    for positions [start, end), k' = k / K**(1/4) (a view of the features' linear rows). A masked raw key is 0
+    ("reference"; `raw` `(B, >= M)` a 0 / 1 mask in the compute dtype, or None). Which keys count (the rows' encoder
+    ranges) is the caller's: the features are not masked. The tensors are views of a buffer taken from `workspace`
+    (`encoder_scratch_numel` elements), rewritten for the next block."""
     batch_size, encoder_length, num_heads, feature_dim = k_enc.shape
-    scaled = workspace.take(batch_size, num_heads, taylor.scaled_rows, block)
     phi = workspace.take(batch_size, num_heads, taylor.num_features, block)
     for start in range(0, encoder_length, block):
         end = min(start + block, encoder_length)
-        scaled_m, phi_m = scaled[..., : end - start], phi[..., : end - start]
-        taylor.scale_into(k_enc[:, start:end].permute(0, 2, 3, 1), scaled_m)
+        phi_m = phi[..., : end - start]
+        scaled = phi_m[..., 1 : 1 + feature_dim, :]
+        torch.mul(k_enc[:, start:end].permute(0, 2, 3, 1), feature_dim**-0.25, out=scaled)
         if raw is not None:
-            scaled_m[..., :feature_dim, :].mul_(raw[:, None, None, start:end])
-        taylor.features_from_scaled(scaled_m, key=True, out=phi_m)
-        yield start, end, scaled_m, phi_m
+            scaled.mul_(raw[:, None, None, start:end])
+        taylor.features_in_place(phi_m, key=True)
+        yield start, end, scaled, phi_m
 
 
 def add_encoder_in_place(

@@ -24,8 +24,8 @@ class CompactTaylor:
 
     The pairs go by distance d = 1, 2, ..: all K pairs (i, (i + d) mod K) for d < K / 2, then, for an even K, the
     K / 2 pairs (i, i + K / 2), i < K / 2. Each distance is one product of x' with x' shifted by d, so the features
-    take a handful of ops whatever K is (a row-major triangle takes one op per row). The shifted rows are windows of
-    `scaled`, x' followed by its first rows again (`scaled_rows` rows, written by `features_from_scaled`).
+    take a handful of ops whatever K is (a row-major triangle takes one op per row); the shifted rows are windows of
+    x' followed by its first rows again (`features_in_place`).
 
     The features are unweighted for queries; for keys the squares carry a weight 1/2, so that phi(q).phi(k) =
     1 + s + s**2 / 2 exactly (sum_i 1/2 q'_i**2 k'_i**2 + sum_{i<j} q'_i q'_j k'_i k'_j = (q'.k')**2 / 2). The
@@ -40,7 +40,6 @@ class CompactTaylor:
         self.feature_dim = K
         self.full_distances = (K - 1) // 2  # distances with K pairs each
         self.half_distance = K // 2 if K % 2 == 0 and K > 1 else 0  # the distance K / 2 of an even K: K / 2 pairs
-        self.scaled_rows = K + max(self.full_distances, self.half_distance)
         index = torch.arange(K, device=device)
         first = [index.repeat(self.full_distances)]
         second = [(index[None, :] + torch.arange(1, self.full_distances + 1, device=device)[:, None]).flatten() % K]
@@ -64,38 +63,38 @@ class CompactTaylor:
         diagonal_row = (full // K == full % K).to(torch.float64)
         self.expand_factor = diagonal_row * math.sqrt(2.0) + (1 - diagonal_row) / math.sqrt(2.0)  # fp64, cast per use
 
-    def scale_into(self, x: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
-        """scaled[..., :K, :] = x' = x / K**(1/4); x `(..., K, n)`, scaled `(..., scaled_rows, n)`."""
-        return torch.mul(x, self.feature_dim**-0.25, out=scaled[..., : self.feature_dim, :])
-
     def features(self, x: torch.Tensor, *, key: bool, out: torch.Tensor) -> torch.Tensor:
         """(..., K, n) -> (..., F', n): the compact features of n tokens, token index last (the matmuls' layout),
         written into `out` `(..., F', n)` (no autograd)."""
-        scaled = x.new_empty(*x.shape[:-2], self.scaled_rows, x.shape[-1])
-        self.scale_into(x, scaled)
-        return self.features_from_scaled(scaled, key=key, out=out)
+        torch.mul(x, self.feature_dim**-0.25, out=out[..., 1 : 1 + self.feature_dim, :])
+        return self.features_in_place(out, key=key)
 
-    def features_from_scaled(self, scaled: torch.Tensor, *, key: bool, out: torch.Tensor) -> torch.Tensor:
-        """The features of `features` from `scaled` `(..., scaled_rows, n)`, whose first K rows hold x' and whose
-        other rows this fills (x' again from its first row); every row block is written with an `out=` product."""
+    def features_in_place(self, out: torch.Tensor, *, key: bool, constant: bool = True) -> torch.Tensor:
+        """Complete the features in `out` `(..., F', n)`, whose rows 1 .. K hold x' (the caller writes them, e.g.
+        scaled in its layout copy): the pairs, the squares, and the constant row unless `constant=False` (a buffer
+        whose row 0 is already 1). Every row block is one `out=` product; no other memory.
+
+        The shifted x' of the pairs are windows of rows 2 .., whose rows past K repeat x' from its start: they are
+        written first into the squares' rows, which the squares then overwrite.
+        """
         K, distances, half = self.feature_dim, self.full_distances, self.half_distance
-        x_scaled = scaled[..., :K, :]
-        scaled[..., K:, :].copy_(scaled[..., : self.scaled_rows - K, :])
-        out[..., 0, :] = 1.0
-        out[..., 1 : 1 + K, :].copy_(x_scaled)
-        if key:
-            torch.addcmul(out.new_zeros(()), x_scaled, x_scaled, value=0.5, out=out[..., 1 + K : 1 + 2 * K, :])
-        else:
-            torch.mul(x_scaled, x_scaled, out=out[..., 1 + K : 1 + 2 * K, :])
+        x_scaled = out[..., 1 : 1 + K, :]
         row = 1 + 2 * K
         if distances:
-            # windows[d - 1] = rows d .. d + K - 1 of `scaled`: x' shifted by d, (..., distances, K, n)
-            windows = scaled[..., 1 : K + distances, :].unfold(-2, K, 1).transpose(-1, -2)
+            out[..., 1 + K : 1 + K + distances, :].copy_(out[..., 1 : 1 + distances, :])  # x'_0 .. after x'_(K-1)
+            # windows[d - 1] = rows 1 + d .. K + d: x' shifted by d, (..., distances, K, n)
+            windows = out[..., 2 : 1 + K + distances, :].unfold(-2, K, 1).transpose(-1, -2)
             pairs = out[..., row : row + distances * K, :].unflatten(-2, (distances, K))
             torch.mul(windows, x_scaled.unsqueeze(-3), out=pairs)
             row += distances * K
         if half:
             torch.mul(x_scaled[..., :half, :], x_scaled[..., half:, :], out=out[..., row : row + half, :])
+        if key:
+            torch.addcmul(out.new_zeros(()), x_scaled, x_scaled, value=0.5, out=out[..., 1 + K : 1 + 2 * K, :])
+        else:
+            torch.mul(x_scaled, x_scaled, out=out[..., 1 + K : 1 + 2 * K, :])
+        if constant:
+            out[..., 0, :] = 1.0
         return out
 
     def features_backward(
