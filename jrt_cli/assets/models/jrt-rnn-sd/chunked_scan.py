@@ -242,15 +242,14 @@ def scan_in_place(
     updates = [(phi_k[c].flatten(0, 1), values[c].flatten(0, 1)) for c in range(block)]
     output = q.new_empty(batch_size, seq_len, num_heads, value_dim, dtype=dtype)
     advise_huge_pages(output)
-    scale = feature_dim**-0.25
     for first in range(0, num_chunks, block):
         n = min(block, num_chunks - first)
         start, end = first * chunk_size, min((first + n) * chunk_size, seq_len)
         v_n, phi_q_n, phi_k_n = values[:n], phi_q[:n], phi_k[:n]
         w_n, o_n, den_n = weights[:n].flatten(0, 2), numerators[:n], denominator[:n]
         # q' and k' straight into the features' linear rows
-        copy_chunk_major(phi_q_n[..., 1 : 1 + feature_dim, :], q[:, start:end], position_last=True, scale=scale)
-        copy_chunk_major(phi_k_n[..., 1 : 1 + feature_dim, :], k[:, start:end], position_last=True, scale=scale)
+        copy_chunk_major(phi_q_n[..., 1 : 1 + feature_dim, :], q[:, start:end], position_last=True, scale=taylor.scale)
+        copy_chunk_major(phi_k_n[..., 1 : 1 + feature_dim, :], k[:, start:end], position_last=True, scale=taylor.scale)
         if raw_weights is not None:  # "reference": a masked raw key is 0 (phi(0) keeps weight 1)
             copy_chunk_major(raw_weights[:n], raw[:, start:end, None, None].expand(-1, -1, num_heads, 1),
                               position_last=True)
@@ -298,16 +297,17 @@ def scan_in_place(
             weights[:n].mul_(intra_decay)
             torch.bmm(w_n, v_n.flatten(0, 2), out=o_n.flatten(0, 2))
             for c in range(n):
+                (read_out, read_features), (update_features, update_values) = reads[c], updates[c]
                 length = min(chunk_size, end - start - c * chunk_size)  # tokens in this chunk
-                torch.bmm(phi_q_n[c].flatten(0, 1).transpose(1, 2), running, out=read)
+                torch.bmm(read_features, running, out=read)
                 read.view(batch_size, num_heads, chunk_size, value_dim).mul_(read_decay)
-                o_n[c].flatten(0, 1).add_(read)
+                read_out.add_(read)
                 value_decay, state_decay = (
                     whole_chunk_decays if length == chunk_size else chunk_decays(log_gamma, position, length)
                 )
                 v_n[c].mul_(value_decay)
                 running.view(batch_size, num_heads, num_features, value_dim).mul_(state_decay)
-                running.baddbmm_(phi_k_n[c].flatten(0, 1), v_n[c].flatten(0, 1))
+                running.baddbmm_(update_features, update_values)
         if gates is not None:
             copy_chunk_major(gates[:n], gate[:, start:end, :, None], position_last=False)
             o_n.mul_(gates[:n])
@@ -349,7 +349,7 @@ def encoder_blocks(
         end = min(start + block, encoder_length)
         phi_m = phi[..., : end - start]
         scaled = phi_m[..., 1 : 1 + feature_dim, :]
-        torch.mul(k_enc[:, start:end].permute(0, 2, 3, 1), feature_dim**-0.25, out=scaled)
+        torch.mul(k_enc[:, start:end].permute(0, 2, 3, 1), taylor.scale, out=scaled)
         if raw is not None:
             scaled.mul_(raw[:, None, None, start:end])
         taylor.features_in_place(phi_m, key=True)

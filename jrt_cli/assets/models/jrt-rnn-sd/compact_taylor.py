@@ -38,6 +38,7 @@ class CompactTaylor:
     def __init__(self, feature_dim: int, device: torch.device):
         K = feature_dim
         self.feature_dim = K
+        self.scale = K**-0.25  # x' = x * scale
         self.full_distances = (K - 1) // 2  # distances with K pairs each
         self.half_distance = K // 2 if K % 2 == 0 and K > 1 else 0  # the distance K / 2 of an even K: K / 2 pairs
         index = torch.arange(K, device=device)
@@ -66,7 +67,7 @@ class CompactTaylor:
     def features(self, x: torch.Tensor, *, key: bool, out: torch.Tensor) -> torch.Tensor:
         """(..., K, n) -> (..., F', n): the compact features of n tokens, token index last (the matmuls' layout),
         written into `out` `(..., F', n)` (no autograd)."""
-        torch.mul(x, self.feature_dim**-0.25, out=out[..., 1 : 1 + self.feature_dim, :])
+        torch.mul(x, self.scale, out=out[..., 1 : 1 + self.feature_dim, :])
         return self.features_in_place(out, key=key)
 
     def features_in_place(self, out: torch.Tensor, *, key: bool, constant: bool = True) -> torch.Tensor:
@@ -108,7 +109,7 @@ class CompactTaylor:
         to row i + d (mod K), a few ops per distance.
         """
         K, half = self.feature_dim, self.half_distance
-        scaled = x if scaled else x * K**-0.25
+        scaled = x if scaled else x * self.scale
         squares = d_phi[..., 1 + K : 1 + 2 * K, :]
         d_scaled = torch.addcmul(d_phi[..., 1 : 1 + K, :], scaled, squares, value=1.0 if key else 2.0)
         row = 1 + 2 * K
@@ -122,7 +123,7 @@ class CompactTaylor:
             block = d_phi[..., row : row + half, :]  # pairs (i, i + K / 2), i < K / 2
             d_scaled[..., :half, :].addcmul_(scaled[..., half:, :], block)
             d_scaled[..., half:, :].addcmul_(scaled[..., :half, :], block)
-        return d_scaled.mul_(K**-0.25)
+        return d_scaled.mul_(self.scale)
 
     @functools.cached_property
     def _form_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
