@@ -6,7 +6,9 @@ constexprs are what the real call specialises on; T and M are not specialised), 
 triton's own binder turns the arguments into the compile signature. Each case is built for every launch kind
 (`VARIANTS`): "plain" (an encoder prefix), "mask+state" (a key mask and an initial state; its one-range rows are
 launched apart and reported as "range+state") and "decay+gate" (the Based checkpoints: fixed per-head decay,
-numerator gate, no encoder; the backward's dq scan in its recomputing form). Then
+numerator gate, no encoder; the backward's dq scan in its recomputing form). The forward is built twice: for
+inference and for training (rows marked "train": it also stores 1 / (den + eps) per query and its state after the
+encoder, which the backward's dq scan reads instead of recomputing). Then
 
     ptxas -v        registers per thread, spill stores/loads, stack frame (spills make slow local-memory traffic)
     metadata        shared memory per program, checked against the architecture's per-block limit
@@ -276,8 +278,11 @@ def _forward_case() -> Case:
         q, k = torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype)
         v = torch.randn(B, T, H, V, dtype=dtype)
         k_enc, v_enc, start, end, mask, state, log_decay, gate = _variant_inputs(variant, dtype, B, T, M, H, K, V)
-        module._prefix_linear_attention_fwd(q, k, v, k_enc, v_enc, start, end, mask, state, log_decay, gate, True,
-                                            1e-12)
+        # inference, then training: the forward that also stores what the backward reads (1 / (den + eps) and the
+        # state after the encoder)
+        for training in (False, True):
+            module._prefix_linear_attention_fwd(q, k, v, k_enc, v_enc, start, end, mask, state, log_decay, gate,
+                                                True, 1e-12, training)
 
     return Case(
         name="prefix_linear_attention_fwd",
@@ -293,6 +298,7 @@ def _forward_case() -> Case:
 
 def _backward_case() -> Case:
     from jrt_kernels import prefix_linear_attention_backward as module
+    from jrt_kernels.prefix_linear_attention import encoder_state_numel
 
     def launch(dtype: torch.dtype, variant: str) -> None:
         B, H, K, V = PAPER["B"], PAPER["H"], PAPER["K"], PAPER["V"]
@@ -301,13 +307,19 @@ def _backward_case() -> Case:
         v, do = torch.randn(B, T, H, V, dtype=dtype), torch.randn(B, T, H, V, dtype=dtype)
         k_enc, v_enc, start, end, mask, state, log_decay, gate = _variant_inputs(variant, dtype, B, T, M, H, K, V)
         y = torch.randn(B, T, H, V, dtype=dtype)  # the forward's output, saved by the op's autograd
+        # and what the op's autograd saves with it: the state after the encoder and 1 / (den + eps)
+        saved = dict(inverse_denominator=torch.ones(B, T, H))
+        if k_enc is not None:
+            saved["encoder_state"] = torch.zeros(B, H, encoder_state_numel(K, V))
         module.prefix_linear_attention_backward(q, k, v, k_enc, v_enc, do, state, encoder_start=start,
                                                 encoder_end=end, key_mask=mask, initial_state=state,
-                                                log_decay=log_decay, gate=gate, output=y)
+                                                log_decay=log_decay, gate=gate, output=y, **saved)
 
     def trips(kernel: str, meta: dict, T: int, M: int) -> list[int]:
         encoder, decoder = math.ceil(M / meta["BT"]), math.ceil(T / meta["BT"])
-        return [encoder, decoder] if "dq" in kernel else [decoder, encoder]
+        if "dq" in kernel:  # from the forward's encoder state (ENCODER_STATE) the dq scan has no encoder loop
+            return [decoder] if meta.get("ENCODER_STATE") else [encoder, decoder]
+        return [decoder, encoder]
 
     return Case(
         name="prefix_linear_attention_bwd",
@@ -363,7 +375,7 @@ def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtyp
         kernel=kernel_name(launch), arch=arch, dtype=dtype, variant=variant,
         config=" ".join(f"{key}={value}" for key, value in config.kwargs.items())
         + f" w{config.num_warps} s{config.num_stages}" + (f" r{config.maxnreg}" if config.maxnreg else ""),
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, training=bool(launch.kwargs.get("SAVE_FOR_BACKWARD")),
     )
     started = time.perf_counter()
     try:
@@ -416,6 +428,7 @@ def format_row(row: dict) -> str:
         return f"{head} BUILD ERROR {row['error']}"
     smem = f"{row['shared'] / 1024:6.1f}KB" + ("" if row["smem_ok"] else " OVER")
     head += " default" if row.get("default") else " " * 8
+    head += " train" if row.get("training") else ""  # the training forward (stores the encoder state)
     text = (f"{head} regs {row['registers']:3d} spill st/ld {row['spill_stores']:6d}/{row['spill_loads']:6d} B "
             f"smem {smem} instr {row['total_instructions']}")
     for index, loop in enumerate(row["loops"]):

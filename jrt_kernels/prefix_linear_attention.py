@@ -96,6 +96,7 @@ _INTERPRETER_CONFIGS = [_config(32, 32, 4)]
 @triton.jit(do_not_specialize=["T", "T_BUCKET"])
 def _prefix_linear_attention_fwd_kernel(
     q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, key_rows, state_in, log_decay, gate, o, state_out,
+    encoder_state_out, rden_out,
     s_qb, s_qt, s_qh, s_qk,
     s_kb, s_kt, s_kh, s_kk,
     s_vb, s_vt, s_vh, s_vv,
@@ -107,7 +108,7 @@ def _prefix_linear_attention_fwd_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
     MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr, SAVE_FOR_BACKWARD: tl.constexpr, HAS_ENCODER: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
@@ -124,13 +125,11 @@ def _prefix_linear_attention_fwd_kernel(
             b_key_hi = tl.load(key_rows + i_b * 3 + 2)
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1  # state row length: V numerator columns and the denominator column
-    SQRT2: tl.constexpr = 1.4142135623730951
 
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    m_vk = m_v[:, None] & m_k[None, :]
     # 2nd order, symmetric (docs/prefill.md §4.2): K diagonal features x_i**2 (state rows 1 + K + (K + 1) i) and the
     # K (K - 1) / 2 pairs {i, j}, x_i x_j (rows 1 + K + K i + j and 1 + K + K j + i), padded to BP. Pair p
     # is (i, i + d mod K) with i = p mod K, d = p // K + 1: bands d = 1 .. (K - 1) // 2 hold K pairs each and, for
@@ -141,7 +140,6 @@ def _prefix_linear_attention_fwd_kernel(
     BH: tl.constexpr = BP // 2
     m_pa, r_ija, r_jia, b_eia, b_eja, b_eiat, b_ejat = _pair_index(tl.arange(0, BH), o_k, K)
     m_pb, r_ijb, r_jib, b_eib, b_ejb, b_eibt, b_ejbt = _pair_index(BH + tl.arange(0, BH), o_k, K)
-    m_kk = m_k[:, None] & m_k[None, :]
     r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
     p_m = key_mask + i_b * s_mb
 
@@ -184,6 +182,9 @@ def _prefix_linear_attention_fwd_kernel(
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
         b_z1 += tl.sum(b_k, axis=0)
         b_zz += _dot_fp32(tl.trans(b_k), b_k)  # [BK, BK]
+    if SAVE_FOR_BACKWARD and HAS_ENCODER:  # the state the decoder starts from, for the backward's dq scan
+        _store_encoder_state(encoder_state_out + i_bh.to(tl.int64) * (V * (1 + 2 * BK + BP) + 1 + BK + BK * BK),
+                             b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz, i_v, o_k, o_v, m_v, V, BK, BP)
 
     # 2. Causal chunk scan over the T decoder tokens, starting from the encoder state. Outputs are computed
     #    transposed, [BV, BT] (queries along the columns).
@@ -192,6 +193,7 @@ def _prefix_linear_attention_fwd_kernel(
     p_v = v + i_b * s_vb + i_h * s_vh
     p_o = o + i_b * s_ob + i_h * s_oh
     p_g = gate + (i_b * T * H + i_h)
+    p_rden = rden_out + (i_b * T * H + i_h)
     b_lg = tl.load(log_decay + i_h).to(tl.float32) if HAS_DECAY else 0.0
     for i_t in range(0, tl.cdiv(T, BT)):
         o_t = (i_t * BT + o_c).to(tl.int64)
@@ -224,6 +226,9 @@ def _prefix_linear_attention_fwd_kernel(
         # fp32 division; a row without any counted key gives 0 / (0 + eps) = 0.
         p_y = p_o + o_t[None, :] * s_ot + o_v[:, None] * s_ov
         tl.store(p_y, (b_num / (b_den[None, :] + eps)).to(o.dtype.element_ty), mask=m_v[:, None] & m_t[None, :])
+        if SAVE_FOR_BACKWARD:  # 1 / (den + eps) per query, which the backward's dq scan then reads
+            if i_v == 0:
+                tl.store(p_rden + o_t * H, 1.0 / (b_den + eps), mask=m_t)
 
         # state update with the chunk's counted keys; decayed: gamma**L old + gamma**(L - 1 - p) new
         b_kw = tl.where(b_w[:, None], b_k, 0.0)
@@ -239,8 +244,52 @@ def _prefix_linear_attention_fwd_kernel(
             DOT, EMULATE, PRECISION,
         )
 
-    # 3. Final state in the cache layout (B, H, F, V + 1); the denominator column is written once, by i_v = 0.
-    p_s = state_out + p_state
+    # 3. Final state in the cache layout (B, H, F, V + 1).
+    _store_state_t(state_out + p_state, b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz, i_v, o_k, m_k, o_v, m_v,
+                   r_d, r_kk, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, V, W)
+
+
+@triton.jit
+def _store_encoder_state(p_e, b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz, i_v, o_k, o_v, m_v, V: tl.constexpr,
+                         BK: tl.constexpr, BP: tl.constexpr):
+    """The state in the kernels' own form, as held (`encoder_state_numel` floats per (batch, head) at p_e): per value
+    v < V a row [h0, h1 (BK), hd (BK), hoa (BP / 2), hob (BP / 2)], then z0, z1 (BK), Z (BK x BK); hd, ho and Z
+    without phi's 1/sqrt(2). Contiguous tiles, no pair written twice: what the backward's dq scan loads (transposed)
+    instead of reading the encoder keys again."""
+    BH: tl.constexpr = BP // 2
+    R: tl.constexpr = 1 + 2 * BK + BP
+    o_h = tl.arange(0, BH)
+    p_row = p_e + o_v[:, None] * R
+    tl.store(p_e + o_v * R, b_h0, mask=m_v)
+    tl.store(p_row + 1 + o_k[None, :], b_h1, mask=m_v[:, None])
+    tl.store(p_row + 1 + BK + o_k[None, :], b_hd, mask=m_v[:, None])
+    tl.store(p_row + 1 + 2 * BK + o_h[None, :], b_hoa, mask=m_v[:, None])
+    tl.store(p_row + 1 + 2 * BK + BH + o_h[None, :], b_hob, mask=m_v[:, None])
+    if i_v == 0:
+        p_z = p_e + V * R
+        tl.store(p_z + tl.zeros([1], dtype=tl.int32), b_z0)
+        tl.store(p_z + 1 + o_k, b_z1)
+        tl.store(p_z + 1 + BK + o_k[:, None] * BK + o_k[None, :], b_zz)
+
+
+def encoder_state_numel(K: int, V: int) -> int:
+    """Floats per (batch, head) of the encoder state the forward stores for the backward (`_store_encoder_state`)."""
+    BK, BP = _feature_blocks(K)
+    return V * (1 + 2 * BK + BP) + 1 + BK + BK * BK
+
+
+def _feature_blocks(K: int) -> tuple[int, int]:
+    """(BK, BP): the feature dim padded to a power of two >= 16, and the pair rows, two halves of >= 16."""
+    return max(16, triton.next_power_of_2(K)), max(32, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))
+
+
+@triton.jit
+def _store_state_t(p_s, b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz, i_v, o_k, m_k, o_v, m_v, r_d, r_kk,
+                   r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, V: tl.constexpr, W: tl.constexpr):
+    """Write a transposed symmetric state (this program's value columns o_v) to the cache layout `(F, V + 1)` at
+    p_s: the pair rows to (i, j) and (j, i), the 1/sqrt(2) of phi applied; the denominator column only by i_v = 0."""
+    SQRT2: tl.constexpr = 1.4142135623730951
+    m_vk = m_v[:, None] & m_k[None, :]
     tl.store(p_s + o_v, b_h0, mask=m_v)
     tl.store(p_s + (1 + o_k[None, :]) * W + o_v[:, None], b_h1, mask=m_vk)
     tl.store(p_s + r_d[None, :] * W + o_v[:, None], b_hd / SQRT2, mask=m_vk)
@@ -249,7 +298,7 @@ def _prefix_linear_attention_fwd_kernel(
     if i_v == 0:
         tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_z0)
         tl.store(p_s + (1 + o_k) * W + V, b_z1, mask=m_k)
-        tl.store(p_s + r_kk * W + V, b_zz / SQRT2, mask=m_kk)
+        tl.store(p_s + r_kk * W + V, b_zz / SQRT2, mask=m_k[:, None] & m_k[None, :])
 
 
 # TRITON_INTERPRET=1 when this module is first imported makes `triton.jit` return the CPU interpreter's function.
@@ -295,12 +344,22 @@ def _prefix_linear_attention_fwd(
     gate: torch.Tensor | None,
     strict: bool,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernel on validated inputs (any strides). Returns `(o (B, T, H, V) in v.dtype, state fp32)`."""
+    save_for_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the kernel on validated inputs (any strides). Returns `(o (B, T, H, V) in v.dtype, state fp32,
+    encoder state, inverse denominator)`. With `save_for_backward` the last two are what the fused backward's dq
+    scan reads instead of recomputing (`BACKWARD_INPUTS`): the state after the encoder keys `(B, H,
+    encoder_state_numel(K, V))` fp32 in the kernels' own form (the initial state's symmetric part plus the encoder;
+    empty without an encoder) and `1 / (den + eps)` per query `(B, T, H)` fp32; otherwise both are empty."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     state = torch.empty(B, H, 1 + K + K * K, V + 1, dtype=torch.float32, device=v.device)
+    store_encoder_state = save_for_backward and k_enc is not None
+    encoder_state = torch.empty(B, H, encoder_state_numel(K, V), dtype=torch.float32, device=v.device) \
+        if store_encoder_state else state.new_empty(0)
+    inverse_denominator = torch.empty(B, T, H, dtype=torch.float32, device=v.device) \
+        if save_for_backward else state.new_empty(0)
     # Absent optional tensors: never read (empty encoder ranges, HAS_* flags False); any pointer will do.
     k_enc = k if k_enc is None else k_enc
     v_enc = v if v_enc is None else v_enc
@@ -309,7 +368,7 @@ def _prefix_linear_attention_fwd(
     mask_strides = (0, 0) if key_mask is None else mask.stride()
     decay = state if log_decay is None else log_decay.to(torch.float32).contiguous()
     gate_in = state if gate is None else gate.contiguous()  # (B, T, H)
-    BP = max(32, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))  # two halves of >= 16 rows (tl.dot)
+    BK, BP = _feature_blocks(K)  # BP: two halves of >= 16 pair rows (tl.dot)
 
     key_rows = state if key_mask is None else _key_rows(key_mask)
 
@@ -321,37 +380,50 @@ def _prefix_linear_attention_fwd(
         torch.library.wrap_triton(_kernel_for(q.device, V))[grid](
             q, k, v, k_enc, v_enc, encoder_start, encoder_end, mask, key_rows,
             state if initial_state is None else initial_state, decay, gate_in, o, state,
+            encoder_state if store_encoder_state else state, inverse_denominator if save_for_backward else state,
             *q.stride(), *k.stride(), *v.stride(), *k_enc.stride(), *v_enc.stride(), *mask_strides, *o.stride(),
             T, triton.next_power_of_2(max(T, 1)), eps, K**-0.25,
-            H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BP=BP,
+            H=H, K=K, V=V, BK=BK, BP=BP,
             MASK=mask_kind, STRICT=strict, HAS_INITIAL_STATE=initial_state is not None,
-            HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, **dot_types(v.dtype, INTERPRETED),
+            HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, SAVE_FOR_BACKWARD=save_for_backward,
+            HAS_ENCODER=store_encoder_state, **dot_types(v.dtype, INTERPRETED),
         )
     if initial_state is not None:
         _add_antisymmetric_part(state, initial_state, log_decay, K, T)
-    return o, state
+    return o, state, encoder_state, inverse_denominator
+
+
+# What the training forward keeps for the fused backward, by the keyword of `prefix_linear_attention_backward`
+# that takes it: the op's 3rd and 4th outputs.
+BACKWARD_INPUTS = ("encoder_state", "inverse_denominator")
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, strict, eps = inputs
-    # the output too: the dq scan takes dy . y from it instead of reading the numerator from the state again
+    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, strict, eps, _ = (
+        inputs
+    )
+    # the output too (the dq scan takes dy . y from it instead of reading the numerator from the state again), and
+    # the backward inputs (it starts from the encoder state and reads 1 / (den + eps) instead of recomputing them)
     ctx.save_for_backward(q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate,
-                          output[0])
+                          *output[:1], *output[2:])
+    ctx.mark_non_differentiable(*output[2:])
     ctx.strict, ctx.eps = strict, eps
 
 
-def _backward(ctx, grad_output: torch.Tensor | None, grad_state: torch.Tensor | None) -> tuple:
+def _backward(ctx, grad_output: torch.Tensor | None, grad_state: torch.Tensor | None, *_grad_saved) -> tuple:
     """The fused backward (`prefix_linear_attention_backward`): gradients of q, k, v, k_enc, v_enc, initial_state
     and gate; none for the encoder range, the key mask, the (fixed) decay and the flags."""
-    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, o = ctx.saved_tensors
+    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, o, *saved = (
+        ctx.saved_tensors
+    )
     if grad_output is None:
         grad_output = torch.zeros_like(v)
     dq, dk, dv, dk_enc, dv_enc, dinitial, dgate = prefix_linear_attention_backward(
         q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start, encoder_end=encoder_end,
         key_mask=key_mask, strict=ctx.strict, initial_state=initial_state, log_decay=log_decay, gate=gate,
-        eps=ctx.eps, output=o,
+        eps=ctx.eps, output=o, **{name: t for name, t in zip(BACKWARD_INPUTS, saved) if t.numel()},
     )
-    return dq, dk, dv, dk_enc, dv_enc, None, None, None, dinitial, None, dgate, None, None
+    return dq, dk, dv, dk_enc, dv_enc, None, None, None, dinitial, None, dgate, None, None, None
 
 
 torch.library.register_autograd(
@@ -374,7 +446,8 @@ def prefix_linear_attention_triton(
     log_decay: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     eps: float = 1e-12,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_saved: bool = False,
+) -> tuple[torch.Tensor, ...] | tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Fused prefill of prefix linear attention (JRT-RNN) or, with `k_enc = v_enc = None`, causal Based attention.
 
     The keyword signature and the results of `modeling_jrt.linear_attention.prefix_linear_attention_chunked` (its
@@ -396,9 +469,16 @@ def prefix_linear_attention_triton(
         log_decay: `(H,)` log gamma of the Based fixed decay (no gradient), or None; not with an encoder.
         gate: `(B, T, H)` Based numerator gate, or None.
         eps: added to the fp32 denominator.
+        return_saved: also return what the fused backward reads instead of recomputing (see Returns).
 
     Returns:
-        `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) fp32)`.
+        `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) fp32)`, and with `return_saved` a third
+        entry: a dict of keyword arguments for `prefix_linear_attention_backward` (not differentiable), the
+        forward's intermediates that its dq scan then reads instead of recomputing: `"inverse_denominator"`, `1 /
+        (den + eps)` per query `(B, T, H)` fp32, and with an encoder `"encoder_state"`, the state the decoder
+        starts from (the initial state's symmetric part plus the encoder keys) in the kernels' own form `(B, H,
+        encoder_state_numel(K, V))` fp32. With autograd the op keeps them for its own backward whenever an input
+        requires a gradient.
 
     Raises:
         ValueError: what the kernel does not support (dtype, device) with the way out.
@@ -434,10 +514,16 @@ def prefix_linear_attention_triton(
             f"The Triton prefill kernel runs on CUDA tensors (got {q.device}); on CPU use implementation='chunked', "
             "or set TRITON_INTERPRET=1 before importing triton to run it in the interpreter (tests)."
         )
-    return _prefix_linear_attention_fwd(
-        q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate,
-        pad_masking == "strict", float(eps),
+    differentiated = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, k_enc, v_enc, initial_state, gate)
     )
+    output, state, *saved = _prefix_linear_attention_fwd(
+        q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate,
+        pad_masking == "strict", float(eps), return_saved or differentiated,
+    )
+    if not return_saved:
+        return output, state
+    return output, state, {name: t for name, t in zip(BACKWARD_INPUTS, saved) if t.numel()}
 
 
 __all__ = ["prefix_linear_attention_triton"]

@@ -10,8 +10,9 @@ where the keys of query i are the encoder keys of its row and the decoder keys j
 is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunked scan of docs/prefill.md §4.2, run backwards):
 
     dq kernel  (forward in time, one program per batch x head): rebuilds the forward state S (initial state, encoder,
-               decoder keys < chunk), feature-major, and per chunk (queries along the columns, as the forward)
-                   den              as the forward computes it (fp32)
+               decoder keys < chunk), feature-major, starting from the state after the encoder when the training
+               forward saved it, and per chunk (queries along the columns, as the forward)
+                   den              as the forward computes it (fp32), or its saved 1 / (den + eps)
                    g, c             from dy, 1 / (den + eps) and the forward's saved output y (c = -(dy . y) /
                                     (den + eps)); with a gate or without a saved y, dy . num from the products
                                     S dy^T and V dy^T, which dq's terms share;       stores 1 / (den + eps) and c
@@ -105,7 +106,8 @@ def _pla_bwd_dq_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
     MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr, RECOMPUTE: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr, RECOMPUTE: tl.constexpr, ENCODER_STATE: tl.constexpr,
+    SAVED_RDEN: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dq (stored in dq's dtype), 1 / (den + eps), c = -(dy . y) / (den + eps) and d gate (fp32, (B, T, H)).
@@ -120,6 +122,11 @@ def _pla_bwd_dq_kernel(
     With the Based decay (HAS_DECAY; never with an encoder) the numerator state is decayed by gamma per token and
     the intra-chunk numerator weights by gamma**(i - j); the denominator has no decay. The gate multiplies the
     numerator of each query (HAS_GATE).
+
+    With ENCODER_STATE, `state_in` is the forward's state after the encoder (its `encoder_state`, in the kernels'
+    form, which includes the initial state), and the encoder keys are not read again. With SAVED_RDEN, `rden` holds
+    the forward's 1 / (den + eps) (its `inverse_denominator`), which is read instead of computed: no denominator
+    state Z is carried then (its diagonal and pair entries, which dq's denominator terms take, still are).
     """
     i_bh = tl.program_id(0)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
@@ -165,42 +172,60 @@ def _pla_bwd_dq_kernel(
     b_zd = tl.zeros([BK], dtype=tl.float32)
     b_zpa = tl.zeros([BH], dtype=tl.float32)
     b_zpb = tl.zeros([BH], dtype=tl.float32)
-    if HAS_INITIAL_STATE:
+    if ENCODER_STATE:  # the forward's state after the encoder, in the kernels' form (`_store_encoder_state`)
+        R: tl.constexpr = 1 + 2 * BK + BP
+        p_e = state_in + i_bh.to(tl.int64) * (V * R + 1 + BK + BK * BK)
+        p_col = p_e + o_v[None, :] * R  # value v's row, read feature-major
+        o_h = tl.arange(0, BH)
+        b_h0 = tl.load(p_e + o_v * R, mask=m_v, other=0.0)
+        b_h1 = tl.load(p_col + 1 + o_k[:, None], mask=m_v[None, :], other=0.0)
+        b_hd = tl.load(p_col + 1 + BK + o_k[:, None], mask=m_v[None, :], other=0.0)
+        b_hoa = tl.load(p_col + 1 + 2 * BK + o_h[:, None], mask=m_v[None, :], other=0.0)
+        b_hob = tl.load(p_col + 1 + 2 * BK + BH + o_h[:, None], mask=m_v[None, :], other=0.0)
+        p_z = p_e + V * R
+        b_z0 = tl.load(p_z + tl.zeros([1], dtype=tl.int32))
+        b_z1 = tl.load(p_z + 1 + o_k)
+        b_zz = tl.load(p_z + 1 + BK + o_k[:, None] * BK + o_k[None, :])
+    elif HAS_INITIAL_STATE:
         b_h0, b_h1t, b_hdt, b_hoat, b_hobt, b_z0, b_z1, b_zz = _load_state_t(
             state_in + i_bh.to(tl.int64) * F * W, o_k, m_k, o_v, m_v, r_d, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb,
             K, V, W,
         )
         b_h1, b_hd, b_hoa, b_hob = tl.trans(b_h1t), tl.trans(b_hdt), tl.trans(b_hoat), tl.trans(b_hobt)
+    if ENCODER_STATE or HAS_INITIAL_STATE:
         b_zd = tl.sum(tl.where(o_k[:, None] == o_k[None, :], b_zz, 0.0), axis=1)
         b_zsym = 0.5 * (b_zz + tl.trans(b_zz))  # an initial Z may have an antisymmetric part, which no query reads
         b_zpa = tl.sum(b_eia * _dot_fp32(b_zsym, b_eja), axis=0)
         b_zpb = tl.sum(b_eib * _dot_fp32(b_zsym, b_ejb), axis=0)
 
-    # 1. The encoder keys of this row (positions [start, end) of k_enc / v_enc): state updates only.
+    # 1. The encoder keys of this row (positions [start, end) of k_enc / v_enc): state updates only (none with the
+    #    forward's encoder state, which holds them already).
     p_ke = k_enc + i_b * s_keb + i_h * s_keh
     p_ve = v_enc + i_b * s_veb + i_h * s_veh
     o_c = tl.arange(0, BT)
-    for i_t in range(start // BT, tl.cdiv(end, BT)):
-        o_t = (i_t * BT + o_c).to(tl.int64)
-        m_t = o_t < M
-        b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK, STRICT, True)
-        # weighted keys [BT, BK] and raw [BK, BT] (w is 0 or 1; raw = unscaled, for the exact pair gathers),
-        # values [BT, BV]
-        b_kw = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek), 0.0) * key_scale
-        b_ktr = tl.where(b_raw[None, :] & b_w[None, :], _tile(p_ke, o_k, m_k, s_kek, o_t, m_t, s_ket), 0.0)
-        b_v = tl.where(b_w[:, None], _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev), 0.0)
-        b_kwt = b_ktr * key_scale
-        b_pat = _pair_features_t(b_ktr, b_eita, b_ejta, key_scale, DOT, EMULATE)
-        b_pbt = _pair_features_t(b_ktr, b_eitb, b_ejtb, key_scale, DOT, EMULATE)
-        b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_f(
-            b_h0, b_h1, b_hd, b_hoa, b_hob, b_v, b_kwt, b_pat, b_pbt, DOT, EMULATE, PRECISION,
-        )
-        b_zd += tl.sum(b_kwt * b_kwt, axis=1)
-        b_zpa += tl.sum(b_pat, axis=1)
-        b_zpb += tl.sum(b_pbt, axis=1)
-        b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
-        b_z1 += tl.sum(b_kw, axis=0)
-        b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
+    if not ENCODER_STATE:
+        for i_t in range(start // BT, tl.cdiv(end, BT)):
+            o_t = (i_t * BT + o_c).to(tl.int64)
+            m_t = o_t < M
+            b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK, STRICT, True)
+            # weighted keys [BT, BK] and raw [BK, BT] (w is 0 or 1; raw = unscaled, for the exact pair gathers),
+            # values [BT, BV]
+            b_kw = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek), 0.0)
+            b_kw = b_kw * key_scale
+            b_ktr = tl.where(b_raw[None, :] & b_w[None, :], _tile(p_ke, o_k, m_k, s_kek, o_t, m_t, s_ket), 0.0)
+            b_v = tl.where(b_w[:, None], _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev), 0.0)
+            b_kwt = b_ktr * key_scale
+            b_pat = _pair_features_t(b_ktr, b_eita, b_ejta, key_scale, DOT, EMULATE)
+            b_pbt = _pair_features_t(b_ktr, b_eitb, b_ejtb, key_scale, DOT, EMULATE)
+            b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_f(
+                b_h0, b_h1, b_hd, b_hoa, b_hob, b_v, b_kwt, b_pat, b_pbt, DOT, EMULATE, PRECISION,
+            )
+            b_zd += tl.sum(b_kwt * b_kwt, axis=1)
+            b_zpa += tl.sum(b_pat, axis=1)
+            b_zpb += tl.sum(b_pbt, axis=1)
+            b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
+            b_z1 += tl.sum(b_kw, axis=0)
+            b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
 
     # 2. The decoder scan, queries along the columns (as the forward's read): den as the forward computes it, G =
     #    [g, c] from dy, 1 / (den + eps) and the forward's output y (c = -(dy . y) / (den + eps)); with a gate, or
@@ -234,12 +259,15 @@ def _pla_bwd_dq_kernel(
             b_causal = b_causal & b_w[:, None]
         b_k = b_k * key_scale
 
-        # den [BT] as the forward's (fp32). s^T [BT keys, BT queries] and Z q' serve dq too.
-        b_zq = _dot_fp32(b_zz, b_qt)  # [BK, BT]
+        # den [BT] as the forward's (fp32), or the forward's 1 / (den + eps). s^T [BT keys, BT queries] serves dq.
         b_st = _dot(b_k, b_qt, DOT, EMULATE, PRECISION)
-        b_at = tl.where(b_causal, 1.0 + b_st + 0.5 * b_st * b_st, 0.0)
-        b_den = tl.sum(b_z0) + tl.sum(b_qt * (b_z1[:, None] + 0.5 * b_zq), axis=0) + tl.sum(b_at, axis=0)
-        b_rden = 1.0 / (b_den + eps)
+        if SAVED_RDEN:
+            b_rden = tl.load(p_r + o_t * H, mask=m_t, other=0.0)
+        else:
+            b_at = tl.where(b_causal, 1.0 + b_st + 0.5 * b_st * b_st, 0.0)
+            b_zq = _dot_fp32(b_zz, b_qt)  # [BK, BT]
+            b_den = tl.sum(b_z0) + tl.sum(b_qt * (b_z1[:, None] + 0.5 * b_zq), axis=0) + tl.sum(b_at, axis=0)
+            b_rden = 1.0 / (b_den + eps)
         b_dot = _tile(p_do, o_v, m_v, s_ov, o_t, m_t, s_ot)  # dy^T [BV, BT]
         if RECOMPUTE:
             # dy . num (the ungated numerator as the forward reads it) from the products of dy^T with the state and
@@ -265,6 +293,8 @@ def _pla_bwd_dq_kernel(
                 b_dec = tl.exp(b_lg * (o_c + 1).to(tl.float32))  # the state is gamma**(p + 1) old
                 b_dwt = b_dwt * tl.exp(b_lg * tl.maximum(o_c[None, :] - o_c[:, None], 0).to(tl.float32))
                 b_dyn = b_dyn * b_dec
+            if SAVED_RDEN:
+                b_at = tl.where(b_causal, 1.0 + b_st + 0.5 * b_st * b_st, 0.0)
             b_dyn = (b_dyn + tl.sum(b_at * b_dwt, axis=0)) * b_rden  # dy . num / (den + eps)
             if HAS_GATE:
                 b_gate = tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)
@@ -273,7 +303,8 @@ def _pla_bwd_dq_kernel(
                 b_gs = b_gs * b_gate
             # G = [g, c]: the gradient with respect to the (ungated) numerator and the denominator
             b_c = -b_dyn * b_rden
-            tl.store(p_r + o_t * H, b_rden, mask=m_t)
+            if not SAVED_RDEN:
+                tl.store(p_r + o_t * H, b_rden, mask=m_t)
             tl.store(p_c + o_t * H, b_c, mask=m_t)
             # intra-chunk: dw_ji = G_i . [gamma**(i - j) v_j, 1], ds_ji = dw_ji (1 + s_ji), dq'^T = K'^T ds^T
             b_dwt = b_dwt * b_gs[None, :]
@@ -301,7 +332,8 @@ def _pla_bwd_dq_kernel(
             b_dyn = tl.sum(b_dot * _tile(p_y, o_v, m_v, s_yv, o_t, m_t, s_yt), axis=0)
             # G = [g, c]: the gradient with respect to the (ungated) numerator and the denominator. [BV, BT], [BT]
             b_c = -b_dyn * b_rden
-            tl.store(p_r + o_t * H, b_rden, mask=m_t)
+            if not SAVED_RDEN:
+                tl.store(p_r + o_t * H, b_rden, mask=m_t)
             tl.store(p_c + o_t * H, b_c, mask=m_t)
             b_gt = b_dot * b_rden[None, :]
 
@@ -341,10 +373,12 @@ def _pla_bwd_dq_kernel(
             p_out = p_dq + o_t[None, :] * s_qt + o_k[:, None] * s_qk
             tl.store(p_out, (b_dqt * key_scale).to(dq.dtype.element_ty), mask=m_k[:, None] & m_t[None, :])
 
-        # state update with the chunk's counted keys; decayed: gamma**L old + gamma**(L - 1 - p) new
-        b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
+        # state update with the chunk's counted keys; decayed: gamma**L old + gamma**(L - 1 - p) new. The count
+        # and Z only serve den.
         b_z1 += tl.sum(b_k, axis=0)
-        b_zz += _dot_fp32(tl.trans(b_k), b_k)
+        if not SAVED_RDEN:
+            b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
+            b_zz += _dot_fp32(tl.trans(b_k), b_k)
         if HAS_DECAY:
             b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
             b_v = b_v * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[:, None]
@@ -622,7 +656,8 @@ INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
 
 # Launch configs per GPU generation, (BT, num_warps) per scan, 1 stage, from benchmarks/kernel_aot.py
 # (docs/kernels.md); the first of each list is the one launched, the others are what kernel_aot.py also builds.
-# - sm_90: dq (16, 4) spills least ((32, 4) issues a fifth less, with 7x the spills); dk/dv (64, 4): with
+# - sm_90: dq (32, 4): from the forward's saved encoder state and 1 / (den + eps) it issues 23% less than (16, 4)
+#   for 32 instead of 12 B of spills (docs/kernels.md "Pass 7"); dk/dv (64, 4): with
 #   64 tokens and 4 warps each warp owns 16 whole rows, so the pair weights u = v Ro^T (wgmma, M = 64) feed the
 #   scatter's A operand straight from registers.
 # - other architectures (sm_80): dq (16, 4) (the feature-major dq scan spills 4 – 5x less there than at (32, 4), at
@@ -634,7 +669,7 @@ INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
 #   4% less at 2.7x, (64, 4) 6% less at 7x (docs/kernels.md "Pass 5").
 # The interpreter (CPU tests) takes the "other" list.
 _ARCH_CONFIGS = {
-    "sm_90": {"dq": [(16, 4), (32, 4)], "dq_recompute": [(16, 4), (32, 4)], "dkv": [(64, 4), (32, 4), (64, 8)]},
+    "sm_90": {"dq": [(32, 4), (16, 4)], "dq_recompute": [(16, 4), (32, 4)], "dkv": [(64, 4), (32, 4), (64, 8)]},
     "other": {"dq": [(16, 4), (32, 4)], "dq_recompute": [(16, 4), (32, 4), (64, 4)],
               "dkv": [(32, 4), (64, 4), (32, 8)]},
 }
@@ -702,6 +737,8 @@ def prefix_linear_attention_backward(
     eps: float = 1e-12,
     chunk_size: int | None = None,
     output: torch.Tensor | None = None,
+    encoder_state: torch.Tensor | None = None,
+    inverse_denominator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of `prefix_linear_attention` from validated inputs; launches the two scans.
 
@@ -717,6 +754,11 @@ def prefix_linear_attention_backward(
         output: `(B, T, H, V)` the forward's output y, or None. Given (and without a gate), the dq scan takes
             `dy . y` from it instead of reading the numerator from the state again (the forward's read); None keeps
             that recomputation (callers that saved only the inputs).
+        encoder_state: the forward's state after the encoder keys, `(B, H, encoder_state_numel(K, V))` fp32
+            (`prefix_linear_attention_triton(..., return_saved=True)`), or None. Given (with an encoder), the dq
+            scan starts from it instead of reading the encoder keys again; None rebuilds it.
+        inverse_denominator: `(B, T, H)` fp32, the forward's `1 / (den + eps)` per query (the same call's
+            `"inverse_denominator"`), or None. Given, the dq scan reads it instead of computing it (read only).
 
     Returns:
         `(dq, dk, dv, dk_enc, dv_enc, d initial_state, d gate)` in the inputs' dtypes (fp32 for the state), None
@@ -748,7 +790,8 @@ def prefix_linear_attention_backward(
     dk_enc = None if k_enc is None else torch.zeros_like(k_enc)
     dv_enc = None if v_enc is None else torch.zeros_like(v_enc)
     dstate_in = torch.empty(B, H, 1 + K + K * K, V + 1, dtype=torch.float32, device=device)
-    rden = torch.empty(B, T, H, dtype=torch.float32, device=device)
+    saved_rden = inverse_denominator is not None
+    rden = inverse_denominator.contiguous() if saved_rden else torch.empty(B, T, H, dtype=torch.float32, device=device)
     dcol = torch.empty(B, T, H, dtype=torch.float32, device=device)
     dgate = None if gate is None else torch.empty(B, T, H, dtype=torch.float32, device=device)
     gate_in = rden if gate is None else gate.contiguous()
@@ -760,7 +803,11 @@ def prefix_linear_attention_backward(
     dve = dv if dv_enc is None else dv_enc
     mask = q if key_mask is None else key_mask.view(torch.uint8)
     mask_strides = (0, 0) if key_mask is None else mask.stride()
-    state_in = dstate_in if initial_state is None else initial_state.contiguous()
+    from_encoder_state = encoder_state is not None and k_enc is not None
+    if from_encoder_state:
+        state_in = encoder_state.contiguous()
+    else:
+        state_in = dstate_in if initial_state is None else initial_state.contiguous()
     dstate = dstate_in if grad_state is None else grad_state.contiguous()
     grad_output = grad_output if grad_output.stride(-1) == 1 else grad_output.contiguous()
     y = grad_output if recompute else output  # never read when recompute
@@ -776,7 +823,8 @@ def prefix_linear_attention_backward(
             q, k, v, ke, ve, mask, key_rows, encoder_start, encoder_end, state_in, decay_in, gate_in, grad_output,
             y, dq, rden, dcol, rden if dgate is None else dgate,
             *strides, *y.stride(), T, M, eps, K**-0.25, BT=BT_DQ, MASK=mask_kind,
-            HAS_INITIAL_STATE=initial_state is not None, RECOMPUTE=recompute, num_warps=warps_dq, **options, **common,
+            HAS_INITIAL_STATE=initial_state is not None, RECOMPUTE=recompute,
+            ENCODER_STATE=from_encoder_state, SAVED_RDEN=saved_rden, num_warps=warps_dq, **options, **common,
         )
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
     sel = sel_s = rden

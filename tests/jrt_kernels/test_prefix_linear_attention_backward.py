@@ -67,18 +67,22 @@ def oracle_grads(inputs, grad_output, grad_state, **kwargs):
 
 def assert_grads_match(inputs, grad_output, grad_state, *, key_mask=None, pad_masking="strict", log_decay=None,
                        saved_output=True):
-    """The fused gradients against the oracle's; `saved_output` passes the forward kernel's output to the backward
-    (what the op's autograd does: the dq scan reads dy . y from it), False leaves it to the recomputation."""
-    output = None
+    """The fused gradients against the oracle's; `saved_output` passes the forward kernel's output and what it saves
+    for the backward (what the op's autograd does: the dq scan reads dy . y from the output, starts from the state
+    after the encoder and reads 1 / (den + eps)), False leaves all of it to the recomputation."""
+    output, saved = None, {}
     if saved_output:
-        output, _ = kernel_module.prefix_linear_attention_triton(
+        output, _, saved = kernel_module.prefix_linear_attention_triton(
             inputs["q"], inputs["k"], inputs["v"], inputs["k_enc"], inputs["v_enc"], key_mask=key_mask,
             pad_masking=pad_masking, initial_state=inputs["initial_state"], log_decay=log_decay, gate=inputs["gate"],
+            return_saved=True,
         )
+        expected_names = {"inverse_denominator"} | ({"encoder_state"} if inputs["k_enc"] is not None else set())
+        assert set(saved) == expected_names
     grads = prefix_linear_attention_backward(
         inputs["q"], inputs["k"], inputs["v"], inputs["k_enc"], inputs["v_enc"], grad_output, grad_state,
         key_mask=key_mask, strict=pad_masking == "strict", initial_state=inputs["initial_state"],
-        log_decay=log_decay, gate=inputs["gate"], output=output,
+        log_decay=log_decay, gate=inputs["gate"], output=output, **saved,
     )
     expected = oracle_grads(inputs, grad_output, grad_state, key_mask=key_mask, pad_masking=pad_masking,
                             log_decay=None if log_decay is None else log_decay.double())
@@ -148,6 +152,47 @@ def test_backward_without_the_saved_output(device):
     key_mask = torch.ones(2, 40, dtype=torch.bool, device=device)
     key_mask[1, :5] = False
     assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, saved_output=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backward_from_what_the_forward_saved(device, dtype):
+    """The dq scan started from the forward's state after the encoder and reading its 1 / (den + eps) (per-row
+    encoder ranges, a padding mask, an initial state) gives the gradients of the scan that recomputes both, and it
+    does read each of them: a perturbed one changes the gradients."""
+    B, T, H, K, V, M = 3, 40, 2, 4, 6, 12
+    inputs, grad_output, dstate = make_case(B, T, H, K, V, M, dtype=dtype, device=device, seed=14,
+                                            initial_state=True)
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    key_mask[1, :5] = False
+    ranges = dict(encoder_start=torch.tensor([0, 2, 5], device=device),
+                  encoder_end=torch.tensor([12, 9, 12], device=device))
+    args = (inputs["q"], inputs["k"], inputs["v"], inputs["k_enc"], inputs["v_enc"])
+    output, _, saved = kernel_module.prefix_linear_attention_triton(
+        *args, key_mask=key_mask, initial_state=inputs["initial_state"], return_saved=True, **ranges,
+    )
+    assert saved["encoder_state"].shape == (B, H, kernel_module.encoder_state_numel(K, V))
+    assert saved["inverse_denominator"].shape == (B, T, H)
+
+    def grads(**given):
+        return prefix_linear_attention_backward(
+            *args, grad_output, dstate, key_mask=key_mask, initial_state=inputs["initial_state"], output=output,
+            **ranges, **given,
+        )
+
+    recomputed, read = grads(), grads(**saved)
+    tol = TOLERANCES[dtype]  # two fp32 orders of the same sums
+    for name, a, b in zip(NAMES, read, recomputed):
+        if a is not None:
+            scale = b.abs().max().item()
+            torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=tol * scale, msg=name)
+    block_k, block_p = kernel_module._feature_blocks(K)
+    changed_state = saved["encoder_state"].clone()
+    changed_state[..., : V * (1 + 2 * block_k + block_p)] *= 1.5  # the numerator rows only (a scaled whole state
+    # leaves y and dq almost unchanged)
+    changes = (("encoder_state", changed_state), ("inverse_denominator", saved["inverse_denominator"] * 1.5))
+    for name, changed in changes:
+        perturbed = grads(**{**saved, name: changed})[0].double()
+        assert (perturbed - read[0].double()).abs().max() > 10 * tol * read[0].abs().max(), name
 
 
 def test_backward_strided_inputs(device):

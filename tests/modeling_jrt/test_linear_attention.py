@@ -678,10 +678,55 @@ def test_fused_backward_call_fits_an_older_kernel_package(monkeypatch):
         calls.append(dict(output=output))
         return ("gradients",)
 
-    for launcher, expected in ((older_launcher, dict(encoder_start=None, eps=0.5)), (newer_launcher, dict(output=7))):
+    def newest_launcher(q, k, v, k_enc, v_enc, grad_output, grad_state, *, eps=1e-12, output=None, encoder_state=None):
+        calls.append(dict(output=output, encoder_state=encoder_state))
+        return ("gradients",)
+
+    for launcher, expected in (
+        (older_launcher, dict(encoder_start=None, eps=0.5)),
+        (newer_launcher, dict(output=7)),
+        (newest_launcher, dict(output=7, encoder_state=8)),
+    ):
         monkeypatch.setattr(linear_attention, "_load_triton_backward", lambda launcher=launcher: launcher)
         monkeypatch.setattr(linear_attention, "_triton_failure", None)
         monkeypatch.setattr(linear_attention, "_backward_failure", None)
-        result = linear_attention._fused_backward_or_none(*[None] * 7, eps=0.5, output=7)
+        result = linear_attention._fused_backward_or_none(*[None] * 7, eps=0.5, output=7, encoder_state=8)
         assert result == ("gradients",)
         assert calls[-1] == expected
+
+
+def test_safe_backward_forward_fits_an_older_kernel_package(monkeypatch):
+    """An installed `jrt_kernels` whose prefill has no `return_saved` (older than this model code): the training
+    forward calls it without it and the backward gets no saved intermediates (its dq scan recomputes them); a newer
+    one is asked for them and the backward gets each by its keyword."""
+    from modeling_jrt import linear_attention
+
+    q, k = torch.randn(1, 6, 1, 4, requires_grad=True), torch.randn(1, 6, 1, 4)
+    v, k_enc, v_enc = torch.randn(1, 6, 1, 3), torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 3)
+    received = []
+
+    def older_prefill(q, k, v, k_enc, v_enc, *, encoder_start, encoder_end, key_mask, pad_masking, initial_state,
+                      log_decay, gate, eps):
+        return q.new_zeros(1, 6, 1, 3), q.new_zeros(1, 1, 21, 4)
+
+    def newer_prefill(q, k, v, k_enc, v_enc, *, encoder_start, encoder_end, key_mask, pad_masking, initial_state,
+                      log_decay, gate, eps, return_saved=False):
+        saved = dict(encoder_state=q.new_full((1, 1, 5), 3.0), inverse_denominator=q.new_full((1, 6, 1), 2.0))
+        return q.new_zeros(1, 6, 1, 3), q.new_zeros(1, 1, 21, 4), *((saved,) if return_saved else ())
+
+    def launcher(*args, encoder_state=None, inverse_denominator=None, **kwargs):
+        received.append((encoder_state, inverse_denominator))
+        return (torch.zeros_like(q), None, None, None, None, None, None)
+
+    monkeypatch.setattr(linear_attention, "_load_triton_backward", lambda: launcher)
+    monkeypatch.setattr(linear_attention, "_triton_failure", None)
+    monkeypatch.setattr(linear_attention, "_backward_failure", None)
+    for prefill in (older_prefill, newer_prefill):
+        monkeypatch.setattr(linear_attention, "_load_triton_prefill", lambda prefill=prefill: prefill)
+        output, _ = linear_attention._KernelWithSafeBackward.apply(
+            q, k, v, k_enc, v_enc, None, None, None, None, None, None, "strict", 1e-12, 32,
+        )
+        output.sum().backward()
+    assert received[0] == (None, None)
+    assert torch.equal(received[1][0], torch.full((1, 1, 5), 3.0))
+    assert torch.equal(received[1][1], torch.full((1, 6, 1), 2.0))

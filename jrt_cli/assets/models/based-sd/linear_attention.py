@@ -603,6 +603,16 @@ def _run_triton_or_fall_back(explicit: bool, run_triton, run_chunked) -> tuple[t
     return run_chunked()
 
 
+# Keyword arguments of the fused backward that older `jrt_kernels` releases lack (each one saves it work).
+_NEWER_BACKWARD_INPUTS = ("output", "encoder_state", "inverse_denominator")
+
+
+def _accepts(function, name: str) -> bool:
+    """Whether `function` (from the installed `jrt_kernels`, which may be older than this model code) takes the
+    keyword argument `name`."""
+    return name in inspect.signature(function).parameters
+
+
 def _fused_backward_or_none(*args, **kwargs) -> tuple[torch.Tensor | None, ...] | None:
     """The fused backward's gradients, or None when it fails (warns once) or failed before in this process.
 
@@ -613,8 +623,9 @@ def _fused_backward_or_none(*args, **kwargs) -> tuple[torch.Tensor | None, ...] 
     global _backward_failure
     if _triton_failure is None and _backward_failure is None:
         launcher = _load_triton_backward()
-        if "output" in kwargs and "output" not in inspect.signature(launcher).parameters:
-            kwargs.pop("output")  # an older jrt_kernels next to newer model code: its dq scan recomputes the output
+        for name in _NEWER_BACKWARD_INPUTS:  # an older jrt_kernels next to newer model code: its dq scan
+            if name in kwargs and not _accepts(launcher, name):  # recomputes what it does not take
+                kwargs.pop(name)
         try:
             return launcher(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
@@ -675,27 +686,33 @@ class _KernelWithSafeBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask, log_decay,
                 pad_masking, eps, chunk_size):
-        output, state = _load_triton_prefill()(
+        prefill = _load_triton_prefill()
+        # and what the fused backward reads instead of recomputing (the state after the encoder, 1 / (den + eps)),
+        # when this jrt_kernels returns it (an older one recomputes them)
+        extra = {"return_saved": True} if _accepts(prefill, "return_saved") else {}
+        output, state, *saved = prefill(
             q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
-            pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps,
+            pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps, **extra,
         )
+        saved = saved[0] if saved else {}
         # the output too: the fused backward reads dy . y from it instead of recomputing the forward's read
         ctx.save_for_backward(q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask,
-                              log_decay, output)
+                              log_decay, output, *saved.values())
+        ctx.saved_names = tuple(saved)
         ctx.pad_masking, ctx.eps, ctx.chunk_size = pad_masking, eps, chunk_size
         ctx.set_materialize_grads(False)  # no grad_state: the fused backward skips that term
         return output, state
 
     @staticmethod
     def backward(ctx, grad_output, grad_state):
-        q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask, log_decay, output = (
-            ctx.saved_tensors
-        )
+        saved = ctx.saved_tensors  # once: activation checkpointing unpacks each saved tensor once
+        q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask, log_decay = saved[:11]
+        output, backward_inputs = saved[11], dict(zip(ctx.saved_names, saved[12:]))
         grad_output = torch.zeros_like(v) if grad_output is None else grad_output
         grads = _fused_backward_or_none(
             q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start, encoder_end=encoder_end,
             key_mask=key_mask, strict=ctx.pad_masking == "strict", initial_state=initial_state, log_decay=log_decay,
-            gate=gate, eps=ctx.eps, output=output,
+            gate=gate, eps=ctx.eps, output=output, **backward_inputs,
         )
         if grads is None:
             grads = _chunked_gradients(
