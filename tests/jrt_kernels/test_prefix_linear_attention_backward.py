@@ -308,6 +308,7 @@ def backward_launches(monkeypatch, auto_takes_kernel):
 
     def counted(*args, **kwargs):
         launches.count += kwargs.get("MASK", 0) != 2
+        launches.constexprs = {name: kwargs.get(name) for name in ("ENCODER_STATE", "SAVED_RDEN")}
         if launches.fail:
             raise OutOfResources(262144, 232448, "shared memory")
         return run(*args, **kwargs)
@@ -415,6 +416,16 @@ def test_auto_training_uses_the_fused_backward(device, backward_launches, grad_s
     assert backward_launches.count == 1 and linear_attention._triton_failure is None
     *_, expected = _training_step("chunked", inputs, grad_output, dstate, **kwargs)
     _assert_same_grads(grads, expected)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "triton"])
+def test_training_reads_what_the_forward_saved(device, backward_launches, implementation):
+    """Training through the dispatcher ("auto": `_KernelWithSafeBackward`; "triton": the op's own autograd) hands
+    the forward's saved state after the encoder and 1 / (den + eps) to the dq scan, which then recomputes neither."""
+    inputs, grad_output, dstate, kwargs = _safe_dispatch_case(device)
+    _training_step(implementation, inputs, grad_output, dstate, **kwargs)
+    assert backward_launches.count == 1
+    assert backward_launches.constexprs == {"ENCODER_STATE": True, "SAVED_RDEN": True}
 
 
 def test_auto_backward_fallback_with_activation_checkpointing(device, backward_launches, make_config):
