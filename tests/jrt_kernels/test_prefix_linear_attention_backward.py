@@ -154,12 +154,15 @@ def test_backward_without_the_saved_output(device):
     assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, saved_output=False)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_backward_from_what_the_forward_saved(device, dtype):
+@pytest.mark.parametrize(
+    "dtype, V", [(torch.float32, 6), (torch.bfloat16, 6), (torch.float32, 40)], ids=["fp32", "bf16", "fp32-V40"]
+)
+def test_backward_from_what_the_forward_saved(device, dtype, V):
     """The dq scan started from the forward's state after the encoder and reading its 1 / (den + eps) (per-row
-    encoder ranges, a padding mask, an initial state) gives the gradients of the scan that recomputes both, and it
-    does read each of them: a perturbed one changes the gradients."""
-    B, T, H, K, V, M = 3, 40, 2, 4, 6, 12
+    encoder ranges, a padding mask, an initial state; V = 40 splits the forward's value dim over programs, each
+    storing its rows) gives the gradients of the scan that recomputes both, and it does read each of them: a
+    perturbed one changes the gradients."""
+    B, T, H, K, M = 3, 40, 2, 4, 12
     inputs, grad_output, dstate = make_case(B, T, H, K, V, M, dtype=dtype, device=device, seed=14,
                                             initial_state=True)
     key_mask = torch.ones(B, T, dtype=torch.bool, device=device)
