@@ -428,7 +428,7 @@ def format_row(row: dict) -> str:
         return f"{head} BUILD ERROR {row['error']}"
     smem = f"{row['shared'] / 1024:6.1f}KB" + ("" if row["smem_ok"] else " OVER")
     head += " default" if row.get("default") else " " * 8
-    head += " train" if row.get("training") else ""  # the training forward (stores the encoder state)
+    head += " train" if row.get("training") else ""  # the training forward (stores what the backward reads)
     text = (f"{head} regs {row['registers']:3d} spill st/ld {row['spill_stores']:6d}/{row['spill_loads']:6d} B "
             f"smem {smem} instr {row['total_instructions']}")
     for index, loop in enumerate(row["loops"]):

@@ -205,6 +205,68 @@ def _store_pairs_t(p_s, b_hot, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
     tl.store(p_s + r_ji[None, :] * W + o_v[:, None], b_half, mask=m_vp)
 
 
+def feature_blocks(K: int) -> tuple[int, int]:
+    """(BK, BP) of the kernels: the feature dim padded to a power of two >= 16, and the pair rows padded to a power of
+    two >= 32 (two halves of >= 16 rows: tl.dot)."""
+    return max(16, triton.next_power_of_2(K)), max(32, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))
+
+
+# The state after the encoder that the training forward stores for the backward's dq scan, in the kernels' own form
+# as the forward holds it: per value v < V a row [h0, h1 (BK), hd (BK), hoa (BP / 2), hob (BP / 2)], then z0, z1
+# (BK), Z (BK x BK); hd, ho and Z without phi's 1/sqrt(2). Contiguous tiles, no pair written twice.
+
+
+def encoder_state_numel(K: int, V: int) -> int:
+    """Floats per (batch, head) of the encoder state (`_encoder_state_at`)."""
+    BK, BP = feature_blocks(K)
+    return V * (1 + 2 * BK + BP) + 1 + BK + BK * BK
+
+
+@triton.jit
+def _encoder_state_at(p, i_bh, V: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr):
+    """The encoder state of program (batch x head) i_bh in the buffer at p: (its start, the row length R)."""
+    R: tl.constexpr = 1 + 2 * BK + BP
+    return p + i_bh.to(tl.int64) * (V * R + 1 + BK + BK * BK), R
+
+
+@triton.jit
+def _store_encoder_state(p, i_bh, b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz, i_v, o_k, o_v, m_v,
+                         V: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr):
+    """Store the forward's transposed state (this program's value rows o_v; z by i_v = 0 only)."""
+    p_e, R = _encoder_state_at(p, i_bh, V, BK, BP)
+    o_h = tl.arange(0, BP // 2)
+    p_row = p_e + o_v[:, None] * R
+    tl.store(p_e + o_v * R, b_h0, mask=m_v)
+    tl.store(p_row + 1 + o_k[None, :], b_h1, mask=m_v[:, None])
+    tl.store(p_row + 1 + BK + o_k[None, :], b_hd, mask=m_v[:, None])
+    tl.store(p_row + 1 + 2 * BK + o_h[None, :], b_hoa, mask=m_v[:, None])
+    tl.store(p_row + 1 + 2 * BK + BP // 2 + o_h[None, :], b_hob, mask=m_v[:, None])
+    if i_v == 0:
+        p_z = p_e + V * R
+        tl.store(p_z + tl.zeros([1], dtype=tl.int32), b_z0)
+        tl.store(p_z + 1 + o_k, b_z1)
+        tl.store(p_z + 1 + BK + o_k[:, None] * BK + o_k[None, :], b_zz)
+
+
+@triton.jit
+def _load_encoder_state_f(p, i_bh, o_k, o_v, m_v, V: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr):
+    """Load it feature-major (the dq scan's layout): (h0 [BV], h1 [BK, BV], hd [BK, BV], hoa [BH, BV], hob [BH, BV],
+    z0 [1], z1 [BK], Z [BK, BK])."""
+    p_e, R = _encoder_state_at(p, i_bh, V, BK, BP)
+    o_h = tl.arange(0, BP // 2)
+    p_col = p_e + o_v[None, :] * R  # value v's row, read as a column
+    b_h0 = tl.load(p_e + o_v * R, mask=m_v, other=0.0)
+    b_h1 = tl.load(p_col + 1 + o_k[:, None], mask=m_v[None, :], other=0.0)
+    b_hd = tl.load(p_col + 1 + BK + o_k[:, None], mask=m_v[None, :], other=0.0)
+    b_hoa = tl.load(p_col + 1 + 2 * BK + o_h[:, None], mask=m_v[None, :], other=0.0)
+    b_hob = tl.load(p_col + 1 + 2 * BK + BP // 2 + o_h[:, None], mask=m_v[None, :], other=0.0)
+    p_z = p_e + V * R
+    b_z0 = tl.load(p_z + tl.zeros([1], dtype=tl.int32))
+    b_z1 = tl.load(p_z + 1 + o_k)
+    b_zz = tl.load(p_z + 1 + BK + o_k[:, None] * BK + o_k[None, :])
+    return b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz
+
+
 def _add_antisymmetric_part(
     state: torch.Tensor, source: torch.Tensor, log_decay: torch.Tensor | None, K: int, T: int, *,
     denominator: bool = False,

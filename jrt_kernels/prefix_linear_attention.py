@@ -56,7 +56,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
     _add_antisymmetric_part, _add_chunk_t, _dot, _dot_fp32, _key_rows, _key_weights, _load_state_t,
-    _pair_features_t, _pair_index, _scale_state, _store_pairs_t, _tile, dot_types,
+    _pair_features_t, _pair_index, _scale_state, _store_encoder_state, _store_pairs_t, _tile, dot_types,
+    encoder_state_numel, feature_blocks,
 )
 from .prefix_linear_attention_backward import prefix_linear_attention_backward
 
@@ -108,7 +109,8 @@ def _prefix_linear_attention_fwd_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
     MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr, SAVE_FOR_BACKWARD: tl.constexpr, HAS_ENCODER: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr, SAVE_FOR_BACKWARD: tl.constexpr,
+    SAVE_ENCODER_STATE: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
@@ -182,9 +184,9 @@ def _prefix_linear_attention_fwd_kernel(
         b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
         b_z1 += tl.sum(b_k, axis=0)
         b_zz += _dot_fp32(tl.trans(b_k), b_k)  # [BK, BK]
-    if SAVE_FOR_BACKWARD and HAS_ENCODER:  # the state the decoder starts from, for the backward's dq scan
-        _store_encoder_state(encoder_state_out + i_bh.to(tl.int64) * (V * (1 + 2 * BK + BP) + 1 + BK + BK * BK),
-                             b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz, i_v, o_k, o_v, m_v, V, BK, BP)
+    if SAVE_ENCODER_STATE:  # the state the decoder starts from, for the backward's dq scan
+        _store_encoder_state(encoder_state_out, i_bh, b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz, i_v, o_k,
+                             o_v, m_v, V, BK, BP)
 
     # 2. Causal chunk scan over the T decoder tokens, starting from the encoder state. Outputs are computed
     #    transposed, [BV, BT] (queries along the columns).
@@ -247,40 +249,6 @@ def _prefix_linear_attention_fwd_kernel(
     # 3. Final state in the cache layout (B, H, F, V + 1).
     _store_state_t(state_out + p_state, b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz, i_v, o_k, m_k, o_v, m_v,
                    r_d, r_kk, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, V, W)
-
-
-@triton.jit
-def _store_encoder_state(p_e, b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz, i_v, o_k, o_v, m_v, V: tl.constexpr,
-                         BK: tl.constexpr, BP: tl.constexpr):
-    """The state in the kernels' own form, as held (`encoder_state_numel` floats per (batch, head) at p_e): per value
-    v < V a row [h0, h1 (BK), hd (BK), hoa (BP / 2), hob (BP / 2)], then z0, z1 (BK), Z (BK x BK); hd, ho and Z
-    without phi's 1/sqrt(2). Contiguous tiles, no pair written twice: what the backward's dq scan loads (transposed)
-    instead of reading the encoder keys again."""
-    BH: tl.constexpr = BP // 2
-    R: tl.constexpr = 1 + 2 * BK + BP
-    o_h = tl.arange(0, BH)
-    p_row = p_e + o_v[:, None] * R
-    tl.store(p_e + o_v * R, b_h0, mask=m_v)
-    tl.store(p_row + 1 + o_k[None, :], b_h1, mask=m_v[:, None])
-    tl.store(p_row + 1 + BK + o_k[None, :], b_hd, mask=m_v[:, None])
-    tl.store(p_row + 1 + 2 * BK + o_h[None, :], b_hoa, mask=m_v[:, None])
-    tl.store(p_row + 1 + 2 * BK + BH + o_h[None, :], b_hob, mask=m_v[:, None])
-    if i_v == 0:
-        p_z = p_e + V * R
-        tl.store(p_z + tl.zeros([1], dtype=tl.int32), b_z0)
-        tl.store(p_z + 1 + o_k, b_z1)
-        tl.store(p_z + 1 + BK + o_k[:, None] * BK + o_k[None, :], b_zz)
-
-
-def encoder_state_numel(K: int, V: int) -> int:
-    """Floats per (batch, head) of the encoder state the forward stores for the backward (`_store_encoder_state`)."""
-    BK, BP = _feature_blocks(K)
-    return V * (1 + 2 * BK + BP) + 1 + BK + BK * BK
-
-
-def _feature_blocks(K: int) -> tuple[int, int]:
-    """(BK, BP): the feature dim padded to a power of two >= 16, and the pair rows, two halves of >= 16."""
-    return max(16, triton.next_power_of_2(K)), max(32, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))
 
 
 @triton.jit
@@ -368,7 +336,7 @@ def _prefix_linear_attention_fwd(
     mask_strides = (0, 0) if key_mask is None else mask.stride()
     decay = state if log_decay is None else log_decay.to(torch.float32).contiguous()
     gate_in = state if gate is None else gate.contiguous()  # (B, T, H)
-    BK, BP = _feature_blocks(K)  # BP: two halves of >= 16 pair rows (tl.dot)
+    BK, BP = feature_blocks(K)
 
     key_rows = state if key_mask is None else _key_rows(key_mask)
 
@@ -386,7 +354,7 @@ def _prefix_linear_attention_fwd(
             H=H, K=K, V=V, BK=BK, BP=BP,
             MASK=mask_kind, STRICT=strict, HAS_INITIAL_STATE=initial_state is not None,
             HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, SAVE_FOR_BACKWARD=save_for_backward,
-            HAS_ENCODER=store_encoder_state, **dot_types(v.dtype, INTERPRETED),
+            SAVE_ENCODER_STATE=store_encoder_state, **dot_types(v.dtype, INTERPRETED),
         )
     if initial_state is not None:
         _add_antisymmetric_part(state, initial_state, log_decay, K, T)

@@ -61,8 +61,9 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
-    _add_antisymmetric_part, _add_chunk_t, _dot, _dot_fp32, _key_rows, _key_weights, _load_state_t,
-    _pair_features_t, _pair_index, _pair_scatter, _scale_state, _select, _store_pairs_t, _tile, dot_types,
+    _add_antisymmetric_part, _add_chunk_t, _dot, _dot_fp32, _key_rows, _key_weights, _load_encoder_state_f,
+    _load_state_t, _pair_features_t, _pair_index, _pair_scatter, _scale_state, _select, _store_pairs_t, _tile,
+    dot_types, feature_blocks,
 )
 
 
@@ -173,19 +174,8 @@ def _pla_bwd_dq_kernel(
     b_zpa = tl.zeros([BH], dtype=tl.float32)
     b_zpb = tl.zeros([BH], dtype=tl.float32)
     if ENCODER_STATE:  # the forward's state after the encoder, in the kernels' form (`_store_encoder_state`)
-        R: tl.constexpr = 1 + 2 * BK + BP
-        p_e = state_in + i_bh.to(tl.int64) * (V * R + 1 + BK + BK * BK)
-        p_col = p_e + o_v[None, :] * R  # value v's row, read feature-major
-        o_h = tl.arange(0, BH)
-        b_h0 = tl.load(p_e + o_v * R, mask=m_v, other=0.0)
-        b_h1 = tl.load(p_col + 1 + o_k[:, None], mask=m_v[None, :], other=0.0)
-        b_hd = tl.load(p_col + 1 + BK + o_k[:, None], mask=m_v[None, :], other=0.0)
-        b_hoa = tl.load(p_col + 1 + 2 * BK + o_h[:, None], mask=m_v[None, :], other=0.0)
-        b_hob = tl.load(p_col + 1 + 2 * BK + BH + o_h[:, None], mask=m_v[None, :], other=0.0)
-        p_z = p_e + V * R
-        b_z0 = tl.load(p_z + tl.zeros([1], dtype=tl.int32))
-        b_z1 = tl.load(p_z + 1 + o_k)
-        b_zz = tl.load(p_z + 1 + BK + o_k[:, None] * BK + o_k[None, :])
+        b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz = _load_encoder_state_f(state_in, i_bh, o_k, o_v, m_v, V, BK,
+                                                                                 BP)
     elif HAS_INITIAL_STATE:
         b_h0, b_h1t, b_hdt, b_hoat, b_hobt, b_z0, b_z1, b_zz = _load_state_t(
             state_in + i_bh.to(tl.int64) * F * W, o_k, m_k, o_v, m_v, r_d, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb,
@@ -781,9 +771,8 @@ def prefix_linear_attention_backward(
     (BT_DQ, warps_dq), (BT_DKV, warps_dkv) = configs["dq_recompute" if recompute else "dq"][0], configs["dkv"][0]
     if chunk_size is not None:
         BT_DQ = BT_DKV = chunk_size
-    BK = max(16, triton.next_power_of_2(K))
+    BK, BP = feature_blocks(K)
     BV = max(16, triton.next_power_of_2(V))
-    BP = max(32, triton.next_power_of_2(max(K * (K - 1) // 2, 1)))  # two halves of >= 16 pair rows (tl.dot)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)

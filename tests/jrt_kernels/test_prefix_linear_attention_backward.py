@@ -188,7 +188,7 @@ def test_backward_from_what_the_forward_saved(device, dtype, V):
         if a is not None:
             scale = b.abs().max().item()
             torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=tol * scale, msg=name)
-    block_k, block_p = kernel_module._feature_blocks(K)
+    block_k, block_p = kernel_module.feature_blocks(K)
     changed_state = saved["encoder_state"].clone()
     changed_state[..., : V * (1 + 2 * block_k + block_p)] *= 1.5  # the numerator rows only (a scaled whole state
     # leaves y and dq almost unchanged)
