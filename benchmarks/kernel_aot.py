@@ -15,6 +15,9 @@ encoder, which the backward's dq scan reads instead of recomputing). Then
     nvdisasm        the cubin's SASS; loops are the ranges closed by a backward branch. Each top-level loop is
                     counted by instruction class (tensor core, fp32, integer/move, shuffles, shared/global/local
                     memory, control) so that CUDA-core work and spill traffic inside the hot loops are visible.
+    --spill-lines   where the spills are: the local-memory stores and loads (bytes) per line of the kernel's own
+                    source file and region (before the loops, loop i, after them), from the SASS line info. A
+                    value spilled before a loop and reloaded in it is loop-invariant (hoisted) work.
 
 Issue estimate: a warp issues at most one instruction per cycle per scheduler (4 per SM). For one program,
 instructions = prologue/epilogue + sum over loops (trip count x loop length), times num_warps, times the number of
@@ -25,6 +28,8 @@ kernel limited by issue), next to the tensor-core floor (FLOPs / dense bf16 peak
     python benchmarks/kernel_aot.py                          # every kernel, config, arch, dtype and variant
     python benchmarks/kernel_aot.py --arch 90 --dtype bf16   # a subset
     python benchmarks/kernel_aot.py --json aot.json          # also write every row as JSON
+    python benchmarks/kernel_aot.py --arch 90 --dtype bf16 --configs 1 --kernel prefix_linear_attention_bwd \
+        --variant plain --spill-lines 12                     # and the 12 source lines that spill most
 
 Needs only triton (with its bundled ptxas/nvdisasm) and torch; TRITON_INTERPRET must be unset.
 """
@@ -234,6 +239,47 @@ def sass_loops(sass: str) -> tuple[list[dict], dict[str, int]]:
     return loops, dict(whole)
 
 
+_LOCATION = re.compile(r'^\s*//## File "([^"]+)", line (\d+)')
+_LOCAL = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?(STL|LDL)(\S*)\s")
+_LOCAL_BYTES = {".64": 8, ".128": 16, ".U8": 1, ".S8": 1, ".U16": 2, ".S16": 2}
+
+
+def spill_lines(sass: str, source_file: str, loops: list[dict]) -> list[dict]:
+    """Local-memory traffic (the spills) per line of `source_file` and region, from nvdisasm's `-gi` line info.
+
+    Each STL / LDL is attributed to the last line of `source_file` among the location comments before it (for code
+    inlined from a helper in another file, its call site in the kernel's body), and to its region: "before" the
+    first loop, "loop i" (`sass_loops`' top-level loops), "between" or "after" them. Returns [{"line", "region",
+    "stores", "loads"}] in bytes (from the access width), largest total first. A value stored before a loop and
+    loaded inside it is loop-invariant work the compiler hoisted and could not keep in registers.
+    """
+    line = 0
+    traffic: dict[tuple[int, str], list[int]] = collections.defaultdict(lambda: [0, 0])
+    for text in sass.splitlines():
+        location = _LOCATION.match(text)
+        if location:
+            if os.path.basename(location.group(1)) == os.path.basename(source_file):
+                line = int(location.group(2))
+            continue
+        access = _LOCAL.match(text)
+        if not access:
+            continue
+        address, opcode, suffix = int(access.group(1), 16), access.group(2), access.group(3)
+        width = next((size for name, size in _LOCAL_BYTES.items() if name in suffix), 4)
+        region = "after"
+        for index, loop in enumerate(loops):
+            if address < loop["start"]:
+                region = "before" if index == 0 else "between"
+                break
+            if address <= loop["end"]:
+                region = f"loop {index}"
+                break
+        traffic[line, region][opcode == "LDL"] += width
+    rows = [dict(line=line, region=region, stores=stores, loads=loads)
+            for (line, region), (stores, loads) in traffic.items()]
+    return sorted(rows, key=lambda row: -(row["stores"] + row["loads"]))
+
+
 # ------------------------------------------------------------------------------------------------------ the cases
 
 
@@ -365,8 +411,10 @@ def all_cases() -> list[Case]:
 # ------------------------------------------------------------------------------------------------------ the report
 
 
-def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtype: str, variant: str) -> dict:
-    """Compile one (launch, config, arch) and measure it; a build error becomes the row's `error`."""
+def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtype: str, variant: str,
+              spills_by_line: bool = False) -> dict:
+    """Compile one (launch, config, arch) and measure it; a build error becomes the row's `error`. With
+    `spills_by_line`, the row's "spill_lines" says which lines of the kernel's source spill (`spill_lines`)."""
     meta = {**launch.kwargs, **config.kwargs}
     encoder = VARIANTS[variant]["encoder"]
     if launch.kwargs.get("MASK") == 1:  # the forward's launch for the rows whose key mask is one range
@@ -389,10 +437,13 @@ def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtyp
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(compiled.asm["cubin"])
         handle.flush()
-        sass = subprocess.run([_nvidia_tool("nvdisasm"), "-c", handle.name], check=True, capture_output=True,
+        sass = subprocess.run([_nvidia_tool("nvdisasm"), "-c", "-gi", handle.name], check=True, capture_output=True,
                               text=True).stdout
     loops, whole = sass_loops(sass)
     row["loops"] = loops
+    if spills_by_line:
+        fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
+        row["spill_lines"] = spill_lines(sass, fn.fn.__code__.co_filename, loops)
     row["total_instructions"] = sum(whole.values())
     row["compile_s"] = round(time.perf_counter() - started, 1)
     row["estimates"] = estimates(case, row, meta, arch, dtype, encoder)
@@ -434,6 +485,10 @@ def format_row(row: dict) -> str:
     for index, loop in enumerate(row["loops"]):
         mix = " ".join(f"{name} {loop['mix'][name]}" for name in CLASS_ORDER if loop["mix"].get(name))
         text += f"\n    loop {index}: {loop['count']:5d} instr | {mix}"
+    if row.get("spill_lines"):
+        text += "\n    spill st/ld B by source line: " + ", ".join(
+            f"{entry['line']} ({entry['region']}) {entry['stores']}/{entry['loads']}" for entry in row["spill_lines"]
+        )
     if row["estimates"]:
         last = row["estimates"][PAPER_LENGTHS[-1]]
         text += "\n    issue-bound ms at N=" + " ".join(
@@ -454,6 +509,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="cases: prefix_linear_attention_fwd, prefix_linear_attention_bwd (default: all)")
     parser.add_argument("--configs", type=int, default=None, help="only the first N autotune configs")
     parser.add_argument("--json", default=None, help="also write every row to this JSON file")
+    parser.add_argument("--spill-lines", type=int, default=0, metavar="N",
+                        help="also print the N source lines (and regions) with the most spill traffic")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("kernel_aot.py compiles real GPU code: unset TRITON_INTERPRET (it makes triton.jit interpret on CPU).")
@@ -474,7 +531,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for launch in launches:
                     for arch in args.arch:
                         for index, config in enumerate(configs_of(case, launch, arch)[: args.configs]):
-                            row = build_row(case, launch, config, arch, dtype, variant)
+                            row = build_row(case, launch, config, arch, dtype, variant, args.spill_lines > 0)
+                            if "spill_lines" in row:
+                                row["spill_lines"] = row["spill_lines"][: args.spill_lines]
                             row["default"] = index == 0
                             print(format_row(row), flush=True)
                             rows.append(row)

@@ -32,9 +32,9 @@ is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunke
                    dk'_j  = w_j (R1 v_j + k'_j * (Rd v_j) + sum_{pairs (a, b)} u_jp (k'_b e_a + k'_a e_b)
                                  + rz1 + Rz k'_j),       u_j = Ro v_j
                             + sum_{i >= j} (G_i . [v_j, 1]) (1 + s_ij) q'_i
-               then the encoder keys of the row (they see every query: R after the whole scan), and
-               dS_0 = R at the end (the initial state is seen by every query and passes into S_T; the launcher adds
-               dS's antisymmetric 2nd-order part, which the symmetric R does not carry).
+               then dS_0 = R after the decoder chunks (the initial state is seen by every query and passes into S_T;
+               the launcher adds dS's antisymmetric 2nd-order part, which the symmetric R does not carry), and last
+               the encoder keys of the row (they see every query: that same R, read only as matmul operands).
 
 Both pair scatters (u_p times the gathered factor, summed back by E) take their products as SDOT operands: the
 selections are exact, so that is one rounding of u x, the order of the state operand's own rounding. In the dq scan
@@ -606,7 +606,20 @@ def _pla_bwd_dkv_kernel(
         b_rz1 += tl.sum(b_q * b_c[:, None], axis=0)
         b_rzz += _dot_fp32(b_qt, b_q * b_c[:, None])
 
-    # 2. The encoder keys of the row see every query: gradients through the complete R.
+    # 2. d initial state = R, in the cache layout (B, H, F, V + 1): the symmetric 2nd-order rows written to (i, j) and
+    #    (j, i); the launcher adds dS's antisymmetric part (`add_antisymmetric_part`). Stored before the encoder loop,
+    #    which reads R only as matmul operands: so the fp32 R is dead there (held across that loop, it spilled).
+    p_s = dstate_in + p_state
+    tl.store(p_s + o_v, b_r0, mask=m_v)
+    tl.store(p_s + (1 + o_k[None, :]) * W + o_v[:, None], b_r1, mask=m_vk)
+    tl.store(p_s + r_d[None, :] * W + o_v[:, None], b_rd / SQRT2, mask=m_vk)
+    _store_pairs_t(p_s, b_roa, r_ija, r_jia, m_pa, o_v, m_v, W)
+    _store_pairs_t(p_s, b_rob, r_ijb, r_jib, m_pb, o_v, m_v, W)
+    tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_rz0)
+    tl.store(p_s + (1 + o_k) * W + V, b_rz1, mask=m_k)
+    tl.store(p_s + r_kk * W + V, b_rzz / SQRT2, mask=m_kk)
+
+    # 3. The encoder keys of the row see every query: gradients through the complete R.
     p_ke = k_enc + i_b * s_keb + i_h * s_keh
     p_ve = v_enc + i_b * s_veb + i_h * s_veh
     p_dke = dk_enc + i_b * s_keb + i_h * s_keh
@@ -628,18 +641,6 @@ def _pla_bwd_dkv_kernel(
         b_dk = tl.where(b_raw[:, None], b_dk, 0.0)
         tl.store(p_dke + o_t[:, None] * s_ket + o_k[None, :] * s_kek, (b_dk * key_scale).to(dk_enc.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
-
-    # 3. d initial state = R, in the cache layout (B, H, F, V + 1): the symmetric 2nd-order rows written to (i, j)
-    #    and (j, i); the launcher adds dS's antisymmetric part (`add_antisymmetric_part`).
-    p_s = dstate_in + p_state
-    tl.store(p_s + o_v, b_r0, mask=m_v)
-    tl.store(p_s + (1 + o_k[None, :]) * W + o_v[:, None], b_r1, mask=m_vk)
-    tl.store(p_s + r_d[None, :] * W + o_v[:, None], b_rd / SQRT2, mask=m_vk)
-    _store_pairs_t(p_s, b_roa, r_ija, r_jia, m_pa, o_v, m_v, W)
-    _store_pairs_t(p_s, b_rob, r_ijb, r_jib, m_pb, o_v, m_v, W)
-    tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_rz0)
-    tl.store(p_s + (1 + o_k) * W + V, b_rz1, mask=m_k)
-    tl.store(p_s + r_kk * W + V, b_rzz / SQRT2, mask=m_kk)
 
 
 INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)

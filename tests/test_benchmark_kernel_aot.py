@@ -33,6 +33,23 @@ SASS = """
 """
 
 
+# line info as `nvdisasm -gi` prints it: a helper's line "inlined at" the kernel's, then the kernel's own line
+SPILL_SASS = """
+	//## File "/src/kernel.py", line 10
+        /*0000*/                   STL [R1+0x4], R2 ;
+	//## File "/src/_common.py", line 5 inlined at "/src/kernel.py", line 20
+	//## File "/src/kernel.py", line 20
+.L_x_0:
+        /*0010*/                   LDL.64 R4, [R1+0x8] ;
+	//## File "/src/_common.py", line 7
+        /*0020*/                   STL.128 [R1+0x10], R8 ;
+        /*0030*/              @P0 BRA `(.L_x_0) ;
+	//## File "/src/kernel.py", line 30
+        /*0040*/              @!P1 LDL R2, [R1+0x4] ;
+        /*0050*/                   EXIT ;
+"""
+
+
 @pytest.fixture(scope="module")
 def kernel_aot(load_benchmark):
     return load_benchmark("kernel_aot")
@@ -58,14 +75,30 @@ def test_sass_loops_finds_top_level_loops(kernel_aot):
     assert sum(whole.values()) == 10
 
 
+def test_spill_lines_attributes_local_memory_to_kernel_lines(kernel_aot):
+    """Each STL / LDL counts its width at the last line of the kernel's file before it (a helper's code at its call
+    site), in its region: before the loop, in it, after it."""
+    loops, _ = kernel_aot.sass_loops(SPILL_SASS)
+    assert [(loop["start"], loop["end"]) for loop in loops] == [(0x10, 0x30)]
+    rows = kernel_aot.spill_lines(SPILL_SASS, "/elsewhere/kernel.py", loops)
+    assert rows == [
+        dict(line=20, region="loop 0", stores=16, loads=8),
+        dict(line=10, region="before", stores=4, loads=0),
+        dict(line=30, region="after", stores=0, loads=4),
+    ]
+
+
 def test_one_sm90_build_reports_registers_spills_and_loops(tmp_path):
     """The forward kernel's first config, bf16, for sm_90: compiled from the launcher's own arguments, for inference
     and for training (the build that also stores the state after the encoder for the backward)."""
     result, rows = run_tool(
         tmp_path, "--arch", "90", "--dtype", "bf16", "--variant", "plain", "--configs", "1",
-        "--kernel", "prefix_linear_attention_fwd",
+        "--kernel", "prefix_linear_attention_fwd", "--spill-lines", "100",
     )
     assert [row.get("training") for row in rows] == [False, True] and not any("error" in row for row in rows), rows
+    for row in rows:  # the attribution accounts for every byte ptxas reports
+        assert sum(entry["stores"] for entry in row["spill_lines"]) == row["spill_stores"], row["spill_lines"]
+        assert sum(entry["loads"] for entry in row["spill_lines"]) == row["spill_loads"], row["spill_lines"]
     for row in rows:
         assert 16 <= row["registers"] <= 255 and row["spill_stores"] >= 0 and row["shared"] > 0
         assert len(row["loops"]) == 2 and all(loop["mix"].get("tensor", 0) > 0 for loop in row["loops"])
