@@ -40,6 +40,25 @@ def _dot_fp32(a, b):
 
 
 @triton.jit
+def _tf32(x):
+    """fp32 x truncated to TF32 (10 mantissa bits), as a tensor core reads an fp32 register for a TF32 product."""
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_tf32(a, b, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    """a @ b of fp32 operands for the backward's denominator terms: one TF32 product for bf16 / fp16 inputs, 3xTF32
+    (about fp32) for fp32 inputs. With bf16 / fp16 inputs every numerator term of the same gradient takes 8-bit
+    (bf16) state operands, so 10-bit operands here are not what limits its accuracy, and 3xTF32's operand splits
+    cost about a tenth of the dk/dv scan. Under EMULATE the interpreter's exact dot gets truncated operands."""
+    if DOT == tl.float32:
+        return tl.dot(a, b, input_precision="tf32x3")
+    if EMULATE:
+        return tl.dot(_tf32(a), _tf32(b), input_precision="tf32")
+    return tl.dot(a, b, input_precision="tf32")
+
+
+@triton.jit
 def _outer(b_x, BT: tl.constexpr, BK: tl.constexpr):
     """Row-wise outer product [BT, BK] -> [BT, BK * BK] (2nd-order features of one chunk, on chip)."""
     return tl.reshape(b_x[:, :, None] * b_x[:, None, :], [BT, BK * BK])

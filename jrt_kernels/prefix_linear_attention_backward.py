@@ -47,7 +47,10 @@ State rows use the kernel's convention (2nd order without phi's 1/sqrt(2), appli
 key_mask is False (so its raw-key gradient is 0), and its weight w is 1 or 0 as the encoder range and pad_masking
 say. State, denominators and every accumulator are fp32; matmul operands are cast to the input dtype (bf16 state
 operands for fp16 inputs: the state can exceed fp16's range), or, in the CPU interpreter, rounded to it and
-multiplied in fp32 (`EMULATE`: the interpreter's bf16 dot is wrong), which is the same arithmetic.
+multiplied in fp32 (`EMULATE`: the interpreter's bf16 dot is wrong), which is the same arithmetic. The small
+denominator products of the dk/dv scan (the (K, K) matrix Rz) take fp32 operands as one TF32 product for bf16 /
+fp16 inputs (3xTF32 for fp32 inputs), truncated to TF32 under EMULATE (`_dot_tf32`); the dq scan's Z products stay
+3xTF32 (its denominator is the forward's).
 
 Dims: B batch, T decoder length, M encoder length, H heads, K feature dim, V value dim; tiles BT (tokens),
 BK (feature dim, power of two >= 16), BV (whole value dim, power of two), BP (pair rows, two halves of BP / 2).
@@ -61,7 +64,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
-    _add_antisymmetric_part, _add_chunk_t, _dot, _dot_fp32, _key_rows, _key_weights, _load_encoder_state_f,
+    _add_antisymmetric_part, _add_chunk_t, _dot, _dot_fp32, _dot_tf32, _key_rows, _key_weights, _load_encoder_state_f,
     _load_state_t, _pair_features_t, _pair_index, _pair_scatter, _scale_state, _select, _store_pairs_t, _tile,
     dot_types, feature_blocks,
 )
@@ -404,7 +407,7 @@ def _key_dk(b_kr, key_scale, b_vd, b_r1, b_rd, b_roa, b_rob, b_rz1, b_rzz, b_eia
     """dk' [BT, BK] of keys through the reverse state (without weight): R1 v + k' * (Rd v) + the pairs' u = Ro v
     scattered + rz1 + Rz k', for b_kr [BT, BK] the raw keys and b_vd [BT, BV] the (decayed) values."""
     b_k = b_kr * key_scale
-    b_dk = _dot(b_vd, b_r1, SDOT, EMULATE, PRECISION) + b_rz1[None, :] + _dot_fp32(b_k, b_rzz)
+    b_dk = _dot(b_vd, b_r1, SDOT, EMULATE, PRECISION) + b_rz1[None, :] + _dot_tf32(b_k, b_rzz, DOT, EMULATE)
     b_dk += b_k * _dot(b_vd, b_rd, SDOT, EMULATE, PRECISION)
     # the pair scatter of u times the raw gathered keys; the key scale applied to the [BT, BK] sum
     b_dkp = _pair_scatter(_dot(b_vd, b_roa, SDOT, EMULATE, PRECISION), _select(b_kr, b_eia, DOT, EMULATE),
@@ -440,7 +443,7 @@ def _pla_bwd_dkv_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
     MASK: tl.constexpr, STRICT: tl.constexpr, HAS_DSTATE: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr, SEL_TABLE: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr, SEL_TABLE: tl.constexpr, UPDATE_RELOADS: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dk, dv (decoder), dk_enc, dv_enc (encoder range of the row) and d initial state, by a reverse scan.
@@ -483,7 +486,8 @@ def _pla_bwd_dkv_kernel(
 
     # Reverse state R = dS + sum phi(q) G^T (kernel convention: 2nd order times sqrt(2)), transposed and symmetric:
     # r1 [BV, BK], diagonal rd [BV, BK] (read with 1/2), pair halves roa, rob [BV, BH] (R_ij + R_ji) / 2 (read with
-    # 1), denominators rz0, rz1 [BK] and the symmetric part of the 2nd-order block, Rz [BK, BK].
+    # 1), denominators rz0, rz1 [BK] and the symmetric part of the 2nd-order block, Rz [BK, BK] (read and updated by
+    # one TF32 product each for bf16 / fp16 inputs: `_dot_tf32`).
     b_r0 = tl.zeros([BV], dtype=tl.float32)
     b_r1 = tl.zeros([BV, BK], dtype=tl.float32)
     b_rd = tl.zeros([BV, BK], dtype=tl.float32)
@@ -516,11 +520,12 @@ def _pla_bwd_dkv_kernel(
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < T
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK, STRICT, False)
-        # queries [BT, BK] (raw, for the exact pair gathers, and scaled) and [BK, BT], raw keys [BT, BK] and
-        # [BK, BT], values [BT, BV], g^T [BV, BT]
+        # queries [BT, BK] (raw, for the exact pair gathers, and scaled) and [BK, BT] (the update's only), raw keys
+        # [BT, BK] and [BK, BT], values [BT, BV], g^T [BV, BT]
         b_qr = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk)
         b_q = b_qr * key_scale
-        b_qt = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt) * key_scale
+        if not UPDATE_RELOADS or HAS_DECAY:
+            b_qt = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt) * key_scale
         b_kr = _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk)
         b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
         if MASK != 0:  # without a key mask, raw and weight are "in bounds": the loads and stores mask already
@@ -592,7 +597,16 @@ def _pla_bwd_dkv_kernel(
                  mask=m_t[:, None] & m_k[None, :])
 
         # R += G_c^T phi(Q_c) (transposed, as the forward's state update); decayed: R <- gamma**L R + sum_i
-        # gamma**(p_i + 1) g_i phi(q_i)
+        # gamma**(p_i + 1) g_i phi(q_i). With UPDATE_RELOADS (not with the decay) its chunk operands (g^T, q, c,
+        # q^T) are loaded here again instead of held from the chunk's start across the dk terms.
+        if UPDATE_RELOADS and not HAS_DECAY:
+            b_qr = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk)
+            b_q = b_qr * key_scale
+            b_qt = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt) * key_scale
+            b_c = tl.load(p_c + o_t * H, mask=m_t, other=0.0)
+            b_gt = _tile(p_do, o_v, m_v, s_ov, o_t, m_t, s_ot) * tl.load(p_r + o_t * H, mask=m_t, other=0.0)[None, :]
+            if HAS_GATE:
+                b_gt = b_gt * tl.load(p_g + o_t * H, mask=m_t, other=0.0).to(tl.float32)[None, :]
         if HAS_DECAY:
             b_gt = b_gt * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]
             b_r0, b_r1, b_rd, b_roa, b_rob = _scale_state(b_r0, b_r1, b_rd, b_roa, b_rob, tl.exp(b_lg * b_len))
@@ -604,7 +618,7 @@ def _pla_bwd_dkv_kernel(
         )
         b_rz0 += tl.sum(b_c)
         b_rz1 += tl.sum(b_q * b_c[:, None], axis=0)
-        b_rzz += _dot_fp32(b_qt, b_q * b_c[:, None])
+        b_rzz += _dot_tf32(b_qt, b_q * b_c[:, None], DOT, EMULATE)
 
     # 2. d initial state = R, in the cache layout (B, H, F, V + 1): the symmetric 2nd-order rows written to (i, j) and
     #    (j, i); the launcher adds dS's antisymmetric part (`add_antisymmetric_part`). Stored before the encoder loop,
@@ -676,8 +690,11 @@ def configs_for_architecture(major: int) -> dict[str, list[tuple[int, int]]]:
 def dkv_constexprs(major: int) -> dict[str, bool]:
     """The dk/dv scan's per-architecture constexprs: SEL_TABLE, its pair selection matrices loaded from a table
     at each use instead of held in registers across the loop (kept off sm_90, where the B operands stay in shared
-    memory across the loop anyway and the table loads cost more than they save; docs/kernels.md "Pass 3")."""
-    return {"SEL_TABLE": major != 9}
+    memory across the loop anyway and the table loads cost more than they save; docs/kernels.md "Pass 3"), and
+    UPDATE_RELOADS, the state update's chunk operands loaded again at the update instead of held across the dk terms
+    (sm_90, and not with the decay: there it cuts the decoder loop's spill traffic by a third at the same issue; on
+    sm_80, and with the decay, it costs issue; docs/kernels.md "Pass 8")."""
+    return {"SEL_TABLE": major != 9, "UPDATE_RELOADS": major == 9}
 
 
 def launch_options(major: int) -> dict[str, int]:

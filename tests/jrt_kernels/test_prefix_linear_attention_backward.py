@@ -13,7 +13,11 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux: pip install -e '.[dev]')")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from jrt_kernels import prefix_linear_attention as kernel_module  # noqa: E402
+from jrt_kernels._common import _dot_tf32, dot_types  # noqa: E402
 from jrt_kernels import prefix_linear_attention_backward as backward_module  # noqa: E402
 from jrt_kernels.prefix_linear_attention_backward import prefix_linear_attention_backward  # noqa: E402
 from modeling_jrt import linear_attention  # noqa: E402
@@ -232,6 +236,62 @@ def test_backward_based_decay_and_gate_low_precision(device, dtype):
     inputs["gate"] = torch.randn(B, T, H, generator=torch.Generator().manual_seed(3)).to(device=device, dtype=dtype)
     log_decay = torch.log1p(-torch.tensor([2.0**-3, 2.0**-6])).to(device)
     assert_grads_match(inputs, grad_output, dstate, log_decay=log_decay)
+
+
+@triton.jit
+def _dot_tf32_probe(a_ptr, b_ptr, out_ptr, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    o = tl.arange(0, 16)
+    a = tl.load(a_ptr + o[:, None] * 16 + o[None, :])
+    b = tl.load(b_ptr + o[:, None] * 16 + o[None, :])
+    tl.store(out_ptr + o[:, None] * 16 + o[None, :], _dot_tf32(a, b, DOT, EMULATE))
+
+
+def test_denominator_products_in_tf32_for_half_inputs(device):
+    """`_dot_tf32`, the dk/dv scan's denominator products: for bf16 inputs one TF32 product, whose operands the
+    interpreter truncates to 10 mantissa bits as a tensor core reads them; for fp32 inputs 3xTF32 (about fp32)."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(16, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    exact = a @ b
+    results = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        out = torch.empty(16, 16, device=device)
+        types_ = dot_types(dtype, kernel_module.INTERPRETED)
+        _dot_tf32_probe[(1,)](a.float().to(device), b.float().to(device), out, DOT=types_["DOT"], EMULATE=types_["EMULATE"])
+        results[dtype] = out.cpu().double()
+    scale = exact.abs().max().item()
+    assert (results[torch.float32] - exact).abs().max().item() < 1e-5 * scale
+    error = (results[torch.bfloat16] - exact).abs().max().item()
+    assert 1e-5 * scale < error < 4e-3 * scale  # 10-bit operands: well above fp32, well below bf16's 8 bits
+    if kernel_module.INTERPRETED:  # the truncation itself: operands with their 13 low mantissa bits cleared
+
+        def tf32(x):
+            return (x.float().view(torch.int32) & -8192).view(torch.float32).double()
+
+        torch.testing.assert_close(results[torch.bfloat16], tf32(a) @ tf32(b), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["prefix", "masks+state", "decay+gate", "bf16"])
+@pytest.mark.parametrize("major", [9, 8], ids=["sm90-form", "sm80-form"])
+def test_backward_in_each_architectures_dkv_form(device, monkeypatch, major, case):
+    """The dk/dv scan's per-architecture constexprs (`dkv_constexprs`: on sm_90 the selection matrices held in
+    registers and the state update's operands loaded again at the update; elsewhere the matrices from a table)
+    give the oracle's gradients in either form. The interpreter launches one form; this runs both."""
+    forms = backward_module.dkv_constexprs
+    assert forms(9) != forms(8)
+    monkeypatch.setattr(backward_module, "dkv_constexprs", lambda _major: forms(major))
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    inputs, grad_output, dstate = make_case(2, 45, 2, 4, 6, 0 if case == "decay+gate" else 12, dtype=dtype,
+                                            device=device, seed=21, initial_state=case != "prefix")
+    key_mask, log_decay = None, None
+    if case != "prefix":
+        key_mask = torch.ones(2, 45, dtype=torch.bool, device=device)
+        key_mask[0, :5] = False  # a padding row (the range launch)
+    if case == "masks+state":
+        key_mask[1, 20:23] = False  # a row with a hole (the loaded-mask launch)
+    if case == "decay+gate":
+        inputs["gate"] = torch.randn(2, 45, 2, generator=torch.Generator().manual_seed(22)).to(device)
+        log_decay = torch.log1p(-torch.tensor([2.0**-3, 2.0**-6])).to(device)
+    assert_grads_match(inputs, grad_output, dstate, key_mask=key_mask, log_decay=log_decay)
 
 
 # Through the dispatcher: the kernel's autograd registration (torch.library.register_autograd) in a training step.
