@@ -52,7 +52,7 @@ def _dot_tf32(a, b, DOT: tl.constexpr, EMULATE: tl.constexpr):
     (bf16) state operands, so 10-bit operands here are not what limits its accuracy, and 3xTF32's operand splits
     cost about a tenth of the dk/dv scan. Under EMULATE the interpreter's exact dot gets truncated operands."""
     if DOT == tl.float32:
-        return tl.dot(a, b, input_precision="tf32x3")
+        return _dot_fp32(a, b)
     if EMULATE:
         return tl.dot(_tf32(a), _tf32(b), input_precision="tf32")
     return tl.dot(a, b, input_precision="tf32")
@@ -222,6 +222,25 @@ def _store_pairs_t(p_s, b_hot, r_ij, r_ji, m_p, o_v, m_v, W: tl.constexpr):
     b_half = b_hot * 0.7071067811865476
     tl.store(p_s + r_ij[None, :] * W + o_v[:, None], b_half, mask=m_vp)
     tl.store(p_s + r_ji[None, :] * W + o_v[:, None], b_half, mask=m_vp)
+
+
+@triton.jit
+def _store_state_t(p_s, b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz, i_v, o_k, m_k, o_v, m_v, r_d, r_kk,
+                   r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, V: tl.constexpr, W: tl.constexpr):
+    """Write a transposed symmetric state (this program's value columns o_v) to the cache layout `(F, V + 1)` at
+    p_s: the pair rows to (i, j) and (j, i), the 1/sqrt(2) of phi applied; the denominator column only by i_v = 0.
+    The forward's final state and the backward's initial-state gradient."""
+    SQRT2: tl.constexpr = 1.4142135623730951
+    m_vk = m_v[:, None] & m_k[None, :]
+    tl.store(p_s + o_v, b_h0, mask=m_v)
+    tl.store(p_s + (1 + o_k[None, :]) * W + o_v[:, None], b_h1, mask=m_vk)
+    tl.store(p_s + r_d[None, :] * W + o_v[:, None], b_hd / SQRT2, mask=m_vk)
+    _store_pairs_t(p_s, b_hoa, r_ija, r_jia, m_pa, o_v, m_v, W)
+    _store_pairs_t(p_s, b_hob, r_ijb, r_jib, m_pb, o_v, m_v, W)
+    if i_v == 0:
+        tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_z0)
+        tl.store(p_s + (1 + o_k) * W + V, b_z1, mask=m_k)
+        tl.store(p_s + r_kk * W + V, b_zz / SQRT2, mask=m_k[:, None] & m_k[None, :])
 
 
 def feature_blocks(K: int) -> tuple[int, int]:

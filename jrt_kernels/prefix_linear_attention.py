@@ -56,7 +56,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
     _add_antisymmetric_part, _add_chunk_t, _dot, _dot_fp32, _key_rows, _key_weights, _load_state_t,
-    _pair_features_t, _pair_index, _scale_state, _store_encoder_state, _store_pairs_t, _tile, dot_types,
+    _pair_features_t, _pair_index, _scale_state, _store_encoder_state, _store_state_t, _tile, dot_types,
     encoder_state_numel, feature_blocks,
 )
 from .prefix_linear_attention_backward import prefix_linear_attention_backward
@@ -249,24 +249,6 @@ def _prefix_linear_attention_fwd_kernel(
     # 3. Final state in the cache layout (B, H, F, V + 1).
     _store_state_t(state_out + p_state, b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz, i_v, o_k, m_k, o_v, m_v,
                    r_d, r_kk, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, V, W)
-
-
-@triton.jit
-def _store_state_t(p_s, b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz, i_v, o_k, m_k, o_v, m_v, r_d, r_kk,
-                   r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, V: tl.constexpr, W: tl.constexpr):
-    """Write a transposed symmetric state (this program's value columns o_v) to the cache layout `(F, V + 1)` at
-    p_s: the pair rows to (i, j) and (j, i), the 1/sqrt(2) of phi applied; the denominator column only by i_v = 0."""
-    SQRT2: tl.constexpr = 1.4142135623730951
-    m_vk = m_v[:, None] & m_k[None, :]
-    tl.store(p_s + o_v, b_h0, mask=m_v)
-    tl.store(p_s + (1 + o_k[None, :]) * W + o_v[:, None], b_h1, mask=m_vk)
-    tl.store(p_s + r_d[None, :] * W + o_v[:, None], b_hd / SQRT2, mask=m_vk)
-    _store_pairs_t(p_s, b_hoa, r_ija, r_jia, m_pa, o_v, m_v, W)
-    _store_pairs_t(p_s, b_hob, r_ijb, r_jib, m_pb, o_v, m_v, W)
-    if i_v == 0:
-        tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_z0)
-        tl.store(p_s + (1 + o_k) * W + V, b_z1, mask=m_k)
-        tl.store(p_s + r_kk * W + V, b_zz / SQRT2, mask=m_k[:, None] & m_k[None, :])
 
 
 # TRITON_INTERPRET=1 when this module is first imported makes `triton.jit` return the CPU interpreter's function.

@@ -65,23 +65,31 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
     _add_antisymmetric_part, _add_chunk_t, _dot, _dot_fp32, _dot_tf32, _key_rows, _key_weights, _load_encoder_state_f,
-    _load_state_t, _pair_features_t, _pair_index, _pair_scatter, _scale_state, _select, _store_pairs_t, _tile,
+    _load_state_t, _pair_features_t, _pair_index, _pair_scatter, _scale_state, _select, _store_state_t, _tile,
     dot_types, feature_blocks,
 )
 
 
 @triton.jit
-def _add_chunk_f(b_h0, b_h1, b_hd, b_hoa, b_hob, b_v, b_kwt, b_pat, b_pbt,
-                 DOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
-    """The forward state held feature-major (h1, hd [BK, BV], hoa, hob [BH, BV]) plus one chunk of keys: h0 += 1^T V,
-    h1 += K'^T V, hd += (K'^T)**2 V, ho += P(K')^T V, for weighted values b_v [BT, BV], scaled keys b_kwt = K'^T
-    [BK, BT] and their pair features b_pat, b_pbt = P(K')^T [BH, BT] (`_pair_features_t`)."""
+def _add_chunk_f(b_h0, b_h1, b_hd, b_hoa, b_hob, b_zd, b_zpa, b_zpb, b_v, b_ktr, key_scale, b_eita, b_ejta, b_eitb,
+                 b_ejtb, DOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+    """The dq scan's state update, for its encoder and its decoder keys: the forward state held feature-major (h1, hd
+    [BK, BV], hoa, hob [BH, BV]) plus one chunk of keys, h0 += 1^T V, h1 += K'^T V, hd += (K'^T)**2 V, ho += P(K')^T
+    V, for weighted values b_v [BT, BV] and raw keys b_ktr [BK, BT] (removed keys zeroed; K'^T = b_ktr * key_scale,
+    the pair features P(K')^T [BH, BT] gathered from the raw keys, `_pair_features_t`), and the denominator's diagonal
+    zd [BK] (sum k'**2) and pair entries zpa, zpb [BH] (sum k'_i k'_j) that dq's denominator terms take."""
+    b_kwt = b_ktr * key_scale
+    b_pat = _pair_features_t(b_ktr, b_eita, b_ejta, key_scale, DOT, EMULATE)
+    b_pbt = _pair_features_t(b_ktr, b_eitb, b_ejtb, key_scale, DOT, EMULATE)
     return (
         b_h0 + tl.sum(b_v, axis=0),
         b_h1 + _dot(b_kwt, b_v, DOT, EMULATE, PRECISION),
         b_hd + _dot(b_kwt * b_kwt, b_v, DOT, EMULATE, PRECISION),
         b_hoa + _dot(b_pat, b_v, DOT, EMULATE, PRECISION),
         b_hob + _dot(b_pbt, b_v, DOT, EMULATE, PRECISION),
+        b_zd + tl.sum(b_kwt * b_kwt, axis=1),
+        b_zpa + tl.sum(b_pat, axis=1),
+        b_zpb + tl.sum(b_pbt, axis=1),
     )
 
 
@@ -207,15 +215,10 @@ def _pla_bwd_dq_kernel(
             b_kw = b_kw * key_scale
             b_ktr = tl.where(b_raw[None, :] & b_w[None, :], _tile(p_ke, o_k, m_k, s_kek, o_t, m_t, s_ket), 0.0)
             b_v = tl.where(b_w[:, None], _tile(p_ve, o_t, m_t, s_vet, o_v, m_v, s_vev), 0.0)
-            b_kwt = b_ktr * key_scale
-            b_pat = _pair_features_t(b_ktr, b_eita, b_ejta, key_scale, DOT, EMULATE)
-            b_pbt = _pair_features_t(b_ktr, b_eitb, b_ejtb, key_scale, DOT, EMULATE)
-            b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_f(
-                b_h0, b_h1, b_hd, b_hoa, b_hob, b_v, b_kwt, b_pat, b_pbt, DOT, EMULATE, PRECISION,
+            b_h0, b_h1, b_hd, b_hoa, b_hob, b_zd, b_zpa, b_zpb = _add_chunk_f(
+                b_h0, b_h1, b_hd, b_hoa, b_hob, b_zd, b_zpa, b_zpb, b_v, b_ktr, key_scale,
+                b_eita, b_ejta, b_eitb, b_ejtb, DOT, EMULATE, PRECISION,
             )
-            b_zd += tl.sum(b_kwt * b_kwt, axis=1)
-            b_zpa += tl.sum(b_pat, axis=1)
-            b_zpb += tl.sum(b_pbt, axis=1)
             b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
             b_z1 += tl.sum(b_kw, axis=0)
             b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
@@ -376,14 +379,10 @@ def _pla_bwd_dq_kernel(
             b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
             b_v = b_v * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[:, None]
             b_h0, b_h1, b_hd, b_hoa, b_hob = _scale_state(b_h0, b_h1, b_hd, b_hoa, b_hob, tl.exp(b_lg * b_len))
-        b_pat = _pair_features_t(b_ktr, b_eita, b_ejta, key_scale, DOT, EMULATE)
-        b_pbt = _pair_features_t(b_ktr, b_eitb, b_ejtb, key_scale, DOT, EMULATE)
-        b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_f(
-            b_h0, b_h1, b_hd, b_hoa, b_hob, b_v, b_kt, b_pat, b_pbt, DOT, EMULATE, PRECISION,
+        b_h0, b_h1, b_hd, b_hoa, b_hob, b_zd, b_zpa, b_zpb = _add_chunk_f(
+            b_h0, b_h1, b_hd, b_hoa, b_hob, b_zd, b_zpa, b_zpb, b_v, b_ktr, key_scale,
+            b_eita, b_ejta, b_eitb, b_ejtb, DOT, EMULATE, PRECISION,
         )
-        b_zd += tl.sum(b_kt * b_kt, axis=1)
-        b_zpa += tl.sum(b_pat, axis=1)
-        b_zpb += tl.sum(b_pbt, axis=1)
 
 
 @triton.jit
@@ -466,14 +465,11 @@ def _pla_bwd_dkv_kernel(
             key_hi = tl.load(key_rows + i_b * 3 + 2)
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1
-    SQRT2: tl.constexpr = 1.4142135623730951
     BH: tl.constexpr = BP // 2
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = tl.arange(0, BV)
     m_v = o_v < V
-    m_vk = m_v[:, None] & m_k[None, :]
-    m_kk = m_k[:, None] & m_k[None, :]
     r_d = 1 + K + o_k * (K + 1)
     r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
     # the pair rows in two halves a, b of BH = BP / 2 (each product's pair operand half as large; _common)
@@ -623,15 +619,8 @@ def _pla_bwd_dkv_kernel(
     # 2. d initial state = R, in the cache layout (B, H, F, V + 1): the symmetric 2nd-order rows written to (i, j) and
     #    (j, i); the launcher adds dS's antisymmetric part (`add_antisymmetric_part`). Stored before the encoder loop,
     #    which reads R only as matmul operands: so the fp32 R is dead there (held across that loop, it spilled).
-    p_s = dstate_in + p_state
-    tl.store(p_s + o_v, b_r0, mask=m_v)
-    tl.store(p_s + (1 + o_k[None, :]) * W + o_v[:, None], b_r1, mask=m_vk)
-    tl.store(p_s + r_d[None, :] * W + o_v[:, None], b_rd / SQRT2, mask=m_vk)
-    _store_pairs_t(p_s, b_roa, r_ija, r_jia, m_pa, o_v, m_v, W)
-    _store_pairs_t(p_s, b_rob, r_ijb, r_jib, m_pb, o_v, m_v, W)
-    tl.store(p_s + V + tl.zeros([1], dtype=tl.int32), b_rz0)
-    tl.store(p_s + (1 + o_k) * W + V, b_rz1, mask=m_k)
-    tl.store(p_s + r_kk * W + V, b_rzz / SQRT2, mask=m_kk)
+    _store_state_t(dstate_in + p_state, b_r0, b_r1, b_rd, b_roa, b_rob, b_rz0, b_rz1, b_rzz, 0, o_k, m_k, o_v, m_v,
+                   r_d, r_kk, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, V, W)
 
     # 3. The encoder keys of the row see every query: gradients through the complete R.
     p_ke = k_enc + i_b * s_keb + i_h * s_keh
