@@ -18,6 +18,10 @@ encoder, which the backward's dq scan reads instead of recomputing). Then
     --spill-lines   where the spills are: the local-memory stores and loads (bytes) per line of the kernel's own
                     source file and region (before the loops, loop i, after them), from the SASS line info. A
                     value spilled before a loop and reloaded in it is loop-invariant (hoisted) work.
+    --live-in       what each loop of the PTX holds from before it: the loop-invariant values (wgmma shared-memory
+                    descriptors, other 64-bit values, 32-bit values, predicates; the registers they need) and the
+                    loop-carried ones (state, accumulators). Invariant values held across a loop are what spills
+                    when a loop's own working set also needs the registers.
 
 Issue estimate: a warp issues at most one instruction per cycle per scheduler (4 per SM). For one program,
 instructions = prologue/epilogue + sum over loops (trip count x loop length), times num_warps, times the number of
@@ -30,6 +34,7 @@ kernel limited by issue), next to the tensor-core floor (FLOPs / dense bf16 peak
     python benchmarks/kernel_aot.py --json aot.json          # also write every row as JSON
     python benchmarks/kernel_aot.py --arch 90 --dtype bf16 --configs 1 --kernel prefix_linear_attention_bwd \
         --variant plain --spill-lines 12                     # and the 12 source lines that spill most
+    python benchmarks/kernel_aot.py ... --live-in            # and each loop's loop-invariant values by kind
 
 Needs only triton (with its bundled ptxas/nvdisasm) and torch; TRITON_INTERPRET must be unset.
 """
@@ -280,6 +285,102 @@ def spill_lines(sass: str, source_file: str, loops: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda row: -(row["stores"] + row["loads"]))
 
 
+# ------------------------------------------------------------------------------------------------------ PTX live-ins
+
+_PTX_LABEL = re.compile(r"^(\$L__\w+):")
+_PTX_BRANCH = re.compile(r"^(?:@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$L__\w+);")
+_PTX_REGISTER = re.compile(r"%(?:rd|fd|rs|r|f|p|b|h)\d+\b")
+# instructions that write no register (their first operand is an address, a label or nothing)
+_PTX_NO_DESTINATION = ("st.", "bra", "bar.", "barrier.", "ret", "exit", "fence", "membar", "prefetch", "red.",
+                       "cp.async", "wgmma.fence", "wgmma.commit_group", "wgmma.wait_group", "stmatrix", "trap")
+
+
+def _ptx_instruction(line: str) -> tuple[str, list[str], list[str]] | None:
+    """(opcode, registers written, registers referenced) of one PTX instruction line, or None for anything else
+    (labels, directives, comments, braces)."""
+    text = line.split("//", 1)[0].strip()
+    if not text or text[0] in ".{}$" or text.endswith(":"):
+        return None
+    if text.startswith("@"):  # a guard predicate is read, not written
+        guard, _, text = text.partition(" ")
+        text = text.strip()
+    else:
+        guard = ""
+    opcode, _, operands = text.partition(" ")
+    operands = operands.strip()
+    referenced = _PTX_REGISTER.findall(guard + " " + operands)
+    if opcode.startswith(_PTX_NO_DESTINATION):
+        return opcode, [], referenced
+    first = operands[1:operands.index("}")] if operands.startswith("{") else operands.split(",", 1)[0]
+    return opcode, _PTX_REGISTER.findall(first), referenced
+
+
+def ptx_live_in(ptx: str) -> list[dict]:
+    """What each top-level PTX loop reads from before it: the values defined before the loop and referenced in it.
+
+    A loop is a range from a label to a later branch back to it (top level: not inside another). Of the values
+    defined before the loop and referenced inside it, "carried" ones are written in the loop too (state,
+    accumulators, the induction variable); the others are loop-invariant: computed once before the loop (often
+    hoisted out of it by the compiler) and held for its whole length. The invariant ones are counted by kind:
+    "descriptors" (64-bit wgmma shared-memory matrix descriptors, one per operand tile and k-step), "b64" (other
+    64-bit values: pointers), "b32" (32-bit and smaller: addresses, operand registers, scalars) and "predicates"
+    (masks, held in the separate predicate file), with "registers" = the 32-bit registers those need
+    (2 per 64-bit value). Returns [{"start", "end" (PTX line numbers, 1-based), "invariant": {kind: count},
+    "registers", "carried", "carried_registers"}] in source order.
+    """
+    lines = ptx.splitlines()
+    labels = {}
+    ranges = []
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        label = _PTX_LABEL.match(text)
+        if label:
+            labels[label.group(1)] = number
+            continue
+        branch = _PTX_BRANCH.match(text)
+        if branch and branch.group(1) in labels:
+            ranges.append((labels[branch.group(1)], number))
+    top = sorted({r for r in ranges if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in ranges)})
+    parsed = [_ptx_instruction(line) for line in lines]
+    out = []
+    for start, end in top:
+        before = {register for entry in parsed[: start - 1] if entry for register in entry[1]}
+        inside_written: set[str] = set()
+        inside_read: set[str] = set()
+        descriptor_operands: set[str] = set()
+        for entry in parsed[start - 1: end]:
+            if not entry:
+                continue
+            opcode, written, referenced = entry
+            inside_written.update(written)
+            inside_read.update(referenced)
+            if opcode.startswith("wgmma.mma_async"):
+                descriptor_operands.update(r for r in referenced if r.startswith("%rd"))
+        live = before & (inside_read | inside_written)
+        invariant = live - inside_written
+        kinds = collections.Counter()
+        for register in invariant:
+            if register.startswith("%p"):
+                kinds["predicates"] += 1
+            elif register in descriptor_operands:
+                kinds["descriptors"] += 1
+            elif register.startswith(("%rd", "%fd")):
+                kinds["b64"] += 1
+            else:
+                kinds["b32"] += 1
+        carried = live & inside_written
+
+        def registers(values: set[str] | collections.Counter) -> int:
+            return sum(2 if r.startswith(("%rd", "%fd")) else 0 if r.startswith("%p") else 1 for r in values)
+
+        out.append(dict(start=start, end=end, invariant={kind: kinds[kind] for kind in LIVE_IN_KINDS},
+                        registers=registers(invariant), carried=len(carried), carried_registers=registers(carried)))
+    return out
+
+
+LIVE_IN_KINDS = ("descriptors", "b64", "b32", "predicates")
+
+
 # ------------------------------------------------------------------------------------------------------ the cases
 
 
@@ -444,6 +545,7 @@ def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtyp
     if spills_by_line:
         fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
         row["spill_lines"] = spill_lines(sass, fn.fn.__code__.co_filename, loops)
+    row["live_in"] = ptx_live_in(compiled.asm["ptx"])
     row["total_instructions"] = sum(whole.values())
     row["compile_s"] = round(time.perf_counter() - started, 1)
     row["estimates"] = estimates(case, row, meta, arch, dtype, encoder)
@@ -473,7 +575,7 @@ def estimates(case: Case, row: dict, meta: dict, arch: int, dtype: str, encoder:
     return out
 
 
-def format_row(row: dict) -> str:
+def format_row(row: dict, show_live_in: bool = False) -> str:
     head = f"{row['kernel'].strip('_'):<28} sm_{row['arch']} {row['dtype']:<4} {row['variant']:<11} {row['config']:<22}"
     if "error" in row:
         return f"{head} BUILD ERROR {row['error']}"
@@ -485,6 +587,13 @@ def format_row(row: dict) -> str:
     for index, loop in enumerate(row["loops"]):
         mix = " ".join(f"{name} {loop['mix'][name]}" for name in CLASS_ORDER if loop["mix"].get(name))
         text += f"\n    loop {index}: {loop['count']:5d} instr | {mix}"
+    if show_live_in:
+        for index, loop in enumerate(row["live_in"]):
+            kinds = loop["invariant"]
+            text += (f"\n    PTX loop {index} reads from before it: {sum(kinds.values())} loop-invariant values = "
+                     f"{loop['registers']} registers ({kinds['descriptors']} wgmma descriptors, {kinds['b64']} other "
+                     f"64-bit, {kinds['b32']} 32-bit; and {kinds['predicates']} predicates), {loop['carried']} "
+                     f"loop-carried = {loop['carried_registers']} registers")
     if row.get("spill_lines"):
         text += "\n    spill st/ld B by source line: " + ", ".join(
             f"{entry['line']} ({entry['region']}) {entry['stores']}/{entry['loads']}" for entry in row["spill_lines"]
@@ -511,6 +620,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--json", default=None, help="also write every row to this JSON file")
     parser.add_argument("--spill-lines", type=int, default=0, metavar="N",
                         help="also print the N source lines (and regions) with the most spill traffic")
+    parser.add_argument("--live-in", action="store_true",
+                        help="also print what each PTX loop holds from before it (loop-invariant values by kind)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("kernel_aot.py compiles real GPU code: unset TRITON_INTERPRET (it makes triton.jit interpret on CPU).")
@@ -535,7 +646,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                             if "spill_lines" in row:
                                 row["spill_lines"] = row["spill_lines"][: args.spill_lines]
                             row["default"] = index == 0
-                            print(format_row(row), flush=True)
+                            print(format_row(row, args.live_in), flush=True)
                             rows.append(row)
     if args.json:
         with open(args.json, "w") as handle:

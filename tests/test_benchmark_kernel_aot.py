@@ -50,6 +50,41 @@ SPILL_SASS = """
 """
 
 
+# a PTX loop ($L__BB0_1 .. its back branch) after a prologue: %rd2, %rd3 wgmma descriptors and %p1 a predicate
+# defined before it and only read in it (invariant), %r1 and %f1 written in it too (carried), %rd1 and %rd4 not read
+# in it; the second loop reads %rd4 (invariant) and %r3 (written in it)
+LIVE_IN_PTX = """
+.visible .entry k(
+	.param .u64 k_param_0
+)
+{
+	.reg .b32 	%r<4>;
+	ld.param.b64 	%rd1, [k_param_0];
+	mov.u32 	%r1, 0;
+	or.b64 	%rd2, %rd1, 16;   // a descriptor
+	add.s64 	%rd3, %rd1, 8;
+	mov.b64 	%rd4, 7;
+	setp.gt.u32 	%p1, %r1, 3;
+	mov.f32 	%f1, 0f00000000;
+$L__BB0_1:                              // =>This Inner Loop Header: Depth=1
+	add.f32 	%f1, %f1, 0f3F800000;
+	wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%f1}, %rd2, %rd3, %p1, 1, 1, 0, 0;
+	@%p1 selp.b32 	%r2, %r1, 1, %p1;
+	st.shared.b32 	[%r1], %r2;
+	add.s32 	%r1, %r1, 1;
+	setp.lt.u32 	%p2, %r1, 10;
+	@%p2 bra 	$L__BB0_1;
+	bra.uni 	$L__BB0_3;
+	mov.u32 	%r3, 0;
+$L__BB0_3:
+	add.s64 	%rd5, %rd4, 1;
+	add.s32 	%r3, %r3, 1;
+	@%p2 bra 	$L__BB0_3;
+	ret;
+}
+"""
+
+
 @pytest.fixture(scope="module")
 def kernel_aot(load_benchmark):
     return load_benchmark("kernel_aot")
@@ -88,12 +123,24 @@ def test_spill_lines_attributes_local_memory_to_kernel_lines(kernel_aot):
     ]
 
 
+def test_ptx_live_in_counts_loop_invariant_and_carried_values(kernel_aot):
+    """Values defined before a loop and read in it: invariant unless the loop writes them, by kind (wgmma
+    descriptors, other 64-bit, 32-bit, predicates), with the 32-bit registers they need."""
+    first, second = kernel_aot.ptx_live_in(LIVE_IN_PTX)
+    lines = LIVE_IN_PTX.splitlines()
+    assert lines[first["start"] - 1].startswith("$L__BB0_1:") and "bra \t$L__BB0_1" in lines[first["end"] - 1]
+    assert first["invariant"] == dict(descriptors=2, b64=0, b32=0, predicates=1)
+    assert (first["registers"], first["carried"], first["carried_registers"]) == (4, 2, 2)
+    assert second["invariant"] == dict(descriptors=0, b64=1, b32=0, predicates=1)
+    assert (second["registers"], second["carried"], second["carried_registers"]) == (2, 1, 1)
+
+
 def test_one_sm90_build_reports_registers_spills_and_loops(tmp_path):
     """The forward kernel's first config, bf16, for sm_90: compiled from the launcher's own arguments, for inference
     and for training (the build that also stores the state after the encoder for the backward)."""
     result, rows = run_tool(
         tmp_path, "--arch", "90", "--dtype", "bf16", "--variant", "plain", "--configs", "1",
-        "--kernel", "prefix_linear_attention_fwd", "--spill-lines", "100",
+        "--kernel", "prefix_linear_attention_fwd", "--spill-lines", "100", "--live-in",
     )
     assert [row.get("training") for row in rows] == [False, True] and not any("error" in row for row in rows), rows
     for row in rows:  # the attribution accounts for every byte ptxas reports
@@ -103,7 +150,11 @@ def test_one_sm90_build_reports_registers_spills_and_loops(tmp_path):
         assert 16 <= row["registers"] <= 255 and row["spill_stores"] >= 0 and row["shared"] > 0
         assert len(row["loops"]) == 2 and all(loop["mix"].get("tensor", 0) > 0 for loop in row["loops"])
         assert row["estimates"]["32768"]["issue_ms"] > 0
+        # the same two loops in the PTX, each reading the state (carried) and invariant values from before it
+        assert len(row["live_in"]) == 2, row["live_in"]
+        assert all(loop["carried_registers"] >= 64 and loop["registers"] > 0 for loop in row["live_in"]), row["live_in"]
     assert rows[1]["total_instructions"] > rows[0]["total_instructions"]  # the store
+    assert "PTX loop 1 reads from before it:" in result.stdout
     assert "issue-bound ms at N=" in result.stdout and " train regs" in result.stdout
 
 
