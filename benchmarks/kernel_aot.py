@@ -477,7 +477,7 @@ def _backward_case() -> Case:
         flops=lambda T, M: 2 * _pla_flops(T, M),  # dq (with the state rebuilt) + dk/dv: about 2 forwards
         bytes=lambda T, M, size: 2 * _pla_bytes(T, M, size),
         configs=lambda arch, kernel, kwargs: [
-            triton.Config({"BT": BT, **({} if "dq" in kernel else module.dkv_constexprs(arch // 10))},
+            triton.Config({"BT": BT, **(module.dq_constexprs if "dq" in kernel else module.dkv_constexprs)(arch // 10)},
                           num_warps=warps, num_stages=1, **module.launch_options(arch // 10))
             for BT, warps in module.configs_for_architecture(arch // 10)[_backward_scan(kernel, kwargs)]
         ],

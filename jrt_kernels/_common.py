@@ -34,6 +34,16 @@ def _dot(a, b, DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constex
 
 
 @triton.jit
+def _dot_alone(a, b, acc, DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b (operands in DTYPE, fp32 acc), computed as (b^T a^T + acc^T)^T so that the product gets the warp
+    layout of its own shape. Triton gives every dot of a loop body that is connected to another dot that dot's
+    `warpsPerCTA` (its chained-dot rule, whose search stops at transposes). With 4 warps and `[4, 1]`, a product
+    with 16 rows is then computed by all four warps, and its accumulator takes 4x the registers."""
+    return tl.trans(tl.dot(_op(tl.trans(b), DTYPE, EMULATE), _op(tl.trans(a), DTYPE, EMULATE), acc=tl.trans(acc),
+                           input_precision=PRECISION))
+
+
+@triton.jit
 def _dot_fp32(a, b):
     """a @ b of fp32 operands to about fp32 accuracy on tensor cores (3xTF32); small denominator-state products."""
     return tl.dot(a, b, input_precision="tf32x3")

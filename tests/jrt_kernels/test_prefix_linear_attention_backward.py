@@ -272,13 +272,15 @@ def test_denominator_products_in_tf32_for_half_inputs(device):
 
 @pytest.mark.parametrize("case", ["prefix", "masks+state", "decay+gate", "bf16"])
 @pytest.mark.parametrize("major", [9, 8], ids=["sm90-form", "sm80-form"])
-def test_backward_in_each_architectures_dkv_form(device, monkeypatch, major, case):
-    """The dk/dv scan's per-architecture constexprs (`dkv_constexprs`: on sm_90 the selection matrices held in
-    registers and the state update's operands loaded again at the update; elsewhere the matrices from a table)
-    give the oracle's gradients in either form. The interpreter launches one form; this runs both."""
-    forms = backward_module.dkv_constexprs
-    assert forms(9) != forms(8)
-    monkeypatch.setattr(backward_module, "dkv_constexprs", lambda _major: forms(major))
+def test_backward_in_each_architectures_form(device, monkeypatch, major, case):
+    """Both scans' per-architecture constexprs give the oracle's gradients in either form: the dk/dv scan's
+    (`dkv_constexprs`: on sm_90 the selection matrices held in registers and the state update's operands loaded
+    again at the update; elsewhere the matrices from a table) and the dq scan's (`dq_constexprs`: off sm_90 the
+    16-row state updates as isolated transposed products). The interpreter launches one form; this runs both."""
+    for name in ("dkv_constexprs", "dq_constexprs"):
+        forms = getattr(backward_module, name)
+        assert forms(9) != forms(8)
+        monkeypatch.setattr(backward_module, name, lambda _major, forms=forms: forms(major))
     dtype = torch.bfloat16 if case == "bf16" else torch.float32
     inputs, grad_output, dstate = make_case(2, 45, 2, 4, 6, 0 if case == "decay+gate" else 12, dtype=dtype,
                                             device=device, seed=21, initial_state=case != "prefix")
