@@ -8,7 +8,9 @@
 #    kernel config, JRT_TRITON_AUTOTUNE=0, so compiling stays short);
 # 2. the prefill benchmark at the paper's shapes (B=16, H=16, K=16, V=64, M=N/2, bf16, N=1k..32k; B=2..64 at 16k),
 #    autotuned, then B=1 at 32k with the deployed prefix M=1024.
-# Writes OUT_DIR/env.txt, tests.txt, prefill.txt, prefill.json, prefill_b1.txt, prefill_b1.json, summary.txt.
+# Optionally (JRT_GPU_CHECK_PTXAS=1) step 4 below: the backward with ptxas's register allocator at its own level.
+# Writes OUT_DIR/env.txt, tests.txt, prefill.txt, prefill.json, prefill_b1.txt, prefill_b1.json, summary.txt (and
+# ptxas.txt, ptxas.json).
 # Needs torch with CUDA, triton and transformers>=5.24 (modeling_jrt). Wheels found in .whl/ (e.g. a newer
 # transformers, or fla-core for the fla columns) are installed to a temporary folder first; nothing is installed
 # system-wide. Run from anywhere; paths are relative to the repository root. For a machine whose transformers is
@@ -64,6 +66,23 @@ timeout 60 "$python" benchmarks/prefill.py --batch 1 --seq-lens 32768 --prefix 1
     --json "$out/prefill_b1.json" 2>&1 | tee -a "$out/prefill_b1.txt"
 b1_rc=${PIPESTATUS[0]}
 
-echo "tests rc=$tests_rc, benchmark rc=$bench_rc, B=1 benchmark rc=$b1_rc" | tee "$out/summary.txt"
+# 4. (optional, JRT_GPU_CHECK_PTXAS=1, about 2 more minutes) triton runs ptxas with --regAllocOptLevel=2, a workaround
+#    for a ptxas 13.x bug it does not name; without it the sm_90 dq scan builds spill-free (docs/kernels.md, backward
+#    pass 9). Triton's PTXAS_OPTIONS comes after that flag, and ptxas takes the last value: level 4 built like ptxas's
+#    own default for every kernel here. The compiled backward tests and the paper-shape benchmark at 32k, with it.
+ptxas_rc=0
+if [ "${JRT_GPU_CHECK_PTXAS:-0}" = "1" ]; then
+    echo "== 4. backward tests and 32k benchmark with PTXAS_OPTIONS=--regAllocOptLevel=4" | tee "$out/ptxas.txt"
+    PTXAS_OPTIONS=--regAllocOptLevel=4 JRT_TRITON_AUTOTUNE=0 timeout 120 "$python" -m pytest -q -p no:cacheprovider \
+        -o addopts="" tests/jrt_kernels/test_prefix_linear_attention_backward.py 2>&1 | tee -a "$out/ptxas.txt"
+    ptxas_rc=${PIPESTATUS[0]}
+    PTXAS_OPTIONS=--regAllocOptLevel=4 timeout 90 "$python" benchmarks/prefill.py --seq-lens 32768 --train-step \
+        --repeats 10 --warmup 3 --json "$out/ptxas.json" 2>&1 | tee -a "$out/ptxas.txt"
+    ptxas_bench_rc=${PIPESTATUS[0]}
+    [ "$ptxas_rc" -eq 0 ] && ptxas_rc=$ptxas_bench_rc
+fi
+
+echo "tests rc=$tests_rc, benchmark rc=$bench_rc, B=1 benchmark rc=$b1_rc, ptxas step rc=$ptxas_rc" \
+    | tee "$out/summary.txt"
 rm -rf "$site"
-exit $((tests_rc != 0 || bench_rc != 0 || b1_rc != 0))
+exit $((tests_rc != 0 || bench_rc != 0 || b1_rc != 0 || ptxas_rc != 0))
