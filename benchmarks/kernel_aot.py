@@ -295,6 +295,14 @@ _PTX_NO_DESTINATION = ("st.", "bra", "bar.", "barrier.", "ret", "exit", "fence",
                        "cp.async", "wgmma.fence", "wgmma.commit_group", "wgmma.wait_group", "stmatrix", "trap")
 
 
+LIVE_IN_KINDS = ("descriptors", "b64", "b32", "predicates")
+
+
+def _ptx_registers(values: set[str]) -> int:
+    """The 32-bit registers a set of PTX values needs: 2 per 64-bit value, none for predicates (their own file)."""
+    return sum(2 if r.startswith(("%rd", "%fd")) else 0 if r.startswith("%p") else 1 for r in values)
+
+
 def _ptx_instruction(line: str) -> tuple[str, list[str], list[str]] | None:
     """(opcode, registers written, registers referenced) of one PTX instruction line, or None for anything else
     (labels, directives, comments, braces)."""
@@ -369,16 +377,10 @@ def ptx_live_in(ptx: str) -> list[dict]:
             else:
                 kinds["b32"] += 1
         carried = live & inside_written
-
-        def registers(values: set[str] | collections.Counter) -> int:
-            return sum(2 if r.startswith(("%rd", "%fd")) else 0 if r.startswith("%p") else 1 for r in values)
-
         out.append(dict(start=start, end=end, invariant={kind: kinds[kind] for kind in LIVE_IN_KINDS},
-                        registers=registers(invariant), carried=len(carried), carried_registers=registers(carried)))
+                        registers=_ptx_registers(invariant), carried=len(carried),
+                        carried_registers=_ptx_registers(carried)))
     return out
-
-
-LIVE_IN_KINDS = ("descriptors", "b64", "b32", "predicates")
 
 
 # ------------------------------------------------------------------------------------------------------ the cases

@@ -256,7 +256,8 @@ def test_denominator_products_in_tf32_for_half_inputs(device):
     for dtype in (torch.bfloat16, torch.float32):
         out = torch.empty(16, 16, device=device)
         types_ = dot_types(dtype, kernel_module.INTERPRETED)
-        _dot_tf32_probe[(1,)](a.float().to(device), b.float().to(device), out, DOT=types_["DOT"], EMULATE=types_["EMULATE"])
+        _dot_tf32_probe[(1,)](a.float().to(device), b.float().to(device), out, DOT=types_["DOT"],
+                              EMULATE=types_["EMULATE"])
         results[dtype] = out.cpu().double()
     scale = exact.abs().max().item()
     assert (results[torch.float32] - exact).abs().max().item() < 1e-5 * scale
