@@ -91,7 +91,7 @@ def main() -> None:
 
     jrt, llama = build_models(args.hidden_size, args.layers, args.heads, args.vocab_size, args.sliding_window)
     print(
-        f"hidden {args.hidden_size}, {args.layers} layers ({', '.join(jrt.config.layer_types)}), {args.heads} heads, "
+        f"hidden {args.hidden_size}, {args.layers} layers ({', '.join(jrt.config.mixer_types)}), {args.heads} heads, "
         f"torch threads {torch.get_num_threads()}, {args.steps} decode steps per length"
     )
     header = (

@@ -274,12 +274,12 @@ def train_step_benchmark(args, device: torch.device, dtype: torch.dtype) -> list
         torch.manual_seed(0)
         config = modeling_jrt.JRTRNNConfig(
             vocab_size=50304, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=16,
-            layer_types=["conv", "linear_attention", "sliding_attention", "linear_attention"], feature_dim=16,
+            mixer_types=["conv", "linear_attention", "sliding_attention", "linear_attention"], feature_dim=16,
             prefix_length=args.train_length // 2, sliding_window=64,
             linear_attention_implementation=implementation,
         ) if args.train_length > 64 else modeling_jrt.JRTRNNConfig(  # a tiny model for smoke tests
             vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            layer_types=["linear_attention", "conv"], feature_dim=4, prefix_length=8, sliding_window=5,
+            mixer_types=["linear_attention", "conv"], feature_dim=4, prefix_length=8, sliding_window=5,
             linear_attention_implementation=implementation, bos_token_id=1, eos_token_id=2, prefix_pad_token_id=3,
         )
         model = modeling_jrt.JRTRNNForCausalLM(config).to(device=device, dtype=dtype).train()

@@ -68,7 +68,7 @@ def train_arm(name: str, steps: int, batch_size: int, seed: int) -> float:
     causal = name == "causal Based"
     config = JRTRNNConfig(
         vocab_size=4 + WORDS, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-        layer_types=["conv", "linear_attention", "sliding_attention", "conv"], feature_dim=16, sliding_window=9,
+        mixer_types=["conv", "linear_attention", "sliding_attention", "conv"], feature_dim=16, sliding_window=9,
         prefix_length=32, linear_attention_type="causal" if causal else "prefix", bos_token_id=1, eos_token_id=2,
         pad_token_id=0, prefix_pad_token_id=3,
     )

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from modeling_jrt import JRTRNNConfig, default_layer_types
+from modeling_jrt import JRTRNNConfig, default_mixer_types
 
 EOS_ID = 256  # bytes are 0..255
 MASK_ID = 257  # the [MASK] of the JRT objective
@@ -45,7 +45,7 @@ def tiny_config(prefix_length: int = 64, hidden_size: int = 64, num_layers: int 
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
-        layer_types=default_layer_types(num_layers),
+        mixer_types=default_mixer_types(num_layers),
         feature_dim=8,
         prefix_length=prefix_length,
         sliding_window=33,

@@ -562,7 +562,7 @@ def translate_config(
         intermediate_size=arch.intermediate_size,
         num_hidden_layers=arch.num_layers,
         num_attention_heads=arch.num_heads,
-        layer_types=list(arch.layer_kinds),
+        mixer_types=list(arch.layer_kinds),
         rms_norm_eps=arch.rms_norm_eps,
         tie_word_embeddings=True,
         # The reference window W means W // 2 previous tokens plus the token itself

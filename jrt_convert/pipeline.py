@@ -578,7 +578,7 @@ def render_model_card(
     base_id = source if is_repo_id(source) else _RELEASED_HUB_IDS.get(source.split("/")[-1].lower())
     base_model = f"base_model: {base_id}\n" if base_id else ""
     is_prefix = config.linear_attention_type == "prefix"
-    counts = {kind: config.layer_types.count(kind) for kind in ("conv", "linear_attention", "sliding_attention")}
+    counts = {kind: config.mixer_types.count(kind) for kind in ("conv", "linear_attention", "sliding_attention")}
     tokenizer_line = (
         # trust_remote_code: AutoTokenizer reads config.json first, and its `auto_map` would otherwise make
         # transformers ask "[y/N]" interactively when the jrt-rnn package is not installed.

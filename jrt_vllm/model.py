@@ -391,7 +391,7 @@ class JRTDecoderLayer(nn.Module):
 
     def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
         super().__init__()
-        self.layer_type = config.layer_types[layer_idx]
+        self.layer_type = config.mixer_types[layer_idx]
         self.input_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mixer = MIXER_CLASSES[self.layer_type](config, layer_idx, f"{prefix}.mixer")
         has_mlp = config.intermediate_size > 0
@@ -452,7 +452,7 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         if vllm_config.speculative_config is not None:
             raise NotImplementedError("jrt_vllm does not support speculative decoding (the state cannot roll back).")
         self.config = config
-        self.is_prefix = config.linear_attention_type == "prefix" and "linear_attention" in config.layer_types
+        self.is_prefix = config.linear_attention_type == "prefix" and "linear_attention" in config.mixer_types
         self.prefix_strategy = _prefix_strategy(vllm_config.model_config.model, config) if self.is_prefix else "none"
         if self.prefix_strategy == "pad" and config.prefix_pad_token_id is None:
             raise ValueError(

@@ -9,7 +9,7 @@ linear-attention ops, the losses forward computes): it is what a saved folder sh
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import JRTRNNCache
-from .configuration_jrt import JRTRNNConfig, default_layer_types
+from .configuration_jrt import MIXER_TYPES, JRTRNNConfig, default_layer_types, default_mixer_types
 from .linear_attention import (
     linear_attention_step,
     prefix_linear_attention,
@@ -28,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "IGNORE_INDEX",
+    "MIXER_TYPES",
     "JRTRNNCache",
     "JRTRNNCausalLMOutput",
     "JRTRNNConfig",
@@ -35,6 +36,7 @@ __all__ = [
     "JRTRNNModel",
     "JRTRNNPreTrainedModel",
     "default_layer_types",
+    "default_mixer_types",
     "ignore_prefix_targets",
     "jrt_loss",
     "linear_attention_step",

@@ -28,7 +28,7 @@ def tiny_config(**overrides) -> modeling_jrt.JRTRNNConfig:
         intermediate_size=64,
         num_hidden_layers=4,
         num_attention_heads=2,
-        layer_types=["conv", "linear_attention", "sliding_attention", "conv"],
+        mixer_types=["conv", "linear_attention", "sliding_attention", "conv"],
         feature_dim=4,
         prefix_length=8,
         sliding_window=5,

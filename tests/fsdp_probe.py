@@ -28,7 +28,7 @@ def tiny_model() -> JRTRNNForCausalLM:
     torch.manual_seed(SEED)
     config = JRTRNNConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-        layer_types=["conv", "linear_attention", "sliding_attention", "conv"], feature_dim=4, prefix_length=8,
+        mixer_types=["conv", "linear_attention", "sliding_attention", "conv"], feature_dim=4, prefix_length=8,
         sliding_window=5, linear_attention_chunk_size=4, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         prefix_pad_token_id=3,
     )

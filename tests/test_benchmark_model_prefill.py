@@ -36,7 +36,7 @@ def test_model_prefill_benchmark_writes_its_table(model_prefill, tmp_path, capsy
 def test_model_prefill_models_have_the_same_size(model_prefill):
     args = model_prefill.parse_args(["--hidden-size", "32", "--layers", "3", "--heads", "2", "--vocab-size", "64"])
     jrt, llama = model_prefill.build_model("jrt", args), model_prefill.build_model("llama", args)
-    assert jrt.config.layer_types == ["conv", "linear_attention", "sliding_attention"]
+    assert jrt.config.mixer_types == ["conv", "linear_attention", "sliding_attention"]
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         assert getattr(jrt.config, field) == getattr(llama.config, field), field
     with pytest.raises(ValueError, match="unknown model 'gpt'"):

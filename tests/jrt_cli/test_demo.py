@@ -30,7 +30,7 @@ def test_shipped_model_files(name, kind):
     assert json.loads((path / "token_map.json").read_text()) == sd_token_map(68)
     config = _load(name).config
     assert (config.linear_attention_type, config.vocab_size, config.prefix_length) == (kind, 68, 23)
-    assert config.layer_types == ["conv", "linear_attention", "conv", "linear_attention"]
+    assert config.mixer_types == ["conv", "linear_attention", "conv", "linear_attention"]
 
 
 def test_shipped_models_have_equal_recurrent_state():

@@ -503,7 +503,7 @@ def test_auto_backward_fallback_with_activation_checkpointing(device, backward_l
     import modeling_jrt
 
     backward_launches.fail = True
-    config = make_config(layer_types=["linear_attention", "conv", "linear_attention", "sliding_attention"])
+    config = make_config(mixer_types=["linear_attention", "conv", "linear_attention", "sliding_attention"])
     model = modeling_jrt.JRTRNNForCausalLM(config).to(device).train()
     reference = copy.deepcopy(model)
     reference.config.linear_attention_implementation = "chunked"

@@ -33,7 +33,7 @@ def draw_config(seed: int) -> JRTRNNConfig:
         intermediate_size=rng.choice((0, 16)),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        layer_types=[rng.choice(LAYER_TYPES) for _ in range(num_layers)],
+        mixer_types=[rng.choice(LAYER_TYPES) for _ in range(num_layers)],
         sliding_window=rng.randint(1, 4),
         conv_kernel_size=rng.randint(1, 4),
         conv_expansion=rng.randint(1, 2),
@@ -53,7 +53,7 @@ def draw_config(seed: int) -> JRTRNNConfig:
 
 def case_id(seed: int) -> str:
     config = draw_config(seed)
-    kinds = "".join(t[0] for t in config.layer_types)
+    kinds = "".join(t[0] for t in config.mixer_types)
     return (
         f"s{seed}-{kinds}-W{config.sliding_window}-H{config.num_attention_heads}-F{config.feature_dim}"
         f"-{config.linear_attention_type}{config.prefix_length}{'-decay' if config.linear_attention_decay else ''}"

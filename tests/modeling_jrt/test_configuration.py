@@ -6,21 +6,21 @@ import json
 
 import pytest
 
-from modeling_jrt import JRTRNNConfig, default_layer_types
+from modeling_jrt import JRTRNNConfig, default_mixer_types
 
 
 def test_defaults_match_jrt_360m():
     config = JRTRNNConfig()
     assert config.model_type == "jrt_rnn"
     assert config.num_hidden_layers == 26 and config.hidden_size == 1024 and config.head_dim == 64
-    assert [i for i, t in enumerate(config.layer_types) if t == "linear_attention"] == [1, 6, 11, 16, 21]
-    assert [i for i, t in enumerate(config.layer_types) if t == "sliding_attention"] == [2, 7, 12, 17, 22]
+    assert [i for i, t in enumerate(config.mixer_types) if t == "linear_attention"] == [1, 6, 11, 16, 21]
+    assert [i for i, t in enumerate(config.mixer_types) if t == "sliding_attention"] == [2, 7, 12, 17, 22]
     assert config.sliding_window == 129 and config.prefix_length == 1024 and config.num_taylor_features == 273
     assert config.tie_word_embeddings and config.vocab_size == 50264
 
 
 def test_default_layer_types_for_36_layers():
-    layer_types = default_layer_types(36)
+    layer_types = default_mixer_types(36)
     assert [i for i, t in enumerate(layer_types) if t == "linear_attention"] == [1, 6, 11, 16, 21, 27, 33]
     assert [i for i, t in enumerate(layer_types) if t == "sliding_attention"] == [2, 7, 12, 17, 22, 28, 34]
 
@@ -28,8 +28,8 @@ def test_default_layer_types_for_36_layers():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(num_hidden_layers=3, layer_types=["conv", "conv"]), r"`layer_types` has 2 entries .* `num_hidden_layers` is 3"),
-        (dict(num_hidden_layers=2, layer_types=["conv", "ssm"]), r"`layer_types\[1\]` is 'ssm'; allowed layer types"),
+        (dict(num_hidden_layers=3, mixer_types=["conv", "conv"]), r"`mixer_types` has 2 entries .* `num_hidden_layers` is 3"),
+        (dict(num_hidden_layers=2, mixer_types=["conv", "ssm"]), r"`mixer_types\[1\]` is 'ssm'; allowed mixer types"),
         (dict(num_attention_heads=5), r"`hidden_size` \(1024\) must be divisible by `num_attention_heads` \(5\)"),
         (dict(linear_attention_type="bidirectional"), r"`linear_attention_type` must be one of \['prefix', 'causal'\]"),
         (dict(prefix_pad_masking="none"), r"`prefix_pad_masking` must be one of \['strict', 'reference'\]"),
@@ -43,7 +43,7 @@ def test_default_layer_types_for_36_layers():
         (dict(hidden_size=1024.0), r"`hidden_size` must be a positive integer, got 1024.0 \(float\)"),
         (dict(num_attention_heads=True), r"`num_attention_heads` must be a positive integer, got True \(bool\)"),
         (dict(num_attention_heads=0), r"`num_attention_heads` must be a positive integer, got 0"),
-        (dict(num_hidden_layers=0, layer_types=[]), r"`num_hidden_layers` must be a positive integer, got 0"),
+        (dict(num_hidden_layers=0, mixer_types=[]), r"`num_hidden_layers` must be a positive integer, got 0"),
         (dict(vocab_size=-5), r"`vocab_size` must be a positive integer"),
         (dict(feature_dim=0), r"`feature_dim` must be a positive integer"),
         (dict(conv_kernel_size=0), r"`conv_kernel_size` must be a positive integer"),
@@ -80,9 +80,9 @@ def test_default_layer_types_for_36_layers():
         (dict(rms_norm_eps="abc"), r"^`rms_norm_eps` must be a finite number > 0, got 'abc'"),
         (dict(generation_vocab_size=0), r"`generation_vocab_size` \(0\) must be in \[1, vocab_size=50264\]"),
         # layer_types: a list of this model's own names; transformers' legacy remap must not rename them.
-        (dict(num_hidden_layers=2, layer_types=["conv", "mamba"]), r"`layer_types\[1\]` is 'mamba'"),
-        (dict(num_hidden_layers=2, layer_types=["conv", "full_attention"]), r"`layer_types\[1\]` is 'full_attention'"),
-        (dict(num_hidden_layers=4, layer_types="conv"), r"`layer_types` must be a list"),
+        (dict(num_hidden_layers=2, mixer_types=["conv", "mamba"]), r"`mixer_types\[1\]` is 'mamba'"),
+        (dict(num_hidden_layers=2, mixer_types=["conv", "full_attention"]), r"`mixer_types\[1\]` is 'full_attention'"),
+        (dict(num_hidden_layers=4, mixer_types="conv"), r"`mixer_types` must be a list"),
         (dict(hidden_size=48, num_attention_heads=16), r"head dim .* = 3 must be even"),
     ],
 )
@@ -94,11 +94,11 @@ def test_invalid_values_raise_value_error_naming_the_field(overrides, message):
 def test_based_decay_config_is_valid():
     config = JRTRNNConfig(num_hidden_layers=27, linear_attention_type="causal", linear_attention_decay=True,
                           use_decay_proj=True, decay_const=-3)
-    assert config.layer_types.count("linear_attention") == 5
+    assert config.mixer_types.count("linear_attention") == 5
 
 
 def test_save_and_load_round_trip(tmp_path):
-    config = JRTRNNConfig(num_hidden_layers=4, layer_types=["conv", "linear_attention", "sliding_attention", "conv"],
+    config = JRTRNNConfig(num_hidden_layers=4, mixer_types=["conv", "linear_attention", "sliding_attention", "conv"],
                           prefix_pad_masking="reference", mask_token_id=50263, intermediate_size=0)
     config.save_pretrained(tmp_path)
     loaded = JRTRNNConfig.from_pretrained(tmp_path)
@@ -107,7 +107,7 @@ def test_save_and_load_round_trip(tmp_path):
 
 def test_invalid_config_json_names_the_field_on_load(tmp_path):
     """A hand-edited config.json is checked on load like a constructed config."""
-    config = JRTRNNConfig(num_hidden_layers=4, layer_types=["conv", "linear_attention", "sliding_attention", "conv"])
+    config = JRTRNNConfig(num_hidden_layers=4, mixer_types=["conv", "linear_attention", "sliding_attention", "conv"])
     config.save_pretrained(tmp_path)
     path = tmp_path / "config.json"
     data = json.loads(path.read_text())
@@ -125,7 +125,7 @@ def test_invalid_config_json_names_the_field_on_load(tmp_path):
 def test_defaults_fit_any_vocabulary():
     """The default special ids are None and the default prefix pad is 0, a token of every vocabulary (the converter
     writes GPT-2's 50256 and 220 explicitly)."""
-    config = JRTRNNConfig(vocab_size=1, num_hidden_layers=2, layer_types=["conv", "linear_attention"])
+    config = JRTRNNConfig(vocab_size=1, num_hidden_layers=2, mixer_types=["conv", "linear_attention"])
     assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (None, None, None)
     assert config.prefix_pad_token_id == 0 and config.mask_token_id is None
     JRTRNNConfig(vocab_size=64)  # no error
@@ -145,7 +145,7 @@ def test_out_of_bound_size_in_config_json_fails_on_load_before_allocation(tmp_pa
     from transformers import AutoModelForCausalLM
 
     config = JRTRNNConfig(vocab_size=32, hidden_size=8, intermediate_size=0, num_hidden_layers=2,
-                          num_attention_heads=2, layer_types=["conv", "linear_attention"], feature_dim=2)
+                          num_attention_heads=2, mixer_types=["conv", "linear_attention"], feature_dim=2)
     config.save_pretrained(tmp_path)
     path = tmp_path / "config.json"
     data = json.loads(path.read_text())
@@ -164,7 +164,7 @@ def test_a_model_with_default_ids_and_a_small_vocabulary_generates():
     from modeling_jrt.compat import CACHE_FIELD
 
     config = JRTRNNConfig(vocab_size=64, hidden_size=16, intermediate_size=0, num_hidden_layers=2,
-                          num_attention_heads=2, layer_types=["conv", "linear_attention"], feature_dim=2)
+                          num_attention_heads=2, mixer_types=["conv", "linear_attention"], feature_dim=2)
     model = JRTRNNForCausalLM(config).eval()
     input_ids = torch.randint(0, 64, (1, 5))
     # (no attention layer: on transformers < 5.24 generate() needs the model's own cache, see the README)

@@ -90,7 +90,7 @@ def test_forward_refuses_a_mask_that_does_not_cover_the_cache(make_config):
 def test_purely_recurrent_cache_counts_its_tokens_for_the_mask(make_config):
     """Without sliding layers the cache still counts the tokens it read: the mask must cover exactly those and the
     input."""
-    model = JRTRNNForCausalLM(make_config(layer_types=["conv", "linear_attention", "conv", "conv"])).eval()
+    model = JRTRNNForCausalLM(make_config(mixer_types=["conv", "linear_attention", "conv", "conv"])).eval()
     input_ids = torch.randint(4, 99, (1, 8))
     cache = output_cache(model(input_ids[:, :6], use_cache=True))
     assert cache.get_seq_length() == 6

@@ -207,7 +207,7 @@ def test_repeat_and_none_strategies_equal_hand_built_prompts(make_config):
     torch.testing.assert_close(greedy(model, short, 10, prefix_strategy="none")[:, 3:], expected_none)
     assert not torch.equal(expected_repeat, expected_none)
     # Per call overrides the config; the config default is used otherwise.
-    model.generation_config.prefix_strategy = "repeat"
+    model.config.prefix_strategy = "repeat"
     torch.testing.assert_close(greedy(model, short, 10)[:, 3:], expected_repeat)
 
 
@@ -275,22 +275,20 @@ def test_prefill_chunk_size_with_mixed_lengths_and_the_pad_fill(make_config):
 
 
 @pytest.mark.parametrize(
-    "layer_types", [None, ["conv", "linear_attention", "conv", "linear_attention"]], ids=["with-sliding", "recurrent-only"]
+    "mixer_types", [None, ["conv", "linear_attention", "conv", "linear_attention"]], ids=["with-sliding", "recurrent-only"]
 )
-def test_prefill_chunk_size_with_embeddings_and_continuation(make_config, layer_types):
+def test_prefill_chunk_size_with_embeddings_and_continuation(make_config, mixer_types):
     """Chunked prefill of `inputs_embeds` (sliced per chunk) and of a continuation from a returned cache (the tokens
-    the cache read are skipped, the new ones chunked; a purely recurrent cache has no sequence length to count them)."""
-    model = build(make_config, **({} if layer_types is None else dict(layer_types=layer_types)))
+    the cache read are skipped, the new ones chunked), with no cache passed in, for an attention-free model too."""
+    model = build(make_config, **({} if mixer_types is None else dict(mixer_types=mixer_types)))
     input_ids = prompt(17)
     with torch.no_grad():
         embeds = model.get_input_embeddings()(input_ids)
     if CACHE_FIELD != "cache":
         pytest.skip("transformers < 5.24 chunks neither `inputs_embeds` nor a continuation (its loop restarts at 0)")
-    # (transformers' own default cache cannot count tokens without an attention layer: pass the model's cache)
-    cache = {} if layer_types is None else dict(cache=JRTRNNCache(model.config))
     settings = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True, **NO_EOS)
     one = model.generate(inputs_embeds=embeds, **settings)
-    chunked = model.generate(inputs_embeds=embeds, prefill_chunk_size=3, **cache, **settings)
+    chunked = model.generate(inputs_embeds=embeds, prefill_chunk_size=3, **settings)
     assert_same_generation(chunked, one)
     settings = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, **NO_EOS)
     with torch.no_grad():
@@ -324,11 +322,18 @@ def test_prefix_errors_are_clear(make_config):
         greedy(model, prompt(3), 2, prefix_pad_token_id=220)
 
 
+# What each release says: up to 5.24 `_is_stateful` refuses the model, from 5.25 the cache that cannot be cropped.
+ASSISTED_REFUSED = (
+    "assisted generation is not supported with stateful models|Assisted decoding requires a cache that can be cropped"
+)
+
+
 def test_transformers_refuses_assisted_decoding_for_the_stateful_model(make_config):
-    """`generate()` has no check of its own: `_is_stateful` makes transformers refuse assistants and prompt lookup."""
+    """`generate()` has no check of its own: transformers refuses assistants and prompt lookup with a `ValueError`
+    (`_is_stateful`, and the cache's `is_croppable` False)."""
     model = build(make_config)
     for kwargs in (dict(prompt_lookup_num_tokens=2), dict(assistant_model=build(make_config))):
-        with pytest.raises(ValueError, match="assisted generation is not supported with stateful models"):
+        with pytest.raises(ValueError, match=ASSISTED_REFUSED):
             greedy(model, prompt(10), 2, **kwargs)
 
 
@@ -512,7 +517,7 @@ def test_generate_continues_from_the_cache_of_a_plain_forward(make_config, kind)
 @pytest.mark.parametrize("prompt_length", [3, 10])
 def test_continuation_on_an_all_recurrent_cache_reads_each_token_once(make_config, prompt_length):
     """No sliding-attention layer: the cache counts the tokens it read all the same."""
-    model = build(make_config, layer_types=["conv", "linear_attention", "linear_attention"], num_hidden_layers=3)
+    model = build(make_config, mixer_types=["conv", "linear_attention", "linear_attention"], num_hidden_layers=3)
     assert_continuation_equals_one_shot(model, prompt(prompt_length, batch=2), 4, 5)
 
 

@@ -115,7 +115,7 @@ def test_eager_and_sdpa_attention_agree(make_config):
 
 def test_sliding_window_limits_what_a_token_sees(make_config):
     """Only conv + sliding attention: a token more than window + conv reach back cannot change the output."""
-    model = build(make_config, layer_types=["sliding_attention", "sliding_attention", "conv", "conv"])
+    model = build(make_config, mixer_types=["sliding_attention", "sliding_attention", "conv", "conv"])
     input_ids = torch.randint(4, 99, (1, 30))
     changed = input_ids.clone()
     changed[0, 3] = 4 if input_ids[0, 3] != 4 else 5
@@ -342,7 +342,7 @@ def test_training_keeps_memory_linear_in_the_sequence(make_config, attn_implemen
     tensor adds 4 T bytes per token: with a window of 4096 instead of 32 (eager attention over the whole sequence)
     this test fails."""
     model = JRTRNNForCausalLM(make_config(
-        layer_types=["conv", "linear_attention", "sliding_attention", "linear_attention"], sliding_window=32,
+        mixer_types=["conv", "linear_attention", "sliding_attention", "linear_attention"], sliding_window=32,
         prefix_length=40, linear_attention_chunk_size=16, attn_implementation=attn_implementation,
     )).train()
     per_token = []

@@ -51,7 +51,7 @@ def test_output_attentions_are_the_sliding_window_weights(make_config):
     window = model.config.sliding_window
     with torch.no_grad():
         attentions = model(ids(), output_attentions=True).attentions
-    assert len(attentions) == model.config.layer_types.count("sliding_attention")
+    assert len(attentions) == model.config.mixer_types.count("sliding_attention")
     weights = attentions[0]  # (B, H, T, T)
     assert weights.shape == (2, model.config.num_attention_heads, 11, 11)
     torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))

@@ -53,8 +53,14 @@ def test_a_cache_of_another_kind_is_refused(make_config):
     input_ids = torch.randint(4, 99, (1, 6))
     with pytest.raises(ValueError, match=r"The cache is a DynamicCache.*`JRTRNNCache\(model.config\)`"):
         model(input_ids=input_ids, cache=DynamicCache())
-    with pytest.raises(ValueError, match=r"built for layer types \['conv', 'linear_attention'\]"):
+    with pytest.raises(ValueError, match=r"built for mixer_types=\['conv', 'linear_attention'\]"):
         model(input_ids=input_ids, cache=JRTRNNCache(make_config(num_hidden_layers=2,
-                                                                 layer_types=["conv", "linear_attention"])))
+                                                                 mixer_types=["conv", "linear_attention"])))
+    # Every field that fixes the cache's shapes is checked, named in the error (a wider window used to run silently).
+    window = model.config.sliding_window + 2
+    with pytest.raises(ValueError, match=rf"built for sliding_window={window}, but this model has sliding_window="):
+        model(input_ids=input_ids, cache=JRTRNNCache(make_config(sliding_window=window)))
+    with pytest.raises(ValueError, match=r"built for hidden_size="):
+        model(input_ids=input_ids, cache=JRTRNNCache(make_config(hidden_size=2 * model.config.hidden_size)))
     # A cache built from the config is accepted (and is what the model builds itself).
     model(input_ids=input_ids, cache=JRTRNNCache(model.config))

@@ -146,60 +146,9 @@ def test_save_pretrained_ships_the_model_files_with_relative_imports_only(tmp_pa
     shipped = sorted(p.name for p in tmp_path.glob("*.py"))
     assert shipped == [
         "cache.py", "chunked_scan.py", "chunked_scan_autograd.py", "compact_taylor.py", "compat.py",
-        "configuration_jrt.py", "huge_pages.py", "linear_attention.py", "loss.py", "modeling_jrt.py", "prefix_fill.py",
-        "sliding_window.py",
+        "configuration_jrt.py", "huge_pages.py", "legacy_folders.py", "linear_attention.py", "loss.py",
+        "modeling_jrt.py", "prefix_fill.py", "sliding_window.py", "transformers_range.py",
     ]
     for path in tmp_path.glob("*.py"):
         absolute = [name for name in get_imports(str(path)) if name.startswith(LOCAL_PACKAGES)]
         assert not absolute, f"{path.name} imports {absolute}"
-
-
-_CROSS_RELEASE_LOAD = BLOCK_LOCAL_PACKAGES + textwrap.dedent(
-    """
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-    folder = sys.argv[1]
-    expected = torch.load(folder + "/expected.pt")
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
-    generated = model.generate(expected["input_ids"], attention_mask=expected["attention_mask"], max_new_tokens=6,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert torch.equal(generated, expected["generated"]), (generated, expected["generated"])
-    print(expected["transformers"], "->", transformers.__version__)
-    """
-)
-
-
-def _load_cross_release(tmp_path: Path, folder: Path) -> str:
-    script = tmp_path / "cross_release.py"
-    script.write_text(_CROSS_RELEASE_LOAD)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1")
-    process = subprocess.run([sys.executable, "-I", str(script), str(folder)], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=300)
-    assert process.returncode == 0, process.stderr[-3000:]
-    return process.stdout
-
-
-def test_a_saved_folder_generates_the_recorded_tokens_without_the_package(tmp_path):
-    """The round trip `tests/cross_release_folder.py` + the isolated load, on this release."""
-    from cross_release_folder import save_cross_release_folder
-
-    save_cross_release_folder(tmp_path / "saved")
-    assert "->" in _load_cross_release(tmp_path, tmp_path / "saved")
-
-
-@pytest.mark.skipif(
-    not os.environ.get("JRT_CROSS_RELEASE_FOLDER"),
-    reason="needs a folder saved on another transformers release (.ci/run sets JRT_CROSS_RELEASE_FOLDER)",
-)
-def test_a_folder_saved_on_another_transformers_release_generates_the_same_tokens(tmp_path):
-    """CI saves the folder with the newest transformers and runs this on the oldest declared release."""
-    import shutil
-
-    folder = tmp_path / "saved"
-    shutil.copytree(os.environ["JRT_CROSS_RELEASE_FOLDER"], folder)
-    printed = _load_cross_release(tmp_path, folder)
-    saved_with, loaded_with = printed.strip().split(" -> ")
-    assert saved_with != loaded_with, "the folder should come from another release"

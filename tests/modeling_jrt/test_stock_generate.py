@@ -204,7 +204,7 @@ def test_the_default_cache_generate_builds_is_replaced_without_a_warning(make_co
     # A model without attention layers is where transformers' default cache reads as compileable (on >= 5.24; older
     # releases need the model's cache passed for it, see the README).
     recurrent = ["conv", "linear_attention", "conv", "linear_attention"]
-    model = build(make_config, **(dict(layer_types=recurrent) if CACHE_FIELD == "cache" else {}))
+    model = build(make_config, **(dict(mixer_types=recurrent) if CACHE_FIELD == "cache" else {}))
     assert not cache_is_static(DynamicCache(config=model.config))
     hf_logging.enable_propagation()
     with caplog.at_level("WARNING"):

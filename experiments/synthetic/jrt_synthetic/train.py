@@ -119,7 +119,7 @@ def build_model_config(spec: RunSpec, prefix_length: int) -> JRTRNNConfig:
         intermediate_size=0,
         num_hidden_layers=4,
         num_attention_heads=spec.num_attention_heads,
-        layer_types=["conv", "linear_attention", "conv", "linear_attention"],
+        mixer_types=["conv", "linear_attention", "conv", "linear_attention"],
         feature_dim=spec.feature_dim,
         conv_kernel_size=3,
         conv_expansion=1,

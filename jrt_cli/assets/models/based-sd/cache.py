@@ -1,6 +1,6 @@
 """`JRTRNNCache`: the constant-size inference state of a JRT-RNN / Based model, on transformers' public `Cache` API.
 
-One slot per layer, picked by `config.layer_types`:
+One slot per layer, picked by `config.mixer_types`:
 
     "conv"               JRTRNNConvState           the last `K - 1` convolution inputs        (B, D, <= K - 1)
     "sliding_attention"  JRTRNNSlidingWindowState  the last `W - 1` keys and values, and       (B, H, <= W - 1, Dh)
@@ -19,7 +19,12 @@ it continues from one, for every layer mix (also a model without any attention l
 
 The cache is `Cache`'s public subclass API only (`layers`, `get_seq_length`, `reorder_cache`,
 `batch_repeat_interleave`, `batch_select_indices`, `crop`, `reset`, `is_compileable`): it is the same object on every
-transformers release this package supports.
+transformers release this package supports. transformers reads more of a cache, and of its layers, from release to
+release (5.25 asks every layer `is_croppable` before assisted decoding; its tests read `keys` / `values`). The cache
+answers those questions itself (`is_croppable`, `is_compileable`, `is_initialized`, `get_max_length`, ...), and every
+layer state derives from `JRTRNNLayerState`, which answers them for one layer the way transformers' own recurrent
+layers do: not croppable, not compileable, `keys` / `values` None where the layer holds no attention keys. Nothing
+here subclasses transformers' layer classes, whose abstract methods change between releases.
 """
 
 from __future__ import annotations
@@ -36,7 +41,46 @@ def _rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | No
     return None if tensor is None else tensor.index_select(0, index.to(tensor.device))
 
 
-class JRTRNNConvState:
+class JRTRNNLayerState:
+    """What transformers (any release of the range) may read of one cache layer, answered for a layer of this model.
+
+    A recurrent state cannot be rolled back (`is_croppable` False: assisted decoding is refused with transformers' own
+    `ValueError`), has no fixed-address buffers (`is_compileable` False) and, outside a sliding-attention layer, holds
+    no attention keys or values (`keys` / `values` None). Subclasses list their tensors in `tensors()`.
+    """
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        raise NotImplementedError
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether a forward has written this layer's state."""
+        return any(tensor is not None for tensor in self.tensors())
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.select_rows(beam_idx)
+
+    def crop(self, max_length: int) -> None:
+        raise ValueError(CROP_REFUSED)
+
+
+CROP_REFUSED = (
+    "A JRT-RNN / Based cache holds a recurrent state, which cannot be rolled back to an earlier length: recompute from "
+    "the shorter prompt instead."
+)
+
+
+class JRTRNNConvState(JRTRNNLayerState):
     """The last `kernel_size - 1` inputs `(B, D, <= K - 1)` of a short convolution (padding entered as zeros)."""
 
     def __init__(self, kernel_size: int):
@@ -57,10 +101,12 @@ class JRTRNNConvState:
         self.inputs = _rows(self.inputs, index)
 
 
-class JRTRNNSlidingWindowState:
+class JRTRNNSlidingWindowState(JRTRNNLayerState):
     """The last `sliding_window - 1` keys and values `(B, H, <= W - 1, Dh)` of a sliding-attention layer, with their
     padding flags `(B, <= W - 1)` (None while no key was padding). Exactly `W - 1` keys from the first use, for every
     window (a window of 1 keeps none)."""
+
+    is_sliding = True
 
     def __init__(self, sliding_window: int):
         self.sliding_window = sliding_window
@@ -97,7 +143,7 @@ class JRTRNNSlidingWindowState:
         self.keys, self.values, self.key_mask = (_rows(t, index) for t in self.tensors())
 
 
-class JRTRNNLinearAttentionState:
+class JRTRNNLinearAttentionState(JRTRNNLayerState):
     """The fp32 recurrent state `(B, H, F, V + 1)` of a linear-attention layer (numerator | denominator), or None
     before the layer's first forward."""
 
@@ -136,6 +182,18 @@ class JRTRNNPrefixRecord:
         self.prefix_lengths = _rows(self.prefix_lengths, index)
 
 
+# The config fields that fix the shapes a cache holds: a cache is continued only by a model that agrees on each.
+CACHE_LAYOUT_FIELDS = (
+    "mixer_types", "hidden_size", "num_attention_heads", "sliding_window", "conv_kernel_size", "conv_expansion",
+    "feature_dim", "linear_attention_type",
+)
+
+
+def cache_layout(config: JRTRNNConfig) -> dict[str, object]:
+    """The values of `CACHE_LAYOUT_FIELDS` in `config`."""
+    return {field: getattr(config, field) for field in CACHE_LAYOUT_FIELDS}
+
+
 LAYER_STATES = {
     "conv": lambda config: JRTRNNConvState(config.conv_kernel_size),
     "sliding_attention": lambda config: JRTRNNSlidingWindowState(config.sliding_window),
@@ -156,10 +214,12 @@ class JRTRNNCache(Cache):
     """
 
     is_compileable = False  # no fixed-shape buffers: generate() does not auto-compile on it
+    is_croppable = False  # a recurrent state cannot be rolled back: assisted decoding is refused
 
     def __init__(self, config: JRTRNNConfig):
-        super().__init__(layers=[LAYER_STATES[kind](config) for kind in config.layer_types])
-        self.layer_types = list(config.layer_types)
+        super().__init__(layers=[LAYER_STATES[kind](config) for kind in config.mixer_types])
+        self.mixer_types = list(config.mixer_types)
+        self.layout = cache_layout(config)
         self.num_read = 0  # caller columns read (batch padding included, the prefix fill excluded)
         self.prefix: JRTRNNPrefixRecord | None = None
         self.num_rows: int | None = None
@@ -189,11 +249,30 @@ class JRTRNNCache(Cache):
         return self.num_read
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        """No maximum length: the state has a constant size (-1, as transformers' recurrent layers answer)."""
+        return -1
+
+    def get_max_length(self, layer_idx: int = 0) -> int:
+        """`get_max_cache_shape` under its newer name."""
         return -1
 
     @property
+    def max_cache_len(self) -> int:
+        return -1
+
+    def check_layout(self, config: JRTRNNConfig) -> None:
+        """Refuse, naming the field, to be continued by a model whose config fixes other shapes (`CACHE_LAYOUT_FIELDS`):
+        a cache built for another `sliding_window` would otherwise run with a window the model was not trained for."""
+        for field, value in cache_layout(config).items():
+            if self.layout.get(field) != value:
+                raise ValueError(
+                    f"The cache was built for {field}={self.layout.get(field)!r}, but this model has {field}={value!r}: "
+                    "pass `JRTRNNCache(model.config)`, or the cache this model returned."
+                )
+
+    @property
     def is_sliding(self) -> list[bool]:
-        return [kind == "sliding_attention" for kind in self.layer_types]
+        return [kind == "sliding_attention" for kind in self.mixer_types]
 
     @property
     def is_linear(self) -> list[bool]:
@@ -262,10 +341,7 @@ class JRTRNNCache(Cache):
         self.select_rows(torch.as_tensor(indices))
 
     def crop(self, max_length: int) -> None:
-        raise ValueError(
-            "A JRT-RNN / Based cache holds a recurrent state, which cannot be rolled back to an earlier length: "
-            "recompute from the shorter prompt instead."
-        )
+        raise ValueError(CROP_REFUSED)
 
     def reset(self) -> None:
         """Forget the sequence: every state empty, as a new cache."""
@@ -277,12 +353,14 @@ class JRTRNNCache(Cache):
         self.holds_beams = False
 
     def __repr__(self) -> str:
-        return f"JRTRNNCache(layers={self.layer_types}, rows={self.num_rows}, tokens_read={self.num_read})"
+        return f"JRTRNNCache(layers={self.mixer_types}, rows={self.num_rows}, tokens_read={self.num_read})"
 
 
 __all__ = [
+    "CACHE_LAYOUT_FIELDS",
     "JRTRNNCache",
     "JRTRNNConvState",
+    "JRTRNNLayerState",
     "JRTRNNLinearAttentionState",
     "JRTRNNPrefixRecord",
     "JRTRNNSlidingWindowState",

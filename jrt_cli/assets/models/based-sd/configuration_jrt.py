@@ -1,13 +1,25 @@
-"""Configuration of JRT-RNN and Based models (`model_type = "jrt_rnn"`)."""
+"""Configuration of JRT-RNN and Based models (`model_type = "jrt_rnn"`).
+
+The mixer of each layer is `mixer_types`, a field transformers does not know. transformers reads a config's
+`layer_types` as its own vocabulary, and what it does with it changes from release to release (5.5 - 5.23 build
+their default generation cache from it, 5.17 rewrites `"conv"` to `"linear_attention"` in custom-code configs, other
+releases check it against a list of allowed names). So this config has no `layer_types`: whatever a release does with
+that name, it cannot change this model. Folders saved before the rename (`"layer_types"` in config.json) load as the
+same model: the value moves to `mixer_types` before transformers' own config code runs.
+"""
 
 from __future__ import annotations
 
 import math
 
-from huggingface_hub.dataclasses import strict
-from transformers.configuration_utils import PreTrainedConfig
+from .transformers_range import check_transformers_release
 
-LAYER_TYPES = ("conv", "sliding_attention", "linear_attention")
+check_transformers_release()  # one line naming the range, before transformers' own imports can fail on 4.x
+
+from huggingface_hub.dataclasses import strict  # noqa: E402
+from transformers.configuration_utils import PreTrainedConfig  # noqa: E402
+
+MIXER_TYPES = ("conv", "sliding_attention", "linear_attention")
 LINEAR_ATTENTION_TYPES = ("prefix", "causal")
 PREFIX_PAD_MASKINGS = ("strict", "reference")
 LINEAR_ATTENTION_IMPLEMENTATIONS = ("auto", "chunked", "triton", "quadratic")
@@ -86,19 +98,21 @@ def _check_token_id(field: str, value: object, vocab_size: int) -> None:
             )
 
 
-def _check_layer_types(layer_types: object) -> list[str]:
-    """`layer_types` as a list, checked before transformers' legacy remap (which would turn e.g. 'mamba' into
-    'linear_attention') can change a name that is not one of this model's own."""
-    if isinstance(layer_types, str) or not isinstance(layer_types, (list, tuple)):
-        raise ValueError(
-            f"`layer_types` must be a list with one of {list(LAYER_TYPES)} per layer, got {layer_types!r}."
-        )
-    for index, layer_type in enumerate(layer_types):
-        if layer_type not in LAYER_TYPES:
-            raise ValueError(
-                f"`layer_types[{index}]` is {layer_type!r}; allowed layer types are {list(LAYER_TYPES)}."
-            )
-    return list(layer_types)
+def _check_mixer_types(mixer_types: object, field: str = "mixer_types") -> list[str]:
+    """`mixer_types` as a list of this model's own mixer names (`MIXER_TYPES`), one per layer."""
+    if isinstance(mixer_types, str) or not isinstance(mixer_types, (list, tuple)):
+        raise ValueError(f"`{field}` must be a list with one of {list(MIXER_TYPES)} per layer, got {mixer_types!r}.")
+    for index, mixer_type in enumerate(mixer_types):
+        if mixer_type not in MIXER_TYPES:
+            raise ValueError(f"`{field}[{index}]` is {mixer_type!r}; allowed mixer types are {list(MIXER_TYPES)}.")
+    return list(mixer_types)
+
+
+LAYER_TYPES_RENAMED = (
+    "`JRTRNNConfig.layer_types` is now `mixer_types` (same values): transformers reads a config's `layer_types` as its "
+    "own cache and layer vocabulary, differently from release to release, so this model keeps its mixers under a name "
+    "of its own. `JRTRNNConfig(layer_types=...)` and config.json files with `layer_types` still load."
+)
 
 
 @strict
@@ -118,9 +132,11 @@ class JRTRNNConfig(PreTrainedConfig):
             (as in the zoology synthetic-task models).
         num_hidden_layers: Number of blocks.
         num_attention_heads: Heads of both the sliding-window and the linear attention (head dim = d / heads).
-        layer_types: Mixer of each layer, one of `"conv"`, `"sliding_attention"`, `"linear_attention"`.
+        mixer_types: Mixer of each layer, one of `"conv"`, `"sliding_attention"`, `"linear_attention"`.
             Defaults to the released pattern (linear attention at layers 1, 6, 11, ..., sliding attention right
-            after each of them, convolutions elsewhere).
+            after each of them, convolutions elsewhere). `layer_types=` is accepted as its former name (and
+            `"layer_types"` in a config.json saved before 0.4); the config has no `layer_types` attribute, so no
+            transformers release can read this model's mixers as its own layer vocabulary.
         rms_norm_eps: Epsilon of every RMSNorm.
         tie_word_embeddings: Share the LM head with the input embedding (True in every released model).
         sliding_window: Keys a sliding-attention query sees, itself included (HF semantics). The reference
@@ -183,7 +199,7 @@ class JRTRNNConfig(PreTrainedConfig):
     intermediate_size: int = 2048
     num_hidden_layers: int = 26
     num_attention_heads: int = 16
-    layer_types: list[str] | None = None
+    mixer_types: list[str] | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
     sliding_window: int = 129
@@ -214,10 +230,21 @@ class JRTRNNConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         self.validate_fields()
-        if self.layer_types is None:
-            self.layer_types = default_layer_types(self.num_hidden_layers)
+        # The former name (`JRTRNNConfig(layer_types=...)`, config.json of jrt-rnn < 0.4) leaves `kwargs` here, before
+        # transformers' `__post_init__` sees it: it never becomes an attribute transformers would read or rewrite.
+        legacy = kwargs.pop("layer_types", None)
+        if legacy is not None:
+            legacy = _check_mixer_types(legacy, "layer_types")
+            if self.mixer_types is not None and list(self.mixer_types) != legacy:
+                raise ValueError(
+                    f"`layer_types` ({legacy}) and `mixer_types` ({list(self.mixer_types)}) disagree: pass "
+                    "`mixer_types` only (`layer_types` is its former name)."
+                )
+            self.mixer_types = legacy
+        if self.mixer_types is None:
+            self.mixer_types = default_mixer_types(self.num_hidden_layers)
         else:
-            self.layer_types = _check_layer_types(self.layer_types)
+            self.mixer_types = _check_mixer_types(self.mixer_types)
         super().__post_init__(**kwargs)
         # Validate here as well as through @strict, so that users get a plain ValueError (not a wrapped one).
         self.validate_architecture()
@@ -258,11 +285,11 @@ class JRTRNNConfig(PreTrainedConfig):
     def validate_architecture(self):
         """Cross-field checks; every error names the field, the value and what is allowed."""
         self.validate_fields()
-        _check_layer_types(self.layer_types)
-        if len(self.layer_types) != self.num_hidden_layers:
+        _check_mixer_types(self.mixer_types)
+        if len(self.mixer_types) != self.num_hidden_layers:
             raise ValueError(
-                f"`layer_types` has {len(self.layer_types)} entries but `num_hidden_layers` is "
-                f"{self.num_hidden_layers}: give exactly one layer type per layer."
+                f"`mixer_types` has {len(self.mixer_types)} entries but `num_hidden_layers` is "
+                f"{self.num_hidden_layers}: give exactly one mixer type per layer."
             )
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
@@ -287,6 +314,17 @@ class JRTRNNConfig(PreTrainedConfig):
             )
 
     @property
+    def layer_types(self) -> list[str]:
+        """Not an attribute of this config (see the module docstring): `getattr(config, "layer_types", None)` is None
+        for transformers, and a user who reads it is told the new name."""
+        raise AttributeError(LAYER_TYPES_RENAMED)
+
+    @property
+    def is_prefix_model(self) -> bool:
+        """Whether the model reads a JRT prefix: prefix linear attention in at least one layer."""
+        return self.linear_attention_type == "prefix" and "linear_attention" in self.mixer_types
+
+    @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
@@ -296,21 +334,24 @@ class JRTRNNConfig(PreTrainedConfig):
         return 1 + self.feature_dim + self.feature_dim**2
 
 
-def default_layer_types(num_hidden_layers: int) -> list[str]:
+def default_mixer_types(num_hidden_layers: int) -> list[str]:
     """The released Based/JRT pattern: linear attention at 1, 6, 11, 16, 21, then every 6th layer from 27
     (27, 33 in the 36-layer models), sliding attention right after each, convolutions elsewhere."""
     linear = [i for i in (1, 6, 11, 16, 21) if i < num_hidden_layers]
     linear += list(range(27, num_hidden_layers, 6))
-    layer_types = ["conv"] * num_hidden_layers
+    mixer_types = ["conv"] * num_hidden_layers
     for i in linear:
-        layer_types[i] = "linear_attention"
+        mixer_types[i] = "linear_attention"
         if i + 1 < num_hidden_layers:
-            layer_types[i + 1] = "sliding_attention"
-    return layer_types
+            mixer_types[i + 1] = "sliding_attention"
+    return mixer_types
+
+
+default_layer_types = default_mixer_types  # the former name
 
 
 # `save_pretrained` copies this file into the saved folder and names it in `auto_map` (remote code), however the config
 # was loaded: see `JRTRNNPreTrainedModel.save_pretrained`.
 JRTRNNConfig.register_for_auto_class()
 
-__all__ = ["MAX_SIZES", "JRTRNNConfig", "default_layer_types"]
+__all__ = ["MAX_SIZES", "MIXER_TYPES", "JRTRNNConfig", "default_layer_types", "default_mixer_types"]

@@ -3,13 +3,13 @@
 The stack (docs/reference_architecture.md §1): token embedding -> N pre-norm blocks -> RMSNorm -> tied LM head.
 Each block is
     residual += mixer(RMSNorm(residual));  residual += SwiGLU(RMSNorm(residual))
-with an fp32 residual stream, where the mixer is picked by `config.layer_types[i]`:
+with an fp32 residual stream, where the mixer is picked by `config.mixer_types[i]`:
     "conv"               gated short convolution (depthwise causal conv, SiLU, multiplicative gate)
     "sliding_attention"  softmax attention over the last `sliding_window` tokens, RoPE on q and k
     "linear_attention"   Taylor-feature linear attention, prefix (JRT-RNN) or causal (Based, optional decay)
 
-All state lives in transformers' own `Cache` built from `config.layer_types`: the last inputs of each convolution,
-the last `sliding_window - 1` keys/values of each sliding layer and the fp32 linear-attention state. The first forward
+All state lives in the model's own `JRTRNNCache` (one state per layer, from `config.mixer_types`): the last inputs of
+each convolution, the last `sliding_window - 1` keys/values of each sliding layer and the fp32 linear-attention state. The first forward
 with an empty cache runs the parallel prefill (chunked PyTorch or the Triton kernel); later single-token forwards
 are O(1) recurrent steps.
 
@@ -25,13 +25,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationConfig, GenerationMixin
-from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.utils import logging
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .transformers_range import check_transformers_release, importing_transformers
+
+with importing_transformers():  # one line instead of a traceback where transformers' own imports cannot work
+    from transformers.cache_utils import Cache, DynamicCache
+    from transformers.generation import GenerationConfig, GenerationMixin
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+    from transformers.utils import logging
+    from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache import JRTRNNCache, JRTRNNConvState, JRTRNNPrefixRecord, JRTRNNSlidingWindowState
 
@@ -44,6 +48,7 @@ from .compact_taylor import CompactTaylor  # noqa: F401
 from .huge_pages import advise_huge_pages  # noqa: F401
 from .compat import CACHE_FIELD, add_cache_alias, keep_last_logits, model_output
 from .configuration_jrt import JRTRNNConfig
+from .legacy_folders import migrate_legacy_generation_settings
 from .linear_attention import linear_attention_step, prefix_linear_attention
 from .loss import IGNORE_INDEX, check_prefix_length, ignore_prefix_targets, jrt_loss
 from .prefix_fill import check_prefix_strategy, fill_prefix, never_generated_ids, row_spans
@@ -635,7 +640,7 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: JRTRNNConfig, layer_idx: int):
         super().__init__()
-        self.layer_type = config.layer_types[layer_idx]
+        self.layer_type = config.mixer_types[layer_idx]
         if self.layer_type not in MIXER_CLASSES:
             raise ValueError(f"Invalid layer type {self.layer_type!r} at layer {layer_idx}; allowed: {list(MIXER_CLASSES)}.")
         self.input_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -832,11 +837,7 @@ def resolve_cache(cache: object, past_key_values: object, config: JRTRNNConfig) 
             "(`PrefixTuningConfig`), cannot work with JRT-RNN / Based models; use prompt tuning "
             "(`PromptTuningConfig`) or LoRA instead."
         )
-    if cache.layer_types != list(config.layer_types):
-        raise ValueError(
-            f"The cache was built for layer types {cache.layer_types}, but this model has {list(config.layer_types)}: "
-            "pass `JRTRNNCache(model.config)`."
-        )
+    cache.check_layout(config)
     return cache
 
 
@@ -926,7 +927,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
 
     @property
     def is_prefix_model(self) -> bool:
-        return self.config.linear_attention_type == "prefix" and "linear_attention" in self.config.layer_types
+        return self.config.is_prefix_model
 
     def forward(
         self,
@@ -1031,7 +1032,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_positions)[None]
         elif fill_columns:
             position_ids = filled.positions(position_ids.to(inputs_embeds.device))
-        has_sliding = "sliding_attention" in config.layer_types
+        has_sliding = "sliding_attention" in config.mixer_types
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if has_sliding else None
 
         # 3. The blocks, with output capturing (hidden states, attention weights), in the model's layout.
@@ -1200,7 +1201,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         >>> import modeling_jrt  # registers model_type "jrt_rnn"
         >>> config = modeling_jrt.JRTRNNConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4,
         ...                                    num_attention_heads=4, intermediate_size=128,
-        ...                                    layer_types=["conv", "linear_attention", "sliding_attention", "conv"],
+        ...                                    mixer_types=["conv", "linear_attention", "sliding_attention", "conv"],
         ...                                    prefix_length=16, sliding_window=9)
         >>> model = AutoModelForCausalLM.from_config(config)
         >>> out = model(torch.randint(0, 128, (2, 20)), labels=torch.randint(0, 128, (2, 20)))
@@ -1219,6 +1220,15 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         # (`leak_free_labels_hook.remove()` restores the leaky behaviour; benchmarks/sft_leak.py measures it.)
         self.leak_free_labels_hook = self.register_forward_pre_hook(leak_free_labels, with_kwargs=True)
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, then what a folder of an earlier jrt-rnn release saved elsewhere moves
+        where it lives now (`legacy_folders.py`)."""
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True
+        migrate_legacy_generation_settings(model, pretrained_model_name_or_path, kwargs)
+        return loaded
+
     @property
     def generation_config(self) -> GenerationConfig | None:
         """The generation defaults (`generation_config.json`). Ids the model must never generate (padded vocabulary
@@ -1228,14 +1238,6 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
             missing = set(never_generated_ids(self.config)) - set(generation_config.suppress_tokens or [])
             if missing:
                 generation_config.suppress_tokens = sorted(set(generation_config.suppress_tokens or []) | missing)
-            legacy = getattr(generation_config, "prefix_strategy", None)
-            if legacy is not None:  # saved by jrt-rnn 0.2: the default now lives in the model config
-                self.config.prefix_strategy = check_prefix_strategy(legacy)
-                delattr(generation_config, "prefix_strategy")
-                logger.warning_once(
-                    "`generation_config.prefix_strategy` moved to the model config: set `model.config.prefix_strategy` "
-                    f"(now {legacy!r}); a per-call `generate(prefix_strategy=...)` overrides it."
-                )
         return generation_config
 
     @generation_config.setter
@@ -1415,10 +1417,16 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         """
         # `cache=` and `past_key_values=` both reach here when a caller names the cache the other release's way;
         # generate() then measured `next_sequence_length` against its own (empty) cache: slice by our count instead.
+        if isinstance(past_key_values, JRTRNNCache) and cache is not None and cache is not past_key_values:
+            cache, past_key_values = past_key_values, cache
         if isinstance(cache, JRTRNNCache) and past_key_values is not None and past_key_values is not cache:
             next_sequence_length = next_sequence_length if next_sequence_length == 1 else None
-        elif isinstance(past_key_values, JRTRNNCache) and cache is not None and cache is not past_key_values:
-            cache, next_sequence_length = past_key_values, (next_sequence_length if next_sequence_length == 1 else None)
+            if is_first_iteration and next_sequence_length is None:
+                # generate() sliced nothing: the input is the caller's whole sequence, which must extend the cache's.
+                given = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
+                width = attention_mask.shape[1] if attention_mask is not None else given
+                if cache.num_read and width <= cache.num_read:
+                    raise ValueError(stale_cache_message(cache.num_read, width))
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, JRTRNNCache):
             if cache_is_static(cache):
@@ -1497,6 +1505,13 @@ def unread_columns(
     return sequence  # only the new tokens (a prefill chunk, or new tokens with the full mask)
 
 
+def stale_cache_message(read: int, width: int) -> str:
+    return (
+        f"This cache has read {read} tokens, but `input_ids` has {width}: continue with the full sequence (the tokens "
+        "the cache read, then the new ones), or generate from a fresh cache."
+    )
+
+
 def check_generation_cache(
     cache: JRTRNNCache,
     sequence: torch.Tensor,
@@ -1515,10 +1530,7 @@ def check_generation_cache(
     )
     if read and not reads_embeds and short:
         width = sequence.shape[1] if mask_width is None else mask_width
-        raise ValueError(
-            f"This cache has read {read} tokens, but `input_ids` has {width}: continue with the full sequence (the "
-            "tokens the cache read, then the new ones), or generate from a fresh cache."
-        )
+        raise ValueError(stale_cache_message(read, width))
     if read and cache.holds_beams and is_first_iteration:
         raise ValueError(
             "This cache comes from beam search: its rows hold the beams of the last step, not the sequences "

@@ -1,0 +1,69 @@
+"""The transformers releases this model code runs on, checked before anything of transformers is imported.
+
+A saved folder ships this code (Hub remote code), and its user may have any transformers: on a release outside the
+range the first import would fail deep inside transformers (4.x lacks `PreTrainedConfig`) or, worse, load. So the
+configuration module calls `check_transformers_release()` first, and a user outside the range reads one line naming
+the range and the release found. `pyproject.toml` declares the same range (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+
+MIN_TRANSFORMERS = (5, 5)
+"""The oldest release the model code runs on (inclusive), as (major, minor)."""
+MAX_TRANSFORMERS = (6, 0)
+"""The first release outside the range (exclusive), as (major, minor)."""
+TRANSFORMERS_RANGE = f">={MIN_TRANSFORMERS[0]}.{MIN_TRANSFORMERS[1]},<{MAX_TRANSFORMERS[0]}"
+
+
+def release_tuple(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as "5.24.0", "5.25.0.dev0" or "6.0.0rc1"."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"Cannot read a transformers version from {version!r}.")
+    return int(match.group(1)), int(match.group(2))
+
+
+def check_transformers_release(version: str | None = None) -> None:
+    """Raise `ImportError` in one line unless `version` (default: the installed transformers) is in the range."""
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    if not MIN_TRANSFORMERS <= release_tuple(version) < MAX_TRANSFORMERS:
+        raise ImportError(
+            f"jrt-rnn's model code needs transformers{TRANSFORMERS_RANGE}; found {version}. Install a release in the "
+            f'range: pip install "transformers{TRANSFORMERS_RANGE}"'
+        )
+
+
+KERNELS_CLASH = "Either a revision or a version must be specified"
+
+
+@contextlib.contextmanager
+def importing_transformers() -> Iterator[None]:
+    """Around the model file's transformers imports: a failure that is transformers' own, not this model's, becomes
+    one line that says what to do.
+
+    transformers 5.5 - 5.13 name kernels of Hugging Face's `kernels` package without a version at import time, which
+    `kernels` 0.19 and newer refuse (`ValueError: Either a revision or a version must be specified`): every model of
+    those releases fails to import, not only this one.
+    """
+    try:
+        yield
+    except ValueError as error:
+        if KERNELS_CLASH not in str(error):
+            raise
+        import transformers
+
+        raise ImportError(
+            f"transformers {transformers.__version__} cannot import its model classes with the installed `kernels` "
+            "package (0.19 or newer; transformers 5.5 - 5.13 are affected, every model alike): run "
+            '`pip uninstall kernels`, or `pip install "kernels<0.19"`, or upgrade transformers to 5.14 or newer.'
+        ) from error
+
+
+__all__ = ["MAX_TRANSFORMERS", "MIN_TRANSFORMERS", "TRANSFORMERS_RANGE", "check_transformers_release", "importing_transformers"]

@@ -1,0 +1,61 @@
+"""What folders saved by earlier jrt-rnn releases carry that now lives elsewhere, moved where it lives now.
+
+- `layer_types` in config.json (< 0.4): read by `JRTRNNConfig` as `mixer_types` (configuration_jrt.py).
+- `prefix_strategy` in generation_config.json (0.2): the default fill of a short JRT prompt is a model setting now
+  (`config.prefix_strategy`). transformers releases differ in what they keep of a generation config's unknown fields
+  (5.25 drops them on load), so the migration reads the saved file itself, once, when the model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from transformers.utils import logging
+
+from .prefix_fill import check_prefix_strategy
+
+logger = logging.get_logger(__name__)
+
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+def saved_generation_settings(source: str | os.PathLike, load_kwargs: dict) -> dict:
+    """The raw `generation_config.json` of the folder or Hub repo `from_pretrained` just loaded (read from the local
+    folder, or from the Hub cache that loading filled: no download), or {} when there is none."""
+    source = str(source)
+    subfolder = load_kwargs.get("subfolder") or ""
+    if os.path.isdir(source):
+        path: object = os.path.join(source, subfolder, GENERATION_CONFIG_NAME)
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        filename = f"{subfolder}/{GENERATION_CONFIG_NAME}" if subfolder else GENERATION_CONFIG_NAME
+        path = try_to_load_from_cache(
+            source, filename, cache_dir=load_kwargs.get("cache_dir"), revision=load_kwargs.get("revision")
+        )
+    if not isinstance(path, str) or not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as file:
+        settings = json.load(file)
+    return settings if isinstance(settings, dict) else {}
+
+
+def migrate_legacy_generation_settings(model: object, source: str | os.PathLike, load_kwargs: dict) -> None:
+    """Move a 0.2 folder's `generation_config.prefix_strategy` into `model.config.prefix_strategy`, with a warning
+    that says where it lives now."""
+    legacy = saved_generation_settings(source, load_kwargs).get("prefix_strategy")
+    if legacy is None:
+        return
+    model.config.prefix_strategy = check_prefix_strategy(legacy)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and hasattr(generation_config, "prefix_strategy"):
+        delattr(generation_config, "prefix_strategy")
+    logger.warning(
+        f"{source}: `prefix_strategy` ({legacy!r}) is saved in generation_config.json (jrt-rnn 0.2); it is a model "
+        "setting now and was moved to `model.config.prefix_strategy` (save the model again to store it there). A "
+        "per-call `generate(prefix_strategy=...)` overrides it."
+    )
+
+
+__all__ = ["migrate_legacy_generation_settings", "saved_generation_settings"]
