@@ -28,7 +28,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--models-dir", type=Path, default=MODELS_DIR,
                         help="folder holding jrt-rnn-sd/ and based-sd/ (default: the models shipped with the package; "
                              "`python experiments/synthetic export` writes such a folder)")
+    parser.add_argument("--export", type=Path, metavar="DIR",
+                        help="write the demo models as Hub-ready folders under DIR (weights, config, tokenizer and "
+                             "the model's code: a copy loads with trust_remote_code=True without jrt-rnn) and exit")
     parser.set_defaults(func=run)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .demo_models import export_demo_models
+
+    quiet_transformers()
+    try:
+        folders = export_demo_models(args.export, args.models_dir)
+    except FileExistsError as error:
+        raise UsageError(str(error)) from error
+    for folder in folders:
+        print(f"wrote {folder}")
+    return 0
 
 
 def _accuracy(model, batch) -> float:
@@ -38,6 +54,8 @@ def _accuracy(model, batch) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.export is not None:
+        return _export(args)
     if args.examples < NUM_SHOWN:
         raise UsageError(f"`--examples` must be >= {NUM_SHOWN}, got {args.examples}.")
     from .demo_models import (

@@ -1,9 +1,10 @@
 """The models behind `jrt demo`: tiny JRT-RNN and Based trained on set disjointness.
 
 They were trained by the synthetic-experiment harness of the repository (`experiments/synthetic`, experiment E1) and
-ship in `jrt_cli/assets/models/{jrt-rnn-sd,based-sd}/`: `save_pretrained` output plus `token_map.json`,
-`training.json` and a tokenizer built from the token map (`tokenizer.json`). They load offline through
-`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`.
+ship in `jrt_cli/assets/models/{jrt-rnn-sd,based-sd}/` as data: weights, config, `token_map.json`, `training.json`
+and a tokenizer built from the token map (`tokenizer.json`), no code. They load offline through the installed package
+(`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`); `export_demo_models` (`jrt demo --export
+DIR`) writes Hub-ready copies that carry the model's code.
 """
 
 from __future__ import annotations
@@ -62,37 +63,60 @@ def load_demo_model(model_dir: str, models_dir: Path = MODELS_DIR) -> tuple[torc
     return model, json.loads((path / "token_map.json").read_text())
 
 
-def refresh_demo_folder(folder: Path) -> list[str]:
-    """Rewrite what a demo model folder ships besides its weights, from this package: the remote code and `auto_map`
-    (what `save_pretrained` writes, so a copied folder loads with `trust_remote_code=True` alone) and the tokenizer
-    (`sd_tokenizer` of its `token_map.json`). The weights and `training.json` are left alone.
+# What a shipped demo folder holds: data only. The model's code comes from the installed package (`export_demo_models`
+# writes Hub-ready folders with the code, for use without the package).
+SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "token_map.json", "tokenizer.json",
+                 "tokenizer_config.json", "training.json")
 
-    `python -m jrt_cli.demo_models` runs it on the shipped folders; tests/jrt_cli/test_demo_assets.py fails when the
-    shipped code differs from the package's (after any change to `modeling_jrt`). Returns the files written.
+
+def refresh_demo_folder(folder: Path) -> list[str]:
+    """Rewrite what a demo model folder ships besides its weights, from this package: `config.json` in the current
+    layout (no `auto_map`: the folder holds no code, the installed package loads it), the tokenizer (`sd_tokenizer`
+    of its `token_map.json`); any other file (code a former release shipped) is removed. The weights, the generation
+    config and `training.json` are left alone.
+
+    `python -m jrt_cli.demo_models` runs it on the shipped folders; tests/jrt_cli/test_demo_assets.py checks them.
+    Returns the files written.
     """
+    from .set_disjointness import sd_tokenizer
+
+    config = AutoModelForCausalLM.from_pretrained(folder).config
+    config.auto_map = None
+    config.save_pretrained(folder)
+    saved = json.loads((folder / "config.json").read_text())
+    saved.pop("auto_map", None)
+    (folder / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+    token_map = json.loads((folder / "token_map.json").read_text())
+    written = [Path(name).name for name in sd_tokenizer(token_map).save_pretrained(folder)]
+    for path in folder.iterdir():
+        if path.name not in SHIPPED_FILES:
+            path.unlink()
+    return ["config.json", *written]
+
+
+def export_demo_models(destination: Path, models_dir: Path = MODELS_DIR) -> list[Path]:
+    """Write each demo model as a Hub-ready folder under `destination` (`save_pretrained`: weights, config with
+    `auto_map`, the model's code, so a copy loads with `trust_remote_code=True` without this package), with its
+    tokenizer, `token_map.json` and `training.json`. A folder is written complete in a temporary place, then moved
+    into place; an existing one is refused. Returns the folders written."""
     import shutil
     import tempfile
 
-    from .set_disjointness import sd_tokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(folder)
+    destination.mkdir(parents=True, exist_ok=True)
     written = []
-    with tempfile.TemporaryDirectory() as scratch:
-        model.save_pretrained(scratch)
-        shipped = {code.name for code in Path(scratch).glob("*.py")}
-        for stale in folder.glob("*.py"):  # files the package no longer has
-            if stale.name not in shipped:
-                stale.unlink()
-        for code in sorted(Path(scratch).glob("*.py")):
-            shutil.copyfile(code, folder / code.name)
-            written.append(code.name)
-        auto_map = json.loads((Path(scratch) / "config.json").read_text())["auto_map"]
-    config = json.loads((folder / "config.json").read_text())
-    config["auto_map"] = auto_map
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    token_map = json.loads((folder / "token_map.json").read_text())
-    written += sd_tokenizer(token_map).save_pretrained(folder)
-    return ["config.json", *(Path(name).name for name in written)]
+    for name in DEMO_MODELS.values():
+        target = destination / name
+        if target.exists():
+            raise FileExistsError(f"{target} exists: export into an empty folder, or remove it first.")
+        model, _ = load_demo_model(name, models_dir)
+        with tempfile.TemporaryDirectory(dir=destination) as scratch:
+            staged = Path(scratch) / name
+            model.save_pretrained(staged)
+            for file in ("token_map.json", "training.json", "tokenizer.json", "tokenizer_config.json"):
+                shutil.copyfile(models_dir / name / file, staged / file)
+            staged.rename(target)
+        written.append(target)
+    return written
 
 
 def demo_batch(num_examples: int, repeat: int = 1, seed: int = DEMO_SEED, vocab_size: int = 68,
@@ -143,7 +167,7 @@ def recurrent_state_size(model: torch.nn.Module, batch: SyntheticBatch) -> dict[
 
 
 if __name__ == "__main__":
-    # Refresh the shipped folders after a change to modeling_jrt (or to the demo tokenizer): code, auto_map, tokenizer.
+    # Refresh the shipped folders after a change to the config layout or to the demo tokenizer.
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -1,12 +1,11 @@
-"""The shipped demo model folders stand alone: a copy loads with `trust_remote_code=True` where this distribution is not
-importable (config.json has `auto_map`, the folder ships the package's code, byte for byte), and their tokenizers map
-unknown words to an unknown token instead of failing."""
+"""The shipped demo model folders are data (weights, config, tokenizer: the installed package is their code), and
+`jrt demo --export DIR` writes Hub-ready copies that load with `trust_remote_code=True` where this distribution is
+not importable; their tokenizers map unknown words to an unknown token instead of failing."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,35 +17,34 @@ from isolated_python import BLOCK_LOCAL_PACKAGES
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jrt_cli.choices import MODELS_DIR
-from jrt_cli.demo_models import DEMO_MODELS
+from jrt_cli.demo_models import DEMO_MODELS, SHIPPED_FILES
 from jrt_cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = sorted(DEMO_MODELS.values())
-REFRESH = "python -m jrt_cli.demo_models"
 PROMPT = "<bos> t5 t9 t12 t40 | t44 t47 t50 t52 t55 t57 t59 t60 t61 t62 t63 t64 t65 t66 t67 t12 ?"
 
 
 @pytest.mark.parametrize("name", FOLDERS)
-def test_shipped_code_is_what_save_pretrained_writes_from_the_package(name, tmp_path):
-    """One source of truth: the folder's .py files are the package's own (fails after any change to modeling_jrt
-    until the folders are refreshed with `python -m jrt_cli.demo_models`)."""
+def test_shipped_folders_hold_data_only(name):
+    """No copy of the model's code in the package data (the installed package loads them), and no `auto_map` that
+    would point a copied folder at code it lacks; the config is in the current layout (`mixer_types`)."""
     folder = MODELS_DIR / name
-    AutoModelForCausalLM.from_pretrained(folder).save_pretrained(tmp_path)
-    expected = {path.name: path.read_bytes() for path in tmp_path.glob("*.py")}
-    shipped = {path.name: path.read_bytes() for path in folder.glob("*.py")}
-    assert sorted(shipped) == sorted(expected), f"{folder}: refresh the shipped code with `{REFRESH}`"
-    stale = [file for file in expected if shipped[file] != expected[file]]
-    assert not stale, f"{folder}: {stale} differ from modeling_jrt; refresh them with `{REFRESH}`"
-    saved_auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
-    assert json.loads((folder / "config.json").read_text())["auto_map"] == saved_auto_map
+    assert sorted(path.name for path in folder.iterdir()) == sorted(SHIPPED_FILES)
+    config = json.loads((folder / "config.json").read_text())
+    assert "auto_map" not in config and "layer_types" not in config and config["mixer_types"]
 
 
-def test_copied_demo_folders_load_with_remote_code_alone(tmp_path):
-    copies = []
-    for name in FOLDERS:
-        shutil.copytree(MODELS_DIR / name, tmp_path / name)
-        copies.append(str(tmp_path / name))
+def test_exported_demo_folders_load_with_remote_code_alone(tmp_path, capsys):
+    assert main(["demo", "--export", str(tmp_path / "hub")]) == 0
+    copies = [str(tmp_path / "hub" / name) for name in FOLDERS]
+    assert sorted(capsys.readouterr().out.splitlines()) == [f"wrote {copy}" for copy in copies]
+    for copy in copies:  # save_pretrained's folder: the code and auto_map, with the demo's data
+        assert {"modeling_jrt.py", "configuration_jrt.py", "token_map.json", "tokenizer.json"} <= {
+            path.name for path in Path(copy).iterdir()}
+        assert json.loads((Path(copy) / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"]
+    assert main(["demo", "--export", str(tmp_path / "hub")]) == 2  # never over an existing export
+    assert "exists: export into an empty folder" in capsys.readouterr().err
     prompt_ids = torch.tensor([AutoTokenizer.from_pretrained(MODELS_DIR / FOLDERS[0])(PROMPT).input_ids])
     torch.save(prompt_ids, tmp_path / "ids.pt")
     script = BLOCK_LOCAL_PACKAGES + textwrap.dedent(
@@ -66,7 +64,7 @@ def test_copied_demo_folders_load_with_remote_code_alone(tmp_path):
         torch.save(results, ids_path + ".out.pt")
         """
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "mods")}
     env.pop("PYTHONPATH", None)
     run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ids.pt"), *copies], env=env,
                          capture_output=True, text=True, timeout=600, cwd=tmp_path, stdin=subprocess.DEVNULL)
@@ -75,7 +73,7 @@ def test_copied_demo_folders_load_with_remote_code_alone(tmp_path):
     for name, copy in zip(FOLDERS, copies):
         model = AutoModelForCausalLM.from_pretrained(MODELS_DIR / name).eval()
         with torch.no_grad():
-            torch.testing.assert_close(results[copy], model(prompt_ids).logits)
+            torch.testing.assert_close(results[copy], model(prompt_ids).logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", FOLDERS)
