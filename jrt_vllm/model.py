@@ -44,13 +44,8 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from modeling_jrt.configuration_jrt import JRTRNNConfig
 from modeling_jrt.prefix_fill import check_prefix_strategy, never_generated_ids, repeat_to_fill
 from modeling_jrt.linear_attention import linear_attention_step, num_taylor_features, prefix_linear_attention
-from modeling_jrt.modeling_jrt import (
-    JRTRNNLinearAttention,
-    JRTRNNMLP,
-    JRTRNNRMSNorm,
-    JRTRNNRotaryEmbedding,
-    apply_rotary_pos_emb,
-)
+from modeling_jrt.modeling_jrt import JRTRNNLinearAttention, JRTRNNMLP, JRTRNNRMSNorm
+from modeling_jrt.rotary import JRTRNNRotaryEmbedding, apply_rotary_pos_emb
 from modeling_jrt.sliding_window import blocked_sliding_window_attention
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ from .linear_attention import (
     taylor_feature_map,
 )
 from .loss import IGNORE_INDEX, ignore_prefix_targets, jrt_loss
-from .modeling_jrt import JRTRNNCausalLMOutput, JRTRNNForCausalLM, JRTRNNModel, JRTRNNPreTrainedModel
+from .modeling_jrt import JRTRNNForCausalLM, JRTRNNModel, JRTRNNPreTrainedModel
+from .outputs import JRTRNNCausalLMOutput
 
 AutoConfig.register(JRTRNNConfig.model_type, JRTRNNConfig, exist_ok=True)
 AutoModel.register(JRTRNNConfig, JRTRNNModel, exist_ok=True)

@@ -9,9 +9,10 @@ with an fp32 residual stream, where the mixer is picked by `config.mixer_types[i
     "linear_attention"   Taylor-feature linear attention, prefix (JRT-RNN) or causal (Based, optional decay)
 
 All state lives in the model's own `JRTRNNCache` (one state per layer, from `config.mixer_types`): the last inputs of
-each convolution, the last `sliding_window - 1` keys/values of each sliding layer and the fp32 linear-attention state. The first forward
-with an empty cache runs the parallel prefill (chunked PyTorch or the Triton kernel); later single-token forwards
-are O(1) recurrent steps.
+each convolution, the last `sliding_window - 1` keys/values of each sliding layer and the fp32 linear-attention
+state. The first forward with an empty cache runs the parallel prefill (chunked PyTorch or the Triton kernel); later
+single-token forwards are O(1) recurrent steps. Around the layers: input checks (`inputs.py`), the prefix layout
+(`prefix_fill.py`), the labels rule (`labels.py`), the generation hook (`generation.py`).
 
 This folder is self-contained (relative imports, torch and transformers only) so it can ship as Hub remote code.
 """
@@ -20,83 +21,59 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .transformers_range import check_transformers_release, importing_transformers
+from .transformers_range import importing_transformers
 
 with importing_transformers():  # one line instead of a traceback where transformers' own imports cannot work
-    from transformers.cache_utils import Cache, DynamicCache
+    from transformers.cache_utils import Cache
     from transformers.generation import GenerationConfig, GenerationMixin
     from transformers.modeling_layers import GradientCheckpointingLayer
-    from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+    from transformers.modeling_outputs import BaseModelOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
     from transformers.utils import logging
     from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .cache import JRTRNNCache, JRTRNNConvState, JRTRNNPrefixRecord, JRTRNNSlidingWindowState
+from .cache import JRTRNNCache, JRTRNNConvState, JRTRNNSlidingWindowState
 
-# Older transformers releases (5.5, the oldest this package declares) copy into their remote-code module cache only
-# the files the model file imports itself, not what those import in turn: so this file names every module of the
-# package once, the chunked scan's included (`linear_attention.py` is their only user).
+# transformers 5.5 (the oldest release declared) copies into its remote-code module cache only the files the model
+# file imports itself: this file names every module of the package once (these four only `linear_attention.py` uses).
 from .chunked_scan import scan_in_place  # noqa: F401
 from .chunked_scan_autograd import scan  # noqa: F401
 from .compact_taylor import CompactTaylor  # noqa: F401
 from .huge_pages import advise_huge_pages  # noqa: F401
-from .compat import CACHE_FIELD, add_cache_alias, keep_last_logits, model_output
+from .compat import CACHE_FIELD, keep_last_logits, model_output
 from .configuration_jrt import JRTRNNConfig
+from .generation import JRTRNNGenerationMixin
+from .inference_chunking import inference_chunk_rows, map_position_chunks
+from .inputs import check_attention_mask, check_inputs, check_labels_shape, check_one_sequence_per_row, resolve_cache
+from .labels import (
+    LOSS_KWARGS,
+    check_jrt_objective_prefix,
+    encoder_end,
+    ignore_encoder_targets,
+    leak_free_labels,
+    prompt_lengths_from_labels,
+)
 from .legacy_folders import migrate_legacy_generation_settings
+from .outputs import JRTRNNCausalLMOutput, JRTRNNModelOutput
 from .linear_attention import linear_attention_step, prefix_linear_attention
-from .loss import IGNORE_INDEX, check_prefix_length, ignore_prefix_targets, jrt_loss
-from .prefix_fill import check_prefix_strategy, fill_prefix, never_generated_ids, row_spans
-from .sliding_window import BLOCKED_IMPLEMENTATIONS, blocked_sliding_window_attention, default_block_size
+from .loss import IGNORE_INDEX, jrt_loss
+from .prefix_fill import JRTRNNEncoderRange, lay_out_prefix, never_generated_ids
+from .rotary import JRTRNNRotaryEmbedding, apply_rotary_pos_emb
+from .short_conv import causal_depthwise_conv
+from .sliding_window import (
+    BLOCKED_IMPLEMENTATIONS,
+    blocked_sliding_window_attention,
+    default_block_size,
+    eager_attention_forward,
+    sliding_window_additive_mask,
+)
 
 logger = logging.get_logger(__name__)
-
-# Inference-time token chunking. A long prefill would otherwise build `(B, T, width)` intermediates that grow with T:
-# from 16k tokens on they pass glibc's largest mmap threshold (32 MiB), so each is a fresh mmap that is page-faulted in,
-# and the peak memory grows with them. So during inference conv and sliding-window layers run whole (norm, mixer,
-# residual add, norm, MLP, residual add) one token chunk at a time, their bounded past carried by a layer state
-# (`JRTRNNDecoderLayer.layer_chunk_rows`); linear-attention layers normalize and project their input, and add their
-# output projection into the residual, in chunks; RMSNorm and the MLP chunk on their own. Chunking keeps every such
-# intermediate below INFERENCE_CHUNK_ELEMENTS elements (8 MiB in fp32), never shorter than MIN_INFERENCE_CHUNK rows,
-# and the residual stream is updated in place where nothing observes it (`JRTRNNModel.residual_unobserved`). It runs
-# only when autograd is off (`torch.no_grad` / `torch.inference_mode`, as in `generate()`) and outside
-# `torch.compile` tracing, so training and compiled graphs see the unchunked ops.
-INFERENCE_CHUNK_ELEMENTS = 1 << 21
-MIN_INFERENCE_CHUNK = 64
-
-
-def inference_chunk_rows(rows: int, width: int) -> int | None:
-    """Rows per chunk for `rows` positions whose widest intermediate has `width` elements per row, or None when the
-    op should run unchunked (autograd on, `torch.compile` tracing, or `rows` already fits one chunk)."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return None
-    chunk = max(MIN_INFERENCE_CHUNK, INFERENCE_CHUNK_ELEMENTS // max(width, 1))
-    return chunk if rows > chunk else None
-
-
-def map_position_chunks(
-    fn: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor, width: int
-) -> torch.Tensor:
-    """`fn(hidden_states)` for a position-wise `fn` (each output row depends on its own input row only), computed over
-    row chunks of `hidden_states` `(..., C)` viewed as `(rows, C)` when `inference_chunk_rows` says so; the rows land
-    in one preallocated output `(..., C_out)`. `width`: the widest intermediate of `fn` per row, in elements."""
-    rows = hidden_states.numel() // max(hidden_states.shape[-1], 1)
-    chunk = inference_chunk_rows(rows, width)
-    if chunk is None:
-        return fn(hidden_states)
-    flat = hidden_states.reshape(rows, hidden_states.shape[-1])
-    output = None
-    for start in range(0, rows, chunk):
-        part = fn(flat[start : start + chunk])
-        if output is None:
-            output = part.new_empty(rows, part.shape[-1])
-        output[start : start + chunk] = part
-    return output.view(*hidden_states.shape[:-1], output.shape[-1])
 
 
 class JRTRNNRMSNorm(nn.Module):
@@ -141,73 +118,6 @@ class JRTRNNRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
-
-
-class JRTRNNRotaryEmbedding(nn.Module):
-    """Non-interleaved (rotate-half) RoPE over the full head dim, as flash-attn's RotaryEmbedding in the reference."""
-
-    def __init__(self, config: JRTRNNConfig):
-        super().__init__()
-        self.config = config
-
-    @staticmethod
-    def compute_inv_freq(config: JRTRNNConfig) -> torch.Tensor:
-        dim = config.head_dim
-        return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids (B, T) -> cos, sin (B, T, head_dim) in x's dtype, computed in fp32."""
-        # Computed per call (a few dozen floats): no buffer to restore after meta-device loading.
-        inv_freq = self.compute_inv_freq(self.config).to(x.device)
-        freqs = position_ids[..., None].float() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k (B, H, T, D); cos, sin (B, T, D)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    if not torch.is_grad_enabled():
-        return rotary_without_autograd(q, cos, sin), rotary_without_autograd(k, cos, sin)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-def rotary_without_autograd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x * cos + rotate_half(x) * sin` (no autograd) as one product and two multiply-adds on the halves: no negated
-    copy, no concatenation (half the memory passes)."""
-    half = x.shape[-1] // 2
-    output = x * cos
-    output[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
-    output[..., half:].addcmul_(x[..., :half], sin[..., half:])
-    return output
-
-
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention with an additive (B, 1, T, S) mask. q (B, H, T, D), k/v (B, H, S, D) -> (B, T, H, D)."""
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, S)
-    if attention_mask is not None:
-        weights = weights + attention_mask
-    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, T, H, D)
-    return output, weights
 
 
 class JRTRNNShortConv(nn.Module):
@@ -280,37 +190,6 @@ class JRTRNNShortConv(nn.Module):
         else:
             mixed = F.silu(conv_output, inplace=True).mul_(gate)
         return self.out_proj(mixed)
-
-
-def causal_depthwise_conv(inputs: torch.Tensor, history: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
-    """Causal depthwise convolution in the `(B, t, D)` layout, as K shifted multiply-adds along the time axis.
-
-        out[:, i] = sum_k weight[:, 0, k] * x[i - (K - 1) + k]     x = [history, inputs], zeros before the history
-
-    equal to `F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), weight, groups=D)` on the positions of `inputs`, without
-    the transposed copies (a strided `(B, D, t)` view costs more to pad and convolve than the K taps themselves).
-
-    Args:
-        inputs: `(B, t, D)` the new convolution inputs (may be a strided view).
-        history: `(B, h, D)` with h <= K - 1, the inputs just before them, or None (zeros).
-        weight: `(D, 1, K)` the depthwise `nn.Conv1d` weight; tap K - 1 multiplies the current input.
-
-    Returns:
-        `(B, t, D)`, a new contiguous tensor.
-    """
-    kernel_size = weight.shape[-1]
-    taps = weight[:, 0].t().contiguous().to(inputs.dtype)  # (K, D)
-    seq_len = inputs.shape[1]
-    past = 0 if history is None else history.shape[1]
-    output = inputs * taps[kernel_size - 1]
-    for k in range(kernel_size - 1):
-        shift = kernel_size - 1 - k  # tap k reads the input `shift` positions back
-        if seq_len > shift:
-            output[:, shift:].addcmul_(inputs[:, : seq_len - shift], taps[k])
-        low, high = max(shift - past, 0), min(shift, seq_len)  # output rows that read the history with this tap
-        if high > low:
-            output[:, low:high].addcmul_(history[:, past + low - shift : past + high - shift], taps[k])
-    return output
 
 
 class JRTRNNSlidingWindowAttention(nn.Module):
@@ -393,74 +272,6 @@ class JRTRNNSlidingWindowAttention(nn.Module):
             dropout=0.0, scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
         )  # (B, T, H, D)
         return self.o_proj(output.reshape(batch_size, seq_len, -1)), None
-
-
-def sliding_window_additive_mask(
-    key_mask: torch.Tensor | None, query_length: int, key_length: int, sliding_window: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The `(B or 1, 1, T, S)` additive mask of T queries that are the last T of S keys: query i (at key position
-    `S - T + i`) sees keys `j` with `0 <= S - T + i - j < sliding_window` that are not padding."""
-    query_positions = torch.arange(key_length - query_length, key_length)[:, None]
-    key_positions = torch.arange(key_length)[None, :]
-    distance = query_positions - key_positions
-    allowed = ((distance >= 0) & (distance < sliding_window))[None, None]  # (1, 1, T, S)
-    if key_mask is not None:
-        allowed = allowed.to(key_mask.device) & key_mask[:, None, None, :]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-@dataclass
-class JRTRNNEncoderRange:
-    """Where the JRT encoder reads in one forward: row b reads positions `start[b] <= m < end[b]`.
-
-    Attributes:
-        start: `(B,)` int64, each row's first real token (after its left padding; 0 with right padding).
-        end: `(B,)` int64, `start + min(prefix_length_b, real tokens of row b)`: padding never enters the encoder.
-        length: `M = max(end)`, the leading positions the encoder projections are computed for.
-    """
-
-    start: torch.Tensor
-    end: torch.Tensor
-    length: int
-
-    @property
-    def prefix_lengths(self) -> torch.Tensor:
-        """`(B,)` tokens each row's encoder reads (its prefix, counted from its first real token)."""
-        return self.end - self.start
-
-
-def prefix_encoder_range(
-    prefix_length: int | torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    batch_size: int,
-    seq_len: int,
-    device: torch.device,
-) -> JRTRNNEncoderRange:
-    """The per-row encoder range of a first forward (the prefix is an explicit, per-row quantity).
-
-    Args:
-        prefix_length: an int for every row, or a `(B,)` integer tensor of per-row prefix lengths, counted from each
-            row's first real token.
-        attention_mask: `(B, T)` 1 for real tokens, 0 for padding (left or right), or None (no padding).
-        batch_size, seq_len: B and T of the forward.
-        device: where the range lives (the device of the hidden states).
-    """
-    check_prefix_length(prefix_length, batch_size)
-    if isinstance(prefix_length, torch.Tensor):
-        lengths = prefix_length.to(device=device, dtype=torch.long)
-    else:
-        if attention_mask is None:  # the common case: no padding, no host sync
-            length = min(prefix_length, seq_len)
-            start = torch.zeros(batch_size, dtype=torch.long, device=device)
-            return JRTRNNEncoderRange(start=start, end=start + length, length=length)
-        lengths = torch.full((batch_size,), prefix_length, dtype=torch.long, device=device)
-    start, real = row_spans(attention_mask, batch_size, seq_len, device)
-    end = start + torch.minimum(lengths, real)
-    # Positions the encoder projections are computed for: the widest range, read from the data; under torch.compile
-    # every position (a static shape; the per-row ranges still select what each row reads).
-    length = seq_len if torch.compiler.is_compiling() else (int(end.max()) if batch_size > 0 else 0)
-    return JRTRNNEncoderRange(start=start, end=end, length=length)
 
 
 class JRTRNNLinearAttention(nn.Module):
@@ -820,99 +631,6 @@ class JRTRNNPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 
-def resolve_cache(cache: object, past_key_values: object, config: JRTRNNConfig) -> JRTRNNCache | None:
-    """The cache of a forward, from `cache=` or its older name `past_key_values=` (transformers < 5.24 passes the
-    latter). Only a `JRTRNNCache` of this model's layer types holds this model's state: anything else is refused with
-    the fix (a key/value cache such as PEFT prefix tuning's virtual tokens cannot feed recurrent layers)."""
-    if cache is not None and past_key_values is not None and cache is not past_key_values:
-        raise ValueError("Pass the cache once, as `cache=` or as `past_key_values=`, not both.")
-    cache = cache if cache is not None else past_key_values
-    if cache is None:
-        return None
-    if not isinstance(cache, JRTRNNCache):
-        raise ValueError(
-            f"The cache is a {type(cache).__name__}; this model keeps a constant-size recurrent state in a "
-            "`JRTRNNCache`: pass `JRTRNNCache(model.config)`, the cache a forward with `use_cache=True` returned, or "
-            "none. Methods that inject attention key/value prefixes, such as PEFT prefix tuning "
-            "(`PrefixTuningConfig`), cannot work with JRT-RNN / Based models; use prompt tuning "
-            "(`PromptTuningConfig`) or LoRA instead."
-        )
-    cache.check_layout(config)
-    return cache
-
-
-def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, seq_len: int, cache: JRTRNNCache | None) -> None:
-    """Refuse a padding mask that does not describe `(cached tokens + this forward's tokens)`: any other width or
-    value used to change the logits silently. Values are checked outside decode steps and torch.compile tracing (a
-    check reads the data: a device synchronisation per token)."""
-    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size:
-        raise ValueError(
-            f"`attention_mask` must be a 2D (batch_size, past + seq_len) = ({batch_size}, ...) padding mask, got shape "
-            f"{tuple(attention_mask.shape)}."
-        )
-    past = 0 if cache is None else cache.num_read
-    if attention_mask.shape[1] != past + seq_len:
-        raise ValueError(
-            f"`attention_mask` has {attention_mask.shape[1]} columns but the cache holds {past} tokens and the input "
-            f"{seq_len}: pass one mask column per token, cached and new ({past + seq_len})."
-        )
-    if (past > 0 and seq_len == 1) or torch.compiler.is_compiling():
-        return
-    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
-        raise ValueError(
-            "`attention_mask` must hold only 0 (padding) and 1 (token); got other values. Pass a binary mask "
-            "(`mask.ne(0).long()` if any nonzero value means a token)."
-        )
-
-
-def check_one_sequence_per_row(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-    """Refuse packed rows: positions `(B or 1, T)` that restart between two real tokens of a row (padding may hold
-    any position)."""
-    restarts = position_ids[..., 1:] < position_ids[..., :-1]
-    if attention_mask is not None:
-        real = attention_mask.to(position_ids.device).bool()
-        restarts = restarts & real[:, 1:] & real[:, :-1]
-    if bool(restarts.any()):
-        raise ValueError(
-            "`position_ids` restart inside a row: packed sequences (several documents in one row, e.g. TRL's "
-            "`packing=True` / padding-free batches) are not supported: the convolutions, the sliding window and the "
-            "recurrent state would carry one document into the next, and the JRT prefix is the row's first prompt "
-            "only. Train with one sequence per row (`packing=False`)."
-        )
-
-
-def check_inputs(
-    config: JRTRNNConfig, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
-) -> tuple[int, int]:
-    """(B, T) of the forward's input, after checking its shape at the model's door."""
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-    if input_ids is not None and input_ids.ndim != 2:
-        raise ValueError(f"`input_ids` must be (batch_size, seq_len) token ids, got shape {tuple(input_ids.shape)}.")
-    if inputs_embeds is not None and (inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != config.hidden_size):
-        raise ValueError(
-            f"`inputs_embeds` must be (batch_size, seq_len, hidden_size={config.hidden_size}), got shape "
-            f"{tuple(inputs_embeds.shape)}."
-        )
-    reference = input_ids if input_ids is not None else inputs_embeds
-    if reference.shape[1] == 0:
-        raise ValueError(
-            f"The input has 0 tokens (shape {tuple(reference.shape[:2])}): pass at least one token; "
-            "`generate()` without a prompt starts from `bos_token_id`."
-        )
-    if reference.shape[0] == 0:
-        raise ValueError(
-            f"The input has 0 rows (shape {tuple(reference.shape[:2])}): pass a batch of at least one row."
-        )
-    return reference.shape[0], reference.shape[1]
-
-
-@add_cache_alias
-@dataclass
-class JRTRNNModelOutput(BaseModelOutputWithPast):
-    """`BaseModelOutputWithPast` (its cache field is `cache` on transformers >= 5.24, `past_key_values` before)."""
-
-
 class JRTRNNModel(JRTRNNPreTrainedModel):
     """The backbone: embeddings, blocks and final norm. Returns the last hidden state and the cache."""
 
@@ -994,34 +712,18 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             check_one_sequence_per_row(position_ids, attention_mask)
 
         # 1. The first forward of a JRT sequence lays out each row's prefix (fill and encoder range).
-        fill_columns, encoder_range, record = 0, None, None
+        layout = None
         if self.is_prefix_model and not continuing:
-            strategy = check_prefix_strategy(config.prefix_strategy if prefix_strategy is None else prefix_strategy)
-            pad_id = config.prefix_pad_token_id if prefix_pad_token_id is None else prefix_pad_token_id
-            prefix_length = config.prefix_length if prefix_length is None else prefix_length
-            check_prefix_length(prefix_length, batch_size)
-            filled = fill_prefix(
-                input_ids, inputs_embeds, attention_mask,
-                prefix_length=prefix_length,
-                prompt_lengths=prompt_lengths, strategy=strategy, pad_token_id=pad_id,
-                embed=self.embed_tokens, vocab_size=config.vocab_size,
+            layout = lay_out_prefix(
+                config, self.embed_tokens, input_ids, inputs_embeds, attention_mask, linear_attention_mask,
+                prefix_length=prefix_length, prompt_lengths=prompt_lengths, strategy=prefix_strategy,
+                pad_token_id=prefix_pad_token_id,
             )
-            fill_columns = filled.fill_columns
+            filled = layout.filled
             input_ids, inputs_embeds, attention_mask = filled.input_ids, filled.inputs_embeds, filled.attention_mask
-            if fill_columns and linear_attention_mask is not None:
-                linear_attention_mask = F.pad(linear_attention_mask, (fill_columns, 0), value=1)
-            if filled.linear_attention_mask is not None:
-                linear_attention_mask = (
-                    filled.linear_attention_mask if linear_attention_mask is None
-                    else filled.linear_attention_mask * linear_attention_mask
-                )
-            reference = input_ids if input_ids is not None else inputs_embeds
-            encoder_range = prefix_encoder_range(
-                filled.prefix_lengths, attention_mask, batch_size, reference.shape[1], reference.device
-            )
-            record = JRTRNNPrefixRecord(
-                fill_columns, filled.prompt_lengths, encoder_range.prefix_lengths, strategy, pad_id
-            )
+            linear_attention_mask = layout.linear_attention_mask
+        fill_columns = 0 if layout is None else layout.filled.fill_columns
+        encoder_range = None if layout is None else layout.encoder_range
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
 
@@ -1031,7 +733,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             past_positions = cache.num_positions if continuing else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_positions)[None]
         elif fill_columns:
-            position_ids = filled.positions(position_ids.to(inputs_embeds.device))
+            position_ids = layout.filled.positions(position_ids.to(inputs_embeds.device))
         has_sliding = "sliding_attention" in config.mixer_types
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if has_sliding else None
 
@@ -1043,8 +745,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         if cache is not None:
             cache.num_read += seq_len
             cache.num_rows = batch_size
-            if record is not None:
-                cache.prefix = record
+            if layout is not None:
+                cache.prefix = layout.record
 
         # 4. The caller's positions only: the fill columns never leave the model.
         if fill_columns:
@@ -1052,7 +754,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             if outputs.hidden_states is not None:
                 outputs.hidden_states = tuple(h[:, fill_columns:] for h in outputs.hidden_states)
             if outputs.attentions is not None:
-                outputs.attentions = tuple(a[:, :, fill_columns:] for a in outputs.attentions)
+                # (B, H, queries, keys): the fill is neither a query nor a key of the caller's
+                outputs.attentions = tuple(a[:, :, fill_columns:, fill_columns:] for a in outputs.attentions)
         result = model_output(
             JRTRNNModelOutput, cache, last_hidden_state=outputs.last_hidden_state,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
@@ -1111,85 +814,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states)
 
 
-def leak_free_labels(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """Forward pre-hook of `JRTRNNForCausalLM` (a public `nn.Module` hook): in a call with `labels` (and no
-    `mlm_labels`), add each row's `prompt_lengths` (`prompt_lengths_from_labels`) and set to -100 the labels of the
-    targets the JRT encoder will read, so that whatever computes the loss from this call's outputs, the model's own
-    loss, `num_items_in_batch`-style sums, TRL's fused LM head (which replaces `forward` and calls the backbone
-    without labels) or a `compute_loss_func`, scores only what the model cannot have read."""
-    labels = kwargs.get("labels")
-    if not isinstance(labels, torch.Tensor):
-        return None
-    check_labels_shape(labels, args[0] if args else kwargs.get("input_ids"), kwargs.get("inputs_embeds"))
-    if kwargs.get("mlm_labels") is not None or not model.model.is_prefix_model:
-        return None
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if isinstance(cache, JRTRNNCache) and cache.has_state:
-        return None
-    attention_mask = kwargs.get("attention_mask")
-    attention_mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
-    if kwargs.get("prefix_length") is not None:
-        check_prefix_length(kwargs["prefix_length"], labels.shape[0])
-    kwargs = dict(kwargs)
-    if kwargs.get("prompt_lengths") is None:
-        kwargs["prompt_lengths"] = prompt_lengths_from_labels(labels, attention_mask)
-    prefix_end = model.encoder_end(
-        labels, attention_mask, kwargs["prompt_lengths"], kwargs.get("prefix_length"), None, None
-    )
-    masked, kwargs = model._ignore_encoder_targets(labels, prefix_end, kwargs)  # labels, shift_labels, the warning
-    return args, {**kwargs, "labels": masked}
-
-
-def check_labels_shape(
-    labels: torch.Tensor | None, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
-) -> None:
-    """Raise unless `labels` holds one target per input token: `(B, T)` like `input_ids` (or `inputs_embeds`
-    without its last dimension). Labels of another length would otherwise be masked against the wrong prompt ends and
-    scored against the wrong positions."""
-    if labels is None:
-        return
-    inputs = input_ids if isinstance(input_ids, torch.Tensor) else inputs_embeds
-    if not isinstance(inputs, torch.Tensor):
-        return  # no input: the backbone raises its own error
-    expected = tuple(inputs.shape[:2])
-    if tuple(labels.shape) != expected:
-        raise ValueError(
-            f"`labels` {tuple(labels.shape)} must have the shape (batch, seq_len) of the input, {expected}: one "
-            "target per input token (the model shifts them; -100 where nothing is scored)."
-        )
-
-
-def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """`(B,)` prompt of each row of a training batch: the tokens before its first scored target (the first label
-    that is not -100 after the shift), counted from the row's first real token, so that the encoder never reads a
-    token it is scored on. A row whose first possible target is scored (`labels=input_ids`) keeps the default
-    (its whole length); so does a row without any scored target. None when no row has a leading ignored run."""
-    batch_size, length = labels.shape
-    start, _ = row_spans(attention_mask, batch_size, length, labels.device)
-    columns = torch.arange(length, device=labels.device)[None]
-    scored = (labels != IGNORE_INDEX) & (columns > start[:, None])  # targets: label index >= first token + 1
-    first = torch.where(scored, columns, length).min(-1).values  # (B,) first scored label index, T if none
-    has_leading_ignored = (first > start + 1) & (first < length)
-    full = torch.full_like(first, length)
-    return torch.where(has_leading_ignored, first - start, full)
-
-
-@add_cache_alias
-@dataclass
-class JRTRNNCausalLMOutput(CausalLMOutputWithPast):
-    """`CausalLMOutputWithPast` plus the two parts of the JRT objective (set only when `mlm_labels` are given). Its
-    cache field is `cache` on transformers >= 5.24 and `past_key_values` before (the installed release's name).
-
-    Args:
-        ntp_loss: detached mean next-token cross-entropy of the batch.
-        mlm_loss: detached mean masked-LM cross-entropy of the batch.
-    """
-
-    ntp_loss: torch.Tensor | None = None
-    mlm_loss: torch.Tensor | None = None
-
-
-class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
+class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, GenerationMixin):
     """JRT-RNN / Based language model: `JRTRNNModel` plus a (tied) LM head.
 
     `generate()` is transformers' own `GenerationMixin.generate`: the model fills the JRT prefix in the first forward
@@ -1284,7 +909,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         check_labels_shape(labels, input_ids, inputs_embeds)
         mlm_labels = kwargs.pop("mlm_labels", None)
         if mlm_labels is not None:
-            self._check_jrt_objective_prefix(prefix_length)
+            check_jrt_objective_prefix(self.config, prefix_length)
         if labels is not None and prompt_lengths is None and mlm_labels is None and self.model.is_prefix_model:
             prompt_lengths = prompt_lengths_from_labels(labels, attention_mask)
         outputs = self.model(
@@ -1315,9 +940,10 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
                 mlm_weight=self.config.mlm_weight, num_items_in_batch=kwargs.get("num_items_in_batch"),
             )
         elif labels is not None:
-            prefix_end = self.encoder_end(labels, attention_mask, prompt_lengths, prefix_length, cache, past_key_values)
+            given = cache if cache is not None else past_key_values
+            prefix_end = encoder_end(self.config, labels, attention_mask, prompt_lengths, prefix_length, given)
             if prefix_end is not None:
-                labels, kwargs = self._ignore_encoder_targets(labels, prefix_end, kwargs)
+                labels, kwargs = ignore_encoder_targets(labels, prefix_end, kwargs)
             loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS}
             targets = loss_kwargs.get("shift_labels")
             targets = labels[:, 1:] if targets is None else targets
@@ -1338,246 +964,19 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, GenerationMixin):
         )
         return result if (return_dict if return_dict is not None else getattr(self.config, "return_dict", True)) else result.to_tuple()
 
-    def encoder_end(
-        self,
-        labels: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        prompt_lengths: torch.Tensor | None,
-        prefix_length: int | torch.Tensor | None,
-        cache: object,
-        past_key_values: object,
-    ) -> torch.Tensor | None:
-        """`(B,)` label index where each row's encoder read ends, in the caller's columns (the targets before it are
-        never scored), or None when the encoder read nothing of these tokens (causal model, continued cache)."""
-        given = cache if cache is not None else past_key_values
-        if not self.model.is_prefix_model or (isinstance(given, JRTRNNCache) and given.has_state):
-            return None
-        batch_size, length = labels.shape
-        start, tokens = row_spans(attention_mask, batch_size, length, labels.device)
-        prompt = tokens if prompt_lengths is None else torch.minimum(prompt_lengths.to(labels.device), tokens)
-        target = torch.as_tensor(self.config.prefix_length if prefix_length is None else prefix_length, device=labels.device)
-        return start + torch.minimum(prompt, target)
-
-    def _ignore_encoder_targets(
-        self, labels: torch.LongTensor, prefix_end: torch.Tensor, kwargs: dict
-    ) -> tuple[torch.LongTensor, dict]:
-        """`labels` (and `shift_labels`, if given) without the targets the encoder read (index < `prefix_end`)."""
-        masked = ignore_prefix_targets(labels, prefix_end)
-        shift_labels = kwargs.get("shift_labels")
-        if shift_labels is not None:  # pre-shifted: column t holds the target at index t + 1
-            kwargs = {**kwargs, "shift_labels": ignore_prefix_targets(shift_labels, (prefix_end - 1).clamp(min=0))}
-        if kwargs.get("num_items_in_batch") is not None and bool(((labels != masked)[:, 1:]).any()):
-            logger.warning_once(
-                "The labels of this batch include targets that the JRT encoder reads (inside each row's prefix): the "
-                "loss ignores them, but `num_items_in_batch` (from Trainer) still counts them, which scales the loss "
-                "down. Set them to -100 in the data collator (`jrt_train.ignore_prefix_targets`, or "
-                "`labels[:, :prefix_length] = -100` for unpadded blocks), or use `JRTDataCollator`."
-            )
-        return masked, kwargs
-
-    def _check_jrt_objective_prefix(self, prefix_length: int | torch.Tensor | None) -> None:
-        """The JRT objective's batch layout follows the collator's prefix length: it must be the model's."""
-        if prefix_length is None:
-            return
-        values = prefix_length.unique().tolist() if isinstance(prefix_length, torch.Tensor) else [prefix_length]
-        if values != [self.config.prefix_length]:
-            raise ValueError(
-                f"This JRT training batch was built for prefix_length {values}, but the model's "
-                f"config.prefix_length is {self.config.prefix_length}: build the collator with "
-                "`JRTDataCollator.from_config(model.config)` (or give it the model's prefix_length)."
-            )
-
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: torch.LongTensor,
-        next_sequence_length: int | None = None,
-        cache: Cache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        is_first_iteration: bool | None = False,
-        past_key_values: Cache | None = None,
-        use_cache: bool | None = None,
-        **kwargs,
-    ) -> dict:
-        """The inputs of one forward of `generate()` (transformers' public hook; nothing else is overridden).
-
-        - The model keeps its state in a `JRTRNNCache`. A cache that transformers built for the call (from
-          `cache_implementation`, or the default one) holds nothing of this model's: the first forward gets a fresh
-          `JRTRNNCache` instead, and `generate()` carries the returned one on.
-        - Only the tokens the cache has not read are fed (`cache.get_seq_length()` counts the caller's columns).
-        - RoPE positions are the model's own (the columns it has read, the JRT fill included): the `position_ids`
-          that `generate()` derives from the attention mask are not forwarded (RoPE sees relative positions only, so
-          a row's padding never changes what it computes).
-        - `generate(use_cache=False)` recomputes the whole sequence each step. The first forward still returns a
-          cache: the record of each row's prompt (`JRTRNNPrefixRecord`), so that every later forward reads the same
-          prefix (fill included) and never lets the encoder read a generated token.
-        - `prefill_chunk_size`: a first chunk that does not hold every row's prompt up to `prefix_length` is kept,
-          and read again with the next chunk as one first forward (`JRTRNNCache.pending_prefill`), so chunked and
-          one-shot prefills read the same prefix.
-        """
-        # `cache=` and `past_key_values=` both reach here when a caller names the cache the other release's way;
-        # generate() then measured `next_sequence_length` against its own (empty) cache: slice by our count instead.
-        if isinstance(past_key_values, JRTRNNCache) and cache is not None and cache is not past_key_values:
-            cache, past_key_values = past_key_values, cache
-        if isinstance(cache, JRTRNNCache) and past_key_values is not None and past_key_values is not cache:
-            next_sequence_length = next_sequence_length if next_sequence_length == 1 else None
-            if is_first_iteration and next_sequence_length is None:
-                # generate() sliced nothing: the input is the caller's whole sequence, which must extend the cache's.
-                given = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
-                width = attention_mask.shape[1] if attention_mask is not None else given
-                if cache.num_read and width <= cache.num_read:
-                    raise ValueError(stale_cache_message(cache.num_read, width))
-        cache = cache if cache is not None else past_key_values
-        if cache is not None and not isinstance(cache, JRTRNNCache):
-            if cache_is_static(cache):
-                logger.warning_once(
-                    f"generate() built a {type(cache).__name__} (`cache_implementation`); JRT-RNN / Based keep a "
-                    "constant-size `JRTRNNCache` of their own instead (the recurrent state and a window of "
-                    "`sliding_window - 1` keys), which is what this generation uses."
-                )
-            cache = None
-        reads_embeds = inputs_embeds is not None and (is_first_iteration or cache is None or not cache.has_state)
-        sequence = inputs_embeds if reads_embeds else input_ids
-        model_inputs: dict = {}
-
-        if use_cache is False:
-            # Uncached generation: one record-keeping cache from the first forward, then full recomputes.
-            new, mask, forward_cache = sequence, attention_mask, None
-            model_inputs["use_cache"] = cache is None
-            if cache is not None and cache.prefix is not None:
-                record = cache.prefix
-                model_inputs.update(prompt_lengths=record.prompt_lengths, prefix_strategy=record.strategy,
-                                    prefix_pad_token_id=record.pad_token_id)
-                kwargs = {k: v for k, v in kwargs.items() if k not in ("prefix_strategy", "prefix_pad_token_id")}
-        else:
-            cache = JRTRNNCache(self.config) if cache is None else cache
-            new = unread_columns(sequence, cache.num_read, attention_mask, next_sequence_length, reads_embeds)
-            check_generation_cache(cache, sequence, attention_mask, next_sequence_length, reads_embeds,
-                                   is_first_iteration)
-            mask, forward_cache = attention_mask, cache
-            model_inputs["use_cache"] = True
-            if next_sequence_length == 1:
-                cache.pending_prefill = None
-            elif cache.pending_prefill is not None:
-                # The previous forward was a prefill chunk whose prompt may go on: read it again with this chunk.
-                new, mask, forward_cache = cache.take_pending_prefill(new, mask, self.config)
-            if next_sequence_length is None and not forward_cache.has_state and self.model.is_prefix_model:
-                # A prefill chunk (generate() gives no length for those): keep it until the prompt is complete.
-                forward_cache.remember_prefill_chunk(new, mask, self.config.prefix_length, kwargs.get("prefix_length"))
-        model_inputs["inputs_embeds" if reads_embeds else "input_ids"] = new
-        if forward_cache is not None:
-            # Under the name every transformers release (and PEFT's prompt learning, which reads it) knows.
-            model_inputs["past_key_values"] = forward_cache
-        if mask is not None:
-            model_inputs["attention_mask"] = mask
-        for key, value in kwargs.items():
-            if key not in model_inputs and key not in ("labels", "position_ids"):
-                model_inputs[key] = value
-        device = self.device
-        if device.type != "meta":
-            model_inputs = {
-                key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in model_inputs.items()
-            }
-        return model_inputs
-
-
-def unread_columns(
-    sequence: torch.Tensor,
-    read: int,
-    attention_mask: torch.Tensor | None,
-    next_sequence_length: int | None,
-    reads_embeds: bool,
-) -> torch.Tensor:
-    """The columns of `sequence` (`(B, T)` ids or `(B, T, hidden)` embeddings of a `generate()` step) that a cache
-    which has read `read` of the caller's columns has not read yet.
-
-    `generate()` passes either the full sequence, or only the new tokens with a mask over the full sequence; it gives
-    `next_sequence_length` for decode steps and prefills (not for prefill chunks). Embeddings are always the full
-    sequence, up to the columns the mask covers."""
-    total = sequence.shape[1]
-    mask_width = attention_mask.shape[1] if attention_mask is not None else None
-    if reads_embeds:
-        return sequence[:, read : mask_width or total]
-    if next_sequence_length is not None:
-        return sequence[:, total - next_sequence_length :]
-    if (total == mask_width) if mask_width is not None else (total > read):
-        return sequence[:, read:]  # the full sequence: skip what the cache holds
-    return sequence  # only the new tokens (a prefill chunk, or new tokens with the full mask)
-
-
-def stale_cache_message(read: int, width: int) -> str:
-    return (
-        f"This cache has read {read} tokens, but `input_ids` has {width}: continue with the full sequence (the tokens "
-        "the cache read, then the new ones), or generate from a fresh cache."
-    )
-
-
-def check_generation_cache(
-    cache: JRTRNNCache,
-    sequence: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    next_sequence_length: int | None,
-    reads_embeds: bool,
-    is_first_iteration: bool | None,
-) -> None:
-    """Refuse, in one line, a `generate()` step that cannot continue `cache`: input with fewer columns than the cache
-    read, a beam-search cache (its rows are beams), a right-padded batch."""
-    read = cache.num_read
-    mask_width = attention_mask.shape[1] if attention_mask is not None else None
-    # Fewer columns than the cache read: generate() says so by a length <= 0, a mask by its width.
-    short = next_sequence_length != 1 and (
-        (next_sequence_length is not None and next_sequence_length <= 0) or (mask_width is not None and mask_width <= read)
-    )
-    if read and not reads_embeds and short:
-        width = sequence.shape[1] if mask_width is None else mask_width
-        raise ValueError(stale_cache_message(read, width))
-    if read and cache.holds_beams and is_first_iteration:
-        raise ValueError(
-            "This cache comes from beam search: its rows hold the beams of the last step, not the sequences "
-            "generate() returned, so it cannot continue them. Continue from a greedy or sampling cache, or generate "
-            "again from the returned sequences with a fresh cache."
-        )
-    if not read and next_sequence_length is not None and attention_mask is not None:
-        check_left_padding(attention_mask)
-
-
-def check_left_padding(attention_mask: torch.Tensor) -> None:
-    """Generation appends tokens at the right end of each row: a row whose padding is on the right would continue
-    after its pads."""
-    if attention_mask.shape[1] and not torch.compiler.is_compiling() and bool((attention_mask[:, -1] == 0).any()):
-        raise ValueError(
-            "generate() needs left-padded prompts (padding first, then the prompt): set "
-            "`tokenizer.padding_side = 'left'` before tokenizing the batch."
-        )
-
-
-def cache_is_static(cache: Cache) -> bool:
-    """Whether `generate()` built a transformers cache of another kind than its default `DynamicCache` (a static,
-    quantized or offloaded one: what `cache_implementation` asks for)."""
-    return not isinstance(cache, DynamicCache)
-
-
-# Keyword arguments of transformers' loss functions (they travel in `**kwargs` of `forward`, never to the layers).
-LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
-
 # The auto classes each model class is saved under (`auto_map`); registered so that `save_pretrained` ships the code.
 _AUTO_CLASSES = {JRTRNNModel: "AutoModel", JRTRNNForCausalLM: "AutoModelForCausalLM"}
 for _cls, _auto_class in _AUTO_CLASSES.items():
     _cls.register_for_auto_class(_auto_class)
 
 __all__ = [
-    "JRTRNNCausalLMOutput",
     "JRTRNNDecoderLayer",
-    "JRTRNNEncoderRange",
     "JRTRNNForCausalLM",
     "JRTRNNLinearAttention",
     "JRTRNNMLP",
     "JRTRNNModel",
-    "JRTRNNModelOutput",
     "JRTRNNPreTrainedModel",
     "JRTRNNRMSNorm",
     "JRTRNNShortConv",
     "JRTRNNSlidingWindowAttention",
-    "prefix_encoder_range",
-    "prompt_lengths_from_labels",
 ]

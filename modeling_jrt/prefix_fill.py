@@ -33,7 +33,9 @@ from typing import overload
 
 import torch
 
+from .cache import JRTRNNPrefixRecord
 from .configuration_jrt import JRTRNNConfig
+from .loss import check_prefix_length
 
 from .configuration_jrt import PREFIX_STRATEGIES  # noqa: E402  (the fills `forward` knows, `config.prefix_strategy`)
 
@@ -271,11 +273,130 @@ def fill_prefix(
     )
 
 
+@dataclass
+class JRTRNNEncoderRange:
+    """Where the JRT encoder reads in one forward: row b reads positions `start[b] <= m < end[b]`.
+
+    Attributes:
+        start: `(B,)` int64, each row's first real token (after its left padding; 0 with right padding).
+        end: `(B,)` int64, `start + min(prefix_length_b, real tokens of row b)`: padding never enters the encoder.
+        length: `M = max(end)`, the leading positions the encoder projections are computed for.
+    """
+
+    start: torch.Tensor
+    end: torch.Tensor
+    length: int
+
+    @property
+    def prefix_lengths(self) -> torch.Tensor:
+        """`(B,)` tokens each row's encoder reads (its prefix, counted from its first real token)."""
+        return self.end - self.start
+
+
+def prefix_encoder_range(
+    prefix_length: int | torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+) -> JRTRNNEncoderRange:
+    """The per-row encoder range of a first forward (the prefix is an explicit, per-row quantity).
+
+    Args:
+        prefix_length: an int for every row, or a `(B,)` integer tensor of per-row prefix lengths, counted from each
+            row's first real token.
+        attention_mask: `(B, T)` 1 for real tokens, 0 for padding (left or right), or None (no padding).
+        batch_size, seq_len: B and T of the forward.
+        device: where the range lives (the device of the hidden states).
+    """
+    check_prefix_length(prefix_length, batch_size)
+    if isinstance(prefix_length, torch.Tensor):
+        lengths = prefix_length.to(device=device, dtype=torch.long)
+    else:
+        if attention_mask is None:  # the common case: no padding, no host sync
+            length = min(prefix_length, seq_len)
+            start = torch.zeros(batch_size, dtype=torch.long, device=device)
+            return JRTRNNEncoderRange(start=start, end=start + length, length=length)
+        lengths = torch.full((batch_size,), prefix_length, dtype=torch.long, device=device)
+    start, real = row_spans(attention_mask, batch_size, seq_len, device)
+    end = start + torch.minimum(lengths, real)
+    # Positions the encoder projections are computed for: the widest range, read from the data; under torch.compile
+    # every position (a static shape; the per-row ranges still select what each row reads).
+    length = seq_len if torch.compiler.is_compiling() else (int(end.max()) if batch_size > 0 else 0)
+    return JRTRNNEncoderRange(start=start, end=end, length=length)
+
+
+
+@dataclass
+class PrefixLayout:
+    """How the first forward of a JRT sequence reads its rows (`lay_out_prefix`).
+
+    Attributes:
+        filled: the inputs in the model's layout, the fill in front of each row's prompt (`fill_prefix`).
+        linear_attention_mask: `(B, F + T)` 0 at keys the linear attention ignores (the `"pad"` fill, and the caller's
+            own `linear_attention_mask`), or None.
+        encoder_range: each row's encoder read, in the model's columns.
+        record: what the cache keeps of it, so that a continuation reads the same prefix.
+    """
+
+    filled: FilledInputs
+    linear_attention_mask: torch.Tensor | None
+    encoder_range: JRTRNNEncoderRange
+    record: JRTRNNPrefixRecord
+
+
+def lay_out_prefix(
+    config: JRTRNNConfig,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    linear_attention_mask: torch.Tensor | None,
+    *,
+    prefix_length: int | torch.Tensor | None,
+    prompt_lengths: torch.Tensor | None,
+    strategy: str | None,
+    pad_token_id: int | None,
+) -> PrefixLayout:
+    """The prefix of a first forward: each row's prompt filled to `prefix_length` as `strategy` says, the encoder
+    range over it and the record of both. None arguments take the config's values. Inputs as `JRTRNNModel.forward`
+    takes them (`(B, T)` ids or `(B, T, hidden)` embeddings, `(B, T)` masks of this forward's tokens)."""
+    strategy = check_prefix_strategy(config.prefix_strategy if strategy is None else strategy)
+    pad_token_id = config.prefix_pad_token_id if pad_token_id is None else pad_token_id
+    prefix_length = config.prefix_length if prefix_length is None else prefix_length
+    reference = input_ids if input_ids is not None else inputs_embeds
+    batch_size = reference.shape[0]
+    check_prefix_length(prefix_length, batch_size)
+    filled = fill_prefix(
+        input_ids, inputs_embeds, attention_mask, prefix_length=prefix_length, prompt_lengths=prompt_lengths,
+        strategy=strategy, pad_token_id=pad_token_id, embed=embed, vocab_size=config.vocab_size,
+    )
+    if filled.fill_columns and linear_attention_mask is not None:
+        linear_attention_mask = torch.nn.functional.pad(linear_attention_mask, (filled.fill_columns, 0), value=1)
+    if filled.linear_attention_mask is not None:
+        linear_attention_mask = (
+            filled.linear_attention_mask if linear_attention_mask is None
+            else filled.linear_attention_mask * linear_attention_mask
+        )
+    reference = filled.input_ids if filled.input_ids is not None else filled.inputs_embeds
+    encoder_range = prefix_encoder_range(
+        filled.prefix_lengths, filled.attention_mask, batch_size, reference.shape[1], reference.device
+    )
+    record = JRTRNNPrefixRecord(
+        filled.fill_columns, filled.prompt_lengths, encoder_range.prefix_lengths, strategy, pad_token_id
+    )
+    return PrefixLayout(filled, linear_attention_mask, encoder_range, record)
+
 __all__ = [
     "PREFIX_STRATEGIES",
     "FilledInputs",
+    "JRTRNNEncoderRange",
+    "PrefixLayout",
     "check_prefix_strategy",
     "fill_prefix",
+    "lay_out_prefix",
     "never_generated_ids",
+    "prefix_encoder_range",
     "repeat_to_fill",
+    "row_spans",
 ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 BLOCKED_IMPLEMENTATIONS = ("eager", "sdpa")
 """`config._attn_implementation` values whose prefill runs `blocked_sliding_window_attention`."""
@@ -136,4 +137,45 @@ def blocked_sliding_window_attention(
     return output.transpose(1, 2).contiguous()  # (B, T, H, D)
 
 
-__all__ = ["BLOCKED_IMPLEMENTATIONS", "blocked_sliding_window_attention"]
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention with an additive (B, 1, T, S) mask. q (B, H, T, D), k/v (B, H, S, D) -> (B, T, H, D)."""
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, S)
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, T, H, D)
+    return output, weights
+
+
+def sliding_window_additive_mask(
+    key_mask: torch.Tensor | None, query_length: int, key_length: int, sliding_window: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The `(B or 1, 1, T, S)` additive mask of T queries that are the last T of S keys: query i (at key position
+    `S - T + i`) sees keys `j` with `0 <= S - T + i - j < sliding_window` that are not padding."""
+    query_positions = torch.arange(key_length - query_length, key_length)[:, None]
+    key_positions = torch.arange(key_length)[None, :]
+    distance = query_positions - key_positions
+    allowed = ((distance >= 0) & (distance < sliding_window))[None, None]  # (1, 1, T, S)
+    if key_mask is not None:
+        allowed = allowed.to(key_mask.device) & key_mask[:, None, None, :]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+__all__ = [
+    "BLOCKED_IMPLEMENTATIONS",
+    "blocked_sliding_window_attention",
+    "default_block_size",
+    "eager_attention_forward",
+    "sliding_window_additive_mask",
+]

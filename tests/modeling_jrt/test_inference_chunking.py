@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-import modeling_jrt.modeling_jrt as modeling
+import modeling_jrt.inference_chunking as chunking
+from modeling_jrt.short_conv import causal_depthwise_conv
 from modeling_jrt import JRTRNNForCausalLM
 from modeling_jrt import JRTRNNCache
 
@@ -16,8 +17,8 @@ ATOL = RTOL = 1e-5  # fp32
 
 def set_chunking(monkeypatch: pytest.MonkeyPatch, elements: int) -> None:
     """Chunks of `elements // width` rows (no floor), so tiny shapes split into several uneven chunks."""
-    monkeypatch.setattr(modeling, "INFERENCE_CHUNK_ELEMENTS", elements)
-    monkeypatch.setattr(modeling, "MIN_INFERENCE_CHUNK", 1)
+    monkeypatch.setattr(chunking, "INFERENCE_CHUNK_ELEMENTS", elements)
+    monkeypatch.setattr(chunking, "MIN_INFERENCE_CHUNK", 1)
 
 
 def projection_lengths(model: JRTRNNForCausalLM, layer_type: str = "conv") -> list[int]:
@@ -94,17 +95,17 @@ def test_autograd_forward_is_not_chunked(monkeypatch, make_config):
     input_ids = torch.randint(4, 99, (2, 30))
     model(input_ids, labels=input_ids).loss.backward()
     assert lengths and set(lengths) == {30}
-    assert modeling.inference_chunk_rows(1000, 8) is None
+    assert chunking.inference_chunk_rows(1000, 8) is None
     with torch.no_grad():
-        assert modeling.inference_chunk_rows(1000, 8) == 1
+        assert chunking.inference_chunk_rows(1000, 8) == 1
 
 
 def test_default_chunk_bounds_intermediates():
     """The default budget: at most 2**21 elements (8 MiB in fp32) per chunk, never fewer than 64 rows."""
     with torch.inference_mode():
-        assert modeling.inference_chunk_rows(65536, 1024) == 2048
-        assert modeling.inference_chunk_rows(2048, 1024) is None  # fits one chunk: the one-pass forward
-        assert modeling.inference_chunk_rows(65536, 1 << 20) == 64
+        assert chunking.inference_chunk_rows(65536, 1024) == 2048
+        assert chunking.inference_chunk_rows(2048, 1024) is None  # fits one chunk: the one-pass forward
+        assert chunking.inference_chunk_rows(65536, 1 << 20) == 64
 
 
 @pytest.mark.parametrize("kernel_size", [1, 2, 3, 4])
@@ -121,7 +122,7 @@ def test_causal_depthwise_conv_equals_conv1d(kernel_size):
             expected = torch.nn.functional.conv1d(
                 torch.nn.functional.pad(full.transpose(1, 2), (kernel_size - 1, 0)), weight, groups=6
             )[..., -seq_len:].transpose(1, 2)
-            actual = modeling.causal_depthwise_conv(inputs, history, weight)
+            actual = causal_depthwise_conv(inputs, history, weight)
             torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL)
             grads = torch.autograd.grad(actual.square().sum(), (inputs, weight))
             expected_grads = torch.autograd.grad(expected.square().sum(), (inputs, weight))

@@ -60,6 +60,17 @@ def test_output_attentions_are_the_sliding_window_weights(make_config):
     assert (weights[..., outside] == 0).all() and (weights[..., ~outside] > 0).all()
 
 
+def test_output_attentions_of_a_filled_prompt_cover_the_callers_positions_only(make_config):
+    """A prompt shorter than the prefix is filled in front of its first token: the weights are (B, H, T, T) over the
+    caller's queries and keys, as with no fill (they used to carry the fill's key columns, (1, H, 3, 8))."""
+    model = build(make_config, attn_implementation="eager")
+    short = ids(1, 3)
+    with torch.no_grad():
+        filled = model(short, output_attentions=True, prefix_strategy="pad").attentions[0]
+        plain = model(short, output_attentions=True, prefix_strategy="none").attentions[0]
+    assert filled.shape == plain.shape == (1, model.config.num_attention_heads, 3, 3)
+
+
 def test_return_dict_false_returns_the_tuple(make_config):
     model = build(make_config)
     input_ids = ids()

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from modeling_jrt import JRTRNNCache
-from modeling_jrt.modeling_jrt import eager_attention_forward
+from modeling_jrt.sliding_window import eager_attention_forward
 from modeling_jrt.sliding_window import blocked_sliding_window_attention
 
 IMPLEMENTATIONS = ["eager", "sdpa"]

@@ -199,7 +199,7 @@ def test_the_default_cache_generate_builds_is_replaced_without_a_warning(make_co
     from transformers.utils import logging as hf_logging
 
     from modeling_jrt.compat import CACHE_FIELD
-    from modeling_jrt.modeling_jrt import cache_is_static
+    from modeling_jrt.generation import cache_is_static
 
     # A model without attention layers is where transformers' default cache reads as compileable (on >= 5.24; older
     # releases need the model's cache passed for it, see the README).

@@ -1,0 +1,196 @@
+"""How `generate()` feeds the model: `JRTRNNGenerationMixin.prepare_inputs_for_generation`, transformers' public
+hook, and the checks of a generation step. `generate()` itself is transformers' `GenerationMixin.generate`, untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.utils import logging
+
+from .cache import JRTRNNCache
+
+logger = logging.get_logger(__name__)
+
+
+class JRTRNNGenerationMixin:
+    """The generation hook of `JRTRNNForCausalLM` (mixed in before transformers' `GenerationMixin`)."""
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = False,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> dict:
+        """The inputs of one forward of `generate()` (transformers' public hook; nothing else is overridden).
+
+        - The model keeps its state in a `JRTRNNCache`. A cache that transformers built for the call (from
+          `cache_implementation`, or the default one) holds nothing of this model's: the first forward gets a fresh
+          `JRTRNNCache` instead, and `generate()` carries the returned one on.
+        - Only the tokens the cache has not read are fed (`cache.get_seq_length()` counts the caller's columns).
+        - RoPE positions are the model's own (the columns it has read, the JRT fill included): the `position_ids`
+          that `generate()` derives from the attention mask are not forwarded (RoPE sees relative positions only, so
+          a row's padding never changes what it computes).
+        - `generate(use_cache=False)` recomputes the whole sequence each step. The first forward still returns a
+          cache: the record of each row's prompt (`JRTRNNPrefixRecord`), so that every later forward reads the same
+          prefix (fill included) and never lets the encoder read a generated token.
+        - `prefill_chunk_size`: a first chunk that does not hold every row's prompt up to `prefix_length` is kept,
+          and read again with the next chunk as one first forward (`JRTRNNCache.pending_prefill`), so chunked and
+          one-shot prefills read the same prefix.
+        """
+        # `cache=` and `past_key_values=` both reach here when a caller names the cache the other release's way;
+        # generate() then measured `next_sequence_length` against its own (empty) cache: slice by our count instead.
+        if isinstance(past_key_values, JRTRNNCache) and cache is not None and cache is not past_key_values:
+            cache, past_key_values = past_key_values, cache
+        if isinstance(cache, JRTRNNCache) and past_key_values is not None and past_key_values is not cache:
+            next_sequence_length = next_sequence_length if next_sequence_length == 1 else None
+            if is_first_iteration and next_sequence_length is None:
+                # generate() sliced nothing: the input is the caller's whole sequence, which must extend the cache's.
+                given = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
+                width = attention_mask.shape[1] if attention_mask is not None else given
+                if cache.num_read and width <= cache.num_read:
+                    raise ValueError(stale_cache_message(cache.num_read, width))
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and not isinstance(cache, JRTRNNCache):
+            if cache_is_static(cache):
+                logger.warning_once(
+                    f"generate() built a {type(cache).__name__} (`cache_implementation`); JRT-RNN / Based keep a "
+                    "constant-size `JRTRNNCache` of their own instead (the recurrent state and a window of "
+                    "`sliding_window - 1` keys), which is what this generation uses."
+                )
+            cache = None
+        reads_embeds = inputs_embeds is not None and (is_first_iteration or cache is None or not cache.has_state)
+        sequence = inputs_embeds if reads_embeds else input_ids
+        model_inputs: dict = {}
+
+        if use_cache is False:
+            # Uncached generation: one record-keeping cache from the first forward, then full recomputes.
+            new, mask, forward_cache = sequence, attention_mask, None
+            model_inputs["use_cache"] = cache is None
+            if cache is not None and cache.prefix is not None:
+                record = cache.prefix
+                model_inputs.update(prompt_lengths=record.prompt_lengths, prefix_strategy=record.strategy,
+                                    prefix_pad_token_id=record.pad_token_id)
+                kwargs = {k: v for k, v in kwargs.items() if k not in ("prefix_strategy", "prefix_pad_token_id")}
+        else:
+            cache = JRTRNNCache(self.config) if cache is None else cache
+            new = unread_columns(sequence, cache.num_read, attention_mask, next_sequence_length, reads_embeds)
+            check_generation_cache(cache, sequence, attention_mask, next_sequence_length, reads_embeds,
+                                   is_first_iteration)
+            mask, forward_cache = attention_mask, cache
+            model_inputs["use_cache"] = True
+            if next_sequence_length == 1:
+                cache.pending_prefill = None
+            elif cache.pending_prefill is not None:
+                # The previous forward was a prefill chunk whose prompt may go on: read it again with this chunk.
+                new, mask, forward_cache = cache.take_pending_prefill(new, mask, self.config)
+            if next_sequence_length is None and not forward_cache.has_state and self.config.is_prefix_model:
+                # A prefill chunk (generate() gives no length for those): keep it until the prompt is complete.
+                forward_cache.remember_prefill_chunk(new, mask, self.config.prefix_length, kwargs.get("prefix_length"))
+        model_inputs["inputs_embeds" if reads_embeds else "input_ids"] = new
+        if forward_cache is not None:
+            # Under the name every transformers release (and PEFT's prompt learning, which reads it) knows.
+            model_inputs["past_key_values"] = forward_cache
+        if mask is not None:
+            model_inputs["attention_mask"] = mask
+        for key, value in kwargs.items():
+            if key not in model_inputs and key not in ("labels", "position_ids"):
+                model_inputs[key] = value
+        device = self.device
+        if device.type != "meta":
+            model_inputs = {
+                key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in model_inputs.items()
+            }
+        return model_inputs
+
+
+def unread_columns(
+    sequence: torch.Tensor,
+    read: int,
+    attention_mask: torch.Tensor | None,
+    next_sequence_length: int | None,
+    reads_embeds: bool,
+) -> torch.Tensor:
+    """The columns of `sequence` (`(B, T)` ids or `(B, T, hidden)` embeddings of a `generate()` step) that a cache
+    which has read `read` of the caller's columns has not read yet.
+
+    `generate()` passes either the full sequence, or only the new tokens with a mask over the full sequence; it gives
+    `next_sequence_length` for decode steps and prefills (not for prefill chunks). Embeddings are always the full
+    sequence, up to the columns the mask covers."""
+    total = sequence.shape[1]
+    mask_width = attention_mask.shape[1] if attention_mask is not None else None
+    if reads_embeds:
+        return sequence[:, read : mask_width or total]
+    if next_sequence_length is not None:
+        return sequence[:, total - next_sequence_length :]
+    if (total == mask_width) if mask_width is not None else (total > read):
+        return sequence[:, read:]  # the full sequence: skip what the cache holds
+    return sequence  # only the new tokens (a prefill chunk, or new tokens with the full mask)
+
+
+def stale_cache_message(read: int, width: int) -> str:
+    return (
+        f"This cache has read {read} tokens, but `input_ids` has {width}: continue with the full sequence (the tokens "
+        "the cache read, then the new ones), or generate from a fresh cache."
+    )
+
+
+def check_generation_cache(
+    cache: JRTRNNCache,
+    sequence: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    next_sequence_length: int | None,
+    reads_embeds: bool,
+    is_first_iteration: bool | None,
+) -> None:
+    """Refuse, in one line, a `generate()` step that cannot continue `cache`: input with fewer columns than the cache
+    read, a beam-search cache (its rows are beams), a right-padded batch."""
+    read = cache.num_read
+    mask_width = attention_mask.shape[1] if attention_mask is not None else None
+    # Fewer columns than the cache read: generate() says so by a length <= 0, a mask by its width.
+    short = next_sequence_length != 1 and (
+        (next_sequence_length is not None and next_sequence_length <= 0) or (mask_width is not None and mask_width <= read)
+    )
+    if read and not reads_embeds and short:
+        width = sequence.shape[1] if mask_width is None else mask_width
+        raise ValueError(stale_cache_message(read, width))
+    if read and cache.holds_beams and is_first_iteration:
+        raise ValueError(
+            "This cache comes from beam search: its rows hold the beams of the last step, not the sequences "
+            "generate() returned, so it cannot continue them. Continue from a greedy or sampling cache, or generate "
+            "again from the returned sequences with a fresh cache."
+        )
+    if not read and next_sequence_length is not None and attention_mask is not None:
+        check_left_padding(attention_mask)
+
+
+def check_left_padding(attention_mask: torch.Tensor) -> None:
+    """Generation appends tokens at the right end of each row: a row whose padding is on the right would continue
+    after its pads."""
+    if attention_mask.shape[1] and not torch.compiler.is_compiling() and bool((attention_mask[:, -1] == 0).any()):
+        raise ValueError(
+            "generate() needs left-padded prompts (padding first, then the prompt): set "
+            "`tokenizer.padding_side = 'left'` before tokenizing the batch."
+        )
+
+
+def cache_is_static(cache: Cache) -> bool:
+    """Whether `generate()` built a transformers cache of another kind than its default `DynamicCache` (a static,
+    quantized or offloaded one: what `cache_implementation` asks for)."""
+    return not isinstance(cache, DynamicCache)
+
+
+__all__ = [
+    "JRTRNNGenerationMixin",
+    "cache_is_static",
+    "check_generation_cache",
+    "check_left_padding",
+    "stale_cache_message",
+    "unread_columns",
+]

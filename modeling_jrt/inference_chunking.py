@@ -1,0 +1,54 @@
+"""Inference-time token chunking: how many positions a position-wise op takes at once when autograd is off.
+
+A long prefill would otherwise build `(B, T, width)` intermediates that grow with T:
+from 16k tokens on they pass glibc's largest mmap threshold (32 MiB), so each is a fresh mmap that is page-faulted in,
+and the peak memory grows with them. So during inference conv and sliding-window layers run whole (norm, mixer,
+residual add, norm, MLP, residual add) one token chunk at a time, their bounded past carried by a layer state
+(`JRTRNNDecoderLayer.layer_chunk_rows`); linear-attention layers normalize and project their input, and add their
+output projection into the residual, in chunks; RMSNorm and the MLP chunk on their own. Chunking keeps every such
+intermediate below INFERENCE_CHUNK_ELEMENTS elements (8 MiB in fp32), never shorter than MIN_INFERENCE_CHUNK rows,
+and the residual stream is updated in place where nothing observes it (`JRTRNNModel.residual_unobserved`). It runs
+only when autograd is off (`torch.no_grad` / `torch.inference_mode`, as in `generate()`) and outside
+`torch.compile` tracing, so training and compiled graphs see the unchunked ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+INFERENCE_CHUNK_ELEMENTS = 1 << 21
+MIN_INFERENCE_CHUNK = 64
+
+
+def inference_chunk_rows(rows: int, width: int) -> int | None:
+    """Rows per chunk for `rows` positions whose widest intermediate has `width` elements per row, or None when the
+    op should run unchunked (autograd on, `torch.compile` tracing, or `rows` already fits one chunk)."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    chunk = max(MIN_INFERENCE_CHUNK, INFERENCE_CHUNK_ELEMENTS // max(width, 1))
+    return chunk if rows > chunk else None
+
+
+def map_position_chunks(
+    fn: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor, width: int
+) -> torch.Tensor:
+    """`fn(hidden_states)` for a position-wise `fn` (each output row depends on its own input row only), computed over
+    row chunks of `hidden_states` `(..., C)` viewed as `(rows, C)` when `inference_chunk_rows` says so; the rows land
+    in one preallocated output `(..., C_out)`. `width`: the widest intermediate of `fn` per row, in elements."""
+    rows = hidden_states.numel() // max(hidden_states.shape[-1], 1)
+    chunk = inference_chunk_rows(rows, width)
+    if chunk is None:
+        return fn(hidden_states)
+    flat = hidden_states.reshape(rows, hidden_states.shape[-1])
+    output = None
+    for start in range(0, rows, chunk):
+        part = fn(flat[start : start + chunk])
+        if output is None:
+            output = part.new_empty(rows, part.shape[-1])
+        output[start : start + chunk] = part
+    return output.view(*hidden_states.shape[:-1], output.shape[-1])
+
+
+__all__ = ["INFERENCE_CHUNK_ELEMENTS", "MIN_INFERENCE_CHUNK", "inference_chunk_rows", "map_position_chunks"]

@@ -1,0 +1,123 @@
+"""Checks at the model's door: the cache, the padding mask, the positions, the inputs and the labels of a forward.
+
+Each refuses, in one line naming the argument and the fix, what would otherwise change the outputs silently or fail
+deep inside a layer. Checks that read tensor values (a host synchronisation) skip decode steps and `torch.compile`
+tracing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import JRTRNNCache
+from .configuration_jrt import JRTRNNConfig
+
+
+def resolve_cache(cache: object, past_key_values: object, config: JRTRNNConfig) -> JRTRNNCache | None:
+    """The cache of a forward, from `cache=` or its older name `past_key_values=` (transformers < 5.24 passes the
+    latter). Only a `JRTRNNCache` of this model's layer types holds this model's state: anything else is refused with
+    the fix (a key/value cache such as PEFT prefix tuning's virtual tokens cannot feed recurrent layers)."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("Pass the cache once, as `cache=` or as `past_key_values=`, not both.")
+    cache = cache if cache is not None else past_key_values
+    if cache is None:
+        return None
+    if not isinstance(cache, JRTRNNCache):
+        raise ValueError(
+            f"The cache is a {type(cache).__name__}; this model keeps a constant-size recurrent state in a "
+            "`JRTRNNCache`: pass `JRTRNNCache(model.config)`, the cache a forward with `use_cache=True` returned, or "
+            "none. Methods that inject attention key/value prefixes, such as PEFT prefix tuning "
+            "(`PrefixTuningConfig`), cannot work with JRT-RNN / Based models; use prompt tuning "
+            "(`PromptTuningConfig`) or LoRA instead."
+        )
+    cache.check_layout(config)
+    return cache
+
+
+def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, seq_len: int, cache: JRTRNNCache | None) -> None:
+    """Refuse a padding mask that does not describe `(cached tokens + this forward's tokens)`: any other width or
+    value used to change the logits silently. Values are checked outside decode steps and torch.compile tracing (a
+    check reads the data: a device synchronisation per token)."""
+    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size:
+        raise ValueError(
+            f"`attention_mask` must be a 2D (batch_size, past + seq_len) = ({batch_size}, ...) padding mask, got shape "
+            f"{tuple(attention_mask.shape)}."
+        )
+    past = 0 if cache is None else cache.num_read
+    if attention_mask.shape[1] != past + seq_len:
+        raise ValueError(
+            f"`attention_mask` has {attention_mask.shape[1]} columns but the cache holds {past} tokens and the input "
+            f"{seq_len}: pass one mask column per token, cached and new ({past + seq_len})."
+        )
+    if (past > 0 and seq_len == 1) or torch.compiler.is_compiling():
+        return
+    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise ValueError(
+            "`attention_mask` must hold only 0 (padding) and 1 (token); got other values. Pass a binary mask "
+            "(`mask.ne(0).long()` if any nonzero value means a token)."
+        )
+
+
+def check_one_sequence_per_row(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Refuse packed rows: positions `(B or 1, T)` that restart between two real tokens of a row (padding may hold
+    any position)."""
+    restarts = position_ids[..., 1:] < position_ids[..., :-1]
+    if attention_mask is not None:
+        real = attention_mask.to(position_ids.device).bool()
+        restarts = restarts & real[:, 1:] & real[:, :-1]
+    if bool(restarts.any()):
+        raise ValueError(
+            "`position_ids` restart inside a row: packed sequences (several documents in one row, e.g. TRL's "
+            "`packing=True` / padding-free batches) are not supported: the convolutions, the sliding window and the "
+            "recurrent state would carry one document into the next, and the JRT prefix is the row's first prompt "
+            "only. Train with one sequence per row (`packing=False`)."
+        )
+
+
+def check_inputs(
+    config: JRTRNNConfig, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
+) -> tuple[int, int]:
+    """(B, T) of the forward's input, after checking its shape at the model's door."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+    if input_ids is not None and input_ids.ndim != 2:
+        raise ValueError(f"`input_ids` must be (batch_size, seq_len) token ids, got shape {tuple(input_ids.shape)}.")
+    if inputs_embeds is not None and (inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != config.hidden_size):
+        raise ValueError(
+            f"`inputs_embeds` must be (batch_size, seq_len, hidden_size={config.hidden_size}), got shape "
+            f"{tuple(inputs_embeds.shape)}."
+        )
+    reference = input_ids if input_ids is not None else inputs_embeds
+    if reference.shape[1] == 0:
+        raise ValueError(
+            f"The input has 0 tokens (shape {tuple(reference.shape[:2])}): pass at least one token; "
+            "`generate()` without a prompt starts from `bos_token_id`."
+        )
+    if reference.shape[0] == 0:
+        raise ValueError(
+            f"The input has 0 rows (shape {tuple(reference.shape[:2])}): pass a batch of at least one row."
+        )
+    return reference.shape[0], reference.shape[1]
+
+
+
+def check_labels_shape(
+    labels: torch.Tensor | None, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
+) -> None:
+    """Raise unless `labels` holds one target per input token: `(B, T)` like `input_ids` (or `inputs_embeds`
+    without its last dimension). Labels of another length would otherwise be masked against the wrong prompt ends and
+    scored against the wrong positions."""
+    if labels is None:
+        return
+    inputs = input_ids if isinstance(input_ids, torch.Tensor) else inputs_embeds
+    if not isinstance(inputs, torch.Tensor):
+        return  # no input: the backbone raises its own error
+    expected = tuple(inputs.shape[:2])
+    if tuple(labels.shape) != expected:
+        raise ValueError(
+            f"`labels` {tuple(labels.shape)} must have the shape (batch, seq_len) of the input, {expected}: one "
+            "target per input token (the model shifts them; -100 where nothing is scored)."
+        )
+
+
+__all__ = ["check_attention_mask", "check_inputs", "check_labels_shape", "check_one_sequence_per_row", "resolve_cache"]

@@ -1,0 +1,127 @@
+"""The training-label rule: a target the JRT encoder read is never scored.
+
+In a call with `labels`, each row's prompt ends at its first scored target (completion-only labels make the prompt
+the prefix, `prompt_lengths_from_labels`), and the targets inside the prefix the encoder reads (`encoder_end`) are
+set to -100 before anything computes a loss: the model's own, a `num_items_in_batch` sum, TRL's fused LM head or a
+`compute_loss_func` (`leak_free_labels`, a forward pre-hook of `JRTRNNForCausalLM`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.utils import logging
+
+from .cache import JRTRNNCache
+from .configuration_jrt import JRTRNNConfig
+from .inputs import check_labels_shape
+from .loss import IGNORE_INDEX, check_prefix_length, ignore_prefix_targets
+from .prefix_fill import row_spans
+
+logger = logging.get_logger(__name__)
+
+# Keyword arguments of transformers' loss functions (they travel in `**kwargs` of `forward`, never to the layers).
+LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+
+
+def leak_free_labels(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of `JRTRNNForCausalLM` (a public `nn.Module` hook): in a call with `labels` (and no
+    `mlm_labels`), add each row's `prompt_lengths` (`prompt_lengths_from_labels`) and set to -100 the labels of the
+    targets the JRT encoder will read, so that whatever computes the loss from this call's outputs, the model's own
+    loss, `num_items_in_batch`-style sums, TRL's fused LM head (which replaces `forward` and calls the backbone
+    without labels) or a `compute_loss_func`, scores only what the model cannot have read."""
+    labels = kwargs.get("labels")
+    if not isinstance(labels, torch.Tensor):
+        return None
+    check_labels_shape(labels, args[0] if args else kwargs.get("input_ids"), kwargs.get("inputs_embeds"))
+    if kwargs.get("mlm_labels") is not None or not model.config.is_prefix_model:
+        return None
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, JRTRNNCache) and cache.has_state:
+        return None
+    attention_mask = kwargs.get("attention_mask")
+    attention_mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
+    if kwargs.get("prefix_length") is not None:
+        check_prefix_length(kwargs["prefix_length"], labels.shape[0])
+    kwargs = dict(kwargs)
+    if kwargs.get("prompt_lengths") is None:
+        kwargs["prompt_lengths"] = prompt_lengths_from_labels(labels, attention_mask)
+    prefix_end = encoder_end(
+        model.config, labels, attention_mask, kwargs["prompt_lengths"], kwargs.get("prefix_length"), None
+    )
+    masked, kwargs = ignore_encoder_targets(labels, prefix_end, kwargs)  # labels, shift_labels, the warning
+    return args, {**kwargs, "labels": masked}
+
+
+def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """`(B,)` prompt of each row of a training batch: the tokens before its first scored target (the first label
+    that is not -100 after the shift), counted from the row's first real token, so that the encoder never reads a
+    token it is scored on. A row whose first possible target is scored (`labels=input_ids`) keeps the default
+    (its whole length); so does a row without any scored target. None when no row has a leading ignored run."""
+    batch_size, length = labels.shape
+    start, _ = row_spans(attention_mask, batch_size, length, labels.device)
+    columns = torch.arange(length, device=labels.device)[None]
+    scored = (labels != IGNORE_INDEX) & (columns > start[:, None])  # targets: label index >= first token + 1
+    first = torch.where(scored, columns, length).min(-1).values  # (B,) first scored label index, T if none
+    has_leading_ignored = (first > start + 1) & (first < length)
+    full = torch.full_like(first, length)
+    return torch.where(has_leading_ignored, first - start, full)
+
+
+def encoder_end(
+    config: JRTRNNConfig,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    prompt_lengths: torch.Tensor | None,
+    prefix_length: int | torch.Tensor | None,
+    cache: object,
+) -> torch.Tensor | None:
+    """`(B,)` label index where each row's encoder read ends, in the caller's columns (the targets before it are
+    never scored), or None when the encoder read nothing of these tokens (causal model, continued cache)."""
+    if not config.is_prefix_model or (isinstance(cache, JRTRNNCache) and cache.has_state):
+        return None
+    batch_size, length = labels.shape
+    start, tokens = row_spans(attention_mask, batch_size, length, labels.device)
+    prompt = tokens if prompt_lengths is None else torch.minimum(prompt_lengths.to(labels.device), tokens)
+    target = torch.as_tensor(config.prefix_length if prefix_length is None else prefix_length, device=labels.device)
+    return start + torch.minimum(prompt, target)
+
+
+def ignore_encoder_targets(
+    labels: torch.LongTensor, prefix_end: torch.Tensor, kwargs: dict
+) -> tuple[torch.LongTensor, dict]:
+    """`labels` (and `shift_labels`, if given) without the targets the encoder read (index < `prefix_end`)."""
+    masked = ignore_prefix_targets(labels, prefix_end)
+    shift_labels = kwargs.get("shift_labels")
+    if shift_labels is not None:  # pre-shifted: column t holds the target at index t + 1
+        kwargs = {**kwargs, "shift_labels": ignore_prefix_targets(shift_labels, (prefix_end - 1).clamp(min=0))}
+    if kwargs.get("num_items_in_batch") is not None and bool(((labels != masked)[:, 1:]).any()):
+        logger.warning_once(
+            "The labels of this batch include targets that the JRT encoder reads (inside each row's prefix): the "
+            "loss ignores them, but `num_items_in_batch` (from Trainer) still counts them, which scales the loss "
+            "down. Set them to -100 in the data collator (`jrt_train.ignore_prefix_targets`, or "
+            "`labels[:, :prefix_length] = -100` for unpadded blocks), or use `JRTDataCollator`."
+        )
+    return masked, kwargs
+
+
+def check_jrt_objective_prefix(config: JRTRNNConfig, prefix_length: int | torch.Tensor | None) -> None:
+    """The JRT objective's batch layout follows the collator's prefix length: it must be the model's."""
+    if prefix_length is None:
+        return
+    values = prefix_length.unique().tolist() if isinstance(prefix_length, torch.Tensor) else [prefix_length]
+    if values != [config.prefix_length]:
+        raise ValueError(
+            f"This JRT training batch was built for prefix_length {values}, but the model's "
+            f"config.prefix_length is {config.prefix_length}: build the collator with "
+            "`JRTDataCollator.from_config(model.config)` (or give it the model's prefix_length)."
+        )
+
+
+__all__ = [
+    "LOSS_KWARGS",
+    "check_jrt_objective_prefix",
+    "encoder_end",
+    "ignore_encoder_targets",
+    "leak_free_labels",
+    "prompt_lengths_from_labels",
+]
