@@ -9,7 +9,7 @@ the forward of a loglikelihood batch:
 
     row (right-padded by HFLM):   [ context c0..c(C-1) | continuation x0..x(N-2) | pad ... ]
     attention_mask:                 1 ...                 1 ...                    0 ...
-    prefix_length (per row):        min(C, config.prefix_length)
+    prompt_lengths (per row):       C          (no fill: the encoder reads min(C, config.prefix_length) tokens)
 
 so the encoder reads the context only (never the continuation, never the padding), and the logits of the scored
 positions (>= C - 1) are exactly those of the row evaluated alone with the same prefix. `scoring="reference"`
@@ -162,14 +162,17 @@ class JRTLM(HFLM):
             if self.scoring == "reference":
                 return self._reference_logits(inps, lengths)
             attention_mask = (torch.arange(inps.shape[1], device=inps.device) < lengths[:, None]).long()  # (B, T)
-            prefix = [min(context, self.model.config.prefix_length) for context in context_lengths]
-            return self._prefix_logits(inps, attention_mask, prefix)
+            return self._prefix_logits(inps, attention_mask, context_lengths)
 
-    def _prefix_logits(self, inps: torch.Tensor, attention_mask: torch.Tensor, prefix: list[int]) -> torch.Tensor:
-        """Leak-free logits `(B, T, vocab)` in one forward: row b's encoder reads its first `prefix[b]` tokens
-        (the model's per-row `prefix_length`), the right padding is masked and never enters the encoder."""
-        prefix_length = torch.tensor(prefix, dtype=torch.long, device=inps.device)  # (B,)
-        return self.model(inps, attention_mask=attention_mask, prefix_length=prefix_length).logits
+    def _prefix_logits(
+        self, inps: torch.Tensor, attention_mask: torch.Tensor, context_lengths: list[int]
+    ) -> torch.Tensor:
+        """Leak-free logits `(B, T, vocab)` in one forward: row b's prompt is its context, so its encoder reads the
+        first `min(context_b, prefix_length)` tokens (the model's prefix rule), never the continuation it scores;
+        nothing is filled, and the right padding is masked and never enters the encoder."""
+        prompt_lengths = torch.tensor(context_lengths, dtype=torch.long, device=inps.device)  # (B,)
+        return self.model(inps, attention_mask=attention_mask, prompt_lengths=prompt_lengths,
+                          prefix_strategy="none").logits
 
     def _reference_logits(self, inps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The reference harness's logits `(B, T, vocab)`, one row at a time: a row of L input tokens (context +

@@ -42,7 +42,7 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from modeling_jrt.configuration_jrt import JRTRNNConfig
-from modeling_jrt.prefix_fill import check_prefix_strategy, never_generated_ids, repeat_to_fill
+from modeling_jrt.prefix_fill import check_prefix_strategy, fill_prefix, never_generated_ids, plan_prefix
 from modeling_jrt.linear_attention import linear_attention_step, num_taylor_features, prefix_linear_attention
 from modeling_jrt.modeling_jrt import JRTRNNLinearAttention, JRTRNNMLP, JRTRNNRMSNorm
 from modeling_jrt.rotary import JRTRNNRotaryEmbedding, apply_rotary_pos_emb
@@ -60,6 +60,8 @@ class Segment:
         start, end: its rows in the expanded batch (fill included).
         fill: rows of JRT prefix fill at the start (0 when nothing is filled).
         fresh: the first forward of the request (no state yet: the encoder reads and the states start empty).
+        encoder_rows: rows the JRT encoder reads from `start` (the fill and the prompt's first tokens, as
+            `modeling_jrt.prefix_fill.plan_prefix` lays them out); 0 when nothing is read non-causally.
     """
 
     request: int
@@ -67,6 +69,7 @@ class Segment:
     end: int
     fill: int
     fresh: bool
+    encoder_rows: int | None = None
 
 
 @dataclass
@@ -338,8 +341,10 @@ class JRTLinearAttention(JRTStateLayer):
         query, key, value, gate = self._project(hidden_states[None])  # (1, T, H, K), (1, T, H, V), (1, T, H)
         k_enc = v_enc = key_mask = None
         if segment.fresh and self.is_prefix:
-            # The encoder reads the first min(prefix_length, T) tokens (fill included), this forward only.
-            length = min(self.config.prefix_length, seq_len)
+            # The encoder reads the segment's first rows (fill included, `Segment.encoder_rows`), this forward only.
+            length = segment.encoder_rows
+            if length is None:  # vLLM's profiling run (no request behind it): as many rows as a prefix can have
+                length = min(self.config.prefix_length, seq_len)
             if length > 0:
                 prefix = hidden_states[None, :length]
                 k_enc = self.k_enc_proj(prefix).view(1, length, self.num_heads, self.feature_dim)  # (1, M, H, K)
@@ -489,10 +494,10 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
                 input_rows.append(row)
                 row += 1
                 continue
-            filled = self._fill(tokens) if fresh else tokens
+            filled, encoder_rows = self._fill(tokens) if fresh else (tokens, 0)
             fill = filled.shape[0] - tokens.shape[0]
             pieces.append(filled)
-            segments.append(Segment(request, row, row + filled.shape[0], fill, fresh))
+            segments.append(Segment(request, row, row + filled.shape[0], fill, fresh, encoder_rows))
             input_rows.extend(range(row + fill, row + filled.shape[0]))
             row += filled.shape[0]
         plan = BatchPlan(
@@ -503,14 +508,16 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         )
         return torch.cat(pieces), plan
 
-    def _fill(self, prompt: torch.Tensor) -> torch.Tensor:
-        """A whole prompt `(L,)` with the JRT prefix fill in front, as `generate()` prepares it."""
-        missing = self.config.prefix_length - prompt.shape[0]
-        if not self.is_prefix or missing <= 0 or self.prefix_strategy == "none":
-            return prompt
-        if self.prefix_strategy == "repeat":
-            return repeat_to_fill(prompt, self.config.prefix_length)
-        return torch.cat([prompt.new_full((missing,), self.config.prefix_pad_token_id), prompt])
+    def _fill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A whole prompt `(L,)` in the model's layout, with the JRT prefix fill in front, and the rows its encoder
+        reads: the transformers model's own prefix rule (`plan_prefix`, `fill_prefix`), on a batch of one."""
+        if not self.is_prefix:
+            return prompt, 0
+        plan = plan_prefix(None, 1, prompt.shape[0], prompt.device, prefix_length=self.config.prefix_length,
+                           strategy=self.prefix_strategy)
+        filled = fill_prefix(prompt[None], None, None, plan, pad_token_id=self.config.prefix_pad_token_id,
+                             embed=None, vocab_size=self.config.vocab_size)
+        return filled.input_ids[0], int(plan.fill[0] + plan.encoder_tokens[0])
 
     def forward(
         self,

@@ -292,17 +292,12 @@ class JRTRNNCache(Cache):
 
     # ------------------------------------------------------------------------------------------- chunked prefill
     def remember_prefill_chunk(
-        self, inputs: torch.Tensor, attention_mask: torch.Tensor | None, prefix_length: int,
-        call_prefix_length: int | torch.Tensor | None,
+        self, inputs: torch.Tensor, attention_mask: torch.Tensor | None, holds_every_prefix: bool
     ) -> None:
-        """Keep the first chunk of a chunked prefill (`(B, T)` ids or `(B, T, hidden)` embeddings and its mask) when
-        a row holds fewer than `prefix_length` tokens: its prompt may go on in the next chunk, and the JRT encoder
-        must read the prompt in one forward. Nothing is kept once every row's encoder region is complete."""
-        if call_prefix_length is not None:
-            prefix_length = call_prefix_length
-        tokens = inputs.shape[1] if attention_mask is None else attention_mask[:, -inputs.shape[1]:].sum(-1)
-        complete = torch.as_tensor(tokens) >= torch.as_tensor(prefix_length)
-        self.pending_prefill = None if bool(complete.all()) else (inputs, attention_mask)
+        """Keep the first chunk of a chunked prefill (`(B, T)` ids or `(B, T, hidden)` embeddings and its mask) unless
+        it holds every row's whole prefix (`generation.holds_every_prefix`): a row's prompt may go on in the next
+        chunk, and the JRT encoder must read the prompt in one forward."""
+        self.pending_prefill = None if holds_every_prefix else (inputs, attention_mask)
 
     def take_pending_prefill(
         self, inputs: torch.Tensor, attention_mask: torch.Tensor | None, config: JRTRNNConfig

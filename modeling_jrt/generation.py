@@ -9,6 +9,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.utils import logging
 
 from .cache import JRTRNNCache
+from .prefix_fill import plan_prefix
 
 logger = logging.get_logger(__name__)
 
@@ -92,7 +93,7 @@ class JRTRNNGenerationMixin:
                 new, mask, forward_cache = cache.take_pending_prefill(new, mask, self.config)
             if next_sequence_length is None and not forward_cache.has_state and self.config.is_prefix_model:
                 # A prefill chunk (generate() gives no length for those): keep it until the prompt is complete.
-                forward_cache.remember_prefill_chunk(new, mask, self.config.prefix_length, kwargs.get("prefix_length"))
+                forward_cache.remember_prefill_chunk(new, mask, holds_every_prefix(self.config, new, mask, kwargs))
         model_inputs["inputs_embeds" if reads_embeds else "input_ids"] = new
         if forward_cache is not None:
             # Under the name every transformers release (and PEFT's prompt learning, which reads it) knows.
@@ -108,6 +109,18 @@ class JRTRNNGenerationMixin:
                 key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in model_inputs.items()
             }
         return model_inputs
+
+
+def holds_every_prefix(config: object, inputs: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
+    """Whether a first prefill chunk `inputs` (`(B, T)` ids or `(B, T, hidden)` embeddings, its mask's last T columns)
+    holds every row's whole prefix (`plan_prefix`: a row of fewer tokens than its prefix may go on in the next
+    chunk, and the JRT encoder must read a prompt in one forward)."""
+    prefix_length = kwargs.get("prefix_length")
+    plan = plan_prefix(
+        attention_mask, inputs.shape[0], inputs.shape[1], inputs.device,
+        prefix_length=config.prefix_length if prefix_length is None else prefix_length,
+    )
+    return bool((plan.encoder_tokens >= plan.target).all())
 
 
 def unread_columns(
@@ -191,6 +204,7 @@ __all__ = [
     "cache_is_static",
     "check_generation_cache",
     "check_left_padding",
+    "holds_every_prefix",
     "stale_cache_message",
     "unread_columns",
 ]

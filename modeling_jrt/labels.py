@@ -14,8 +14,8 @@ from transformers.utils import logging
 from .cache import JRTRNNCache
 from .configuration_jrt import JRTRNNConfig
 from .inputs import check_labels_shape
-from .loss import IGNORE_INDEX, check_prefix_length, ignore_prefix_targets
-from .prefix_fill import row_spans
+from .loss import IGNORE_INDEX, ignore_prefix_targets
+from .prefix_fill import plan_prefix, row_spans
 
 logger = logging.get_logger(__name__)
 
@@ -40,8 +40,6 @@ def leak_free_labels(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
         return None
     attention_mask = kwargs.get("attention_mask")
     attention_mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
-    if kwargs.get("prefix_length") is not None:
-        check_prefix_length(kwargs["prefix_length"], labels.shape[0])
     kwargs = dict(kwargs)
     if kwargs.get("prompt_lengths") is None:
         kwargs["prompt_lengths"] = prompt_lengths_from_labels(labels, attention_mask)
@@ -76,14 +74,16 @@ def encoder_end(
     cache: object,
 ) -> torch.Tensor | None:
     """`(B,)` label index where each row's encoder read ends, in the caller's columns (the targets before it are
-    never scored), or None when the encoder read nothing of these tokens (causal model, continued cache)."""
+    never scored; `PrefixPlan.encoder_end`), or None when the encoder read nothing of these tokens (causal model,
+    continued cache)."""
     if not config.is_prefix_model or (isinstance(cache, JRTRNNCache) and cache.has_state):
         return None
     batch_size, length = labels.shape
-    start, tokens = row_spans(attention_mask, batch_size, length, labels.device)
-    prompt = tokens if prompt_lengths is None else torch.minimum(prompt_lengths.to(labels.device), tokens)
-    target = torch.as_tensor(config.prefix_length if prefix_length is None else prefix_length, device=labels.device)
-    return start + torch.minimum(prompt, target)
+    plan = plan_prefix(
+        attention_mask, batch_size, length, labels.device, prompt_lengths=prompt_lengths,
+        prefix_length=config.prefix_length if prefix_length is None else prefix_length,
+    )
+    return plan.encoder_end
 
 
 def ignore_encoder_targets(

@@ -20,30 +20,41 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .configuration_jrt import MAX_SIZES
+
 # Label of a position without a target (PyTorch's `cross_entropy` default `ignore_index`, transformers' convention).
 IGNORE_INDEX = -100
 
 
-def check_prefix_length(prefix_length: torch.Tensor | int, batch_size: int | None = None) -> None:
-    """The one rule for a JRT prefix given by the user (`forward(prefix_length=...)`, `ignore_prefix_targets`): an int
-    or a `(B,)` integer tensor, `>= 0` in every row. Raises `TypeError` / `ValueError` with the messages of `forward`.
-    """
+def check_prefix_length(
+    prefix_length: torch.Tensor | int, batch_size: int | None = None, name: str = "prefix_length"
+) -> None:
+    """The one rule for every argument that sets a JRT prefix (`forward(prefix_length=...)`, `prompt_lengths=`,
+    `ignore_prefix_targets`): an int or a `(B,)` integer tensor, `>= 0` and at most `MAX_SIZES["prefix_length"]` in
+    every row. Raises `TypeError` / `ValueError` naming the argument (`name`); values are read outside
+    `torch.compile` tracing only (a check of the data is a host synchronisation)."""
+    maximum = MAX_SIZES["prefix_length"]
     if isinstance(prefix_length, torch.Tensor):
         dtype = prefix_length.dtype
         shape_ok = prefix_length.ndim == 1 and (batch_size is None or prefix_length.shape[0] == batch_size)
         if not shape_ok or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             rows = "(B,)" if batch_size is None else f"(B,) = ({batch_size},)"
             raise ValueError(
-                f"prefix_length must be an int or a {rows} integer tensor of per-row prefix lengths; "
+                f"{name} must be an int or a {rows} integer tensor of per-row lengths; "
                 f"got a {prefix_length.dtype} tensor of shape {tuple(prefix_length.shape)}."
             )
-        if not torch.compiler.is_compiling() and bool((prefix_length < 0).any()):  # a check reads the data
-            raise ValueError(f"prefix_length must be >= 0 in every row; got {prefix_length.tolist()}.")
+        if not torch.compiler.is_compiling():
+            if bool((prefix_length < 0).any()):
+                raise ValueError(f"{name} must be >= 0 in every row; got {prefix_length.tolist()}.")
+            if bool((prefix_length > maximum).any()):
+                raise ValueError(f"{name} must be at most {maximum:,} in every row; got {prefix_length.tolist()}.")
     elif isinstance(prefix_length, int) and not isinstance(prefix_length, bool):
         if prefix_length < 0:
-            raise ValueError(f"prefix_length must be >= 0; got {prefix_length}.")
+            raise ValueError(f"{name} must be >= 0; got {prefix_length}.")
+        if prefix_length > maximum:
+            raise ValueError(f"{name} must be at most {maximum:,} (the config's bound); got {prefix_length:,}.")
     else:
-        raise TypeError(f"prefix_length must be an int or a (B,) LongTensor; got {type(prefix_length).__name__}.")
+        raise TypeError(f"{name} must be an int or a (B,) LongTensor; got {type(prefix_length).__name__}.")
 
 
 def ignore_prefix_targets(labels: torch.Tensor, prefix_end: torch.Tensor | int) -> torch.Tensor:

@@ -678,8 +678,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 key). Inside a row's encoder range these keys are removed as `config.prefix_pad_masking` says.
             prefix_length: P, the JRT prefix of this forward: an int or a `(B,)` LongTensor per row; default
                 `config.prefix_length`.
-            prompt_lengths: `(B,)` the tokens of each row (from its first real token) that form its prompt; default:
-                all of them. The encoder reads `min(P, prompt)` of them in the first forward of a sequence (empty
+            prompt_lengths: the tokens of each row (from its first real token) that form its prompt, an int or a
+                `(B,)` LongTensor (the rule of `prefix_length`); default: all of them. The encoder reads `min(P, prompt)` of them in the first forward of a sequence (empty
                 cache), filled to P as `prefix_strategy` says when the prompt is shorter (`modeling_jrt.prefix_fill`);
                 outputs at a row's prompt positions may depend on the whole prompt, never on later tokens.
             prefix_strategy: `"pad"`, `"repeat"` or `"none"`; default `config.prefix_strategy`.

@@ -109,11 +109,7 @@ class FilledInputs:
             when nothing is padding.
         linear_attention_mask: `(B, F + T)` 0 at the `"pad"` fill (the linear attention ignores those keys), or None.
         fill_columns: F, the columns in front of the caller's first column.
-        prefix_lengths: `(B,)` tokens each row's encoder reads, counted from its first token in the model's layout
-            (the fill included).
-        prompt_lengths: `(B,)` the caller's tokens that form each row's prompt.
-        starts: `(B,)` each row's first token in the caller's columns.
-        fill_lengths: `(B,)` fill tokens of each row (right before its first token).
+        plan: the per-row prefix it was filled by (`plan_prefix`).
     """
 
     input_ids: torch.Tensor | None
@@ -121,22 +117,20 @@ class FilledInputs:
     attention_mask: torch.Tensor | None
     linear_attention_mask: torch.Tensor | None
     fill_columns: int
-    prefix_lengths: torch.Tensor
-    prompt_lengths: torch.Tensor
-    starts: torch.Tensor | None = None
-    fill_lengths: torch.Tensor | None = None
+    plan: PrefixPlan
 
     def positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """The caller's `(B, T)` RoPE positions in the model's layout `(B, F + T)`: the fill counts back from each
         row's first token, the columns in front of it are 0 (padding)."""
         if self.fill_columns == 0:
             return position_ids
-        batch_size = self.starts.shape[0]
+        starts, fills = self.plan.start, self.plan.fill
+        batch_size = starts.shape[0]
         position_ids = position_ids.expand(batch_size, -1)
-        first = position_ids.gather(1, self.starts[:, None])  # (B, 1) position of each row's first token
+        first = position_ids.gather(1, starts[:, None])  # (B, 1) position of each row's first token
         columns = torch.arange(self.fill_columns + position_ids.shape[1], device=position_ids.device)[None]
-        row_start = (self.fill_columns + self.starts)[:, None]
-        in_front = torch.where(columns >= row_start - self.fill_lengths[:, None], first - (row_start - columns), 0)
+        row_start = (self.fill_columns + starts)[:, None]
+        in_front = torch.where(columns >= row_start - fills[:, None], first - (row_start - columns), 0)
         return torch.cat([in_front[:, : self.fill_columns], position_ids], dim=1)
 
 
@@ -159,30 +153,101 @@ def check_prefix_strategy(strategy: object) -> str:
     return strategy
 
 
+@dataclass
+class PrefixPlan:
+    """Each row's JRT prefix in the first forward of a sequence, in the caller's columns (`plan_prefix`).
+
+    The one place the prefix rule is computed: the fill (`fill_prefix`), the encoder range (`encoder_range`), the
+    labels rule (`labels.encoder_end`), the cache's record and a chunked prefill all read it.
+
+    Attributes (each `(B,)` int64):
+        start: the row's first token (after left padding; 0 with right padding or none).
+        tokens: the row's tokens (one run from `start`).
+        prompt: the prompt, from `start`: `min(prompt_lengths, tokens)`, all of the row's tokens by default.
+        target: the prefix length P of the row.
+        encoder_tokens: the caller's tokens the encoder reads, `min(prompt, P)`.
+        fill: the tokens the model puts right before `start`, `P - encoder_tokens` when the strategy fills and the
+            prompt is not empty, else 0.
+    Other attributes:
+        strategy: `"pad"`, `"repeat"` or `"none"`.
+        static_fill_columns: `max(P - T, 0)`, the columns in front of the caller's when it is known without reading
+            the data (an int P and no `prompt_lengths`), else None.
+        uniform_encoder_tokens: `min(P, T)` when every row reads that many and it is known without reading the data
+            (no padding either), else None.
+    """
+
+    start: torch.Tensor
+    tokens: torch.Tensor
+    prompt: torch.Tensor
+    target: torch.Tensor
+    encoder_tokens: torch.Tensor
+    fill: torch.Tensor
+    strategy: str
+    static_fill_columns: int | None = None
+    uniform_encoder_tokens: int | None = None
+
+    @property
+    def encoder_end(self) -> torch.Tensor:
+        """`(B,)` the caller's column right after each row's encoder read: labels before it are never scored."""
+        return self.start + self.encoder_tokens
+
+    @property
+    def fills(self) -> bool:
+        """Whether some row is filled (reads the data: a host synchronisation)."""
+        return self.strategy != "none" and bool((self.fill > 0).any())
+
+
+def plan_prefix(
+    attention_mask: torch.Tensor | None,
+    batch_size: int,
+    length: int,
+    device: torch.device,
+    *,
+    prefix_length: int | torch.Tensor,
+    prompt_lengths: int | torch.Tensor | None = None,
+    strategy: str = "none",
+) -> PrefixPlan:
+    """The prefix of each row of a first forward: `(B, T)` tokens under `attention_mask` (`(B, >= T)`, its last T
+    columns; None: no padding), a prefix of `prefix_length` tokens (an int or `(B,)` per row), a prompt of
+    `prompt_lengths` tokens (an int or `(B,)`; None: the whole row), filled as `strategy` says. Both lengths follow
+    one rule (`check_prefix_length`), checked here."""
+    check_prefix_length(prefix_length, batch_size)
+    if prompt_lengths is not None:
+        check_prefix_length(prompt_lengths, batch_size, name="prompt_lengths")
+    strategy = check_prefix_strategy(strategy)
+    start, tokens = row_spans(attention_mask, batch_size, length, device)
+    prompt = tokens if prompt_lengths is None else torch.minimum(torch.as_tensor(prompt_lengths, device=device).long(), tokens)
+    target = torch.as_tensor(prefix_length, device=device).long().expand(batch_size)
+    encoder_tokens = torch.minimum(prompt, target)
+    fills = (prompt > 0) & (strategy != "none")
+    fill = torch.where(fills, target - encoder_tokens, torch.zeros_like(target))
+    known = prompt_lengths is None and not isinstance(prefix_length, torch.Tensor)
+    return PrefixPlan(
+        start=start, tokens=tokens, prompt=prompt, target=target, encoder_tokens=encoder_tokens, fill=fill,
+        strategy=strategy,
+        static_fill_columns=max(prefix_length - length, 0) if known and strategy != "none" else (0 if strategy == "none" else None),
+        uniform_encoder_tokens=min(prefix_length, length) if known and attention_mask is None else None,
+    )
+
+
 def fill_prefix(
     input_ids: torch.Tensor | None,
     inputs_embeds: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
+    plan: PrefixPlan,
     *,
-    prefix_length: int | torch.Tensor,
-    prompt_lengths: torch.Tensor | None,
-    strategy: str,
     pad_token_id: int | None,
     embed: Callable[[torch.Tensor], torch.Tensor],
     vocab_size: int,
 ) -> FilledInputs:
-    """Fill each row's prompt to `prefix_length` tokens as `strategy` says (see the module docstring).
+    """The batch in the model's layout: each row's prompt filled as `plan` says (see the module docstring).
 
     Args:
         input_ids: `(B, T)` the caller's ids, or None.
         inputs_embeds: `(B, T, hidden)` the caller's embeddings, or None (exactly one of the two is given).
         attention_mask: `(B, T)` 1 for tokens, 0 for padding, or None (no padding). With a fill, each row's tokens
             must be one run (left or right padding).
-        prefix_length: P, an int or `(B,)` per-row lengths: the encoder reads `min(P, prompt)` caller tokens, filled
-            to P when the prompt is shorter.
-        prompt_lengths: `(B,)` caller tokens per row that form the prompt (counted from the row's first token), or
-            None: all of the row's tokens (generation).
-        strategy: `"pad"`, `"repeat"` or `"none"`.
+        plan: each row's prefix (`plan_prefix` of the same mask).
         pad_token_id: the fill token of `"pad"`.
         embed: the model's input embedding (to fill embeddings with the pad token).
         vocab_size: rows of the embedding, to check `pad_token_id`.
@@ -191,23 +256,15 @@ def fill_prefix(
     batch_size, length = reference.shape[:2]
     device = reference.device
     compiling = torch.compiler.is_compiling()
-    # 1. Each row's first token, token count and prompt (one run of tokens per row, checked eagerly).
-    start, tokens = row_spans(attention_mask, batch_size, length, device)
+    strategy, start, tokens, prompt, fill = plan.strategy, plan.start, plan.tokens, plan.prompt, plan.fill
     real = None if attention_mask is None else attention_mask.to(device).bool()  # (B, T)
-    prompt = tokens if prompt_lengths is None else torch.minimum(prompt_lengths.to(device=device, dtype=torch.long), tokens)
-    if isinstance(prefix_length, torch.Tensor):
-        target = prefix_length.to(device=device, dtype=torch.long)
-    else:
-        target = torch.full((batch_size,), prefix_length, dtype=torch.long, device=device)
-    encoder_tokens = torch.minimum(prompt, target)
-    fill = torch.where((prompt > 0) & (strategy != "none"), target - encoder_tokens, torch.zeros_like(target))
     if strategy == "none":
-        return FilledInputs(input_ids, inputs_embeds, attention_mask, None, 0, encoder_tokens, prompt)
-    # 2. Columns in front of the caller's: the widest (fill - left padding). With left padding (or none) and the
+        return FilledInputs(input_ids, inputs_embeds, attention_mask, None, 0, plan)
+    # 1. Columns in front of the caller's: the widest (fill - left padding). With left padding (or none) and the
     #    prompt being the whole row that is max(P - T, 0), known without reading the mask (so torch.compile sees a
     #    static shape); otherwise it is read from the data.
-    if compiling and prompt_lengths is None and not isinstance(prefix_length, torch.Tensor):
-        fill_columns = max(prefix_length - length, 0)
+    if compiling and plan.static_fill_columns is not None:
+        fill_columns = plan.static_fill_columns
     else:
         if attention_mask is not None and not compiling:
             columns = torch.arange(length, device=device)
@@ -230,9 +287,9 @@ def fill_prefix(
                 "another `prefix_pad_token_id=`, or `prefix_strategy='repeat'`/`'none'`."
             )
     if fill_columns == 0 and not compiling and not bool((fill > 0).any()):
-        return FilledInputs(input_ids, inputs_embeds, attention_mask, None, 0, encoder_tokens, prompt)
+        return FilledInputs(input_ids, inputs_embeds, attention_mask, None, 0, plan)
 
-    # 3. The model's layout: F columns in front; row b's fill at columns [F + start_b - fill_b, F + start_b).
+    # 2. The model's layout: F columns in front; row b's fill at columns [F + start_b - fill_b, F + start_b).
     width = fill_columns + length
     columns = torch.arange(width, device=device)[None, :]  # (1, T')
     fill_start = (fill_columns + start - fill)[:, None]  # (B, 1)
@@ -266,10 +323,7 @@ def fill_prefix(
         attention_mask=mask.long(),
         linear_attention_mask=(~pad_fill).long() if strategy == "pad" else None,
         fill_columns=fill_columns,
-        prefix_lengths=encoder_tokens + fill,
-        prompt_lengths=prompt,
-        starts=start,
-        fill_lengths=fill,
+        plan=plan,
     )
 
 
@@ -293,38 +347,21 @@ class JRTRNNEncoderRange:
         return self.end - self.start
 
 
-def prefix_encoder_range(
-    prefix_length: int | torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    batch_size: int,
-    seq_len: int,
-    device: torch.device,
-) -> JRTRNNEncoderRange:
-    """The per-row encoder range of a first forward (the prefix is an explicit, per-row quantity).
-
-    Args:
-        prefix_length: an int for every row, or a `(B,)` integer tensor of per-row prefix lengths, counted from each
-            row's first real token.
-        attention_mask: `(B, T)` 1 for real tokens, 0 for padding (left or right), or None (no padding).
-        batch_size, seq_len: B and T of the forward.
-        device: where the range lives (the device of the hidden states).
-    """
-    check_prefix_length(prefix_length, batch_size)
-    if isinstance(prefix_length, torch.Tensor):
-        lengths = prefix_length.to(device=device, dtype=torch.long)
+def encoder_range(plan: PrefixPlan, fill_columns: int, seq_len: int) -> JRTRNNEncoderRange:
+    """Each row's encoder read in the model's layout of `seq_len` columns (`fill_columns` of them in front of the
+    caller's): its fill, right before its first token, then its first `encoder_tokens` tokens."""
+    start = plan.start + fill_columns - plan.fill
+    end = start + plan.fill + plan.encoder_tokens
+    # Positions the encoder projections are computed for: the widest range; known without the data when every row
+    # reads the same (no padding, an int prefix); under torch.compile every position (a static shape; the per-row
+    # ranges still select what each row reads); otherwise read from the data.
+    if torch.compiler.is_compiling():
+        length = seq_len
+    elif plan.uniform_encoder_tokens is not None:
+        length = fill_columns + plan.uniform_encoder_tokens
     else:
-        if attention_mask is None:  # the common case: no padding, no host sync
-            length = min(prefix_length, seq_len)
-            start = torch.zeros(batch_size, dtype=torch.long, device=device)
-            return JRTRNNEncoderRange(start=start, end=start + length, length=length)
-        lengths = torch.full((batch_size,), prefix_length, dtype=torch.long, device=device)
-    start, real = row_spans(attention_mask, batch_size, seq_len, device)
-    end = start + torch.minimum(lengths, real)
-    # Positions the encoder projections are computed for: the widest range, read from the data; under torch.compile
-    # every position (a static shape; the per-row ranges still select what each row reads).
-    length = seq_len if torch.compiler.is_compiling() else (int(end.max()) if batch_size > 0 else 0)
+        length = int(end.max()) if end.numel() else 0
     return JRTRNNEncoderRange(start=start, end=end, length=length)
-
 
 
 @dataclass
@@ -332,6 +369,7 @@ class PrefixLayout:
     """How the first forward of a JRT sequence reads its rows (`lay_out_prefix`).
 
     Attributes:
+        plan: each row's prefix in the caller's columns (`plan_prefix`).
         filled: the inputs in the model's layout, the fill in front of each row's prompt (`fill_prefix`).
         linear_attention_mask: `(B, F + T)` 0 at keys the linear attention ignores (the `"pad"` fill, and the caller's
             own `linear_attention_mask`), or None.
@@ -339,6 +377,7 @@ class PrefixLayout:
         record: what the cache keeps of it, so that a continuation reads the same prefix.
     """
 
+    plan: PrefixPlan
     filled: FilledInputs
     linear_attention_mask: torch.Tensor | None
     encoder_range: JRTRNNEncoderRange
@@ -361,16 +400,15 @@ def lay_out_prefix(
     """The prefix of a first forward: each row's prompt filled to `prefix_length` as `strategy` says, the encoder
     range over it and the record of both. None arguments take the config's values. Inputs as `JRTRNNModel.forward`
     takes them (`(B, T)` ids or `(B, T, hidden)` embeddings, `(B, T)` masks of this forward's tokens)."""
-    strategy = check_prefix_strategy(config.prefix_strategy if strategy is None else strategy)
+    strategy = config.prefix_strategy if strategy is None else strategy
     pad_token_id = config.prefix_pad_token_id if pad_token_id is None else pad_token_id
     prefix_length = config.prefix_length if prefix_length is None else prefix_length
     reference = input_ids if input_ids is not None else inputs_embeds
-    batch_size = reference.shape[0]
-    check_prefix_length(prefix_length, batch_size)
-    filled = fill_prefix(
-        input_ids, inputs_embeds, attention_mask, prefix_length=prefix_length, prompt_lengths=prompt_lengths,
-        strategy=strategy, pad_token_id=pad_token_id, embed=embed, vocab_size=config.vocab_size,
-    )
+    batch_size, length = reference.shape[:2]
+    plan = plan_prefix(attention_mask, batch_size, length, reference.device, prefix_length=prefix_length,
+                       prompt_lengths=prompt_lengths, strategy=strategy)
+    filled = fill_prefix(input_ids, inputs_embeds, attention_mask, plan, pad_token_id=pad_token_id, embed=embed,
+                         vocab_size=config.vocab_size)
     if filled.fill_columns and linear_attention_mask is not None:
         linear_attention_mask = torch.nn.functional.pad(linear_attention_mask, (filled.fill_columns, 0), value=1)
     if filled.linear_attention_mask is not None:
@@ -378,14 +416,9 @@ def lay_out_prefix(
             filled.linear_attention_mask if linear_attention_mask is None
             else filled.linear_attention_mask * linear_attention_mask
         )
-    reference = filled.input_ids if filled.input_ids is not None else filled.inputs_embeds
-    encoder_range = prefix_encoder_range(
-        filled.prefix_lengths, filled.attention_mask, batch_size, reference.shape[1], reference.device
-    )
-    record = JRTRNNPrefixRecord(
-        filled.fill_columns, filled.prompt_lengths, encoder_range.prefix_lengths, strategy, pad_token_id
-    )
-    return PrefixLayout(filled, linear_attention_mask, encoder_range, record)
+    read = encoder_range(plan, filled.fill_columns, filled.fill_columns + length)
+    record = JRTRNNPrefixRecord(filled.fill_columns, plan.prompt, read.prefix_lengths, plan.strategy, pad_token_id)
+    return PrefixLayout(plan, filled, linear_attention_mask, read, record)
 
 __all__ = [
     "PREFIX_STRATEGIES",
@@ -396,7 +429,9 @@ __all__ = [
     "fill_prefix",
     "lay_out_prefix",
     "never_generated_ids",
-    "prefix_encoder_range",
+    "PrefixPlan",
+    "encoder_range",
+    "plan_prefix",
     "repeat_to_fill",
     "row_spans",
 ]

@@ -1,0 +1,79 @@
+"""The prefix rule has one implementation (`prefix_fill.plan_prefix`): the fill, the encoder range, the labels rule
+and the chunked prefill read the same per-row plan, and every argument that sets a prefix (`prefix_length=`,
+`prompt_lengths=`, int or per row) is checked by one rule with one message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from modeling_jrt import JRTRNNForCausalLM
+from modeling_jrt.labels import encoder_end
+from modeling_jrt.prefix_fill import encoder_range, plan_prefix
+
+
+def left_padded() -> torch.Tensor:
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[0, :7] = 0  # 3 tokens
+    mask[1, :2] = 0  # 8 tokens
+    return mask  # row 2: 10 tokens
+
+
+@pytest.mark.parametrize("strategy, fill", [("pad", [5, 0, 0]), ("repeat", [5, 0, 0]), ("none", [0, 0, 0])])
+def test_the_plan_of_a_left_padded_batch(strategy, fill):
+    plan = plan_prefix(left_padded(), 3, 10, torch.device("cpu"), prefix_length=8, strategy=strategy)
+    assert plan.start.tolist() == [7, 2, 0] and plan.tokens.tolist() == [3, 8, 10]
+    assert plan.encoder_tokens.tolist() == [3, 8, 8] and plan.fill.tolist() == fill
+    assert plan.encoder_end.tolist() == [10, 10, 8]
+    # In the model's layout (F = max(fill - start) columns in front), each row's encoder reads its fill and prompt.
+    columns = max(max(f - s, 0) for f, s in zip(fill, [7, 2, 0]))
+    read = encoder_range(plan, columns, columns + 10)
+    assert (read.end - read.start).tolist() == [f + e for f, e in zip(fill, [3, 8, 8])]
+
+
+def test_prompt_lengths_end_the_encoder_read_before_the_first_target():
+    plan = plan_prefix(left_padded(), 3, 10, torch.device("cpu"), prefix_length=8,
+                       prompt_lengths=torch.tensor([2, 5, 9]))
+    assert plan.encoder_tokens.tolist() == [2, 5, 8]
+    labels = torch.zeros(3, 10, dtype=torch.long)
+    config = tiny_config()
+    end = encoder_end(config, labels, left_padded(), torch.tensor([2, 5, 9]), 8, None)
+    assert end.tolist() == [9, 7, 8]
+    # an int prompt length is the same for every row
+    same = plan_prefix(left_padded(), 3, 10, torch.device("cpu"), prefix_length=8, prompt_lengths=4)
+    assert same.encoder_tokens.tolist() == [3, 4, 4]
+
+
+@pytest.mark.parametrize(
+    "name, value, error, message",
+    [
+        ("prompt_lengths", torch.tensor([1.5, 3.0, 4.0]), ValueError,
+         r"^prompt_lengths must be an int or a \(B,\) = \(3,\) integer tensor of per-row lengths; got a torch.float32"),
+        ("prompt_lengths", torch.tensor([[1, 2, 3]]), ValueError, r"^prompt_lengths must be an int or a \(B,\) = \(3,\)"),
+        ("prompt_lengths", torch.tensor([1, 2]), ValueError, r"^prompt_lengths must be an int or a \(B,\) = \(3,\)"),
+        ("prompt_lengths", [1, 2, 3], TypeError, r"^prompt_lengths must be an int or a \(B,\) LongTensor; got list\.$"),
+        ("prompt_lengths", torch.tensor([-1, 8, 8]), ValueError, r"^prompt_lengths must be >= 0 in every row; got \[-1"),
+        ("prefix_length", torch.tensor([-1, 8, 8]), ValueError, r"^prefix_length must be >= 0 in every row; got \[-1"),
+        ("prefix_length", 2**22, ValueError, r"^prefix_length must be at most 1,048,576 \(the config's bound\); got"),
+        ("prefix_length", 2**40, ValueError, r"^prefix_length must be at most 1,048,576"),
+        ("prefix_length", torch.tensor([4, 2**30, 4]), ValueError, r"^prefix_length must be at most 1,048,576 in every"),
+    ],
+)
+def test_every_argument_that_sets_a_prefix_follows_one_rule(name, value, error, message):
+    model = JRTRNNForCausalLM(tiny_config()).eval()
+    input_ids = torch.randint(4, 99, (3, 10))
+    with pytest.raises(error, match=message), torch.no_grad():
+        model(input_ids, **{name: value})
+
+
+def test_an_int_prompt_length_equals_the_per_row_tensor():
+    torch.manual_seed(0)
+    model = JRTRNNForCausalLM(tiny_config(initializer_range=0.3)).eval()
+    input_ids = torch.randint(4, 99, (2, 10))
+    with torch.no_grad():
+        as_int = model(input_ids, prompt_lengths=3).logits
+        as_rows = model(input_ids, prompt_lengths=torch.tensor([3, 3])).logits
+        whole = model(input_ids).logits
+    torch.testing.assert_close(as_int, as_rows, rtol=0, atol=0)
+    assert not torch.allclose(as_int, whole)
