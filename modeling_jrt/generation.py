@@ -186,7 +186,15 @@ def check_generation_cache(
 def check_left_padding(attention_mask: torch.Tensor) -> None:
     """Generation appends tokens at the right end of each row: a row whose padding is on the right would continue
     after its pads."""
-    if attention_mask.shape[1] and not torch.compiler.is_compiling() and bool((attention_mask[:, -1] == 0).any()):
+    if attention_mask.shape[1] == 0 or torch.compiler.is_compiling():
+        return
+    empty = (attention_mask == 0).all(-1)
+    if bool(empty.any()):
+        raise ValueError(
+            f"Rows {empty.nonzero().flatten().tolist()} of the batch are empty (their `attention_mask` is all 0): "
+            "give every row at least one token."
+        )
+    if bool((attention_mask[:, -1] == 0).any()):
         raise ValueError(
             "generate() needs left-padded prompts (padding first, then the prompt): set "
             "`tokenizer.padding_side = 'left'` before tokenizing the batch."

@@ -87,6 +87,11 @@ def check_inputs(
             f"`inputs_embeds` must be (batch_size, seq_len, hidden_size={config.hidden_size}), got shape "
             f"{tuple(inputs_embeds.shape)}."
         )
+    if input_ids is not None and (input_ids.dtype.is_floating_point or input_ids.dtype.is_complex):
+        raise ValueError(
+            f"`input_ids` must be integer token ids, got {input_ids.dtype}: pass `input_ids.long()`, or the vectors "
+            "as `inputs_embeds`."
+        )
     reference = input_ids if input_ids is not None else inputs_embeds
     if reference.shape[1] == 0:
         raise ValueError(
@@ -97,6 +102,14 @@ def check_inputs(
         raise ValueError(
             f"The input has 0 rows (shape {tuple(reference.shape[:2])}): pass a batch of at least one row."
         )
+    if input_ids is not None and input_ids.shape[1] > 1 and not torch.compiler.is_compiling():
+        # A prompt, not a decode step (a check reads the data: a host synchronisation per call).
+        outside = (input_ids < 0) | (input_ids >= config.vocab_size)
+        if bool(outside.any()):
+            raise ValueError(
+                f"`input_ids` holds ids outside the vocabulary [0, {config.vocab_size}): "
+                f"{sorted(set(input_ids[outside].tolist()))[:8]}. Tokenize with this model's tokenizer."
+            )
     return reference.shape[0], reference.shape[1]
 
 
@@ -118,6 +131,39 @@ def check_labels_shape(
             f"`labels` {tuple(labels.shape)} must have the shape (batch, seq_len) of the input, {expected}: one "
             "target per input token (the model shifts them; -100 where nothing is scored)."
         )
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"`labels` must be integer token ids (-100 where nothing is scored), got {labels.dtype}.")
 
 
-__all__ = ["check_attention_mask", "check_inputs", "check_labels_shape", "check_one_sequence_per_row", "resolve_cache"]
+def check_loss_arguments(labels: torch.Tensor | None, inputs_shape: tuple[int, int], kwargs: dict) -> None:
+    """The loss arguments transformers' `Trainer` and TRL pass through `**kwargs`: `shift_labels` (pre-shifted
+    targets, `(B, T)`, column t the target of position t) goes with `labels`; `num_items_in_batch` (the targets a
+    gradient-accumulation step scores) is positive."""
+    shift_labels = kwargs.get("shift_labels")
+    if shift_labels is not None:
+        if labels is None:
+            raise ValueError(
+                "`shift_labels` without `labels`: pass the unshifted `labels` (B, T) as well (the model masks the "
+                "targets its JRT encoder reads by their position in the input)."
+            )
+        if tuple(shift_labels.shape) != tuple(inputs_shape):
+            raise ValueError(
+                f"`shift_labels` {tuple(shift_labels.shape)} must have the shape (batch, seq_len) of the input, "
+                f"{tuple(inputs_shape)}: column t holds the target of position t (labels[:, t + 1]), the last -100 "
+                "(`labels[:, 1:]` alone is one column short)."
+            )
+    items = kwargs.get("num_items_in_batch")
+    if items is not None and not torch.compiler.is_compiling() and bool(torch.as_tensor(items) <= 0):
+        raise ValueError(
+            f"`num_items_in_batch` must be > 0 (the scored targets of the whole accumulated batch), got {items}."
+        )
+
+
+__all__ = [
+    "check_attention_mask",
+    "check_inputs",
+    "check_labels_shape",
+    "check_loss_arguments",
+    "check_one_sequence_per_row",
+    "resolve_cache",
+]

@@ -41,13 +41,33 @@ def leak_free_labels(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
     attention_mask = kwargs.get("attention_mask")
     attention_mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     kwargs = dict(kwargs)
-    if kwargs.get("prompt_lengths") is None:
+    derived = kwargs.get("prompt_lengths") is None
+    if derived:
         kwargs["prompt_lengths"] = prompt_lengths_from_labels(labels, attention_mask)
     prefix_end = encoder_end(
         model.config, labels, attention_mask, kwargs["prompt_lengths"], kwargs.get("prefix_length"), None
     )
     masked, kwargs = ignore_encoder_targets(labels, prefix_end, kwargs)  # labels, shift_labels, the warning
+    if derived and not torch.compiler.is_compiling():
+        warn_one_token_prompts(labels, masked, attention_mask)
     return args, {**kwargs, "labels": masked}
+
+
+def warn_one_token_prompts(labels: torch.Tensor, masked: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Warn when a row's labels ignore its first token only and then score targets the encoder reads: completion-only
+    labels of a one-token prompt look exactly like `labels=input_ids` after the shift (the first label is never a
+    target), so the default prefix applies and those targets go unscored."""
+    batch_size, length = labels.shape
+    start, _ = row_spans(attention_mask, batch_size, length, labels.device)
+    rows = torch.arange(batch_size, device=labels.device)
+    first_ignored = labels[rows, start] == IGNORE_INDEX
+    lost = ((labels != masked) & (labels != IGNORE_INDEX))[:, 1:].any(-1)
+    if bool((first_ignored & lost).any()):
+        logger.warning_once(
+            "Some rows' labels ignore only their first token, as completion-only labels of a one-token prompt do: "
+            "that cannot be told from `labels=input_ids`, so the default JRT prefix applies and the targets inside "
+            "it are not scored. Pass `prompt_lengths=1` (per row, a (B,) tensor) to make the prompt the prefix."
+        )
 
 
 def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -124,4 +144,5 @@ __all__ = [
     "ignore_encoder_targets",
     "leak_free_labels",
     "prompt_lengths_from_labels",
+    "warn_one_token_prompts",
 ]

@@ -49,7 +49,14 @@ from .compat import CACHE_FIELD, keep_last_logits, model_output
 from .configuration_jrt import JRTRNNConfig
 from .generation import JRTRNNGenerationMixin
 from .inference_chunking import inference_chunk_rows, map_position_chunks
-from .inputs import check_attention_mask, check_inputs, check_labels_shape, check_one_sequence_per_row, resolve_cache
+from .inputs import (
+    check_attention_mask,
+    check_inputs,
+    check_labels_shape,
+    check_loss_arguments,
+    check_one_sequence_per_row,
+    resolve_cache,
+)
 from .labels import (
     LOSS_KWARGS,
     check_jrt_objective_prefix,
@@ -907,6 +914,9 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
             when `mlm_labels` are given.
         """
         check_labels_shape(labels, input_ids, inputs_embeds)
+        reference = input_ids if input_ids is not None else inputs_embeds
+        if reference is not None:
+            check_loss_arguments(labels, tuple(reference.shape[:2]), kwargs)
         mlm_labels = kwargs.pop("mlm_labels", None)
         if mlm_labels is not None:
             check_jrt_objective_prefix(self.config, prefix_length)
