@@ -58,7 +58,13 @@ def load_demo_model(model_dir: str, models_dir: Path = MODELS_DIR) -> tuple[torc
             f"No demo model in {path}: reinstall jrt-rnn, or pass the folder of models exported by "
             "`python experiments/synthetic export` (see its README)."
         )
-    model = AutoModelForCausalLM.from_pretrained(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path)
+    except Exception as error:  # noqa: BLE001 -- a damaged or foreign folder: one line naming it
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise RuntimeError(
+            f"cannot load the demo model in {path} ({reason}): copy or export the folder again"
+        ) from error
     model.eval()
     return model, json.loads((path / "token_map.json").read_text())
 

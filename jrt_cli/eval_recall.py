@@ -7,9 +7,10 @@ the output path before loading the model, then prints the summary table to stdou
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .choices import DTYPES, PROMPT_KINDS
-from .main import quiet_transformers
+from .main import UsageError, quiet_transformers
 from .sources import check_model_source
 
 
@@ -94,14 +95,17 @@ def load_lm(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from jrt_eval.jsonl_recall import check_output_writable, evaluate_recall, load_records, quiet_lm_eval, write_results
-
-    # Everything that can be checked is checked before the model is loaded and the evaluation runs.
+    # The arguments first, before anything heavy is imported (usage errors answer at once, exit 2).
     if args.context_tokens <= args.answer_tokens:
-        raise ValueError(
+        raise UsageError(
             f"--context-tokens ({args.context_tokens}) must exceed --answer-tokens ({args.answer_tokens}): the "
             f"document window is their difference"
         )
+    if not Path(args.data).is_file():
+        raise UsageError(f"no data file at {args.data}: pass a JSON Lines file of records (--data)")
+    from jrt_eval.jsonl_recall import check_output_writable, evaluate_recall, load_records, quiet_lm_eval, write_results
+
+    # Everything else that can be checked is checked before the model is loaded and the evaluation runs.
     if args.output:
         check_output_writable(args.output)
     load_records(args.data, limit=args.limit)

@@ -152,7 +152,8 @@ def _listing(names: list[str], limit: int = 10) -> str:
 def check_destination(source: Path | None, destination: Path, *, overwrite: bool) -> dict[str, tuple[int, int]]:
     """Refuse a destination whose replacement could lose data.
 
-    Refused: the source itself, a folder containing the source, an existing destination without `overwrite`, and with
+    Refused: the source itself, a folder containing the source, a folder inside a source folder, an existing
+    destination without `overwrite`, and with
     `overwrite` anything but an empty folder or a folder a previous conversion wrote, file for file and unchanged
     (`check_manifest`). The message names the files that would be lost.
 
@@ -167,6 +168,11 @@ def check_destination(source: Path | None, destination: Path, *, overwrite: bool
             raise ConversionError(
                 f"Destination {str(destination)!r} is the source checkpoint or a folder containing it "
                 f"({str(source)!r}); writing there would delete the source. Choose a new folder for DST."
+            )
+        if origin.is_dir() and origin in target.parents:
+            raise ConversionError(
+                f"Destination {str(destination)!r} is inside the source folder {str(source)!r}: the source is never "
+                "written. Choose a folder outside it for DST."
             )
     if not destination.exists() and not destination.is_symlink():
         return {}

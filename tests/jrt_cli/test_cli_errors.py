@@ -30,7 +30,7 @@ def _one_line(err: str, command: str) -> None:
         (["convert", "./no/such/src", "out"], 1, "neither an existing file or folder"),
         (["convert", "./no/such/src", "out", "--private"], 2, "need --push-to-hub"),
         (["convert", "src", "out", "--push-to-hub", "a/b", "--create-pr", "--revision", "dev"], 2, "--create-pr"),
-        (["eval-recall", "--model", "./no/such/model", "--data", "./no/such/data.jsonl"], 1, ""),
+        (["eval-recall", "--model", "./no/such/model", "--data", "./no/such/data.jsonl"], 2, "no data file at"),
     ],
 )
 def test_expected_errors_are_one_line_with_the_exit_code(argv, code, message, capsys):
@@ -109,3 +109,51 @@ def test_console_entry_point_exit_codes():
     )
     assert run.returncode == 2 and run.stderr.count("\n") == 1
     assert cli.EXPECTED_ERRORS  # the documented set of one-line errors exists
+
+
+_NO_TORCH = """
+import sys
+from jrt_cli.main import main
+code = main(sys.argv[1:])
+assert "torch" not in sys.modules, "torch was imported before the usage error"
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--seed", "-1"], "argument --seed: expected an integer from 0 to 2**32 - 1 (4294967295), got -1"),
+        (["demo", "--seed", str(2**70)], "argument --seed: expected an integer from 0 to 2**32 - 1"),
+        (["demo", "--examples", "2"], "`--examples` must be >="),
+        (["eval-recall", "--model", "m", "--data", "./missing.jsonl"], "no data file at ./missing.jsonl"),
+        (["eval-recall", "--model", "m", "--data", str(ROOT / "examples" / "data" / "recall_fixture.jsonl"),
+          "--context-tokens", "10", "--answer-tokens", "50"], "--context-tokens (10) must exceed --answer-tokens (50)"),
+    ],
+)
+def test_argument_errors_answer_before_torch_is_imported(argv, message):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert message in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_demo_help_shows_the_seed_range(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "0 to 2**32 - 1" in capsys.readouterr().out
+
+
+def test_a_damaged_demo_model_is_one_line(tmp_path, capsys):
+    import shutil
+
+    from jrt_cli.choices import MODELS_DIR
+
+    for name in ("jrt-rnn-sd", "based-sd"):
+        shutil.copytree(MODELS_DIR / name, tmp_path / name)
+    (tmp_path / "jrt-rnn-sd" / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert main(["demo", "--models-dir", str(tmp_path), "--examples", "4"]) == 1
+    err = capsys.readouterr().err
+    _one_line(err, "demo")
+    assert f"cannot load the demo model in {tmp_path / 'jrt-rnn-sd'}" in err and "export the folder again" in err

@@ -222,7 +222,7 @@ def test_negative_and_inconsistent_token_budgets(tmp_path, capsys, no_model_load
     assert error.value.code == 2
     assert "--answer-tokens: expected an integer >= 0, got -5" in capsys.readouterr().err
     argv = ["eval-recall", "--model", str(tmp_path), "--data", str(data), "--context-tokens", "50"]
-    assert main([*argv, "--answer-tokens", "50"]) == 1
+    assert main([*argv, "--answer-tokens", "50"]) == 2  # a usage error
     assert _error_line(capsys) == (
         "jrt eval-recall: error: --context-tokens (50) must exceed --answer-tokens (50): the document window is "
         "their difference"

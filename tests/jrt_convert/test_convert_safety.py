@@ -68,6 +68,15 @@ def test_destination_containing_the_source_is_refused(tmp_path):
         convert_checkpoint(source / "pytorch_model.bin", parent, overwrite=True)
 
 
+def test_destination_inside_the_source_folder_is_refused(tmp_path, capsys):
+    """`jrt convert SRC SRC/inner-hf` wrote 18 files into the source folder, which is never written."""
+    source = _source(tmp_path / "ckpt")
+    before = _snapshot(tmp_path)
+    assert jrt_main(["convert", str(source), str(source / "inner-hf")]) == 1
+    assert "is inside the source folder" in capsys.readouterr().err
+    assert _snapshot(tmp_path) == before and not (source / "inner-hf").exists()
+
+
 def test_overwrite_refuses_folders_a_conversion_did_not_write(tmp_path):
     source = _source(tmp_path / "src")
     other = tmp_path / "other"
