@@ -119,7 +119,7 @@ def load_state_dict_safely(
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=kind == "zip")
     except pickle.UnpicklingError as error:
         if not _refused_object(error):
-            raise _damaged(path, kind, error) from error
+            raise _damaged(path, kind, error, weights_only="WeightsUnpickler error" in str(error)) from error
         raise ConversionError(
             f"Refusing to load {str(path)!r}: it contains Python objects other than tensors and plain containers, "
             "and unpickling those could run arbitrary code (the file is only read with "
@@ -221,7 +221,15 @@ def _refused_object(error: pickle.UnpicklingError) -> bool:
     return any(marker in text for marker in ("Unsupported global", "Unsupported class"))
 
 
-def _damaged(path: Path, kind: str, error: BaseException) -> ConversionError:
+def _damaged(path: Path, kind: str, error: BaseException, weights_only: bool = False) -> ConversionError:
+    if weights_only:  # torch's weights-only unpickler stopped: damaged bytes, or an object it does not name
+        return ConversionError(
+            f"Cannot read {str(path)!r} with `torch.load(weights_only=True)` ({_unpickler_reason(error)}): the "
+            f"{_KINDS[kind]} is damaged, or it holds Python objects other than tensors and plain containers. If it "
+            "is damaged, download or copy it again; if you trust the file, extract the weights in a separate step, "
+            "e.g. `python -c \"import torch; ck = torch.load('FILE', weights_only=False); "
+            "torch.save(ck.get('state_dict', ck), 'pytorch_model.bin')\"`, and convert that."
+        )
     reason = str(error).splitlines()[0] if str(error).strip() else "unexpected end of file"
     return ConversionError(
         f"Cannot read {str(path)!r} ({type(error).__name__}: {reason}): the {_KINDS[kind]} is truncated, damaged or "

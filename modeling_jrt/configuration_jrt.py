@@ -50,6 +50,9 @@ MAX_SIZES = {
     "linear_attention_chunk_size": 2**12,
     "prefix_length": 2**20,  # generate() fills a shorter prompt up to it
 }
+# The embedding's parameters (`vocab_size * hidden_size`), bounded as well: each factor within its bound can still ask
+# for terabytes (2**22 x 2**16 is 1 TB in fp32). 2**33 is 32 GB in fp32, above a 262k vocabulary at width 16k.
+MAX_EMBEDDING_ELEMENTS = 2**33
 POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "linear_attention_eps")
 NON_NEGATIVE_FLOAT_FIELDS = ("mlm_weight", "initializer_range")
 BOOL_FIELDS = ("tie_word_embeddings", "conv_bias", "linear_attention_decay", "use_decay_proj", "use_cache")
@@ -262,6 +265,13 @@ class JRTRNNConfig(PreTrainedConfig):
         for field in BOOL_FIELDS:
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"`{field}` must be True or False, got {getattr(self, field)!r}.")
+        if self.vocab_size * self.hidden_size > MAX_EMBEDDING_ELEMENTS:
+            elements = self.vocab_size * self.hidden_size
+            raise ValueError(
+                f"`vocab_size` x `hidden_size` = {self.vocab_size:,} x {self.hidden_size:,} = {elements:,} embedding "
+                f"parameters ({elements * 4 / 2**30:,.0f} GiB in float32), above {MAX_EMBEDDING_ELEMENTS:,}: check the "
+                "values (a typo in config.json?)."
+            )
         for field in TOKEN_ID_FIELDS:
             _check_token_id(field, getattr(self, field), self.vocab_size)
         if not isinstance(self.decay_const, (int, float)) or isinstance(self.decay_const, bool) or not math.isfinite(

@@ -67,6 +67,17 @@ class JRTRNNGenerationMixin:
                 )
             cache = None
         reads_embeds = inputs_embeds is not None and (is_first_iteration or cache is None or not cache.has_state)
+        if (
+            reads_embeds and input_ids is not None and input_ids.shape[1] == 0 and attention_mask is not None
+            and attention_mask.shape[1] < inputs_embeds.shape[1] and (cache is None or not cache.has_state)
+        ):
+            # generate(inputs_embeds=..., attention_mask=..., prefill_chunk_size=...) without `input_ids`: transformers
+            # cuts the prompt into chunks by `input_ids` (empty here) and hands over the mask of no column at all.
+            raise ValueError(
+                f"`attention_mask` covers {attention_mask.shape[1]} of the {inputs_embeds.shape[1]} positions of "
+                "`inputs_embeds`: transformers' chunked prefill cuts the prompt by `input_ids`, so with "
+                "`prefill_chunk_size` pass the embeddings' `input_ids` too (or no `prefill_chunk_size`)."
+            )
         sequence = inputs_embeds if reads_embeds else input_ids
         model_inputs: dict = {}
 

@@ -106,6 +106,27 @@ def test_unsupported_pickle_content(tmp_path):
     _assert_no_output(tmp_path)
 
 
+def test_a_weights_only_failure_that_names_no_object_says_both_causes(tmp_path, monkeypatch):
+    """torch's weights-only unpickler can stop on an operand it does not name (damaged bytes, or an object it has no
+    rule for): the message gives both causes and the recipe for a trusted file, not "damaged" alone."""
+    import pickle
+
+    source = _source(tmp_path)
+
+    def refuse(*args, **kwargs):
+        raise pickle.UnpicklingError(
+            "Weights only load failed. ...\n\tWeightsUnpickler error: Unsupported operand 149\n\nCheck the docs"
+        )
+
+    monkeypatch.setattr(torch, "load", refuse)
+    with pytest.raises(ConversionError) as raised:
+        convert_checkpoint(source, tmp_path / "out")
+    message = str(raised.value)
+    assert "Unsupported operand 149" in message and "holds Python objects other than tensors" in message
+    assert "weights_only=False" in message and "download or copy it again" in message
+    _assert_no_output(tmp_path)
+
+
 def test_existing_destination_is_kept(tmp_path):
     source = _source(tmp_path)
     (tmp_path / "out").mkdir()

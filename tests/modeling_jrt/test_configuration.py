@@ -84,6 +84,8 @@ def test_default_layer_types_for_36_layers():
         (dict(num_hidden_layers=2, mixer_types=["conv", "full_attention"]), r"`mixer_types\[1\]` is 'full_attention'"),
         (dict(num_hidden_layers=4, mixer_types="conv"), r"`mixer_types` must be a list"),
         (dict(hidden_size=48, num_attention_heads=16), r"head dim .* = 3 must be even"),
+        (dict(vocab_size=2**22, hidden_size=2**16, num_attention_heads=2**9),
+         r"^`vocab_size` x `hidden_size` = 4,194,304 x 65,536 = .* \(1,024 GiB in float32\), above 8,589,934,592"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(overrides, message):

@@ -299,6 +299,27 @@ def test_prefill_chunk_size_with_embeddings_and_continuation(make_config, mixer_
     torch.testing.assert_close(chunked.sequences, expected.sequences, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("chunk", [5, 9])
+def test_chunked_prefill_of_left_padded_embeddings(make_config, chunk):
+    """transformers cuts a chunked prefill by `input_ids`: with the embeddings' ids the chunks give the one-shot
+    tokens; embeddings alone would reach the model with an empty mask and are refused in one line (they failed with
+    "`attention_mask` has 0 columns")."""
+    if CACHE_FIELD != "cache":
+        pytest.skip("transformers < 5.24 does not chunk `inputs_embeds`")
+    model = build(make_config)
+    input_ids = prompt(21, batch=2)
+    mask = torch.ones_like(input_ids)
+    mask[0, :6] = 0
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(input_ids)
+    settings = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, **NO_EOS)
+    one = model.generate(inputs_embeds=embeds, **settings)
+    chunked = model.generate(input_ids=input_ids, inputs_embeds=embeds, prefill_chunk_size=chunk, **settings)
+    torch.testing.assert_close(chunked[:, -4:], one, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"covers 0 of the 21 positions .* pass the embeddings' `input_ids` too"):
+        model.generate(inputs_embeds=embeds, prefill_chunk_size=chunk, **settings)
+
+
 def test_generation_lengths_count_the_callers_prompt(make_config):
     model = build(make_config)
     short = prompt(3)
