@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .main import UsageError, quiet_transformers
 from .sources import check_model_source
@@ -100,5 +101,46 @@ def run(args: argparse.Namespace) -> int:
     if hasattr(lm_eval_args, "include_path"):
         user_path = lm_eval_args.include_path
         lm_eval_args.include_path = [str(TASKS_DIR)] + ([user_path] if user_path else [])
+    check_run_arguments(lm_eval_args)
     cli.execute(lm_eval_args)
     return 0
+
+
+def check_run_arguments(lm_eval_args: argparse.Namespace) -> None:
+    """What lm-eval would only find after loading the model and the data sets (minutes): the `jrt` model's
+    `scoring=` and `prefix_strategy=`, `--batch_size`, and the task names. Usage errors, in a few seconds."""
+    if getattr(lm_eval_args, "command", None) != "run":
+        return
+    if getattr(lm_eval_args, "model", None) == "jrt":
+        from jrt_eval.lm import SCORING_MODES
+        from modeling_jrt.configuration_jrt import PREFIX_STRATEGIES
+
+        model_args = lm_eval_args.model_args or {}
+        for key, allowed in (("scoring", SCORING_MODES), ("prefix_strategy", PREFIX_STRATEGIES)):
+            if key in model_args and model_args[key] not in allowed:
+                raise UsageError(
+                    f"--model_args {key}={model_args[key]} is not one of {', '.join(allowed)} (the `jrt` model's)."
+                )
+    batch_size = getattr(lm_eval_args, "batch_size", None)
+    if batch_size is not None and not _is_batch_size(str(batch_size)):
+        raise UsageError(f"--batch_size {batch_size}: expected a positive integer, 'auto' or 'auto:N'.")
+    tasks = getattr(lm_eval_args, "tasks", None)
+    if tasks:
+        from lm_eval.tasks import TaskManager
+
+        names = [name for name in (tasks.split(",") if isinstance(tasks, str) else tasks) if name]
+        manager = TaskManager(include_path=lm_eval_args.include_path)
+        unknown = [name for name in names if not Path(name).exists() and not manager.match_tasks([name])]
+        if unknown:
+            raise UsageError(
+                f"unknown task(s) {', '.join(unknown)}: `jrt lm-eval ls tasks` lists them (jrt-rnn's recall tasks "
+                "are jrt_swde, jrt_fda, ..., see the README)."
+            )
+
+
+def _is_batch_size(text: str) -> bool:
+    if text == "auto":
+        return True
+    if text.startswith("auto:"):
+        text = text[len("auto:"):]
+    return text.isdigit() and int(text) > 0

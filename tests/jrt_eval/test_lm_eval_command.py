@@ -99,6 +99,27 @@ def test_jrt_model_without_pretrained_is_a_usage_error(capsys, model_args):
     ), err
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--model_args", "pretrained=MODEL,scoring=bogus"], "--model_args scoring=bogus is not one of leak_free"),
+        (["--model_args", "pretrained=MODEL,prefix_strategy=bogus"], "prefix_strategy=bogus is not one of pad"),
+        (["--model_args", "pretrained=MODEL", "--batch_size", "abc"], "--batch_size abc: expected a positive integer"),
+        (["--model_args", "pretrained=MODEL", "--tasks", "jrt_swde,no_such_task"], "unknown task(s) no_such_task"),
+    ],
+)
+def test_arguments_lm_eval_would_find_late_are_usage_errors(capsys, extra, message):
+    """They used to give no answer in 150 s (or exit 1 after 113 s): now exit 2 before any model or data set loads."""
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
+    from jrt_cli.choices import MODELS_DIR
+
+    extra = [arg.replace("MODEL", str(MODELS_DIR / "jrt-rnn-sd")) for arg in extra]
+    tasks = [] if "--tasks" in extra else ["--tasks", "jrt_swde"]
+    assert main(["lm-eval", *tasks, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
 def test_garbage_model_args_are_an_argparse_error(capsys):
     pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
     with pytest.raises(SystemExit) as exit_info:
