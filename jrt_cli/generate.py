@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 from .choices import PREFIX_STRATEGIES
 from .main import UsageError, one_line, quiet_transformers
@@ -104,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     explicit = args.tokenizer is not None
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code, explicit=explicit)
     model.to(device).eval()
+    warn_unfit_tokenizer(tokenizer, model.config)
 
     prompt = read_twice(args.prompt) if args.jrt_prompt else args.prompt
     inputs = tokenizer(prompt, return_tensors="pt").to(device)
@@ -124,6 +126,17 @@ def run(args: argparse.Namespace) -> int:
         **sampling,
     )
     return 0
+
+
+def warn_unfit_tokenizer(tokenizer, config) -> None:
+    """Say on stderr when the model can generate ids the tokenizer cannot decode (they print as nothing)."""
+    generated = getattr(config, "generation_vocab_size", None) or config.vocab_size
+    if len(tokenizer) < generated:
+        print(
+            f"note: the tokenizer has {len(tokenizer):,} tokens but the model generates ids up to {generated - 1:,}: "
+            "ids the tokenizer lacks print as nothing. Pass the tokenizer the model was trained with (--tokenizer).",
+            file=sys.stderr,
+        )
 
 
 def prompt_echo_streamer(tokenizer, prompt: str):

@@ -147,3 +147,17 @@ def test_echoed_prompt_keeps_special_tokens(capsys):
     captured = capsys.readouterr()
     assert captured.out == prompt + " t12\n"
     assert captured.err == ""  # no "Loading weights" progress bar
+
+
+def test_a_tokenizer_smaller_than_the_model_is_named(tmp_path, capsys):
+    """The demo tokenizer (68 words) on a model of 99 ids printed nothing after the prompt without saying why."""
+    from conftest import tiny_config
+
+    from jrt_cli.choices import MODELS_DIR
+
+    torch.manual_seed(0)
+    JRTRNNForCausalLM(tiny_config()).save_pretrained(tmp_path / "model")
+    argv = ["generate", "--model", str(tmp_path / "model"), "--tokenizer", str(MODELS_DIR / "jrt-rnn-sd"),
+            "--prompt", "t5 t6", "--max-new-tokens", "2"]
+    assert main(argv) == 0
+    assert "note: the tokenizer has 68 tokens but the model generates ids up to 98" in capsys.readouterr().err
