@@ -198,13 +198,12 @@ def test_the_default_cache_generate_builds_is_replaced_without_a_warning(make_co
     from transformers import DynamicCache
     from transformers.utils import logging as hf_logging
 
-    from modeling_jrt.compat import CACHE_FIELD
     from modeling_jrt.generation import cache_is_static
 
-    # A model without attention layers is where transformers' default cache reads as compileable (on >= 5.24; older
-    # releases need the model's cache passed for it, see the README).
+    # A model without attention layers is where transformers' default cache used to read as compileable (when it was
+    # built from the model's layer types; transformers sees none now, on every release).
     recurrent = ["conv", "linear_attention", "conv", "linear_attention"]
-    model = build(make_config, **(dict(mixer_types=recurrent) if CACHE_FIELD == "cache" else {}))
+    model = build(make_config, mixer_types=recurrent)
     assert not cache_is_static(DynamicCache(config=model.config))
     hf_logging.enable_propagation()
     with caplog.at_level("WARNING"):
