@@ -42,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "'contains' (case-insensitive match of any gold answer in the first line generated), run as the "
             "lm-eval tasks jrt_jsonl / jrt_jsonl_twice with the `jrt` model (needs the `eval` extra). Data: JSON "
             "Lines with 'context', 'key' (extraction) or 'question' (QA), 'answers', and optional 'header', "
-            "'template', 'id'; see the README."
+            "'template', 'id'; see docs/evaluation.md."
         ),
     )
     parser.add_argument("--model", required=True, help="local folder or Hub id of an AutoModelForCausalLM")

@@ -134,7 +134,7 @@ def check_run_arguments(lm_eval_args: argparse.Namespace) -> None:
         if unknown:
             raise UsageError(
                 f"unknown task(s) {', '.join(unknown)}: `jrt lm-eval ls tasks` lists them (jrt-rnn's recall tasks "
-                "are jrt_swde, jrt_fda, ..., see the README)."
+                "are jrt_swde, jrt_fda, ..., see docs/evaluation.md)."
             )
 
 

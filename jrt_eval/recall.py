@@ -103,7 +103,7 @@ def _parse_record(raw: object, line: int) -> RecallRecord:
 
 
 def load_records(path: str | Path, *, limit: int | None = None) -> list[RecallRecord]:
-    """Read and validate a JSONL file of records (format: README, "jrt eval-recall").
+    """Read and validate a JSONL file of records (format: docs/evaluation.md, "jrt eval-recall").
 
     Args:
         path: The JSONL file, UTF-8 without a byte-order mark.

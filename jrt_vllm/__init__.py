@@ -1,7 +1,7 @@
 """vLLM plugin for JRT-RNN and Based: serves the folders that `save_pretrained` and `jrt convert` write.
 
 Installed with `pip install -e ".[vllm]"`; vLLM calls `register` through the `vllm.general_plugins` entry point, in
-every process it starts. See README "Serve with vLLM" and `jrt_vllm.model`.
+every process it starts. See docs/serving.md and `jrt_vllm.model`.
 """
 
 from __future__ import annotations

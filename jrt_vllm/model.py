@@ -11,7 +11,7 @@ metadata of its short-conv backend). The states are those of transformers' cache
 The sliding window is a state as well (not vLLM's paged `Attention`): the JRT prefix fill below adds tokens that
 vLLM never schedules, and a fixed window of W - 1 keys is what an O(1) model keeps anyway.
 
-The JRT prefix (docs: README "Serve with vLLM"). The first forward of a request reads its whole prompt (chunked
+The JRT prefix (docs: docs/serving.md). The first forward of a request reads its whole prompt (chunked
 prefill is off for prefix models, `jrt_vllm.config`). A prompt of L < prefix_length tokens is filled in front, as
 the transformers model's first forward fills it (`config.prefix_strategy`, `modeling_jrt.prefix_fill`): "pad" prepends
 `prefix_length - L` copies of `prefix_pad_token_id` (read by convolutions and sliding attention, removed from the

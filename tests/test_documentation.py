@@ -37,10 +37,10 @@ def test_every_cited_document_exists():
 README = ROOT / "README.md"
 
 
-def _python_blocks(heading: str) -> list[str]:
-    """The ```python blocks of the README section that starts at `heading` (up to the next heading of any level;
-    `#` lines inside code blocks are comments, not headings)."""
-    lines = README.read_text(encoding="utf-8").splitlines()
+def _python_blocks(heading: str, document: Path = README) -> list[str]:
+    """The ```python blocks of the section of `document` that starts at `heading` (up to the next heading of any
+    level; `#` lines inside code blocks are comments, not headings)."""
+    lines = document.read_text(encoding="utf-8").splitlines()
     start = lines.index(heading)
     blocks, block, fenced = [], None, False
     for line in lines[start + 1 :]:
@@ -60,15 +60,16 @@ def _python_blocks(heading: str) -> list[str]:
 
 
 def test_use_the_model_and_jrt_objective_snippets_run_as_written(tmp_path, monkeypatch):
-    """The collator snippet continues "Use the model": that config has a [MASK] id, and `token_stream` is defined."""
+    """The collator snippet (docs/training.md) continues the README's "Use the model": that config has a [MASK] id,
+    and `token_stream` is defined."""
     monkeypatch.chdir(tmp_path)  # the first snippet saves "tiny-jrt"
     (use_the_model,) = _python_blocks("## Use the model")
-    (objective,) = _python_blocks("### The JRT objective")
+    (objective,) = _python_blocks("## The JRT objective", ROOT / "docs" / "training.md")
     namespace: dict = {}
     exec(compile(use_the_model, "README: Use the model", "exec"), namespace)
     out = namespace["out"]
     assert out.loss is not None and out.logits is not None and out.cache is None  # training mode: no cache
-    exec(compile(objective + "\nparts = " + objective.strip().splitlines()[-1], "README: The JRT objective", "exec"),
+    exec(compile(objective + "\nparts = " + objective.strip().splitlines()[-1], "docs/training.md", "exec"),
          namespace)
     loss, ntp_loss, mlm_loss = namespace["parts"]
     assert all(bool(value.isfinite()) for value in (loss, ntp_loss, mlm_loss))

@@ -1,6 +1,7 @@
-"""The README's two-process commands, run exactly as written (on CPU, gloo DDP), and the examples' clean exit.
+"""The documentation's two-process commands (docs/training.md), run exactly as written (on CPU, gloo DDP), and the
+examples' clean exit.
 
-Each command is read from README.md and run from a scratch folder in which `examples/` links to the repository's
+Each command is read from docs/training.md and run from a scratch folder in which `examples/` links to the repository's
 examples, so relative paths such as `runs/jrt-ddp` land in the scratch folder."""
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ LAUNCHERS = {"accelerate": ["-m", "accelerate.commands.accelerate_cli"], "torchr
 
 
 def readme_command(prefix: str) -> list[str]:
-    """The README line that starts with `prefix`, without its trailing comment, as argv."""
-    lines = [line for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines() if line.startswith(prefix)]
-    assert len(lines) == 1, f"README.md has {len(lines)} lines starting with {prefix!r}"
+    """The line of the training documentation (docs/training.md) that starts with `prefix`, without its trailing
+    comment, as argv."""
+    document = ROOT / "docs" / "training.md"
+    lines = [line for line in document.read_text(encoding="utf-8").splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, f"docs/training.md has {len(lines)} lines starting with {prefix!r}"
     argv = shlex.split(lines[0].split("#", 1)[0])
     return [sys.executable, *LAUNCHERS[argv[0]], *argv[1:]]
 
