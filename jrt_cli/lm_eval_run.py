@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from .main import UsageError, quiet_transformers
-from .sources import check_model_source
+from .sources import check_model_source, go_offline, hub_unreachable
 
 LM_EVAL_SUBCOMMANDS: tuple[str, ...] = ("run", "ls", "validate")
 
@@ -102,8 +102,31 @@ def run(args: argparse.Namespace) -> int:
         user_path = lm_eval_args.include_path
         lm_eval_args.include_path = [str(TASKS_DIR)] + ([user_path] if user_path else [])
     check_run_arguments(lm_eval_args)
+    offline_when_the_hub_is_unreachable(lm_eval_args)
     cli.execute(lm_eval_args)
     return 0
+
+
+def offline_when_the_hub_is_unreachable(lm_eval_args: argparse.Namespace) -> None:
+    """The tasks' data sets come from the Hub: when it cannot be reached (a few seconds' probe), read the local cache
+    only, at once, instead of through a minute of retries per file, and say so (the model's source was checked the
+    same way)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or not getattr(lm_eval_args, "tasks", None):
+        return
+    problem = hub_unreachable()
+    if problem is None:
+        return
+    go_offline()
+    import datasets.config
+
+    datasets.config.HF_HUB_OFFLINE = True  # read once at import: tell the data set loader too
+    print(
+        f"note: the Hugging Face Hub ({constants.ENDPOINT}) cannot be reached ({problem}): data sets are read from "
+        "the local cache only (as with HF_HUB_OFFLINE=1).",
+        file=sys.stderr,
+    )
 
 
 def check_run_arguments(lm_eval_args: argparse.Namespace) -> None:

@@ -138,3 +138,31 @@ def test_without_lm_eval_the_commands_say_how_to_install_it(monkeypatch, capsys,
     assert main(command) == 1
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and error.endswith("pip install -e '.[eval]' in a checkout")
+
+
+def test_tasks_read_the_local_cache_at_once_when_the_hub_is_unreachable(monkeypatch, capsys):
+    """Offline, lm-eval waited through five retries per data set file (about a minute) before its error: the Hub is
+    probed once (a few seconds) and the run goes offline, saying so."""
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
+    import argparse
+
+    import datasets.config
+    from huggingface_hub import constants
+
+    from jrt_cli import lm_eval_run
+
+    went_offline = []
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(lm_eval_run, "hub_unreachable", lambda: "Name or service not known")
+    monkeypatch.setattr(lm_eval_run, "go_offline", lambda: went_offline.append(True))
+    lm_eval_run.offline_when_the_hub_is_unreachable(argparse.Namespace(tasks="jrt_swde"))
+    assert went_offline and datasets.config.HF_HUB_OFFLINE is True
+    assert "cannot be reached (Name or service not known): data sets are read from the local cache only" in (
+        capsys.readouterr().err
+    )
+    went_offline.clear()  # reachable, or no task: nothing changes
+    monkeypatch.setattr(lm_eval_run, "hub_unreachable", lambda: None)
+    lm_eval_run.offline_when_the_hub_is_unreachable(argparse.Namespace(tasks="jrt_swde"))
+    lm_eval_run.offline_when_the_hub_is_unreachable(argparse.Namespace(tasks=None))
+    assert not went_offline
