@@ -8,6 +8,8 @@ source.
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 PREFIX_STRATEGIES: tuple[str, ...] = ("pad", "repeat", "none")  # modeling_jrt.configuration_jrt.PREFIX_STRATEGIES
@@ -25,3 +27,23 @@ HEAVY_MODULES: tuple[str, ...] = ("torch", "transformers", "lm_eval", "numpy", "
 
 __all__ = ["DEMO_SEED", "DTYPES", "FAMILIES", "HEAVY_MODULES", "MODELS_DIR", "PREFIX_PAD_MASKINGS",
            "PREFIX_STRATEGIES", "PROMPT_KINDS"]
+
+
+def integer_type(minimum: int, maximum: int | None = None, expected: str | None = None) -> Callable[[str], int]:
+    """An argparse `type`: an integer in [minimum, maximum] (no maximum: at least `minimum`), checked while the
+    arguments are parsed (a usage error, exit 2, before anything is imported). `expected` words the range in the
+    message ("a positive integer" / "an integer >= N" by default)."""
+    if expected is None:
+        expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+
+    return parse
+

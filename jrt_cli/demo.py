@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from .choices import DEMO_SEED, MODELS_DIR
+from .choices import DEMO_SEED, MODELS_DIR, integer_type
 from .main import UsageError, quiet_transformers
 
 NUM_SHOWN = 4
@@ -15,17 +15,6 @@ NUM_SCORED = 200
 
 
 MAX_SEED = 2**32 - 1  # numpy's seeds
-
-
-def _seed(text: str) -> int:
-    """An argparse `type`: an integer seed in [0, 2**32 - 1] (numpy's range), checked before anything is imported."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**32 - 1, got {text!r}") from None
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**32 - 1 ({MAX_SEED}), got {value}")
-    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -36,7 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "one token; after '?' the model must name it. Compares JRT-RNN, causal Based and Based with "
                     "JRT-Prompt (the prompt given twice) at the same recurrent state size.",
     )
-    parser.add_argument("--seed", type=_seed, default=DEMO_SEED,
+    parser.add_argument("--seed", type=integer_type(0, MAX_SEED, f"an integer from 0 to 2**32 - 1 ({MAX_SEED})"),
+                        default=DEMO_SEED,
                         help=f"seed of the fresh prompts, 0 to 2**32 - 1 (default {DEMO_SEED})")
     parser.add_argument("--examples", type=int, default=NUM_SCORED,
                         help=f"examples scored for the accuracy (default {NUM_SCORED})")

@@ -9,28 +9,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .choices import DTYPES, PROMPT_KINDS
+from .choices import DTYPES, PROMPT_KINDS, integer_type
 from .main import UsageError, quiet_transformers
 from .sources import check_model_source
 
 
-def _int_at_least(minimum: int):
-    """An argparse `type` for integers `>= minimum`, with the message naming what was expected."""
-    expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
-        return value
-
-    return parse
-
-
-_positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
+_positive_int, _non_negative_int = integer_type(1), integer_type(0)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

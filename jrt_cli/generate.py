@@ -14,7 +14,7 @@ import argparse
 import math
 import sys
 
-from .choices import PREFIX_STRATEGIES
+from .choices import PREFIX_STRATEGIES, integer_type
 from .main import UsageError, one_line, quiet_transformers
 from .sources import check_model_source
 
@@ -24,17 +24,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 
 
 MAX_SEED = 2**64 - 1  # torch.manual_seed takes a 64-bit seed
-
-
-def _seed(text: str) -> int:
-    """`--seed`: an integer in [0, 2**64 - 1] (torch's seed range)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64 - 1], got {text!r}") from None
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64 - 1], got {text}")
-    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -61,7 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1] (needs --do-sample)"
     )
-    parser.add_argument("--seed", type=_seed, default=0, help="random seed for sampling, 0 .. 2**64 - 1 (default 0)")
+    parser.add_argument("--seed", type=integer_type(0, MAX_SEED, "an integer in [0, 2**64 - 1]"), default=0,
+                        help="random seed for sampling, 0 .. 2**64 - 1 (default 0)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own code")
     parser.set_defaults(func=run)

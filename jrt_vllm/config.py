@@ -36,7 +36,7 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
         if cache_config.enable_prefix_caching:
             logger.info("jrt_vllm: prefix caching is off for JRT-RNN / Based (a state depends on the whole prompt).")
             cache_config.enable_prefix_caching = False
-        is_prefix = hf_config.linear_attention_type == "prefix" and "linear_attention" in hf_config.mixer_types
+        is_prefix = hf_config.is_prefix_model
         if is_prefix and scheduler_config.enable_chunked_prefill:
             logger.warning(
                 "jrt_vllm: chunked prefill is off for this JRT-RNN model: its encoder reads the first prefix_length=%d "

@@ -452,7 +452,7 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         if vllm_config.speculative_config is not None:
             raise NotImplementedError("jrt_vllm does not support speculative decoding (the state cannot roll back).")
         self.config = config
-        self.is_prefix = config.linear_attention_type == "prefix" and "linear_attention" in config.mixer_types
+        self.is_prefix = config.is_prefix_model
         self.prefix_strategy = _prefix_strategy(vllm_config.model_config.model, config) if self.is_prefix else "none"
         if self.prefix_strategy == "pad" and config.prefix_pad_token_id is None:
             raise ValueError(

@@ -15,7 +15,7 @@ from .cache import JRTRNNCache
 from .configuration_jrt import JRTRNNConfig
 from .inputs import check_labels_shape
 from .loss import IGNORE_INDEX, ignore_prefix_targets
-from .prefix_fill import plan_prefix, row_spans
+from .prefix_fill import PrefixPlan, plan_prefix, row_spans
 
 logger = logging.get_logger(__name__)
 
@@ -44,22 +44,18 @@ def leak_free_labels(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
     derived = kwargs.get("prompt_lengths") is None
     if derived:
         kwargs["prompt_lengths"] = prompt_lengths_from_labels(labels, attention_mask)
-    prefix_end = encoder_end(
-        model.config, labels, attention_mask, kwargs["prompt_lengths"], kwargs.get("prefix_length"), None
-    )
-    masked, kwargs = ignore_encoder_targets(labels, prefix_end, kwargs)  # labels, shift_labels, the warning
+    plan = labels_plan(model.config, labels, attention_mask, kwargs["prompt_lengths"], kwargs.get("prefix_length"))
+    masked, kwargs = ignore_encoder_targets(labels, plan.encoder_end, kwargs)  # labels, shift_labels, the warning
     if derived and not torch.compiler.is_compiling():
-        warn_one_token_prompts(labels, masked, attention_mask)
+        warn_one_token_prompts(labels, masked, plan.start)
     return args, {**kwargs, "labels": masked}
 
 
-def warn_one_token_prompts(labels: torch.Tensor, masked: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+def warn_one_token_prompts(labels: torch.Tensor, masked: torch.Tensor, start: torch.Tensor) -> None:
     """Warn when a row's labels ignore its first token only and then score targets the encoder reads: completion-only
     labels of a one-token prompt look exactly like `labels=input_ids` after the shift (the first label is never a
-    target), so the default prefix applies and those targets go unscored."""
-    batch_size, length = labels.shape
-    start, _ = row_spans(attention_mask, batch_size, length, labels.device)
-    rows = torch.arange(batch_size, device=labels.device)
+    target), so the default prefix applies and those targets go unscored. `start`: `(B,)` each row's first token."""
+    rows = torch.arange(labels.shape[0], device=labels.device)
     first_ignored = labels[rows, start] == IGNORE_INDEX
     lost = ((labels != masked) & (labels != IGNORE_INDEX))[:, 1:].any(-1)
     if bool((first_ignored & lost).any()):
@@ -98,12 +94,22 @@ def encoder_end(
     continued cache)."""
     if not config.is_prefix_model or (isinstance(cache, JRTRNNCache) and cache.has_state):
         return None
+    return labels_plan(config, labels, attention_mask, prompt_lengths, prefix_length).encoder_end
+
+
+def labels_plan(
+    config: JRTRNNConfig,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    prompt_lengths: torch.Tensor | None,
+    prefix_length: int | torch.Tensor | None,
+) -> PrefixPlan:
+    """The prefix plan (`plan_prefix`) of a forward whose `(B, T)` `labels` are scored."""
     batch_size, length = labels.shape
-    plan = plan_prefix(
+    return plan_prefix(
         attention_mask, batch_size, length, labels.device, prompt_lengths=prompt_lengths,
         prefix_length=config.prefix_length if prefix_length is None else prefix_length,
     )
-    return plan.encoder_end
 
 
 def ignore_encoder_targets(
@@ -142,6 +148,7 @@ __all__ = [
     "check_jrt_objective_prefix",
     "encoder_end",
     "ignore_encoder_targets",
+    "labels_plan",
     "leak_free_labels",
     "prompt_lengths_from_labels",
     "warn_one_token_prompts",

@@ -43,11 +43,11 @@ def check_prefix_length(
                 f"{name} must be an int or a {rows} integer tensor of per-row lengths; "
                 f"got a {prefix_length.dtype} tensor of shape {tuple(prefix_length.shape)}."
             )
-        if not torch.compiler.is_compiling():
+        # One read of the data (a host synchronisation), then the message that applies.
+        if not torch.compiler.is_compiling() and bool(((prefix_length < 0) | (prefix_length > maximum)).any()):
             if bool((prefix_length < 0).any()):
                 raise ValueError(f"{name} must be >= 0 in every row; got {prefix_length.tolist()}.")
-            if bool((prefix_length > maximum).any()):
-                raise ValueError(f"{name} must be at most {maximum:,} in every row; got {prefix_length.tolist()}.")
+            raise ValueError(f"{name} must be at most {maximum:,} in every row; got {prefix_length.tolist()}.")
     elif isinstance(prefix_length, int) and not isinstance(prefix_length, bool):
         if prefix_length < 0:
             raise ValueError(f"{name} must be >= 0; got {prefix_length}.")

@@ -66,9 +66,9 @@ from .labels import (
     prompt_lengths_from_labels,
 )
 from .legacy_folders import migrate_legacy_generation_settings
-from .outputs import JRTRNNCausalLMOutput, JRTRNNModelOutput
 from .linear_attention import linear_attention_step, prefix_linear_attention
 from .loss import IGNORE_INDEX, jrt_loss
+from .outputs import JRTRNNCausalLMOutput, JRTRNNModelOutput
 from .prefix_fill import JRTRNNEncoderRange, lay_out_prefix, never_generated_ids
 from .rotary import JRTRNNRotaryEmbedding, apply_rotary_pos_emb
 from .short_conv import causal_depthwise_conv
@@ -686,9 +686,10 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             prefix_length: P, the JRT prefix of this forward: an int or a `(B,)` LongTensor per row; default
                 `config.prefix_length`.
             prompt_lengths: the tokens of each row (from its first real token) that form its prompt, an int or a
-                `(B,)` LongTensor (the rule of `prefix_length`); default: all of them. The encoder reads `min(P, prompt)` of them in the first forward of a sequence (empty
-                cache), filled to P as `prefix_strategy` says when the prompt is shorter (`modeling_jrt.prefix_fill`);
-                outputs at a row's prompt positions may depend on the whole prompt, never on later tokens.
+                `(B,)` LongTensor (the rule of `prefix_length`); default: all of them. The encoder reads
+                `min(P, prompt)` of them in the first forward of a sequence (empty cache), filled to P as
+                `prefix_strategy` says when the prompt is shorter (`modeling_jrt.prefix_fill.plan_prefix`); outputs
+                at a row's prompt positions may depend on the whole prompt, never on later tokens.
             prefix_strategy: `"pad"`, `"repeat"` or `"none"`; default `config.prefix_strategy`.
             prefix_pad_token_id: the fill token of `"pad"`; default `config.prefix_pad_token_id`.
             output_hidden_states, output_attentions, return_dict: (keywords) transformers' output capturing

@@ -170,8 +170,8 @@ class PrefixPlan:
             prompt is not empty, else 0.
     Other attributes:
         strategy: `"pad"`, `"repeat"` or `"none"`.
-        static_fill_columns: `max(P - T, 0)`, the columns in front of the caller's when it is known without reading
-            the data (an int P and no `prompt_lengths`), else None.
+        static_fill_columns: `max(P - T, 0)`, the columns in front of the caller's when the strategy fills and it is
+            known without reading the data (an int P and no `prompt_lengths`), else None.
         uniform_encoder_tokens: `min(P, T)` when every row reads that many and it is known without reading the data
             (no padding either), else None.
     """
@@ -190,11 +190,6 @@ class PrefixPlan:
     def encoder_end(self) -> torch.Tensor:
         """`(B,)` the caller's column right after each row's encoder read: labels before it are never scored."""
         return self.start + self.encoder_tokens
-
-    @property
-    def fills(self) -> bool:
-        """Whether some row is filled (reads the data: a host synchronisation)."""
-        return self.strategy != "none" and bool((self.fill > 0).any())
 
 
 def plan_prefix(
@@ -225,7 +220,7 @@ def plan_prefix(
     return PrefixPlan(
         start=start, tokens=tokens, prompt=prompt, target=target, encoder_tokens=encoder_tokens, fill=fill,
         strategy=strategy,
-        static_fill_columns=max(prefix_length - length, 0) if known and strategy != "none" else (0 if strategy == "none" else None),
+        static_fill_columns=max(prefix_length - length, 0) if known else None,
         uniform_encoder_tokens=min(prefix_length, length) if known and attention_mask is None else None,
     )
 
@@ -332,8 +327,8 @@ class JRTRNNEncoderRange:
     """Where the JRT encoder reads in one forward: row b reads positions `start[b] <= m < end[b]`.
 
     Attributes:
-        start: `(B,)` int64, each row's first real token (after its left padding; 0 with right padding).
-        end: `(B,)` int64, `start + min(prefix_length_b, real tokens of row b)`: padding never enters the encoder.
+        start: `(B,)` int64, the first position row b's encoder reads: its fill, else its first real token.
+        end: `(B,)` int64, `start` + the row's fill + the prompt tokens it reads: padding never enters the encoder.
         length: `M = max(end)`, the leading positions the encoder projections are computed for.
     """
 
@@ -369,15 +364,14 @@ class PrefixLayout:
     """How the first forward of a JRT sequence reads its rows (`lay_out_prefix`).
 
     Attributes:
-        plan: each row's prefix in the caller's columns (`plan_prefix`).
-        filled: the inputs in the model's layout, the fill in front of each row's prompt (`fill_prefix`).
+        filled: the inputs in the model's layout, the fill in front of each row's prompt (`fill_prefix`), with the
+            plan they were filled by (`filled.plan`).
         linear_attention_mask: `(B, F + T)` 0 at keys the linear attention ignores (the `"pad"` fill, and the caller's
             own `linear_attention_mask`), or None.
         encoder_range: each row's encoder read, in the model's columns.
         record: what the cache keeps of it, so that a continuation reads the same prefix.
     """
 
-    plan: PrefixPlan
     filled: FilledInputs
     linear_attention_mask: torch.Tensor | None
     encoder_range: JRTRNNEncoderRange
@@ -418,7 +412,7 @@ def lay_out_prefix(
         )
     read = encoder_range(plan, filled.fill_columns, filled.fill_columns + length)
     record = JRTRNNPrefixRecord(filled.fill_columns, plan.prompt, read.prefix_lengths, plan.strategy, pad_token_id)
-    return PrefixLayout(plan, filled, linear_attention_mask, read, record)
+    return PrefixLayout(filled, linear_attention_mask, read, record)
 
 __all__ = [
     "PREFIX_STRATEGIES",
