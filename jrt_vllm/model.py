@@ -35,18 +35,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.model_executor.utils import set_weight_attrs
 from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from modeling_jrt.configuration_jrt import JRTRNNConfig
+from modeling_jrt.linear_attention import (
+    fixed_log_decay,
+    linear_attention_step,
+    num_taylor_features,
+    prefix_linear_attention,
+)
+from modeling_jrt.modeling_jrt import JRTRNNRMSNorm
 from modeling_jrt.prefix_fill import check_prefix_strategy, fill_prefix, never_generated_ids, plan_prefix
-from modeling_jrt.linear_attention import linear_attention_step, num_taylor_features, prefix_linear_attention
-from modeling_jrt.modeling_jrt import JRTRNNLinearAttention, JRTRNNMLP, JRTRNNRMSNorm
 from modeling_jrt.rotary import JRTRNNRotaryEmbedding, apply_rotary_pos_emb
+from modeling_jrt.short_conv import causal_depthwise_conv
 from modeling_jrt.sliding_window import blocked_sliding_window_attention
+
+from .prompt_lengths import tracker_for
 
 logger = logging.getLogger(__name__)
 
@@ -100,15 +120,31 @@ def _slots(metadata) -> list[int]:
     return slots
 
 
+def _shard_rows(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Weight loader of a parameter split along its first dimension over the tensor-parallel ranks (the channels of
+    the depthwise convolution): this rank's rows of the checkpoint's tensor."""
+    rows = param.shape[0]
+    param.data.copy_(loaded_weight.narrow(0, get_tensor_model_parallel_rank() * rows, rows))
+
+
 class JRTStateLayer(MambaBase, nn.Module):
     """A mixer whose per-request state vLLM allocates (`get_state_shape` / `get_state_dtype`) and binds to
-    `self.kv_cache`. All three mixers use the metadata of vLLM's short-conv backend (slots, query ranges)."""
+    `self.kv_cache`. All three mixers use the metadata of vLLM's short-conv backend (slots, query ranges).
+
+    Tensor parallel: every mixer is split by heads (attention) or channels (convolution) over the ranks, with vLLM's
+    column-parallel input projections and a row-parallel output projection (which sums the ranks' parts); each rank
+    keeps its share of every request's state. `stacked_params` maps a checkpoint projection (the transformers
+    model's name) to the merged parameter that holds it and its shard there."""
+
+    stacked_params: dict[str, tuple[str, int | str]] = {}
 
     def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.prefix = prefix
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_rank = get_tensor_model_parallel_rank()
         vllm_config = get_current_vllm_config()
         self.model_dtype = vllm_config.model_config.dtype
         context = vllm_config.compilation_config.static_forward_context
@@ -116,6 +152,15 @@ class JRTStateLayer(MambaBase, nn.Module):
             raise ValueError(f"Duplicate layer name: {prefix}")
         context[prefix] = self
         self.kv_cache = (torch.tensor([]),)
+
+    def local(self, total: int, what: str) -> int:
+        """This rank's share of `total` heads or channels."""
+        if total % self.tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={self.tp_size} must divide the {what} of {self.prefix} ({total}): choose a "
+                "tensor_parallel_size that divides num_attention_heads and the convolution width."
+            )
+        return total // self.tp_size
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
@@ -144,19 +189,25 @@ class JRTStateLayer(MambaBase, nn.Module):
 
 
 class JRTShortConv(JRTStateLayer):
-    """`JRTRNNShortConv` (same weights): u, g = in_proj(x); y = out_proj(SiLU(causal_conv_K(u)) * g).
-    State: the last K - 1 inputs u `(K - 1, D)`."""
+    """`JRTRNNShortConv` (same weights): u, g = in_proj(x); y = out_proj(SiLU(causal_conv_K(u)) * g), in the
+    `(T, D)` layout throughout (`modeling_jrt.short_conv.causal_depthwise_conv`: K shifted multiply-adds, no
+    transposed copies). State: the last K - 1 inputs u `(K - 1, D / tp)`."""
 
     def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
         super().__init__(config, layer_idx, prefix)
         self.kernel_size = config.conv_kernel_size
-        self.inner_size = config.conv_expansion * config.hidden_size
+        inner = config.conv_expansion * config.hidden_size
+        self.inner_size = self.local(inner, "convolution width")
         self.history = max(self.kernel_size - 1, 1)  # a state of at least one row (K = 1 keeps nothing)
-        self.in_proj = nn.Linear(config.hidden_size, 2 * self.inner_size, bias=config.conv_bias)
-        self.conv = nn.Conv1d(
-            self.inner_size, self.inner_size, kernel_size=self.kernel_size, groups=self.inner_size, bias=False
+        self.in_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inner, inner], bias=config.conv_bias, prefix=f"{prefix}.in_proj", return_bias=False
+        )  # [u; g], split by channel: each rank holds its channels of both
+        self.conv = nn.Module()
+        self.conv.weight = nn.Parameter(torch.empty(self.inner_size, 1, self.kernel_size), requires_grad=False)
+        set_weight_attrs(self.conv.weight, {"weight_loader": _shard_rows})
+        self.out_proj = RowParallelLinear(
+            inner, config.hidden_size, bias=config.conv_bias, prefix=f"{prefix}.out_proj", return_bias=False
         )
-        self.out_proj = nn.Linear(self.inner_size, config.hidden_size, bias=config.conv_bias)
 
     def get_state_shape(self) -> tuple[tuple[int, ...]]:
         return ((self.history, self.inner_size),)
@@ -164,54 +215,60 @@ class JRTShortConv(JRTStateLayer):
     def get_state_dtype(self) -> tuple[torch.dtype]:
         return (self.model_dtype,)
 
+    def _mix(self, conv_input: torch.Tensor, gate: torch.Tensor, past: torch.Tensor | None) -> torch.Tensor:
+        """(B, t, D) conv inputs and gates, (B, h, D) inputs before them (or None) -> (B, t, hidden)."""
+        conv_output = causal_depthwise_conv(conv_input, past, self.conv.weight)  # (B, t, D)
+        return self.out_proj(F.silu(conv_output, inplace=True).mul_(gate))
+
     def read(self, hidden_states: torch.Tensor, slot: int | None, segment: Segment) -> torch.Tensor:
         """hidden_states `(T, hidden)` of one request -> `(T, hidden)`; updates its state."""
         conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (T, D) each
-        if segment.fresh or slot is None:
-            past = conv_input.new_zeros(self.history, self.inner_size)
-        else:
-            past = self.kv_cache[0][slot].to(conv_input.dtype)
-        full = torch.cat([past, conv_input])  # (history + T, D)
-        conv_output = F.conv1d(full.T[None], self.conv.weight, groups=self.inner_size)[0]  # (D, history + T - K + 1)
-        conv_output = conv_output[:, -hidden_states.shape[0] :].T  # (T, D)
+        past = None if segment.fresh or slot is None else self.kv_cache[0][slot][None].to(conv_input.dtype)
+        output = self._mix(conv_input[None], gate[None], past)[0]
         if slot is not None:
-            self.kv_cache[0][slot] = full[-self.history :]
-        return self.out_proj(F.silu(conv_output) * gate)
+            full = conv_input if past is None else torch.cat([past[0], conv_input])
+            newest = full[-self.history :]
+            state = self.kv_cache[0][slot]
+            state.zero_()  # fewer inputs than the state holds: zeros before them, as at the start
+            state[self.history - newest.shape[0] :] = newest
+        return output
 
     def step(self, hidden_states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """hidden_states `(B, hidden)`: one token of each of B requests -> `(B, hidden)`."""
         conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, D) each
-        full = torch.cat([self.kv_cache[0][slots].to(conv_input.dtype), conv_input[:, None]], dim=1)  # (B, hist+1, D)
-        taps = full[:, -self.kernel_size :]  # (B, K, D)
-        conv_output = (taps * self.conv.weight[:, 0].T[None]).sum(1)  # (B, D)
-        self.kv_cache[0][slots] = full[:, -self.history :]
-        return self.out_proj(F.silu(conv_output) * gate)
+        past = self.kv_cache[0][slots].to(conv_input.dtype)  # (B, history, D)
+        output = self._mix(conv_input[:, None], gate[:, None], past)[:, 0]
+        self.kv_cache[0][slots] = torch.cat([past[:, 1:], conv_input[:, None]], dim=1)
+        return output
 
 
 class JRTSlidingWindowAttention(JRTStateLayer):
     """`JRTRNNSlidingWindowAttention` (same weights): softmax attention over the last W tokens, RoPE on q and k.
 
-    State: the last W - 1 rotated keys and values `(W - 1, hidden)` each, oldest first, and the number of tokens the
-    request has read `(1,)` fp32 (its next RoPE position, fill included; it also tells which rows hold keys).
+    State: the last W - 1 rotated keys and values `(W - 1, H / tp * d)` each, oldest first, and the number of tokens
+    the request has read `(1,)` fp32 (its next RoPE position, fill included; it also tells which rows hold keys).
     """
+
+    stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
 
     def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
         super().__init__(config, layer_idx, prefix)
-        self.num_heads = config.num_attention_heads
+        self.num_heads = self.local(config.num_attention_heads, "attention heads")
         self.head_dim = config.head_dim
         self.window = config.sliding_window
         self.rows = max(self.window - 1, 1)
         self.scaling = self.head_dim**-0.5
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, hidden, bias=False)
-        self.k_proj = nn.Linear(hidden, hidden, bias=False)
-        self.v_proj = nn.Linear(hidden, hidden, bias=False)
-        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, config.num_attention_heads, bias=False, prefix=f"{prefix}.qkv_proj",
+            return_bias=False,
+        )
+        self.o_proj = RowParallelLinear(hidden, hidden, bias=False, prefix=f"{prefix}.o_proj", return_bias=False)
         self.rotary_emb = JRTRNNRotaryEmbedding(config)
 
     def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
-        hidden = self.num_heads * self.head_dim
-        return ((self.rows, hidden), (self.rows, hidden), (1,))
+        width = self.num_heads * self.head_dim
+        return ((self.rows, width), (self.rows, width), (1,))
 
     def get_state_dtype(self) -> tuple[torch.dtype, ...]:
         return (self.model_dtype, self.model_dtype, torch.float32)
@@ -220,15 +277,15 @@ class JRTSlidingWindowAttention(JRTStateLayer):
         """hidden_states `(B, T, hidden)`, positions `(B, T)` -> q, k, v `(B, H, T, D)`, q and k rotated."""
         batch_size, seq_len, _ = hidden_states.shape
         shape = (batch_size, seq_len, self.num_heads, self.head_dim)
-        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # (B, H, T, D)
-        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # (B, H, T, D)
-        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)  # (B, H, T, D)
+        query, key, value = (
+            part.reshape(shape).transpose(1, 2) for part in self.qkv_proj(hidden_states).chunk(3, dim=-1)
+        )  # (B, H, T, D) each
         cos, sin = self.rotary_emb(hidden_states, positions)
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         return query, key, value
 
     def _heads(self, rows: torch.Tensor) -> torch.Tensor:
-        """(B, S, hidden) -> (B, H, S, D)."""
+        """(B, S, H d) -> (B, H, S, d)."""
         return rows.view(rows.shape[0], rows.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
 
     def _window_mask(self, seen: torch.Tensor, new: int) -> torch.Tensor:
@@ -250,7 +307,7 @@ class JRTSlidingWindowAttention(JRTStateLayer):
 
         Args:
             query: `(B, H, T, D)` the T new tokens of B requests, rotated.
-            rows_k, rows_v: `(B, W - 1 + T, hidden)` the state rows, then the T new rotated keys / values.
+            rows_k, rows_v: `(B, W - 1 + T, H D)` the state rows, then the T new rotated keys / values.
             seen: `(B,)` tokens each request read before these.
             slots: `(B,)` their state slots, or None (profiling: nothing is stored).
 
@@ -270,56 +327,72 @@ class JRTSlidingWindowAttention(JRTStateLayer):
         return self.o_proj(output.reshape(output.shape[0], output.shape[1], -1))
 
     def read(self, hidden_states: torch.Tensor, slot: int | None, segment: Segment) -> torch.Tensor:
-        seq_len, hidden = hidden_states.shape
+        seq_len = hidden_states.shape[0]
+        width = self.num_heads * self.head_dim
         if segment.fresh or slot is None:
             seen = torch.zeros(1, device=hidden_states.device)
-            past_keys = past_values = hidden_states.new_zeros(1, self.rows, hidden)
+            past_keys = past_values = hidden_states.new_zeros(1, self.rows, width)
         else:
             seen = self.kv_cache[2][slot].float().view(1)
             past_keys = self.kv_cache[0][slot][None].to(hidden_states.dtype)
             past_values = self.kv_cache[1][slot][None].to(hidden_states.dtype)
         positions = seen.long()[:, None] + torch.arange(seq_len, device=hidden_states.device)[None]  # (1, T)
         query, key, value = self._project(hidden_states[None], positions)
-        rows_k = torch.cat([past_keys, key.transpose(1, 2).reshape(1, seq_len, hidden)], dim=1)  # (1, rows + T, d)
-        rows_v = torch.cat([past_values, value.transpose(1, 2).reshape(1, seq_len, hidden)], dim=1)
+        rows_k = torch.cat([past_keys, key.transpose(1, 2).reshape(1, seq_len, width)], dim=1)  # (1, rows + T, Hd)
+        rows_v = torch.cat([past_values, value.transpose(1, 2).reshape(1, seq_len, width)], dim=1)
         return self._attend(query, rows_k, rows_v, seen, None if slot is None else torch.tensor([slot]))[0]
 
     def step(self, hidden_states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        batch_size, hidden = hidden_states.shape
+        batch_size = hidden_states.shape[0]
+        width = self.num_heads * self.head_dim
         seen = self.kv_cache[2][slots].float().view(batch_size)
         query, key, value = self._project(hidden_states[:, None], seen.long()[:, None])
-        new_k = key.transpose(1, 2).reshape(batch_size, 1, hidden)  # (B, 1, hidden)
-        new_v = value.transpose(1, 2).reshape(batch_size, 1, hidden)  # (B, 1, hidden)
-        rows_k = torch.cat([self.kv_cache[0][slots].to(new_k.dtype), new_k], dim=1)  # (B, W, hidden)
-        rows_v = torch.cat([self.kv_cache[1][slots].to(new_v.dtype), new_v], dim=1)  # (B, W, hidden)
+        new_k = key.transpose(1, 2).reshape(batch_size, 1, width)  # (B, 1, H d)
+        new_v = value.transpose(1, 2).reshape(batch_size, 1, width)  # (B, 1, H d)
+        rows_k = torch.cat([self.kv_cache[0][slots].to(new_k.dtype), new_k], dim=1)  # (B, W, H d)
+        rows_v = torch.cat([self.kv_cache[1][slots].to(new_v.dtype), new_v], dim=1)  # (B, W, H d)
         return self._attend(query, rows_k, rows_v, seen, slots)[:, 0]
 
 
 class JRTLinearAttention(JRTStateLayer):
     """`JRTRNNLinearAttention` (same weights): prefix (JRT-RNN) or causal (Based, optional decay) linear attention.
-    State: `(H, F, V + 1)` fp32 (`modeling_jrt.linear_attention`), the encoder sum included."""
+    State: `(H / tp, F, V + 1)` fp32 (`modeling_jrt.linear_attention`), the encoder sum included."""
+
+    stacked_params = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "k_enc_proj": ("kv_enc_proj", 0), "v_enc_proj": ("kv_enc_proj", 1),
+    }
 
     def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
         super().__init__(config, layer_idx, prefix)
-        self.num_heads = config.num_attention_heads
+        heads = config.num_attention_heads
+        self.num_heads = self.local(heads, "attention heads")
         self.feature_dim = config.feature_dim
         self.head_dim = config.head_dim
         self.is_prefix = config.linear_attention_type == "prefix"
         hidden = config.hidden_size
-        features = self.num_heads * self.feature_dim
-        self.q_proj = nn.Linear(hidden, features, bias=False)
-        self.k_proj = nn.Linear(hidden, features, bias=False)
-        self.v_proj = nn.Linear(hidden, hidden, bias=False)
+        features = heads * self.feature_dim
+        self.qkv_proj = MergedColumnParallelLinear(
+            hidden, [features, features, hidden], bias=False, prefix=f"{prefix}.qkv_proj", return_bias=False
+        )
         if self.is_prefix:
-            self.k_enc_proj = nn.Linear(hidden, features, bias=False)
-            self.v_enc_proj = nn.Linear(hidden, hidden, bias=False)
+            self.kv_enc_proj = MergedColumnParallelLinear(
+                hidden, [features, hidden], bias=False, prefix=f"{prefix}.kv_enc_proj", return_bias=False
+            )
         if config.use_decay_proj:
-            self.decay_proj = nn.Linear(hidden, self.num_heads, bias=False)
-        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+            self.decay_proj = ColumnParallelLinear(
+                hidden, heads, bias=False, prefix=f"{prefix}.decay_proj", return_bias=False
+            )
+        self.o_proj = RowParallelLinear(hidden, hidden, bias=False, prefix=f"{prefix}.o_proj", return_bias=False)
+        # This rank's heads of the fixed decay, on the device of the first forward.
+        self.heads = range(self.tp_rank * self.num_heads, (self.tp_rank + 1) * self.num_heads)
         # Whether the fill of a first forward is the "pad" strategy's (removed from the sums); set by the model.
         self.masks_fill = False
 
-    log_decay = JRTRNNLinearAttention.log_decay  # the same (H,) log gamma as the transformers layer
+    def log_decay(self, device: torch.device) -> torch.Tensor | None:
+        if not self.config.linear_attention_decay:
+            return None
+        return fixed_log_decay(self.config.decay_const, self.heads, device)
 
     def get_state_shape(self) -> tuple[tuple[int, ...]]:
         return ((self.num_heads, num_taylor_features(self.feature_dim), self.head_dim + 1),)
@@ -330,9 +403,11 @@ class JRTLinearAttention(JRTStateLayer):
     def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(..., hidden) -> q, k (..., H, K), v (..., H, V), gate (..., H) or None."""
         lead = hidden_states.shape[:-1]
-        query = self.q_proj(hidden_states).view(*lead, self.num_heads, self.feature_dim)
-        key = self.k_proj(hidden_states).view(*lead, self.num_heads, self.feature_dim)
-        value = self.v_proj(hidden_states).view(*lead, self.num_heads, self.head_dim)
+        features = self.num_heads * self.feature_dim
+        query, key, value = self.qkv_proj(hidden_states).split([features, features, self.num_heads * self.head_dim], -1)
+        query = query.reshape(*lead, self.num_heads, self.feature_dim)
+        key = key.reshape(*lead, self.num_heads, self.feature_dim)
+        value = value.reshape(*lead, self.num_heads, self.head_dim)
         gate = self.decay_proj(hidden_states) if self.config.use_decay_proj else None
         return query, key, value, gate
 
@@ -346,9 +421,12 @@ class JRTLinearAttention(JRTStateLayer):
             if length is None:  # vLLM's profiling run (no request behind it): as many rows as a prefix can have
                 length = min(self.config.prefix_length, seq_len)
             if length > 0:
-                prefix = hidden_states[None, :length]
-                k_enc = self.k_enc_proj(prefix).view(1, length, self.num_heads, self.feature_dim)  # (1, M, H, K)
-                v_enc = self.v_enc_proj(prefix).view(1, length, self.num_heads, self.head_dim)  # (1, M, H, V)
+                features = self.num_heads * self.feature_dim
+                k_enc, v_enc = self.kv_enc_proj(hidden_states[None, :length]).split(
+                    [features, self.num_heads * self.head_dim], -1
+                )
+                k_enc = k_enc.reshape(1, length, self.num_heads, self.feature_dim)  # (1, M, H, K)
+                v_enc = v_enc.reshape(1, length, self.num_heads, self.head_dim)  # (1, M, H, V)
         if segment.fill > 0 and segment.fresh and self.masks_fill:
             key_mask = torch.ones(1, seq_len, dtype=torch.bool, device=hidden_states.device)
             key_mask[:, : segment.fill] = False  # the "pad" fill: removed as `prefix_pad_masking` says
@@ -386,6 +464,27 @@ MIXER_CLASSES = {
 }
 
 
+class JRTMLP(nn.Module):
+    """`JRTRNNMLP` (same weights) with vLLM's layers: gate and up projections in one column-parallel matmul, fused
+    SiLU-and-multiply, row-parallel down projection."""
+
+    stacked_params = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: JRTRNNConfig, prefix: str):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], bias=False, prefix=f"{prefix}.gate_up_proj", return_bias=False
+        )
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, bias=False, prefix=f"{prefix}.down_proj", return_bias=False
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(hidden_states)))
+
+
 class JRTDecoderLayer(nn.Module):
     """Pre-norm block on an fp32 residual stream: r += mixer(norm(r)); r += mlp(norm(r)) (`JRTRNNDecoderLayer`)."""
 
@@ -396,7 +495,7 @@ class JRTDecoderLayer(nn.Module):
         self.mixer = MIXER_CLASSES[self.layer_type](config, layer_idx, f"{prefix}.mixer")
         has_mlp = config.intermediate_size > 0
         self.post_attention_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps) if has_mlp else None
-        self.mlp = JRTRNNMLP(config, layer_idx) if has_mlp else None
+        self.mlp = JRTMLP(config, f"{prefix}.mlp") if has_mlp else None
 
     def forward(self, hidden_states: torch.Tensor, plan: BatchPlan | None) -> torch.Tensor:
         hidden_states = hidden_states + self.mixer(self.input_layernorm(hidden_states), plan).float()
@@ -406,11 +505,11 @@ class JRTDecoderLayer(nn.Module):
 
 
 class JRTModel(nn.Module):
-    """Embeddings, blocks, final norm (`JRTRNNModel`'s names, so the safetensors load as they are)."""
+    """Embeddings, blocks, final norm (`JRTRNNModel`'s names, so the safetensors load by them)."""
 
     def __init__(self, config: JRTRNNConfig, prefix: str):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
             [JRTDecoderLayer(config, i, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)]
         )
@@ -442,16 +541,16 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         super().__init__()
         config = vllm_config.model_config.hf_config
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        if parallel.pipeline_parallel_size > 1:
             raise NotImplementedError(
-                "jrt_vllm runs JRT-RNN / Based on one device: tensor and pipeline parallelism are not implemented "
-                f"(got tensor_parallel_size={parallel.tensor_parallel_size}, "
-                f"pipeline_parallel_size={parallel.pipeline_parallel_size}); use data parallelism (one engine per "
-                "device) instead."
+                "jrt_vllm splits JRT-RNN / Based over devices by tensor parallelism only: pipeline parallelism is not "
+                f"implemented (got pipeline_parallel_size={parallel.pipeline_parallel_size}); use "
+                "tensor_parallel_size, or data parallelism (one engine per device)."
             )
         if vllm_config.speculative_config is not None:
             raise NotImplementedError("jrt_vllm does not support speculative decoding (the state cannot roll back).")
         self.config = config
+        self.vllm_config = vllm_config
         self.is_prefix = config.is_prefix_model
         self.prefix_strategy = _prefix_strategy(vllm_config.model_config.model, config) if self.is_prefix else "none"
         if self.prefix_strategy == "pad" and config.prefix_pad_token_id is None:
@@ -460,9 +559,10 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
                 "another `prefix_strategy` in config.json."
             )
         self.model = JRTModel(config, prefix=f"{prefix}.model" if prefix else "model")
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=f"{prefix}.lm_head" if prefix else "lm_head")
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
         self.suppressed_ids = never_generated_ids(config)
         for layer in self.model.layers:
             if isinstance(layer.mixer, JRTLinearAttention):
@@ -483,6 +583,7 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         if num_prefills > 0:
             bounds += [num_decodes + int(x) for x in first.query_start_loc_p[1 : num_prefills + 1].tolist()]
         pieces, input_rows, segments, decode_requests, decode_rows = [], [], [], [], []
+        prompt_lengths = self._prompt_lengths()
         row = 0
         for request in range(num_decodes + num_prefills):
             tokens = input_ids[bounds[request] : bounds[request + 1]]
@@ -494,7 +595,10 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
                 input_rows.append(row)
                 row += 1
                 continue
-            filled, encoder_rows = self._fill(tokens) if fresh else (tokens, 0)
+            # A fresh forward of a preempted request holds its prompt and the tokens it generated: the encoder reads
+            # the original prompt's prefix, the generated tokens are read causally (as generate() read them).
+            prompt_length = None if prompt_lengths is None else prompt_lengths.get(request)
+            filled, encoder_rows = self._fill(tokens, prompt_length) if fresh else (tokens, 0)
             fill = filled.shape[0] - tokens.shape[0]
             pieces.append(filled)
             segments.append(Segment(request, row, row + filled.shape[0], fill, fresh, encoder_rows))
@@ -508,14 +612,37 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         )
         return torch.cat(pieces), plan
 
-    def _fill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """A whole prompt `(L,)` in the model's layout, with the JRT prefix fill in front, and the rows its encoder
-        reads: the transformers model's own prefix rule (`plan_prefix`, `fill_prefix`), on a batch of one."""
+    def _prompt_lengths(self) -> dict[int, int] | None:
+        """Each request's original prompt length by its place in this forward (`jrt_vllm.prompt_lengths`), or None
+        for a causal model (its recompute is exact without it) or when the tracker is not loaded (warned once)."""
         if not self.is_prefix:
-            return prompt, 0
-        plan = plan_prefix(None, 1, prompt.shape[0], prompt.device, prefix_length=self.config.prefix_length,
-                           strategy=self.prefix_strategy)
-        filled = fill_prefix(prompt[None], None, None, plan, pad_token_id=self.config.prefix_pad_token_id,
+            return None
+        tracker = tracker_for(self.vllm_config)
+        if tracker is None:
+            if not getattr(self, "_warned_no_tracker", False):
+                self._warned_no_tracker = True
+                logger.warning(
+                    "jrt_vllm: the prompt-length tracker (%s) is not among this engine's logits processors, so a "
+                    "preempted request whose prompt is shorter than prefix_length=%d would be recomputed with its "
+                    "generated tokens inside its prefix. Keep jrt_vllm's engine settings (do not replace "
+                    "`logits_processors` after the engine is configured).",
+                    "jrt_vllm.prompt_lengths:PromptLengths",
+                    self.config.prefix_length,
+                )
+            return None
+        return tracker.lengths
+
+    def _fill(self, tokens: torch.Tensor, prompt_length: int | None = None) -> tuple[torch.Tensor, int]:
+        """The tokens `(T,)` of a request's first forward in the model's layout, with the JRT prefix fill in front,
+        and the rows its encoder reads: the transformers model's own prefix rule (`plan_prefix`, `fill_prefix`), on a
+        batch of one. `prompt_length`: where its prompt ends (None: all T tokens are prompt); the tokens after it (a
+        preempted request's generated tokens) are read causally."""
+        if not self.is_prefix:
+            return tokens, 0
+        prompt_lengths = None if prompt_length is None or prompt_length >= tokens.shape[0] else prompt_length
+        plan = plan_prefix(None, 1, tokens.shape[0], tokens.device, prefix_length=self.config.prefix_length,
+                           prompt_lengths=prompt_lengths, strategy=self.prefix_strategy)
+        filled = fill_prefix(tokens[None], None, None, plan, pad_token_id=self.config.prefix_pad_token_id,
                              embed=None, vocab_size=self.config.vocab_size)
         return filled.input_ids[0], int(plan.fill[0] + plan.encoder_tokens[0])
 
@@ -538,32 +665,50 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         output[: plan.input_rows.shape[0]] = hidden_states[plan.input_rows]
         return output
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden_states.to(self.lm_head.weight.dtype))
-        if self.suppressed_ids:  # padded vocabulary rows and [MASK]: never generated (`generate()`'s suppress_tokens)
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = self.logits_processor(self.lm_head, hidden_states.to(self.lm_head.weight.dtype))
+        if logits is not None and self.suppressed_ids:  # padded vocabulary rows and [MASK]: never generated (`generate()`'s suppress_tokens)
             logits[:, self.suppressed_ids] = float("-inf")
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The safetensors of a `save_pretrained` / `jrt convert` folder, by their own names."""
+        """The safetensors of a `save_pretrained` / `jrt convert` folder, by their own names: each projection that
+        vLLM's layers merge (`stacked_params` of the mixers and the MLP) goes to its shard of the merged parameter,
+        and each tensor-parallel rank takes its part."""
         parameters = dict(self.named_parameters())
         loaded = set()
         unexpected = []
         for name, weight in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied to the embedding
-            if name not in parameters:
+            target, shard = self._parameter_of(name)
+            if target not in parameters:
                 unexpected.append(name)
                 continue
-            parameter = parameters[name]
-            if parameter.shape != weight.shape:
+            parameter = parameters[target]
+            loader = getattr(parameter, "weight_loader", default_weight_loader)
+            if loader is default_weight_loader and parameter.shape != weight.shape:  # a tensor no rank splits
                 raise ValueError(f"{name}: checkpoint shape {tuple(weight.shape)}, model {tuple(parameter.shape)}.")
-            with torch.no_grad():
-                parameter.copy_(weight)
-            loaded.add(name)
+            if shard is None:
+                loader(parameter, weight)
+            else:
+                loader(parameter, weight, shard)
+            loaded.add(target)
         if unexpected:
             raise ValueError(f"The checkpoint has weights this model does not: {sorted(unexpected)}.")
         return loaded
+
+    def _parameter_of(self, name: str) -> tuple[str, int | str | None]:
+        """The parameter that holds checkpoint tensor `name`, and its shard there (None: the whole parameter)."""
+        parts = name.split(".")
+        if len(parts) >= 6 and parts[:2] == ["model", "layers"] and parts[3] in ("mixer", "mlp"):
+            layer = self.model.layers[int(parts[2])]
+            module = layer.mixer if parts[3] == "mixer" else layer.mlp
+            stacked = getattr(module, "stacked_params", {}).get(parts[4])
+            if stacked is not None:
+                merged, shard = stacked
+                return ".".join([*parts[:4], merged, *parts[5:]]), shard
+        return name, None
 
 
 __all__ = ["JRTRNNForCausalLM"]

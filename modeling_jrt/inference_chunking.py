@@ -4,10 +4,11 @@ A long prefill would otherwise build `(B, T, width)` intermediates that grow wit
 from 16k tokens on they pass glibc's largest mmap threshold (32 MiB), so each is a fresh mmap that is page-faulted in,
 and the peak memory grows with them. So during inference conv and sliding-window layers run whole (norm, mixer,
 residual add, norm, MLP, residual add) one token chunk at a time, their bounded past carried by a layer state
-(`JRTRNNDecoderLayer.layer_chunk_rows`); linear-attention layers normalize and project their input, and add their
-output projection into the residual, in chunks; RMSNorm and the MLP chunk on their own. Chunking keeps every such
-intermediate below INFERENCE_CHUNK_ELEMENTS elements (8 MiB in fp32), never shorter than MIN_INFERENCE_CHUNK rows,
-and the residual stream is updated in place where nothing observes it (`JRTRNNModel.residual_unobserved`). It runs
+(`JRTRNNDecoderLayer.layer_chunk_rows`); RMSNorm and the MLP (with its residual add, into the residual the layer
+made) chunk on their own. Chunking keeps every such intermediate below INFERENCE_CHUNK_ELEMENTS elements (8 MiB in
+fp32), never shorter than MIN_INFERENCE_CHUNK rows. Every mixer takes the normalized stream and returns its output in
+training and inference alike (a conv or sliding-window mixer once per chunk), so a hook on a mixer sees the same
+kind of tensors whatever the grad mode. It runs
 only when autograd is off (`torch.no_grad` / `torch.inference_mode`, as in `generate()`) and outside
 `torch.compile` tracing, so training and compiled graphs see the unchunked ops.
 """

@@ -14,7 +14,7 @@ from transformers.utils import logging
 from .cache import JRTRNNCache
 from .configuration_jrt import JRTRNNConfig
 from .inputs import check_labels_shape
-from .loss import IGNORE_INDEX, ignore_prefix_targets
+from .loss import IGNORE_INDEX, mask_before
 from .prefix_fill import PrefixPlan, plan_prefix, row_spans
 
 logger = logging.get_logger(__name__)
@@ -44,11 +44,15 @@ def leak_free_labels(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
     derived = kwargs.get("prompt_lengths") is None
     if derived:
         kwargs["prompt_lengths"] = prompt_lengths_from_labels(labels, attention_mask)
-    plan = labels_plan(model.config, labels, attention_mask, kwargs["prompt_lengths"], kwargs.get("prefix_length"))
+    plan = labels_plan(
+        model.config, labels, attention_mask, kwargs["prompt_lengths"], kwargs.get("prefix_length"),
+        kwargs.get("prefix_strategy"),
+    )
     masked, kwargs = ignore_encoder_targets(labels, plan.encoder_end, kwargs)  # labels, shift_labels, the warning
     if derived and not torch.compiler.is_compiling():
         warn_one_token_prompts(labels, masked, plan.start)
-    return args, {**kwargs, "labels": masked}
+    # The model lays out the prefix by this plan and masks nothing again: one plan per training step.
+    return args, {**kwargs, "labels": masked, "prefix_plan": plan}
 
 
 def warn_one_token_prompts(labels: torch.Tensor, masked: torch.Tensor, start: torch.Tensor) -> None:
@@ -103,23 +107,27 @@ def labels_plan(
     attention_mask: torch.Tensor | None,
     prompt_lengths: torch.Tensor | None,
     prefix_length: int | torch.Tensor | None,
+    strategy: str | None = None,
 ) -> PrefixPlan:
-    """The prefix plan (`plan_prefix`) of a forward whose `(B, T)` `labels` are scored."""
+    """The prefix plan (`plan_prefix`) of a forward whose `(B, T)` `labels` are scored; None arguments take the
+    config's values."""
     batch_size, length = labels.shape
     return plan_prefix(
         attention_mask, batch_size, length, labels.device, prompt_lengths=prompt_lengths,
         prefix_length=config.prefix_length if prefix_length is None else prefix_length,
+        strategy=config.prefix_strategy if strategy is None else strategy,
     )
 
 
 def ignore_encoder_targets(
     labels: torch.LongTensor, prefix_end: torch.Tensor, kwargs: dict
 ) -> tuple[torch.LongTensor, dict]:
-    """`labels` (and `shift_labels`, if given) without the targets the encoder read (index < `prefix_end`)."""
-    masked = ignore_prefix_targets(labels, prefix_end)
+    """`labels` (and `shift_labels`, if given) without the targets the encoder read (index < `prefix_end`, a plan's
+    `encoder_end`: checked when it was planned, so not again)."""
+    masked = mask_before(labels, prefix_end)
     shift_labels = kwargs.get("shift_labels")
     if shift_labels is not None:  # pre-shifted: column t holds the target at index t + 1
-        kwargs = {**kwargs, "shift_labels": ignore_prefix_targets(shift_labels, (prefix_end - 1).clamp(min=0))}
+        kwargs = {**kwargs, "shift_labels": mask_before(shift_labels, (prefix_end - 1).clamp(min=0))}
     if kwargs.get("num_items_in_batch") is not None and bool(((labels != masked)[:, 1:]).any()):
         logger.warning_once(
             "The labels of this batch include targets that the JRT encoder reads (inside each row's prefix): the "

@@ -99,6 +99,13 @@ def num_taylor_features(feature_dim: int) -> int:
     return 1 + feature_dim + feature_dim**2
 
 
+def fixed_log_decay(decay_const: float, heads: range, device: torch.device) -> torch.Tensor:
+    """`(len(heads),)` log gamma_h of the Based fixed decay, gamma_h = 1 - 2**(decay_const - h), for the heads `heads`
+    (all of a layer's, or one tensor-parallel rank's), computed in fp64 and returned in fp32."""
+    index = torch.arange(heads.start, heads.stop, device=device, dtype=torch.float64)
+    return torch.log1p(-torch.pow(2.0, decay_const - index)).float()
+
+
 def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     """fp64 stays fp64 (oracle tests); everything else is computed in fp32."""
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
@@ -537,7 +544,9 @@ def _load_triton_backward():
 
 # Set when the kernel failed to compile or launch under "auto": later "auto" calls go straight to "chunked".
 _triton_failure: str | None = None
-# Set when the fused backward failed under "auto"; it becomes `_triton_failure` when that backward pass ends.
+# Set when the fused backward failed under "auto": later "auto" training keeps the fused forward (which works) and
+# takes the chunked path's gradients (`_KernelWithSafeBackward`), so a forward recomputed by activation checkpointing
+# in the same backward pass takes its original path.
 _backward_failure: str | None = None
 
 
@@ -579,9 +588,14 @@ def _warn_kernel_failure(error: Exception, stage: str) -> str:
     """Warn once that the `stage` ("kernel" or "backward kernel") failed; returns the error in one line."""
     message = str(error).strip()
     failure = f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
+    fallback = (
+        "Falling back to the PyTorch implementation for the rest of this process"
+        if stage == "kernel"
+        else "Its gradients come from the PyTorch implementation for the rest of this process (the fused forward "
+        "still runs and the chunked forward is recomputed in the backward)"
+    )
     logger.warning_once(
-        f"The fused Triton linear-attention {stage} failed on this device ({failure[:300]}). Falling back "
-        "to the PyTorch implementation for the rest of this process; set "
+        f"The fused Triton linear-attention {stage} failed on this device ({failure[:300]}). {fallback}; set "
         "linear_attention_implementation='chunked' in the config to skip the kernel, or 'triton' to see the error."
     )
     return failure
@@ -616,9 +630,10 @@ def _accepts(function, name: str) -> bool:
 def _fused_backward_or_none(*args, **kwargs) -> tuple[torch.Tensor | None, ...] | None:
     """The fused backward's gradients, or None when it fails (warns once) or failed before in this process.
 
-    The failure marks the kernel failed for new "auto" calls (`_triton_failure`) only when this backward pass ends:
-    activation checkpointing recomputes the forwards of earlier layers later in the same pass, and each
-    recomputation must take the path of its original forward (non-reentrant checkpointing checks the saved tensors).
+    A failure marks the backward alone failed (`_backward_failure`): the fused forward keeps running, and every later
+    "auto" training call takes the chunked gradients from this one's backward, so the forwards that activation
+    checkpointing recomputes later in the same backward pass take the path of their original forward (non-reentrant
+    checkpointing checks the saved tensors).
     """
     global _backward_failure
     if _triton_failure is None and _backward_failure is None:
@@ -630,15 +645,7 @@ def _fused_backward_or_none(*args, **kwargs) -> tuple[torch.Tensor | None, ...] 
             return launcher(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
             _backward_failure = _warn_kernel_failure(error, "backward kernel")
-    if _triton_failure is None:  # runs _mark_backward_failure once the engine finishes this backward pass
-        torch.autograd.Variable._execution_engine.queue_callback(_mark_backward_failure)
     return None
-
-
-def _mark_backward_failure() -> None:
-    """Run at the end of the backward pass in which the fused backward failed: later "auto" calls go chunked."""
-    global _triton_failure
-    _triton_failure = _triton_failure or _backward_failure
 
 
 def _chunked_gradients(
@@ -767,12 +774,19 @@ def prefix_linear_attention(
         q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
         pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate,
     )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
     chosen = resolve_implementation(implementation, q)
-    if chosen == "triton" and (q.shape[0] == 0 or q.shape[1] == 0):
-        chosen = "chunked"  # nothing to launch a kernel for: the chunked path returns the empty result
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return _empty_prefill(q, v, initial_state)  # nothing to scan or launch a kernel for
     kwargs = dict(
         encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask, pad_masking=pad_masking,
         initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps,
+    )
+    # The inputs are validated: the implementations below start at their work (no second check).
+    run_chunked = functools.partial(
+        _chunked_prefill, q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay,
+        gate, pad_masking, eps, chunk_size,
     )
     if chosen == "quadratic":
         return prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
@@ -787,15 +801,12 @@ def prefix_linear_attention(
                 _KernelWithSafeBackward.apply, q, k, v, k_enc, v_enc, initial_state, gate, encoder_start,
                 encoder_end, key_mask, log_decay, pad_masking, eps, chunk_size,
             )
-        return _run_triton_or_fall_back(
-            explicit,
-            run_triton,
-            lambda: prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, chunk_size=chunk_size, **kwargs),
-        )
-    return prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, chunk_size=chunk_size, **kwargs)
+        return _run_triton_or_fall_back(explicit, run_triton, run_chunked)
+    return run_chunked()
 
 
 __all__ = [
+    "fixed_log_decay",
     "linear_attention_step",
     "num_taylor_features",
     "prefix_linear_attention",

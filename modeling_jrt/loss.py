@@ -66,6 +66,12 @@ def ignore_prefix_targets(labels: torch.Tensor, prefix_end: torch.Tensor | int) 
     call it in a data collator so that `Trainer`'s `num_items_in_batch` counts only the scored targets.
     """
     check_prefix_length(prefix_end, labels.shape[0] if labels.ndim == 2 else None)
+    return mask_before(labels, prefix_end)
+
+
+def mask_before(labels: torch.Tensor, prefix_end: torch.Tensor | int) -> torch.Tensor:
+    """`labels` `(B, T)` with index `j < prefix_end[b]` set to -100 in row b; `prefix_end` already checked (an int or
+    a `(B,)` integer tensor `>= 0`, as `ignore_prefix_targets` checks it)."""
     positions = torch.arange(labels.shape[-1], device=labels.device)
     prefix_end = torch.as_tensor(prefix_end, device=labels.device).reshape(-1, 1)  # (B, 1) or (1, 1)
     return labels.masked_fill(positions[None, :] < prefix_end, IGNORE_INDEX)
@@ -117,4 +123,4 @@ def jrt_loss(
     return loss, ntp_mean.detach(), mlm_mean.detach()
 
 
-__all__ = ["IGNORE_INDEX", "check_prefix_length", "ignore_prefix_targets", "jrt_loss"]
+__all__ = ["IGNORE_INDEX", "check_prefix_length", "ignore_prefix_targets", "jrt_loss", "mask_before"]

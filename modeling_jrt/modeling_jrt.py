@@ -66,10 +66,10 @@ from .labels import (
     prompt_lengths_from_labels,
 )
 from .legacy_folders import migrate_legacy_generation_settings
-from .linear_attention import linear_attention_step, prefix_linear_attention
+from .linear_attention import fixed_log_decay, linear_attention_step, prefix_linear_attention
 from .loss import IGNORE_INDEX, jrt_loss
 from .outputs import JRTRNNCausalLMOutput, JRTRNNModelOutput
-from .prefix_fill import JRTRNNEncoderRange, lay_out_prefix, never_generated_ids
+from .prefix_fill import JRTRNNEncoderRange, PrefixPlan, lay_out_prefix, never_generated_ids
 from .rotary import JRTRNNRotaryEmbedding, apply_rotary_pos_emb
 from .short_conv import causal_depthwise_conv
 from .sliding_window import (
@@ -91,17 +91,15 @@ class JRTRNNRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(..., hidden) -> (..., hidden). During inference a long input goes in token chunks (`inference_chunk_rows`)
-        written straight into one output: `out` when given (contiguous, e.g. `hidden_states` itself: a chunk's rows
-        are read before they are written), else a new tensor. Otherwise `out` is not used."""
+        written straight into one new output."""
         width = hidden_states.shape[-1]
         rows = hidden_states.numel() // max(width, 1)
         chunk = inference_chunk_rows(rows, width)
         if chunk is None:
             return self._normalize(hidden_states)
-        if out is None:
-            out = hidden_states.new_empty(hidden_states.shape, dtype=self.weight.dtype)
+        out = hidden_states.new_empty(hidden_states.shape, dtype=self.weight.dtype)
         flat, output = hidden_states.reshape(rows, width), out.view(rows, width)
         for start in range(0, rows, chunk):
             self._normalize(flat[start : start + chunk], out=output[start : start + chunk])
@@ -317,8 +315,7 @@ class JRTRNNLinearAttention(nn.Module):
         """(H,) log gamma_h of the fixed decay, computed on the fly (no buffer to restore after meta init)."""
         if not self.config.linear_attention_decay:
             return None
-        heads = torch.arange(self.num_heads, device=device, dtype=torch.float64)
-        return torch.log1p(-torch.pow(2.0, self.config.decay_const - heads)).float()
+        return fixed_log_decay(self.config.decay_const, range(self.num_heads), device)
 
     def forward(
         self,
@@ -327,31 +324,20 @@ class JRTRNNLinearAttention(nn.Module):
         cache: JRTRNNCache | None = None,
         linear_attention_mask: torch.Tensor | None = None,
         encoder_range: JRTRNNEncoderRange | None = None,
-        input_norm: nn.Module | None = None,
-        residual: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """hidden_states `(B, T, hidden)`; attention_mask `(B, T)` batch padding (0) of this forward's tokens;
-        linear_attention_mask `(B, >= T)` the JRT prefix fill (0); encoder_range: the prefix of a first forward.
-
-        `input_norm` (inference): `hidden_states` is the residual stream, normalized by `input_norm` on its way into
-        the projections, in token chunks (`inference_chunk_rows`): the normalized `(B, T, hidden)` is never built
-        whole. `residual` (inference): the fp32 `(B, T, hidden)` the output is added into in place, chunk by chunk,
-        and which is returned instead of the output."""
+        """hidden_states `(B, T, hidden)` (normalized); attention_mask `(B, T)` batch padding (0) of this forward's
+        tokens; linear_attention_mask `(B, >= T)` the JRT prefix fill (0); encoder_range: the prefix of a first
+        forward. Returns `(B, T, hidden)`."""
         batch_size, seq_len, _ = hidden_states.shape
         heads = self.num_heads
         state = None if cache is None else cache.layers[self.layer_idx].state
         reads_prefix = self.is_prefix and state is None and encoder_range is not None and encoder_range.length > 0
-        # 1. Decoder projections (and the Based gate), and the normalized encoder rows.
-        projections = [self.q_proj, self.k_proj, self.v_proj]
-        projections += [self.decay_proj] if self.config.use_decay_proj else []
-        projected, prefix = self._project(
-            hidden_states, projections, input_norm, encoder_range.length if reads_prefix else 0
-        )
-        query = projected[0].view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
-        key = projected[1].view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
-        value = projected[2].view(batch_size, seq_len, heads, self.head_dim)  # (B, T, H, V)
-        gate = projected[3] if self.config.use_decay_proj else None  # (B, T, H)
+        # 1. Decoder projections (and the Based gate).
+        query = self.q_proj(hidden_states).view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
+        key = self.k_proj(hidden_states).view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
+        value = self.v_proj(hidden_states).view(batch_size, seq_len, heads, self.head_dim)  # (B, T, H, V)
+        gate = self.decay_proj(hidden_states) if self.config.use_decay_proj else None  # (B, T, H)
         log_decay = self.log_decay(hidden_states.device)
 
         if state is not None and seq_len == 1:
@@ -372,6 +358,7 @@ class JRTRNNLinearAttention(nn.Module):
             k_enc = v_enc = start = end = None
             if reads_prefix:
                 # 3. Encoder projections of the positions the encoder ranges cover (the first forward only).
+                prefix = hidden_states[:, : encoder_range.length]
                 k_enc = self.k_enc_proj(prefix).view(batch_size, -1, heads, self.feature_dim)  # (B, M, H, K)
                 v_enc = self.v_enc_proj(prefix).view(batch_size, -1, heads, self.head_dim)  # (B, M, H, V)
                 start, end = encoder_range.start, encoder_range.end
@@ -390,41 +377,8 @@ class JRTRNNLinearAttention(nn.Module):
             )
         if cache is not None:
             cache.layers[self.layer_idx].state = state
-        # 4. Merge heads, output projection (into the residual, in token chunks, when one is given).
-        merged = output.reshape(batch_size, seq_len, -1).to(value.dtype)
-        if residual is None:
-            return self.o_proj(merged)
-        chunk = inference_chunk_rows(seq_len, batch_size * residual.shape[-1]) or seq_len
-        for start in range(0, seq_len, chunk):
-            residual[:, start : start + chunk] += self.o_proj(merged[:, start : start + chunk]).float()
-        return residual
-
-    def _project(
-        self, hidden_states: torch.Tensor, projections: list[nn.Module], input_norm: nn.Module | None, prefix_rows: int
-    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """`[projection(x) for projection in projections]` with x = `input_norm(hidden_states)` (or hidden_states),
-        each `(B, T, out)`, and x's first `prefix_rows` positions `(B, M, hidden)` (None for 0). With `input_norm`,
-        during inference, x is computed and projected one token chunk at a time."""
-        batch_size, seq_len, width = hidden_states.shape
-        chunk = None if input_norm is None else inference_chunk_rows(seq_len, batch_size * width)
-        if chunk is None:
-            normed = hidden_states if input_norm is None else input_norm(hidden_states)
-            prefix = normed[:, :prefix_rows] if prefix_rows else None
-            return [projection(normed) for projection in projections], prefix
-        projected: list[torch.Tensor | None] = [None] * len(projections)
-        prefix_parts = []
-        for start in range(0, seq_len, chunk):
-            end = min(start + chunk, seq_len)
-            normed = input_norm(hidden_states[:, start:end])
-            for index, projection in enumerate(projections):
-                part = projection(normed)
-                if projected[index] is None:
-                    projected[index] = part.new_empty(batch_size, seq_len, part.shape[-1])
-                projected[index][:, start:end] = part
-            if start < prefix_rows:
-                prefix_parts.append(normed[:, : prefix_rows - start])
-        prefix = torch.cat(prefix_parts, dim=1) if prefix_parts else None
-        return projected, prefix
+        # 4. Merge heads, output projection.
+        return self.o_proj(output.reshape(batch_size, seq_len, -1).to(value.dtype))
 
 
 class JRTRNNMLP(nn.Module):
@@ -476,50 +430,27 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         linear_attention_mask: torch.Tensor | None = None,
         encoder_range: JRTRNNEncoderRange | None = None,
-        update_residual: bool = False,
         **kwargs,
     ) -> torch.Tensor:
-        """hidden_states: (B, T, hidden) fp32 residual stream; returns the updated fp32 residual. `kwargs` (e.g.
-        `output_attentions`) reach the mixer and, for sliding attention, transformers' attention function.
-
-        `update_residual`: the caller owns `hidden_states` and nothing else reads it later (`JRTRNNModel.run_layers`
-        says so during inference, when no hook or output capturing can see a layer's input or output): the layer
-        adds into it in place and returns it, instead of a new `(B, T, hidden)` tensor."""
-        update_residual = update_residual and not torch.is_grad_enabled() and hidden_states.dtype == torch.float32
+        """hidden_states: (B, T, hidden) fp32 residual stream; returns the updated fp32 residual, a new tensor (the
+        input is never written). `kwargs` (e.g. `output_attentions`) reach the mixer and, for sliding attention,
+        transformers' attention function. Every mixer takes the normalized stream and returns its output, in
+        training and inference alike; during inference only the grouping of tokens into chunks differs."""
         chunk = self.layer_chunk_rows(hidden_states, kwargs)
         if chunk is not None:
-            output = hidden_states if update_residual else torch.empty_like(hidden_states, dtype=torch.float32)
-            return self._forward_in_chunks(hidden_states, attention_mask, position_embeddings, cache, chunk, output)
-        if self.layer_type == "linear_attention" and not torch.is_grad_enabled():
-            # Inference: the layer normalizes its input chunk by chunk on the way into its projections, and adds its
-            # output into the residual in place when it may.
-            mixed = self.mixer(
-                hidden_states,
-                attention_mask=attention_mask,
-                cache=cache,
-                linear_attention_mask=linear_attention_mask,
-                encoder_range=encoder_range,
-                input_norm=self.input_layernorm,
-                residual=hidden_states if update_residual else None,
-                **kwargs,
-            )
-            hidden_states = mixed if update_residual else hidden_states + mixed.float()
-        else:
-            mixed = self.mixer(
-                self.input_layernorm(hidden_states),
-                attention_mask=attention_mask,
-                cache=cache,
-                position_embeddings=position_embeddings,
-                linear_attention_mask=linear_attention_mask,
-                encoder_range=encoder_range,
-                **kwargs,
-            )
-            if self.layer_type == "sliding_attention":  # (output, weights): output capturing records the weights
-                mixed = mixed[0]
-            if update_residual:
-                hidden_states += mixed.float()
-            else:
-                hidden_states = hidden_states + mixed.float()  # a new tensor, owned here
+            return self._forward_in_chunks(hidden_states, attention_mask, position_embeddings, cache, chunk)
+        mixed = self.mixer(
+            self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            cache=cache,
+            position_embeddings=position_embeddings,
+            linear_attention_mask=linear_attention_mask,
+            encoder_range=encoder_range,
+            **kwargs,
+        )
+        if self.layer_type == "sliding_attention":  # (output, weights): output capturing records the weights
+            mixed = mixed[0]
+        hidden_states = hidden_states + mixed.float()  # a new tensor, owned by this layer
         if self.mlp is None:
             return hidden_states
         # Norm, MLP and residual add are position-wise: during inference one pass per token chunk, added in place
@@ -565,13 +496,12 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         cache: Cache | None,
         chunk: int,
-        output: torch.Tensor,
     ) -> torch.Tensor:
         """`forward` of a conv or sliding-window layer (inference only), `chunk` tokens at a time: each chunk's mixer
         reads the inputs before it from the layer's state (the cache's, or a fresh one that lives for this forward),
-        as a chunked prefill through the cache does; the result lands in `output` (B, T, hidden) fp32, which may be
-        `hidden_states` itself (a chunk's rows are read before they are written)."""
-        batch_size, seq_len = hidden_states.shape[:2]
+        as a chunked prefill through the cache does; the result lands in a new (B, T, hidden) fp32 tensor."""
+        seq_len = hidden_states.shape[1]
+        output = torch.empty_like(hidden_states, dtype=torch.float32)
         mask = None if attention_mask is None else attention_mask[:, -seq_len:]  # (B, T)
         if cache is not None:
             state = cache.layers[self.mixer.layer_idx]
@@ -667,6 +597,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         prompt_lengths: torch.LongTensor | None = None,
         prefix_strategy: str | None = None,
         prefix_pad_token_id: int | None = None,
+        prefix_plan: PrefixPlan | None = None,
         past_key_values: JRTRNNCache | None = None,
         return_dict: bool | None = None,
         **kwargs,
@@ -692,6 +623,9 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 at a row's prompt positions may depend on the whole prompt, never on later tokens.
             prefix_strategy: `"pad"`, `"repeat"` or `"none"`; default `config.prefix_strategy`.
             prefix_pad_token_id: the fill token of `"pad"`; default `config.prefix_pad_token_id`.
+            prefix_plan: each row's prefix when the caller planned it already (`plan_prefix`; the labels rule of
+                `JRTRNNForCausalLM` passes its own along, so that a training step plans once); default: planned here
+                from `prefix_length`, `prompt_lengths` and `prefix_strategy`.
             output_hidden_states, output_attentions, return_dict: (keywords) transformers' output capturing
                 (`_can_record_outputs`); `return_dict=False` returns a tuple. Hidden states and attentions cover the
                 caller's positions only, as everything else.
@@ -725,7 +659,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             layout = lay_out_prefix(
                 config, self.embed_tokens, input_ids, inputs_embeds, attention_mask, linear_attention_mask,
                 prefix_length=prefix_length, prompt_lengths=prompt_lengths, strategy=prefix_strategy,
-                pad_token_id=prefix_pad_token_id,
+                pad_token_id=prefix_pad_token_id, plan=prefix_plan,
             )
             filled = layout.filled
             input_ids, inputs_embeds, attention_mask = filled.input_ids, filled.inputs_embeds, filled.attention_mask
@@ -770,19 +704,6 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         )
         return result if (return_dict if return_dict is not None else getattr(config, "return_dict", True)) else result.to_tuple()
 
-    def residual_unobserved(self, kwargs: dict) -> bool:
-        """Whether the layers may update the residual stream in place: inference (no autograd, no `torch.compile`
-        trace), no `output_hidden_states` and no forward hook (pre or post) on a layer, on the final norm (which
-        then normalizes in place) or registered globally, so no one holds a layer's input or output."""
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return False
-        if kwargs.get("output_hidden_states", self.config.output_hidden_states):
-            return False
-        global_hooks = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
-        if any(global_hooks):
-            return False
-        return not any(module._forward_hooks or module._forward_pre_hooks for module in [*self.layers, self.norm])
-
     @capture_outputs
     def run_layers(
         self,
@@ -798,10 +719,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         fill); attention_mask `(B, T')` the padding of these tokens, or None."""
         output_attentions = bool(kwargs.pop("output_attentions", None) or self.config.output_attentions)
         hidden_states = inputs_embeds.float()  # the residual stream stays fp32
-        # During inference the layers after the first add into the residual the one before made, when nothing can
-        # see it: no hidden-state capturing, no hook on any layer (the first layer's input may be the caller's).
-        update_residual = self.residual_unobserved(kwargs)
-        for index, layer in enumerate(self.layers):
+        for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
                 attention_mask=attention_mask,
@@ -810,15 +728,9 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 linear_attention_mask=linear_attention_mask,
                 encoder_range=encoder_range,
                 output_attentions=output_attentions,
-                update_residual=update_residual and index > 0,
                 **kwargs,
             )
-        # The final norm, in place into the residual stream where the layers updated it in place (a layer made it).
-        in_place = (
-            update_residual and len(self.layers) > 0 and hidden_states.is_contiguous()
-            and self.norm.weight.dtype == hidden_states.dtype
-        )
-        hidden_states = self.norm(hidden_states, out=hidden_states if in_place else None)
+        hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states)
 
 
@@ -864,17 +776,16 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
 
     @property
     def generation_config(self) -> GenerationConfig | None:
-        """The generation defaults (`generation_config.json`). Ids the model must never generate (padded vocabulary
-        rows, [MASK]: `never_generated_ids`) are always among its `suppress_tokens`, also after `config` changed."""
-        generation_config = self.__dict__.get("jrt_generation_config")
-        if generation_config is not None:
-            missing = set(never_generated_ids(self.config)) - set(generation_config.suppress_tokens or [])
-            if missing:
-                generation_config.suppress_tokens = sorted(set(generation_config.suppress_tokens or []) | missing)
-        return generation_config
+        """The generation defaults (`generation_config.json`)."""
+        return self.__dict__.get("jrt_generation_config")
 
     @generation_config.setter
     def generation_config(self, value: GenerationConfig | None) -> None:
+        """Ids the model must never generate (padded vocabulary rows, [MASK]: `never_generated_ids`) join the
+        `suppress_tokens` of every generation config the model is given: at construction, on load, on assignment."""
+        missing = set(never_generated_ids(self.config)) - set(value.suppress_tokens or []) if value is not None else ()
+        if missing:
+            value.suppress_tokens = sorted(set(value.suppress_tokens or []) | missing)
         self.__dict__["jrt_generation_config"] = value
 
     def forward(
@@ -892,6 +803,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
         prompt_lengths: torch.LongTensor | None = None,
         prefix_strategy: str | None = None,
         prefix_pad_token_id: int | None = None,
+        prefix_plan: PrefixPlan | None = None,
         past_key_values: JRTRNNCache | None = None,
         return_dict: bool | None = None,
         **kwargs,
@@ -908,6 +820,8 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
                 `NTP + config.mlm_weight * MLM` (see `modeling_jrt.loss`), with the labels as given.
             logits_to_keep: compute logits for the last `logits_to_keep` positions only (0 = all), or for the
                 positions a tensor selects.
+            prefix_plan: set by the labels rule (`labels.leak_free_labels`, a forward pre-hook) when it masked
+                `labels` by this plan already; the backbone lays out the prefix by it and the loss masks nothing again.
             Other arguments: see `JRTRNNModel.forward`.
 
         Returns:
@@ -921,7 +835,8 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
         mlm_labels = kwargs.pop("mlm_labels", None)
         if mlm_labels is not None:
             check_jrt_objective_prefix(self.config, prefix_length)
-        if labels is not None and prompt_lengths is None and mlm_labels is None and self.model.is_prefix_model:
+        planned = prefix_plan is not None  # the labels rule planned the prefix and masked the labels by it
+        if labels is not None and not planned and prompt_lengths is None and mlm_labels is None and self.model.is_prefix_model:
             prompt_lengths = prompt_lengths_from_labels(labels, attention_mask)
         outputs = self.model(
             input_ids=input_ids,
@@ -936,6 +851,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
             prompt_lengths=prompt_lengths,
             prefix_strategy=prefix_strategy,
             prefix_pad_token_id=prefix_pad_token_id,
+            prefix_plan=prefix_plan,
             return_dict=True,
             **{k: v for k, v in kwargs.items() if k not in LOSS_KWARGS},
         )
@@ -952,7 +868,9 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
             )
         elif labels is not None:
             given = cache if cache is not None else past_key_values
-            prefix_end = encoder_end(self.config, labels, attention_mask, prompt_lengths, prefix_length, given)
+            prefix_end = None if planned else encoder_end(
+                self.config, labels, attention_mask, prompt_lengths, prefix_length, given
+            )
             if prefix_end is not None:
                 labels, kwargs = ignore_encoder_targets(labels, prefix_end, kwargs)
             loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS}

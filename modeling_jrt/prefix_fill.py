@@ -390,17 +390,23 @@ def lay_out_prefix(
     prompt_lengths: torch.Tensor | None,
     strategy: str | None,
     pad_token_id: int | None,
+    plan: PrefixPlan | None = None,
 ) -> PrefixLayout:
     """The prefix of a first forward: each row's prompt filled to `prefix_length` as `strategy` says, the encoder
     range over it and the record of both. None arguments take the config's values. Inputs as `JRTRNNModel.forward`
-    takes them (`(B, T)` ids or `(B, T, hidden)` embeddings, `(B, T)` masks of this forward's tokens)."""
+    takes them (`(B, T)` ids or `(B, T, hidden)` embeddings, `(B, T)` masks of this forward's tokens). `plan`: the
+    rows' plan when the caller made it (the labels rule), which then replaces `prefix_length`, `prompt_lengths` and
+    `strategy`."""
     strategy = config.prefix_strategy if strategy is None else strategy
     pad_token_id = config.prefix_pad_token_id if pad_token_id is None else pad_token_id
     prefix_length = config.prefix_length if prefix_length is None else prefix_length
     reference = input_ids if input_ids is not None else inputs_embeds
     batch_size, length = reference.shape[:2]
-    plan = plan_prefix(attention_mask, batch_size, length, reference.device, prefix_length=prefix_length,
-                       prompt_lengths=prompt_lengths, strategy=strategy)
+    if plan is None:
+        plan = plan_prefix(attention_mask, batch_size, length, reference.device, prefix_length=prefix_length,
+                           prompt_lengths=prompt_lengths, strategy=strategy)
+    elif tuple(plan.start.shape) != (batch_size,):
+        raise ValueError(f"prefix_plan was made for {tuple(plan.start.shape)} rows; this forward has {batch_size}.")
     filled = fill_prefix(input_ids, inputs_embeds, attention_mask, plan, pad_token_id=pad_token_id, embed=embed,
                          vocab_size=config.vocab_size)
     if filled.fill_columns and linear_attention_mask is not None:

@@ -25,3 +25,18 @@ def test_serve_benchmark_quick(load_benchmark, tmp_path, capsys):
     assert result["jrt_over_llama"]["requests_per_s"] == pytest.approx(
         result["results"]["jrt"]["requests_per_s"] / result["results"]["llama"]["requests_per_s"]
     )
+
+
+def test_serve_benchmark_table(load_benchmark, tmp_path, capsys, monkeypatch):
+    """`--table` runs each row (here two tiny ones) and prints one line of ratios per row."""
+    serve = load_benchmark("serve")
+    monkeypatch.setattr(serve, "TABLE_ROWS", [("float32", 32, 8), ("bfloat16", 32, 8)])
+    output = tmp_path / "table.json"
+    serve.main(["--table", "--quick", "--json", str(output)])
+    printed = capsys.readouterr().out
+    assert "| dtype | prompt | new | JRT req/s | Llama req/s | JRT / Llama |" in printed
+    rows = json.loads(output.read_text())["rows"]
+    assert [row["args"]["dtype"] for row in rows] == ["float32", "bfloat16"]
+    for row in rows:
+        ratio = row["jrt_over_llama"]["requests_per_s"]
+        assert f"| {row['args']['dtype']} | 32 | 8 |" in printed and f"{ratio:.2f}x |" in printed

@@ -152,3 +152,28 @@ def test_chunked_prefill_and_prefix_caching_requested(kind, tmp_path, byte_bpe_t
     finally:
         del llm
         gc.collect()
+
+
+@pytest.mark.parametrize("steps_before", [1, 3], ids=["after-first-token", "mid-generation"])
+def test_preempted_requests_equal_generate(engine, steps_before):
+    """Preemption: `reset_prefix_cache(reset_running_requests=True)` preempts every running request, which vLLM then
+    recomputes from its prompt and the tokens it generated. The encoder reads the original prompt's prefix again (the
+    generated tokens causally), so every request gives what it gives without preemption."""
+    kind, model, llm = engine
+    core = llm.llm_engine
+    params = greedy(max_tokens=10)
+    results: dict[str, list[int]] = {}
+
+    def step():
+        for output in core.step():
+            if output.finished:
+                results[output.request_id] = list(output.outputs[0].token_ids)
+
+    for index, prompt in enumerate(PROMPTS):
+        core.add_request(f"r{index}", {"prompt_token_ids": prompt}, params)
+    for _ in range(steps_before):
+        step()
+    assert llm.reset_prefix_cache(reset_running_requests=True)
+    while core.has_unfinished_requests():
+        step()
+    assert results == {f"r{index}": greedy_reference(model, prompt, 10) for index, prompt in enumerate(PROMPTS)}

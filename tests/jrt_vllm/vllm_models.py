@@ -19,13 +19,14 @@ from conftest import tiny_config
 
 # Vocabulary of the byte-level BPE tokenizer the folders carry (`byte_bpe_tokenizer`, "<pad>" = 0, "<eos>" = 1).
 VOCAB_SIZE = 300
-# The folders: JRT-RNN with the "pad" prefix strategy (the default), JRT-RNN with "repeat" (and suppressed ids), Based
+# The folders: JRT-RNN with each prefix strategy ("pad", the default; "repeat", with suppressed ids; "none"), Based
 # with the fixed decay and the input-dependent gate. The weights are drawn with a large std (`initializer_range`), so
 # that greedy decoding does not just repeat a token.
 MODEL_KINDS = {
     "jrt-pad": dict(prefix_strategy="pad"),
     # Ids >= 250 are never generated (the released models' padded vocabulary rows): masked in vLLM's logits too.
     "jrt-repeat": dict(prefix_strategy="repeat", generation_vocab_size=250),
+    "jrt-none": dict(prefix_strategy="none"),
     "based-decay": dict(linear_attention_type="causal", linear_attention_decay=True, use_decay_proj=True),
 }
 

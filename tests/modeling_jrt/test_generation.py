@@ -383,6 +383,8 @@ def test_vocabulary_padding_rows_and_mask_token_are_never_generated(make_config)
     unmasked = greedy(model, prompt(10), 6)[:, 10:]
     assert set(unmasked.flatten().tolist()) <= {5, 95}
     model.config.generation_vocab_size, model.config.mask_token_id = 90, 5
+    assert model.generation_config.suppress_tokens is None  # reading the config changes nothing
+    model.generation_config = model.generation_config  # the documented step after changing those fields
     for settings in (dict(do_sample=False), dict(do_sample=True, temperature=5.0), dict(num_beams=2)):
         generated = model.generate(prompt(10), max_new_tokens=6, **NO_EOS, **settings)[:, 10:]
         assert generated.max() < 90 and not (generated == 5).any()
