@@ -90,6 +90,9 @@ def run_one(args: argparse.Namespace, folder: str) -> dict:
     """Serve `folder` with vLLM in this process and time one batch of requests (after a warm-up batch)."""
     import random
 
+    # vLLM's CPU backend takes most of the machine's memory for its state / KV pool by default; these tiny models need
+    # little, and both engines of a run must fit beside each other's leftovers.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import vllm
 
     llm = vllm.LLM(

@@ -12,37 +12,23 @@ Linux only; elsewhere `release` does nothing and the conversion simply uses more
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import mmap
 import os
-import sys
 from pathlib import Path
 
 import torch
 
+from modeling_jrt.huge_pages import libc_madvise
+
 _MADV_DONTNEED = 4  # Linux
 _PAGE = mmap.PAGESIZE
-
-
-def _libc_madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise
 
 
 class MappedPages:
     """The address ranges at which this process maps `path` (from /proc/self/maps), and a way to drop read pages."""
 
     def __init__(self, path: Path):
-        self._madvise = _libc_madvise()
+        self._madvise = libc_madvise()
         self._ranges: list[tuple[int, int]] = []
         if self._madvise is None:
             return

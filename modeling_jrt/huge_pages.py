@@ -17,9 +17,10 @@ _HUGE_PAGE = 2 << 20
 
 
 @functools.cache
-def _madvise():
-    """libc's `madvise`, or None where there is none to call (not Linux, no MADV_HUGEPAGE, no libc)."""
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+def libc_madvise():
+    """libc's `madvise(address, length, advice)` (ints), or None where there is none to call (not Linux, no libc).
+    Also what `jrt_convert` drops the read pages of a mapped checkpoint with."""
+    if not sys.platform.startswith("linux"):
         return None
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
@@ -43,11 +44,14 @@ def advise_huge_pages(tensor: torch.Tensor) -> None:
     """
     if tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() < HUGE_PAGE_MIN_BYTES:
         return
-    madvise = _madvise()
-    if madvise is None:
+    madvise = libc_madvise()
+    if madvise is None or not hasattr(mmap, "MADV_HUGEPAGE"):
         return
     start = tensor.untyped_storage().data_ptr()
     first = -(-start // _HUGE_PAGE) * _HUGE_PAGE
     last = (start + tensor.untyped_storage().nbytes()) // _HUGE_PAGE * _HUGE_PAGE
     if last > first:
         madvise(first, last - first, mmap.MADV_HUGEPAGE)  # advice: a failure changes nothing
+
+
+__all__ = ["HUGE_PAGE_MIN_BYTES", "advise_huge_pages", "libc_madvise"]

@@ -57,7 +57,7 @@ def test_huge_page_advice_covers_only_large_outputs(monkeypatch):
     """`advise_huge_pages` advises the 2 MiB-aligned part of a CPU tensor of at least `HUGE_PAGE_MIN_BYTES`, and
     nothing for a smaller one; the scan's output gets it and keeps its values."""
     calls = []
-    monkeypatch.setattr(huge_pages, "_madvise", lambda: lambda start, length, advice: calls.append((start, length)))
+    monkeypatch.setattr(huge_pages, "libc_madvise", lambda: lambda start, length, advice: calls.append((start, length)))
     monkeypatch.setattr(huge_pages, "HUGE_PAGE_MIN_BYTES", 8 << 20)
     small = torch.empty(1 << 20)  # 4 MiB
     huge_pages.advise_huge_pages(small)
