@@ -26,7 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--example", metavar="DIR",
         help="instead of converting: write a tiny random checkpoint in the released JRT-RNN format to DIR "
-        "(config.json + pytorch_model.bin, 14 MB), to try `jrt convert DIR OUT` offline",
+        "(config.json + pytorch_model.bin, 14 MB, and a tokenizer that fits it in DIR/tokenizer), to try "
+        "`jrt convert DIR OUT --tokenizer DIR/tokenizer` offline",
     )
     parser.add_argument(
         "--family", default="auto", choices=["auto", *FAMILIES],
@@ -73,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
         from jrt_convert.example import write_example_checkpoint
 
         folder = write_example_checkpoint(args.example)
-        print(f"wrote a tiny random JRT-RNN checkpoint in the released format to {folder}; convert it with: "
-              f"jrt convert {folder} {folder}-hf")
+        print(f"wrote a tiny random JRT-RNN checkpoint in the released format to {folder} (its tokenizer in "
+              f"{folder / 'tokenizer'}); convert it with: jrt convert {folder} {folder}-hf --tokenizer "
+              f"{folder / 'tokenizer'}")
         return 0
     if args.source is None or args.destination is None:
         raise UsageError("give the checkpoint to convert and the output folder: jrt convert SRC DST "

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         sampling["temperature"] = args.temperature
     if args.top_p is not None:
         sampling["top_p"] = args.top_p
-    model.generate(
+    output = model.generate(
         **inputs,
         max_new_tokens=args.max_new_tokens,
         prefix_strategy=args.prefix_strategy,
@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         **sampling,
     )
+    explain_a_blank_continuation(tokenizer, inputs["input_ids"][0].tolist(), output[0].tolist())
     return 0
 
 
@@ -125,6 +126,25 @@ def warn_unfit_tokenizer(tokenizer, config) -> None:
         print(
             f"note: the tokenizer has {len(tokenizer):,} tokens but the model generates ids up to {generated - 1:,}: "
             "ids the tokenizer lacks print as nothing. Pass the tokenizer the model was trained with (--tokenizer).",
+            file=sys.stderr,
+        )
+
+
+def explain_a_blank_continuation(tokenizer, prompt_ids: list[int], output_ids: list[int]) -> None:
+    """Say on stderr why nothing was printed after the prompt: the new tokens are special tokens (which print as
+    nothing), and the prompt held words the tokenizer does not know (read as its unknown token), if it did."""
+    new_ids = output_ids[len(prompt_ids):]
+    if not new_ids or tokenizer.decode(new_ids, skip_special_tokens=True).strip():
+        return
+    sys.stdout.flush()
+    shown = " ".join(tokenizer.convert_ids_to_tokens(new_ids[:8])) + (" ..." if len(new_ids) > 8 else "")
+    print(f"note: the {len(new_ids)} generated token(s) print as nothing ({shown}: special or empty tokens).",
+          file=sys.stderr)
+    unknown = tokenizer.unk_token_id
+    if unknown is not None and unknown in prompt_ids:
+        print(
+            f"note: {prompt_ids.count(unknown)} of the prompt's {len(prompt_ids)} tokens are words the tokenizer "
+            f"does not know (read as {tokenizer.unk_token!r}): write the prompt in the model's vocabulary.",
             file=sys.stderr,
         )
 

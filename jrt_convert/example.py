@@ -6,6 +6,11 @@ out like JRT-360M-30B's (a GPT2Config dump with the `mixer` / `alt_mixer` / `alt
 convolution, prefix linear attention, sliding attention, convolution; hidden 64, 4 heads, GPT-2's vocabulary size
 padded to 50264 rows, about 3.5 M parameters, 14 MB). The weights are random: the converted model runs, but says
 nothing sensible.
+
+The released repos hold no tokenizer (they use GPT-2's, which needs a download). The example ships one in
+`tokenizer/` that fits its vocabulary and runs offline: GPT-2's byte-level alphabet at GPT-2's own ids 0-255 (every
+text encodes, byte by byte, as GPT-2 encodes it before merges), `<|endoftext|>` at 50256 (the checkpoint's EOS), and
+the ids in between, which stand for GPT-2's merged tokens, as `<unused_N>` (a generated one prints as such).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ PADDED_VOCAB = 50264  # pad_vocab_size_multiple = 8
 PREFIX_LENGTH = 16  # enc_length (1024 in the released models)
 WINDOW_SIZE = 16  # the reference window: W // 2 previous tokens plus self
 LAYERS = 4
+EOS = "<|endoftext|>"
 LINEAR_ATTENTION_LAYERS = [1]
 SLIDING_ATTENTION_LAYERS = [2]
 
@@ -94,9 +100,33 @@ def example_state_dict(*, seed: int = 0) -> dict[str, torch.Tensor]:
     return state_dict
 
 
+def byte_alphabet() -> list[str]:
+    """GPT-2's byte-level alphabet in GPT-2's id order: the 256 bytes as printable characters, the printable ones
+    (`!`..`~`, `¡`..`¬`, `®`..`ÿ`) as themselves first, then the others, in byte order, as `chr(256 + n)`."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [byte for byte in range(256) if byte not in set(printable)]
+    return [chr(byte) for byte in printable] + [chr(256 + n) for n in range(len(others))]
+
+
+def example_tokenizer():
+    """The example's tokenizer (see the module docstring): a byte-level BPE of `VOCAB` ids without merges, EOS and
+    pad `<|endoftext|>`, left padding."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = [*byte_alphabet(), *(f"<unused_{i}>" for i in range(256, VOCAB - 1)), EOS]
+    backend = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(EOS, special=True, normalized=False)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=EOS, bos_token=EOS, pad_token=EOS, unk_token=EOS, padding_side="left"
+    )
+
+
 def write_example_checkpoint(folder: str | Path, *, seed: int = 0) -> Path:
     """Write `config.json` and `pytorch_model.bin` of the example into `folder` (created; it must not exist or be
-    empty, so nothing is overwritten). Returns the folder."""
+    empty, so nothing is overwritten), and its tokenizer into `folder/tokenizer`. Returns the folder."""
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise FileExistsError(f"{folder} exists and is not an empty folder: choose a new folder for the example.")
@@ -106,7 +136,8 @@ def write_example_checkpoint(folder: str | Path, *, seed: int = 0) -> Path:
     tensors["train_metrics.num-tokens.count"] = torch.tensor(0, dtype=torch.long)
     tensors["val_metrics.num-tokens.count"] = torch.tensor(0, dtype=torch.long)
     torch.save(tensors, folder / "pytorch_model.bin")
+    example_tokenizer().save_pretrained(folder / "tokenizer")
     return folder
 
 
-__all__ = ["example_config", "example_state_dict", "write_example_checkpoint"]
+__all__ = ["example_config", "example_state_dict", "example_tokenizer", "write_example_checkpoint"]

@@ -102,6 +102,22 @@ def test_generate_snippet_runs_without_the_attention_mask_warning(tmp_path, byte
     assert torch.equal(more[:, : first.sequences.shape[1]], first.sequences)
 
 
+def test_generate_snippet_runs_on_the_offline_example(tmp_path, monkeypatch, capsys):
+    """The README says the converted example (`jrt convert --example`, then `jrt convert ... --tokenizer`) runs the
+    "Generate" block offline: it does, as written, from the folder the README names."""
+    from jrt_cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    (command,) = [line for line in (README.read_text().splitlines()) if line.startswith("jrt convert --example ")]
+    for part in command.split(" && "):
+        assert main(part.split()[1:]) == 0
+    (snippet,) = _python_blocks("## Generate")
+    namespace: dict = {}
+    exec(compile(snippet.replace("path/to/converted", "./JRT-tiny-hf"), "README: Generate", "exec"), namespace)
+    assert namespace["more"].shape[1] == namespace["first"].sequences.shape[1] + 8
+    assert "The capital of France is" in capsys.readouterr().out
+
+
 def copy_with_pad_as_eos(tokenizer):
     """The tokenizer with GPT-2's convention: the pad token is the end-of-text token."""
     import copy

@@ -161,3 +161,26 @@ def test_a_tokenizer_smaller_than_the_model_is_named(tmp_path, capsys):
             "--prompt", "t5 t6", "--max-new-tokens", "2"]
     assert main(argv) == 0
     assert "note: the tokenizer has 68 tokens but the model generates ids up to 98" in capsys.readouterr().err
+
+
+def test_a_continuation_that_prints_as_nothing_says_why(capsys):
+    """Words outside the demo tokenizer's vocabulary are read as `<mask>`, and the demo model answers with special
+    tokens: the command printed the prompt and nothing else. It now says both on stderr."""
+    from jrt_cli.choices import MODELS_DIR
+
+    argv = ["generate", "--model", str(MODELS_DIR / "jrt-rnn-sd"), "--prompt", "hello there", "--max-new-tokens", "3"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == "hello there"
+    assert "note: the 3 generated token(s) print as nothing (<mask> <mask> <mask>" in captured.err
+    assert "note: 2 of the prompt's 2 tokens are words the tokenizer does not know (read as '<mask>')" in captured.err
+
+
+def test_a_printed_continuation_has_no_note(capsys):
+    from jrt_cli.choices import MODELS_DIR
+
+    prompt = "<bos> t5 t9 t12 | t44 t12 ?"
+    argv = ["generate", "--model", str(MODELS_DIR / "jrt-rnn-sd"), "--prompt", prompt, "--max-new-tokens", "1"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(prompt + " t") and captured.err == ""

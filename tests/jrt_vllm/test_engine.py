@@ -71,27 +71,37 @@ def test_greedy_one_prompt_at_a_time_equals_generate(engine):
         assert list(output.outputs[0].token_ids) == greedy_reference(model, prompt, MAX_NEW_TOKENS)
 
 
+class Stepper:
+    """Drives vLLM's engine one step at a time, keeping the tokens of each finished request by its id."""
+
+    def __init__(self, llm):
+        self.core = llm.llm_engine
+        self.results: dict[str, list[int]] = {}
+
+    def __call__(self) -> None:
+        for output in self.core.step():
+            if output.finished:
+                self.results[output.request_id] = list(output.outputs[0].token_ids)
+
+    def finish(self) -> dict[str, list[int]]:
+        while self.core.has_unfinished_requests():
+            self()
+        return self.results
+
+
 def test_request_added_mid_stream_equals_generate(engine):
     """Continuous batching: requests join while others decode (their prefill shares forwards with decode steps)."""
     kind, model, llm = engine
     core = llm.llm_engine
     params = greedy(max_tokens=12)
-    results: dict[str, list[int]] = {}
-
-    def step():
-        for output in core.step():
-            if output.finished:
-                results[output.request_id] = list(output.outputs[0].token_ids)
-
+    step = Stepper(llm)
     core.add_request("first", {"prompt_token_ids": PROMPTS[3]}, params)
     for _ in range(3):
         step()
     core.add_request("second", {"prompt_token_ids": PROMPTS[1]}, params)
     step()
     core.add_request("third", {"prompt_token_ids": PROMPTS[0]}, params)
-    while core.has_unfinished_requests():
-        step()
-    assert results == {
+    assert step.finish() == {
         "first": greedy_reference(model, PROMPTS[3], 12),
         "second": greedy_reference(model, PROMPTS[1], 12),
         "third": greedy_reference(model, PROMPTS[0], 12),
@@ -160,20 +170,11 @@ def test_preempted_requests_equal_generate(engine, steps_before):
     recomputes from its prompt and the tokens it generated. The encoder reads the original prompt's prefix again (the
     generated tokens causally), so every request gives what it gives without preemption."""
     kind, model, llm = engine
-    core = llm.llm_engine
     params = greedy(max_tokens=10)
-    results: dict[str, list[int]] = {}
-
-    def step():
-        for output in core.step():
-            if output.finished:
-                results[output.request_id] = list(output.outputs[0].token_ids)
-
+    step = Stepper(llm)
     for index, prompt in enumerate(PROMPTS):
-        core.add_request(f"r{index}", {"prompt_token_ids": prompt}, params)
+        llm.llm_engine.add_request(f"r{index}", {"prompt_token_ids": prompt}, params)
     for _ in range(steps_before):
         step()
     assert llm.reset_prefix_cache(reset_running_requests=True)
-    while core.has_unfinished_requests():
-        step()
-    assert results == {f"r{index}": greedy_reference(model, prompt, 10) for index, prompt in enumerate(PROMPTS)}
+    assert step.finish() == {f"r{index}": greedy_reference(model, prompt, 10) for index, prompt in enumerate(PROMPTS)}
