@@ -406,6 +406,7 @@ class Case:
     flops: Callable[[int, int], float]
     bytes: Callable[[int, int, int], float]
     configs: Callable[[int, str, dict], list[triton.Config]] | None = None  # per (arch, kernel, launch kwargs)
+    decode: bool = False  # one token per program: estimates for one step (T = 1), not per prefill length
 
 
 def _pla_flops(T: int, M: int, K: int = 16, V: int = 64, chunk: int = 64) -> float:
@@ -507,8 +508,40 @@ def _variant_inputs(variant: str, dtype: torch.dtype, B: int, T: int, M: int, H:
     return k_enc, v_enc, start, end, mask, state, log_decay, gate
 
 
+def _decode_case() -> Case:
+    """The serving decode step (`jrt_kernels.linear_attention_decode`): B requests' states updated at their slots in
+    a pool. "plain" is JRT-RNN / Based without decay, "decay+gate" the Based decay variant; no key mask or encoder."""
+    from jrt_kernels import linear_attention_decode as module
+
+    K, V = PAPER["K"], PAPER["V"]
+    F = 1 + K + K * K
+
+    def launch(dtype: torch.dtype, variant: str) -> None:
+        if variant == "mask+state":  # a decode step has neither
+            return
+        B, H = PAPER["B"], PAPER["H"]
+        q, k = torch.randn(B, H, K, dtype=dtype), torch.randn(B, H, K, dtype=dtype)
+        v = torch.randn(B, H, V, dtype=dtype)
+        pool = torch.zeros(2 * B, H, F, V + 1)
+        slots = torch.arange(B) * 2
+        based = VARIANTS[variant]["based"]
+        log_decay, gate = (torch.full((H,), -0.1), torch.rand(B, H, dtype=dtype)) if based else (None, None)
+        module._linear_attention_decode(q, k, v, pool, slots, log_decay, gate, 1e-12)
+
+    return Case(
+        name="linear_attention_decode",
+        kernels=lambda: [module._linear_attention_decode_kernel],
+        launch=launch,
+        trips=lambda kernel, meta, T, M: [math.ceil(F / meta["BF"])],
+        programs=lambda meta, B, H, T, M: B * H,
+        flops=lambda T, M: 6 * F * (V + 1),  # decay, rank-1 update and read of the state
+        bytes=lambda T, M, size: 2 * F * (V + 1) * 4 + (2 * K + 2 * V) * size,  # the state read and written once
+        decode=True,
+    )
+
+
 def all_cases() -> list[Case]:
-    return [_forward_case(), _backward_case()]
+    return [_forward_case(), _backward_case(), _decode_case()]
 
 
 # ------------------------------------------------------------------------------------------------------ the report
@@ -562,8 +595,8 @@ def estimates(case: Case, row: dict, meta: dict, arch: int, dtype: str, encoder:
     size = DTYPES[dtype].itemsize
     in_loops = sum(loop["count"] for loop in row["loops"])
     out = {}
-    for T in PAPER_LENGTHS:
-        M = T // 2 if encoder else 0
+    for T in (1,) if case.decode else PAPER_LENGTHS:
+        M = T // 2 if encoder and not case.decode else 0
         trips = case.trips(row["kernel"], meta, T, M)
         if len(trips) != len(row["loops"]):
             out[T] = dict(issue_ms=float("nan"))
@@ -600,7 +633,11 @@ def format_row(row: dict, show_live_in: bool = False) -> str:
         text += "\n    spill st/ld B by source line: " + ", ".join(
             f"{entry['line']} ({entry['region']}) {entry['stores']}/{entry['loads']}" for entry in row["spill_lines"]
         )
-    if row["estimates"]:
+    if row["estimates"] and 1 in row["estimates"]:  # a decode step
+        step = row["estimates"][1]
+        text += (f"\n    one decode step (B={PAPER['B']}, H={PAPER['H']}): issue-bound {step['issue_ms'] * 1e3:.3g} "
+                 f"us, floors: tensor {step['tensor_ms'] * 1e3:.3g} us, memory {step['memory_ms'] * 1e3:.3g} us")
+    elif row["estimates"]:
         last = row["estimates"][PAPER_LENGTHS[-1]]
         text += "\n    issue-bound ms at N=" + " ".join(
             f"{T // 1024}k:{row['estimates'][T]['issue_ms']:.3g}" for T in PAPER_LENGTHS
@@ -617,7 +654,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--variant", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                         help="launch kinds (default: all): " + ", ".join(VARIANTS))
     parser.add_argument("--kernel", nargs="*", default=None,
-                        help="cases: prefix_linear_attention_fwd, prefix_linear_attention_bwd (default: all)")
+                        help="cases: prefix_linear_attention_fwd, prefix_linear_attention_bwd, linear_attention_decode "
+                        "(default: all)")
     parser.add_argument("--configs", type=int, default=None, help="only the first N autotune configs")
     parser.add_argument("--json", default=None, help="also write every row to this JSON file")
     parser.add_argument("--spill-lines", type=int, default=0, metavar="N",

@@ -1,7 +1,9 @@
 """Fused Triton kernels for jrt-rnn (installed as `jrt_kernels`).
 
-Each kernel has the same signature as its PyTorch reference in `modeling_jrt.linear_attention`, which stays the
-fallback everywhere. Importing this package needs triton (`pip install 'jrt-rnn[triton]'`).
+The prefill kernel has the same signature as its PyTorch reference in `modeling_jrt.linear_attention`, which stays
+the fallback everywhere; the serving decode step (`linear_attention_decode_triton`) takes a pool of states and each
+request's slot, and replaces gather + `linear_attention_step` + write-back. Importing this package needs triton
+(`pip install 'jrt-rnn[triton]'`).
 """
 
 try:
@@ -12,6 +14,7 @@ except ImportError as error:
         "Without it, modeling_jrt uses its PyTorch implementation."
     ) from error
 
+from .linear_attention_decode import linear_attention_decode_triton
 from .prefix_linear_attention import prefix_linear_attention_triton
 
-__all__ = ["prefix_linear_attention_triton"]
+__all__ = ["linear_attention_decode_triton", "prefix_linear_attention_triton"]

@@ -181,3 +181,17 @@ def test_gated_based_backward_keeps_its_registers_on_sm80(tmp_path):
         assert row["config"].endswith(" r255") and row["registers"] >= 128, row
         # no encoder: the estimate runs the decoder loop only (M = 0)
         assert row["estimates"]["32768"]["issue_ms"] > 0
+
+
+def test_decode_kernel_builds_without_spills_and_near_its_memory_floor(tmp_path):
+    """The serving decode step (`linear_attention_decode`) for sm_90: one loop over the feature blocks, no spills,
+    no shared-memory staging, and an issue estimate per step (not per prefill length) within 2x of the time it takes
+    to read and write each state once (the kernel's point: no gather and write-back)."""
+    result, rows = run_tool(tmp_path, "--arch", "90", "--dtype", "bf16", "--kernel", "linear_attention_decode")
+    assert [row["variant"] for row in rows] == ["plain", "decay+gate"], rows  # a decode step has no key mask
+    for row in rows:
+        assert "error" not in row and row["spill_stores"] == row["spill_loads"] == 0, row
+        assert len(row["loops"]) == 1 and row["registers"] <= 255
+        step = row["estimates"]["1"]
+        assert 0 < step["issue_ms"] < 2 * step["memory_ms"], step
+    assert "one decode step (B=16, H=16): issue-bound" in result.stdout

@@ -89,6 +89,28 @@ class Stepper:
         return self.results
 
 
+def test_fused_decode_kernel_in_the_engine_equals_generate(engine, monkeypatch):
+    """The GPU decode path (`jrt_kernels.linear_attention_decode_triton`, each state updated at its slot) wired into
+    the engine: forced on for the CPU pool, where triton's interpreter runs it (tests/conftest.py), a batch of
+    requests decodes exactly what `generate()` does (decay and gate included for Based)."""
+    pytest.importorskip("triton")
+    import jrt_vllm.model
+    from jrt_kernels import linear_attention_decode_triton
+
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(args[4].numel())  # the decoding rows' slots
+        return linear_attention_decode_triton(*args, **kwargs)
+
+    monkeypatch.setattr(jrt_vllm.model, "decode_kernel", lambda pool, implementation: kernel)
+    kind, model, llm = engine
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(max_tokens=4), use_tqdm=False)
+    assert calls and max(calls) > 1  # several requests decoded in one launch
+    for prompt, output in zip(PROMPTS, outputs):
+        assert list(output.outputs[0].token_ids) == greedy_reference(model, prompt, 4)
+
+
 def test_request_added_mid_stream_equals_generate(engine):
     """Continuous batching: requests join while others decode (their prefill shares forwards with decode steps)."""
     kind, model, llm = engine

@@ -1,0 +1,98 @@
+"""The serving decode kernel (`jrt_kernels.linear_attention_decode_triton`) against the PyTorch step it replaces in
+the vLLM plugin (gather the states at their slots, `linear_attention_step`, write them back): compiled on a CUDA
+machine, in triton's CPU interpreter elsewhere (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux: pip install -e '.[dev]')")
+
+from jrt_kernels import linear_attention_decode_triton  # noqa: E402
+from jrt_kernels.linear_attention_decode import INTERPRETED  # noqa: E402
+from modeling_jrt.linear_attention import fixed_log_decay, linear_attention_step, num_taylor_features  # noqa: E402
+
+DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+TOLERANCES = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def make_inputs(B, H, K, V, slots_in_pool, *, dtype=torch.float32, seed=0):
+    """q, k, v as strided views of one fused projection (as the plugin splits them), and a pool of states that are
+    sums of earlier keys (positive denominators)."""
+    generator = torch.Generator().manual_seed(seed)
+    fused = torch.randn(B, H * (2 * K + V), generator=generator)
+    q, k, v = fused.split([H * K, H * K, H * V], -1)
+    q, k, v = (t.reshape(B, H, size).to(DEVICE, dtype) for t, size in ((q, K), (k, K), (v, V)))
+    assert dtype != torch.float32 or B == 0 or not q.is_contiguous()  # fp32: the strided views themselves
+    F = num_taylor_features(K)
+    pool = torch.rand(slots_in_pool, H, F, V + 1, generator=generator).to(DEVICE)
+    pool[..., :V] -= 0.5
+    return q, k, v, pool
+
+
+def reference(q, k, v, pool, slots, **kwargs):
+    """The plugin's PyTorch step: (output, the pool after it)."""
+    pool = pool.clone()
+    output, state = linear_attention_step(q, k, v, pool.index_select(0, slots), **kwargs)
+    pool.index_copy_(0, slots, state)
+    return output, pool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("based", [False, True], ids=["plain", "decay+gate"])
+@pytest.mark.parametrize("K, V", [(4, 8), (16, 20)])
+def test_decode_updates_each_state_at_its_slot(dtype, based, K, V):
+    B, H = 3, 2
+    q, k, v, pool = make_inputs(B, H, K, V, slots_in_pool=7, dtype=dtype)
+    slots = torch.tensor([5, 0, 3], device=DEVICE)
+    kwargs = {}
+    if based:
+        kwargs = dict(log_decay=fixed_log_decay(-3.0, range(H), DEVICE), gate=torch.rand(B, H, device=DEVICE).to(dtype))
+    expected_output, expected_pool = reference(q, k, v, pool, slots, **kwargs)
+    work = pool.clone()
+    output = linear_attention_decode_triton(q, k, v, work, slots, **kwargs)
+    assert output.dtype == dtype and output.shape == (B, H, V)
+    torch.testing.assert_close(output.float(), expected_output.float(), rtol=TOLERANCES[dtype],
+                               atol=TOLERANCES[dtype])
+    torch.testing.assert_close(work, expected_pool, rtol=1e-5, atol=1e-5)  # the state stays fp32
+    others = [slot for slot in range(7) if slot not in slots.tolist()]
+    assert torch.equal(work[others], pool[others])  # untouched
+
+
+def test_consecutive_steps_match_and_int32_slots():
+    """Three steps in a row (the state each step leaves is the next one's), slots as int32 (vLLM's state indices)."""
+    B, H, K, V = 2, 2, 4, 8
+    q, k, v, pool = make_inputs(B, H, K, V, slots_in_pool=4)
+    slots = torch.tensor([2, 1], dtype=torch.int32, device=DEVICE)
+    expected, work = pool.clone(), pool.clone()
+    for step in range(3):
+        expected_output, expected = reference(q * (step + 1), k, v - step, expected, slots.long())
+        output = linear_attention_decode_triton(q * (step + 1), k, v - step, work, slots)
+        torch.testing.assert_close(output, expected_output, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(work, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_no_request_is_a_no_op():
+    q, k, v, pool = make_inputs(0, 2, 4, 8, slots_in_pool=2)
+    work = pool.clone()
+    assert linear_attention_decode_triton(q, k, v, work, torch.zeros(0, dtype=torch.long, device=DEVICE)).shape == (
+        0, 2, 8)
+    assert torch.equal(work, pool)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {**a, "state": a["state"].double()}, "state must be an fp32 (N, 2, 21, 9) pool"),
+    (lambda a: {**a, "state": a["state"].transpose(2, 3).contiguous().transpose(2, 3)}, "contiguous last dimension"),
+    (lambda a: {**a, "state": a["state"][:, :, :20]}, "state must be an fp32 (N, 2, 21, 9) pool"),
+    (lambda a: {**a, "slots": a["slots"].float()}, "slots must be (3,) int32 / int64"),
+    (lambda a: {**a, "slots": a["slots"][:2]}, "slots must be (3,) int32 / int64"),
+    (lambda a: {**a, "k": a["k"][:, :, :3]}, "q, k must be (B, H, K) and v (B, H, V)"),
+    (lambda a: {**a, "gate": torch.ones(3, device=DEVICE)}, "gate must be (3, 2)"),
+    (lambda a: {**a, "log_decay": torch.ones(3, device=DEVICE)}, "log_decay must be (2,)"),
+])
+def test_bad_arguments_are_named(change, message):
+    q, k, v, pool = make_inputs(3, 2, 4, 8, slots_in_pool=4)
+    arguments = change(dict(q=q, k=k, v=v, state=pool, slots=torch.tensor([0, 1, 2], device=DEVICE)))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        linear_attention_decode_triton(**arguments)
