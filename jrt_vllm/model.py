@@ -62,7 +62,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from modeling_jrt.configuration_jrt import JRTRNNConfig
 from modeling_jrt.linear_attention import (
     fixed_log_decay,
-    linear_attention_step,
+    linear_attention_step_at_slots,
     num_taylor_features,
     prefix_linear_attention,
 )
@@ -506,34 +506,13 @@ class JRTLinearAttention(JRTStateLayer):
 
     def step(self, projected: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
         query, key, value, gate = self._split(projected)  # (B, H, K), (B, H, K), (B, H, V), (B, H)
-        pool, log_decay, eps = self.kv_cache[0], self.log_decay(query.device), self.config.linear_attention_eps
-        fused = decode_kernel(pool, self.config.linear_attention_implementation)
-        if fused is not None:
-            # Each state updated where it lives: read once and written once at its slot, in one launch.
-            output = fused(query, key, value, pool, slots, log_decay=log_decay, gate=gate, eps=eps)
-        else:
-            # A gathered copy (`index_select`: several times faster than advanced indexing on CPU), updated in
-            # place, then written back at the slots.
-            output, state = linear_attention_step(
-                query, key, value, pool.index_select(0, slots), log_decay=log_decay, gate=gate, eps=eps,
-                in_place=True,
-            )  # (B, H, V), (B, H, F, V + 1)
-            pool.index_copy_(0, slots, state)
+        # On a GPU the fused step updates each state where it lives; elsewhere a gathered copy is updated and written
+        # back (`linear_attention_step_at_slots`).
+        output = linear_attention_step_at_slots(
+            query, key, value, self.kv_cache[0], slots, log_decay=self.log_decay(query.device), gate=gate,
+            eps=self.config.linear_attention_eps, implementation=self.config.linear_attention_implementation,
+        )  # (B, H, V)
         return output.reshape(query.shape[0], -1).to(value.dtype)
-
-
-def decode_kernel(pool: torch.Tensor, implementation: str):
-    """`jrt_kernels.linear_attention_decode_triton` for a CUDA state pool when the config allows the Triton kernels
-    (`linear_attention_implementation` "auto" or "triton") and they import; None otherwise (the PyTorch step)."""
-    if not pool.is_cuda or implementation not in ("auto", "triton"):
-        return None
-    try:
-        from jrt_kernels import linear_attention_decode_triton
-    except ImportError:
-        if implementation == "triton":
-            raise
-        return None
-    return linear_attention_decode_triton
 
 
 MIXER_CLASSES = {

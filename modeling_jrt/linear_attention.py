@@ -529,6 +529,15 @@ def _load_triton_prefill():
     return prefix_linear_attention_triton
 
 
+def _load_triton_decode():
+    """The fused decode step at pool slots from `jrt_kernels`, or None when it (or triton) is not installed."""
+    try:
+        from jrt_kernels import linear_attention_decode_triton
+    except ImportError:
+        return None
+    return linear_attention_decode_triton
+
+
 def _load_triton_backward():
     """The fused backward launcher of `jrt_kernels`, or None (never in practice: it runs after the fused forward).
 
@@ -601,7 +610,12 @@ def _warn_kernel_failure(error: Exception, stage: str) -> str:
     return failure
 
 
-def _run_triton_or_fall_back(explicit: bool, run_triton, run_chunked) -> tuple[torch.Tensor, torch.Tensor]:
+def _triton_forced(implementation: str) -> bool:
+    """Whether the kernel was asked for by name (the argument or `JRT_LINEAR_ATTENTION_IMPL`): its failures raise."""
+    return implementation == "triton" or os.environ.get(IMPLEMENTATION_ENV_VAR, "").strip().lower() == "triton"
+
+
+def _run_triton_or_fall_back(explicit: bool, run_triton, run_chunked):
     """Run the kernel; under "auto", a kernel that fails to compile or launch here warns once and runs chunked.
 
     The failures are of many types (triton's CompilationError / OutOfResources / PTXASError, RuntimeError from the
@@ -791,7 +805,7 @@ def prefix_linear_attention(
     if chosen == "quadratic":
         return prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
     if chosen == "triton":
-        explicit = implementation == "triton" or os.environ.get(IMPLEMENTATION_ENV_VAR, "").strip().lower() == "triton"
+        explicit = _triton_forced(implementation)
         training = _records_gradients(q, k, v, k_enc, v_enc, initial_state, gate)
         if explicit or not training or torch.compiler.is_compiling():
             # The op's own autograd (the fused backward, which raises on failure); torch.compile traces the op.
@@ -805,9 +819,52 @@ def prefix_linear_attention(
     return run_chunked()
 
 
+def linear_attention_step_at_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    log_decay: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    eps: float = 1e-12,
+    implementation: str = "auto",
+) -> torch.Tensor:
+    """One decode step for B rows whose states live in a pool at their slots (a serving engine's state cache),
+    updated there: `linear_attention_step` on `pool[slots]`, written back.
+
+    Args:
+        q, k: `(B, H, K)`; v: `(B, H, V)`; log_decay, gate, eps: as `linear_attention_step`.
+        pool: `(N, H, F, V + 1)` fp32 states.
+        slots: `(B,)` distinct integer slots of the B rows in `pool`.
+        implementation: resolved as for the prefill (`resolve_implementation`). "triton" is the fused step of
+            `jrt_kernels`, which reads and writes each state once, at its slot, in one launch; the others gather the
+            states (`index_select`, several times faster than advanced indexing on CPU), update the copy in place and
+            write it back (`index_copy_`). Under "auto" a kernel that fails to compile or launch warns once and the
+            PyTorch step runs, as for the prefill.
+
+    Returns:
+        `(B, H, V)` output in v's dtype.
+    """
+
+    def run_pytorch() -> torch.Tensor:
+        output, state = linear_attention_step(
+            q, k, v, pool.index_select(0, slots), log_decay=log_decay, gate=gate, eps=eps, in_place=True
+        )  # (B, H, V), (B, H, F, V + 1)
+        pool.index_copy_(0, slots, state)
+        return output
+
+    if resolve_implementation(implementation, q) != "triton":  # the step has one PyTorch form
+        return run_pytorch()
+    kernel = functools.partial(_load_triton_decode(), q, k, v, pool, slots, log_decay=log_decay, gate=gate, eps=eps)
+    return _run_triton_or_fall_back(_triton_forced(implementation), kernel, run_pytorch)
+
+
 __all__ = [
     "fixed_log_decay",
     "linear_attention_step",
+    "linear_attention_step_at_slots",
     "num_taylor_features",
     "prefix_linear_attention",
     "prefix_linear_attention_chunked",

@@ -11,7 +11,13 @@ pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux: pip
 
 from jrt_kernels import linear_attention_decode_triton  # noqa: E402
 from jrt_kernels.linear_attention_decode import INTERPRETED  # noqa: E402
-from modeling_jrt.linear_attention import fixed_log_decay, linear_attention_step, num_taylor_features  # noqa: E402
+from modeling_jrt import linear_attention  # noqa: E402
+from modeling_jrt.linear_attention import (  # noqa: E402
+    fixed_log_decay,
+    linear_attention_step,
+    linear_attention_step_at_slots,
+    num_taylor_features,
+)
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 TOLERANCES = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -96,3 +102,65 @@ def test_bad_arguments_are_named(change, message):
     arguments = change(dict(q=q, k=k, v=v, state=pool, slots=torch.tensor([0, 1, 2], device=DEVICE)))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         linear_attention_decode_triton(**arguments)
+
+
+# The dispatcher the vLLM plugin calls: `linear_attention_step_at_slots` picks the kernel as the prefill does.
+
+
+def spy_on_kernel(monkeypatch, kernel=linear_attention_decode_triton) -> list[int]:
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(linear_attention, "_load_triton_decode", lambda: spy)
+    return calls
+
+
+@pytest.mark.parametrize("implementation", ["chunked", "triton"])
+def test_step_at_slots_runs_what_it_resolves_to(monkeypatch, implementation):
+    """"chunked" (and "auto" on CPU) gathers, steps and writes back; "triton" runs the kernel; both equal the
+    PyTorch step on the gathered states, and leave the other slots alone."""
+    monkeypatch.delenv(linear_attention.IMPLEMENTATION_ENV_VAR, raising=False)
+    calls = spy_on_kernel(monkeypatch)
+    q, k, v, pool = make_inputs(3, 2, 4, 8, slots_in_pool=5)
+    slots = torch.tensor([4, 1, 2], device=DEVICE)
+    expected_output, expected_pool = reference(q, k, v, pool, slots)
+    work = pool.clone()
+    output = linear_attention_step_at_slots(q, k, v, work, slots, implementation=implementation)
+    assert len(calls) == (implementation == "triton")
+    torch.testing.assert_close(output, expected_output, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(work, expected_pool, rtol=1e-5, atol=1e-5)
+
+
+def failing_kernel(*args, **kwargs):
+    from triton.runtime.errors import OutOfResources
+
+    raise OutOfResources(262144, 232448, "shared memory")
+
+
+def test_step_at_slots_falls_back_under_auto(monkeypatch, auto_takes_kernel):
+    """A kernel that fails to launch under "auto" warns once (as the prefill's does) and the PyTorch step runs."""
+    from transformers.testing_utils import CaptureLogger
+
+    calls = spy_on_kernel(monkeypatch, failing_kernel)
+    q, k, v, pool = make_inputs(2, 2, 4, 8, slots_in_pool=3)
+    slots = torch.tensor([2, 0], device=DEVICE)
+    expected_output, expected_pool = reference(q, k, v, pool, slots)
+    work = pool.clone()
+    with CaptureLogger(linear_attention.logger) as captured:
+        output = linear_attention_step_at_slots(q, k, v, work, slots)
+    assert calls == [1] and "OutOfResources" in captured.out
+    torch.testing.assert_close(output, expected_output, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(work, expected_pool, rtol=1e-5, atol=1e-5)
+
+
+def test_step_at_slots_asked_for_the_kernel_raises(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.delenv(linear_attention.IMPLEMENTATION_ENV_VAR, raising=False)
+    spy_on_kernel(monkeypatch, failing_kernel)
+    q, k, v, pool = make_inputs(2, 2, 4, 8, slots_in_pool=3)
+    with pytest.raises(OutOfResources):
+        linear_attention_step_at_slots(q, k, v, pool, torch.tensor([2, 0], device=DEVICE), implementation="triton")

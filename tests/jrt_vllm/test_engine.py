@@ -91,22 +91,23 @@ class Stepper:
 
 def test_fused_decode_kernel_in_the_engine_equals_generate(engine, monkeypatch):
     """The GPU decode path (`jrt_kernels.linear_attention_decode_triton`, each state updated at its slot) wired into
-    the engine: forced on for the CPU pool, where triton's interpreter runs it (tests/conftest.py), a batch of
-    requests decodes exactly what `generate()` does (decay and gate included for Based)."""
+    the engine: the plugin's step asks for it by name on the CPU pool, where triton's interpreter runs it
+    (tests/conftest.py), and a batch of requests decodes exactly what `generate()` does (decay and gate included
+    for Based)."""
     pytest.importorskip("triton")
     import jrt_vllm.model
-    from jrt_kernels import linear_attention_decode_triton
 
-    calls = []
+    rows = []
+    step_at_slots = jrt_vllm.model.linear_attention_step_at_slots
 
-    def kernel(*args, **kwargs):
-        calls.append(args[4].numel())  # the decoding rows' slots
-        return linear_attention_decode_triton(*args, **kwargs)
+    def forced(*args, **kwargs):
+        rows.append(args[4].numel())  # the decoding rows' slots
+        return step_at_slots(*args, **{**kwargs, "implementation": "triton"})
 
-    monkeypatch.setattr(jrt_vllm.model, "decode_kernel", lambda pool, implementation: kernel)
+    monkeypatch.setattr(jrt_vllm.model, "linear_attention_step_at_slots", forced)
     kind, model, llm = engine
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(max_tokens=4), use_tqdm=False)
-    assert calls and max(calls) > 1  # several requests decoded in one launch
+    assert rows and max(rows) > 1  # several requests decoded in one launch
     for prompt, output in zip(PROMPTS, outputs):
         assert list(output.outputs[0].token_ids) == greedy_reference(model, prompt, 4)
 
