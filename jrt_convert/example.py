@@ -104,7 +104,7 @@ def byte_alphabet() -> list[str]:
     """GPT-2's byte-level alphabet in GPT-2's id order: the 256 bytes as printable characters, the printable ones
     (`!`..`~`, `¡`..`¬`, `®`..`ÿ`) as themselves first, then the others, in byte order, as `chr(256 + n)`."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [byte for byte in range(256) if byte not in set(printable)]
+    others = sorted(set(range(256)) - set(printable))
     return [chr(byte) for byte in printable] + [chr(256 + n) for n in range(len(others))]
 
 
