@@ -21,14 +21,13 @@ import argparse
 import functools
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from peft import PeftModel, get_peft_model
-from tiny_setup import EOS_ID, builtin_corpus, decode, encode, run_distributed, tiny_config
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
+if TYPE_CHECKING:
+    import torch
 
-from jrt_train import JRTDataCollator, default_lora_config, ignore_prefix_targets, pack_token_blocks
-from modeling_jrt import JRTRNNForCausalLM
+# Only the standard library at import time: `--help` and argument errors answer before torch is imported (seconds).
+# What trains is imported inside the functions that use it.
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,21 +69,37 @@ def load_documents(args: argparse.Namespace) -> list[str]:
         if isinstance(dataset, datasets.DatasetDict):
             dataset = dataset["train"]
         return list(dataset[args.text_column])
+    from tiny_setup import builtin_corpus
+
     return builtin_corpus()
 
 
 def causal_lm_collator(examples: list[torch.Tensor], prefix_length: int = 0) -> dict[str, torch.Tensor]:
     """Plain next-token labels; the targets a JRT encoder reads (the first `prefix_length`) are not scored."""
+    import torch
+
+    from jrt_train import ignore_prefix_targets
+
     input_ids = torch.stack(examples)
     return {"input_ids": input_ids, "labels": ignore_prefix_targets(input_ids.clone(), prefix_length)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_distributed(finetune, argv)
+    args = parse_args(argv)  # usage errors exit with status 2 here, before torch is imported
+    from tiny_setup import run_distributed
+
+    return run_distributed(finetune, args)
 
 
-def finetune(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def finetune(args: argparse.Namespace) -> int:
+    import torch
+    from peft import PeftModel, get_peft_model
+    from tiny_setup import EOS_ID, decode, encode, tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
+
+    from jrt_train import JRTDataCollator, default_lora_config, pack_token_blocks
+    from modeling_jrt import JRTRNNForCausalLM
+
     training_args = TrainingArguments(
         output_dir=str(args.output_dir / "checkpoints"),
         max_steps=args.max_steps,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -68,11 +69,15 @@ def end_distributed(*, synchronize: bool) -> None:
         torch.distributed.destroy_process_group()
 
 
-def run_distributed(entry: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
-    """Run an example's `entry(argv)` and tear the process group down after it (see `end_distributed`): every rank
-    waits for the others after a success, and a failing rank leaves at once with its exception."""
+Arguments = TypeVar("Arguments")
+
+
+def run_distributed(entry: Callable[[Arguments], int], arguments: Arguments) -> int:
+    """Run an example's `entry(arguments)` (its parsed command line) and tear the process group down after it (see
+    `end_distributed`): every rank waits for the others after a success, and a failing rank leaves at once with its
+    exception."""
     try:
-        code = entry(argv)
+        code = entry(arguments)
     except BaseException:
         end_distributed(synchronize=False)
         raise

@@ -18,12 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-from tiny_setup import EOS_ID, builtin_corpus, decode, encode, run_distributed, tiny_config
-from transformers import Trainer, TrainingArguments, set_seed
-
-from jrt_train import JRTDataCollator, pack_token_blocks
-from modeling_jrt import JRTRNNForCausalLM
+# Only the standard library at import time: `--help` and argument errors answer before torch is imported (seconds).
+# What trains is imported inside `train` and `build_trainer`.
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,29 +45,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class JRTTrainer(Trainer):
-    """A `Trainer` that also logs the two parts of the objective (this process's means since the last log)."""
+def build_trainer(args: argparse.Namespace):
+    """The model, data and `JRTTrainer` (logs the objective's two parts) of one run."""
+    import torch
+    from tiny_setup import EOS_ID, builtin_corpus, encode, tiny_config
+    from transformers import TrainingArguments, set_seed
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.loss_parts: dict[str, list[torch.Tensor]] = {"ntp_loss": [], "mlm_loss": []}
+    from jrt_train import JRTDataCollator, pack_token_blocks
+    from jrt_train.trainer import JRTTrainer
+    from modeling_jrt import JRTRNNForCausalLM
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        if model.training:
-            for name, values in self.loss_parts.items():
-                values.append(outputs[name])
-        return (loss, outputs) if return_outputs else loss
-
-    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        if "loss" in logs and self.loss_parts["ntp_loss"]:
-            for name, values in self.loss_parts.items():
-                logs[name] = round(torch.stack(values).mean().item(), 4)
-                values.clear()
-        super().log(logs, *args, **kwargs)
-
-
-def build_trainer(args: argparse.Namespace) -> Trainer:
     set_seed(args.seed)  # every process builds the same initial model
     documents = args.train_file.read_text(encoding="utf-8").split("\n\n") if args.train_file else builtin_corpus()
     stream = [token for document in documents for token in encode(document) + [EOS_ID]]
@@ -119,11 +102,18 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_distributed(train, argv)
+    args = parse_args(argv)  # usage errors exit with status 2 here, before torch is imported
+    from tiny_setup import run_distributed
+
+    return run_distributed(train, args)
 
 
-def train(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def train(args: argparse.Namespace) -> int:
+    import torch
+    from tiny_setup import decode, encode
+
+    from modeling_jrt import JRTRNNForCausalLM
+
     trainer = build_trainer(args)
     trainer.train()
     metrics = trainer.evaluate()

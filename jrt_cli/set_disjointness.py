@@ -120,6 +120,8 @@ def sd_tokenizer(token_map: dict):
     `<bos>`, as the models were trained); the pad token is id 0 (`<mask>`, unused by the task), the models'
     `pad_token_id`. `<mask>` is also the unknown token: a word outside the vocabulary (`"héllo"`, the prose of a
     recall document) encodes to id 0 instead of failing (the vocabulary has no spare id for an `<unk>` of its own).
+    `<bos>` is also the end-of-sequence token (as GPT-2's `<|endoftext|>` is both): in a stream of examples one ends
+    where the next `<bos>` begins, and tools that append an EOS to a completion (TRL's `SFTTrainer`) need one.
     `save_pretrained` of the result writes `tokenizer.json` and `tokenizer_config.json`, which `AutoTokenizer` and
     `pipeline("text-generation")` load without this package.
     """
@@ -138,6 +140,7 @@ def sd_tokenizer(token_map: dict):
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=specials[str(SD_BOS)],
+        eos_token=specials[str(SD_BOS)],
         pad_token=specials[str(SD_MASK)],
         unk_token=specials[str(SD_MASK)],
         padding_side="left",

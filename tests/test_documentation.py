@@ -118,6 +118,26 @@ def test_generate_snippet_runs_on_the_offline_example(tmp_path, monkeypatch, cap
     assert "The capital of France is" in capsys.readouterr().out
 
 
+def test_sft_trainer_snippet_runs_as_pasted_on_the_offline_example(tmp_path, monkeypatch):
+    """docs/training.md's TRL block failed as pasted on CPU (TRL's bf16 default) and on a tokenizer without EOS: it
+    now runs, as written, on the README's converted example and takes its two steps."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    from jrt_cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    (command,) = [line for line in (README.read_text().splitlines()) if line.startswith("jrt convert --example ")]
+    for part in command.split(" && "):
+        assert main(part.split()[1:]) == 0
+    blocks = _python_blocks("## Fine-tune on prompt–completion data (TRL `SFTTrainer`, `Trainer`)",
+                            ROOT / "docs" / "training.md")
+    namespace: dict = {}
+    exec(compile(blocks[0], "docs/training.md: SFTTrainer", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == 2 and trainer.args.bf16 is False
+    assert namespace["tokenizer"].eos_token == "<|endoftext|>"
+
+
 def copy_with_pad_as_eos(tokenizer):
     """The tokenizer with GPT-2's convention: the pad token is the end-of-text token."""
     import copy

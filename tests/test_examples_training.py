@@ -35,6 +35,24 @@ def test_train_jrt_help(examples, capsys):
     assert "--max-steps" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("script", ["train_jrt", "finetune_lora"])
+@pytest.mark.parametrize("argv, status", [(["--help"], 0), (["--output-dir", "out", "--max-steps", "abc"], 2)])
+def test_examples_answer_help_and_usage_errors_before_importing_torch(tmp_path, script, argv, status):
+    """`--help` used to import torch, transformers and the model first (about 7 s)."""
+    probe = (
+        "import runpy, sys\n"
+        f"sys.argv = [{script!r}, *{argv!r}]\n"
+        "try:\n"
+        f"    runpy.run_path({str(ROOT / 'examples' / (script + '.py'))!r}, run_name='__main__')\n"
+        "except SystemExit as exit_info:\n"
+        "    print('status', exit_info.code, 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.stdout.splitlines()[-1] == f"status {status} False", result.stdout + result.stderr
+    if status:
+        assert "--max-steps: invalid int value: 'abc'" in result.stderr
+
+
 @pytest.mark.parametrize(
     "script, argv, message",
     [

@@ -83,6 +83,7 @@ def test_shipped_tokenizer_is_built_from_the_token_map(name):
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert len(tokenizer) == token_map["vocab_size"] == 68
     assert (tokenizer.bos_token_id, tokenizer.pad_token_id) == (1, _load(name).config.pad_token_id)
+    assert tokenizer.eos_token == "<bos>"  # also the end of an example: TRL appends it to each completion
     batch = set_disjointness(np.random.RandomState(3), 2, 4, 16)
     for row in batch.input_ids:
         text = render_tokens(row, token_map)
@@ -90,6 +91,25 @@ def test_shipped_tokenizer_is_built_from_the_token_map(name):
         assert tokenizer.decode(row) == text
     # The shipped files are exactly what the builder writes.
     assert json.loads((path / "tokenizer.json").read_text()) == json.loads(sd_tokenizer(token_map)._tokenizer.to_str())
+
+
+def test_sft_trainer_scores_a_demo_completion_and_its_end(tmp_path):
+    """TRL's `SFTTrainer` needs an EOS to end each completion ("endswith first arg must be str ... not NoneType" with
+    the demo tokenizers before): the answer and the `<bos>` that ends the example are the scored targets."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    path = MODELS_DIR / "jrt-rnn-sd"
+    data = datasets.Dataset.from_list([{"prompt": "<bos> t5 t9 | t7 t5 ?", "completion": " t5"}] * 2)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    trainer = SFTTrainer(model=_load("jrt-rnn-sd"), train_dataset=data, processing_class=tokenizer,
+                         args=SFTConfig(output_dir=str(tmp_path), completion_only_loss=True, report_to="none",
+                                        bf16=False))
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    assert batch["input_ids"].tolist() == [[1, 5, 9, 2, 7, 5, 3, 5, 1]]
+    assert batch["labels"].tolist() == [[-100] * 7 + [5, 1]]
 
 
 @pytest.mark.parametrize("name", MODEL_DIRS)

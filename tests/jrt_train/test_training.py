@@ -237,6 +237,26 @@ def test_trainer_keeps_labels_as_its_only_label_name(make_config, tmp_path):
     assert trainer.evaluate()["eval_loss"] > 0
 
 
+def test_jrt_trainer_logs_the_two_parts_of_the_objective(make_config, tmp_path):
+    """One micro-batch per logged step: the logged `loss` is `ntp_loss + mlm_weight * mlm_loss` of that step."""
+    from jrt_train.trainer import JRTTrainer
+
+    config = make_config(mask_token_id=MASK_ID)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, logging_steps=1, use_cpu=True,
+        report_to="none", save_strategy="no", seed=0, dataloader_num_workers=0,
+    )
+    trainer = JRTTrainer(model=JRTRNNForCausalLM(config), args=args, train_dataset=BlockDataset(random_blocks(6, 19)),
+                         data_collator=JRTDataCollator.from_config(config, mlm_probability=0.5, seed=1))
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 3
+    for entry in logged:
+        assert entry["mlm_loss"] > 0 and entry["ntp_loss"] > 0
+        assert entry["loss"] == pytest.approx(entry["ntp_loss"] + config.mlm_weight * entry["mlm_loss"], abs=2e-3)
+    assert trainer.loss_parts == {"ntp_loss": [], "mlm_loss": []}  # each log takes the parts it reports
+
+
 # ---------------------------------------------------------------------------------------------------- LoRA
 
 
