@@ -27,8 +27,9 @@ The math is `modeling_jrt`'s (linear attention, blocked sliding-window attention
 RMSNorm, RoPE); the dense parts are vLLM's layers (merged column-parallel projections, SiLU-and-multiply,
 row-parallel output projections, vocabulary-parallel embedding and head), which also split the model over
 tensor-parallel ranks: heads of both attentions, conv channels and the MLP, each rank keeping its share of every
-state. This file maps vLLM's flattened batch onto the layers: requests are computed one at a time in a prefill,
-and all together in a decode step.
+state. This file maps vLLM's flattened batch onto the layers: the requests of a prefill are read in groups of
+segments of the same shape (stacked as the rows of one batch: one call of each mixer per group), and all decoding
+requests together in one step.
 """
 
 from __future__ import annotations
@@ -97,6 +98,55 @@ class Segment:
     fresh: bool
     encoder_rows: int | None = None
 
+    @property
+    def shape(self) -> tuple[int, bool, int | None]:
+        """What must agree for segments to be read as the rows of one batch: length, freshness, encoder rows (the
+        fill may differ: it only decides which key rows the "pad" strategy masks, row by row)."""
+        return self.end - self.start, self.fresh, self.encoder_rows
+
+
+@dataclass
+class SegmentGroup:
+    """Segments of one shape (`Segment.shape`), read together: G requests of T rows each, stacked as a `(G, T)` batch,
+    so that each mixer runs once per group rather than once per request. With the "pad" and "repeat" fills, every
+    fresh prompt shorter than `prefix_length` becomes `prefix_length` rows that the encoder reads, so the short
+    prompts of a prefill are one group.
+
+    Attributes:
+        requests: the G requests (indices in vLLM's batch order).
+        index: the same as a device tensor, to pick their slots from `_slot_table` on the device.
+        rows: their rows in the expanded batch, request after request (`G * T`): a slice when they are adjacent (a
+            view, no gather), else an index tensor.
+        fills: each request's fill rows (see `Segment.fill`).
+        length, fresh, encoder_rows: the shared shape (see `Segment`).
+    """
+
+    requests: list[int]
+    index: torch.Tensor | slice
+    rows: slice | torch.Tensor
+    fills: list[int]
+    length: int
+    fresh: bool
+    encoder_rows: int | None = None
+
+    @classmethod
+    def of(cls, segments: list[Segment], device: torch.device) -> SegmentGroup:
+        """The group of `segments` (all of one shape, in batch order)."""
+        adjacent = all(a.end == b.start for a, b in zip(segments, segments[1:]))
+        rows = (
+            slice(segments[0].start, segments[-1].end) if adjacent
+            else torch.cat([torch.arange(s.start, s.end, device=device) for s in segments])
+        )
+        length, fresh, encoder_rows = segments[0].shape
+        requests = [s.request for s in segments]
+        index = torch.tensor(requests, dtype=torch.long, device=device)
+        return cls(requests, index, rows, [s.fill for s in segments], length, fresh, encoder_rows)
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        """`(N, w)` rows of the expanded batch -> this group's `(G, T, w)`."""
+        taken = rows[self.rows] if isinstance(self.rows, slice) else rows.index_select(0, self.rows)
+        return taken.view(len(self.requests), self.length, rows.shape[-1])
+
 
 @dataclass
 class BatchPlan:
@@ -104,27 +154,39 @@ class BatchPlan:
 
     Attributes:
         decode_requests: requests that read one token on top of their state (the batched O(1) step), in order.
+        decode_index: the same, to pick their slots from `_slot_table` on the device: a slice when they are the
+            first requests (as vLLM orders them), else a device tensor.
         decode_rows: their rows in the expanded batch: a slice when they are the first rows (vLLM puts decodes
             first), so that selecting them is a view, not a gather.
-        segments: every other request, read one at a time.
+        groups: every other request, in groups of segments of one shape, each read in one pass.
         input_rows: `(num_actual_tokens,)` the expanded row of each of vLLM's tokens.
     """
 
     decode_requests: list[int]
+    decode_index: slice | torch.Tensor
     decode_rows: slice | torch.Tensor
-    segments: list[Segment]
+    groups: list[SegmentGroup]
     input_rows: torch.Tensor
 
 
-def _slots(metadata) -> list[int]:
-    """The state slot of every request of this forward, in batch order (decodes first), for one layer group."""
-    slots = []
+def _slot_table(metadata) -> torch.Tensor:
+    """`(requests,)` int64: the state slot of every request of this forward, in batch order (decodes first), for one
+    layer group. Read on the device, from vLLM's metadata tensors: no host read per layer."""
+    parts = []
     if metadata.num_decodes > 0:
         decode = metadata.state_indices_tensor_d
-        slots += (decode[:, 0] if decode.dim() > 1 else decode)[: metadata.num_decodes].tolist()
+        parts.append((decode[:, 0] if decode.dim() > 1 else decode)[: metadata.num_decodes])
     if metadata.num_prefills > 0:
-        slots += metadata.state_indices_tensor_p.flatten()[: metadata.num_prefills].tolist()
-    return slots
+        prefill = metadata.state_indices_tensor_p
+        parts.append((prefill[:, 0] if prefill.dim() > 1 else prefill)[: metadata.num_prefills])
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).long()
+
+
+def _positions(positions: list[int], device: torch.device) -> slice | torch.Tensor:
+    """Positions to select: a slice when they are `0, 1, ..., n - 1` (a view), else an int64 tensor on `device`."""
+    if positions == list(range(len(positions))):
+        return slice(0, len(positions))
+    return torch.tensor(positions, dtype=torch.long, device=device)
 
 
 def _shard_rows(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -173,12 +235,13 @@ class JRTStateLayer(MambaBase, nn.Module):
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.SHORT_CONV
 
-    def slots(self) -> list[int] | None:
-        """This layer's state slot per request, or None in a forward without metadata (vLLM's profiling run)."""
+    def slot_table(self) -> torch.Tensor | None:
+        """This layer's state slot per request (`_slot_table`), or None in a forward without metadata (vLLM's
+        profiling run)."""
         metadata = get_forward_context().attn_metadata
         if not isinstance(metadata, dict) or metadata.get(self.prefix) is None:
             return None
-        return _slots(metadata[self.prefix])
+        return _slot_table(metadata[self.prefix])
 
     def forward(self, hidden_states: torch.Tensor, plan: BatchPlan | None) -> torch.Tensor:
         """hidden_states `(N, hidden)`: the expanded batch -> `(N, hidden)`.
@@ -187,18 +250,21 @@ class JRTStateLayer(MambaBase, nn.Module):
         tensor-parallel ranks' parts) run once over all N rows; only the mixing that reads and writes the states runs
         per request (`read`) or for all decoding requests at once (`step`)."""
         projected = self.project(hidden_states)  # (N, width) each: this rank's share
-        slots = None if plan is None else self.slots()
+        slots = None if plan is None else self.slot_table()  # (requests,) on the device
         if slots is None:  # profiling: one stateless pass, the output does not matter
-            mixed = self.read(projected, hidden_states, None, Segment(0, 0, hidden_states.shape[0], 0, True))
-            return self.output_projection(mixed)
+            whole = SegmentGroup([], slice(None), slice(None), [0], hidden_states.shape[0], True)
+            mixed = self.read([p[None] for p in projected], hidden_states[None], None, whole)
+            return self.output_projection(mixed[0])
         mixed = projected[0].new_empty(hidden_states.shape[0], self.mixed_width)
         if plan.decode_requests:
             rows = plan.decode_rows
-            decode_slots = torch.tensor([slots[r] for r in plan.decode_requests], device=hidden_states.device)
-            mixed[rows] = self.step([p[rows] for p in projected], decode_slots)
-        for segment in plan.segments:
-            rows = slice(segment.start, segment.end)
-            mixed[rows] = self.read([p[rows] for p in projected], hidden_states[rows], slots[segment.request], segment)
+            mixed[rows] = self.step([p[rows] for p in projected], slots[plan.decode_index])
+        for group in plan.groups:
+            output = self.read([group.take(p) for p in projected], group.take(hidden_states), slots[group.index], group)
+            if isinstance(group.rows, slice):
+                mixed[group.rows] = output.reshape(-1, self.mixed_width)
+            else:
+                mixed.index_copy_(0, group.rows, output.reshape(-1, self.mixed_width))
         return self.output_projection(mixed)
 
 
@@ -246,18 +312,17 @@ class JRTShortConv(JRTStateLayer):
         conv_output = causal_depthwise_conv(conv_input, past, self.conv.weight)  # (B, t, D)
         return F.silu(conv_output, inplace=True).mul_(gate), conv_input
 
-    def read(self, projected: list[torch.Tensor], hidden_states: torch.Tensor, slot: int | None,
-             segment: Segment) -> torch.Tensor:
-        """The T rows of one request -> `(T, D)`; updates its state."""
-        past = None if segment.fresh or slot is None else self.kv_cache[0][slot][None].to(projected[0].dtype)
-        mixed, conv_input = self._mix(projected[0][None], past)
-        if slot is not None:
-            full = conv_input[0] if past is None else torch.cat([past[0], conv_input[0]])
-            newest = full[-self.history :]
-            state = self.kv_cache[0][slot]
-            state.zero_()  # fewer inputs than the state holds: zeros before them, as at the start
-            state[self.history - newest.shape[0] :] = newest
-        return mixed[0]
+    def read(self, projected: list[torch.Tensor], hidden_states: torch.Tensor, slots: torch.Tensor | None,
+             group: SegmentGroup) -> torch.Tensor:
+        """The T rows of each of G requests `[(G, T, 2 D)]` -> `(G, T, D)`; updates their states."""
+        past = None if group.fresh or slots is None else self.kv_cache[0].index_select(0, slots).to(projected[0].dtype)
+        mixed, conv_input = self._mix(projected[0], past)
+        if slots is not None:
+            full = conv_input if past is None else torch.cat([past, conv_input], dim=1)
+            newest = full[:, -self.history :]  # fewer inputs than the state holds: zeros before them, as at the start
+            newest = F.pad(newest, (0, 0, self.history - newest.shape[1], 0))
+            self.kv_cache[0].index_copy_(0, slots, newest.to(self.kv_cache[0].dtype))
+        return mixed
 
     def step(self, projected: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
         """One token of each of B requests `[(B, 2 D)]` -> `(B, D)`."""
@@ -368,23 +433,24 @@ class JRTSlidingWindowAttention(JRTStateLayer):
             count.index_copy_(0, slots, (seen + query.shape[2])[:, None].to(count.dtype))  # (B, 1)
         return output.reshape(output.shape[0], output.shape[1], -1)
 
-    def read(self, projected: list[torch.Tensor], hidden_states: torch.Tensor, slot: int | None,
-             segment: Segment) -> torch.Tensor:
-        seq_len = hidden_states.shape[0]
+    def read(self, projected: list[torch.Tensor], hidden_states: torch.Tensor, slots: torch.Tensor | None,
+             group: SegmentGroup) -> torch.Tensor:
+        """The T rows of each of G requests `[(G, T, 3 H d)]` -> `(G, T, H d)`; updates their states."""
+        batch_size, seq_len = hidden_states.shape[:2]
         width = self.num_heads * self.head_dim
-        if segment.fresh or slot is None:
-            seen = torch.zeros(1, device=hidden_states.device)
-            past_keys = past_values = projected[0].new_zeros(1, self.rows, width)
+        if group.fresh or slots is None:
+            seen = torch.zeros(batch_size, device=hidden_states.device)
+            past_keys = past_values = projected[0].new_zeros(batch_size, self.rows, width)
         else:
-            seen = self.kv_cache[2][slot].float().view(1)
-            past_keys = self.kv_cache[0][slot][None].to(projected[0].dtype)
-            past_values = self.kv_cache[1][slot][None].to(projected[0].dtype)
-        positions = seen.long()[:, None] + torch.arange(seq_len, device=hidden_states.device)[None]  # (1, T)
-        query, key, value = self._rotated(projected[0][None], positions)
-        rows_k = torch.cat([past_keys, key.transpose(1, 2).reshape(1, seq_len, width)], dim=1)  # (1, rows + T, Hd)
-        rows_v = torch.cat([past_values, value.transpose(1, 2).reshape(1, seq_len, width)], dim=1)
-        slots = None if slot is None else torch.tensor([slot], device=hidden_states.device)
-        return self._attend(query, rows_k, rows_v, seen, slots)[0]
+            seen = self.kv_cache[2].index_select(0, slots).float().view(batch_size)
+            past_keys = self.kv_cache[0].index_select(0, slots).to(projected[0].dtype)
+            past_values = self.kv_cache[1].index_select(0, slots).to(projected[0].dtype)
+        positions = seen.long()[:, None] + torch.arange(seq_len, device=hidden_states.device)[None]  # (G, T)
+        query, key, value = self._rotated(projected[0], positions)
+        # (G, rows + T, H d): the state rows, then the new rotated keys (values alike)
+        rows_k = torch.cat([past_keys, key.transpose(1, 2).reshape(batch_size, seq_len, width)], dim=1)
+        rows_v = torch.cat([past_values, value.transpose(1, 2).reshape(batch_size, seq_len, width)], dim=1)
+        return self._attend(query, rows_k, rows_v, seen, slots)
 
     def step(self, projected: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
         batch_size = projected[0].shape[0]
@@ -468,27 +534,29 @@ class JRTLinearAttention(JRTStateLayer):
         value = value.reshape(*lead, self.num_heads, self.head_dim)
         return query, key, value, projected[1] if self.config.use_decay_proj else None
 
-    def read(self, projected: list[torch.Tensor], hidden_states: torch.Tensor, slot: int | None,
-             segment: Segment) -> torch.Tensor:
-        seq_len = hidden_states.shape[0]
-        query, key, value, gate = self._split([p[None] for p in projected])  # (1, T, H, K), (1, T, H, V), (1, T, H)
+    def read(self, projected: list[torch.Tensor], hidden_states: torch.Tensor, slots: torch.Tensor | None,
+             group: SegmentGroup) -> torch.Tensor:
+        """The T rows of each of G requests -> `(G, T, H V)`; updates their states."""
+        batch_size, seq_len = hidden_states.shape[:2]
+        query, key, value, gate = self._split(projected)  # (G, T, H, K), (G, T, H, V), (G, T, H)
         k_enc = v_enc = key_mask = None
-        if segment.fresh and self.is_prefix:
-            # The encoder reads the segment's first rows (fill included, `Segment.encoder_rows`), this forward only.
-            length = segment.encoder_rows
+        if group.fresh and self.is_prefix:
+            # The encoder reads each segment's first rows (fill included, `Segment.encoder_rows`), this forward only.
+            length = group.encoder_rows
             if length is None:  # vLLM's profiling run (no request behind it): as many rows as a prefix can have
                 length = min(self.config.prefix_length, seq_len)
             if length > 0:
                 features = self.num_heads * self.feature_dim
-                k_enc, v_enc = self.kv_enc_proj(hidden_states[None, :length]).split(
+                k_enc, v_enc = self.kv_enc_proj(hidden_states[:, :length]).split(
                     [features, self.num_heads * self.head_dim], -1
                 )
-                k_enc = k_enc.reshape(1, length, self.num_heads, self.feature_dim)  # (1, M, H, K)
-                v_enc = v_enc.reshape(1, length, self.num_heads, self.head_dim)  # (1, M, H, V)
-        if segment.fill > 0 and segment.fresh and self.masks_fill:
-            key_mask = torch.ones(1, seq_len, dtype=torch.bool, device=hidden_states.device)
-            key_mask[:, : segment.fill] = False  # the "pad" fill: removed as `prefix_pad_masking` says
-        initial_state = None if (segment.fresh or slot is None) else self.kv_cache[0][slot][None]
+                k_enc = k_enc.reshape(batch_size, length, self.num_heads, self.feature_dim)  # (G, M, H, K)
+                v_enc = v_enc.reshape(batch_size, length, self.num_heads, self.head_dim)  # (G, M, H, V)
+        if group.fresh and self.masks_fill and any(group.fills):
+            # The "pad" fill of each row: removed as `prefix_pad_masking` says.
+            fills = torch.tensor(group.fills, device=hidden_states.device)
+            key_mask = torch.arange(seq_len, device=hidden_states.device)[None, :] >= fills[:, None]  # (G, T)
+        initial_state = None if (group.fresh or slots is None) else self.kv_cache[0].index_select(0, slots)
         output, state = prefix_linear_attention(
             query, key, value, k_enc, v_enc,
             key_mask=key_mask,
@@ -499,10 +567,10 @@ class JRTLinearAttention(JRTStateLayer):
             eps=self.config.linear_attention_eps,
             chunk_size=self.config.linear_attention_chunk_size,
             implementation=self.config.linear_attention_implementation,
-        )  # (1, T, H, V), (1, H, F, V + 1)
-        if slot is not None:
-            self.kv_cache[0][slot] = state[0]
-        return output.reshape(seq_len, -1).to(value.dtype)
+        )  # (G, T, H, V), (G, H, F, V + 1)
+        if slots is not None:
+            self.kv_cache[0].index_copy_(0, slots, state)
+        return output.reshape(batch_size, seq_len, -1).to(value.dtype)
 
     def step(self, projected: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
         query, key, value, gate = self._split(projected)  # (B, H, K), (B, H, K), (B, H, V), (B, H)
@@ -640,7 +708,8 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         bounds = list(range(num_decodes + 1))
         if num_prefills > 0:
             bounds += [num_decodes + int(x) for x in first.query_start_loc_p[1 : num_prefills + 1].tolist()]
-        pieces, input_rows, segments, decode_requests, decode_rows = [], [], [], [], []
+        pieces, input_rows, decode_requests, decode_rows = [], [], [], []
+        by_shape: dict[tuple, list[Segment]] = {}  # segments of one shape, read as one batch
         prompt_lengths = self._prompt_lengths()
         row = 0
         for request in range(num_decodes + num_prefills):
@@ -659,16 +728,15 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
             filled, encoder_rows = self._fill(tokens, prompt_length) if fresh else (tokens, 0)
             fill = filled.shape[0] - tokens.shape[0]
             pieces.append(filled)
-            segments.append(Segment(request, row, row + filled.shape[0], fill, fresh, encoder_rows))
+            segment = Segment(request, row, row + filled.shape[0], fill, fresh, encoder_rows)
+            by_shape.setdefault(segment.shape, []).append(segment)
             input_rows.extend(range(row + fill, row + filled.shape[0]))
             row += filled.shape[0]
         plan = BatchPlan(
             decode_requests=decode_requests,
-            decode_rows=(
-                slice(0, len(decode_rows)) if decode_rows == list(range(len(decode_rows)))
-                else torch.tensor(decode_rows, dtype=torch.long)
-            ),
-            segments=segments,
+            decode_index=_positions(decode_requests, input_ids.device),
+            decode_rows=_positions(decode_rows, input_ids.device),
+            groups=[SegmentGroup.of(segments, input_ids.device) for segments in by_shape.values()],
             input_rows=torch.tensor(input_rows, dtype=torch.long, device=input_ids.device),
         )
         return torch.cat(pieces), plan

@@ -63,6 +63,34 @@ def test_greedy_batch_of_mixed_lengths_equals_generate(engine):
     assert len({tuple(tokens) for tokens in expected}) == len(PROMPTS), "the tiny model must not be degenerate"
 
 
+def test_prompts_of_one_shape_are_prefilled_in_one_batch(engine, monkeypatch):
+    """The prompts of a prefill that expand to the same rows (the same length; with the "pad" or "repeat" fill, every
+    prompt shorter than the prefix) are read by each mixer in one call, as the rows of one batch; each still gives
+    `generate()`'s tokens for that prompt alone, beside prompts of other shapes."""
+    import jrt_vllm.model
+
+    kind, model, llm = engine
+    prompts = [[70, 101, 44], [5, 61, 9], [12, 250, 7, 99, 180], [37], *PROMPTS[2:], [3, 201, 56, 88, 19, 230, 41, 162,
+               28, 95, 9, 140, 77]]
+    batches = []
+    read = jrt_vllm.model.JRTLinearAttention.read
+
+    def recording(self, projected, hidden_states, slots, group):
+        if slots is not None and self.layer_idx == model.config.mixer_types.index("linear_attention"):
+            batches.append(sorted(group.requests))
+        return read(self, projected, hidden_states, slots, group)
+
+    monkeypatch.setattr(jrt_vllm.model.JRTLinearAttention, "read", recording)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens=4), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert list(output.outputs[0].token_ids) == greedy_reference(model, prompt, 4)
+    # vLLM's batch order is the order of the requests here (one prefill forward). Requests 0 and 1 (3 tokens each)
+    # share a shape in every kind, and so do 5 and 6 (13 tokens each); the "pad" and "repeat" fills make 0-4 (1 to 8
+    # tokens) 8 rows each, all read by the encoder.
+    filled = kind in ("jrt-pad", "jrt-repeat")
+    assert batches == ([[0, 1, 2, 3, 4], [5, 6]] if filled else [[0, 1], [2], [3], [4], [5, 6]])
+
+
 def test_greedy_one_prompt_at_a_time_equals_generate(engine):
     """Each prompt alone (the first forward of every request is a whole prompt, the rest are O(1) steps)."""
     kind, model, llm = engine
