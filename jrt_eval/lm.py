@@ -94,8 +94,8 @@ class JRTLM(HFLM):
 
     @property
     def eot_token_id(self) -> int | None:
-        """HFLM's end-of-text id, the tokenizer's eos; for a tokenizer without one (the `jrt demo` models'), the model's
-        eos, else the pad token (HFLM's `generate_until` decodes it as a stop string and fails on None)."""
+        """HFLM's end-of-text id, the tokenizer's eos; for a tokenizer without one, the model's eos, else the pad token
+        (HFLM's `generate_until` decodes it as a stop string and fails on None)."""
         for candidate in (self.tokenizer.eos_token_id, self.model.generation_config.eos_token_id,
                           self.tokenizer.pad_token_id):
             if isinstance(candidate, list):

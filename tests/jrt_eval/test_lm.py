@@ -180,10 +180,13 @@ def test_bf16_autocast_option(tiny_jrt, byte_bpe_tokenizer):
     assert isinstance(lm.generate_until([request], disable_tqdm=True)[0], str)
 
 
-def test_a_folder_loads_as_a_causal_lm_without_the_model_type_warning(caplog):
-    """`jrt` knows it loads causal LMs: HFLM's "neither marked as CausalLM or Seq2SeqLM" warning is gone. A tokenizer
-    without an end-of-text token (the demo models') falls back to the pad token for HFLM's stop string."""
+def test_a_folder_loads_as_a_causal_lm_without_the_model_type_warning(caplog, tmp_path):
+    """`jrt` knows it loads causal LMs: HFLM's "neither marked as CausalLM or Seq2SeqLM" warning is gone. The
+    end-of-text id is the tokenizer's EOS (`<bos>` in the demo models); a tokenizer without one (and a model without
+    one) falls back to the pad token for HFLM's stop string."""
+    import json
     import logging
+    import shutil
 
     from jrt_cli.choices import MODELS_DIR
 
@@ -191,4 +194,11 @@ def test_a_folder_loads_as_a_causal_lm_without_the_model_type_warning(caplog):
         lm = JRTLM(pretrained=str(MODELS_DIR / "jrt-rnn-sd"), device="cpu", dtype="float32")
     assert lm.backend == "causal"
     assert not [r for r in caplog.records if "neither marked as CausalLM" in r.getMessage()]
+    assert lm.eot_token_id == lm.tokenizer.eos_token_id == 1
+
+    folder = shutil.copytree(MODELS_DIR / "jrt-rnn-sd", tmp_path / "no-eos")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    del settings["eos_token"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    lm = JRTLM(pretrained=str(folder), device="cpu", dtype="float32")
     assert lm.tokenizer.eos_token_id is None and lm.eot_token_id == lm.tokenizer.pad_token_id == 0
