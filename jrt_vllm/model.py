@@ -114,7 +114,8 @@ class SegmentGroup:
 
     Attributes:
         requests: the G requests (indices in vLLM's batch order).
-        index: the same as a device tensor, to pick their slots from `_slot_table` on the device.
+        index: the same, to pick their slots from `_slot_table` on the device (`_positions`: a slice when they are
+            consecutive).
         rows: their rows in the expanded batch, request after request (`G * T`): a slice when they are adjacent (a
             view, no gather), else an index tensor.
         fills: each request's fill rows (see `Segment.fill`).
@@ -122,7 +123,7 @@ class SegmentGroup:
     """
 
     requests: list[int]
-    index: torch.Tensor | slice
+    index: slice | torch.Tensor
     rows: slice | torch.Tensor
     fills: list[int]
     length: int
@@ -139,8 +140,8 @@ class SegmentGroup:
         )
         length, fresh, encoder_rows = segments[0].shape
         requests = [s.request for s in segments]
-        index = torch.tensor(requests, dtype=torch.long, device=device)
-        return cls(requests, index, rows, [s.fill for s in segments], length, fresh, encoder_rows)
+        fills = [s.fill for s in segments]
+        return cls(requests, _positions(requests, device), rows, fills, length, fresh, encoder_rows)
 
     def take(self, rows: torch.Tensor) -> torch.Tensor:
         """`(N, w)` rows of the expanded batch -> this group's `(G, T, w)`."""
@@ -154,10 +155,10 @@ class BatchPlan:
 
     Attributes:
         decode_requests: requests that read one token on top of their state (the batched O(1) step), in order.
-        decode_index: the same, to pick their slots from `_slot_table` on the device: a slice when they are the
-            first requests (as vLLM orders them), else a device tensor.
-        decode_rows: their rows in the expanded batch: a slice when they are the first rows (vLLM puts decodes
-            first), so that selecting them is a view, not a gather.
+        decode_index: the same, to pick their slots from `_slot_table` on the device (`_positions`: a slice when
+            they are consecutive, as vLLM orders them).
+        decode_rows: their rows in the expanded batch (`_positions`: a slice when they are consecutive, as when
+            vLLM puts the decodes first, so that selecting them is a view, not a gather).
         groups: every other request, in groups of segments of one shape, each read in one pass.
         input_rows: `(num_actual_tokens,)` the expanded row of each of vLLM's tokens.
     """
@@ -183,9 +184,11 @@ def _slot_table(metadata) -> torch.Tensor:
 
 
 def _positions(positions: list[int], device: torch.device) -> slice | torch.Tensor:
-    """Positions to select: a slice when they are `0, 1, ..., n - 1` (a view), else an int64 tensor on `device`."""
-    if positions == list(range(len(positions))):
-        return slice(0, len(positions))
+    """Positions to select: a slice when they are consecutive (selecting is a view), else an int64 tensor on
+    `device`."""
+    first = positions[0] if positions else 0
+    if positions == list(range(first, first + len(positions))):
+        return slice(first, first + len(positions))
     return torch.tensor(positions, dtype=torch.long, device=device)
 
 
@@ -635,7 +638,9 @@ class JRTModel(nn.Module):
 
     def __init__(self, config: JRTRNNConfig, prefix: str):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+        )
         self.layers = nn.ModuleList(
             [JRTDecoderLayer(config, i, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)]
         )
@@ -685,7 +690,9 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
                 "another `prefix_strategy` in config.json."
             )
         self.model = JRTModel(config, prefix=f"{prefix}.model" if prefix else "model")
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=f"{prefix}.lm_head" if prefix else "lm_head")
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.lm_head" if prefix else "lm_head"
+        )
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
@@ -796,7 +803,8 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.logits_processor(self.lm_head, hidden_states.to(self.lm_head.weight.dtype))
-        if logits is not None and self.suppressed_ids:  # padded vocabulary rows and [MASK]: never generated (`generate()`'s suppress_tokens)
+        # Padded vocabulary rows and [MASK] are never generated (`generate()`'s suppress_tokens).
+        if logits is not None and self.suppressed_ids:
             logits[:, self.suppressed_ids] = float("-inf")
         return logits
 

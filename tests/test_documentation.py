@@ -102,15 +102,21 @@ def test_generate_snippet_runs_without_the_attention_mask_warning(tmp_path, byte
     assert torch.equal(more[:, : first.sequences.shape[1]], first.sequences)
 
 
-def test_generate_snippet_runs_on_the_offline_example(tmp_path, monkeypatch, capsys):
-    """The README says the converted example (`jrt convert --example`, then `jrt convert ... --tokenizer`) runs the
-    "Generate" block offline: it does, as written, from the folder the README names."""
+def _convert_the_readme_example(folder: Path, monkeypatch) -> None:
+    """Run the README's `jrt convert --example ...` line in `folder` (which becomes the working directory): it writes
+    `./JRT-tiny` and the converted `./JRT-tiny-hf` with its tokenizer."""
     from jrt_cli.main import main
 
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(folder)
     (command,) = [line for line in (README.read_text().splitlines()) if line.startswith("jrt convert --example ")]
     for part in command.split(" && "):
         assert main(part.split()[1:]) == 0
+
+
+def test_generate_snippet_runs_on_the_offline_example(tmp_path, monkeypatch, capsys):
+    """The README says the converted example (`jrt convert --example`, then `jrt convert ... --tokenizer`) runs the
+    "Generate" block offline: it does, as written, from the folder the README names."""
+    _convert_the_readme_example(tmp_path, monkeypatch)
     (snippet,) = _python_blocks("## Generate")
     namespace: dict = {}
     exec(compile(snippet.replace("path/to/converted", "./JRT-tiny-hf"), "README: Generate", "exec"), namespace)
@@ -123,12 +129,7 @@ def test_sft_trainer_snippet_runs_as_pasted_on_the_offline_example(tmp_path, mon
     now runs, as written, on the README's converted example and takes its two steps."""
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
-    from jrt_cli.main import main
-
-    monkeypatch.chdir(tmp_path)
-    (command,) = [line for line in (README.read_text().splitlines()) if line.startswith("jrt convert --example ")]
-    for part in command.split(" && "):
-        assert main(part.split()[1:]) == 0
+    _convert_the_readme_example(tmp_path, monkeypatch)
     blocks = _python_blocks("## Fine-tune on prompt–completion data (TRL `SFTTrainer`, `Trainer`)",
                             ROOT / "docs" / "training.md")
     namespace: dict = {}
