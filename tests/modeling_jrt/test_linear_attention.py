@@ -730,3 +730,32 @@ def test_safe_backward_forward_fits_an_older_kernel_package(monkeypatch):
     assert received[0] == (None, None)
     assert torch.equal(received[1][0], torch.full((1, 1, 5), 3.0))
     assert torch.equal(received[1][1], torch.full((1, 6, 1), 2.0))
+
+
+@pytest.mark.parametrize("with_decay", [False, True], ids=["prefix", "based-decay+gate"])
+def test_serving_decode_step_traces_one_graph(with_decay):
+    """The decode step of the vLLM plugin (`linear_attention_step_at_slots`: gather the states at their slots, the
+    O(1) step, write them back) is one graph under torch.compile(fullgraph=True): no graph break and no host read of
+    the slots, which is what capturing it in a CUDA graph needs; it updates the pool as the eager step does."""
+    import torch._dynamo
+
+    from modeling_jrt.linear_attention import linear_attention_step_at_slots, num_taylor_features
+
+    torch._dynamo.reset()
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, K, V = 3, 2, 4, 8
+    q, k = torch.randn(2, batch, heads, K, generator=generator)
+    v = torch.randn(batch, heads, V, generator=generator)
+    pool = torch.rand(6, heads, num_taylor_features(K), V + 1, generator=generator)
+    slots = torch.tensor([4, 1, 3])
+    kwargs = {}
+    if with_decay:
+        gate = torch.randn(batch, heads, generator=generator)
+        kwargs = dict(log_decay=torch.log(torch.tensor([0.9, 0.99])), gate=gate)
+    compiled = torch.compile(linear_attention_step_at_slots, fullgraph=True, backend="aot_eager")
+    eager_pool, compiled_pool = pool.clone(), pool.clone()
+    expected = linear_attention_step_at_slots(q, k, v, eager_pool, slots, implementation="chunked", **kwargs)
+    actual = compiled(q, k, v, compiled_pool, slots, implementation="chunked", **kwargs)
+    torch.testing.assert_close(actual, expected, **FP32_TOL)
+    torch.testing.assert_close(compiled_pool, eager_pool, **FP32_TOL)
+    assert not torch.equal(compiled_pool, pool) and torch.equal(compiled_pool[[0, 2, 5]], pool[[0, 2, 5]])
