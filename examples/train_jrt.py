@@ -17,6 +17,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jrt_train.trainer import JRTTrainer
 
 # Only the standard library at import time: `--help` and argument errors answer before torch is imported (seconds).
 # What trains is imported inside `train` and `build_trainer`.
@@ -45,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_trainer(args: argparse.Namespace):
+def build_trainer(args: argparse.Namespace) -> JRTTrainer:
     """The model, data and `JRTTrainer` (logs the objective's two parts) of one run."""
     import torch
     from tiny_setup import EOS_ID, builtin_corpus, encode, tiny_config
