@@ -70,8 +70,10 @@ def test_prompts_of_one_shape_are_prefilled_in_one_batch(engine, monkeypatch):
     import jrt_vllm.model
 
     kind, model, llm = engine
-    prompts = [[70, 101, 44], [5, 61, 9], [12, 250, 7, 99, 180], [37], *PROMPTS[2:], [3, 201, 56, 88, 19, 230, 41, 162,
-               28, 95, 9, 140, 77]]
+    # Lengths 3, 5, 3, 13, 1, 8, 13, 2, 2: prompts of one shape apart in the batch (their rows gathered) and side by
+    # side (a view of the rows).
+    prompts = [[70, 101, 44], [12, 250, 7, 99, 180], [5, 61, 9], PROMPTS[3], [37], PROMPTS[2],
+               [3, 201, 56, 88, 19, 230, 41, 162, 28, 95, 9, 140, 77], [8, 90], [66, 4]]
     batches = []
     read = jrt_vllm.model.JRTLinearAttention.read
 
@@ -84,11 +86,11 @@ def test_prompts_of_one_shape_are_prefilled_in_one_batch(engine, monkeypatch):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens=4), use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         assert list(output.outputs[0].token_ids) == greedy_reference(model, prompt, 4)
-    # vLLM's batch order is the order of the requests here (one prefill forward). Requests 0 and 1 (3 tokens each)
-    # share a shape in every kind, and so do 5 and 6 (13 tokens each); the "pad" and "repeat" fills make 0-4 (1 to 8
-    # tokens) 8 rows each, all read by the encoder.
+    # vLLM's batch order is the order of the requests here (one prefill forward). Without a fill the groups are the
+    # lengths; the "pad" and "repeat" fills make every prompt of 1 to 8 tokens 8 rows, all read by the encoder.
     filled = kind in ("jrt-pad", "jrt-repeat")
-    assert batches == ([[0, 1, 2, 3, 4], [5, 6]] if filled else [[0, 1], [2], [3], [4], [5, 6]])
+    expected = [[0, 1, 2, 4, 5, 7, 8], [3, 6]] if filled else [[0, 2], [1], [3, 6], [4], [5], [7, 8]]
+    assert batches == expected
 
 
 def test_greedy_one_prompt_at_a_time_equals_generate(engine):
