@@ -89,6 +89,8 @@ class Segment:
         fresh: the first forward of the request (no state yet: the encoder reads and the states start empty).
         encoder_rows: rows the JRT encoder reads from `start` (the fill and the prompt's first tokens, as
             `modeling_jrt.prefix_fill.plan_prefix` lays them out); 0 when nothing is read non-causally.
+        key_mask: `(end - start,)` False at the keys the linear attention ignores (the `"pad"` fill:
+            `fill_prefix`'s `linear_attention_mask`), or None when it ignores none.
     """
 
     request: int
@@ -97,11 +99,12 @@ class Segment:
     fill: int
     fresh: bool
     encoder_rows: int | None = None
+    key_mask: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, bool, int | None]:
         """What must agree for segments to be read as the rows of one batch: length, freshness, encoder rows (the
-        fill may differ: it only decides which key rows the "pad" strategy masks, row by row)."""
+        fill may differ: it only decides which keys the "pad" strategy masks, row by row: `key_mask`)."""
         return self.end - self.start, self.fresh, self.encoder_rows
 
 
@@ -116,16 +119,17 @@ class SegmentGroup:
         requests: the G requests (indices in vLLM's batch order).
         index: the same, to pick their slots from `_slot_table` on the device (`_positions`: a slice when they are
             consecutive).
-        rows: their rows in the expanded batch, request after request (`G * T`): a slice when they are adjacent (a
-            view, no gather), else an index tensor.
-        fills: each request's fill rows (see `Segment.fill`).
+        rows: their rows in the expanded batch, request after request (`G * T`; `_positions`: a slice when the
+            segments are adjacent, so that taking them is a view).
+        key_mask: `(G, T)` the segments' `key_mask`s (all True for a segment without one), or None when no segment
+            has one.
         length, fresh, encoder_rows: the shared shape (see `Segment`).
     """
 
     requests: list[int]
     index: slice | torch.Tensor
     rows: slice | torch.Tensor
-    fills: list[int]
+    key_mask: torch.Tensor | None
     length: int
     fresh: bool
     encoder_rows: int | None = None
@@ -133,20 +137,27 @@ class SegmentGroup:
     @classmethod
     def of(cls, segments: list[Segment], device: torch.device) -> SegmentGroup:
         """The group of `segments` (all of one shape, in batch order)."""
-        adjacent = all(a.end == b.start for a, b in zip(segments, segments[1:]))
-        rows = (
-            slice(segments[0].start, segments[-1].end) if adjacent
-            else torch.cat([torch.arange(s.start, s.end, device=device) for s in segments])
-        )
         length, fresh, encoder_rows = segments[0].shape
         requests = [s.request for s in segments]
-        fills = [s.fill for s in segments]
-        return cls(requests, _positions(requests, device), rows, fills, length, fresh, encoder_rows)
+        rows = _positions([row for s in segments for row in range(s.start, s.end)], device)
+        key_mask = None
+        if any(s.key_mask is not None for s in segments):
+            every_key = torch.ones(length, dtype=torch.bool, device=device)
+            key_mask = torch.stack([every_key if s.key_mask is None else s.key_mask for s in segments])
+        return cls(requests, _positions(requests, device), rows, key_mask, length, fresh, encoder_rows)
 
     def take(self, rows: torch.Tensor) -> torch.Tensor:
         """`(N, w)` rows of the expanded batch -> this group's `(G, T, w)`."""
         taken = rows[self.rows] if isinstance(self.rows, slice) else rows.index_select(0, self.rows)
         return taken.view(len(self.requests), self.length, rows.shape[-1])
+
+    def put(self, rows: torch.Tensor, output: torch.Tensor) -> None:
+        """Write this group's `(G, T, w)` output into its `(N, w)` rows of the expanded batch (`take`'s inverse)."""
+        output = output.reshape(-1, rows.shape[-1])
+        if isinstance(self.rows, slice):
+            rows[self.rows] = output
+        else:
+            rows.index_copy_(0, self.rows, output)
 
 
 @dataclass
@@ -255,7 +266,7 @@ class JRTStateLayer(MambaBase, nn.Module):
         projected = self.project(hidden_states)  # (N, width) each: this rank's share
         slots = None if plan is None else self.slot_table()  # (requests,) on the device
         if slots is None:  # profiling: one stateless pass, the output does not matter
-            whole = SegmentGroup([], slice(None), slice(None), [0], hidden_states.shape[0], True)
+            whole = SegmentGroup([], slice(None), slice(None), None, hidden_states.shape[0], True)
             mixed = self.read([p[None] for p in projected], hidden_states[None], None, whole)
             return self.output_projection(mixed[0])
         mixed = projected[0].new_empty(hidden_states.shape[0], self.mixed_width)
@@ -264,10 +275,7 @@ class JRTStateLayer(MambaBase, nn.Module):
             mixed[rows] = self.step([p[rows] for p in projected], slots[plan.decode_index])
         for group in plan.groups:
             output = self.read([group.take(p) for p in projected], group.take(hidden_states), slots[group.index], group)
-            if isinstance(group.rows, slice):
-                mixed[group.rows] = output.reshape(-1, self.mixed_width)
-            else:
-                mixed.index_copy_(0, group.rows, output.reshape(-1, self.mixed_width))
+            group.put(mixed, output)
         return self.output_projection(mixed)
 
 
@@ -499,8 +507,6 @@ class JRTLinearAttention(JRTStateLayer):
         self.o_proj = RowParallelLinear(hidden, hidden, bias=False, prefix=f"{prefix}.o_proj", return_bias=False)
         # This rank's heads of the fixed decay, on the device of the first forward.
         self.heads = range(self.tp_rank * self.num_heads, (self.tp_rank + 1) * self.num_heads)
-        # Whether the fill of a first forward is the "pad" strategy's (removed from the sums); set by the model.
-        self.masks_fill = False
 
     def log_decay(self, device: torch.device) -> torch.Tensor | None:
         if not self.config.linear_attention_decay:
@@ -542,7 +548,7 @@ class JRTLinearAttention(JRTStateLayer):
         """The T rows of each of G requests -> `(G, T, H V)`; updates their states."""
         batch_size, seq_len = hidden_states.shape[:2]
         query, key, value, gate = self._split(projected)  # (G, T, H, K), (G, T, H, V), (G, T, H)
-        k_enc = v_enc = key_mask = None
+        k_enc = v_enc = None
         if group.fresh and self.is_prefix:
             # The encoder reads each segment's first rows (fill included, `Segment.encoder_rows`), this forward only.
             length = group.encoder_rows
@@ -555,14 +561,10 @@ class JRTLinearAttention(JRTStateLayer):
                 )
                 k_enc = k_enc.reshape(batch_size, length, self.num_heads, self.feature_dim)  # (G, M, H, K)
                 v_enc = v_enc.reshape(batch_size, length, self.num_heads, self.head_dim)  # (G, M, H, V)
-        if group.fresh and self.masks_fill and any(group.fills):
-            # The "pad" fill of each row: removed as `prefix_pad_masking` says.
-            fills = torch.tensor(group.fills, device=hidden_states.device)
-            key_mask = torch.arange(seq_len, device=hidden_states.device)[None, :] >= fills[:, None]  # (G, T)
         initial_state = None if (group.fresh or slots is None) else self.kv_cache[0].index_select(0, slots)
         output, state = prefix_linear_attention(
             query, key, value, k_enc, v_enc,
-            key_mask=key_mask,
+            key_mask=group.key_mask,  # the "pad" fill of each row, removed as `prefix_pad_masking` says
             pad_masking=self.config.prefix_pad_masking,
             initial_state=initial_state,
             log_decay=self.log_decay(hidden_states.device),
@@ -697,9 +699,6 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.suppressed_ids = never_generated_ids(config)
-        for layer in self.model.layers:
-            if isinstance(layer.mixer, JRTLinearAttention):
-                layer.mixer.masks_fill = self.prefix_strategy == "pad"
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -732,10 +731,10 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
             # A fresh forward of a preempted request holds its prompt and the tokens it generated: the encoder reads
             # the original prompt's prefix, the generated tokens are read causally (as generate() read them).
             prompt_length = None if prompt_lengths is None else prompt_lengths.get(request)
-            filled, encoder_rows = self._fill(tokens, prompt_length) if fresh else (tokens, 0)
+            filled, encoder_rows, key_mask = self._fill(tokens, prompt_length) if fresh else (tokens, 0, None)
             fill = filled.shape[0] - tokens.shape[0]
             pieces.append(filled)
-            segment = Segment(request, row, row + filled.shape[0], fill, fresh, encoder_rows)
+            segment = Segment(request, row, row + filled.shape[0], fill, fresh, encoder_rows, key_mask)
             by_shape.setdefault(segment.shape, []).append(segment)
             input_rows.extend(range(row + fill, row + filled.shape[0]))
             row += filled.shape[0]
@@ -768,19 +767,23 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
             return None
         return tracker.lengths
 
-    def _fill(self, tokens: torch.Tensor, prompt_length: int | None = None) -> tuple[torch.Tensor, int]:
+    def _fill(self, tokens: torch.Tensor, prompt_length: int | None = None
+              ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         """The tokens `(T,)` of a request's first forward in the model's layout, with the JRT prefix fill in front,
-        and the rows its encoder reads: the transformers model's own prefix rule (`plan_prefix`, `fill_prefix`), on a
-        batch of one. `prompt_length`: where its prompt ends (None: all T tokens are prompt); the tokens after it (a
-        preempted request's generated tokens) are read causally."""
+        the rows its encoder reads and the keys its linear attention reads (`(F + T,)` bool, False at the `"pad"`
+        fill; None when it reads every key): the transformers model's own prefix rule (`plan_prefix`, `fill_prefix`),
+        on a batch of one. `prompt_length`: where its prompt ends (None: all T tokens are prompt); the tokens after it
+        (a preempted request's generated tokens) are read causally."""
         if not self.is_prefix:
-            return tokens, 0
+            return tokens, 0, None
         prompt_lengths = None if prompt_length is None or prompt_length >= tokens.shape[0] else prompt_length
         plan = plan_prefix(None, 1, tokens.shape[0], tokens.device, prefix_length=self.config.prefix_length,
                            prompt_lengths=prompt_lengths, strategy=self.prefix_strategy)
         filled = fill_prefix(tokens[None], None, None, plan, pad_token_id=self.config.prefix_pad_token_id,
                              embed=None, vocab_size=self.config.vocab_size)
-        return filled.input_ids[0], int(plan.fill[0] + plan.encoder_tokens[0])
+        masked = filled.linear_attention_mask is not None and filled.fill_columns > 0
+        key_mask = filled.linear_attention_mask[0].bool() if masked else None
+        return filled.input_ids[0], int(plan.fill[0] + plan.encoder_tokens[0]), key_mask
 
     def forward(
         self,
