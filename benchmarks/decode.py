@@ -11,6 +11,9 @@ of keys/values, a conv window); Llama's grow linearly.
 
     OMP_NUM_THREADS=1 python benchmarks/decode.py            # N = 512 .. 8192, hidden 256, 8 layers
     OMP_NUM_THREADS=1 python benchmarks/decode.py --quick    # a few seconds
+    python benchmarks/decode.py --device cuda --dtype bfloat16 --batch 16 --lengths 2048 8192 32768
+
+On CUDA each step is timed to its end (`torch.cuda.synchronize`); the first steps after the prefill are warm-up.
 """
 
 from __future__ import annotations
@@ -39,19 +42,36 @@ def cache_bytes(cache) -> int:
     return total
 
 
+WARMUP_STEPS = 3
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.no_grad()
-def measure(model: torch.nn.Module, length: int, steps: int, vocab_size: int) -> tuple[float, int]:
-    """(median seconds per decode step, cache bytes) after prefilling `length - steps` tokens."""
+def measure(
+    model: torch.nn.Module, length: int, steps: int, vocab_size: int, batch: int = 1, step_forward=None
+) -> tuple[float, int]:
+    """(median seconds per decode step of `batch` rows, cache bytes) after prefilling `length - steps` tokens.
+    `step_forward`: what runs each decode step (e.g. a compiled `model.forward`; the prefill stays eager)."""
+    step_forward = step_forward or model
+    device = model.device
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab_size, (1, length - steps), generator=generator)
+    prompt = torch.randint(0, vocab_size, (batch, length - steps), generator=generator).to(device)
     output = model(prompt, use_cache=True, logits_to_keep=1)  # a fresh cache of the model's own kind
     cache, logits = output_cache(output), output.logits
     timings = []
-    for _ in range(steps):
+    warmup = WARMUP_STEPS if device.type == "cuda" or step_forward is not model else 0
+    for step in range(steps + warmup):
         token = logits[:, -1:].argmax(-1)
+        synchronize(device)
         start = time.perf_counter()
-        logits = model(token, cache=cache).logits
+        logits = step_forward(token, cache=cache).logits
+        synchronize(device)
         timings.append(time.perf_counter() - start)
+    timings = timings[-steps:]
     return statistics.median(timings), cache_bytes(cache)
 
 
@@ -84,29 +104,44 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--sliding-window", type=int, default=129)
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per length")
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights of both models")
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="add a column: JRT-RNN's decode step under torch.compile(model.forward, fullgraph=True)",
+    )
     parser.add_argument("--quick", action="store_true", help="small model, N = 512 and 1024, 4 steps")
     args = parser.parse_args()
     if args.quick:
         args.lengths, args.hidden_size, args.layers, args.heads, args.steps = [512, 1024], 128, 4, 4, 4
 
     jrt, llama = build_models(args.hidden_size, args.layers, args.heads, args.vocab_size, args.sliding_window)
+    jrt, llama = (model.to(args.device, getattr(torch, args.dtype)) for model in (jrt, llama))
     print(
         f"hidden {args.hidden_size}, {args.layers} layers ({', '.join(jrt.config.mixer_types)}), {args.heads} heads, "
-        f"torch threads {torch.get_num_threads()}, {args.steps} decode steps per length"
+        f"{args.dtype} on {args.device}, batch {args.batch}, torch threads {torch.get_num_threads()}, "
+        f"{args.steps} decode steps per length"
     )
+    compiled = torch.compile(jrt.forward, fullgraph=True) if args.compile else None
     header = (
         f"{'N':>6} | {'JRT ms/tok':>10} {'Llama ms/tok':>12} {'Llama/JRT':>9} | "
         f"{'JRT cache MiB':>13} {'Llama cache MiB':>15} {'Llama/JRT':>9}"
+        + (f" | {'JRT compiled ms/tok':>19} {'Llama/compiled':>14}" if compiled else "")
     )
     print(header)
     print("-" * len(header))
     for length in args.lengths:
-        jrt_time, jrt_bytes = measure(jrt, length, args.steps, args.vocab_size)
-        llama_time, llama_bytes = measure(llama, length, args.steps, args.vocab_size)
-        print(
+        jrt_time, jrt_bytes = measure(jrt, length, args.steps, args.vocab_size, args.batch)
+        llama_time, llama_bytes = measure(llama, length, args.steps, args.vocab_size, args.batch)
+        line = (
             f"{length:>6} | {jrt_time * 1e3:>10.2f} {llama_time * 1e3:>12.2f} {llama_time / jrt_time:>9.2f} | "
             f"{jrt_bytes / 2**20:>13.2f} {llama_bytes / 2**20:>15.2f} {llama_bytes / jrt_bytes:>9.2f}"
         )
+        if compiled:
+            compiled_time, _ = measure(jrt, length, args.steps, args.vocab_size, args.batch, step_forward=compiled)
+            line += f" | {compiled_time * 1e3:>19.2f} {llama_time / compiled_time:>14.2f}"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

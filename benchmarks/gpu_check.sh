@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# Prepared GPU check of the fused prefill kernel, for a CUDA machine; about 4-5 minutes on an H200.
+# Prepared GPU check of the kernels and the model's GPU paths, for a CUDA machine; at most about 9 minutes (each step
+# has its own time limit), usually less on an H200.
 #
 #   benchmarks/gpu_check.sh OUT_DIR
 #
-# 1. the kernel tests (tests/jrt_kernels: forward, fused backward, decay/gate, safe fallback), compiled, not
-#    interpreted: fp32/bf16/fp16 against the fp64 oracle, and bf16 at 4k tokens against the fp32 PyTorch path (one
-#    kernel config, JRT_TRITON_AUTOTUNE=0, so compiling stays short);
-# 2. the prefill benchmark at the paper's shapes (B=16, H=16, K=16, V=64, M=N/2, bf16, N=1k..32k; B=2..64 at 16k),
-#    autotuned, then B=1 at 32k with the deployed prefix M=1024.
-# Optionally (JRT_GPU_CHECK_PTXAS=1) step 4 below: the backward with ptxas's register allocator at its own level.
-# Writes OUT_DIR/env.txt, tests.txt, prefill.txt, prefill.json, prefill_b1.txt, prefill_b1.json, summary.txt (and
-# ptxas.txt, ptxas.json).
-# Needs torch with CUDA, triton and transformers>=5.24 (modeling_jrt). Wheels found in .whl/ (e.g. a newer
-# transformers, or fla-core for the fla columns) are installed to a temporary folder first; nothing is installed
-# system-wide. Run from anywhere; paths are relative to the repository root. For a machine whose transformers is
-# older and which cannot reach PyPI, fetch the wheel beforehand, on a machine that can:
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.24.0
+# 1. the kernel tests (tests/jrt_kernels: prefill forward, fused backward, decay/gate, safe fallback, the serving
+#    decode step at pool slots), compiled, not interpreted: fp32/bf16/fp16 against the fp64 oracle and the PyTorch
+#    paths (one kernel config, JRT_TRITON_AUTOTUNE=0, so compiling stays short; 8 pytest workers with pytest-xdist);
+# 2. benchmarks/gpu_model_check.py: each model kind (JRT-RNN's three fills, Based with decay) on the GPU against the
+#    CPU (forward, greedy generate(), the JRT objective's gradients, bf16) and the decode step at slots replayed
+#    from a CUDA graph;
+# 3. the prefill benchmark at the paper's shapes (B=16, H=16, K=16, V=64, M=N/2, bf16, N=2k, 8k, 32k, and a training
+#    step), autotuned; 4. B=1 at 32k with the deployed prefix M=1024;
+# 5. whole-model prefill, JRT-RNN against a same-size Llama, bf16 (benchmarks/model_prefill.py);
+# 6. decode per token, JRT-RNN (eager and with its forward compiled) against Llama, bf16, 16 sequences at 2k-32k
+#    tokens (benchmarks/decode.py).
+# Optionally (JRT_GPU_CHECK_PTXAS=1) step 7 below: the backward with ptxas's register allocator at its own level.
+# Writes OUT_DIR/env.txt, tests.txt, model.txt, prefill.txt, prefill.json, prefill_b1.txt, prefill_b1.json,
+# model_prefill.txt, model_prefill.json, decode.txt, summary.txt (and ptxas.txt, ptxas.json).
+# Needs torch with CUDA, triton and a transformers release pyproject declares (>=5.5). Wheels found in .whl/ (e.g.
+# fla-core for the fla columns, or another transformers) are installed to a temporary folder first; nothing is
+# installed system-wide. Run from anywhere; paths are relative to the repository root. For a machine which cannot
+# reach PyPI, fetch the wheels beforehand, on a machine that can:
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl fla-core
 set -uo pipefail
 
 out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
@@ -41,8 +48,8 @@ export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 if ! "$python" -c "import modeling_jrt, jrt_kernels" > /dev/null 2>&1; then
-    echo "modeling_jrt or jrt_kernels does not import (see env.txt): transformers>=5.24 is needed; put its wheel" \
-        "in .whl/ (header of this script)" | tee "$out/summary.txt"
+    echo "modeling_jrt or jrt_kernels does not import (see env.txt): a transformers release pyproject declares is" \
+        "needed; put its wheel in .whl/ (header of this script)" | tee "$out/summary.txt"
     exit 3
 fi
 if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -50,29 +57,47 @@ if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
     exit 2
 fi
 
+# Each step has its own time limit (seconds, in all about 9 minutes at most; usually less), so that one step that
+# hangs leaves the others their turn: a lent GPU machine has a budget of minutes.
+workers=""
+"$python" -c "import xdist" > /dev/null 2>&1 && workers="-n 8"  # triton compiles on the CPU: 8 pytest processes
+
 echo "== 1. compiled kernel tests" | tee "$out/tests.txt"
-JRT_TRITON_AUTOTUNE=0 timeout 170 "$python" -m pytest -q -p no:cacheprovider -o addopts="" tests/jrt_kernels \
+JRT_TRITON_AUTOTUNE=0 timeout 140 "$python" -m pytest -q -p no:cacheprovider -o addopts="" $workers tests/jrt_kernels \
     2>&1 | tee -a "$out/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
-echo "== 2. prefill benchmark (paper shapes)" | tee "$out/prefill.txt"
-timeout 240 "$python" benchmarks/prefill.py --batch-sweep --train-step --repeats 10 --warmup 3 \
-    --json "$out/prefill.json" \
-    2>&1 | tee -a "$out/prefill.txt"
+echo "== 2. whole-model checks: the GPU paths against the CPU (benchmarks/gpu_model_check.py)" | tee "$out/model.txt"
+timeout 90 "$python" benchmarks/gpu_model_check.py 2>&1 | tee -a "$out/model.txt"
+model_rc=${PIPESTATUS[0]}
+
+echo "== 3. prefill benchmark (paper shapes: B=16, H=16, M=N/2, bf16)" | tee "$out/prefill.txt"
+timeout 100 "$python" benchmarks/prefill.py --seq-lens 2048 8192 32768 --train-step --repeats 10 --warmup 3 \
+    --json "$out/prefill.json" 2>&1 | tee -a "$out/prefill.txt"
 bench_rc=${PIPESTATUS[0]}
 
-echo "== 3. B=1, N=32k, deployed prefix M=1024" | tee "$out/prefill_b1.txt"
-timeout 60 "$python" benchmarks/prefill.py --batch 1 --seq-lens 32768 --prefix 1024 --no-quadratic --repeats 10 \
+echo "== 4. B=1, N=32k, deployed prefix M=1024" | tee "$out/prefill_b1.txt"
+timeout 40 "$python" benchmarks/prefill.py --batch 1 --seq-lens 32768 --prefix 1024 --no-quadratic --repeats 10 \
     --json "$out/prefill_b1.json" 2>&1 | tee -a "$out/prefill_b1.txt"
 b1_rc=${PIPESTATUS[0]}
 
-# 4. (optional, JRT_GPU_CHECK_PTXAS=1, about 2 more minutes) triton runs ptxas with --regAllocOptLevel=2, a workaround
+echo "== 5. whole-model prefill, JRT-RNN vs Llama, bf16, batch 1" | tee "$out/model_prefill.txt"
+timeout 60 "$python" benchmarks/model_prefill.py --dtype bfloat16 --lengths 4096 16384 65536 --llama-max-length 65536 \
+    --json "$out/model_prefill.json" 2>&1 | tee -a "$out/model_prefill.txt"
+model_prefill_rc=${PIPESTATUS[0]}
+
+echo "== 6. decode, JRT-RNN (eager and compiled) vs Llama, bf16, batch 16" | tee "$out/decode.txt"
+timeout 90 "$python" benchmarks/decode.py --device cuda --dtype bfloat16 --batch 16 --lengths 2048 8192 32768 --compile \
+    2>&1 | tee -a "$out/decode.txt"
+decode_rc=${PIPESTATUS[0]}
+
+# 7. (optional, JRT_GPU_CHECK_PTXAS=1, about 2 more minutes) triton runs ptxas with --regAllocOptLevel=2, a workaround
 #    for a ptxas 13.x bug it does not name; without it the sm_90 dq scan builds spill-free (docs/kernels.md, backward
 #    pass 9). Triton's PTXAS_OPTIONS comes after that flag, and ptxas takes the last value: level 4 built like ptxas's
 #    own default for every kernel here. The compiled backward tests and the paper-shape benchmark at 32k, with it.
 ptxas_rc=0
 if [ "${JRT_GPU_CHECK_PTXAS:-0}" = "1" ]; then
-    echo "== 4. backward tests and 32k benchmark with PTXAS_OPTIONS=--regAllocOptLevel=4" | tee "$out/ptxas.txt"
+    echo "== 7. backward tests and 32k benchmark with PTXAS_OPTIONS=--regAllocOptLevel=4" | tee "$out/ptxas.txt"
     PTXAS_OPTIONS=--regAllocOptLevel=4 JRT_TRITON_AUTOTUNE=0 timeout 120 "$python" -m pytest -q -p no:cacheprovider \
         -o addopts="" tests/jrt_kernels/test_prefix_linear_attention_backward.py 2>&1 | tee -a "$out/ptxas.txt"
     ptxas_rc=${PIPESTATUS[0]}
@@ -82,7 +107,8 @@ if [ "${JRT_GPU_CHECK_PTXAS:-0}" = "1" ]; then
     [ "$ptxas_rc" -eq 0 ] && ptxas_rc=$ptxas_bench_rc
 fi
 
-echo "tests rc=$tests_rc, benchmark rc=$bench_rc, B=1 benchmark rc=$b1_rc, ptxas step rc=$ptxas_rc" \
-    | tee "$out/summary.txt"
+echo "kernel tests rc=$tests_rc, model checks rc=$model_rc, prefill benchmark rc=$bench_rc, B=1 benchmark rc=$b1_rc," \
+    "model prefill rc=$model_prefill_rc, decode rc=$decode_rc, ptxas step rc=$ptxas_rc" | tee "$out/summary.txt"
 rm -rf "$site"
-exit $((tests_rc != 0 || bench_rc != 0 || b1_rc != 0 || ptxas_rc != 0))
+exit $((tests_rc != 0 || model_rc != 0 || bench_rc != 0 || b1_rc != 0 || model_prefill_rc != 0 || decode_rc != 0 \
+    || ptxas_rc != 0))

@@ -66,7 +66,7 @@ def build_model(name: str, args: argparse.Namespace) -> torch.nn.Module:
         model = LlamaForCausalLM(config)
     else:
         raise ValueError(f"unknown model {name!r}; expected 'jrt' or 'llama'")
-    return model.to(args.device).eval()
+    return model.to(args.device, getattr(torch, args.dtype)).eval()
 
 
 def current_rss() -> int:
@@ -202,7 +202,9 @@ def print_profile(result: dict) -> None:
         print(f"| {name} | {ms:.0f} | {100 * ms / total:.1f}% |")
 
 
-FORWARDED = ("hidden_size", "layers", "heads", "vocab_size", "sliding_window", "prefix_length", "repeats", "device")
+FORWARDED = (
+    "hidden_size", "layers", "heads", "vocab_size", "sliding_window", "prefix_length", "repeats", "device", "dtype",
+)
 
 
 def run_point(
@@ -278,6 +280,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="add a torch.compile column for JRT-RNN at these lengths (all of --lengths when none are given)",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights of both models")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each CPU worker")
     parser.add_argument("--repeats", type=int, default=3, help="timed prefills per point up to 8k (1 beyond)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per CPU point")
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "model": f"hidden {args.hidden_size}, {args.layers} layers, {args.heads} heads, window {args.sliding_window}, "
-        f"prefix {args.prefix_length}, fp32, batch 1, logits_to_keep=1",
+        f"prefix {args.prefix_length}, {args.dtype}, batch 1, logits_to_keep=1",
     }
     print(", ".join(f"{key} {value}" for key, value in environment.items() if value is not None))
     if args.profile:
