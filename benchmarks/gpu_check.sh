@@ -6,7 +6,7 @@
 #
 # 1. the kernel tests (tests/jrt_kernels: prefill forward, fused backward, decay/gate, safe fallback, the serving
 #    decode step at pool slots), compiled, not interpreted: fp32/bf16/fp16 against the fp64 oracle and the PyTorch
-#    paths (one kernel config, JRT_TRITON_AUTOTUNE=0, so compiling stays short; 8 pytest workers with pytest-xdist);
+#    paths (one kernel config, JRT_TRITON_AUTOTUNE=0, so compiling stays short; 16 pytest workers with pytest-xdist);
 # 2. benchmarks/gpu_model_check.py: each model kind (JRT-RNN's three fills, Based with decay) on the GPU against the
 #    CPU (forward, greedy generate(), the JRT objective's gradients, bf16) and the decode step at slots replayed
 #    from a CUDA graph;
@@ -60,11 +60,13 @@ fi
 # Each step has its own time limit (seconds, in all about 9 minutes at most; usually less), so that one step that
 # hangs leaves the others their turn: a lent GPU machine has a budget of minutes.
 workers=""
-"$python" -c "import xdist" > /dev/null 2>&1 && workers="-n 8"  # triton compiles on the CPU: 8 pytest processes
+"$python" -c "import xdist" > /dev/null 2>&1 && workers="-n 16"  # triton compiles on the CPU: a process per core
 
+# -v: each test's verdict is in tests.txt as it finishes (a step stopped at its time limit still names its failures);
+# the console shows the failures and the tally.
 echo "== 1. compiled kernel tests" | tee "$out/tests.txt"
-JRT_TRITON_AUTOTUNE=0 timeout 140 "$python" -m pytest -q -p no:cacheprovider -o addopts="" $workers tests/jrt_kernels \
-    2>&1 | tee -a "$out/tests.txt"
+JRT_TRITON_AUTOTUNE=0 timeout 140 "$python" -m pytest -v --tb=short -p no:cacheprovider -o addopts="" $workers \
+    tests/jrt_kernels 2>&1 | tee -a "$out/tests.txt" | grep -E "FAILED|ERROR|Error:|^E |passed|failed"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== 2. whole-model checks: the GPU paths against the CPU (benchmarks/gpu_model_check.py)" | tee "$out/model.txt"

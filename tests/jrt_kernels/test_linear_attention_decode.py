@@ -27,9 +27,9 @@ def make_inputs(B, H, K, V, slots_in_pool, *, dtype=torch.float32, seed=0):
     """q, k, v as strided views of one fused projection (as the plugin splits them), and a pool of states that are
     sums of earlier keys (positive denominators)."""
     generator = torch.Generator().manual_seed(seed)
-    fused = torch.randn(B, H * (2 * K + V), generator=generator)
+    fused = torch.randn(B, H * (2 * K + V), generator=generator).to(DEVICE)  # split on the device: views stay views
     q, k, v = fused.split([H * K, H * K, H * V], -1)
-    q, k, v = (t.reshape(B, H, size).to(DEVICE, dtype) for t, size in ((q, K), (k, K), (v, V)))
+    q, k, v = (t.reshape(B, H, size).to(dtype) for t, size in ((q, K), (k, K), (v, V)))
     assert dtype != torch.float32 or B == 0 or not q.is_contiguous()  # fp32: the strided views themselves
     F = num_taylor_features(K)
     pool = torch.rand(slots_in_pool, H, F, V + 1, generator=generator).to(DEVICE)
