@@ -95,7 +95,7 @@ def build_models(
     return jrt, llama
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--hidden-size", type=int, default=256)
@@ -112,7 +112,7 @@ def main() -> None:
         help="add a column: JRT-RNN's decode step under torch.compile(model.forward, fullgraph=True)",
     )
     parser.add_argument("--quick", action="store_true", help="small model, N = 512 and 1024, 4 steps")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.hidden_size, args.layers, args.heads, args.steps = [512, 1024], 128, 4, 4, 4
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -196,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     failures = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        print(f"{'model':<12} | {'forward rel':>11} | {'generate':>22} | {'backward rel':>12} | {'bf16 rel':>9}")
+        print(f"{'model':<12} | {'forward rel':>11} | {'generate':>22} | {'backward rel':>12} | {'bf16 rel':>9} | s")
         for kind in args.kinds:
+            start = time.perf_counter()
             try:
                 result = check_model(kind, device, args.impl)
             except Exception as error:  # report and go on to the next kind
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(
                 f"{kind:<12} | {result['forward']:>11.2e} | {result['generate']:>22} | {result['backward']:>12.2e} | "
-                f"{result['bf16']:>9.2e}", flush=True,
+                f"{result['bf16']:>9.2e} | {time.perf_counter() - start:.0f}", flush=True,
             )
             failures += [f"{kind} {name}" for name, bound in TOLERANCE.items() if not result[name] <= bound]
             failures += [] if result["generate_ok"] else [f"{kind} generate"]

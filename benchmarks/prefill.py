@@ -114,6 +114,9 @@ def time_methods(
     return results
 
 
+PROGRESS_COLUMNS = ("ours", "chunked", "sdpa", "fla_chunk", "fla_parallel", "ours_fb", "sdpa_fb", "fla_chunk_fb")
+
+
 def load_fla() -> dict[str, Callable]:
     """flash-linear-attention's Based kernels, if that optional package imports (any failure: not measured)."""
     try:
@@ -513,7 +516,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for B, T in shapes:
         rows.append(measure_shape(args, device, dtype, B, T, kernel, fla))
-        print(f"# done B={B} N={T}", file=sys.stderr, flush=True)
+        # each shape's times as soon as they are measured (the table comes after the last shape)
+        times = ", ".join(f"{name} {rows[-1][name]:.2f}" for name in PROGRESS_COLUMNS if rows[-1].get(name))
+        print(f"# done B={B} N={T}: {times} ms", file=sys.stderr, flush=True)
     add_growth(rows)
     print(format_table(rows))
     train_rows = train_step_benchmark(args, device, dtype) if args.train_step else []

@@ -42,6 +42,16 @@ def tiny_config(**overrides) -> modeling_jrt.JRTRNNConfig:
     return modeling_jrt.JRTRNNConfig(**values)
 
 
+def enable_activation_checkpointing(model, **kwargs) -> None:
+    """transformers' activation checkpointing of the decoder layers with `kwargs` (e.g. `use_reentrant=False`), under
+    the name of the installed release: `activation_checkpointing_enable` (newer releases) or
+    `gradient_checkpointing_enable` (older ones, e.g. 5.17)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def saved_for_backward_bytes(run, exclude=()) -> tuple[int, object]:
     """`(bytes, result)`: the distinct storages of every tensor autograd saves for the backward pass while `run()`
     executes (`torch.autograd.graph.saved_tensors_hooks`), less those of the tensors in `exclude` (inputs,

@@ -17,14 +17,19 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from jrt_kernels import prefix_linear_attention as kernel_module  # noqa: E402
+from conftest import enable_activation_checkpointing  # noqa: E402
 from jrt_kernels._common import _dot_tf32, dot_types  # noqa: E402
 from jrt_kernels import prefix_linear_attention_backward as backward_module  # noqa: E402
 from jrt_kernels.prefix_linear_attention_backward import prefix_linear_attention_backward  # noqa: E402
 from modeling_jrt import linear_attention  # noqa: E402
 from modeling_jrt.linear_attention import num_taylor_features, prefix_linear_attention_quadratic  # noqa: E402
 
-# Tolerance relative to each gradient's largest magnitude: fp32 end to end; bf16 operands with fp32 accumulation.
-TOLERANCES = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+# Tolerance relative to each gradient's largest magnitude: fp32 inputs (3xTF32 products, fp32 accumulation); bf16
+# operands with fp32 accumulation. fp32: dq of the Based decay case (initial state, left padding) is at 1.2e-6 in
+# the interpreter's exact fp32 and at 2.0e-6 with 3xTF32 emulated there (sm_90 configs); compiled on an H200 it went
+# past 2e-6 (2026-12-04; what the interpreter does not model there: the GPU's approximate exp in the decay weights and
+# its order of the sums). 1e-5 keeps a margin for that and is still far below what a wrong term gives.
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 NAMES = ("q", "k", "v", "k_enc", "v_enc", "initial_state", "gate")
 
 
@@ -510,7 +515,7 @@ def test_auto_backward_fallback_with_activation_checkpointing(device, backward_l
     model = modeling_jrt.JRTRNNForCausalLM(config).to(device).train()
     reference = copy.deepcopy(model)
     reference.config.linear_attention_implementation = "chunked"
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, use_reentrant=False)
     input_ids = torch.randint(4, 99, (2, 13), device=device)
     model(input_ids, labels=input_ids).loss.backward()
     reference(input_ids, labels=input_ids, use_cache=False).loss.backward()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from conftest import saved_for_backward_bytes
+from conftest import enable_activation_checkpointing, saved_for_backward_bytes
 from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM, JRTRNNModel
 from modeling_jrt.compat import output_cache
 from modeling_jrt.modeling_jrt import JRTRNNLinearAttention, JRTRNNShortConv, JRTRNNSlidingWindowAttention
@@ -323,10 +323,7 @@ def test_loss_decreases_with_a_few_optimizer_steps(make_config):
 def test_gradient_checkpointing_gives_the_same_gradients(make_config):
     model = build(make_config).train()
     checkpointed = copy.deepcopy(model)
-    if hasattr(checkpointed, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(checkpointed, use_reentrant=False)
     assert all(layer.gradient_checkpointing for layer in checkpointed.model.layers)
     input_ids = torch.randint(0, 99, (2, 17))
     model(input_ids, labels=input_ids, use_cache=False).loss.backward()
