@@ -48,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the README's rows (fp32 and bf16; prompts of 512, 2048, 4096 with 32 new tokens, and 256 with 256), "
         "--requests requests each (default 16 here), one table of JRT / Llama ratios at the end",
     )
+    parser.add_argument(
+        "--compiled", action="store_true",
+        help="both engines as vLLM runs them by default (compiled: on CPU, dynamo traced once and inductor) instead of "
+        "eagerly (enforce_eager=True); the compile time is not timed",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--run-one", nargs=2, metavar=("KIND", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -98,7 +103,7 @@ def run_one(args: argparse.Namespace, folder: str) -> dict:
     import vllm
 
     llm = vllm.LLM(
-        model=folder, dtype=args.dtype, enforce_eager=True, skip_tokenizer_init=True, seed=0,
+        model=folder, dtype=args.dtype, enforce_eager=not args.compiled, skip_tokenizer_init=True, seed=0,
         max_model_len=args.prompt_len + args.new_tokens,
     )
     generator = random.Random(0)
@@ -198,7 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"vLLM {env['vllm']}, torch {env['torch']}, triton {env['triton']}, {env['device']}, {args.dtype}; "
         f"hidden {args.hidden_size}, {args.layers} layers, {args.heads} heads, prefix {args.prefix_length}; "
-        f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new) tokens"
+        f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new) tokens; "
+        f"{'compiled' if args.compiled else 'eager'}"
     )
     print("| model | requests/s | generated tok/s | total tok/s |")
     print("|---|---|---|---|")

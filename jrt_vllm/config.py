@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateConfig
+from vllm.platforms import current_platform
 
 from .prompt_lengths import QUALIFIED_NAME
 
@@ -12,10 +13,13 @@ logger = logging.getLogger(__name__)
 
 
 class JRTRNNVllmConfig(VerifyAndUpdateConfig):
-    """Eager execution, prefix caching off (both families), chunked prefill off for prefix (JRT-RNN) models.
+    """Eager execution off the CPU, prefix caching off (both families), chunked prefill off for prefix (JRT-RNN)
+    models.
 
-    - Eager: the layers map vLLM's batch onto requests in Python (per-request prefills, the JRT fill), which neither
-      torch.compile nor CUDA graphs can capture.
+    - Compilation: the mixers map vLLM's batch onto requests in Python (the plan, the JRT fill) inside opaque ops
+      (`jrt_vllm.model.mix`), and vLLM compiles the rest of the model around them (`support_torch_compile`). That
+      is verified on vLLM's CPU backend (dynamo traced once, inductor); on a GPU the model runs eagerly
+      (`enforce_eager`): neither the compiled model nor CUDA-graph capture of the decode step has been checked there.
 
     - Prefix caching: a request's state depends on its whole prompt (the JRT encoder reads the first
       `prefix_length` tokens non-causally, and a short prompt's fill depends on its length), so a cached state of a
@@ -37,8 +41,11 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
         cache_config = vllm_config.cache_config
         scheduler_config = vllm_config.scheduler_config
         model_config = vllm_config.model_config
-        if not model_config.enforce_eager:
-            logger.info("jrt_vllm: running eagerly (enforce_eager): JRT-RNN / Based layers are not captured in graphs.")
+        if not model_config.enforce_eager and not current_platform.is_cpu():
+            logger.info(
+                "jrt_vllm: running eagerly (enforce_eager) on %s: the compiled model and CUDA graphs of JRT-RNN / "
+                "Based are verified on vLLM's CPU backend only.", current_platform.device_name,
+            )
             model_config.enforce_eager = True
         if cache_config.enable_prefix_caching:
             logger.info("jrt_vllm: prefix caching is off for JRT-RNN / Based (a state depends on the whole prompt).")

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
@@ -76,6 +77,30 @@ from modeling_jrt.sliding_window import blocked_sliding_window_attention
 from .prompt_lengths import tracker_for
 
 logger = logging.getLogger(__name__)
+
+
+@torch.library.custom_op("jrt_vllm::mix", mutates_args=("output",))
+def mix(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    """The mixer `layer_name` (a `JRTStateLayer`, found in vLLM's forward context) on hidden_states `(N, hidden)`,
+    written into output `(N, hidden)`.
+
+    One opaque op per mixer: a compiled model (vLLM's `support_torch_compile`) traces the dense parts around it, while
+    the mixer maps this forward's batch onto requests in Python (the plan, the state slots) at every call, which no
+    graph may bake in. The same boundary vLLM's own recurrent layers have (their mixers are custom ops too)."""
+    get_forward_context().no_compile_layers[layer_name].mix(hidden_states, output)
+
+
+@mix.register_fake
+def _(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    return None
+
+
+class ForwardPlan:
+    """The plan of the forward in progress (`BatchPlan`, or None in a forward without metadata), set by
+    `JRTRNNForCausalLM.forward` before the layers run and read by every mixer: one holder shared by the model's
+    layers, outside any traced graph."""
+
+    plan: BatchPlan | None = None
 
 
 @dataclass
@@ -221,11 +246,12 @@ class JRTStateLayer(MambaBase, nn.Module):
 
     stacked_params: dict[str, tuple[str, int | str]] = {}
 
-    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
+    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str, plans: ForwardPlan):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.prefix = prefix
+        self.plans = plans
         self.tp_size = get_tensor_model_parallel_world_size()
         self.tp_rank = get_tensor_model_parallel_rank()
         vllm_config = get_current_vllm_config()
@@ -257,12 +283,23 @@ class JRTStateLayer(MambaBase, nn.Module):
             return None
         return _slot_table(metadata[self.prefix])
 
-    def forward(self, hidden_states: torch.Tensor, plan: BatchPlan | None) -> torch.Tensor:
-        """hidden_states `(N, hidden)`: the expanded batch -> `(N, hidden)`.
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states `(N, hidden)`: the expanded batch -> `(N, hidden)` in the model dtype, through the opaque op
+        `jrt_vllm::mix` (`mix`)."""
+        output = torch.empty(hidden_states.shape[0], self.config.hidden_size, dtype=self.model_dtype,
+                             device=hidden_states.device)
+        torch.ops.jrt_vllm.mix(hidden_states, output, self.prefix)
+        return output
+
+    def mix(self, hidden_states: torch.Tensor, output: torch.Tensor) -> None:
+        """The mixer on the forward's plan (`self.plans`), into output `(N, hidden)`.
 
         The input projections (`project`) and the output projection (`o_proj` / `out_proj`, which sums the
         tensor-parallel ranks' parts) run once over all N rows; only the mixing that reads and writes the states runs
         per request (`read`) or for all decoding requests at once (`step`)."""
+        output.copy_(self._mix_rows(hidden_states, self.plans.plan))
+
+    def _mix_rows(self, hidden_states: torch.Tensor, plan: BatchPlan | None) -> torch.Tensor:
         projected = self.project(hidden_states)  # (N, width) each: this rank's share
         slots = None if plan is None else self.slot_table()  # (requests,) on the device
         if slots is None:  # profiling: one stateless pass, the output does not matter
@@ -284,8 +321,8 @@ class JRTShortConv(JRTStateLayer):
     `(T, D)` layout throughout (`modeling_jrt.short_conv.causal_depthwise_conv`: K shifted multiply-adds, no
     transposed copies). State: the last K - 1 inputs u `(K - 1, D / tp)`."""
 
-    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
-        super().__init__(config, layer_idx, prefix)
+    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str, plans: ForwardPlan):
+        super().__init__(config, layer_idx, prefix, plans)
         self.kernel_size = config.conv_kernel_size
         inner = config.conv_expansion * config.hidden_size
         self.inner_size = self.local(inner, "convolution width")
@@ -352,8 +389,8 @@ class JRTSlidingWindowAttention(JRTStateLayer):
 
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
 
-    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
-        super().__init__(config, layer_idx, prefix)
+    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str, plans: ForwardPlan):
+        super().__init__(config, layer_idx, prefix, plans)
         self.num_heads = self.local(config.num_attention_heads, "attention heads")
         self.head_dim = config.head_dim
         self.window = config.sliding_window
@@ -484,8 +521,8 @@ class JRTLinearAttention(JRTStateLayer):
         "k_enc_proj": ("kv_enc_proj", 0), "v_enc_proj": ("kv_enc_proj", 1),
     }
 
-    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
-        super().__init__(config, layer_idx, prefix)
+    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str, plans: ForwardPlan):
+        super().__init__(config, layer_idx, prefix, plans)
         heads = config.num_attention_heads
         self.num_heads = self.local(heads, "attention heads")
         self.feature_dim = config.feature_dim
@@ -616,42 +653,57 @@ class JRTMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(hidden_states)))
 
 
+class JRTRMSNorm(JRTRNNRMSNorm):
+    """`JRTRNNRMSNorm` (same weight, same arithmetic) in one pass over the batch: its `forward` cuts long inputs into
+    token chunks by a size-dependent loop, which a graph traced once for every batch size must not contain. A vLLM
+    batch is bounded by `max_num_batched_tokens`."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.normalize(hidden_states)
+
+
 class JRTDecoderLayer(nn.Module):
     """Pre-norm block on an fp32 residual stream: r += mixer(norm(r)); r += mlp(norm(r)) (`JRTRNNDecoderLayer`)."""
 
-    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str):
+    def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str, plans: ForwardPlan):
         super().__init__()
         self.layer_type = config.mixer_types[layer_idx]
-        self.input_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mixer = MIXER_CLASSES[self.layer_type](config, layer_idx, f"{prefix}.mixer")
+        self.input_layernorm = JRTRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mixer = MIXER_CLASSES[self.layer_type](config, layer_idx, f"{prefix}.mixer", plans)
         has_mlp = config.intermediate_size > 0
-        self.post_attention_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps) if has_mlp else None
+        self.post_attention_layernorm = JRTRMSNorm(config.hidden_size, eps=config.rms_norm_eps) if has_mlp else None
         self.mlp = JRTMLP(config, f"{prefix}.mlp") if has_mlp else None
 
-    def forward(self, hidden_states: torch.Tensor, plan: BatchPlan | None) -> torch.Tensor:
-        hidden_states = hidden_states + self.mixer(self.input_layernorm(hidden_states), plan).float()
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.mixer(self.input_layernorm(hidden_states)).float()
         if self.mlp is None:
             return hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)).float()
 
 
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0})
 class JRTModel(nn.Module):
-    """Embeddings, blocks, final norm (`JRTRNNModel`'s names, so the safetensors load by them)."""
+    """Embeddings, blocks, final norm (`JRTRNNModel`'s names, so the safetensors load by them).
 
-    def __init__(self, config: JRTRNNConfig, prefix: str):
+    vLLM compiles it when the engine compiles (`support_torch_compile`: on vLLM's CPU backend, traced once by dynamo
+    and built by inductor, `jrt_vllm.config` says when): the embedding, norms, residual stream and MLPs become one
+    graph around the mixers' opaque `jrt_vllm::mix` ops."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", plans: ForwardPlan):
         super().__init__()
+        config = vllm_config.model_config.hf_config
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
         )
         self.layers = nn.ModuleList(
-            [JRTDecoderLayer(config, i, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)]
+            [JRTDecoderLayer(config, i, f"{prefix}.layers.{i}", plans) for i in range(config.num_hidden_layers)]
         )
-        self.norm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = JRTRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, plan: BatchPlan | None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids).float()  # the residual stream stays fp32
         for layer in self.layers:
-            hidden_states = layer(hidden_states, plan)
+            hidden_states = layer(hidden_states)
         return self.norm(hidden_states)
 
 
@@ -691,7 +743,8 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
                 "prefix_strategy='pad' needs `prefix_pad_token_id` in config.json (220 in the released models), or "
                 "another `prefix_strategy` in config.json."
             )
-        self.model = JRTModel(config, prefix=f"{prefix}.model" if prefix else "model")
+        self.plans = ForwardPlan()
+        self.model = JRTModel(vllm_config=vllm_config, prefix=f"{prefix}.model" if prefix else "model", plans=self.plans)
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, prefix=f"{prefix}.lm_head" if prefix else "lm_head"
         )
@@ -797,9 +850,13 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
             raise NotImplementedError("jrt_vllm reads token ids (the JRT fill is made of tokens), not embeddings.")
         planned = self._plan(input_ids)
         if planned is None:
-            return self.model(input_ids, None)
-        expanded_ids, plan = planned
-        hidden_states = self.model(expanded_ids, plan)
+            self.plans.plan = None
+            return self.model(input_ids)
+        expanded_ids, self.plans.plan = planned
+        try:
+            hidden_states = self.model(expanded_ids)
+        finally:
+            plan, self.plans.plan = self.plans.plan, None
         output = hidden_states.new_zeros(input_ids.shape[0], hidden_states.shape[-1])
         output[: plan.input_rows.shape[0]] = hidden_states[plan.input_rows]
         return output

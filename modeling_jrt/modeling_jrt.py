@@ -98,15 +98,16 @@ class JRTRNNRMSNorm(nn.Module):
         rows = hidden_states.numel() // max(width, 1)
         chunk = inference_chunk_rows(rows, width)
         if chunk is None:
-            return self._normalize(hidden_states)
+            return self.normalize(hidden_states)
         out = hidden_states.new_empty(hidden_states.shape, dtype=self.weight.dtype)
         flat, output = hidden_states.reshape(rows, width), out.view(rows, width)
         for start in range(0, rows, chunk):
-            self._normalize(flat[start : start + chunk], out=output[start : start + chunk])
+            self.normalize(flat[start : start + chunk], out=output[start : start + chunk])
         return out
 
-    def _normalize(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The norm of hidden_states (rows, hidden), into `out` (rows, hidden) in w's dtype when given."""
+    def normalize(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of hidden_states (rows, hidden) in one pass (no token chunks: `forward`'s size-dependent loop is
+        not for a graph that serves every batch size), into `out` (rows, hidden) in w's dtype when given."""
         hidden_states = hidden_states.float()
         if not torch.is_grad_enabled():
             # Without autograd: mean(x**2) from one reduction (sqrt(sum x**2)), scaled in place (2 passes fewer).
