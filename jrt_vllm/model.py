@@ -30,6 +30,10 @@ tensor-parallel ranks: heads of both attentions, conv channels and the MLP, each
 state. This file maps vLLM's flattened batch onto the layers: the requests of a prefill are read in groups of
 segments of the same shape (stacked as the rows of one batch: one call of each mixer per group), and all decoding
 requests together in one step.
+
+Compilation: each mixer runs inside one opaque op, `jrt_vllm::mix` (`mix`), which reads the forward's plan
+(`ForwardPlan`) and the state slots at every call; vLLM's `support_torch_compile` on `JRTModel` traces everything
+around those ops (embedding, norms, fp32 residual stream, MLPs) once, for every batch size.
 """
 
 from __future__ import annotations
