@@ -14,7 +14,7 @@ decoding does not repeat one token):
 and, once, the serving decode step at pool slots (`linear_attention_step_at_slots`, the Triton kernel and the
 PyTorch step) captured in a CUDA graph: a replay with new inputs copied in equals the eager step.
 
-It asserts that the device's prefill ran the Triton kernel (no fallback warning) and exits 1 when a check fails.
+It fails when a Triton kernel fell back to PyTorch (forward, backward or decode) and exits 1 when a check fails.
 
     python benchmarks/gpu_model_check.py                     # on a CUDA machine (about a minute)
     TRITON_INTERPRET=1 python benchmarks/gpu_model_check.py --device cpu --impl triton   # dry run on a CPU
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -196,36 +195,37 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     failures = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    try:
+        graph = check_decode_graph(device, args.impl)
+        print("decode step at slots, graph replay vs eager, max |diff|: " + ", ".join(
+            f"{name} {value:.2e}" for name, value in graph.items()
+        ), flush=True)
+        failures += [f"decode graph {name}" for name, value in graph.items() if not value <= 1e-5]
+    except Exception as error:
+        print(f"decode step at slots in a CUDA graph: failed: {type(error).__name__}: {error}")
+        failures.append("decode graph")
+    print(f"{'model':<12} | {'forward rel':>11} | {'generate':>22} | {'backward rel':>12} | {'bf16 rel':>9} | s")
+    for kind in args.kinds:
+        start = time.perf_counter()
         try:
-            graph = check_decode_graph(device, args.impl)
-            print("decode step at slots, graph replay vs eager, max |diff|: " + ", ".join(
-                f"{name} {value:.2e}" for name, value in graph.items()
-            ), flush=True)
-            failures += [f"decode graph {name}" for name, value in graph.items() if not value <= 1e-5]
-        except Exception as error:
-            print(f"decode step at slots in a CUDA graph: failed: {type(error).__name__}: {error}")
-            failures.append("decode graph")
-        print(f"{'model':<12} | {'forward rel':>11} | {'generate':>22} | {'backward rel':>12} | {'bf16 rel':>9} | s")
-        for kind in args.kinds:
-            start = time.perf_counter()
-            try:
-                result = check_model(kind, device, args.impl)
-            except Exception as error:  # report and go on to the next kind
-                print(f"{kind:<12} | failed: {type(error).__name__}: {error}")
-                failures.append(f"{kind}: {type(error).__name__}")
-                continue
-            print(
-                f"{kind:<12} | {result['forward']:>11.2e} | {result['generate']:>22} | {result['backward']:>12.2e} | "
-                f"{result['bf16']:>9.2e} | {time.perf_counter() - start:.0f}", flush=True,
-            )
-            failures += [f"{kind} {name}" for name, bound in TOLERANCE.items() if not result[name] <= bound]
-            failures += [] if result["generate_ok"] else [f"{kind} generate"]
-    fallbacks = [str(w.message).splitlines()[0] for w in caught if "Falling back" in str(w.message)]
-    if linear_attention_module._triton_failure is not None or fallbacks:
-        print(f"the Triton kernel fell back to PyTorch: {linear_attention_module._triton_failure or fallbacks[0]}")
-        failures.append("triton fallback")
+            result = check_model(kind, device, args.impl)
+        except Exception as error:  # report and go on to the next kind
+            print(f"{kind:<12} | failed: {type(error).__name__}: {error}")
+            failures.append(f"{kind}: {type(error).__name__}")
+            continue
+        print(
+            f"{kind:<12} | {result['forward']:>11.2e} | {result['generate']:>22} | {result['backward']:>12.2e} | "
+            f"{result['bf16']:>9.2e} | {time.perf_counter() - start:.0f}", flush=True,
+        )
+        failures += [f"{kind} {name}" for name, bound in TOLERANCE.items() if not result[name] <= bound]
+        failures += [] if result["generate_ok"] else [f"{kind} generate"]
+    # The kernels' failures under "auto" are logged once and leave the module's failure marks: a fallback would make
+    # the GPU side the chunked path, and the comparisons vacuous.
+    for stage, failure in (("prefill / decode kernel", linear_attention_module._triton_failure),
+                           ("backward kernel", linear_attention_module._backward_failure)):
+        if failure is not None:
+            print(f"the Triton {stage} fell back to PyTorch: {failure}")
+            failures.append(f"triton {stage} fallback")
     print("all checks passed" if not failures else f"FAILED: {', '.join(failures)}")
     return 1 if failures else 0
 

@@ -114,7 +114,6 @@ class Segment:
     Attributes:
         request: index of the request in vLLM's batch order (decodes first), to look up its state slot.
         start, end: its rows in the expanded batch (fill included).
-        fill: rows of JRT prefix fill at the start (0 when nothing is filled).
         fresh: the first forward of the request (no state yet: the encoder reads and the states start empty).
         encoder_rows: rows the JRT encoder reads from `start` (the fill and the prompt's first tokens, as
             `modeling_jrt.prefix_fill.plan_prefix` lays them out); 0 when nothing is read non-causally.
@@ -125,7 +124,6 @@ class Segment:
     request: int
     start: int
     end: int
-    fill: int
     fresh: bool
     encoder_rows: int | None = None
     key_mask: torch.Tensor | None = None
@@ -301,23 +299,21 @@ class JRTStateLayer(MambaBase, nn.Module):
         The input projections (`project`) and the output projection (`o_proj` / `out_proj`, which sums the
         tensor-parallel ranks' parts) run once over all N rows; only the mixing that reads and writes the states runs
         per request (`read`) or for all decoding requests at once (`step`)."""
-        output.copy_(self._mix_rows(hidden_states, self.plans.plan))
-
-    def _mix_rows(self, hidden_states: torch.Tensor, plan: BatchPlan | None) -> torch.Tensor:
+        plan = self.plans.plan
         projected = self.project(hidden_states)  # (N, width) each: this rank's share
         slots = None if plan is None else self.slot_table()  # (requests,) on the device
         if slots is None:  # profiling: one stateless pass, the output does not matter
             whole = SegmentGroup([], slice(None), slice(None), None, hidden_states.shape[0], True)
-            mixed = self.read([p[None] for p in projected], hidden_states[None], None, whole)
-            return self.output_projection(mixed[0])
-        mixed = projected[0].new_empty(hidden_states.shape[0], self.mixed_width)
-        if plan.decode_requests:
-            rows = plan.decode_rows
-            mixed[rows] = self.step([p[rows] for p in projected], slots[plan.decode_index])
-        for group in plan.groups:
-            output = self.read([group.take(p) for p in projected], group.take(hidden_states), slots[group.index], group)
-            group.put(mixed, output)
-        return self.output_projection(mixed)
+            mixed = self.read([p[None] for p in projected], hidden_states[None], None, whole)[0]
+        else:
+            mixed = projected[0].new_empty(hidden_states.shape[0], self.mixed_width)
+            if plan.decode_requests:
+                rows = plan.decode_rows
+                mixed[rows] = self.step([p[rows] for p in projected], slots[plan.decode_index])
+            for group in plan.groups:
+                taken = [group.take(p) for p in projected]  # (G, T, width) each
+                group.put(mixed, self.read(taken, group.take(hidden_states), slots[group.index], group))
+        output.copy_(self.output_projection(mixed))
 
 
 class JRTShortConv(JRTStateLayer):
@@ -791,7 +787,7 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
             filled, encoder_rows, key_mask = self._fill(tokens, prompt_length) if fresh else (tokens, 0, None)
             fill = filled.shape[0] - tokens.shape[0]
             pieces.append(filled)
-            segment = Segment(request, row, row + filled.shape[0], fill, fresh, encoder_rows, key_mask)
+            segment = Segment(request, row, row + filled.shape[0], fresh, encoder_rows, key_mask)
             by_shape.setdefault(segment.shape, []).append(segment)
             input_rows.extend(range(row + fill, row + filled.shape[0]))
             row += filled.shape[0]
@@ -853,14 +849,14 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         if input_ids is None:
             raise NotImplementedError("jrt_vllm reads token ids (the JRT fill is made of tokens), not embeddings.")
         planned = self._plan(input_ids)
-        if planned is None:
-            self.plans.plan = None
+        if planned is None:  # no metadata (vLLM's profiling run): the mixers read the plan None
             return self.model(input_ids)
-        expanded_ids, self.plans.plan = planned
+        expanded_ids, plan = planned
+        self.plans.plan = plan  # what every mixer of this forward reads (`JRTStateLayer.mix`)
         try:
             hidden_states = self.model(expanded_ids)
         finally:
-            plan, self.plans.plan = self.plans.plan, None
+            self.plans.plan = None
         output = hidden_states.new_zeros(input_ids.shape[0], hidden_states.shape[-1])
         output[: plan.input_rows.shape[0]] = hidden_states[plan.input_rows]
         return output

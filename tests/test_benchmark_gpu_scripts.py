@@ -43,3 +43,13 @@ def test_gpu_model_check_reports_a_failed_bound(gpu_model_check, monkeypatch, ca
     monkeypatch.setitem(gpu_model_check.TOLERANCE, "bf16", 1e-9)
     assert gpu_model_check.main(["--device", "cpu", "--impl", "chunked", "--kinds", "based-decay"]) == 1
     assert capsys.readouterr().out.rstrip().endswith("FAILED: based-decay bf16")
+
+
+def test_gpu_model_check_fails_when_a_kernel_fell_back(gpu_model_check, monkeypatch, capsys):
+    """A backward kernel that failed under "auto" (logged once, then the PyTorch gradients) fails the check: the GPU
+    side would have been the chunked path."""
+    monkeypatch.setattr(gpu_model_check.linear_attention_module, "_backward_failure", "OutOfResources: shared memory")
+    assert gpu_model_check.main(["--device", "cpu", "--impl", "chunked", "--kinds", "jrt-pad"]) == 1
+    output = capsys.readouterr().out
+    assert "the Triton backward kernel fell back to PyTorch: OutOfResources: shared memory" in output
+    assert output.rstrip().endswith("FAILED: triton backward kernel fallback")
