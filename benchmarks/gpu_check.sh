@@ -58,7 +58,7 @@ if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
 fi
 
 # Each step has its own time limit (seconds, in all about 9 minutes at most; usually less), so that one step that
-# hangs leaves the others their turn: a lent GPU machine has a budget of minutes.
+# hangs leaves the others their turn.
 workers=""
 "$python" -c "import xdist" > /dev/null 2>&1 && workers="-n 16"  # triton compiles on the CPU: a process per core
 
