@@ -383,8 +383,11 @@ class JRTShortConv(JRTStateLayer):
 class JRTSlidingWindowAttention(JRTStateLayer):
     """`JRTRNNSlidingWindowAttention` (same weights): softmax attention over the last W tokens, RoPE on q and k.
 
-    State: the last W - 1 rotated keys and values `(W - 1, H / tp * d)` each, oldest first, and the number of tokens
-    the request has read `(1,)` fp32 (its next RoPE position, fill included; it also tells which rows hold keys).
+    State: a ring of the last W - 1 rotated keys and values, `(H / tp, W - 1, d)` each, the key of token t (counted
+    from the start of the request, fill included) at row t mod (W - 1); and the number of tokens the request has read
+    `(1,)` fp32 (its next RoPE position; it also tells which rows hold keys). A decode step writes one row per request
+    and reads the rows as they lie (softmax attention does not care about the order of its keys: their positions are
+    in their rotation); a read of several tokens puts them in order first.
     """
 
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
@@ -394,7 +397,7 @@ class JRTSlidingWindowAttention(JRTStateLayer):
         self.num_heads = self.local(config.num_attention_heads, "attention heads")
         self.head_dim = config.head_dim
         self.window = config.sliding_window
-        self.rows = max(self.window - 1, 1)
+        self.rows = max(self.window - 1, 1)  # ring rows (a window of 1 keeps nothing: one row, never read)
         self.scaling = self.head_dim**-0.5
         hidden = config.hidden_size
         self.qkv_proj = QKVParallelLinear(
@@ -405,8 +408,8 @@ class JRTSlidingWindowAttention(JRTStateLayer):
         self.rotary_emb = JRTRNNRotaryEmbedding(config)
 
     def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
-        width = self.num_heads * self.head_dim
-        return ((self.rows, width), (self.rows, width), (1,))
+        ring = (self.num_heads, self.rows, self.head_dim)
+        return (ring, ring, (1,))
 
     def get_state_dtype(self) -> tuple[torch.dtype, ...]:
         return (self.model_dtype, self.model_dtype, torch.float32)
@@ -431,85 +434,74 @@ class JRTSlidingWindowAttention(JRTStateLayer):
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         return query, key, value
 
-    def _heads(self, rows: torch.Tensor) -> torch.Tensor:
-        """(B, S, H d) -> (B, H, S, d)."""
-        return rows.view(rows.shape[0], rows.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+    def _held(self, seen: torch.Tensor) -> torch.Tensor:
+        """(B,) tokens read -> (B,) int64 keys of them a new query sees (the last min(seen, W - 1))."""
+        return torch.clamp(seen.long(), max=self.window - 1)
 
-    def _window_mask(self, seen: torch.Tensor, new: int) -> torch.Tensor:
-        """(B, rows + new) bool: the state rows that hold keys (the last min(seen, W - 1)), then the new keys."""
-        held = torch.clamp(seen.long(), max=self.window - 1)  # (B,)
-        row = torch.arange(self.rows, device=seen.device)
-        past = row[None, :] >= (self.rows - held)[:, None]  # (B, rows)
-        return torch.cat([past, past.new_ones(seen.shape[0], new)], dim=1)
-
-    def _attend(
-        self,
-        query: torch.Tensor,
-        rows_k: torch.Tensor,
-        rows_v: torch.Tensor,
-        seen: torch.Tensor,
-        slots: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Attention of the new queries over [state rows, new keys], then each state keeps its last W - 1 keys.
-
-        Args:
-            query: `(B, H, T, D)` the T new tokens of B requests, rotated.
-            rows_k, rows_v: `(B, W - 1 + T, H D)` the state rows, then the T new rotated keys / values.
-            seen: `(B,)` tokens each request read before these.
-            slots: `(B,)` their state slots, or None (profiling: nothing is stored).
-
-        Returns:
-            `(B, T, H d)`.
-        """
-        key_mask = self._window_mask(seen, query.shape[2])  # (B, W - 1 + T)
-        if query.shape[2] == 1:
-            # A decode step: the one query's window is exactly the W rows, so plain masked softmax attention (two
-            # small batched matmuls) does what the blocked kernel would, without its per-call setup.
-            scores = torch.matmul(query, self._heads(rows_k).transpose(-1, -2)).float() * self.scaling  # (B, H, 1, W)
-            scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-            weights = torch.softmax(scores, dim=-1).to(rows_v.dtype)
-            output = torch.matmul(weights, self._heads(rows_v)).transpose(1, 2)  # (B, 1, H, D)
-        else:
-            output = blocked_sliding_window_attention(
-                query, self._heads(rows_k), self._heads(rows_v), key_mask,
-                sliding_window=self.window, scaling=self.scaling, implementation="sdpa",
-            )  # (B, T, H, D)
-        if slots is not None:
-            keys, values, count = self.kv_cache
-            keys.index_copy_(0, slots, rows_k[:, -self.rows :].to(keys.dtype))
-            values.index_copy_(0, slots, rows_v[:, -self.rows :].to(values.dtype))
-            count.index_copy_(0, slots, (seen + query.shape[2])[:, None].to(count.dtype))  # (B, 1)
-        return output.reshape(output.shape[0], output.shape[1], -1)
+    def _ring_order(self, seen: torch.Tensor, end: torch.Tensor | int = 0) -> torch.Tensor:
+        """`(B, W - 1)` ring row of each state row in token order, oldest first, when `seen + end` tokens have been
+        read (row i holds token seen + end - (W - 1) + i; rows before the first token hold nothing)."""
+        order = torch.arange(self.rows, device=seen.device)
+        return (order[None, :] + seen.long()[:, None] + end) % self.rows
 
     def read(self, projected: list[torch.Tensor], hidden_states: torch.Tensor, slots: torch.Tensor | None,
              group: SegmentGroup) -> torch.Tensor:
         """The T rows of each of G requests `[(G, T, 3 H d)]` -> `(G, T, H d)`; updates their states."""
         batch_size, seq_len = hidden_states.shape[:2]
-        width = self.num_heads * self.head_dim
+        device = hidden_states.device
         if group.fresh or slots is None:
-            seen = torch.zeros(batch_size, device=hidden_states.device)
-            past_keys = past_values = projected[0].new_zeros(batch_size, self.rows, width)
-        else:
+            seen = torch.zeros(batch_size, device=device)
+            past_keys = past_values = projected[0].new_zeros(batch_size, self.num_heads, self.rows, self.head_dim)
+        else:  # a request read before: its ring, in token order (`_ring_order`)
             seen = self.kv_cache[2].index_select(0, slots).float().view(batch_size)
-            past_keys = self.kv_cache[0].index_select(0, slots).to(projected[0].dtype)
-            past_values = self.kv_cache[1].index_select(0, slots).to(projected[0].dtype)
-        positions = seen.long()[:, None] + torch.arange(seq_len, device=hidden_states.device)[None]  # (G, T)
+            order = self._ring_order(seen)[:, None, :, None].expand(-1, self.num_heads, -1, self.head_dim)
+            past_keys, past_values = (
+                torch.gather(self.kv_cache[i].index_select(0, slots), 2, order).to(projected[0].dtype) for i in (0, 1)
+            )
+        positions = seen.long()[:, None] + torch.arange(seq_len, device=device)[None]  # (G, T)
         query, key, value = self._rotated(projected[0], positions)
-        # (G, rows + T, H d): the state rows, then the new rotated keys (values alike)
-        rows_k = torch.cat([past_keys, key.transpose(1, 2).reshape(batch_size, seq_len, width)], dim=1)
-        rows_v = torch.cat([past_values, value.transpose(1, 2).reshape(batch_size, seq_len, width)], dim=1)
-        return self._attend(query, rows_k, rows_v, seen, slots)
+        keys = torch.cat([past_keys, key], dim=2)  # (G, H, W - 1 + T, d): the held rows, then the new keys
+        values = torch.cat([past_values, value], dim=2)
+        row = torch.arange(self.rows, device=device)
+        key_mask = torch.cat(
+            [row[None, :] >= (self.rows - self._held(seen))[:, None], row.new_ones(batch_size, seq_len, dtype=torch.bool)],
+            dim=1,
+        )  # (G, W - 1 + T): the state rows that hold keys, then the new keys
+        output = blocked_sliding_window_attention(
+            query, keys, values, key_mask, sliding_window=self.window, scaling=self.scaling, implementation="sdpa"
+        )  # (G, T, H, d)
+        if slots is not None:  # the last W - 1 keys, each at its ring row
+            last = -1 - torch.arange(self.rows, device=device)  # (W - 1,) their places, newest first
+            index = (seen.long()[:, None] + seq_len + last[None, :]) % self.rows  # (G, W - 1) ring rows
+            index = index[:, None, :, None].expand(-1, self.num_heads, -1, self.head_dim)
+            for state, rows in ((self.kv_cache[0], keys), (self.kv_cache[1], values)):
+                ring = rows.new_empty(batch_size, self.num_heads, self.rows, self.head_dim)
+                ring.scatter_(2, index, rows[:, :, last])
+                state.index_copy_(0, slots, ring.to(state.dtype))
+            self.kv_cache[2].index_copy_(0, slots, (seen + seq_len)[:, None].to(self.kv_cache[2].dtype))
+        return output.reshape(batch_size, seq_len, -1)
 
     def step(self, projected: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        """One token of each of B requests `[(B, 3 H d)]` -> `(B, H d)`: attention over the ring rows that hold keys
+        and the new key, then the new key and value written at their ring row (one row per request)."""
         batch_size = projected[0].shape[0]
-        width = self.num_heads * self.head_dim
-        seen = self.kv_cache[2].index_select(0, slots).float().view(batch_size)
-        query, key, value = self._rotated(projected[0][:, None], seen.long()[:, None])
-        new_k = key.transpose(1, 2).reshape(batch_size, 1, width)  # (B, 1, H d)
-        new_v = value.transpose(1, 2).reshape(batch_size, 1, width)  # (B, 1, H d)
-        rows_k = torch.cat([self.kv_cache[0].index_select(0, slots).to(new_k.dtype), new_k], dim=1)  # (B, W, H d)
-        rows_v = torch.cat([self.kv_cache[1].index_select(0, slots).to(new_v.dtype), new_v], dim=1)  # (B, W, H d)
-        return self._attend(query, rows_k, rows_v, seen, slots)[:, 0]
+        keys, values, count = self.kv_cache
+        seen = count.index_select(0, slots).view(batch_size).long()  # (B,)
+        query, key, value = self._rotated(projected[0][:, None], seen[:, None])  # (B, H, 1, d) each
+        past_keys = keys.index_select(0, slots).to(query.dtype)  # (B, H, W - 1, d), ring order
+        past_values = values.index_select(0, slots).to(query.dtype)
+        held = torch.arange(self.rows, device=seen.device)[None, :] < self._held(seen)[:, None]  # (B, W - 1)
+        scores = torch.matmul(query, past_keys.transpose(-1, -2)).float()  # (B, H, 1, W - 1)
+        scores = scores.masked_fill(~held[:, None, None, :], float("-inf"))
+        own = (query.float() * key.float()).sum(-1, keepdim=True)  # (B, H, 1, 1): the new token's own key
+        weights = torch.softmax(torch.cat([scores, own], dim=-1) * self.scaling, dim=-1)
+        output = torch.matmul(weights[..., :-1].to(past_values.dtype), past_values).float()
+        output = (output + weights[..., -1:] * value.float()).to(query.dtype)  # (B, H, 1, d)
+        ring_row = seen % self.rows
+        keys[slots, :, ring_row] = key[:, :, 0].to(keys.dtype)  # (B, H, d) at (slot, :, row)
+        values[slots, :, ring_row] = value[:, :, 0].to(values.dtype)
+        count.index_copy_(0, slots, (seen + 1)[:, None].to(count.dtype))
+        return output.reshape(batch_size, -1)
 
 
 class JRTLinearAttention(JRTStateLayer):

@@ -65,6 +65,7 @@ import functools
 import inspect
 import math
 import os
+import warnings
 
 import torch
 from transformers.utils import logging
@@ -819,6 +820,93 @@ def prefix_linear_attention(
     return run_chunked()
 
 
+def _validate_step_at_slots(q, k, v, pool, slots, log_decay, gate) -> None:
+    """The arguments of `linear_attention_step_at_slots` (those of a one-token step, and the pool and its slots)."""
+    if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"q, k must be (B, H, K) and v (B, H, V) with the same B and H; got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}."
+        )
+    batch_size, num_heads, feature_dim = q.shape
+    validate_linear_attention_inputs(
+        q[:, None], k[:, None], v[:, None], log_decay=log_decay, gate=None if gate is None else gate[:, None]
+    )
+    state = (num_heads, num_taylor_features(feature_dim), v.shape[-1] + 1)
+    if pool.ndim != 4 or tuple(pool.shape[1:]) != state or pool.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"pool must be an fp32 (N, H, F, V + 1) = (N, {', '.join(map(str, state))}) tensor of states; got "
+            f"{tuple(pool.shape)} {pool.dtype}."
+        )
+    if slots.shape != (batch_size,) or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be ({batch_size},) int32 / int64; got {tuple(slots.shape)} {slots.dtype}.")
+
+
+def _read_at_slots(phi_q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """phi(q) `(B, H, F)` read against the states `pool[slots]` `(B, H, F, V + 1)` -> `(B, H, V + 1)`, without copying
+    them out of the pool.
+
+    The read is one weighted `embedding_bag` (mode "sum") over the pool seen as rows of V + 1 values: row (slot, h, f)
+    weighted by phi(q)[b, h, f], one bag per (b, h). It reads each of the B states once (a gather and a `bmm` read
+    them twice and write a copy). A pool whose strides are not whole rows (a serving engine may pad its pages to
+    another size) is gathered instead."""
+    batch_size, num_heads, num_features = phi_q.shape
+    width = pool.shape[-1]
+    strides = pool.stride()
+    if strides[-1] != 1 or any(stride % width for stride in strides[:-1]):
+        state = pool.index_select(0, slots).reshape(batch_size * num_heads, num_features, width)
+        return torch.bmm(phi_q.reshape(batch_size * num_heads, 1, num_features), state).view(batch_size, num_heads, width)
+    step_slot, step_head, step_feature = (stride // width for stride in strides[:-1])
+    num_rows = (pool.shape[0] - 1) * step_slot + (num_heads - 1) * step_head + (num_features - 1) * step_feature + 1
+    rows = pool.as_strided((num_rows, width), (width, 1))  # the pool's storage from its first element, row by row
+    heads = torch.arange(num_heads, device=pool.device) * step_head
+    features = torch.arange(num_features, device=pool.device) * step_feature
+    index = slots.long()[:, None, None] * step_slot + heads[None, :, None] + features[None, None, :]  # (B, H, F)
+    offsets = torch.arange(0, batch_size * num_heads * num_features, num_features, device=pool.device)
+    readout = torch.nn.functional.embedding_bag(
+        index.view(-1), rows, offsets, mode="sum", per_sample_weights=phi_q.reshape(-1)
+    )  # (B H, V + 1)
+    return readout.view(batch_size, num_heads, width)
+
+
+def _step_in_pool(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    log_decay: torch.Tensor | None,
+    gate: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """`linear_attention_step` on the states at `slots`, updated where they live: the decay is an `index_reduce_`
+    ("prod") of the numerator columns at the slots, the update an `index_add_` of phi(k) [v, 1] there (the same
+    products and sums as the step on a gathered copy, so the states are bit for bit the same), then the read
+    (`_read_at_slots`). A fixed sequence of tensor ops over the B rows, with no host read (it traces into one graph
+    and can be captured in a CUDA graph). Arguments as `linear_attention_step_at_slots`; returns `(B, H, V)`."""
+    batch_size, num_heads, _ = q.shape
+    value_dim, num_features, dtype = v.shape[-1], pool.shape[-2], pool.dtype
+    slots = slots.long()
+    phi_q = taylor_feature_map(q.to(dtype))  # (B, H, F)
+    phi_k = taylor_feature_map(k.to(dtype))  # (B, H, F)
+    value_and_one = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)  # (B, H, V + 1)
+    if log_decay is not None:  # the numerator columns decay by gamma per token, the denominator's never
+        gamma = torch.exp(log_decay.to(dtype))[:, None].expand(num_heads, value_dim)
+        factor = torch.cat([gamma, gamma.new_ones(num_heads, 1)], dim=-1)  # (H, V + 1)
+        factor = factor[None, :, None, :].expand(batch_size, num_heads, num_features, value_dim + 1)
+        if torch.compiler.is_compiling():  # dynamo cannot trace a warnings filter
+            pool.index_reduce_(0, slots, factor, "prod")
+        else:
+            with warnings.catch_warnings():  # "index_reduce() is in beta"; its "prod" is an exact multiply
+                warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
+                pool.index_reduce_(0, slots, factor, "prod")
+    pool.index_add_(0, slots, phi_k[..., None] * value_and_one[..., None, :])  # (B, H, F, V + 1) rank-1 updates
+    readout = _read_at_slots(phi_q, pool, slots)  # (B, H, V + 1)
+    numerator = readout[..., :value_dim]
+    if gate is not None:
+        numerator = numerator * gate.to(dtype)[..., None]
+    return (numerator / (readout[..., value_dim:] + eps)).to(v.dtype)
+
+
 def linear_attention_step_at_slots(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -832,28 +920,29 @@ def linear_attention_step_at_slots(
     implementation: str = "auto",
 ) -> torch.Tensor:
     """One decode step for B rows whose states live in a pool at their slots (a serving engine's state cache),
-    updated there: `linear_attention_step` on `pool[slots]`, written back.
+    updated there: `linear_attention_step` on `pool[slots]` (the same states; the read sums in another order).
 
     Args:
         q, k: `(B, H, K)`; v: `(B, H, V)`; log_decay, gate, eps: as `linear_attention_step`.
         pool: `(N, H, F, V + 1)` fp32 states.
         slots: `(B,)` distinct integer slots of the B rows in `pool`.
         implementation: resolved as for the prefill (`resolve_implementation`). "triton" is the fused step of
-            `jrt_kernels`, which reads and writes each state once, at its slot, in one launch; the others gather the
-            states (`index_select`, several times faster than advanced indexing on CPU), update the copy in place and
-            write it back (`index_copy_`). Under "auto" a kernel that fails to compile or launch warns once and the
-            PyTorch step runs, as for the prefill.
+            `jrt_kernels`, which reads and writes each state once, at its slot, in one launch; the others run the
+            PyTorch step at the slots (`_step_in_pool`: `index_add_` of the update and a weighted `embedding_bag`
+            read, no gathered copy and no write-back; 2-3x faster than gathering on CPU at 16 requests). Under
+            "auto" a kernel that fails to compile or launch warns once and the PyTorch step runs, as for the
+            prefill.
+
+    Raises:
+        ValueError: q, k, v, pool, slots, log_decay or gate of the wrong shape or dtype (what was expected).
 
     Returns:
         `(B, H, V)` output in v's dtype.
     """
+    _validate_step_at_slots(q, k, v, pool, slots, log_decay, gate)
 
     def run_pytorch() -> torch.Tensor:
-        output, state = linear_attention_step(
-            q, k, v, pool.index_select(0, slots), log_decay=log_decay, gate=gate, eps=eps, in_place=True
-        )  # (B, H, V), (B, H, F, V + 1)
-        pool.index_copy_(0, slots, state)
-        return output
+        return _step_in_pool(q, k, v, pool, slots, log_decay, gate, eps)
 
     if resolve_implementation(implementation, q) != "triton":  # the step has one PyTorch form
         return run_pytorch()

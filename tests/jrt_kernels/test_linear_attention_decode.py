@@ -1,6 +1,6 @@
-"""The serving decode kernel (`jrt_kernels.linear_attention_decode_triton`) against the PyTorch step it replaces in
-the vLLM plugin (gather the states at their slots, `linear_attention_step`, write them back): compiled on a CUDA
-machine, in triton's CPU interpreter elsewhere (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA)."""
+"""The serving decode kernel (`jrt_kernels.linear_attention_decode_triton`) against the PyTorch step on the states
+gathered from their slots (`linear_attention_step`, written back): compiled on a CUDA machine, in triton's CPU
+interpreter elsewhere (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA)."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def spy_on_kernel(monkeypatch, kernel=linear_attention_decode_triton) -> list[in
 
 @pytest.mark.parametrize("implementation", ["chunked", "triton"])
 def test_step_at_slots_runs_what_it_resolves_to(monkeypatch, implementation):
-    """"chunked" (and "auto" on CPU) gathers, steps and writes back; "triton" runs the kernel; both equal the
+    """"chunked" (and "auto" on CPU) runs the PyTorch step at the slots; "triton" runs the kernel; both equal the
     PyTorch step on the gathered states, and leave the other slots alone."""
     monkeypatch.delenv(linear_attention.IMPLEMENTATION_ENV_VAR, raising=False)
     calls = spy_on_kernel(monkeypatch)

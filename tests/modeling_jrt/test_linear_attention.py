@@ -734,9 +734,9 @@ def test_safe_backward_forward_fits_an_older_kernel_package(monkeypatch):
 
 @pytest.mark.parametrize("with_decay", [False, True], ids=["prefix", "based-decay+gate"])
 def test_serving_decode_step_traces_one_graph(with_decay):
-    """The decode step of the vLLM plugin (`linear_attention_step_at_slots`: gather the states at their slots, the
-    O(1) step, write them back) is one graph under torch.compile(fullgraph=True): no graph break and no host read of
-    the slots, which is what capturing it in a CUDA graph needs; it updates the pool as the eager step does."""
+    """The decode step of the vLLM plugin (`linear_attention_step_at_slots`: the O(1) step on the states where they
+    lie in the pool) is one graph under torch.compile(fullgraph=True): no graph break and no host read of the slots,
+    which is what capturing it in a CUDA graph needs; it updates the pool as the eager step does."""
     import torch._dynamo
 
     from modeling_jrt.linear_attention import linear_attention_step_at_slots, num_taylor_features
@@ -759,3 +759,70 @@ def test_serving_decode_step_traces_one_graph(with_decay):
     torch.testing.assert_close(actual, expected, **FP32_TOL)
     torch.testing.assert_close(compiled_pool, eager_pool, **FP32_TOL)
     assert not torch.equal(compiled_pool, pool) and torch.equal(compiled_pool[[0, 2, 5]], pool[[0, 2, 5]])
+
+
+def pool_with_pages(slots_in_pool, heads, features, width, page, offset, generator):
+    """`(N, H, F, width)` states laid out as a serving engine lays out its pool: each slot's state at the start of a
+    page of `page` elements (>= H F width), the first `offset` elements of the buffer before them."""
+    buffer = torch.rand(offset + slots_in_pool * page, generator=generator, dtype=torch.float64).float()
+    pool = buffer.as_strided((slots_in_pool, heads, features, width), (page, features * width, width, 1), offset)
+    pool[..., : width - 1] -= 0.5
+    return pool
+
+
+@pytest.mark.parametrize("with_decay", [False, True], ids=["prefix", "based-decay+gate"])
+@pytest.mark.parametrize(
+    "page_extra, offset", [(0, 0), (2 * 9, 9), (5, 3)], ids=["contiguous", "padded-whole-rows", "padded-odd"]
+)
+def test_serving_decode_step_updates_the_states_where_they_live(with_decay, page_extra, offset):
+    """The PyTorch step at slots (index_add_ of the update, one weighted embedding_bag for the read; a gather for the
+    read when the pool's pages are not whole rows) leaves every state exactly as the step on a gathered copy
+    written back does, reads the same outputs, and touches no other slot or the memory between pages."""
+    from modeling_jrt.linear_attention import linear_attention_step, linear_attention_step_at_slots
+
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, K, V = 3, 2, 4, 8
+    features = num_taylor_features(K)
+    q, k = torch.randn(2, batch, heads, K, generator=generator)
+    v = torch.randn(batch, heads, V, generator=generator)
+    page = heads * features * (V + 1) + page_extra
+    pool = pool_with_pages(6, heads, features, V + 1, page, offset, generator)
+    slots = torch.tensor([4, 0, 3])
+    kwargs = {}
+    if with_decay:
+        kwargs = dict(log_decay=torch.log(torch.tensor([0.9, 0.99])), gate=torch.rand(batch, heads, generator=generator))
+    expected_output, state = linear_attention_step(q, k, v, pool.index_select(0, slots), **kwargs)
+    expected_pool = pool.clone()
+    expected_pool.index_copy_(0, slots, state)
+    buffer_before = pool.as_strided((offset + 6 * page,), (1,), 0).clone()
+    output = linear_attention_step_at_slots(q, k, v, pool, slots, implementation="chunked", **kwargs)
+    torch.testing.assert_close(output, expected_output, **FP32_TOL)
+    assert torch.equal(pool, expected_pool)  # the same products and sums: bit for bit
+    buffer = pool.as_strided((offset + 6 * page,), (1,), 0)
+    outside = torch.ones_like(buffer, dtype=torch.bool)
+    for slot in slots.tolist():
+        outside[offset + slot * page : offset + slot * page + heads * features * (V + 1)] = False
+    assert torch.equal(buffer[outside], buffer_before[outside])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: {**a, "pool": a["pool"][:, :1]}, "pool must be an fp32 (N, H, F, V + 1) = (N, 2, 21, 9)"),
+        (lambda a: {**a, "pool": a["pool"].half()}, "torch.float16"),
+        (lambda a: {**a, "slots": a["slots"][:2]}, "slots must be (3,) int32 / int64; got (2,)"),
+        (lambda a: {**a, "slots": a["slots"].float()}, "torch.float32"),
+        (lambda a: {**a, "v": a["v"][:, :1]}, "q, k must be (B, H, K) and v (B, H, V) with the same B and H"),
+        (lambda a: {**a, "log_decay": torch.zeros(3)}, "log_decay must be (H,) = (2,)"),
+    ],
+    ids=["pool-shape", "pool-dtype", "slots-shape", "slots-dtype", "v-heads", "decay-shape"],
+)
+def test_serving_decode_step_names_bad_arguments(change, message):
+    from modeling_jrt.linear_attention import linear_attention_step_at_slots
+
+    arguments = dict(
+        q=torch.randn(3, 2, 4), k=torch.randn(3, 2, 4), v=torch.randn(3, 2, 8),
+        pool=torch.rand(5, 2, num_taylor_features(4), 9), slots=torch.tensor([0, 2, 4]),
+    )
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        linear_attention_step_at_slots(**change(arguments), implementation="chunked")
