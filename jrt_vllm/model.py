@@ -608,8 +608,8 @@ class JRTLinearAttention(JRTStateLayer):
 
     def step(self, projected: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
         query, key, value, gate = self._split(projected)  # (B, H, K), (B, H, K), (B, H, V), (B, H)
-        # On a GPU the fused step updates each state where it lives; elsewhere a gathered copy is updated and written
-        # back (`linear_attention_step_at_slots`).
+        # Each state is updated where it lives in the pool: the fused Triton step on a GPU, PyTorch's index_add_ and a
+        # weighted embedding_bag elsewhere (`linear_attention_step_at_slots`).
         output = linear_attention_step_at_slots(
             query, key, value, self.kv_cache[0], slots, log_decay=self.log_decay(query.device), gate=gate,
             eps=self.config.linear_attention_eps, implementation=self.config.linear_attention_implementation,
