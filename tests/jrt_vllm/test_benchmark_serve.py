@@ -13,18 +13,29 @@ pytest.importorskip("vllm", reason="vLLM is not installed (`.ci/vllm` runs these
 
 
 def test_serve_benchmark_quick(load_benchmark, tmp_path, capsys):
+    """Both engines stay up and take turns (`--rounds` timed batches each); the ratios are the medians of the rounds'
+    ratios, each model's figures its median round's."""
     output = tmp_path / "serve.json"
-    load_benchmark("serve").main(["--quick", "--json", str(output)])
+    load_benchmark("serve").main(["--quick", "--rounds", "3", "--json", str(output)])
     table = capsys.readouterr().out
-    assert "| jrt / llama |" in table
+    assert "| jrt / llama |" in table and "median of 3 alternating rounds" in table
     result = json.loads(output.read_text())
     assert set(result["results"]) == {"jrt", "llama"}
     for row in result["results"].values():
-        assert row["requests_per_s"] > 0 and row["generated_tokens_per_s"] > 0
+        assert len(row["rounds"]) == 3
+        assert row["requests_per_s"] == sorted(r["requests_per_s"] for r in row["rounds"])[1] > 0
         assert row["generated_tokens_per_s"] == pytest.approx(row["requests_per_s"] * result["args"]["new_tokens"])
-    assert result["jrt_over_llama"]["requests_per_s"] == pytest.approx(
-        result["results"]["jrt"]["requests_per_s"] / result["results"]["llama"]["requests_per_s"]
+    paired = sorted(
+        jrt["requests_per_s"] / llama["requests_per_s"]
+        for jrt, llama in zip(result["results"]["jrt"]["rounds"], result["results"]["llama"]["rounds"])
     )
+    assert result["jrt_over_llama"]["requests_per_s"] == pytest.approx(paired[1])
+
+
+def test_serve_benchmark_rejects_no_rounds(load_benchmark, capsys):
+    with pytest.raises(SystemExit):
+        load_benchmark("serve").parse_args(["--rounds", "0"])
+    assert "--rounds must be at least 1; got 0" in capsys.readouterr().err
 
 
 def test_serve_benchmark_table(load_benchmark, tmp_path, capsys, monkeypatch):
