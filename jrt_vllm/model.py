@@ -2,10 +2,10 @@
 
 vLLM sees an attention-free model (`IsAttentionFree`, like Mamba2): each mixer is a `MambaBase` layer that declares
 its state, and vLLM allocates one slot per request, binds it and hands the slot indices to every forward (the
-metadata of its short-conv backend). The states are those of transformers' cache in `modeling_jrt`:
+metadata of its short-conv backend). The states hold what transformers' cache in `modeling_jrt` holds:
 
     "conv"               the last K - 1 inputs of the depthwise convolution             (K - 1, D)      model dtype
-    "sliding_attention"  the last W - 1 rotated keys and values, and the tokens read   (W - 1, d) x 2, (1,) fp32
+    "sliding_attention"  the last W - 1 rotated keys and values (a ring), tokens read  (H, W - 1, d) x 2, (1,) fp32
     "linear_attention"   the Taylor-feature state, encoder sum included                (H, F, V + 1)   fp32
 
 The sliding window is a state as well (not vLLM's paged `Attention`): the JRT prefix fill below adds tokens that
@@ -438,9 +438,9 @@ class JRTSlidingWindowAttention(JRTStateLayer):
         """(B,) tokens read -> (B,) int64 keys of them a new query sees (the last min(seen, W - 1))."""
         return torch.clamp(seen.long(), max=self.window - 1)
 
-    def _ring_order(self, seen: torch.Tensor, end: torch.Tensor | int = 0) -> torch.Tensor:
-        """`(B, W - 1)` ring row of each state row in token order, oldest first, when `seen + end` tokens have been
-        read (row i holds token seen + end - (W - 1) + i; rows before the first token hold nothing)."""
+    def _ring_order(self, seen: torch.Tensor, end: int = 0) -> torch.Tensor:
+        """`(B, W - 1)` ring row of each of the last W - 1 tokens, oldest first, when `seen + end` tokens have been
+        read (token t at row t mod (W - 1); places before the first token hold nothing)."""
         order = torch.arange(self.rows, device=seen.device)
         return (order[None, :] + seen.long()[:, None] + end) % self.rows
 
@@ -471,12 +471,10 @@ class JRTSlidingWindowAttention(JRTStateLayer):
             query, keys, values, key_mask, sliding_window=self.window, scaling=self.scaling, implementation="sdpa"
         )  # (G, T, H, d)
         if slots is not None:  # the last W - 1 keys, each at its ring row
-            last = -1 - torch.arange(self.rows, device=device)  # (W - 1,) their places, newest first
-            index = (seen.long()[:, None] + seq_len + last[None, :]) % self.rows  # (G, W - 1) ring rows
-            index = index[:, None, :, None].expand(-1, self.num_heads, -1, self.head_dim)
+            index = self._ring_order(seen, seq_len)[:, None, :, None].expand(-1, self.num_heads, -1, self.head_dim)
             for state, rows in ((self.kv_cache[0], keys), (self.kv_cache[1], values)):
                 ring = rows.new_empty(batch_size, self.num_heads, self.rows, self.head_dim)
-                ring.scatter_(2, index, rows[:, :, last])
+                ring.scatter_(2, index, rows[:, :, -self.rows :])
                 state.index_copy_(0, slots, ring.to(state.dtype))
             self.kv_cache[2].index_copy_(0, slots, (seen + seq_len)[:, None].to(self.kv_cache[2].dtype))
         return output.reshape(batch_size, seq_len, -1)
