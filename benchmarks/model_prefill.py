@@ -22,7 +22,8 @@ peak memory and allocator state never leak into the next. Llama runs while N <= 
 
 `--profile N` times one JRT-RNN prefill of N tokens in a fresh worker (after a warm-up prefill of the same length) and
 prints the share of process CPU time per module type: linear attention, sliding window, MLP, short conv, RMSNorm,
-and other (embedding, fill, LM head, the layers' glue and residual adds), with the system (page-fault) time.
+and other (embedding, fill, LM head, the layers' glue and residual adds), with the system (page-fault) time. On CUDA
+the shares are of wall time, the device synchronised around every module.
 """
 
 from __future__ import annotations
@@ -151,24 +152,33 @@ PROFILED = {  # module type -> profile row; a call inside another (a norm a mixe
 
 @torch.no_grad()
 def profile_point(length: int, args: argparse.Namespace) -> dict:
-    """Process CPU time (ms) per module type of one JRT-RNN prefill of `length` tokens, in this process: forward
-    hooks read `time.process_time()` around every call of the `PROFILED` modules; "other" is the rest of the
-    forward. Times are exclusive: a profiled call made inside another (the norm that a linear-attention layer
-    applies chunk by chunk on the way into its projections) counts for its own row only. Also the forward's user
-    and system time and minor page faults from `getrusage`."""
+    """Time (ms) per module type of one JRT-RNN prefill of `length` tokens, in this process: forward hooks read a
+    clock around every call of the `PROFILED` modules; "other" is the rest of the forward. On CPU the clock is the
+    process CPU time; on CUDA the wall time, with the device synchronised in every hook (each module's kernels
+    finish inside its own row; the syncs add a little to the total). Times are exclusive: a profiled call made
+    inside another (the norm that a linear-attention layer applies chunk by chunk on the way into its projections)
+    counts for its own row only. Also the forward's user and system time and minor page faults from `getrusage`."""
+    device = torch.device(args.device)
     model = build_model("jrt", args)
     generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, args.vocab_size, (1, length), generator=generator).to(args.device)
-    prefill(model, input_ids)  # warm-up at the same length (allocator, kernel selection)
+    input_ids = torch.randint(0, args.vocab_size, (1, length), generator=generator).to(device)
+    prefill(model, input_ids)  # warm-up at the same length (allocator, kernel selection, autotuning)
+    synchronize(device)
     totals = dict.fromkeys(PROFILED.values(), 0.0)
     started: list[list[float]] = []  # [start, time of the profiled calls inside] per open call
 
+    def clock() -> float:
+        if device.type == "cpu":
+            return time.process_time()
+        synchronize(device)
+        return time.perf_counter()
+
     def before(module, inputs):
-        started.append([time.process_time(), 0.0])
+        started.append([clock(), 0.0])
 
     def after(module, inputs, output):
         start, inner = started.pop()
-        elapsed = time.process_time() - start
+        elapsed = clock() - start
         totals[PROFILED[type(module).__name__]] += elapsed - inner
         if started:
             started[-1][1] += elapsed
@@ -178,16 +188,16 @@ def profile_point(length: int, args: argparse.Namespace) -> dict:
         if type(module).__name__ in PROFILED:
             handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    start = time.process_time()
+    start = clock()
     prefill(model, input_ids)
-    total = time.process_time() - start
+    total = clock() - start
     end_usage = resource.getrusage(resource.RUSAGE_SELF)
     for handle in handles:
         handle.remove()
     shares = {name: seconds * 1e3 for name, seconds in totals.items()}
     shares["other"] = max(total * 1e3 - sum(shares.values()), 0.0)
     return {
-        "length": length, "total_ms": total * 1e3, "ms": shares,
+        "length": length, "device": device.type, "total_ms": total * 1e3, "ms": shares,
         "user_ms": (end_usage.ru_utime - usage.ru_utime) * 1e3,
         "system_ms": (end_usage.ru_stime - usage.ru_stime) * 1e3,
         "minor_faults": end_usage.ru_minflt - usage.ru_minflt,
@@ -196,7 +206,8 @@ def profile_point(length: int, args: argparse.Namespace) -> dict:
 
 def print_profile(result: dict) -> None:
     total = result["total_ms"]
-    print(f"JRT-RNN prefill of {result['length']} tokens: {total:.0f} ms process CPU time "
+    clock = "process CPU time" if result.get("device", "cpu") == "cpu" else "wall time, synchronised per module"
+    print(f"JRT-RNN prefill of {result['length']} tokens: {total:.0f} ms {clock} "
           f"(user {result['user_ms']:.0f}, system {result['system_ms']:.0f}, minor faults {result['minor_faults']})")
     print("| module type | ms | share |")
     print("|---|---|---|")

@@ -96,7 +96,7 @@ class JRTRNNRMSNorm(nn.Module):
         written straight into one new output."""
         width = hidden_states.shape[-1]
         rows = hidden_states.numel() // max(width, 1)
-        chunk = inference_chunk_rows(rows, width)
+        chunk = inference_chunk_rows(rows, width, hidden_states.device)
         if chunk is None:
             return self.normalize(hidden_states)
         out = hidden_states.new_empty(hidden_states.shape, dtype=self.weight.dtype)
@@ -457,7 +457,7 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         # Norm, MLP and residual add are position-wise: during inference one pass per token chunk, added in place
         # into the residual this layer just made (no second (B, T, hidden) tensor).
         rows = hidden_states.numel() // hidden_states.shape[-1]
-        chunk = inference_chunk_rows(rows, self.mlp.gate_proj.out_features)
+        chunk = inference_chunk_rows(rows, self.mlp.gate_proj.out_features, hidden_states.device)
         if chunk is None:
             return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)).float()
         flat = hidden_states.view(rows, hidden_states.shape[-1])
@@ -484,7 +484,7 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         width = self.mixer.inference_width(batch_size)
         if self.mlp is not None:
             width = max(width, batch_size * self.mlp.gate_proj.out_features)
-        chunk = inference_chunk_rows(seq_len, width)
+        chunk = inference_chunk_rows(seq_len, width, hidden_states.device)
         block = default_block_size(self.mixer.sliding_window) if self.layer_type == "sliding_attention" else 1
         if chunk is not None and chunk > block:
             chunk -= chunk % block  # whole query blocks per chunk

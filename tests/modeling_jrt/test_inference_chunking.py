@@ -13,6 +13,7 @@ from modeling_jrt import JRTRNNForCausalLM
 from modeling_jrt import JRTRNNCache
 
 ATOL = RTOL = 1e-5  # fp32
+CPU = torch.device("cpu")
 
 
 def set_chunking(monkeypatch: pytest.MonkeyPatch, elements: int) -> None:
@@ -95,17 +96,28 @@ def test_autograd_forward_is_not_chunked(monkeypatch, make_config):
     input_ids = torch.randint(4, 99, (2, 30))
     model(input_ids, labels=input_ids).loss.backward()
     assert lengths and set(lengths) == {30}
-    assert chunking.inference_chunk_rows(1000, 8) is None
+    assert chunking.inference_chunk_rows(1000, 8, CPU) is None
     with torch.no_grad():
-        assert chunking.inference_chunk_rows(1000, 8) == 1
+        assert chunking.inference_chunk_rows(1000, 8, CPU) == 1
 
 
 def test_default_chunk_bounds_intermediates():
-    """The default budget: at most 2**21 elements (8 MiB in fp32) per chunk, never fewer than 64 rows."""
+    """The CPU budget: at most 2**21 elements (8 MiB in fp32) per chunk, never fewer than 64 rows."""
     with torch.inference_mode():
-        assert chunking.inference_chunk_rows(65536, 1024) == 2048
-        assert chunking.inference_chunk_rows(2048, 1024) is None  # fits one chunk: the one-pass forward
-        assert chunking.inference_chunk_rows(65536, 1 << 20) == 64
+        assert chunking.inference_chunk_rows(65536, 1024, CPU) == 2048
+        assert chunking.inference_chunk_rows(2048, 1024, CPU) is None  # fits one chunk: the one-pass forward
+        assert chunking.inference_chunk_rows(65536, 1 << 20, CPU) == 64
+
+
+def test_accelerator_chunks_are_larger():
+    """On an accelerator the budget is 2**27 elements: a 64k-token prefill at hidden 256 runs unchunked (one launch
+    per op, not 32), a 1M-token one in chunks of 128k rows. The device is only looked at, not used."""
+    cuda = torch.device("cuda")
+    with torch.inference_mode():
+        assert chunking.inference_chunk_rows(65536, 1024, cuda) is None
+        assert chunking.inference_chunk_rows(1 << 20, 1024, cuda) == 1 << 17
+        assert chunking.inference_chunk_rows(65536, 1 << 27, cuda) == 64
+    assert chunking.inference_chunk_rows(1 << 20, 1024, cuda) is None  # autograd on: never chunked
 
 
 @pytest.mark.parametrize("kernel_size", [1, 2, 3, 4])
