@@ -41,6 +41,16 @@ or right padding: two comparisons per token), one for the others (the mask loade
 rows. Autotuned over a few (BT, BV, warps) per GPU architecture (`configs_for_architecture`) and per (K, V,
 dtype, power-of-two bucket of T), unless JRT_TRITON_AUTOTUNE=0 (the architecture's default config).
 
+Sequence-parallel prefill (inference, `segment_length`; `auto_segment_length` picks it on CUDA when B * H programs
+would leave most SMs idle, e.g. one sequence of a small model): each row's T tokens are cut into NSEG segments of SEG
+tokens (a multiple of every BT, so no chunk straddles two). `_segment_states_kernel`, grid (cdiv(V, BV), B * H,
+NSEG + NENC), reduces each segment's keys alone (the update of step 2 without the queries, decayed to the segment's
+end) and the encoder's range in NENC slices; `_states_before_segments` adds them up in PyTorch into the state each
+segment starts from (the initial state, the whole encoder and every earlier segment, aged gamma**SEG per segment
+with the decay); the kernel above then runs with SEGMENTED, grid (cdiv(V, BV), B * H, NSEG): program s loads its
+segment's start state instead of reading the encoder, scans its SEG tokens, and the last writes the final state.
+About 1.5x the one-pass work on NSEG times the programs.
+
 Dims (fla naming): B batch, T decoder length, M encoder length, H heads, K feature dim, V value dim,
 F = 1 + K + K**2 Taylor features; tiles BT (tokens), BK (feature dim, a power of two >= 16), BV (value columns per
 program, a power of two), BP (pair rows, two halves of BP / 2).
@@ -94,7 +104,7 @@ def configs_for_architecture(major: int, V: int = 64) -> list[triton.Config]:
 _INTERPRETER_CONFIGS = [_config(32, 32, 4)]
 
 
-@triton.jit(do_not_specialize=["T", "T_BUCKET"])
+@triton.jit(do_not_specialize=["T", "T_BUCKET", "SEG", "NSEG"])
 def _prefix_linear_attention_fwd_kernel(
     q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, key_rows, state_in, log_decay, gate, o, state_out,
     encoder_state_out, rden_out,
@@ -105,16 +115,26 @@ def _prefix_linear_attention_fwd_kernel(
     s_veb, s_vet, s_veh, s_vev,
     s_mb, s_mt,
     s_ob, s_ot, s_oh, s_ov,
-    T, T_BUCKET, eps, key_scale,
+    T, T_BUCKET, SEG, NSEG, eps, key_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
     MASK: tl.constexpr, STRICT: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr, SAVE_FOR_BACKWARD: tl.constexpr,
-    SAVE_ENCODER_STATE: tl.constexpr,
+    SAVE_ENCODER_STATE: tl.constexpr, SEGMENTED: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    # SEGMENTED (the sequence-parallel prefill, `_segments`): program i_s scans the decoder tokens
+    # [i_s SEG, (i_s + 1) SEG) from the state before them (state_in (B, NSEG, H, F, V + 1), the encoder included:
+    # no encoder loop here), and the last segment writes the final state. Otherwise SEG >= T and NSEG = 1.
+    if SEGMENTED:
+        i_s = tl.program_id(2).to(tl.int64)
+        t_lo = i_s * SEG
+        t_hi = tl.minimum(t_lo + SEG, T)
+    else:  # the one-pass build keeps no segment values live
+        t_lo = 0
+        t_hi = T
     # With a key mask the launcher runs this kernel twice, MASK = 1 for the rows whose mask is one range [lo, hi)
     # (padding on the left or the right, or none), MASK = 2 for the others; each launch skips the other's rows.
     b_key_lo, b_key_hi = 0, 0
@@ -159,8 +179,11 @@ def _prefix_linear_attention_fwd_kernel(
     b_zz = tl.zeros([BK, BK], dtype=tl.float32)
     p_state = i_bh.to(tl.int64) * F * W
     if HAS_INITIAL_STATE:
+        p_state_in = p_state
+        if SEGMENTED:
+            p_state_in = ((i_b * NSEG + i_s) * H + i_h) * F * W
         b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz = _load_state_t(
-            state_in + p_state, o_k, m_k, o_v, m_v, r_d, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, K, V, W
+            state_in + p_state_in, o_k, m_k, o_v, m_v, r_d, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, K, V, W
         )
 
     # 1. Encoder reduction over the row's range [start, end) of the first M tokens: state updates only, no queries,
@@ -170,7 +193,10 @@ def _prefix_linear_attention_fwd_kernel(
     p_ke = k_enc + i_b * s_keb + i_h * s_keh
     p_ve = v_enc + i_b * s_veb + i_h * s_veh
     o_c = tl.arange(0, BT)
-    for i_t in range(b_start // BT, tl.cdiv(b_end, BT)):
+    encoder_stop = tl.cdiv(b_end, BT)
+    if SEGMENTED:  # a segment's state_in holds the encoder already (`_segment_states_kernel` reduced it)
+        encoder_stop = b_start // BT
+    for i_t in range(b_start // BT, encoder_stop):
         o_t = (i_t * BT + o_c).to(tl.int64)
         m_t = o_t < b_end
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, b_start, b_end, b_key_lo, b_key_hi, MASK, STRICT, True)
@@ -197,9 +223,9 @@ def _prefix_linear_attention_fwd_kernel(
     p_g = gate + (i_b * T * H + i_h)
     p_rden = rden_out + (i_b * T * H + i_h)
     b_lg = tl.load(log_decay + i_h).to(tl.float32) if HAS_DECAY else 0.0
-    for i_t in range(0, tl.cdiv(T, BT)):
+    for i_t in range(t_lo // BT, tl.cdiv(t_hi, BT)):  # SEG is a multiple of BT: chunks never straddle segments
         o_t = (i_t * BT + o_c).to(tl.int64)
-        m_t = o_t < T
+        m_t = o_t < t_hi
         b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, b_start, b_end, b_key_lo, b_key_hi, MASK, STRICT, False)
         # [BK, BT] queries, [BT, BK] keys, [BV, BT] values
         b_qt = _tile(p_q, o_k, m_k, s_qk, o_t, m_t, s_qt) * key_scale
@@ -238,7 +264,7 @@ def _prefix_linear_attention_fwd_kernel(
         b_z1 += tl.sum(b_kw, axis=0)
         b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
         if HAS_DECAY:
-            b_len = tl.minimum(T - i_t * BT, BT).to(tl.float32)
+            b_len = tl.minimum(t_hi - i_t * BT, BT).to(tl.float32)
             b_vt = b_vt * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[None, :]
             b_h0, b_h1, b_hd, b_hoa, b_hob = _scale_state(b_h0, b_h1, b_hd, b_hoa, b_hob, tl.exp(b_lg * b_len))
         b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_t(
@@ -246,7 +272,109 @@ def _prefix_linear_attention_fwd_kernel(
             DOT, EMULATE, PRECISION,
         )
 
-    # 3. Final state in the cache layout (B, H, F, V + 1).
+    # 3. Final state in the cache layout (B, H, F, V + 1), from the last segment.
+    if (not SEGMENTED) or (tl.program_id(2) == NSEG - 1):
+        _store_state_t(state_out + p_state, b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz, i_v, o_k, m_k, o_v,
+                       m_v, r_d, r_kk, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, V, W)
+
+
+@triton.jit(do_not_specialize=["T", "T_BUCKET", "SEG", "NSEG"])
+def _segment_states_kernel(
+    k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, key_rows, log_decay, state_out,
+    s_kb, s_kt, s_kh, s_kk,
+    s_vb, s_vt, s_vh, s_vv,
+    s_keb, s_ket, s_keh, s_kek,
+    s_veb, s_vet, s_veh, s_vev,
+    s_mb, s_mt,
+    T, T_BUCKET, SEG, NSEG, key_scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
+    MASK: tl.constexpr, STRICT: tl.constexpr, HAS_DECAY: tl.constexpr,
+    DOT: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The first pass of the sequence-parallel prefill: the state of one segment's keys alone, no queries.
+
+    Program (i_v, b * H + h, i_s) reduces, from a zero state, the decoder keys [i_s SEG, (i_s + 1) SEG) for
+    i_s < NSEG (decayed to the segment's end with the Based decay: gamma**(end - 1 - t)), or for i_s >= NSEG the
+    encoder keys of the row's range [start, end) that fall in [(i_s - NSEG) SEG, (i_s - NSEG + 1) SEG), and writes
+    it to state_out `(B, NSEG + NENC, H, F, V + 1)` in the cache layout. The weights of every key are those of the
+    one-pass kernel (`_key_weights`, the same mask, range and strictness)."""
+    i_v, i_bh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    b_key_lo, b_key_hi = 0, 0
+    if MASK != 0:
+        b_is_range = tl.load(key_rows + i_b * 3)
+        if (MASK == 1 and b_is_range == 0) or (MASK == 2 and b_is_range != 0):
+            return
+        if MASK == 1:
+            b_key_lo = tl.load(key_rows + i_b * 3 + 1)
+            b_key_hi = tl.load(key_rows + i_b * 3 + 2)
+    F: tl.constexpr = 1 + K + K * K
+    W: tl.constexpr = V + 1
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    r_d = 1 + K + o_k * (K + 1)
+    BH: tl.constexpr = BP // 2
+    m_pa, r_ija, r_jia, b_eia, b_eja, b_eiat, b_ejat = _pair_index(tl.arange(0, BH), o_k, K)
+    m_pb, r_ijb, r_jib, b_eib, b_ejb, b_eibt, b_ejbt = _pair_index(BH + tl.arange(0, BH), o_k, K)
+    r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
+    p_m = key_mask + i_b * s_mb
+    b_h0 = tl.zeros([BV], dtype=tl.float32)
+    b_h1 = tl.zeros([BV, BK], dtype=tl.float32)
+    b_hd = tl.zeros([BV, BK], dtype=tl.float32)
+    b_hoa = tl.zeros([BV, BH], dtype=tl.float32)
+    b_hob = tl.zeros([BV, BH], dtype=tl.float32)
+    b_z0 = tl.zeros([1], dtype=tl.float32)
+    b_z1 = tl.zeros([BK], dtype=tl.float32)
+    b_zz = tl.zeros([BK, BK], dtype=tl.float32)
+    b_start = tl.load(encoder_start + i_b)
+    b_end = tl.load(encoder_end + i_b)
+    o_c = tl.arange(0, BT)
+    if i_s < NSEG:  # decoder keys of segment i_s
+        t_lo = i_s * SEG
+        t_hi = tl.minimum(t_lo + SEG, T)
+        p_k = k + i_b * s_kb + i_h * s_kh
+        p_v = v + i_b * s_vb + i_h * s_vh
+        b_lg = tl.load(log_decay + i_h).to(tl.float32) if HAS_DECAY else 0.0
+        for i_t in range(t_lo // BT, tl.cdiv(t_hi, BT)):
+            o_t = (i_t * BT + o_c).to(tl.int64)
+            m_t = o_t < t_hi
+            b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, b_start, b_end, b_key_lo, b_key_hi, MASK, STRICT, False)
+            b_kw = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_k, o_t, m_t, s_kt, o_k, m_k, s_kk) * key_scale, 0.0)
+            b_vt = tl.where(b_w[None, :], _tile(p_v, o_v, m_v, s_vv, o_t, m_t, s_vt), 0.0)
+            b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
+            b_z1 += tl.sum(b_kw, axis=0)
+            b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
+            if HAS_DECAY:
+                b_len = tl.minimum(t_hi - i_t * BT, BT).to(tl.float32)
+                b_vt = b_vt * tl.exp(b_lg * (b_len - 1.0 - o_c.to(tl.float32)))[None, :]
+                b_h0, b_h1, b_hd, b_hoa, b_hob = _scale_state(b_h0, b_h1, b_hd, b_hoa, b_hob, tl.exp(b_lg * b_len))
+            b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_t(
+                b_h0, b_h1, b_hd, b_hoa, b_hob, b_vt, b_kw, b_kw, 1.0, b_eia, b_eja, b_eib, b_ejb,
+                DOT, EMULATE, PRECISION,
+            )
+    else:  # encoder keys of the row's range in segment i_s - NSEG
+        e_lo = tl.maximum(b_start, (i_s - NSEG) * SEG)
+        e_hi = tl.minimum(b_end, (i_s - NSEG + 1) * SEG)
+        p_ke = k_enc + i_b * s_keb + i_h * s_keh
+        p_ve = v_enc + i_b * s_veb + i_h * s_veh
+        for i_t in range(e_lo // BT, tl.cdiv(tl.maximum(e_hi, e_lo), BT)):
+            o_t = (i_t * BT + o_c).to(tl.int64)
+            m_t = (o_t >= e_lo) & (o_t < e_hi)  # none when the range misses this segment
+            b_raw, b_w = _key_weights(p_m, s_mt, o_t, m_t, b_start, b_end, b_key_lo, b_key_hi, MASK, STRICT, True)
+            b_k = tl.where(b_raw[:, None] & b_w[:, None], _tile(p_ke, o_t, m_t, s_ket, o_k, m_k, s_kek) * key_scale,
+                           0.0)
+            b_vt = tl.where(b_w[None, :], _tile(p_ve, o_v, m_v, s_vev, o_t, m_t, s_vet), 0.0)
+            b_h0, b_h1, b_hd, b_hoa, b_hob = _add_chunk_t(
+                b_h0, b_h1, b_hd, b_hoa, b_hob, b_vt, b_k, b_k, 1.0, b_eia, b_eja, b_eib, b_ejb,
+                DOT, EMULATE, PRECISION,
+            )
+            b_z0 += tl.sum(b_w.to(tl.float32), axis=0)
+            b_z1 += tl.sum(b_k, axis=0)
+            b_zz += _dot_fp32(tl.trans(b_k), b_k)
+    p_state = ((i_b * tl.num_programs(2) + i_s) * H + i_h) * F * W
     _store_state_t(state_out + p_state, b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz, i_v, o_k, m_k, o_v, m_v,
                    r_d, r_kk, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, V, W)
 
@@ -258,22 +386,88 @@ AUTOTUNE = os.environ.get("JRT_TRITON_AUTOTUNE", "1") != "0"
 
 
 @functools.cache
-def _autotuned_kernel(major: int, width: int):
-    """The kernel autotuned over the configs of architecture family `major` (9: sm_90, 8: any other GPU, 0: the CPU
-    interpreter) for value dims of power of two `width`."""
+def _autotuned_kernel(major: int, width: int, kernel=_prefix_linear_attention_fwd_kernel):
+    """`kernel` (the prefill, or the segment states of the sequence-parallel prefill) autotuned over the configs of
+    architecture family `major` (9: sm_90, 8: any other GPU, 0: the CPU interpreter) for value dims of power of two
+    `width`."""
     configs = _INTERPRETER_CONFIGS if major == 0 else configs_for_architecture(major, width)
-    return triton.autotune(configs=configs if AUTOTUNE else configs[:1], key=["K", "V", "T_BUCKET", "MASK"])(
-        _prefix_linear_attention_fwd_kernel
-    )
+    return triton.autotune(configs=configs if AUTOTUNE else configs[:1], key=["K", "V", "T_BUCKET", "MASK"])(kernel)
 
 
-def _kernel_for(device: torch.device, V: int):
-    """The launching device's autotuned kernel (a non-CUDA device only in benchmarks/kernel_aot.py's CPU capture)."""
+def _kernel_for(device: torch.device, V: int, kernel=_prefix_linear_attention_fwd_kernel):
+    """The launching device's autotuned `kernel` (a non-CUDA device only in benchmarks/kernel_aot.py's CPU
+    capture)."""
     if INTERPRETED:
         major = 0
     else:
         major = 9 if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 else 8
-    return _autotuned_kernel(major, max(16, triton.next_power_of_2(V)))
+    return _autotuned_kernel(major, max(16, triton.next_power_of_2(V)), kernel)
+
+
+# The sequence-parallel prefill (`auto_segment_length`): rows of at least SEGMENTED_FROM tokens are cut into segments
+# that are whole multiples of SEGMENT_ALIGN tokens (a multiple of every BT), at least MIN_SEGMENT long, and as many as
+# make about two programs per SM. Measured on an H200 (docs/performance.md, "Third GPU run"), bf16, one row of 8 heads
+# (V = 32): 6.18 -> 0.84 ms at 64k tokens, 1.55 -> 1.00 ms at 16k, but 0.54 -> 0.89 ms at 4k, where three launches
+# and the sums between them cost more than the scan they split.
+SEGMENT_ALIGN = 64
+MIN_SEGMENT = 512
+SEGMENTED_FROM = 8192
+
+
+@torch.compiler.assume_constant_result  # a traced call (torch.compile) takes the value, not the query
+@functools.cache
+def _multiprocessor_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def auto_segment_length(B: int, H: int, T: int, device: torch.device) -> int:
+    """Tokens per segment of the sequence-parallel prefill for B rows of H heads and T tokens on `device`, or 0 for
+    the one-pass kernel.
+
+    The one-pass kernel runs one program per (value block, row, head): B * H programs, 8 for one sequence of a small
+    model, on a GPU of 132 SMs. Below one program per SM, the T tokens are cut into segments of at least MIN_SEGMENT
+    tokens, enough of them for about two programs per SM, when T >= SEGMENTED_FROM. Off CUDA (the interpreter) it
+    is 0."""
+    if device.type != "cuda" or INTERPRETED or T < SEGMENTED_FROM:
+        return 0
+    processors = _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+    if B * H >= processors:
+        return 0
+    segments = min(triton.cdiv(2 * processors, B * H), T // MIN_SEGMENT)
+    if segments < 2:
+        return 0
+    return triton.cdiv(triton.cdiv(T, segments), SEGMENT_ALIGN) * SEGMENT_ALIGN
+
+
+def _states_before_segments(
+    parts: torch.Tensor, segments: int, initial_state: torch.Tensor | None, log_decay: torch.Tensor | None,
+    segment_length: int,
+) -> torch.Tensor:
+    """The state each segment starts from, `(B, NSEG, H, F, V + 1)` fp32, from `_segment_states_kernel`'s `parts`
+    `(B, NSEG + NENC, H, F, V + 1)` (each decoder segment's keys alone, then the encoder's keys by segment):
+
+        before[s] = initial_state + sum of the encoder parts + sum_{s' < s} part[s']                  (no decay)
+        before[s] = g**s initial + sum_{s' < s} g**(s - 1 - s') part[s'],  g = gamma**segment_length  (Based decay,
+                                                   numerator columns; the denominator column never decays)
+    """
+    local = parts[:, :segments]
+    base = parts[:, segments:].sum(dim=1)  # (B, H, F, V + 1): the encoder (zeros without one)
+    if initial_state is not None:
+        base = base + initial_state
+    earlier = torch.zeros_like(local)
+    if log_decay is None:
+        torch.cumsum(local[:, :-1], dim=1, out=earlier[:, 1:])
+        return earlier.add_(base[:, None])
+    V = parts.shape[-1] - 1
+    steps = torch.arange(segments, device=parts.device, dtype=torch.float32)
+    lag = steps[:, None] - 1.0 - steps[None, :]  # (NSEG, NSEG): s - 1 - s'
+    log_step = log_decay.to(torch.float32) * segment_length  # (H,)
+    weights = torch.where(lag >= 0, torch.exp(log_step[:, None, None] * lag.clamp(min=0)), 0.0)  # (H, NSEG, NSEG)
+    earlier[..., :V] = torch.einsum("hst,bthfv->bshfv", weights, local[..., :V])
+    torch.cumsum(local[:, :-1, ..., V:], dim=1, out=earlier[:, 1:, ..., V:])
+    earlier[..., :V] += torch.exp(log_step[:, None] * steps[None, :]).t()[None, :, :, None, None] * base[:, None, ..., :V]
+    earlier[..., V:] += base[:, None, ..., V:]
+    return earlier
 
 
 PAD_MASKINGS = ("strict", "reference")  # as in modeling_jrt.linear_attention (this module imports no modeling_jrt)
@@ -295,14 +489,22 @@ def _prefix_linear_attention_fwd(
     strict: bool,
     eps: float,
     save_for_backward: bool,
+    segment_length: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the kernel on validated inputs (any strides). Returns `(o (B, T, H, V) in v.dtype, state fp32,
     encoder state, inverse denominator)`. With `save_for_backward` the last two are what the fused backward's dq
     scan reads instead of recomputing (`BACKWARD_INPUTS`): the state after the encoder keys `(B, H,
     encoder_state_numel(K, V))` fp32 in the kernels' own form (the initial state's symmetric part plus the encoder;
-    empty without an encoder) and `1 / (den + eps)` per query `(B, T, H)` fp32; otherwise both are empty."""
+    empty without an encoder) and `1 / (den + eps)` per query `(B, T, H)` fp32; otherwise both are empty.
+
+    `segment_length` > 0 (a multiple of SEGMENT_ALIGN, not with `save_for_backward`) runs the sequence-parallel
+    prefill when it cuts T in two or more: `_segment_states_kernel` reduces every segment's keys (and the encoder's,
+    by segment) in parallel, `_states_before_segments` adds them up into the state each segment starts from, and the
+    prefill kernel scans all segments at once from those states (three launches, B * H * segments programs)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
+    segments = triton.cdiv(T, segment_length) if segment_length > 0 and not save_for_backward else 1
+    encoder_length = 0 if k_enc is None else k_enc.shape[1]
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     state = torch.empty(B, H, 1 + K + K * K, V + 1, dtype=torch.float32, device=v.device)
     store_encoder_state = save_for_backward and k_enc is not None
@@ -321,22 +523,42 @@ def _prefix_linear_attention_fwd(
     BK, BP = feature_blocks(K)
 
     key_rows = state if key_mask is None else _key_rows(key_mask)
+    mask_kinds = (0,) if key_mask is None else (1, 2)
+    state_in = initial_state
+    seg_len, seg_bucket = max(T, 1), triton.next_power_of_2(max(T, 1))
+    if segments > 1:
+        seg_len, seg_bucket = segment_length, triton.next_power_of_2(segment_length)
+        encoder_segments = triton.cdiv(encoder_length, segment_length)
+        parts = torch.empty(B, segments + encoder_segments, H, *state.shape[2:], dtype=torch.float32, device=v.device)
+
+        def parts_grid(meta):
+            return (triton.cdiv(V, meta["BV"]), B * H, segments + encoder_segments)
+
+        for mask_kind in mask_kinds:
+            torch.library.wrap_triton(_kernel_for(q.device, V, _segment_states_kernel))[parts_grid](
+                k, v, k_enc, v_enc, encoder_start, encoder_end, mask, key_rows, decay, parts,
+                *k.stride(), *v.stride(), *k_enc.stride(), *v_enc.stride(), *mask_strides,
+                T, seg_bucket, seg_len, segments, K**-0.25,
+                H=H, K=K, V=V, BK=BK, BP=BP, MASK=mask_kind, STRICT=strict, HAS_DECAY=log_decay is not None,
+                **{name: value for name, value in dot_types(v.dtype, INTERPRETED).items() if name != "SDOT"},
+            )
+        state_in = _states_before_segments(parts, segments, initial_state, log_decay, segment_length)
 
     def grid(meta):
-        return (triton.cdiv(V, meta["BV"]), B * H)
+        return (triton.cdiv(V, meta["BV"]), B * H, segments)
 
     # A key mask takes two launches, the range rows and the other rows (each skips the other's programs at once).
-    for mask_kind in (0,) if key_mask is None else (1, 2):
+    for mask_kind in mask_kinds:
         torch.library.wrap_triton(_kernel_for(q.device, V))[grid](
             q, k, v, k_enc, v_enc, encoder_start, encoder_end, mask, key_rows,
-            state if initial_state is None else initial_state, decay, gate_in, o, state,
+            state if state_in is None else state_in, decay, gate_in, o, state,
             encoder_state if store_encoder_state else state, inverse_denominator if save_for_backward else state,
             *q.stride(), *k.stride(), *v.stride(), *k_enc.stride(), *v_enc.stride(), *mask_strides, *o.stride(),
-            T, triton.next_power_of_2(max(T, 1)), eps, K**-0.25,
+            T, seg_bucket, seg_len, segments, eps, K**-0.25,
             H=H, K=K, V=V, BK=BK, BP=BP,
-            MASK=mask_kind, STRICT=strict, HAS_INITIAL_STATE=initial_state is not None,
+            MASK=mask_kind, STRICT=strict, HAS_INITIAL_STATE=state_in is not None,
             HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None, SAVE_FOR_BACKWARD=save_for_backward,
-            SAVE_ENCODER_STATE=store_encoder_state, **dot_types(v.dtype, INTERPRETED),
+            SAVE_ENCODER_STATE=store_encoder_state, SEGMENTED=segments > 1, **dot_types(v.dtype, INTERPRETED),
         )
     if initial_state is not None:
         _add_antisymmetric_part(state, initial_state, log_decay, K, T)
@@ -349,7 +571,7 @@ BACKWARD_INPUTS = ("encoder_state", "inverse_denominator")
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, strict, eps, _ = (
+    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, strict, eps, *_ = (
         inputs
     )
     # the output too (the dq scan takes dy . y from it instead of reading the numerator from the state again), and
@@ -373,7 +595,7 @@ def _backward(ctx, grad_output: torch.Tensor | None, grad_state: torch.Tensor | 
         key_mask=key_mask, strict=ctx.strict, initial_state=initial_state, log_decay=log_decay, gate=gate,
         eps=ctx.eps, output=o, **{name: t for name, t in zip(BACKWARD_INPUTS, saved) if t.numel()},
     )
-    return dq, dk, dv, dk_enc, dv_enc, None, None, None, dinitial, None, dgate, None, None, None
+    return dq, dk, dv, dk_enc, dv_enc, None, None, None, dinitial, None, dgate, None, None, None, None
 
 
 torch.library.register_autograd(
@@ -397,6 +619,7 @@ def prefix_linear_attention_triton(
     gate: torch.Tensor | None = None,
     eps: float = 1e-12,
     return_saved: bool = False,
+    segment_length: int | None = None,
 ) -> tuple[torch.Tensor, ...] | tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Fused prefill of prefix linear attention (JRT-RNN) or, with `k_enc = v_enc = None`, causal Based attention.
 
@@ -420,6 +643,12 @@ def prefix_linear_attention_triton(
         gate: `(B, T, H)` Based numerator gate, or None.
         eps: added to the fp32 denominator.
         return_saved: also return what the fused backward reads instead of recomputing (see Returns).
+        segment_length: inference only (no gradient, no `return_saved`): cut each row's T tokens into segments of
+            this many tokens (a positive multiple of 64) scanned in parallel, each from the state of the tokens
+            before it, which a first pass over the keys computes (the sequence-parallel prefill: more programs when
+            B * H is small, about 1.5x the work). None: `auto_segment_length` on CUDA (segments when B * H is below
+            the GPU's SM count and T is long), one pass otherwise; 0: always one pass. The outputs equal the
+            one-pass kernel's up to the order of the fp32 sums.
 
     Returns:
         `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) fp32)`, and with `return_saved` a third
@@ -461,13 +690,26 @@ def prefix_linear_attention_triton(
     differentiated = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, k_enc, v_enc, initial_state, gate)
     )
+    save_for_backward = return_saved or differentiated
+    if segment_length is None:
+        segment_length = 0 if save_for_backward else auto_segment_length(B, H, T, q.device)
+    elif segment_length < 0 or segment_length % SEGMENT_ALIGN:
+        raise ValueError(
+            f"segment_length must be 0 (one pass) or a positive multiple of {SEGMENT_ALIGN} tokens; got "
+            f"{segment_length}."
+        )
+    elif segment_length and save_for_backward:
+        raise ValueError(
+            "segment_length: the sequence-parallel prefill is for inference (its segments' states are not kept for "
+            "a backward); call it under torch.no_grad() without return_saved, or pass segment_length=None."
+        )
     output, state, *saved = _prefix_linear_attention_fwd(
         q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate,
-        pad_masking == "strict", float(eps), return_saved or differentiated,
+        pad_masking == "strict", float(eps), save_for_backward, segment_length,
     )
     if not return_saved:
         return output, state
     return output, state, {name: t for name, t in zip(BACKWARD_INPUTS, saved) if t.numel()}
 
 
-__all__ = ["prefix_linear_attention_triton"]
+__all__ = ["auto_segment_length", "prefix_linear_attention_triton"]

@@ -505,3 +505,95 @@ def test_generation_masks_take_the_range_launch(strategy):
         key_mask &= prepared.linear_attention_mask.bool()
     assert (key_mask.sum(-1) < key_mask.shape[1]).any()  # some rows are padded
     assert kernel_module._key_rows(key_mask)[:, 0].tolist() == [1, 1, 1]
+
+
+# The sequence-parallel prefill (`segment_length`): segments of 64 tokens, the smallest allowed, over T = 200 (three
+# whole segments and a partial one), encoder ranges crossing segment boundaries.
+SEGMENT = 64
+
+
+def assert_segments_match(q, k, v, k_enc=None, v_enc=None, **kwargs):
+    """The segmented kernel equals the one-pass kernel (fp32 sums in another order) and the fp64 oracle."""
+    with torch.no_grad():
+        one_pass = prefix_linear_attention_triton(q, k, v, k_enc, v_enc, segment_length=0, **kwargs)
+        segmented = prefix_linear_attention_triton(q, k, v, k_enc, v_enc, segment_length=SEGMENT, **kwargs)
+    rows = torch.ones(q.shape[:2], dtype=torch.bool) if kwargs.get("key_mask") is None else kwargs["key_mask"].cpu()
+    expected_output, expected_state = oracle(q, k, v, k_enc, v_enc, **kwargs)
+    state_scale = expected_state.abs().max().item()
+    torch.testing.assert_close(segmented[0].cpu()[rows], one_pass[0].cpu()[rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(segmented[1].cpu(), one_pass[1].cpu(), rtol=1e-5, atol=1e-6 * state_scale)
+    torch.testing.assert_close(segmented[0].cpu().double()[rows], expected_output.cpu()[rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(segmented[1].cpu().double(), expected_state.cpu(), rtol=1e-5, atol=1e-5 * state_scale)
+
+
+@pytest.mark.parametrize("M", [0, 1, 70, 200], ids=["M0", "M1", "M70", "Mall"])
+def test_segments_match_one_pass(device, M):
+    """Encoders of no token, one, one segment and a bit (split over two segments' programs) and every token."""
+    inputs = make_inputs(2, 200, 2, 8, M, K=4, device=device, seed=20)
+    initial_state = oracle(*make_inputs(2, 30, 2, 8, 0, K=4, device=device, seed=21)[:3])[1].float()
+    assert_segments_match(*inputs, initial_state=initial_state)
+
+
+@pytest.mark.parametrize("pad_masking", ["strict", "reference"])
+def test_segments_with_key_masks_and_encoder_ranges(device, pad_masking):
+    """Rows of every mask kind (a left pad longer than a segment, holes, a row with no key) and per-row encoder
+    ranges that start after the padding and end inside a later segment: both mask launches of both passes."""
+    T = 200
+    key_mask = torch.ones(4, T, dtype=torch.bool, device=device)
+    key_mask[1, : SEGMENT + 10] = False
+    key_mask[2, 100:103] = False
+    key_mask[3] = False
+    starts = torch.tensor([0, SEGMENT + 10, 5, 0], device=device)
+    ends = torch.tensor([150, 140, 130, 0], device=device)
+    inputs = make_inputs(4, T, 2, 8, 150, K=4, device=device, seed=22)
+    assert_segments_match(
+        *inputs, key_mask=key_mask, pad_masking=pad_masking, encoder_start=starts, encoder_end=ends
+    )
+
+
+def test_segments_with_based_decay_gate_and_asymmetric_state(device):
+    """The Based decay (a segment's state ages by gamma**64 per segment), the gate, and an initial state with an
+    antisymmetric part that must reach the final state decayed by gamma**T."""
+    q, k, v, _, _ = make_inputs(2, 200, 2, 8, 0, K=4, device=device, seed=23)
+    generator = torch.Generator().manual_seed(24)
+    initial_state = (torch.randn(2, 2, 21, 9, generator=generator) * 2).to(device)
+    initial_state[..., -1] = initial_state[..., -1].abs() + 1
+    log_decay = torch.log(torch.tensor([0.95, 0.999])).to(device)
+    gate = torch.rand(2, 200, 2, generator=generator).to(device)
+    assert_segments_match(q, k, v, initial_state=initial_state, log_decay=log_decay, gate=gate)
+
+
+def test_one_segment_is_the_one_pass_kernel(device):
+    """A segment at least as long as the row runs the one-pass kernel: the same bits."""
+    inputs = make_inputs(1, 50, 2, 8, 20, K=4, device=device, seed=25)
+    with torch.no_grad():
+        one_pass = prefix_linear_attention_triton(*inputs, segment_length=0)
+        segment = prefix_linear_attention_triton(*inputs, segment_length=SEGMENT)
+    assert torch.equal(one_pass[0], segment[0]) and torch.equal(one_pass[1], segment[1])
+
+
+def test_segment_length_is_checked(device):
+    q, k, v, k_enc, v_enc = make_inputs(1, 70, 1, 8, 10, K=4, device=device, seed=26)
+    for bad in (-64, 32, 100):
+        with pytest.raises(ValueError, match="positive multiple of 64"):
+            prefix_linear_attention_triton(q, k, v, k_enc, v_enc, segment_length=bad)
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match="for inference"):
+        prefix_linear_attention_triton(q, k, v, k_enc, v_enc, segment_length=SEGMENT)
+    with torch.no_grad(), pytest.raises(ValueError, match="for inference"):
+        prefix_linear_attention_triton(q, k, v, k_enc, v_enc, segment_length=SEGMENT, return_saved=True)
+
+
+def test_auto_segment_length(monkeypatch):
+    """Segments only on CUDA, only below one program per SM and from SEGMENTED_FROM tokens on, at least MIN_SEGMENT
+    tokens each, whole multiples of 64, about two programs per SM (the SM count is faked: no GPU is needed for the arithmetic)."""
+    assert kernel_module.auto_segment_length(1, 8, 65536, torch.device("cpu")) == 0
+    monkeypatch.setattr(kernel_module, "INTERPRETED", False)
+    monkeypatch.setattr(kernel_module, "_multiprocessor_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    length = kernel_module.auto_segment_length(1, 8, 65536, cuda)
+    assert length == 2048 and 65536 // length * 8 >= 132  # 32 segments: 256 programs for 132 SMs
+    assert kernel_module.auto_segment_length(1, 8, 8192, cuda) == 512  # MIN_SEGMENT: 16 segments
+    assert kernel_module.auto_segment_length(1, 8, 8191, cuda) == 0  # under SEGMENTED_FROM: one pass
+    assert kernel_module.auto_segment_length(16, 16, 65536, cuda) == 0  # 256 programs already
+    assert kernel_module.auto_segment_length(3, 5, 100_000, cuda) % 64 == 0
