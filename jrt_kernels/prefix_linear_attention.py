@@ -647,7 +647,7 @@ def prefix_linear_attention_triton(
             this many tokens (a positive multiple of 64) scanned in parallel, each from the state of the tokens
             before it, which a first pass over the keys computes (the sequence-parallel prefill: more programs when
             B * H is small, about 1.5x the work). None: `auto_segment_length` on CUDA (segments when B * H is below
-            the GPU's SM count and T is long), one pass otherwise; 0: always one pass. The outputs equal the
+            the GPU's SM count and T is long), one pass otherwise and under `torch.compile`; 0: always one pass. The outputs equal the
             one-pass kernel's up to the order of the fp32 sums.
 
     Returns:
@@ -691,8 +691,14 @@ def prefix_linear_attention_triton(
         t is not None and t.requires_grad for t in (q, k, v, k_enc, v_enc, initial_state, gate)
     )
     save_for_backward = return_saved or differentiated
-    if segment_length is None:
-        segment_length = 0 if save_for_backward else auto_segment_length(B, H, T, q.device)
+    compiling = torch.compiler.is_compiling()
+    if segment_length is None:  # torch.compile traces the one pass (the segmented launches failed to trace on an H200)
+        segment_length = 0 if save_for_backward or compiling else auto_segment_length(B, H, T, q.device)
+    elif segment_length and compiling:
+        raise ValueError(
+            "segment_length: the sequence-parallel prefill runs eagerly only (torch.compile does not trace its three "
+            "launches yet); pass segment_length=None or 0 inside a compiled function."
+        )
     elif segment_length < 0 or segment_length % SEGMENT_ALIGN:
         raise ValueError(
             f"segment_length must be 0 (one pass) or a positive multiple of {SEGMENT_ALIGN} tokens; got "

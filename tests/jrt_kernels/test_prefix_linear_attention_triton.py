@@ -597,3 +597,18 @@ def test_auto_segment_length(monkeypatch):
     assert kernel_module.auto_segment_length(1, 8, 8191, cuda) == 0  # under SEGMENTED_FROM: one pass
     assert kernel_module.auto_segment_length(16, 16, 65536, cuda) == 0  # 256 programs already
     assert kernel_module.auto_segment_length(3, 5, 100_000, cuda) % 64 == 0
+
+
+def test_compiled_calls_take_the_one_pass(device, monkeypatch):
+    """Under torch.compile the automatic choice is the one pass (the segmented launches are not traced), and an
+    explicit segment length is refused with a message (simulated: `torch.compiler.is_compiling` patched)."""
+    inputs = make_inputs(1, 200, 2, 8, 20, K=4, device=device, seed=27)
+    with torch.no_grad():
+        one_pass = prefix_linear_attention_triton(*inputs, segment_length=0)
+    monkeypatch.setattr(kernel_module, "auto_segment_length", lambda *args: SEGMENT)  # as if on a GPU
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with torch.no_grad():
+        traced = prefix_linear_attention_triton(*inputs)
+        with pytest.raises(ValueError, match="eagerly only"):
+            prefix_linear_attention_triton(*inputs, segment_length=SEGMENT)
+    assert torch.equal(traced[0], one_pass[0]) and torch.equal(traced[1], one_pass[1])
