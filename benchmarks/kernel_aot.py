@@ -407,6 +407,7 @@ class Case:
     bytes: Callable[[int, int, int], float]
     configs: Callable[[int, str, dict], list[triton.Config]] | None = None  # per (arch, kernel, launch kwargs)
     decode: bool = False  # one token per program: estimates for one step (T = 1), not per prefill length
+    estimated: bool = True  # False: registers, spills and loops only (no issue estimate at the paper shape)
 
 
 def _pla_flops(T: int, M: int, K: int = 16, V: int = 64, chunk: int = 64) -> float:
@@ -540,8 +541,40 @@ def _decode_case() -> Case:
     )
 
 
+def _segments_case() -> Case:
+    """The sequence-parallel prefill (inference): `_segment_states_kernel` (each segment's keys, the encoder by
+    slices) and the forward kernel's SEGMENTED build, launched on T = 128 in segments of 64 tokens. Built for the
+    registers, spills and loops only: it runs where B x H leaves SMs idle (one sequence), not at the paper's B = 16,
+    so no issue estimate is made at the paper shape."""
+    from jrt_kernels import prefix_linear_attention as module
+
+    def launch(dtype: torch.dtype, variant: str) -> None:
+        B, H, K, V = 1, PAPER["H"], PAPER["K"], PAPER["V"]
+        T, M = 128, 64
+        q, k = torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype)
+        v = torch.randn(B, T, H, V, dtype=dtype)
+        k_enc, v_enc, start, end, mask, state, log_decay, gate = _variant_inputs(variant, dtype, B, T, M, H, K, V)
+        module._prefix_linear_attention_fwd(q, k, v, k_enc, v_enc, start, end, mask, state, log_decay, gate, True,
+                                            1e-12, False, module.SEGMENT_ALIGN)
+
+    return Case(
+        name="prefix_linear_attention_segments",
+        kernels=lambda: [
+            module._kernel_for(torch.device("cpu"), PAPER["V"], module._segment_states_kernel),
+            module._kernel_for(torch.device("cpu"), PAPER["V"]),
+        ],
+        launch=launch,
+        trips=lambda kernel, meta, T, M: [],
+        programs=lambda meta, B, H, T, M: 0,
+        flops=lambda T, M: 0.0,
+        bytes=lambda T, M, size: 0.0,
+        configs=lambda arch, kernel, kwargs: module.configs_for_architecture(arch // 10),
+        estimated=False,
+    )
+
+
 def all_cases() -> list[Case]:
-    return [_forward_case(), _backward_case(), _decode_case()]
+    return [_forward_case(), _backward_case(), _decode_case(), _segments_case()]
 
 
 # ------------------------------------------------------------------------------------------------------ the report
@@ -560,6 +593,7 @@ def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtyp
         config=" ".join(f"{key}={value}" for key, value in config.kwargs.items())
         + f" w{config.num_warps} s{config.num_stages}" + (f" r{config.maxnreg}" if config.maxnreg else ""),
         num_warps=config.num_warps, training=bool(launch.kwargs.get("SAVE_FOR_BACKWARD")),
+        segmented=bool(launch.kwargs.get("SEGMENTED")),
     )
     started = time.perf_counter()
     try:
@@ -583,7 +617,7 @@ def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtyp
     row["live_in"] = ptx_live_in(compiled.asm["ptx"])
     row["total_instructions"] = sum(whole.values())
     row["compile_s"] = round(time.perf_counter() - started, 1)
-    row["estimates"] = estimates(case, row, meta, arch, dtype, encoder)
+    row["estimates"] = estimates(case, row, meta, arch, dtype, encoder) if case.estimated else {}
     return row
 
 
@@ -617,6 +651,7 @@ def format_row(row: dict, show_live_in: bool = False) -> str:
     smem = f"{row['shared'] / 1024:6.1f}KB" + ("" if row["smem_ok"] else " OVER")
     head += " default" if row.get("default") else " " * 8
     head += " train" if row.get("training") else ""  # the training forward (stores what the backward reads)
+    head += " segmented" if row.get("segmented") else ""  # the forward's build for the sequence-parallel prefill
     text = (f"{head} regs {row['registers']:3d} spill st/ld {row['spill_stores']:6d}/{row['spill_loads']:6d} B "
             f"smem {smem} instr {row['total_instructions']}")
     for index, loop in enumerate(row["loops"]):
@@ -654,8 +689,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--variant", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                         help="launch kinds (default: all): " + ", ".join(VARIANTS))
     parser.add_argument("--kernel", nargs="*", default=None,
-                        help="cases: prefix_linear_attention_fwd, prefix_linear_attention_bwd, linear_attention_decode "
-                        "(default: all)")
+                        help="cases: prefix_linear_attention_fwd, prefix_linear_attention_bwd, linear_attention_decode, "
+                        "prefix_linear_attention_segments (default: all)")
     parser.add_argument("--configs", type=int, default=None, help="only the first N autotune configs")
     parser.add_argument("--json", default=None, help="also write every row to this JSON file")
     parser.add_argument("--spill-lines", type=int, default=0, metavar="N",

@@ -195,3 +195,22 @@ def test_decode_kernel_builds_without_spills_and_near_its_memory_floor(tmp_path)
         step = row["estimates"]["1"]
         assert 0 < step["issue_ms"] < 2 * step["memory_ms"], step
     assert "one decode step (B=16, H=16): issue-bound" in result.stdout
+
+
+def test_segmented_prefill_builds(tmp_path):
+    """The sequence-parallel prefill's two kernels for sm_90 (bf16, no mask): the segment-state reduction and the
+    forward's SEGMENTED build, both from the launcher's own arguments, with their loops and without an issue
+    estimate (they run for one sequence, not at the paper's batch)."""
+    result, rows = run_tool(
+        tmp_path, "--arch", "90", "--dtype", "bf16", "--variant", "plain", "--configs", "1",
+        "--kernel", "prefix_linear_attention_segments",
+    )
+    assert [row["kernel"] for row in rows] == ["_segment_states_kernel", "_prefix_linear_attention_fwd_kernel"], rows
+    assert [row["segmented"] for row in rows] == [False, True]
+    for row in rows:
+        assert "error" not in row and 16 <= row["registers"] <= 255 and row["estimates"] == {}, row
+        assert all(loop["mix"].get("tensor", 0) > 0 for loop in row["loops"])
+    # the segment states: a decoder loop and an encoder loop; the SEGMENTED forward: its scan only (the encoder loop,
+    # empty by construction there, is compiled away)
+    assert [len(row["loops"]) for row in rows] == [2, 1]
+    assert " segmented regs" in result.stdout and "issue-bound" not in result.stdout
