@@ -8,7 +8,9 @@ triton's own binder turns the arguments into the compile signature. Each case is
 launched apart and reported as "range+state") and "decay+gate" (the Based checkpoints: fixed per-head decay,
 numerator gate, no encoder; the backward's dq scan in its recomputing form). The forward is built twice: for
 inference and for training (rows marked "train": it also stores 1 / (den + eps) per query and its state after the
-encoder, which the backward's dq scan reads instead of recomputing). Then
+encoder, which the backward's dq scan reads instead of recomputing). The sequence-parallel prefill (`--kernel
+prefix_linear_attention_segments`: the segment-state kernel and the forward's SEGMENTED build, rows marked
+"segmented") is built for its registers, spills and loops only. Then
 
     ptxas -v        registers per thread, spill stores/loads, stack frame (spills make slow local-memory traffic)
     metadata        shared memory per program, checked against the architecture's per-block limit
