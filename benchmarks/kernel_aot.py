@@ -691,8 +691,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--variant", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                         help="launch kinds (default: all): " + ", ".join(VARIANTS))
     parser.add_argument("--kernel", nargs="*", default=None,
-                        help="cases: prefix_linear_attention_fwd, prefix_linear_attention_bwd, linear_attention_decode, "
-                        "prefix_linear_attention_segments (default: all)")
+                        help="cases: prefix_linear_attention_fwd, prefix_linear_attention_bwd, "
+                        "linear_attention_decode, prefix_linear_attention_segments (default: all)")
     parser.add_argument("--configs", type=int, default=None, help="only the first N autotune configs")
     parser.add_argument("--json", default=None, help="also write every row to this JSON file")
     parser.add_argument("--spill-lines", type=int, default=0, metavar="N",

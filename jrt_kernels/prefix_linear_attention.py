@@ -125,7 +125,7 @@ def _prefix_linear_attention_fwd_kernel(
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
-    # SEGMENTED (the sequence-parallel prefill, `_segments`): program i_s scans the decoder tokens
+    # SEGMENTED (the sequence-parallel prefill, module docstring): program i_s scans the decoder tokens
     # [i_s SEG, (i_s + 1) SEG) from the state before them (state_in (B, NSEG, H, F, V + 1), the encoder included:
     # no encoder loop here), and the last segment writes the final state. Otherwise SEG >= T and NSEG = 1.
     if SEGMENTED:
@@ -465,7 +465,8 @@ def _states_before_segments(
     weights = torch.where(lag >= 0, torch.exp(log_step[:, None, None] * lag.clamp(min=0)), 0.0)  # (H, NSEG, NSEG)
     earlier[..., :V] = torch.einsum("hst,bthfv->bshfv", weights, local[..., :V])
     torch.cumsum(local[:, :-1, ..., V:], dim=1, out=earlier[:, 1:, ..., V:])
-    earlier[..., :V] += torch.exp(log_step[:, None] * steps[None, :]).t()[None, :, :, None, None] * base[:, None, ..., :V]
+    initial_age = torch.exp(log_step[:, None] * steps[None, :]).t()  # (NSEG, H): g**s
+    earlier[..., :V] += initial_age[None, :, :, None, None] * base[:, None, ..., :V]
     earlier[..., V:] += base[:, None, ..., V:]
     return earlier
 
@@ -647,8 +648,8 @@ def prefix_linear_attention_triton(
             this many tokens (a positive multiple of 64) scanned in parallel, each from the state of the tokens
             before it, which a first pass over the keys computes (the sequence-parallel prefill: more programs when
             B * H is small, about 1.5x the work). None: `auto_segment_length` on CUDA (segments when B * H is below
-            the GPU's SM count and T is long), one pass otherwise and under `torch.compile`; 0: always one pass. The outputs equal the
-            one-pass kernel's up to the order of the fp32 sums.
+            the GPU's SM count and T is long), one pass otherwise and under `torch.compile`; 0: always one pass.
+            The outputs equal the one-pass kernel's up to the order of the fp32 sums.
 
     Returns:
         `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) fp32)`, and with `return_saved` a third

@@ -586,7 +586,8 @@ def test_segment_length_is_checked(device):
 
 def test_auto_segment_length(monkeypatch):
     """Segments only on CUDA, only below one program per SM and from SEGMENTED_FROM tokens on, at least MIN_SEGMENT
-    tokens each, whole multiples of 64, about two programs per SM (the SM count is faked: no GPU is needed for the arithmetic)."""
+    tokens each, whole multiples of 64, about two programs per SM (the SM count is faked: no GPU is needed for the
+    arithmetic)."""
     assert kernel_module.auto_segment_length(1, 8, 65536, torch.device("cpu")) == 0
     monkeypatch.setattr(kernel_module, "INTERPRETED", False)
     monkeypatch.setattr(kernel_module, "_multiprocessor_count", lambda index: 132)
