@@ -298,7 +298,12 @@ def _segment_states_kernel(
     i_s < NSEG (decayed to the segment's end with the Based decay: gamma**(end - 1 - t)), or for i_s >= NSEG the
     encoder keys of the row's range [start, end) that fall in [(i_s - NSEG) SEG, (i_s - NSEG + 1) SEG), and writes
     it to state_out `(B, NSEG + NENC, H, F, V + 1)` in the cache layout. The weights of every key are those of the
-    one-pass kernel (`_key_weights`, the same mask, range and strictness)."""
+    one-pass kernel (`_key_weights`, the same mask, range and strictness).
+
+    The loop bodies repeat the forward kernel's state updates line for line rather than sharing helpers with it: the
+    same updates moved into `@triton.jit` helpers (inlined, but in another order) took the forward's sm_90 bf16
+    build from 0 to 628 B of spills (`benchmarks/kernel_aot.py`), so a change to one must be made in both; the
+    segment tests compare the two kernels."""
     i_v, i_bh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     b_key_lo, b_key_hi = 0, 0
