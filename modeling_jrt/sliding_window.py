@@ -75,7 +75,8 @@ def blocked_sliding_window_attention(
     """Sliding-window attention of T queries over the S >= T keys that end with their own, in query blocks.
 
     Equal (up to float rounding) to softmax attention with the mask `kv_position in (q_position - W, q_position]`
-    and `key_mask`, i.e. what transformers' `create_sliding_window_causal_mask` builds, at O(T * (Q + W)) cost.
+    and `key_mask`, i.e. what transformers' `create_sliding_window_causal_mask` builds, at O(T * (Q + W)) cost. One
+    query (a decode step) attends over the last W keys directly (`_one_query_attention`: no slabs, no band).
 
     Args:
         query: `(B, H, T, D)` the T newest positions.
@@ -94,6 +95,8 @@ def blocked_sliding_window_attention(
         raise ValueError(f"implementation={implementation!r} is not blocked; use one of {BLOCKED_IMPLEMENTATIONS}.")
     batch_size, num_heads, query_length, head_dim = query.shape
     window = sliding_window
+    if query_length == 1:  # a decode step: the last W keys, no band and no blocks
+        return _one_query_attention(query, key, value, key_mask, window, scaling, implementation)
     padded = key_mask is not None  # without padding every query sees at least itself
     if key_mask is None:
         key_mask = torch.ones(1, key.shape[2], dtype=torch.bool, device=key.device)
@@ -135,6 +138,35 @@ def blocked_sliding_window_attention(
         output = torch.matmul(weights, value)  # (B, H, N, Q, D)
     output = output.reshape(batch_size, num_heads, num_blocks * rows, head_dim)[:, :, :query_length]
     return output.transpose(1, 2).contiguous()  # (B, T, H, D)
+
+
+def _one_query_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    window: int,
+    scaling: float,
+    implementation: str,
+) -> torch.Tensor:
+    """`blocked_sliding_window_attention` for one query (a decode step): softmax attention over the last `W` keys (the
+    query's own last), minus the padding keys, without the slabs and the band mask of the blocked path (a handful of
+    ops instead of about thirty per layer and step; a GPU decode is bound by their launches). q `(B, H, 1, D)`, k / v
+    `(B, H, S, D)`, key_mask `(B, S)` or None -> `(B, 1, H, D)`. A query whose visible keys are all padding (a pad
+    itself: don't-care) attends to all of them instead of producing NaN."""
+    key, value = key[:, :, -window:], value[:, :, -window:]
+    mask = None
+    if key_mask is not None:
+        mask = key_mask[:, -window:].bool()
+        mask = (mask | ~mask.any(-1, keepdim=True))[:, None, None, :]  # (B, 1, 1, S')
+    if implementation == "sdpa":
+        output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)  # (B, H, 1, D)
+    else:
+        scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, H, 1, S')
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        output = torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), value)
+    return output.transpose(1, 2)  # (B, 1, H, D): one query row, contiguous whatever the strides of H
 
 
 def eager_attention_forward(

@@ -44,6 +44,37 @@ CASES = [
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("window, past, pads", [(1, 0, 0), (1, 3, 2), (4, 2, 0), (4, 3, 2), (4, 9, 6), (9, 20, 12)])
+def test_one_query_equals_masked_full_attention(implementation, window, past, pads):
+    """A decode step (one query): fewer cached keys than the window, exactly W - 1, more; padding among the visible
+    keys and padding covering every key but the query's own (row 1, pads = past)."""
+    batch, heads, head_dim = 2, 3, 8
+    query = torch.randn(batch, heads, 1, head_dim)
+    key = torch.randn(batch, heads, past + 1, head_dim)
+    value = torch.randn(batch, heads, past + 1, head_dim)
+    key_mask = torch.ones(batch, past + 1, dtype=torch.bool)
+    key_mask[1, :pads] = False
+    for mask, visible in ((key_mask, key_mask), (None, torch.ones_like(key_mask))):
+        output = blocked_sliding_window_attention(
+            query, key, value, mask, sliding_window=window, scaling=head_dim**-0.5, implementation=implementation
+        )
+        expected = masked_full_attention(query, key, value, visible, window)
+        assert output.shape == (batch, 1, heads, head_dim) and output.is_contiguous()
+        torch.testing.assert_close(output, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_one_query_whose_keys_are_all_padding_stays_finite():
+    """A padded query (don't-care) whose every visible key is padding gets a finite output, as in the blocked path."""
+    query, key, value = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    key_mask = torch.zeros(1, 5, dtype=torch.bool)
+    for implementation in IMPLEMENTATIONS:
+        output = blocked_sliding_window_attention(
+            query, key, value, key_mask, sliding_window=3, scaling=0.5, implementation=implementation
+        )
+        assert torch.isfinite(output).all()
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("window, length, past, pads, block", CASES)
 def test_blocked_equals_masked_full_attention(implementation, window, length, past, pads, block):
     """T below, equal to and above the window, several blocks, a cached window in front, left padding; windows
