@@ -132,10 +132,7 @@ def blocked_sliding_window_attention(
         )  # (B * N, H, Q, D)
         output = output.view(batch_size, num_blocks, num_heads, rows, head_dim).transpose(1, 2)  # (B, H, N, Q, D)
     else:
-        scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, H, N, Q, L)
-        scores = scores.masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
-        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        output = torch.matmul(weights, value)  # (B, H, N, Q, D)
+        output = _masked_attention(query, key, value, mask[:, None], scaling)  # (B, H, N, Q, D)
     output = output.reshape(batch_size, num_heads, num_blocks * rows, head_dim)[:, :, :query_length]
     return output.transpose(1, 2).contiguous()  # (B, T, H, D)
 
@@ -162,11 +159,20 @@ def _one_query_attention(
     if implementation == "sdpa":
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)  # (B, H, 1, D)
     else:
-        scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, H, 1, S')
-        if mask is not None:
-            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        output = torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), value)
-    return output.transpose(1, 2)  # (B, 1, H, D): one query row, contiguous whatever the strides of H
+        output = _masked_attention(query, key, value, mask, scaling)  # (B, H, 1, D)
+    return output.transpose(1, 2)  # (B, 1, H, D): a size-1 dim moved, so as contiguous as SDPA's output
+
+
+def _masked_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """The "eager" attention of the blocked and one-query paths: q `(..., Q, D)`, k / v `(..., L, D)`, a bool mask
+    that broadcasts to the `(..., Q, L)` scores (True = visible) or None -> `(..., Q, D)`; softmax in fp32."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value)
 
 
 def eager_attention_forward(
