@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -182,12 +183,6 @@ class Worker:
         self.log.close()
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 METRICS = ("requests_per_s", "generated_tokens_per_s", "total_tokens_per_s")
 
 
@@ -207,12 +202,11 @@ def serve_both(args: argparse.Namespace, forwarded: list[str], folders: dict[str
         for worker in workers:
             worker.close()
     results = {
-        kind: {**{key: median([r[key] for r in runs]) for key in ("seconds", *METRICS)}, "rounds": runs}
+        kind: {**{key: statistics.median([r[key] for r in runs]) for key in ("seconds", *METRICS)}, "rounds": runs}
         for kind, runs in rounds.items()
     }
-    ratios = {
-        key: median([j[key] / llama[key] for j, llama in zip(rounds["jrt"], rounds["llama"])]) for key in METRICS
-    }
+    paired = list(zip(rounds["jrt"], rounds["llama"]))
+    ratios = {key: statistics.median([jrt[key] / llama[key] for jrt, llama in paired]) for key in METRICS}
     return results, ratios
 
 
