@@ -95,6 +95,22 @@ def _sym_contract(b_p, b_x, BT: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _key_range(key_rows, i_b, MASK: tl.constexpr):
+    """(skip, lo, hi) for row i_b in a launch of kind MASK (`_key_rows`: 0 no key mask, 1 the rows whose mask is one
+    range, 2 the others): skip the row when it belongs to the other launch; [lo, hi) its keys in the range launch,
+    else (0, 0). Every kernel that takes a key mask starts with it."""
+    skip = False
+    key_lo, key_hi = 0, 0
+    if MASK != 0:
+        is_range = tl.load(key_rows + i_b * 3)
+        skip = (MASK == 1 and is_range == 0) or (MASK == 2 and is_range != 0)
+        if MASK == 1:
+            key_lo = tl.load(key_rows + i_b * 3 + 1)
+            key_hi = tl.load(key_rows + i_b * 3 + 2)
+    return skip, key_lo, key_hi
+
+
+@triton.jit
 def _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK: tl.constexpr,
                  STRICT: tl.constexpr, ENCODER: tl.constexpr):
     """(raw, weight) of the keys at positions o_t: raw False zeroes the raw key, weight is its 0/1 weight.

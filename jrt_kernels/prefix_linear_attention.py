@@ -65,7 +65,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
-    _add_antisymmetric_part, _add_chunk_t, _dot, _dot_fp32, _key_rows, _key_weights, _load_state_t,
+    _add_antisymmetric_part, _add_chunk_t, _dot, _dot_fp32, _key_range, _key_rows, _key_weights, _load_state_t,
     _pair_features_t, _pair_index, _scale_state, _store_encoder_state, _store_state_t, _tile, check_devices, dot_types,
     encoder_state_numel, feature_blocks,
 )
@@ -137,14 +137,9 @@ def _prefix_linear_attention_fwd_kernel(
         t_hi = T
     # With a key mask the launcher runs this kernel twice, MASK = 1 for the rows whose mask is one range [lo, hi)
     # (padding on the left or the right, or none), MASK = 2 for the others; each launch skips the other's rows.
-    b_key_lo, b_key_hi = 0, 0
-    if MASK != 0:
-        b_is_range = tl.load(key_rows + i_b * 3)
-        if (MASK == 1 and b_is_range == 0) or (MASK == 2 and b_is_range != 0):
-            return
-        if MASK == 1:
-            b_key_lo = tl.load(key_rows + i_b * 3 + 1)
-            b_key_hi = tl.load(key_rows + i_b * 3 + 2)
+    b_skip, b_key_lo, b_key_hi = _key_range(key_rows, i_b, MASK)
+    if b_skip:
+        return
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1  # state row length: V numerator columns and the denominator column
 
@@ -303,17 +298,13 @@ def _segment_states_kernel(
     The loop bodies repeat the forward kernel's state updates line for line rather than sharing helpers with it: the
     same updates moved into `@triton.jit` helpers (inlined, but in another order) took the forward's sm_90 bf16
     build from 0 to 628 B of spills (`benchmarks/kernel_aot.py`), so a change to one must be made in both; the
-    segment tests compare the two kernels."""
+    segment tests compare the two kernels. (The launch split of the key mask, `_key_range`, is shared: it changed
+    no bf16 forward build.)"""
     i_v, i_bh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
-    b_key_lo, b_key_hi = 0, 0
-    if MASK != 0:
-        b_is_range = tl.load(key_rows + i_b * 3)
-        if (MASK == 1 and b_is_range == 0) or (MASK == 2 and b_is_range != 0):
-            return
-        if MASK == 1:
-            b_key_lo = tl.load(key_rows + i_b * 3 + 1)
-            b_key_hi = tl.load(key_rows + i_b * 3 + 2)
+    b_skip, b_key_lo, b_key_hi = _key_range(key_rows, i_b, MASK)
+    if b_skip:
+        return
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1
     o_k = tl.arange(0, BK)

@@ -64,9 +64,9 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
-    _add_antisymmetric_part, _add_chunk_t, _dot, _dot_alone, _dot_fp32, _dot_tf32, _key_rows, _key_weights,
-    _load_encoder_state_f, _load_state_t, _pair_features_t, _pair_index, _pair_scatter, _scale_state, _select,
-    _store_state_t, _tile, dot_types, feature_blocks,
+    _add_antisymmetric_part, _add_chunk_t, _dot, _dot_alone, _dot_fp32, _dot_tf32, _key_range, _key_rows,
+    _key_weights, _load_encoder_state_f, _load_state_t, _pair_features_t, _pair_index, _pair_scatter, _scale_state,
+    _select, _store_state_t, _tile, dot_types, feature_blocks,
 )
 
 
@@ -151,14 +151,9 @@ def _pla_bwd_dq_kernel(
     i_bh = tl.program_id(0)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     # Key masks as in the forward: MASK = 1 the rows whose mask is one range [lo, hi), MASK = 2 the others.
-    key_lo, key_hi = 0, 0
-    if MASK != 0:
-        is_range = tl.load(key_rows + i_b * 3)
-        if (MASK == 1 and is_range == 0) or (MASK == 2 and is_range != 0):
-            return
-        if MASK == 1:
-            key_lo = tl.load(key_rows + i_b * 3 + 1)
-            key_hi = tl.load(key_rows + i_b * 3 + 2)
+    skip, key_lo, key_hi = _key_range(key_rows, i_b, MASK)
+    if skip:
+        return
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1
     BH: tl.constexpr = BP // 2
@@ -463,14 +458,9 @@ def _pla_bwd_dkv_kernel(
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     # With a key mask the launcher runs the scan twice, MASK = 1 for the rows whose mask is one range [lo, hi)
     # (padding), MASK = 2 for the others (the mask loaded per chunk); each launch skips the other's rows.
-    key_lo, key_hi = 0, 0
-    if MASK != 0:
-        is_range = tl.load(key_rows + i_b * 3)
-        if (MASK == 1 and is_range == 0) or (MASK == 2 and is_range != 0):
-            return
-        if MASK == 1:
-            key_lo = tl.load(key_rows + i_b * 3 + 1)
-            key_hi = tl.load(key_rows + i_b * 3 + 2)
+    skip, key_lo, key_hi = _key_range(key_rows, i_b, MASK)
+    if skip:
+        return
     F: tl.constexpr = 1 + K + K * K
     W: tl.constexpr = V + 1
     BH: tl.constexpr = BP // 2
