@@ -1,30 +1,38 @@
 """`JRTRNNCache`: the constant-size inference state of a JRT-RNN / Based model, on transformers' public `Cache` API.
 
-One slot per layer, picked by `config.mixer_types`:
+One slot per layer, picked by `config.mixer_types`, each a fixed-shape buffer allocated for the batch by the first
+forward and updated in place from then on:
 
-    "conv"               JRTRNNConvState           the last `K - 1` convolution inputs        (B, D, <= K - 1)
-    "sliding_attention"  JRTRNNSlidingWindowState  the last `W - 1` keys and values, and       (B, H, <= W - 1, Dh)
-                                                   which of them are padding                  (B, <= W - 1)
-    "linear_attention"   JRTRNNLinearAttentionState the fp32 recurrent state                   (B, H, F, V + 1)
+    "conv"               JRTRNNConvState            the last `K - 1` convolution inputs (zeros before the first)  (B, D, K - 1)
+    "sliding_attention"  JRTRNNSlidingWindowState   a ring of the last `W - 1` keys and values                    (B, H, W - 1, Dh)
+                                                    and which ring rows hold a real key (not padding or empty)    (B, W - 1)
+    "linear_attention"   JRTRNNLinearAttentionState the fp32 recurrent state                                      (B, H, F, V + 1)
 
-So the cache never grows with the sequence. Everything the model needs to continue a sequence lives here, nothing
-in the caller's inputs but the new tokens and the padding mask: the sliding window keeps the padding flags of its own
-keys, the convolution keeps its inputs with padding already zeroed, and the cache records how the first forward laid
-out the JRT prefix (`JRTRNNPrefixRecord`: each row's fill and encoder range). A `copy.deepcopy` or a pickle of the
-cache therefore continues exactly like the original.
+plus one counter tensor, `positions` `()` int64: the model positions read so far (the JRT fill included), from
+which a decode step takes its RoPE position and each ring its row. So the cache never grows, and no tensor it holds
+changes its shape or its address during decoding: `is_compileable` is True, and `generate()` runs its decode step
+compiled (with CUDA graphs on a GPU) when the cache is this one (`cache=JRTRNNCache(config)`, or
+`cache_implementation="static"`). Nothing is sized by `max_cache_len`: the state is the same size at any length.
+
+Everything the model needs to continue a sequence lives here, nothing in the caller's inputs but the new tokens and
+their padding mask: the ring keeps the padding flags of its keys, the convolution keeps its inputs with padding
+already zeroed, and the cache records how the first forward laid out the JRT prefix (`JRTRNNPrefixRecord`: each
+row's fill and encoder range). A `copy.deepcopy` or a pickle of the cache therefore continues exactly like the
+original.
 
 Sequence length: `get_seq_length()` counts the caller's columns this cache has read (batch padding included, the
 JRT prefix fill excluded), which is what `GenerationMixin.generate` uses to skip the tokens a cache already holds when
-it continues from one, for every layer mix (also a model without any attention layer).
+it continues from one, for every layer mix (also a model without any attention layer). It reads the counter tensor
+(a device synchronisation): the model's own forward never calls it.
 
 The cache is `Cache`'s public subclass API only (`layers`, `get_seq_length`, `reorder_cache`,
 `batch_repeat_interleave`, `batch_select_indices`, `crop`, `reset`, `is_compileable`): it is the same object on every
 transformers release this package supports. transformers reads more of a cache, and of its layers, from release to
 release (5.25 asks every layer `is_croppable` before assisted decoding; its tests read `keys` / `values`). The cache
-answers those questions itself (`is_croppable`, `is_compileable`, `is_initialized`, `get_max_length`, ...), and every
-layer state derives from `JRTRNNLayerState`, which answers them for one layer the way transformers' own recurrent
-layers do: not croppable, not compileable, `keys` / `values` None where the layer holds no attention keys. Nothing
-here subclasses transformers' layer classes, whose abstract methods change between releases.
+answers those questions itself, and every layer state derives from `JRTRNNLayerState`, which answers them for one
+layer: not croppable (a recurrent state cannot be rolled back), compileable, `keys` / `values` None where the layer
+holds no attention keys. Nothing here subclasses transformers' layer classes, whose abstract methods change between
+releases.
 """
 
 from __future__ import annotations
@@ -41,15 +49,25 @@ def _rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | No
     return None if tensor is None else tensor.index_select(0, index.to(tensor.device))
 
 
+def _static_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, marked as a buffer whose address stays the same across calls of a compiled function (CUDA graphs then
+    read it in place instead of copying it in; transformers' static caches mark theirs the same way)."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(tensor)
+    return tensor
+
+
 class JRTRNNLayerState:
     """What transformers (any release of the range) may read of one cache layer, answered for a layer of this model.
 
     A recurrent state cannot be rolled back (`is_croppable` False: assisted decoding is refused with transformers' own
-    `ValueError`), has no fixed-address buffers (`is_compileable` False) and, outside a sliding-attention layer, holds
-    no attention keys or values (`keys` / `values` None). Subclasses list their tensors in `tensors()`.
+    `ValueError`); its buffers keep their shapes and addresses once allocated (`is_compileable` True); outside a
+    sliding-attention layer it holds no attention keys or values (`keys` / `values` None). Subclasses name their
+    per-row buffers `(B, ...)` in `BUFFERS` (None before the first forward).
     """
 
-    is_compileable = False
+    BUFFERS: tuple[str, ...] = ()
+    is_compileable = True
     is_croppable = False
     is_sliding = False
     supports_early_init = False
@@ -57,18 +75,32 @@ class JRTRNNLayerState:
     values: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor | None]:
-        raise NotImplementedError
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        raise NotImplementedError
+        return [getattr(self, name) for name in self.BUFFERS]
 
     @property
     def is_initialized(self) -> bool:
-        """Whether a forward has written this layer's state."""
+        """Whether a forward has allocated (and written) this layer's buffers."""
         return any(tensor is not None for tensor in self.tensors())
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep (reorder, repeat) the rows `index` `(B',)`: in place when the batch keeps its size (beam search
+        reorders every step; a compiled step keeps reading the same buffers), else into new buffers."""
+        for name in self.BUFFERS:
+            tensor = getattr(self, name)
+            if tensor is None:
+                continue
+            rows = _rows(tensor, index)
+            if rows.shape == tensor.shape:
+                tensor.copy_(rows)
+            else:
+                setattr(self, name, _static_buffer(rows))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.select_rows(beam_idx)
+
+    def reset(self) -> None:
+        for name in self.BUFFERS:
+            setattr(self, name, None)
 
     def crop(self, max_length: int) -> None:
         raise ValueError(CROP_REFUSED)
@@ -81,31 +113,43 @@ CROP_REFUSED = (
 
 
 class JRTRNNConvState(JRTRNNLayerState):
-    """The last `kernel_size - 1` inputs `(B, D, <= K - 1)` of a short convolution (padding entered as zeros)."""
+    """The last `kernel_size - 1` inputs `(B, D, K - 1)` of a short convolution (padding entered as zeros; zeros before
+    the sequence's first input, which is what the causal convolution reads there)."""
+
+    BUFFERS = ("inputs",)
 
     def __init__(self, kernel_size: int):
         self.kernel_size = kernel_size
         self.inputs: torch.Tensor | None = None
 
-    def update(self, new_inputs: torch.Tensor) -> torch.Tensor:
-        """new_inputs `(B, D, T)` -> the earlier inputs followed by the new ones `(B, D, <= K - 1 + T)`; keeps the
-        last `K - 1` of them."""
-        full = new_inputs if self.inputs is None else torch.cat([self.inputs.to(new_inputs.dtype), new_inputs], dim=-1)
-        self.inputs = full[..., max(full.shape[-1] - (self.kernel_size - 1), 0) :]
-        return full
+    def history(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The kept inputs in `dtype`, `(B, D, K - 1)`, or None before the first forward."""
+        return None if self.inputs is None else self.inputs.to(dtype)
 
-    def tensors(self) -> list[torch.Tensor | None]:
-        return [self.inputs]
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.inputs = _rows(self.inputs, index)
+    def write(self, history: torch.Tensor | None, new_inputs: torch.Tensor) -> None:
+        """Keep the last `K - 1` of the inputs `[history, new_inputs]` (`(B, D, K - 1)` or None for zeros, then
+        `(B, D, t)`). The first call allocates the buffer; later calls write into it."""
+        width, seq_len = self.kernel_size - 1, new_inputs.shape[-1]
+        if seq_len >= width:
+            newest = new_inputs[..., seq_len - width :]
+        else:
+            if history is None:
+                history = new_inputs.new_zeros(new_inputs.shape[0], new_inputs.shape[1], width)
+            newest = torch.cat([history[..., seq_len:].to(new_inputs.dtype), new_inputs], dim=-1)
+        if self.inputs is None:
+            self.inputs = _static_buffer(newest.contiguous())
+        else:
+            self.inputs.copy_(newest)
 
 
 class JRTRNNSlidingWindowState(JRTRNNLayerState):
-    """The last `sliding_window - 1` keys and values `(B, H, <= W - 1, Dh)` of a sliding-attention layer, with their
-    padding flags `(B, <= W - 1)` (None while no key was padding). Exactly `W - 1` keys from the first use, for every
-    window (a window of 1 keeps none)."""
+    """The last `sliding_window - 1` keys and values of a sliding-attention layer, as a ring `(B, H, W - 1, Dh)`: the
+    key at model position p sits in row `p mod (W - 1)`, so a decode step writes one row, in place. `key_mask`
+    `(B, W - 1)` bool marks the rows that hold a real key (False: padding, or no token yet). `written` `()` int64 counts
+    the positions written (the ring's own clock: a state that carries keys between the token chunks of one forward
+    has no cache around it). A window of 1 keeps nothing."""
 
+    BUFFERS = ("keys", "values", "key_mask")
     is_sliding = True
 
     def __init__(self, sliding_window: int):
@@ -113,48 +157,76 @@ class JRTRNNSlidingWindowState(JRTRNNLayerState):
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.key_mask: torch.Tensor | None = None
+        self.written: torch.Tensor | None = None
+
+    @property
+    def ring_rows(self) -> int:
+        return self.sliding_window - 1
+
+    def reset(self) -> None:
+        super().reset()
+        self.written = None
 
     def update(
-        self, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor | None
+        self, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor | None, in_order: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """New keys/values `(B, H, T, Dh)` and their padding mask `(B, T)` bool (None: no padding) -> the cached
-        window followed by the new states `(B, H, S, Dh)` and the mask of those S keys (None: no padding)."""
-        past = 0 if self.keys is None else self.keys.shape[2]
-        if self.keys is not None:
-            keys = torch.cat([self.keys, keys], dim=2)
-            values = torch.cat([self.values, values], dim=2)
-        if key_mask is not None or self.key_mask is not None:
-            batch_size, new = keys.shape[0], keys.shape[2] - past
-            old = self.key_mask
-            if old is None:
-                old = torch.ones(batch_size, past, dtype=torch.bool, device=keys.device)
-            if key_mask is None:
-                key_mask = torch.ones(batch_size, new, dtype=torch.bool, device=keys.device)
-            key_mask = torch.cat([old, key_mask.bool()], dim=1)
-        start = max(keys.shape[2] - (self.sliding_window - 1), 0)
-        self.keys, self.values = keys[:, :, start:], values[:, :, start:]
-        self.key_mask = None if key_mask is None else key_mask[:, start:]
-        return keys, values, key_mask
+        """New keys/values `(B, H, T, Dh)` and their padding mask `(B, T)` bool (None: no padding) -> the keys a query
+        of them may see `(B, H, S, Dh)` with their mask `(B, S)`, and the new keys written into the ring.
 
-    def tensors(self) -> list[torch.Tensor | None]:
-        return [self.keys, self.values, self.key_mask]
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.keys, self.values, self.key_mask = (_rows(t, index) for t in self.tensors())
+        Before the first forward S = T (nothing kept). After it, the W - 1 ring rows come first, with their flags
+        (empty rows False): in token order for several queries (the blocked attention reads a band) or when
+        `in_order` (attention weights are returned), else in ring order (one query: softmax attention does not care
+        about key order, and RoPE is already in the keys)."""
+        rows, seq_len = self.ring_rows, keys.shape[2]
+        first = self.keys is None
+        if first:
+            batch_size, heads, _, head_dim = keys.shape
+            self.keys = _static_buffer(keys.new_zeros(batch_size, heads, rows, head_dim))
+            self.values = _static_buffer(values.new_zeros(batch_size, heads, rows, values.shape[-1]))
+            self.key_mask = _static_buffer(torch.zeros(batch_size, rows, dtype=torch.bool, device=keys.device))
+            self.written = _static_buffer(torch.zeros((), dtype=torch.long, device=keys.device))
+        if rows == 0:
+            return keys, values, key_mask
+        if key_mask is None:
+            key_mask = torch.ones(keys.shape[0], seq_len, dtype=torch.bool, device=keys.device)
+        if first:
+            all_keys, all_values, all_mask = keys, values, key_mask
+        else:
+            if seq_len == 1 and not in_order:  # ring order
+                order = None
+                past_keys, past_values, past_mask = self.keys, self.values, self.key_mask
+            else:  # token order: oldest first
+                order = (self.written + torch.arange(rows, device=keys.device)) % rows
+                past_keys, past_values = self.keys.index_select(2, order), self.values.index_select(2, order)
+                past_mask = self.key_mask.index_select(1, order)
+            all_keys = torch.cat([past_keys.to(keys.dtype), keys], dim=2)
+            all_values = torch.cat([past_values.to(values.dtype), values], dim=2)
+            all_mask = torch.cat([past_mask, key_mask], dim=1)
+        # Write the newest min(T, W - 1) keys at their rows (key at position p -> row p mod (W - 1)).
+        kept = min(seq_len, rows)
+        slots = (self.written + seq_len - kept + torch.arange(kept, device=keys.device)) % rows
+        self.keys.index_copy_(2, slots, keys[:, :, seq_len - kept :].to(self.keys.dtype))
+        self.values.index_copy_(2, slots, values[:, :, seq_len - kept :].to(self.values.dtype))
+        self.key_mask.index_copy_(1, slots, key_mask[:, seq_len - kept :])
+        self.written.add_(seq_len)
+        return all_keys, all_values, all_mask
 
 
 class JRTRNNLinearAttentionState(JRTRNNLayerState):
     """The fp32 recurrent state `(B, H, F, V + 1)` of a linear-attention layer (numerator | denominator), or None
     before the layer's first forward."""
 
+    BUFFERS = ("state",)
+
     def __init__(self):
         self.state: torch.Tensor | None = None
 
-    def tensors(self) -> list[torch.Tensor | None]:
-        return [self.state]
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.state = _rows(self.state, index)
+    def write(self, state: torch.Tensor) -> None:
+        """Keep `state`: the prefill's new tensor becomes the buffer; later states are copied into it."""
+        if self.state is None:
+            self.state = _static_buffer(state)
+        elif state is not self.state:
+            self.state.copy_(state)
 
 
 @dataclass
@@ -202,10 +274,12 @@ LAYER_STATES = {
 
 
 class JRTRNNCache(Cache):
-    """The inference cache of `JRTRNNForCausalLM`: constant size, one state per layer (see the module docstring).
+    """The inference cache of `JRTRNNForCausalLM`: constant size, fixed shapes, one state per layer (see the module
+    docstring).
 
     `model(..., use_cache=True)` and `generate()` create one; pass it back as `cache=` (or `past_key_values=`) to
-    continue the sequence. Build one yourself with `JRTRNNCache(model.config)`.
+    continue the sequence. Build one yourself with `JRTRNNCache(model.config)`: passed to `generate()`, it (like
+    `cache_implementation="static"`) runs the decode step compiled.
 
     Example:
         >>> out = model(input_ids, use_cache=True)
@@ -213,14 +287,15 @@ class JRTRNNCache(Cache):
         >>> step = model(next_ids, cache=out.cache)
     """
 
-    is_compileable = False  # no fixed-shape buffers: generate() does not auto-compile on it
+    is_compileable = True  # fixed-shape buffers updated in place: generate() compiles the decode step on it
     is_croppable = False  # a recurrent state cannot be rolled back: assisted decoding is refused
 
     def __init__(self, config: JRTRNNConfig):
         super().__init__(layers=[LAYER_STATES[kind](config) for kind in config.mixer_types])
         self.mixer_types = list(config.mixer_types)
         self.layout = cache_layout(config)
-        self.num_read = 0  # caller columns read (batch padding included, the prefix fill excluded)
+        # `()` int64 on the model's device once a forward ran: the model positions read (caller columns and fill).
+        self.positions: torch.Tensor | None = None
         self.prefix: JRTRNNPrefixRecord | None = None
         self.num_rows: int | None = None
         # A prefill chunk of `generate(prefill_chunk_size=...)` whose rows may not hold their whole prompt yet
@@ -232,17 +307,23 @@ class JRTRNNCache(Cache):
     # ------------------------------------------------------------------------------------------------ reading
     @property
     def has_state(self) -> bool:
-        """Whether the cache holds a sequence (a forward has read tokens into it)."""
-        return self.num_read > 0
+        """Whether the cache holds a sequence (a forward has read tokens into it). No device synchronisation."""
+        return self.positions is not None
 
     @property
     def fill_columns(self) -> int:
         return 0 if self.prefix is None else self.prefix.fill_columns
 
     @property
-    def num_positions(self) -> int:
-        """Positions the model has read: the caller's columns plus the fill in front of them (RoPE counts these)."""
-        return self.num_read + self.fill_columns
+    def num_read(self) -> int:
+        """The caller's columns read (batch padding included, the prefix fill excluded); reads the counter tensor."""
+        return 0 if self.positions is None else int(self.positions) - self.fill_columns
+
+    def advance(self, num_positions: int, device: torch.device) -> None:
+        """Count `num_positions` more model positions read (the last step of every forward, compiled or not)."""
+        if self.positions is None:
+            self.positions = _static_buffer(torch.zeros((), dtype=torch.long, device=device))
+        self.positions.add_(num_positions)
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         """The caller's columns this cache has read (what `generate()` skips when it continues from the cache)."""
@@ -313,7 +394,7 @@ class JRTRNNCache(Cache):
 
     # ------------------------------------------------------------------------------------------------ rows
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep (and reorder, or repeat) the rows `index` `(B',)` of every state."""
+        """Keep (and reorder, or repeat) the rows `index` `(B',)` of every state (in place when B' = B)."""
         for layer in self.layers:
             layer.select_rows(index)
         if self.prefix is not None:
@@ -341,10 +422,8 @@ class JRTRNNCache(Cache):
     def reset(self) -> None:
         """Forget the sequence: every state empty, as a new cache."""
         for layer in self.layers:
-            for name in vars(layer):
-                if name not in ("kernel_size", "sliding_window"):
-                    setattr(layer, name, None)
-        self.num_read, self.prefix, self.num_rows, self.pending_prefill = 0, None, None, None
+            layer.reset()
+        self.positions, self.prefix, self.num_rows, self.pending_prefill = None, None, None, None
         self.holds_beams = False
 
     def __repr__(self) -> str:

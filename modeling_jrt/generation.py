@@ -5,7 +5,7 @@ hook, and the checks of a generation step. `generate()` itself is transformers' 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.utils import logging
 
 from .cache import JRTRNNCache
@@ -59,7 +59,7 @@ class JRTRNNGenerationMixin:
                     raise ValueError(stale_cache_message(cache.num_read, width))
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, JRTRNNCache):
-            if cache_is_static(cache):
+            if not isinstance(cache, (DynamicCache, StaticCache)):
                 logger.warning_once(
                     f"generate() built a {type(cache).__name__} (`cache_implementation`); JRT-RNN / Based keep a "
                     "constant-size `JRTRNNCache` of their own instead (the recurrent state and a window of "
@@ -81,10 +81,14 @@ class JRTRNNGenerationMixin:
         sequence = inputs_embeds if reads_embeds else input_ids
         model_inputs: dict = {}
 
+        decoding = False
         if use_cache is False:
-            # Uncached generation: one record-keeping cache from the first forward, then full recomputes.
+            # Uncached generation: full recomputes. A JRT-RNN model keeps the first forward's cache for its record of
+            # each row's prompt (docs/generate.md: generate() carries nothing else between steps), unless the call
+            # states the prompt lengths itself; Based needs none.
             new, mask, forward_cache = sequence, attention_mask, None
-            model_inputs["use_cache"] = cache is None
+            states_prompts = kwargs.get("prompt_lengths") is not None
+            model_inputs["use_cache"] = cache is None and self.config.is_prefix_model and not states_prompts
             if cache is not None and cache.prefix is not None:
                 record = cache.prefix
                 model_inputs.update(prompt_lengths=record.prompt_lengths, prefix_strategy=record.strategy,
@@ -92,14 +96,21 @@ class JRTRNNGenerationMixin:
                 kwargs = {k: v for k, v in kwargs.items() if k not in ("prefix_strategy", "prefix_pad_token_id")}
         else:
             cache = JRTRNNCache(self.config) if cache is None else cache
-            new = unread_columns(sequence, cache.num_read, attention_mask, next_sequence_length, reads_embeds)
-            check_generation_cache(cache, sequence, attention_mask, next_sequence_length, reads_embeds,
-                                   is_first_iteration)
-            mask, forward_cache = attention_mask, cache
-            model_inputs["use_cache"] = True
-            if next_sequence_length == 1:
+            decoding = next_sequence_length == 1 and not is_first_iteration and cache.has_state and not reads_embeds
+            if decoding:
+                # A decode step: the newest token (a fixed shape, and no host read of the cache's counter). Its mask
+                # column is 1 (generate() appends real tokens) and the cache keeps the flags of what it read, so no
+                # mask goes in: one compiled graph serves padded and unpadded batches alike.
+                new, mask = sequence[:, -1:].contiguous(), None
                 cache.pending_prefill = None
-            elif cache.pending_prefill is not None:
+            else:
+                new = unread_columns(sequence, cache.num_read, attention_mask, next_sequence_length, reads_embeds)
+                check_generation_cache(cache, sequence, attention_mask, next_sequence_length, reads_embeds,
+                                       is_first_iteration)
+                mask = attention_mask
+            forward_cache = cache
+            model_inputs["use_cache"] = True
+            if not decoding and cache.pending_prefill is not None:
                 # The previous forward was a prefill chunk whose prompt may go on: read it again with this chunk.
                 new, mask, forward_cache = cache.take_pending_prefill(new, mask, self.config)
             if next_sequence_length is None and not forward_cache.has_state and self.config.is_prefix_model:
@@ -212,15 +223,8 @@ def check_left_padding(attention_mask: torch.Tensor) -> None:
         )
 
 
-def cache_is_static(cache: Cache) -> bool:
-    """Whether `generate()` built a transformers cache of another kind than its default `DynamicCache` (a static,
-    quantized or offloaded one: what `cache_implementation` asks for)."""
-    return not isinstance(cache, DynamicCache)
-
-
 __all__ = [
     "JRTRNNGenerationMixin",
-    "cache_is_static",
     "check_generation_cache",
     "check_left_padding",
     "holds_every_prefix",

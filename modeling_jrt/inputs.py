@@ -36,20 +36,23 @@ def resolve_cache(cache: object, past_key_values: object, config: JRTRNNConfig) 
 
 def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, seq_len: int, cache: JRTRNNCache | None) -> None:
     """Refuse a padding mask that does not describe `(cached tokens + this forward's tokens)`: any other width or
-    value used to change the logits silently. Values are checked outside decode steps and torch.compile tracing (a
-    check reads the data: a device synchronisation per token)."""
+    value used to change the logits silently. The width against the cache (which reads its counter tensor) is checked
+    outside torch.compile tracing, the values (a device synchronisation per token) outside decode steps as well.
+    (`generate()`'s decode steps pass no mask: the cache keeps the flags of what it read, and a new token is real.)"""
     if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size:
         raise ValueError(
             f"`attention_mask` must be a 2D (batch_size, past + seq_len) = ({batch_size}, ...) padding mask, got shape "
             f"{tuple(attention_mask.shape)}."
         )
+    if torch.compiler.is_compiling():
+        return
     past = 0 if cache is None else cache.num_read
     if attention_mask.shape[1] != past + seq_len:
         raise ValueError(
             f"`attention_mask` has {attention_mask.shape[1]} columns but the cache holds {past} tokens and the input "
             f"{seq_len}: pass one mask column per token, cached and new ({past + seq_len})."
         )
-    if (past > 0 and seq_len == 1) or torch.compiler.is_compiling():
+    if past > 0 and seq_len == 1:
         return
     if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
         raise ValueError(

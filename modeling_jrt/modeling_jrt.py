@@ -180,16 +180,19 @@ class JRTRNNShortConv(nn.Module):
         # 2. Padded positions enter the convolution as zeros, so pads never reach the window of a real token.
         if mask is not None:
             conv_input = conv_input * mask[:, :, None].to(conv_input.dtype)
-        # 3. Causal depthwise convolution over [earlier inputs, new inputs], in the (B, t, D) layout; the state keeps
-        # the last K - 1 inputs in its (B, D, K - 1) layout.
-        history = None
-        if state is not None:
-            if state.inputs is not None:
-                history = state.inputs.to(conv_input.dtype).transpose(1, 2)  # (B, h, D)
-            # The state keeps a copy: a view would hold this forward's whole projection alive.
-            newest = conv_input[:, max(seq_len - (self.kernel_size - 1), 0) :].transpose(1, 2)  # (B, D, <= K - 1)
-            state.update(newest.clone(memory_format=torch.contiguous_format))
-        conv_output = causal_depthwise_conv(conv_input, history, self.conv.weight)  # (B, t, D)
+        # 3. Causal depthwise convolution over [earlier inputs, new inputs]; the state keeps the last K - 1 inputs in
+        # its (B, D, K - 1) buffer, written after the convolution read it.
+        history = None if state is None else state.history(conv_input.dtype)  # (B, D, K - 1) or None
+        if seq_len == 1 and history is not None:
+            # A decode step: one window [history, x] per channel, one multiply-add (no shifted taps).
+            window = torch.cat([history, conv_input.transpose(1, 2)], dim=-1)  # (B, D, K)
+            conv_output = (window * self.conv.weight[:, 0].to(window.dtype)).sum(-1)[:, None]  # (B, 1, D)
+            state.inputs.copy_(window[..., 1:])
+        else:
+            past = None if history is None else history.transpose(1, 2)  # (B, K - 1, D)
+            conv_output = causal_depthwise_conv(conv_input, past, self.conv.weight)  # (B, t, D)
+            if state is not None:
+                state.write(history, conv_input.transpose(1, 2))
         # 4. SiLU, multiplicative gate, output projection (in place when no autograd graph records them).
         if torch.is_grad_enabled():
             mixed = F.silu(conv_output) * gate
@@ -259,7 +262,7 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         # 2. The cached window (and its padding flags) goes in front of the new keys.
         key_mask = None if attention_mask is None else attention_mask.bool()  # (B, T)
         if state is not None:
-            key, value, key_mask = state.update(key, value, key_mask)  # (B, H, S, D), (B, S)
+            key, value, key_mask = state.update(key, value, key_mask, in_order=output_attentions)  # (B, H, S, D), (B, S)
         # 3. Attention.
         implementation = self.config._attn_implementation
         if output_attentions:
@@ -377,7 +380,7 @@ class JRTRNNLinearAttention(nn.Module):
                 implementation=self.config.linear_attention_implementation,
             )
         if cache is not None:
-            cache.layers[self.layer_idx].state = state
+            cache.layers[self.layer_idx].write(state)
         # 4. Merge heads, output projection.
         return self.o_proj(output.reshape(batch_size, seq_len, -1).to(value.dtype))
 
@@ -673,8 +676,9 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         # 2. RoPE positions: the model's own columns, counting on from what the cache has read; given positions
         #    are the caller's (the fill counts back from each row's first token).
         if position_ids is None:
-            past_positions = cache.num_positions if continuing else 0
-            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_positions)[None]
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None]
+            if continuing:
+                position_ids = position_ids + cache.positions  # a tensor: a compiled step serves every position
         elif fill_columns:
             position_ids = layout.filled.positions(position_ids.to(inputs_embeds.device))
         has_sliding = "sliding_attention" in config.mixer_types
@@ -686,7 +690,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             linear_attention_mask=linear_attention_mask, encoder_range=encoder_range, return_dict=True, **kwargs,
         )
         if cache is not None:
-            cache.num_read += seq_len
+            cache.advance(inputs_embeds.shape[1], inputs_embeds.device)
             cache.num_rows = batch_size
             if layout is not None:
                 cache.prefix = layout.record

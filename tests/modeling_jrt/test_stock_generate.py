@@ -192,20 +192,17 @@ def test_continuing_from_a_beam_search_cache_is_refused(make_config):
         model.generate(out.sequences, cache=output_cache(out), max_new_tokens=2, **NO_EOS)
 
 
-def test_the_default_cache_generate_builds_is_replaced_without_a_warning(make_config, caplog):
-    """The default cache that generate() builds is replaced silently (only a `cache_implementation` gets a one-time
-    warning); it used to read as "static" for a model without attention layers."""
-    from transformers import DynamicCache
+def test_the_caches_generate_builds_are_replaced_without_a_warning(make_config, caplog):
+    """The default cache and the static one (`cache_implementation="static"`) that generate() builds are replaced by
+    the model's own `JRTRNNCache` without a word: the static one asks for the compiled decode path, which the model's
+    fixed-shape cache takes."""
     from transformers.utils import logging as hf_logging
 
-    from modeling_jrt.generation import cache_is_static
-
-    # A model without attention layers is where transformers' default cache used to read as compileable (when it was
-    # built from the model's layer types; transformers sees none now, on every release).
     recurrent = ["conv", "linear_attention", "conv", "linear_attention"]
     model = build(make_config, mixer_types=recurrent)
-    assert not cache_is_static(DynamicCache(config=model.config))
     hf_logging.enable_propagation()
     with caplog.at_level("WARNING"):
         model.generate(prompt(4), max_new_tokens=2, do_sample=False, **NO_EOS)
-    assert "JRTRNNCache" not in caplog.text
+        model.generate(prompt(4), max_new_tokens=2, do_sample=False, cache_implementation="static",
+                       disable_compile=True, **NO_EOS)
+    assert "JRTRNNCache" not in caplog.text and "StaticCache" not in caplog.text

@@ -100,16 +100,17 @@ def test_a_config_json_of_an_earlier_release_loads_as_the_same_model(tmp_path):
 
 
 def test_the_cache_answers_what_transformers_asks_of_a_recurrent_cache():
-    """What releases read of a cache and of its layers (5.25: `is_croppable` before assisted decoding; transformers'
-    tests: `keys` / `values`) is answered, as transformers' own recurrent layers answer it."""
+    """What releases read of a cache and of its layers (5.25: `is_croppable` before assisted decoding; `generate()`:
+    `is_compileable`, here fixed-shape buffers; transformers' tests: `keys` / `values`) is answered, as transformers'
+    own recurrent layers answer it."""
     config = tiny_config()
     model = JRTRNNForCausalLM(config).eval()
     cache = model(torch.randint(4, 99, (2, 9)), use_cache=True).cache
-    assert cache.is_croppable is False and cache.is_compileable is False
+    assert cache.is_croppable is False and cache.is_compileable is True
     assert cache.get_max_cache_shape() == cache.get_max_length() == cache.max_cache_len == -1
     assert cache.is_sliding == [False, False, True, False]
     for kind, layer in zip(config.mixer_types, cache.layers):
-        assert layer.is_croppable is False and layer.is_compileable is False and layer.is_initialized
+        assert layer.is_croppable is False and layer.is_compileable is True and layer.is_initialized
         if kind == "sliding_attention":
             assert layer.keys.shape == layer.values.shape == (2, 2, config.sliding_window - 1, config.head_dim)
         else:
