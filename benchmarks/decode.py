@@ -9,9 +9,17 @@ tokens, then decode `steps` tokens one at a time from the cache. Reported per le
 and the Llama / JRT ratios. JRT-RNN's columns stay flat in N (fixed-size linear-attention state, a sliding window
 of keys/values, a conv window); Llama's grow linearly.
 
+`--generate` times decoding the way users run it instead, through `generate()` (greedy, no EOS): per token, the time
+of `2 * steps` new tokens less that of `steps`, so the prefill cancels out. Four columns per length: each model's
+default call (eager, as transformers keeps it) and its compiled path, `cache_implementation="static"` (transformers
+compiles the decode step by itself on a GPU: inductor and CUDA graphs; JRT-RNN's fixed-size cache is not sized by
+`max_cache_len`, Llama's static cache is). Off CUDA the compiled path is asked for explicitly (a compile config for
+every device) and compiles for a while on the first length.
+
     OMP_NUM_THREADS=1 python benchmarks/decode.py            # N = 512 .. 8192, hidden 256, 8 layers
     OMP_NUM_THREADS=1 python benchmarks/decode.py --quick    # a few seconds
     python benchmarks/decode.py --device cuda --dtype bfloat16 --batch 16 --lengths 2048 8192 32768
+    python benchmarks/decode.py --device cuda --dtype bfloat16 --batch 16 --lengths 2048 8192 32768 --generate
 
 On CUDA each step is timed to its end (`torch.cuda.synchronize`); the first steps after the prefill are warm-up.
 """
@@ -75,6 +83,38 @@ def measure(
     return statistics.median(timings), cache_bytes(cache)
 
 
+@torch.no_grad()
+def generate_seconds_per_token(
+    model: torch.nn.Module, length: int, steps: int, vocab_size: int, batch: int, static: bool
+) -> float:
+    """Seconds per decoded token of `model.generate()` (greedy) from a `length - 2 * steps`-token prompt: the time of
+    `2 * steps` new tokens less that of `steps` (the prefill and the first compile cancel out; median of 3 pairs).
+    `static`: transformers' compiled path (`cache_implementation="static"`), else its default eager call."""
+    from transformers.generation import CompileConfig
+
+    device = model.device
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab_size, (batch, length - 2 * steps), generator=generator).to(device)
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    if static:
+        kwargs["cache_implementation"] = "static"
+        if device.type != "cuda":
+            compile_config = CompileConfig(fullgraph=False)
+            compile_config._compile_all_devices = True  # transformers compiles on accelerators only by default
+            kwargs["compile_config"] = compile_config
+
+    def run(new_tokens: int) -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        synchronize(device)
+        return time.perf_counter() - start
+
+    run(steps)  # warm-up (and the compile of the static path)
+    pairs = [(run(2 * steps) - run(steps)) / steps for _ in range(3)]
+    return max(statistics.median(pairs), 1e-9)
+
+
 def build_models(
     hidden: int, layers: int, heads: int, vocab: int, window: int
 ) -> tuple[JRTRNNForCausalLM, LlamaForCausalLM]:
@@ -111,6 +151,11 @@ def main(argv: list[str] | None = None) -> None:
         "--compile", action="store_true",
         help="add a column: JRT-RNN's decode step under torch.compile(model.forward, fullgraph=True)",
     )
+    parser.add_argument(
+        "--generate", action="store_true",
+        help="time generate() instead: each model's default (eager) call and its compiled path "
+             "(cache_implementation='static')",
+    )
     parser.add_argument("--quick", action="store_true", help="small model, N = 512 and 1024, 4 steps")
     args = parser.parse_args(argv)
     if args.quick:
@@ -123,6 +168,27 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.dtype} on {args.device}, batch {args.batch}, torch threads {torch.get_num_threads()}, "
         f"{args.steps} decode steps per length"
     )
+    if args.generate:
+        header = (
+            f"{'N':>6} | {'JRT eager':>9} {'Llama eager':>11} {'JRT static':>10} {'Llama static':>12} (ms/token) | "
+            f"{'JRT eager / Llama eager':>23} {'JRT static / Llama eager':>24} {'JRT static / Llama static':>25} "
+            "(speed ratios)"
+        )
+        print(header)
+        print("-" * len(header))
+        for length in args.lengths:
+            times = {
+                (name, static): generate_seconds_per_token(model, length, args.steps, args.vocab_size, args.batch, static)
+                for static in (False, True) for name, model in (("jrt", jrt), ("llama", llama))
+            }
+            print(
+                f"{length:>6} | {times['jrt', False] * 1e3:>9.2f} {times['llama', False] * 1e3:>11.2f} "
+                f"{times['jrt', True] * 1e3:>10.2f} {times['llama', True] * 1e3:>12.2f}             | "
+                f"{times['llama', False] / times['jrt', False]:>23.2f} {times['llama', False] / times['jrt', True]:>24.2f} "
+                f"{times['llama', True] / times['jrt', True]:>25.2f}",
+                flush=True,
+            )
+        return
     compiled = torch.compile(jrt.forward, fullgraph=True) if args.compile else None
     header = (
         f"{'N':>6} | {'JRT ms/tok':>10} {'Llama ms/tok':>12} {'Llama/JRT':>9} | "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prepared GPU check of the kernels and the model's GPU paths, for a CUDA machine; at most about 10 minutes (each step
-# has its own time limit), usually less on an H200.
+# Prepared GPU check of the kernels and the model's GPU paths, for a CUDA machine; at most 8 minutes (each step has its
+# own time limit), usually less on an H200.
 #
 #   benchmarks/gpu_check.sh OUT_DIR
 #
@@ -12,12 +12,15 @@
 #    from a CUDA graph;
 # 3. the prefill benchmark at the paper's shapes (B=16, H=16, K=16, V=64, M=N/2, bf16, N=4k, and a training step),
 #    autotuned; 4. B=1 at 32k with the deployed prefix M=1024 (the sequence-parallel prefill: one row's segments);
-# 5. whole-model prefill, JRT-RNN against a same-size Llama, bf16 (benchmarks/model_prefill.py);
-# 6. decode per token, JRT-RNN (eager and with its forward compiled) against Llama, bf16, 16 sequences at 2k-32k
-#    tokens (benchmarks/decode.py).
-# Optionally (JRT_GPU_CHECK_PTXAS=1) step 7 below: the backward with ptxas's register allocator at its own level.
+# 5. whole-model prefill, JRT-RNN against a same-size Llama, bf16, batch 1 and 8, 2k-32k (benchmarks/model_prefill.py);
+# 6. decode per token through generate(), both models' default (eager) call and their compiled path
+#    (`cache_implementation="static"`), bf16, 16 sequences at 2k-32k: the benchmark model (hidden 256, 8 layers), then
+#    the released 360M shape (hidden 1024, 26 layers, random weights) at 2k and 8k (benchmarks/decode.py --generate);
+# 7. kernel launches of an eager decode step and of a 4k prefill, both models (benchmarks/launches.py, torch.profiler).
+# Optionally (JRT_GPU_CHECK_PTXAS=1) step 8 below: the backward with ptxas's register allocator at its own level.
 # Writes OUT_DIR/env.txt, tests.txt, model.txt, prefill.txt, prefill.json, prefill_b1.txt, prefill_b1.json,
-# model_prefill.txt, model_prefill.json, decode.txt, summary.txt (and ptxas.txt, ptxas.json).
+# model_prefill.txt, model_prefill_b1.json, model_prefill_b8.json, decode.txt, launches.txt, launches.json,
+# summary.txt (and ptxas.txt, ptxas.json).
 # Needs torch with CUDA, triton and a transformers release pyproject declares (>=5.5). Wheels found in .whl/ (e.g.
 # fla-core for the fla columns, or another transformers) are installed to a temporary folder first; nothing is
 # installed system-wide. Run from anywhere; paths are relative to the repository root. For a machine which cannot
@@ -57,49 +60,62 @@ if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
     exit 2
 fi
 
-# Each step has its own time limit (seconds, in all about 10 minutes at most; usually less), so that one step that
-# hangs leaves the others their turn.
+# Each step has its own time limit (seconds, 480 in all; usually less), so that one step that hangs leaves the others
+# their turn.
 workers=""
 "$python" -c "import xdist" > /dev/null 2>&1 && workers="-n 16"  # triton compiles on the CPU: a process per core
 
 # -v: each test's verdict is in tests.txt as it finishes (a step stopped at its time limit still names its failures);
 # the console shows the failures and the tally.
 echo "== 1. compiled kernel tests" | tee "$out/tests.txt"
-JRT_TRITON_AUTOTUNE=0 timeout 170 "$python" -m pytest -v --tb=short -p no:cacheprovider -o addopts="" $workers \
+JRT_TRITON_AUTOTUNE=0 timeout 100 "$python" -m pytest -v --tb=short -p no:cacheprovider -o addopts="" $workers \
     tests/jrt_kernels 2>&1 | tee -a "$out/tests.txt" | grep -E "FAILED|ERROR|Error:|^E |passed|failed"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== 2. whole-model checks: the GPU paths against the CPU (benchmarks/gpu_model_check.py)" | tee "$out/model.txt"
-JRT_TRITON_AUTOTUNE=0 timeout 150 "$python" benchmarks/gpu_model_check.py 2>&1 | tee -a "$out/model.txt"
+JRT_TRITON_AUTOTUNE=0 timeout 70 "$python" benchmarks/gpu_model_check.py 2>&1 | tee -a "$out/model.txt"
 model_rc=${PIPESTATUS[0]}
 
 echo "== 3. prefill benchmark (paper shapes: B=16, H=16, M=N/2, bf16)" | tee "$out/prefill.txt"
-timeout 90 "$python" benchmarks/prefill.py --seq-lens 4096 --train-step --repeats 10 --warmup 3 \
+timeout 50 "$python" benchmarks/prefill.py --seq-lens 4096 --train-step --repeats 10 --warmup 3 \
     --json "$out/prefill.json" 2>&1 | tee -a "$out/prefill.txt"
 bench_rc=${PIPESTATUS[0]}
 
 echo "== 4. B=1, N=32k, deployed prefix M=1024" | tee "$out/prefill_b1.txt"
-timeout 40 "$python" benchmarks/prefill.py --batch 1 --seq-lens 32768 --prefix 1024 --no-quadratic --repeats 10 \
+timeout 25 "$python" benchmarks/prefill.py --batch 1 --seq-lens 32768 --prefix 1024 --no-quadratic --repeats 10 \
     --json "$out/prefill_b1.json" 2>&1 | tee -a "$out/prefill_b1.txt"
 b1_rc=${PIPESTATUS[0]}
 
-echo "== 5. whole-model prefill, JRT-RNN vs Llama, bf16, batch 1" | tee "$out/model_prefill.txt"
-timeout 60 "$python" benchmarks/model_prefill.py --dtype bfloat16 --lengths 4096 16384 65536 --llama-max-length 65536 \
-    --json "$out/model_prefill.json" 2>&1 | tee -a "$out/model_prefill.txt"
-model_prefill_rc=${PIPESTATUS[0]}
+echo "== 5. whole-model prefill, JRT-RNN vs Llama, bf16, batch 1 and 8" | tee "$out/model_prefill.txt"
+model_prefill_rc=0
+for batch in 1 8; do
+    timeout 30 "$python" benchmarks/model_prefill.py --dtype bfloat16 --batch $batch --lengths 2048 8192 32768 \
+        --json "$out/model_prefill_b$batch.json" 2>&1 | tee -a "$out/model_prefill.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || model_prefill_rc=1
+done
 
-echo "== 6. decode, JRT-RNN (eager and compiled) vs Llama, bf16, batch 16" | tee "$out/decode.txt"
-timeout 90 "$python" benchmarks/decode.py --device cuda --dtype bfloat16 --batch 16 --lengths 2048 8192 32768 --compile \
-    2>&1 | tee -a "$out/decode.txt"
+echo "== 6. decode per token through generate(): default (eager) and static (compiled), bf16, batch 16" \
+    | tee "$out/decode.txt"
+timeout 70 "$python" benchmarks/decode.py --device cuda --dtype bfloat16 --batch 16 --lengths 2048 8192 32768 \
+    --steps 32 --generate 2>&1 | tee -a "$out/decode.txt"
 decode_rc=${PIPESTATUS[0]}
+echo "-- the released 360M shape (hidden 1024, 26 layers, 16 heads)" | tee -a "$out/decode.txt"
+timeout 70 "$python" benchmarks/decode.py --device cuda --dtype bfloat16 --batch 16 --lengths 2048 8192 --steps 32 \
+    --hidden-size 1024 --layers 26 --heads 16 --vocab-size 50264 --generate 2>&1 | tee -a "$out/decode.txt"
+[ "$decode_rc" -eq 0 ] && decode_rc=${PIPESTATUS[0]}
 
-# 7. (optional, JRT_GPU_CHECK_PTXAS=1, about 2 more minutes) triton runs ptxas with --regAllocOptLevel=2, a workaround
+echo "== 7. kernel launches: an eager decode step (batch 16) and a 4k prefill (batch 1, 8)" | tee "$out/launches.txt"
+timeout 25 "$python" benchmarks/launches.py --device cuda --dtype bfloat16 --json "$out/launches.json" 2>&1 \
+    | tee -a "$out/launches.txt"
+launches_rc=${PIPESTATUS[0]}
+
+# 8. (optional, JRT_GPU_CHECK_PTXAS=1, about 2 more minutes) triton runs ptxas with --regAllocOptLevel=2, a workaround
 #    for a ptxas 13.x bug it does not name; without it the sm_90 dq scan builds spill-free (docs/kernels.md, backward
 #    pass 9). Triton's PTXAS_OPTIONS comes after that flag, and ptxas takes the last value: level 4 built like ptxas's
 #    own default for every kernel here. The compiled backward tests and the paper-shape benchmark at 32k, with it.
 ptxas_rc=0
 if [ "${JRT_GPU_CHECK_PTXAS:-0}" = "1" ]; then
-    echo "== 7. backward tests and 32k benchmark with PTXAS_OPTIONS=--regAllocOptLevel=4" | tee "$out/ptxas.txt"
+    echo "== 8. backward tests and 32k benchmark with PTXAS_OPTIONS=--regAllocOptLevel=4" | tee "$out/ptxas.txt"
     PTXAS_OPTIONS=--regAllocOptLevel=4 JRT_TRITON_AUTOTUNE=0 timeout 120 "$python" -m pytest -q -p no:cacheprovider \
         -o addopts="" tests/jrt_kernels/test_prefix_linear_attention_backward.py 2>&1 | tee -a "$out/ptxas.txt"
     ptxas_rc=${PIPESTATUS[0]}
@@ -110,7 +126,8 @@ if [ "${JRT_GPU_CHECK_PTXAS:-0}" = "1" ]; then
 fi
 
 echo "kernel tests rc=$tests_rc, model checks rc=$model_rc, prefill benchmark rc=$bench_rc, B=1 benchmark rc=$b1_rc," \
-    "model prefill rc=$model_prefill_rc, decode rc=$decode_rc, ptxas step rc=$ptxas_rc" | tee "$out/summary.txt"
+    "model prefill rc=$model_prefill_rc, decode rc=$decode_rc, launches rc=$launches_rc, ptxas step rc=$ptxas_rc" \
+    | tee "$out/summary.txt"
 rm -rf "$site"
 exit $((tests_rc != 0 || model_rc != 0 || bench_rc != 0 || b1_rc != 0 || model_prefill_rc != 0 || decode_rc != 0 \
-    || ptxas_rc != 0))
+    || launches_rc != 0 || ptxas_rc != 0))

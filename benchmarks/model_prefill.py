@@ -116,7 +116,7 @@ def measure_point(name: str, length: int, args: argparse.Namespace, *, compiled:
     if compiled:
         model = torch.compile(model)
     generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, args.vocab_size, (1, length), generator=generator).to(device)
+    input_ids = torch.randint(0, args.vocab_size, (args.batch, length), generator=generator).to(device)
     # Warm-up: a short prompt (kernel selection, allocator) on the CPU; the same length under torch.compile (one
     # graph) and on CUDA, where the Triton prefill autotunes (and compiles) per power-of-two bucket of the length: a
     # short warm-up left that in the timed run (an H200 run of 2026-12-04 timed 482 ms at 16k against 12 ms at 4k).
@@ -217,6 +217,7 @@ def print_profile(result: dict) -> None:
 
 FORWARDED = (
     "hidden_size", "layers", "heads", "vocab_size", "sliding_window", "prefix_length", "repeats", "device", "dtype",
+    "batch",
 )
 
 
@@ -297,6 +298,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each CPU worker")
     parser.add_argument("--repeats", type=int, default=3, help="timed prefills per point up to 8k (1 beyond)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per CPU point")
+    parser.add_argument("--batch", type=int, default=1, help="prompts prefilled together")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=8)
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "model": f"hidden {args.hidden_size}, {args.layers} layers, {args.heads} heads, window {args.sliding_window}, "
-        f"prefix {args.prefix_length}, {args.dtype}, batch 1, logits_to_keep=1",
+        f"prefix {args.prefix_length}, {args.dtype}, batch {args.batch}, logits_to_keep=1",
     }
     print(", ".join(f"{key} {value}" for key, value in environment.items() if value is not None))
     if args.profile:

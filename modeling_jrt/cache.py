@@ -204,7 +204,11 @@ class JRTRNNSlidingWindowState(JRTRNNLayerState):
             all_mask = torch.cat([past_mask, key_mask], dim=1)
         # Write the newest min(T, W - 1) keys at their rows (key at position p -> row p mod (W - 1)).
         kept = min(seq_len, rows)
-        slots = (self.written + seq_len - kept + torch.arange(kept, device=keys.device)) % rows
+        first_slot = self.written if seq_len == kept else self.written + (seq_len - kept)
+        if kept == 1:  # a decode step: one row (no index ramp)
+            slots = torch.remainder(first_slot, rows).view(1)
+        else:
+            slots = (first_slot + torch.arange(kept, device=keys.device)) % rows
         self.keys.index_copy_(2, slots, keys[:, :, seq_len - kept :].to(self.keys.dtype))
         self.values.index_copy_(2, slots, values[:, :, seq_len - kept :].to(self.values.dtype))
         self.key_mask.index_copy_(1, slots, key_mask[:, seq_len - kept :])

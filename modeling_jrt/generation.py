@@ -38,9 +38,13 @@ class JRTRNNGenerationMixin:
         - RoPE positions are the model's own (the columns it has read, the JRT fill included): the `position_ids`
           that `generate()` derives from the attention mask are not forwarded (RoPE sees relative positions only, so
           a row's padding never changes what it computes).
-        - `generate(use_cache=False)` recomputes the whole sequence each step. The first forward still returns a
-          cache: the record of each row's prompt (`JRTRNNPrefixRecord`), so that every later forward reads the same
-          prefix (fill included) and never lets the encoder read a generated token.
+        - Decode steps feed the newest token alone, without the attention mask (the cache keeps the padding flags of
+          what it read; a new token is always real) and without reading the cache's counter: fixed shapes and no
+          host synchronisation, so transformers' compiled decode (a compileable cache) serves every step and batch.
+        - `generate(use_cache=False)` recomputes the whole sequence each step. A JRT-RNN model's first forward still
+          returns a cache, the record of each row's prompt (`JRTRNNPrefixRecord`), so that every later forward reads
+          the same prefix (fill included) and never lets the encoder read a generated token; not when the call gives
+          `prompt_lengths`, nor for Based.
         - `prefill_chunk_size`: a first chunk that does not hold every row's prompt up to `prefix_length` is kept,
           and read again with the next chunk as one first forward (`JRTRNNCache.pending_prefill`), so chunked and
           one-shot prefills read the same prefix.

@@ -1,11 +1,13 @@
 """The scripts `benchmarks/gpu_check.sh` runs on a GPU machine, run here on the CPU with tiny shapes (no timing
-asserts): benchmarks/decode.py and benchmarks/gpu_model_check.py."""
+asserts): benchmarks/decode.py, benchmarks/launches.py and benchmarks/gpu_model_check.py."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
+import torch
 
 
 def test_decode_benchmark_keeps_jrt_state_flat(load_benchmark, capsys):
@@ -53,3 +55,67 @@ def test_gpu_model_check_fails_when_a_kernel_fell_back(gpu_model_check, monkeypa
     output = capsys.readouterr().out
     assert "the Triton backward kernel fell back to PyTorch: OutOfResources: shared memory" in output
     assert output.rstrip().endswith("FAILED: triton backward kernel fallback")
+
+
+def test_launch_counts_are_printed_side_by_side(load_benchmark, capsys, tmp_path):
+    """benchmarks/launches.py --quick: the dispatched ops of a decode step and of two prefills, both models; the
+    JSON holds the printed counts."""
+    launches = load_benchmark("launches")
+    report = launches.main(["--quick", "--json", str(tmp_path / "launches.json")])
+    output = capsys.readouterr().out
+    rows = {line[:22].strip(): line[22:].split() for line in output.splitlines()[2:]}
+    assert set(rows) == {"decode step (B=2)", "prefill (B=1)", "prefill (B=2)"}
+    counts = report["counts"]
+    assert rows["decode step (B=2)"][:2] == [str(counts["jrt"]["decode"]), str(counts["llama"]["decode"])]
+    assert all(count > 20 for model in counts.values() for count in model.values())
+    assert json.loads((tmp_path / "launches.json").read_text())["counts"] == counts
+
+
+def test_the_dispatch_counter_counts_the_gpu_code_path(load_benchmark):
+    """Views launch nothing and are not counted; on the GPU's code path the linear attention's prefill is one launch
+    (the fused kernel), not the CPU scan's ops."""
+    launches = load_benchmark("launches")
+    counter = launches.DispatchCounter()
+    x = torch.randn(4, 6)
+    with counter:
+        (x.view(6, 4).t() + 1).sum()
+    assert counter.total == 2 and set(counter.ops) == {"aten.add.Tensor", "aten.sum.default"}
+    from modeling_jrt import modeling_jrt as model_module
+
+    counter = launches.DispatchCounter()
+    q, v = torch.randn(1, 8, 2, 4), torch.randn(1, 8, 2, 3)
+    with launches.gpu_code_path(counter), counter:
+        model_module.prefix_linear_attention(q, q, v)
+    assert counter.total == 1
+
+
+@pytest.mark.slow
+def test_decode_benchmark_times_generate_on_both_paths(load_benchmark, capsys):
+    """--generate: per-token times of each model's default and static (compiled) generate(), and the three ratios."""
+    decode = load_benchmark("decode")
+    decode.main([
+        "--lengths", "24", "--hidden-size", "32", "--layers", "2", "--heads", "2", "--vocab-size", "64",
+        "--sliding-window", "5", "--steps", "2", "--generate",
+    ])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if re.match(r"\s+\d+ \|", line)]
+    assert len(rows) == 1 and len(rows[0][1].split()) == 4 and len(rows[0][2].split()) == 3
+    assert all(float(value) > 0 for value in rows[0][1].split()[:4] + rows[0][2].split())
+
+
+def test_the_gpu_script_fits_eight_minutes_step_by_step():
+    """benchmarks/gpu_check.sh: valid bash, every step under its own `timeout`, the limits (the optional ptxas step
+    aside) adding up to at most 8 minutes."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    default_run = text[: text.index("JRT_GPU_CHECK_PTXAS:-0")]
+    limits = [int(seconds) for seconds in re.findall(r"timeout (\d+) ", default_run)]
+    loops = re.findall(r"for batch in ([\d ]+); do", default_run)
+    assert len(limits) == 8 and loops == ["1 8"]
+    model_prefill = int(re.search(r"timeout (\d+) \"\$python\" benchmarks/model_prefill.py", default_run).group(1))
+    assert sum(limits) + model_prefill <= 480, limits
+    for script_name in ("decode.py", "launches.py", "model_prefill.py", "prefill.py", "gpu_model_check.py"):
+        assert f"benchmarks/{script_name}" in default_run
