@@ -258,10 +258,12 @@ class JRTRNNPrefixRecord:
         self.prefix_lengths = _rows(self.prefix_lengths, index)
 
 
-# The config fields that fix the shapes a cache holds: a cache is continued only by a model that agrees on each.
+# The config fields that fix what a cache holds, its shapes and its contents: the RoPE base rotated the cached keys,
+# the decay and the pad masking made the recurrent state. A cache is continued only by a model that agrees on each.
 CACHE_LAYOUT_FIELDS = (
     "mixer_types", "hidden_size", "num_attention_heads", "sliding_window", "conv_kernel_size", "conv_expansion",
-    "feature_dim", "linear_attention_type",
+    "feature_dim", "linear_attention_type", "rope_theta", "linear_attention_decay", "decay_const",
+    "prefix_pad_masking",
 )
 
 
@@ -346,8 +348,9 @@ class JRTRNNCache(Cache):
         return -1
 
     def check_layout(self, config: JRTRNNConfig) -> None:
-        """Refuse, naming the field, to be continued by a model whose config fixes other shapes (`CACHE_LAYOUT_FIELDS`):
-        a cache built for another `sliding_window` would otherwise run with a window the model was not trained for."""
+        """Refuse, naming the field, to be continued by a model whose config fixes other shapes or contents
+        (`CACHE_LAYOUT_FIELDS`): a cache built for another `sliding_window` would otherwise run with a window the model
+        was not trained for, one of another `rope_theta` would mix keys rotated two ways."""
         for field, value in cache_layout(config).items():
             if self.layout.get(field) != value:
                 raise ValueError(
@@ -398,7 +401,18 @@ class JRTRNNCache(Cache):
 
     # ------------------------------------------------------------------------------------------------ rows
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep (and reorder, or repeat) the rows `index` `(B',)` of every state (in place when B' = B)."""
+        """Keep (and reorder, or repeat) the rows `index` `(B',)` of every state (in place when B' = B). Rows outside
+        `[0, B)` are refused with a message (outside torch.compile tracing: the check reads the index)."""
+        index = torch.as_tensor(index)
+        if index.ndim != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
+            raise ValueError(f"The rows to keep must be a 1D tensor of integer row indices, got {index.dtype} "
+                             f"of shape {tuple(index.shape)}.")
+        if self.num_rows is not None and index.numel() and not torch.compiler.is_compiling():
+            low, high = int(index.min()), int(index.max())
+            if low < 0 or high >= self.num_rows:
+                raise ValueError(
+                    f"The cache holds rows 0 ... {self.num_rows - 1}; row {low if low < 0 else high} does not exist."
+                )
         for layer in self.layers:
             layer.select_rows(index)
         if self.prefix is not None:
@@ -418,7 +432,7 @@ class JRTRNNCache(Cache):
         self.select_rows(torch.arange(self.num_rows).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.select_rows(torch.as_tensor(indices))
+        self.select_rows(indices)
 
     def crop(self, max_length: int) -> None:
         raise ValueError(CROP_REFUSED)

@@ -38,9 +38,32 @@ def add_cache_alias(output_class: type) -> type:
 
 def keep_last_logits(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     """The positions of `hidden_states` `(B, T, hidden)` to compute logits for: the last `logits_to_keep` (0 = all),
-    or those a 1D index tensor selects (transformers' `logits_to_keep` convention)."""
+    or those a 1D index tensor `(K,)` or a per-row one `(B, K)` selects (transformers' `logits_to_keep` convention).
+    A negative count or an index outside `[-T, T)` is refused (indices are read outside torch.compile tracing)."""
+    length = hidden_states.shape[1]
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, (int, torch.Tensor)):
+        raise ValueError(f"`logits_to_keep` must be an int or an integer tensor, got {logits_to_keep!r}.")
     if isinstance(logits_to_keep, int):
+        if logits_to_keep < 0:
+            raise ValueError(f"`logits_to_keep` must be >= 0 (0 keeps every position), got {logits_to_keep}.")
         return hidden_states if logits_to_keep == 0 else hidden_states[:, -logits_to_keep:]
+    if logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype == torch.bool or logits_to_keep.dim() not in (1, 2):
+        raise ValueError(
+            f"`logits_to_keep` as a tensor holds integer positions, (K,) or (batch, K); got {logits_to_keep.dtype} of "
+            f"shape {tuple(logits_to_keep.shape)}."
+        )
+    if logits_to_keep.dim() == 2 and logits_to_keep.shape[0] != hidden_states.shape[0]:
+        raise ValueError(
+            f"`logits_to_keep` (batch, K) has {logits_to_keep.shape[0]} rows for a batch of {hidden_states.shape[0]}."
+        )
+    if not torch.compiler.is_compiling() and logits_to_keep.numel():
+        low, high = int(logits_to_keep.min()), int(logits_to_keep.max())
+        first = 0 if logits_to_keep.dim() == 2 else -length  # per-row positions are gathered: no negative ones
+        if low < first or high >= length:
+            raise ValueError(
+                f"`logits_to_keep` selects position {high if high >= length else low}, outside the {length} positions "
+                f"of the input (valid: {first} ... {length - 1})."
+            )
     if logits_to_keep.dim() == 2:  # (B, K) positions per row
         index = logits_to_keep.to(hidden_states.device)[:, :, None].expand(-1, -1, hidden_states.shape[-1])
         return torch.gather(hidden_states, 1, index)

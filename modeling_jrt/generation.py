@@ -14,6 +14,10 @@ from .prefix_fill import plan_prefix
 logger = logging.get_logger(__name__)
 
 
+FIRST_FORWARD_ARGUMENTS = ("prefix_length", "prompt_lengths", "prefix_strategy", "prefix_pad_token_id")
+"""`forward` arguments that lay out the JRT prefix of a sequence's first forward (`prefix_fill.plan_prefix`)."""
+
+
 class JRTRNNGenerationMixin:
     """The generation hook of `JRTRNNForCausalLM` (mixed in before transformers' `GenerationMixin`)."""
 
@@ -126,8 +130,11 @@ class JRTRNNGenerationMixin:
             model_inputs["past_key_values"] = forward_cache
         if mask is not None:
             model_inputs["attention_mask"] = mask
+        # The JRT prefix arguments shape a sequence's first forward only: a decode step gets none (the cache holds the
+        # prefix it laid out), so a compiled step does not depend on them.
+        skipped = ("labels", "position_ids") + (FIRST_FORWARD_ARGUMENTS if decoding else ())
         for key, value in kwargs.items():
-            if key not in model_inputs and key not in ("labels", "position_ids"):
+            if key not in model_inputs and key not in skipped:
                 model_inputs[key] = value
         device = self.device
         if device.type != "meta":
@@ -228,6 +235,7 @@ def check_left_padding(attention_mask: torch.Tensor) -> None:
 
 
 __all__ = [
+    "FIRST_FORWARD_ARGUMENTS",
     "JRTRNNGenerationMixin",
     "check_generation_cache",
     "check_left_padding",

@@ -117,33 +117,53 @@ def check_inputs(
 
 
 
-def check_labels_shape(
-    labels: torch.Tensor | None, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
-) -> None:
-    """Raise unless `labels` holds one target per input token: `(B, T)` like `input_ids` (or `inputs_embeds`
-    without its last dimension). Labels of another length would otherwise be masked against the wrong prompt ends and
-    scored against the wrong positions."""
+def check_labels(
+    labels: torch.Tensor | None, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int
+) -> torch.Tensor | None:
+    """`labels` as int64, after checking them: one target per input token, `(B, T)` like `input_ids` (or
+    `inputs_embeds` without its last dimension), integer ids in `[0, vocab_size)` or -100. Labels of another length
+    would be masked against the wrong prompt ends and scored at the wrong positions; an id outside the vocabulary
+    would fail deep in the cross-entropy (the values are read outside torch.compile tracing)."""
     if labels is None:
-        return
-    inputs = input_ids if isinstance(input_ids, torch.Tensor) else inputs_embeds
-    if not isinstance(inputs, torch.Tensor):
-        return  # no input: the backbone raises its own error
-    expected = tuple(inputs.shape[:2])
-    if tuple(labels.shape) != expected:
-        raise ValueError(
-            f"`labels` {tuple(labels.shape)} must have the shape (batch, seq_len) of the input, {expected}: one "
-            "target per input token (the model shifts them; -100 where nothing is scored)."
-        )
+        return None
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         raise ValueError(f"`labels` must be integer token ids (-100 where nothing is scored), got {labels.dtype}.")
+    inputs = input_ids if isinstance(input_ids, torch.Tensor) else inputs_embeds
+    if isinstance(inputs, torch.Tensor) and tuple(labels.shape) != tuple(inputs.shape[:2]):
+        raise ValueError(
+            f"`labels` {tuple(labels.shape)} must have the shape (batch, seq_len) of the input, "
+            f"{tuple(inputs.shape[:2])}: one target per input token (the model shifts them; -100 where nothing is "
+            "scored)."
+        )
+    check_target_ids(labels, "labels", vocab_size)
+    return labels.long()
 
 
-def check_loss_arguments(labels: torch.Tensor | None, inputs_shape: tuple[int, int], kwargs: dict) -> None:
+def check_target_ids(targets: torch.Tensor, name: str, vocab_size: int) -> None:
+    """Refuse target ids outside `[0, vocab_size)` other than -100 (`name` the argument), naming a few of them."""
+    if torch.compiler.is_compiling():
+        return
+    outside = (targets != -100) & ((targets < 0) | (targets >= vocab_size))
+    if bool(outside.any()):
+        raise ValueError(
+            f"`{name}` holds ids outside the vocabulary [0, {vocab_size}) that are not -100 (ignored): "
+            f"{sorted(set(targets[outside].tolist()))[:8]}. Use this model's tokenizer, and -100 where nothing is "
+            "scored."
+        )
+
+
+def check_loss_arguments(
+    labels: torch.Tensor | None, inputs_shape: tuple[int, int], kwargs: dict, vocab_size: int
+) -> None:
     """The loss arguments transformers' `Trainer` and TRL pass through `**kwargs`: `shift_labels` (pre-shifted
-    targets, `(B, T)`, column t the target of position t) goes with `labels`; `num_items_in_batch` (the targets a
-    gradient-accumulation step scores) is positive."""
+    targets, `(B, T)`, column t the target of position t, ids as `labels`) goes with `labels` and is made int64 in
+    `kwargs`; `num_items_in_batch` (the targets a gradient-accumulation step scores) is positive."""
     shift_labels = kwargs.get("shift_labels")
     if shift_labels is not None:
+        if shift_labels.dtype.is_floating_point or shift_labels.dtype.is_complex or shift_labels.dtype == torch.bool:
+            raise ValueError(
+                f"`shift_labels` must be integer token ids (-100 where nothing is scored), got {shift_labels.dtype}."
+            )
         if labels is None:
             raise ValueError(
                 "`shift_labels` without `labels`: pass the unshifted `labels` (B, T) as well (the model masks the "
@@ -155,6 +175,8 @@ def check_loss_arguments(labels: torch.Tensor | None, inputs_shape: tuple[int, i
                 f"{tuple(inputs_shape)}: column t holds the target of position t (labels[:, t + 1]), the last -100 "
                 "(`labels[:, 1:]` alone is one column short)."
             )
+        check_target_ids(shift_labels, "shift_labels", vocab_size)
+        kwargs["shift_labels"] = shift_labels.long()
     items = kwargs.get("num_items_in_batch")
     if items is not None and not torch.compiler.is_compiling() and bool(torch.as_tensor(items) <= 0):
         raise ValueError(
@@ -165,7 +187,8 @@ def check_loss_arguments(labels: torch.Tensor | None, inputs_shape: tuple[int, i
 __all__ = [
     "check_attention_mask",
     "check_inputs",
-    "check_labels_shape",
+    "check_labels",
+    "check_target_ids",
     "check_loss_arguments",
     "check_one_sequence_per_row",
     "resolve_cache",

@@ -13,7 +13,7 @@ from transformers.utils import logging
 
 from .cache import JRTRNNCache
 from .configuration_jrt import JRTRNNConfig
-from .inputs import check_labels_shape
+from .inputs import check_labels
 from .loss import IGNORE_INDEX, mask_before
 from .prefix_fill import PrefixPlan, plan_prefix, row_spans
 
@@ -32,7 +32,9 @@ def leak_free_labels(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
     labels = kwargs.get("labels")
     if not isinstance(labels, torch.Tensor):
         return None
-    check_labels_shape(labels, args[0] if args else kwargs.get("input_ids"), kwargs.get("inputs_embeds"))
+    labels = check_labels(
+        labels, args[0] if args else kwargs.get("input_ids"), kwargs.get("inputs_embeds"), model.config.vocab_size
+    )
     if kwargs.get("mlm_labels") is not None or not model.config.is_prefix_model:
         return None
     cache = kwargs.get("cache", kwargs.get("past_key_values"))

@@ -52,7 +52,7 @@ from .inference_chunking import inference_chunk_rows, map_position_chunks
 from .inputs import (
     check_attention_mask,
     check_inputs,
-    check_labels_shape,
+    check_labels,
     check_loss_arguments,
     check_one_sequence_per_row,
     resolve_cache,
@@ -69,7 +69,7 @@ from .legacy_folders import migrate_legacy_generation_settings
 from .linear_attention import fixed_log_decay, linear_attention_step, prefix_linear_attention
 from .loss import IGNORE_INDEX, jrt_loss
 from .outputs import JRTRNNCausalLMOutput, JRTRNNModelOutput
-from .prefix_fill import JRTRNNEncoderRange, PrefixPlan, lay_out_prefix, never_generated_ids
+from .prefix_fill import JRTRNNEncoderRange, PrefixPlan, check_prefix_strategy, lay_out_prefix, never_generated_ids
 from .rotary import JRTRNNRotaryEmbedding, apply_rotary_pos_emb
 from .short_conv import causal_depthwise_conv
 from .sliding_window import (
@@ -644,6 +644,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         if use_cache and cache is None:
             cache = JRTRNNCache(config)
         continuing = cache is not None and cache.has_state
+        if continuing and prefix_strategy is not None:
+            check_prefix_strategy(prefix_strategy)  # a first forward's plan checks it (`plan_prefix`)
         if continuing and cache.num_rows != batch_size:
             raise ValueError(
                 f"The cache holds {cache.num_rows} rows but the input has {batch_size}: continue with the same rows, "
@@ -833,10 +835,16 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
             `JRTRNNCausalLMOutput` with `loss`, `logits` `(B, T, vocab_size)`, the cache, and `ntp_loss` / `mlm_loss`
             when `mlm_labels` are given.
         """
-        check_labels_shape(labels, input_ids, inputs_embeds)
+        labels = check_labels(labels, input_ids, inputs_embeds, self.config.vocab_size)
         reference = input_ids if input_ids is not None else inputs_embeds
         if reference is not None:
-            check_loss_arguments(labels, tuple(reference.shape[:2]), kwargs)
+            check_loss_arguments(labels, tuple(reference.shape[:2]), kwargs, self.config.vocab_size)
+        if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            raise ValueError(
+                f"`logits_to_keep` ({'a tensor' if isinstance(logits_to_keep, torch.Tensor) else logits_to_keep}) with "
+                "`labels`: the loss needs the logits of every position; pass "
+                "`logits_to_keep=0` (the default) when training, and keep logits only when generating."
+            )
         mlm_labels = kwargs.pop("mlm_labels", None)
         if mlm_labels is not None:
             check_jrt_objective_prefix(self.config, prefix_length)

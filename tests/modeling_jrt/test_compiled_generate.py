@@ -76,11 +76,13 @@ def test_static_cache_compiles_the_decode_step_once_and_matches_eager(make_confi
         (left_padded([6, 9], 9, seed=4), dict(do_sample=True, top_k=5)),  # sampling
         (left_padded([2, 2], 2, seed=5), dict(do_sample=False, prefix_strategy="repeat")),
     ]
-    for (input_ids, mask), kwargs in calls:
+    for call, ((input_ids, mask), kwargs) in enumerate(calls):
+        new_tokens = 6 if call % 2 else 3  # and another number of new tokens
         torch.manual_seed(7)
-        eager = model.generate(input_ids, attention_mask=mask, max_new_tokens=6, **NO_EOS, **kwargs)
+        eager = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens, **NO_EOS, **kwargs)
         torch.manual_seed(7)
-        fast = model.generate(input_ids, attention_mask=mask, max_new_tokens=6, **NO_EOS, **kwargs, **compiled)
+        fast = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens, **NO_EOS, **kwargs,
+                              **compiled)
         torch.testing.assert_close(fast, eager, rtol=0, atol=0)
     assert backend.graphs == 1
 

@@ -140,3 +140,66 @@ def test_non_binary_masks_are_refused_for_prompts_shorter_than_the_prefix(model,
     prompt = torch.randint(4, 99, (1, 5))
     with pytest.raises(ValueError, match=r"`attention_mask` must hold only 0 \(padding\) and 1 \(token\)"):
         model.generate(prompt, attention_mask=torch.full((1, 5), value), max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("rope_theta", 500.0), ("linear_attention_decay", True), ("decay_const", -5.0),
+     ("prefix_pad_masking", "reference"), ("sliding_window", 7)],
+)
+def test_a_cache_made_under_other_contents_is_refused(make_config, field, value):
+    """Every config field that changes what a cache holds is checked, not only its shapes: the same weights with
+    another `rope_theta` used to continue a cache with logits off by 1.6e-2 (keys rotated two ways)."""
+    base = dict(linear_attention_type="causal", linear_attention_decay=True) if field == "decay_const" else {}
+    if field == "linear_attention_decay":
+        base = dict(linear_attention_type="causal")
+    model = JRTRNNForCausalLM(make_config(**base)).eval()
+    other = JRTRNNForCausalLM(make_config(**{**base, field: value})).eval()
+    other.load_state_dict(model.state_dict())
+    input_ids = torch.randint(4, 99, (1, 9))
+    cache = output_cache(other(input_ids[:, :8], use_cache=True))
+    with pytest.raises(ValueError, match=rf"The cache was built for {field}={value!r}, but this model has {field}="):
+        model(input_ids[:, 8:], cache=cache)
+    with pytest.raises(ValueError, match=rf"built for {field}="):
+        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), cache=cache, max_new_tokens=1)
+
+
+@pytest.mark.parametrize("kind", ["prefix", "causal"])
+def test_a_cache_continues_in_another_dtype(make_config, kind):
+    """An fp32 cache continued by a bf16 copy of the model (and back): the conv window and the sliding keys are read
+    in the model's dtype (the recurrent state is fp32 in both), so the step runs instead of failing in SDPA."""
+    model = JRTRNNForCausalLM(make_config(linear_attention_type=kind)).eval()
+    half = JRTRNNForCausalLM(make_config(linear_attention_type=kind)).eval()
+    half.load_state_dict(model.state_dict())
+    half = half.to(torch.bfloat16)
+    input_ids = torch.randint(4, 99, (2, 10))
+    expected = model(input_ids).logits[:, -1]
+    for first, second in ((model, half), (half, model)):
+        cache = output_cache(first(input_ids[:, :9], use_cache=True))
+        logits = second(input_ids[:, 9:], cache=cache).logits[:, -1]
+        assert logits.dtype == second.dtype
+        torch.testing.assert_close(logits.float(), expected, rtol=0.1, atol=0.1)
+
+
+def test_a_bogus_prefix_strategy_is_refused_on_a_continuation_too(model):
+    input_ids = torch.randint(4, 99, (1, 6))
+    cache = output_cache(model(input_ids[:, :5], use_cache=True))
+    for strategy in ("bogus", "", 3):
+        with pytest.raises(ValueError, match=r"`prefix_strategy` must be one of \['pad', 'repeat', 'none'\]"):
+            model(input_ids[:, 5:], cache=cache, prefix_strategy=strategy)
+        with pytest.raises(ValueError, match=r"`prefix_strategy` must be one of"):
+            model.generate(input_ids, max_new_tokens=2, prefix_strategy=strategy)
+    model(input_ids[:, 5:], cache=cache, prefix_strategy="repeat")  # a valid one is accepted (and changes nothing)
+
+
+@pytest.mark.parametrize("rows", [[0, 2], [-1, 0], [5], [0, 1, 2, 3, 4, 7]])
+def test_reordering_a_cache_by_rows_it_lacks_is_refused(model, rows):
+    cache = output_cache(model(torch.randint(4, 99, (2, 6)), use_cache=True))
+    with pytest.raises(ValueError, match=r"The cache holds rows 0 \.\.\. 1; row -?\d+ does not exist"):
+        cache.reorder_cache(torch.tensor(rows))
+    with pytest.raises(ValueError, match=r"1D tensor of integer row indices"):
+        cache.reorder_cache(torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match=r"1D tensor of integer row indices"):
+        cache.batch_select_indices(torch.tensor([0.0, 1.0]))
+    cache.reorder_cache(torch.tensor([1, 0]))  # the cache is unchanged by the refusals and still reorders
+    assert cache.num_rows == 2
