@@ -13,7 +13,6 @@ Family-specific renames (`conv1` -> `conv`) and the checked-then-dropped keys (t
 
 from __future__ import annotations
 
-import json
 import pickle
 import re
 import struct
@@ -24,15 +23,17 @@ from pathlib import Path
 import torch
 
 from .memory import MappedPages, NoRelease
+from .source_files import (  # noqa: F401  (re-exported: found and read without torch, see source_files.py)
+    CONFIG_NAME,
+    LIGHTNING_SUFFIX,
+    WEIGHTS_NAME,
+    ConversionError,
+    NotACheckpointError,
+    find_weights_file,
+    load_reference_config,
+)
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "pytorch_model.bin"
-LIGHTNING_SUFFIX = ".ckpt"
 _MODEL_PREFIX = re.compile(r"^model\.")
-
-
-class ConversionError(ValueError):
-    """A checkpoint that cannot be converted as asked; the message says what is wrong and what to do."""
 
 
 @dataclass
@@ -52,50 +53,6 @@ class ReferenceCheckpoint:
     weights_path: Path
     dropped_keys: list[str]
     is_lightning: bool
-
-
-def find_weights_file(source: Path) -> Path:
-    """`source` itself when it is a file, else `pytorch_model.bin` or the single `*.ckpt` inside the folder."""
-    if source.is_file():
-        return source
-    if not source.is_dir():
-        raise FileNotFoundError(f"Source checkpoint {str(source)!r} does not exist.")
-    weights = source / WEIGHTS_NAME
-    if weights.is_file():
-        return weights
-    lightning = sorted(source.glob(f"*{LIGHTNING_SUFFIX}"))
-    if len(lightning) == 1:
-        return lightning[0]
-    found = sorted(p.name for p in source.iterdir())
-    if not lightning:
-        raise ConversionError(
-            f"No weights in {str(source)!r}: expected {WEIGHTS_NAME!r} or one Lightning '*{LIGHTNING_SUFFIX}' file "
-            f"next to {CONFIG_NAME!r}; found {found}."
-        )
-    raise ConversionError(
-        f"{str(source)!r} holds several Lightning checkpoints {[p.name for p in lightning]}: pass the one to convert "
-        "as SRC (its folder must also hold the reference config.json)."
-    )
-
-
-def load_reference_config(folder: Path) -> dict:
-    path = folder / CONFIG_NAME
-    if not path.is_file():
-        raise ConversionError(
-            f"No {CONFIG_NAME!r} in {str(folder)!r}: the reference config (a GPT2Config dump with the mixer dicts) "
-            "must sit next to the weights."
-        )
-    try:
-        config = json.loads(path.read_text(encoding="utf-8-sig"))
-    except UnicodeDecodeError as error:
-        raise ConversionError(f"{str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}).") from error
-    except json.JSONDecodeError as error:
-        raise ConversionError(
-            f"{str(path)!r} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}."
-        ) from error
-    if not isinstance(config, dict):
-        raise ConversionError(f"{str(path)!r} must hold a JSON object, got {type(config).__name__}.")
-    return config
 
 
 def load_state_dict_safely(
