@@ -209,7 +209,7 @@ def test_an_already_converted_folder_is_refused_by_the_python_api_too(tmp_path):
     from jrt_convert import ConversionError, convert_checkpoint
 
     source = _converted_folder(tmp_path / "JRT-360M-30B-hf")
-    with pytest.raises(ConversionError, match=r"is already a converted folder .*it loads as it is, with from_pretrained"):
+    with pytest.raises(ConversionError, match=r"is already a converted folder .*it loads as it is, with from_pretr"):
         convert_checkpoint(source, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
