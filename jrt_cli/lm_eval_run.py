@@ -122,15 +122,16 @@ def run(args: argparse.Namespace) -> int:
                 check_model_source(name, f"--model_args {key}")
     from lm_eval.utils import setup_logging
 
-    import jrt_eval.lm  # noqa: F401  (registers the lm-eval model "jrt")
     from jrt_eval import TASKS_DIR
 
     setup_logging()
-    quiet_transformers()
     if hasattr(lm_eval_args, "include_path"):
         user_path = lm_eval_args.include_path
         lm_eval_args.include_path = [str(TASKS_DIR)] + ([user_path] if user_path else [])
-    check_run_arguments(lm_eval_args)
+    check_run_arguments(lm_eval_args)  # lm-eval's task index: still before torch
+    import jrt_eval.lm  # noqa: F401  (registers the lm-eval model "jrt"; imports torch and transformers)
+
+    quiet_transformers()
     offline_when_the_hub_is_unreachable(lm_eval_args)
     cli.execute(lm_eval_args)
     return 0
@@ -159,20 +160,11 @@ def offline_when_the_hub_is_unreachable(lm_eval_args: argparse.Namespace) -> Non
 
 
 def check_run_arguments(lm_eval_args: argparse.Namespace) -> None:
-    """What lm-eval would only find after loading the model and the data sets (minutes): the `jrt` model's
-    `scoring=` and `prefix_strategy=`, `--batch_size`, and the task names. Usage errors, in a few seconds."""
+    """The task names lm-eval would only find unknown after loading the model and the data sets (minutes), checked
+    against lm-eval's task index (which lm-eval takes about 15 s to build), before torch is imported. A usage error.
+    (What the arguments alone tell is checked first, in a fraction of a second: `check_arguments_early`.)"""
     if getattr(lm_eval_args, "command", None) != "run":
         return
-    if getattr(lm_eval_args, "model", None) == "jrt":
-        from jrt_eval.lm import SCORING_MODES
-        from modeling_jrt.configuration_jrt import PREFIX_STRATEGIES
-
-        model_args = lm_eval_args.model_args or {}
-        for key, allowed in (("scoring", SCORING_MODES), ("prefix_strategy", PREFIX_STRATEGIES)):
-            if key in model_args and model_args[key] not in allowed:
-                raise UsageError(
-                    f"--model_args {key}={model_args[key]} is not one of {', '.join(allowed)} (the `jrt` model's)."
-                )
     tasks = getattr(lm_eval_args, "tasks", None)
     if tasks:
         from lm_eval.tasks import TaskManager
@@ -190,7 +182,8 @@ def check_run_arguments(lm_eval_args: argparse.Namespace) -> None:
 def check_arguments_early(lm_eval_args: argparse.Namespace) -> None:
     """Usage errors found from the arguments alone, before the seconds of importing torch, transformers and lm-eval's
     models (each took 15-30 s, or failed on the data set): an empty `--tasks`, a `jrt_*` task that jrt-rnn does not
-    ship, `--limit` <= 0, `--batch_size` that is not one, and a `--model_args` key the `jrt` model does not take.
+    ship, `--limit` <= 0, `--batch_size` that is not one, and for the `jrt` model a `--model_args` key it does not take
+    and a `scoring=` / `prefix_strategy=` it does not know.
 
     Other task names are checked against lm-eval's task index in `check_run_arguments`: building that index parses
     lm-eval's ~14,000 task files (about 15 s), which cannot be done cheaply here.
@@ -225,7 +218,29 @@ def check_arguments_early(lm_eval_args: argparse.Namespace) -> None:
     if batch_size is not None and not _is_batch_size(str(batch_size)):
         raise UsageError(f"--batch_size {batch_size}: expected a positive integer, 'auto' or 'auto:N'.")
     if getattr(lm_eval_args, "model", None) == "jrt":
-        check_model_arg_names(lm_eval_args.model_args or {})
+        from jrt_eval import SCORING_MODES
+
+        model_args = lm_eval_args.model_args or {}
+        for key, allowed in (("scoring", SCORING_MODES), ("prefix_strategy", prefix_strategies())):
+            if key in model_args and model_args[key] not in allowed:
+                raise UsageError(
+                    f"--model_args {key}={model_args[key]} is not one of {', '.join(allowed)} (the `jrt` model's)."
+                )
+        check_model_arg_names(model_args)
+
+
+@functools.cache
+def prefix_strategies() -> tuple[str, ...]:
+    """`modeling_jrt.configuration_jrt.PREFIX_STRATEGIES`, read from its source (importing it imports torch)."""
+    spec = importlib.util.find_spec("modeling_jrt")
+    if spec is not None and spec.origin is not None:
+        tree = ast.parse((Path(spec.origin).parent / "configuration_jrt.py").read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id == "PREFIX_STRATEGIES" for target in node.targets
+            ):
+                return tuple(ast.literal_eval(node.value))
+    raise ImportError("modeling_jrt/configuration_jrt.py does not define PREFIX_STRATEGIES")
 
 
 def check_model_arg_names(model_args: dict) -> None:

@@ -14,11 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # alone takes longer than this on the test machines).
 USAGE_ERROR_SECONDS = 2.0
 
+HEAVY_MODULES = ("torch", "transformers", "datasets", "lm_eval.models")
+
 _CHILD = """
 import sys
 from jrt_cli.main import main
-code = main(sys.argv[1:])
-heavy = sorted(name for name in ("torch", "transformers", "datasets", "lm_eval.models") if name in sys.modules)
+code = main(sys.argv[2:])
+heavy = sorted(name for name in sys.argv[1].split(",") if name in sys.modules)
 print("heavy imports:", ",".join(heavy) or "none", file=sys.stderr)
 sys.exit(code)
 """
@@ -31,11 +33,13 @@ def _run(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, float
     return run, time.perf_counter() - start
 
 
-def run_jrt(argv: list[str], cwd: Path = ROOT) -> tuple[int, str, float, float]:
+def run_jrt(
+    argv: list[str], cwd: Path = ROOT, heavy: tuple[str, ...] = HEAVY_MODULES
+) -> tuple[int, str, float, float]:
     """(exit code, stderr without the import report, seconds taken, seconds the interpreter takes to start), after
-    asserting that nothing heavy was imported."""
+    asserting that none of the `heavy` modules was imported."""
     _, startup = _run(["-c", "pass"], cwd)
-    run, seconds = _run(["-c", _CHILD, *argv], cwd)
+    run, seconds = _run(["-c", _CHILD, ",".join(heavy), *argv], cwd)
     lines = run.stderr.splitlines()
     assert lines and lines[-1] == "heavy imports: none", run.stderr
     return run.returncode, "\n".join(lines[:-1]) + "\n", seconds, startup

@@ -191,9 +191,14 @@ def _demo_model() -> str:
          "takes no argument 'scorng' (did you mean scoring?)"),
         (["--tasks", "jrt_swde", "--model_args", "pretrained=MODEL,prefix_lenght=64"],
          "(did you mean prefix_length?)"),
+        (["--tasks", "jrt_swde", "--model_args", "pretrained=MODEL,scoring=bogus"],
+         "--model_args scoring=bogus is not one of leak_free, reference"),
+        (["--tasks", "jrt_swde", "--model_args", "pretrained=MODEL,prefix_strategy=fill"],
+         "--model_args prefix_strategy=fill is not one of pad, repeat, none"),
     ],
     ids=["tasks-empty", "tasks-blank", "jrt-typo", "jrt-unknown-among-others", "limit-negative", "limit-zero",
-         "limit-nan", "batch-size-zero", "unknown-model-arg", "model-arg-typo", "config-field-typo"],
+         "limit-nan", "batch-size-zero", "unknown-model-arg", "model-arg-typo", "config-field-typo", "scoring",
+         "prefix-strategy"],
 )
 def test_usage_errors_answer_before_the_heavy_imports(extra, message):
     """Each took 14-30 s (torch, transformers and lm-eval's models imported, the task index built, or the model
@@ -279,3 +284,29 @@ def test_jrt_task_names_are_not_checked_early_with_a_users_include_path(tmp_path
         check_arguments_early(args)
     args.tasks = ["jrt_nq_*", "jrt_swde"]  # a glob over the shipped names
     check_arguments_early(args)
+
+
+def test_the_early_checks_read_the_same_choices_as_the_model():
+    """`scoring` and `prefix_strategy` are checked without importing torch, from the same constants."""
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
+    import jrt_eval
+    import jrt_eval.lm
+    from jrt_cli.lm_eval_run import prefix_strategies
+    from modeling_jrt.configuration_jrt import PREFIX_STRATEGIES
+
+    assert prefix_strategies() == PREFIX_STRATEGIES
+    assert jrt_eval.lm.SCORING_MODES is jrt_eval.SCORING_MODES == ("leak_free", "reference")
+
+
+@pytest.mark.slow
+def test_an_unknown_lm_eval_task_is_found_before_torch_is_imported():
+    """Other task names need lm-eval's task index (about 15 s to build): it is read before torch and transformers are
+    imported, so a misspelt lm-eval task costs that and nothing more."""
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
+    from usage_error_timing import run_jrt
+
+    returncode, err, _, _ = run_jrt(
+        ["lm-eval", "--tasks", "jrt_swde,hellaswagg", "--model_args", f"pretrained={_demo_model()}"],
+        heavy=("torch", "transformers", "lm_eval.models"),
+    )
+    assert returncode == 2 and err.count("\n") == 1 and "unknown task(s) hellaswagg" in err, err
