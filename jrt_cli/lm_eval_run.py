@@ -245,13 +245,13 @@ def prefix_strategies() -> tuple[str, ...]:
 
 def check_model_arg_names(model_args: dict) -> None:
     """Refuse a `--model_args` key that the `jrt` model does not take: not an argument of lm-eval's HF model or of
-    `jrt`, not a `from_pretrained` option and not a field of the model's config (read from the folder's config.json,
-    or the Hub cache's; when there is none, only the config classes' fields can tell, and the check is skipped)."""
+    `jrt`, not a `from_pretrained` option and not a field of the model's config (its class found from the model_type
+    of the folder's config.json, or the Hub cache's; without either, the loader decides later)."""
     config = _saved_config(model_args.get("pretrained"))
-    if config is None:
+    fields = config_fields(config.get("model_type")) if config is not None else None
+    if fields is None:  # no config at hand, or a model type whose config class is not found: the loader decides
         return
-    known = {*HFLM_ARGUMENTS, *JRT_MODEL_ARGUMENTS, *FROM_PRETRAINED_OPTIONS, *config_fields(config.get("model_type"))}
-    known |= set(config)
+    known = {*HFLM_ARGUMENTS, *JRT_MODEL_ARGUMENTS, *FROM_PRETRAINED_OPTIONS, *fields, *config}
     for key, value in model_args.items():
         if key in known:
             continue
@@ -279,26 +279,39 @@ def shipped_task_names() -> tuple[str, ...]:
 
 
 @functools.cache
-def config_fields(model_type: str | None) -> frozenset[str]:
-    """The fields a config accepts as `from_pretrained` overrides, read from the source of transformers'
-    `PreTrainedConfig` (and of `JRTRNNConfig` for model_type "jrt_rnn") without importing either (which imports
-    torch): their annotated attributes, `__init__` arguments, settable properties and `attribute_map` aliases."""
+def config_fields(model_type: str | None) -> frozenset[str] | None:
+    """The fields a config of `model_type` accepts as `from_pretrained` overrides, read from the source of its config
+    class (`JRTRNNConfig` for "jrt_rnn", else transformers' `models/<type>/configuration_<type>.py`) and of
+    transformers' `PreTrainedConfig`, without importing them (that imports torch): their annotated attributes,
+    `__init__` arguments, settable properties and `attribute_map` aliases. None when the source is not found."""
+    if not isinstance(model_type, str) or not model_type.replace("-", "_").isidentifier():
+        return None
+    module = model_type.replace("-", "_")
+    own = ("modeling_jrt", "configuration_jrt.py") if model_type == "jrt_rnn" else (
+        "transformers", f"models/{module}/configuration_{module}.py"
+    )
+    base = ("transformers", "configuration_utils.py")
+    trees = [_parsed_source(*own), _parsed_source(*base)]
+    if any(tree is None for tree in trees):
+        return None
     fields: set[str] = set()
-    sources = [("transformers", "configuration_utils.py", ("PreTrainedConfig", "PretrainedConfig"))]
-    if model_type == "jrt_rnn":
-        sources.append(("modeling_jrt", "configuration_jrt.py", ("JRTRNNConfig",)))
-    for package, file_name, classes in sources:
-        spec = importlib.util.find_spec(package)
-        if spec is None or spec.origin is None:
-            continue
-        try:
-            tree = ast.parse((Path(spec.origin).parent / file_name).read_text(encoding="utf-8"))
-        except (OSError, SyntaxError):
-            continue
+    for tree, classes in zip(trees, (None, ("PreTrainedConfig", "PretrainedConfig"))):
         for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef) and node.name in classes:
+            if isinstance(node, ast.ClassDef) and (node.name.endswith("Config") if classes is None
+                                                   else node.name in classes):
                 fields |= _class_fields(node)
     return frozenset(fields)
+
+
+def _parsed_source(package: str, file_name: str) -> ast.Module | None:
+    """The syntax tree of a file of an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        return ast.parse((Path(spec.origin).parent / file_name).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
 
 
 def _class_fields(node: ast.ClassDef) -> set[str]:

@@ -233,12 +233,27 @@ def test_model_args_the_jrt_model_takes_are_accepted(key, value):
 
 
 def test_model_args_of_a_model_whose_config_is_not_at_hand_are_left_to_the_loader(tmp_path):
-    """A Hub id that is not in the local cache (its config cannot be read without the network) or a folder without
-    a config.json: no early verdict on the keys."""
+    """A Hub id that is not in the local cache (its config cannot be read without the network), a folder without
+    a config.json, or a model type whose config class is not found: no early verdict on the keys."""
     from jrt_cli.lm_eval_run import check_model_arg_names
 
     check_model_arg_names({"pretrained": "nobody-xyz/not-cached-model", "anything": 1})
     check_model_arg_names({"pretrained": str(tmp_path), "anything": 1})
+    (tmp_path / "config.json").write_text('{"model_type": "someone_elses_model"}')
+    check_model_arg_names({"pretrained": str(tmp_path), "anything": 1})
+
+
+def test_model_args_of_another_model_type_are_its_config_fields(tmp_path):
+    """`--model jrt` loads any causal LM: for a GPT-2 folder, GPT-2's config fields (also those left out of its
+    config.json) are overrides, and a key that is none of them is refused."""
+    import json
+
+    from jrt_cli.lm_eval_run import check_model_arg_names
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    check_model_arg_names({"pretrained": str(tmp_path), "n_positions": 2048, "attn_pdrop": 0.0, "dtype": "float32"})
+    with pytest.raises(ValueError, match=r"takes no argument 'n_positons' \(did you mean n_positions\?\)"):
+        check_model_arg_names({"pretrained": str(tmp_path), "n_positons": 2048})
 
 
 def test_the_known_model_args_match_the_installed_lm_eval_and_the_config():
@@ -255,10 +270,14 @@ def test_the_known_model_args_match_the_installed_lm_eval_and_the_config():
     assert sorted(HFLM_ARGUMENTS) == sorted(hflm)
     jrtlm = [name for name in inspect.signature(JRTLM.__init__).parameters if name not in ("self", "kwargs")]
     assert set(jrtlm) <= {*HFLM_ARGUMENTS, *JRT_MODEL_ARGUMENTS}
-    fields = config_fields("jrt_rnn")
-    saved = modeling_jrt.JRTRNNConfig().to_dict()
-    assert set(saved) - {"model_type", "_name_or_path"} <= fields, set(saved) - fields
+    from transformers import GPT2Config, LlamaConfig
+
+    for model_type, config in (("jrt_rnn", modeling_jrt.JRTRNNConfig()), ("gpt2", GPT2Config()),
+                               ("llama", LlamaConfig())):
+        fields = config_fields(model_type)
+        assert set(config.to_dict()) - {"model_type", "_name_or_path"} <= fields, set(config.to_dict()) - fields
     assert "prefix_length" not in config_fields("llama")  # JRT-RNN's own fields only for its model type
+    assert config_fields("no_such_model_type") is None and config_fields("../x") is None
 
 
 def test_shipped_task_names_are_the_yaml_files_tasks_and_groups():
