@@ -30,9 +30,10 @@ class NotACheckpointError(ConversionError):
 def find_weights_file(source: Path) -> Path:
     """`source` itself when it is a file, else `pytorch_model.bin` or the single `*.ckpt` inside the folder.
 
-    Raises `NotACheckpointError` for a folder that is already converted (its config.json has model_type `jrt_rnn`)
-    or holds no weights, or several Lightning checkpoints."""
+    Raises `NotACheckpointError` for a folder that is already converted (its config.json has model_type `jrt_rnn`),
+    or a file in one, and for a folder that holds no weights, or several Lightning checkpoints."""
     if source.is_file():
+        check_not_converted(source.parent)  # e.g. the model.safetensors of a converted folder
         return source
     if not source.is_dir():
         raise FileNotFoundError(f"Source checkpoint {str(source)!r} does not exist.")

@@ -176,8 +176,10 @@ def _converted_folder(folder: Path) -> Path:
         (lambda tmp: tmp / "converted", 2, "is already a converted folder (['model.safetensors'] and a config.json "
                                            "with model_type 'jrt_rnn')"),
         (lambda tmp: tmp / "two-ckpts", 2, "holds several Lightning checkpoints"),
+        (lambda tmp: tmp / "converted" / "model.safetensors", 2, "is already a converted folder"),
     ],
-    ids=["empty-folder", "no-weights", "config-not-json", "config-a-list", "already-converted", "two-ckpts"],
+    ids=["empty-folder", "no-weights", "config-not-json", "config-a-list", "already-converted", "two-ckpts",
+         "converted-weights-file"],
 )
 def test_a_source_that_is_not_a_checkpoint_answers_before_the_heavy_imports(tmp_path, make_source, code, message):
     """They took 14-29 s (importing torch and transformers first), and an already converted folder listed its 25
@@ -200,7 +202,7 @@ def test_a_source_that_is_not_a_checkpoint_answers_before_the_heavy_imports(tmp_
     returncode, err, seconds, startup = run_jrt(["convert", str(source), str(tmp_path / "out")])
     assert returncode == code, err
     _one_line(err, "convert")
-    assert message in err and str(source) in err
+    assert message in err and str(source.parent if source.is_file() else source) in err
     assert seconds < startup + USAGE_ERROR_SECONDS, (seconds, startup)
     assert not (tmp_path / "out").exists()
 
