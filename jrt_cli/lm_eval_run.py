@@ -199,10 +199,10 @@ def check_arguments_early(lm_eval_args: argparse.Namespace) -> None:
                 "task names, e.g. --tasks jrt_swde or --tasks jrt_swde,hellaswag (`jrt lm-eval ls tasks` lists them)."
             )
         shipped = shipped_task_names()
-        user_tasks = getattr(lm_eval_args, "include_path", None)  # the user's own tasks may be named jrt_* too
+        # With the user's own tasks (--include_path), a jrt_* name may be theirs: lm-eval's index decides.
+        own_tasks = bool(getattr(lm_eval_args, "include_path", None))
         unknown = [name for name in names if name.startswith("jrt_") and not _matches(name, shipped)]
-        unknown = [] if user_tasks else unknown
-        if unknown:
+        if unknown and not own_tasks:
             hints = {name: difflib.get_close_matches(name, shipped, n=1) for name in unknown}
             hint = "".join(f" ({name}: did you mean {match[0]}?)" for name, match in hints.items() if match)
             raise UsageError(
