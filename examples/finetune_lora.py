@@ -5,9 +5,10 @@ saves it, reloads it on a fresh base model, checks that it reproduces the traine
 
     # a tiny random JRT-RNN and byte-level tokens (offline, seconds on CPU)
     python examples/finetune_lora.py --output-dir runs/lora --max-steps 30
-    # a converted checkpoint (its tokenizer is read from the same folder) on a text file or a local dataset
-    python examples/finetune_lora.py --model converted/JRT-360M-30B --text-file notes.txt --output-dir runs/lora
-    python examples/finetune_lora.py --model converted/based-360m --dataset data/my_dataset --output-dir runs/lora
+    # a folder `jrt convert` wrote (replace it with yours; its tokenizer is read from the same folder) on a text file
+    # or a local dataset
+    python examples/finetune_lora.py --model ./JRT-360M-30B-hf --text-file notes.txt --output-dir runs/lora
+    python examples/finetune_lora.py --model ./based-360m-hf --dataset data/my_dataset --output-dir runs/lora
     # several processes: DDP (gloo on a machine without GPUs; `--multi_gpu` starts the processes, see docs/training.md)
     accelerate launch --multi_gpu --num_processes 2 examples/finetune_lora.py --output-dir runs/lora-ddp --max-steps 10
 

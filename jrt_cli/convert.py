@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .choices import DTYPES, FAMILIES, PREFIX_PAD_MASKINGS
 from .main import UsageError, quiet_transformers
@@ -71,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
     if args.example is not None:
         if args.source is not None or args.destination is not None:
             raise UsageError("--example DIR writes an example checkpoint and converts nothing: give no SRC or DST.")
+        from jrt_convert.source_files import check_example_folder
+
+        try:
+            check_example_folder(Path(args.example))  # before the seconds of importing torch
+        except FileExistsError as error:
+            raise UsageError(f"--example {error}") from None
         from jrt_convert.example import write_example_checkpoint
 
         folder = write_example_checkpoint(args.example)
@@ -87,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--create-pr opens a pull request against main; it cannot be combined with --revision {args.revision!r}."
         )
+    check_local_source(args.source)
     # A Hub id with the Hub unreachable fails in seconds (transformers and huggingface_hub retry for a minute).
     check_hub_source(
         args.source, "SRC", hint=f" Without network access, copy config.json and pytorch_model.bin from "
@@ -127,3 +135,19 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"uploaded to {url}")
     return 0
+
+
+def check_local_source(source: str) -> None:
+    """A local SRC that is not a released checkpoint, before the seconds of importing torch and transformers: a
+    folder without weights or one that is already converted is a usage error (exit 2), a config.json that is not
+    JSON a damaged file (exit 1). (A Hub id, and a path that does not exist, are checked by the conversion.)"""
+    path = Path(source).expanduser()
+    if not path.exists():
+        return
+    from jrt_convert.source_files import NotACheckpointError, find_weights_file, load_reference_config
+
+    try:
+        weights = find_weights_file(path)
+    except NotACheckpointError as error:
+        raise UsageError(f"SRC: {error}") from None
+    load_reference_config(weights.parent)

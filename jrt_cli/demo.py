@@ -34,8 +34,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="folder holding jrt-rnn-sd/ and based-sd/ (default: the models shipped with the package; "
                              "`python experiments/synthetic export` writes such a folder)")
     parser.add_argument("--export", type=Path, metavar="DIR",
-                        help="write the demo models as Hub-ready folders under DIR (weights, config, tokenizer and "
-                             "the model's code: a copy loads with trust_remote_code=True without jrt-rnn) and exit")
+                        help="write the demo models as Hub-ready folders under DIR (weights, config, tokenizer, a model "
+                             "card and the model's code: a copy loads with trust_remote_code=True without jrt-rnn) "
+                             "and exit")
     parser.set_defaults(func=run)
 
 

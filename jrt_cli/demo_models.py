@@ -103,8 +103,9 @@ def refresh_demo_folder(folder: Path) -> list[str]:
 def export_demo_models(destination: Path, models_dir: Path = MODELS_DIR) -> list[Path]:
     """Write each demo model as a Hub-ready folder under `destination` (`save_pretrained`: weights, config with
     `auto_map`, the model's code, so a copy loads with `trust_remote_code=True` without this package), with its
-    tokenizer, `token_map.json` and `training.json`. A folder is written complete in a temporary place, then moved
-    into place; an existing one is refused. Returns the folders written."""
+    tokenizer, `token_map.json`, `training.json` and a model card (`README.md`, `render_demo_model_card`). A folder
+    is written complete in a temporary place, then moved into place; an existing one is refused. Returns the folders
+    written."""
     import shutil
     import tempfile
 
@@ -120,9 +121,68 @@ def export_demo_models(destination: Path, models_dir: Path = MODELS_DIR) -> list
             model.save_pretrained(staged)
             for file in ("token_map.json", "training.json", "tokenizer.json", "tokenizer_config.json"):
                 shutil.copyfile(models_dir / name / file, staged / file)
+            training = json.loads((models_dir / name / "training.json").read_text())
+            (staged / "README.md").write_text(render_demo_model_card(name, model.config, training), encoding="utf-8")
             staged.rename(target)
         written.append(target)
     return written
+
+
+# The prompt of the exported cards' usage block: two sets that share t12 (the model answers after the "?").
+CARD_PROMPT = "<bos> t5 t9 t12 t40 | t44 t47 t50 t52 t55 t57 t59 t60 t61 t62 t63 t64 t65 t66 t67 t12 ?"
+
+
+def render_demo_model_card(name: str, config, training: dict) -> str:
+    """The README.md of an exported demo model: what it is and how it was trained (from its `training.json`), a usage
+    block that runs without jrt-rnn (`trust_remote_code=True`), its architecture, and the papers. The Hub header and
+    the citations are those of the converter's cards (`jrt_convert.model_card`)."""
+    from jrt_convert.model_card import citation_section, front_matter
+
+    is_prefix = config.linear_attention_type == "prefix"
+    kind = "JRT-RNN (prefix linear attention)" if is_prefix else "Based (causal linear attention)"
+    spec, task = training.get("spec", {}), training.get("spec", {}).get("task", {})
+    slices = ", ".join(f"{a} + {b}" for a, b in task.get("train_slices", DEMO_SLICES))
+    accuracy = ", ".join(f"{100 * value:.1f}% on {key.replace('_', ' + ')}" for key, value in
+                         training.get("accuracy", {}).items())
+    layers = ", ".join(config.mixer_types)
+    steps, batch = spec.get("steps", "-"), spec.get("batch_size", "-")
+    return f"""{front_matter(tags=("jrt-rnn", "based", "linear-attention", "synthetic", "set-disjointness"))}
+# {name}: a tiny {kind} on set disjointness
+
+One of the two models behind `jrt demo` (jrt-rnn), exported with `jrt demo --export`. It was trained from scratch by
+the repository's synthetic harness (`experiments/synthetic`, experiment E1) on **set disjointness** (JRT paper,
+Algorithm 1): the prompt `<bos> A | B ?` lists two sets of tokens that share exactly one, and after `?` the model
+names it. Its vocabulary is that task's (`t4` ... `t67` and `<bos>`, `|`, `?`; one word per token, an unknown word is
+`<mask>`): it demonstrates the architecture, not language.
+
+## Usage
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO", trust_remote_code=True)
+prompt = "{CARD_PROMPT}"
+inputs = tokenizer(prompt, return_tensors="pt")
+answer = model.generate(**inputs, max_new_tokens=1, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+print(tokenizer.decode(answer))  # the token both sets hold
+```
+
+`PATH_OR_REPO` is this folder (or its Hub repo). The modeling code ships with the folder (`trust_remote_code=True`);
+with the `jrt-rnn` package installed, `import modeling_jrt` registers the same classes locally.
+
+## Model and training
+
+| | |
+|---|---|
+| kind | {kind}{f", prefix of {config.prefix_length} tokens" if is_prefix else ""} |
+| layers | {config.num_hidden_layers}: {layers} |
+| hidden size / heads / feature dim | {config.hidden_size} / {config.num_attention_heads} / {config.feature_dim} |
+| parameters | {training.get("num_parameters", "-")} |
+| training | {steps} steps of batch {batch}, sets of sizes {slices}, seed {training.get("seed", "-")} |
+| accuracy (held-out examples) | {accuracy or "-"} |
+
+{citation_section()}"""
 
 
 def demo_batch(num_examples: int, repeat: int = 1, seed: int = DEMO_SEED, vocab_size: int = 68,

@@ -12,6 +12,12 @@ then hands over to lm-eval (`lm_eval._cli.HarnessCLI`), which parses, evaluates 
 from __future__ import annotations
 
 import argparse
+import ast
+import difflib
+import functools
+import importlib.util
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -19,6 +25,28 @@ from .main import UsageError, quiet_transformers
 from .sources import check_model_source, go_offline, hub_unreachable
 
 LM_EVAL_SUBCOMMANDS: tuple[str, ...] = ("run", "ls", "validate")
+
+# The `--model_args` keys the `jrt` model takes, known without importing torch (an unknown one is a usage error before
+# anything loads; it failed after the model had loaded, with a TypeError from its constructor):
+# - lm-eval's HF model's own arguments (`HFLM.__init__`; a test holds this list against the installed lm-eval),
+HFLM_ARGUMENTS: tuple[str, ...] = (
+    "pretrained", "backend", "revision", "subfolder", "tokenizer", "truncation", "logits_cache", "max_length",
+    "device", "dtype", "softmax_dtype", "mixed_precision_dtype", "batch_size", "max_batch_size", "trust_remote_code",
+    "use_fast_tokenizer", "add_bos_token", "prefix_token_id", "parallelize", "max_memory_per_gpu", "max_cpu_memory",
+    "offload_folder", "tp_plan", "peft", "delta", "autogptq", "gptqmodel", "gguf_file", "think_end_token",
+    "enable_thinking", "chat_template_args",
+)
+# - the `jrt` model's own (`jrt_eval.lm.JRTLM`),
+JRT_MODEL_ARGUMENTS: tuple[str, ...] = ("scoring", "prefix_strategy")
+# - what HFLM passes on to `from_pretrained`: transformers' loading options (the model's config fields are the rest).
+FROM_PRETRAINED_OPTIONS: tuple[str, ...] = (
+    "attn_implementation", "device_map", "low_cpu_mem_usage", "quantization_config", "torch_dtype", "cache_dir",
+    "force_download", "local_files_only", "token", "use_safetensors", "variant", "key_mapping", "max_memory",
+    "offload_state_dict", "offload_buffers", "use_kernels", "kernel_config", "experts_implementation",
+    "distributed_config", "device_mesh", "tp_size", "weights_only", "adapter_name", "adapter_kwargs", "gpus",
+    "load_in_8bit", "load_in_4bit", "bnb_4bit_compute_dtype", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+    "output_loading_info", "proxies",
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -86,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         sys.argv = saved_argv
     check_model_args(lm_eval_args)
+    check_arguments_early(lm_eval_args)
     if getattr(lm_eval_args, "model", None) == "jrt":  # before the seconds of importing torch and transformers
         for key in ("pretrained", "tokenizer"):
             name = (lm_eval_args.model_args or {}).get(key)
@@ -93,15 +122,16 @@ def run(args: argparse.Namespace) -> int:
                 check_model_source(name, f"--model_args {key}")
     from lm_eval.utils import setup_logging
 
-    import jrt_eval.lm  # noqa: F401  (registers the lm-eval model "jrt")
     from jrt_eval import TASKS_DIR
 
     setup_logging()
-    quiet_transformers()
     if hasattr(lm_eval_args, "include_path"):
         user_path = lm_eval_args.include_path
         lm_eval_args.include_path = [str(TASKS_DIR)] + ([user_path] if user_path else [])
-    check_run_arguments(lm_eval_args)
+    check_run_arguments(lm_eval_args)  # lm-eval's task index: still before torch
+    import jrt_eval.lm  # noqa: F401  (registers the lm-eval model "jrt"; imports torch and transformers)
+
+    quiet_transformers()
     offline_when_the_hub_is_unreachable(lm_eval_args)
     cli.execute(lm_eval_args)
     return 0
@@ -130,28 +160,16 @@ def offline_when_the_hub_is_unreachable(lm_eval_args: argparse.Namespace) -> Non
 
 
 def check_run_arguments(lm_eval_args: argparse.Namespace) -> None:
-    """What lm-eval would only find after loading the model and the data sets (minutes): the `jrt` model's
-    `scoring=` and `prefix_strategy=`, `--batch_size`, and the task names. Usage errors, in a few seconds."""
+    """The task names lm-eval would only find unknown after loading the model and the data sets (minutes), checked
+    against lm-eval's task index (which lm-eval takes about 15 s to build), before torch is imported. A usage error.
+    (What the arguments alone tell is checked first, in a fraction of a second: `check_arguments_early`.)"""
     if getattr(lm_eval_args, "command", None) != "run":
         return
-    if getattr(lm_eval_args, "model", None) == "jrt":
-        from jrt_eval.lm import SCORING_MODES
-        from modeling_jrt.configuration_jrt import PREFIX_STRATEGIES
-
-        model_args = lm_eval_args.model_args or {}
-        for key, allowed in (("scoring", SCORING_MODES), ("prefix_strategy", PREFIX_STRATEGIES)):
-            if key in model_args and model_args[key] not in allowed:
-                raise UsageError(
-                    f"--model_args {key}={model_args[key]} is not one of {', '.join(allowed)} (the `jrt` model's)."
-                )
-    batch_size = getattr(lm_eval_args, "batch_size", None)
-    if batch_size is not None and not _is_batch_size(str(batch_size)):
-        raise UsageError(f"--batch_size {batch_size}: expected a positive integer, 'auto' or 'auto:N'.")
     tasks = getattr(lm_eval_args, "tasks", None)
     if tasks:
         from lm_eval.tasks import TaskManager
 
-        names = [name for name in (tasks.split(",") if isinstance(tasks, str) else tasks) if name]
+        names = _task_names(tasks)
         manager = TaskManager(include_path=lm_eval_args.include_path)
         unknown = [name for name in names if not Path(name).exists() and not manager.match_tasks([name])]
         if unknown:
@@ -159,6 +177,195 @@ def check_run_arguments(lm_eval_args: argparse.Namespace) -> None:
                 f"unknown task(s) {', '.join(unknown)}: `jrt lm-eval ls tasks` lists them (jrt-rnn's recall tasks "
                 "are jrt_swde, jrt_fda, ..., see docs/evaluation.md)."
             )
+
+
+def check_arguments_early(lm_eval_args: argparse.Namespace) -> None:
+    """Usage errors found from the arguments alone, before the seconds of importing torch, transformers and lm-eval's
+    models (each took 15-30 s, or failed on the data set): an empty `--tasks`, a `jrt_*` task that jrt-rnn does not
+    ship, `--limit` <= 0, `--batch_size` that is not one, and for the `jrt` model a `--model_args` key it does not take
+    and a `scoring=` / `prefix_strategy=` it does not know.
+
+    Other task names are checked against lm-eval's task index in `check_run_arguments`: building that index parses
+    lm-eval's ~14,000 task files (about 15 s), which cannot be done cheaply here.
+    """
+    if getattr(lm_eval_args, "command", None) != "run":
+        return
+    tasks = getattr(lm_eval_args, "tasks", None)
+    if tasks is not None:
+        names = _task_names(tasks)
+        if not names:
+            raise UsageError(
+                f"--tasks {','.join(tasks) if isinstance(tasks, list) else tasks!r} names no task: give one or more "
+                "task names, e.g. --tasks jrt_swde or --tasks jrt_swde,hellaswag (`jrt lm-eval ls tasks` lists them)."
+            )
+        shipped = shipped_task_names()
+        # With the user's own tasks (--include_path), a jrt_* name may be theirs: lm-eval's index decides.
+        own_tasks = bool(getattr(lm_eval_args, "include_path", None))
+        unknown = [name for name in names if name.startswith("jrt_") and not _matches(name, shipped)]
+        if unknown and not own_tasks:
+            hints = {name: difflib.get_close_matches(name, shipped, n=1) for name in unknown}
+            hint = "".join(f" ({name}: did you mean {match[0]}?)" for name, match in hints.items() if match)
+            raise UsageError(
+                f"unknown task(s) {', '.join(unknown)}{hint}: jrt-rnn's tasks are {', '.join(sorted(shipped))} "
+                "(docs/evaluation.md)."
+            )
+    limit = getattr(lm_eval_args, "limit", None)
+    if limit is not None and not (math.isfinite(limit) and limit > 0):
+        raise UsageError(
+            f"--limit {limit:g}: expected a number of examples per task (>= 1) or a fraction of them (between 0 and 1)."
+        )
+    batch_size = getattr(lm_eval_args, "batch_size", None)
+    if batch_size is not None and not _is_batch_size(str(batch_size)):
+        raise UsageError(f"--batch_size {batch_size}: expected a positive integer, 'auto' or 'auto:N'.")
+    if getattr(lm_eval_args, "model", None) == "jrt":
+        from jrt_eval import SCORING_MODES
+
+        model_args = lm_eval_args.model_args or {}
+        for key, allowed in (("scoring", SCORING_MODES), ("prefix_strategy", prefix_strategies())):
+            if key in model_args and model_args[key] not in allowed:
+                raise UsageError(
+                    f"--model_args {key}={model_args[key]} is not one of {', '.join(allowed)} (the `jrt` model's)."
+                )
+        check_model_arg_names(model_args)
+
+
+@functools.cache
+def prefix_strategies() -> tuple[str, ...]:
+    """`modeling_jrt.configuration_jrt.PREFIX_STRATEGIES`, read from its source (importing it imports torch)."""
+    spec = importlib.util.find_spec("modeling_jrt")
+    if spec is not None and spec.origin is not None:
+        tree = ast.parse((Path(spec.origin).parent / "configuration_jrt.py").read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id == "PREFIX_STRATEGIES" for target in node.targets
+            ):
+                return tuple(ast.literal_eval(node.value))
+    raise ImportError("modeling_jrt/configuration_jrt.py does not define PREFIX_STRATEGIES")
+
+
+def check_model_arg_names(model_args: dict) -> None:
+    """Refuse a `--model_args` key that the `jrt` model does not take: not an argument of lm-eval's HF model or of
+    `jrt`, not a `from_pretrained` option and not a field of the model's config (its class found from the model_type
+    of the folder's config.json, or the Hub cache's; without either, the loader decides later)."""
+    config = _saved_config(model_args.get("pretrained"))
+    fields = config_fields(config.get("model_type")) if config is not None else None
+    if fields is None:  # no config at hand, or a model type whose config class is not found: the loader decides
+        return
+    known = {*HFLM_ARGUMENTS, *JRT_MODEL_ARGUMENTS, *FROM_PRETRAINED_OPTIONS, *fields, *config}
+    for key, value in model_args.items():
+        if key in known:
+            continue
+        match = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f" (did you mean {match[0]}?)" if match else ""
+        raise UsageError(
+            f"--model_args {key}={value}: the `jrt` model takes no argument {key!r}{hint}. It takes lm-eval's HF model "
+            "arguments (dtype, device, max_length, ...), scoring and prefix_strategy, from_pretrained options and "
+            "the model's config fields (docs/evaluation.md)."
+        )
+
+
+@functools.cache
+def shipped_task_names() -> tuple[str, ...]:
+    """The task and group names of the YAML files jrt-rnn ships (`jrt_eval/tasks`), read without lm-eval."""
+    from jrt_eval import TASKS_DIR
+
+    names = []
+    for path in sorted(TASKS_DIR.glob("*.yaml")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            key, _, value = line.partition(":")
+            if key in ("task", "group") and value.strip() and not value.strip().startswith(("[", "!")):
+                names.append(value.strip().strip("'\""))
+    return tuple(dict.fromkeys(names))
+
+
+@functools.cache
+def config_fields(model_type: str | None) -> frozenset[str] | None:
+    """The fields a config of `model_type` accepts as `from_pretrained` overrides, read from the source of its config
+    class (`JRTRNNConfig` for "jrt_rnn", else transformers' `models/<type>/configuration_<type>.py`) and of
+    transformers' `PreTrainedConfig`, without importing them (that imports torch): their annotated attributes,
+    `__init__` arguments, settable properties and `attribute_map` aliases. None when the source is not found."""
+    if not isinstance(model_type, str) or not model_type.replace("-", "_").isidentifier():
+        return None
+    module = model_type.replace("-", "_")
+    own = ("modeling_jrt", "configuration_jrt.py") if model_type == "jrt_rnn" else (
+        "transformers", f"models/{module}/configuration_{module}.py"
+    )
+    base = ("transformers", "configuration_utils.py")
+    trees = [_parsed_source(*own), _parsed_source(*base)]
+    if any(tree is None for tree in trees):
+        return None
+    fields: set[str] = set()
+    for tree, classes in zip(trees, (None, ("PreTrainedConfig", "PretrainedConfig"))):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and (node.name.endswith("Config") if classes is None
+                                                   else node.name in classes):
+                fields |= _class_fields(node)
+    return frozenset(fields)
+
+
+def _parsed_source(package: str, file_name: str) -> ast.Module | None:
+    """The syntax tree of a file of an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        return ast.parse((Path(spec.origin).parent / file_name).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def _class_fields(node: ast.ClassDef) -> set[str]:
+    fields = set()
+    for item in node.body:
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            if "ClassVar" not in ast.unparse(item.annotation):
+                fields.add(item.target.id)
+        elif isinstance(item, ast.FunctionDef) and item.name == "__init__":
+            arguments = item.args
+            fields |= {arg.arg for arg in [*arguments.args, *arguments.kwonlyargs] if arg.arg != "self"}
+        elif isinstance(item, ast.FunctionDef) and any(
+            isinstance(decorator, ast.Attribute) and decorator.attr == "setter" for decorator in item.decorator_list
+        ):
+            fields.add(item.name)  # a property that can be set (`output_attentions`)
+        elif isinstance(item, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "attribute_map" for target in item.targets
+        ) and isinstance(item.value, ast.Dict):
+            fields |= {key.value for key in item.value.keys if isinstance(key, ast.Constant)}
+    return fields
+
+
+def _saved_config(pretrained: object) -> dict | None:
+    """The config.json of `pretrained` (a local folder, or a Hub id in the local Hub cache), or None."""
+    if not isinstance(pretrained, str):
+        return None
+    path = Path(pretrained).expanduser() / "config.json"
+    if not path.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(pretrained, "config.json")
+        except Exception:  # noqa: BLE001  (not a valid repo id: the model source check reports it)
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _task_names(tasks: str | list[str]) -> list[str]:
+    """The task names of `--tasks` (lm-eval splits its values at commas; blank names are none)."""
+    return [name.strip() for name in (tasks.split(",") if isinstance(tasks, str) else tasks) if name.strip()]
+
+
+def _matches(name: str, shipped: tuple[str, ...]) -> bool:
+    """A shipped name, a glob over them (`jrt_nq_*`), or a task file given by path."""
+    import fnmatch
+
+    return name in shipped or any(fnmatch.fnmatchcase(task, name) for task in shipped) or Path(name).exists()
 
 
 def _is_batch_size(text: str) -> bool:

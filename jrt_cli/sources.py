@@ -6,6 +6,7 @@ mistyped). The `jrt` commands call `check_model_source` first:
 
 - an existing folder is used as is, unless it holds a released HazyResearch checkpoint that was never converted
   ("convert it first: jrt convert SRC DST");
+- an existing file is a usage error ("a file, not a model folder"; transformers would take it for a Hub id);
 - a name that can only be a path (`./x`, `/x`, `~/x`, `a/b/c`) and does not exist: "no such folder";
 - anything else may be a Hub id: it is used when the Hub answers within `HUB_PROBE_TIMEOUT` seconds or when the repo
   is in the local Hub cache (the command then runs offline, without retries); otherwise one line names both
@@ -18,6 +19,8 @@ import functools
 import json
 import os
 from pathlib import Path
+
+from .main import UsageError
 
 HUB_PROBE_TIMEOUT = 3.0
 """Seconds to wait for the Hub to answer before a Hub id is reported as unreachable."""
@@ -60,8 +63,13 @@ def check_model_source(name: str, flag: str) -> None:
     if path.is_dir():
         check_converted(path, flag)
         return
-    if path.exists():  # a file: the loader reports what it thinks of it
-        return
+    if path.exists():  # transformers reads a file as a Hub id ("Repo id must be in the form ..."), after retries
+        holder = path.parent
+        example = f" ({str(holder)!r} holds a config.json)" if (holder / "config.json").is_file() else ""
+        raise UsageError(
+            f"{flag} {name!r} is a file, not a model folder: give the folder that holds the model's config.json, "
+            f"weights and tokenizer files{example}, or a Hub id."
+        )
     if looks_like_path(name) or not is_hub_id(name):
         raise ModelSourceError(f"{flag} {name!r}: no such folder.")
     check_hub_source(name, flag)

@@ -5,12 +5,44 @@
     push_to_hub(result.destination, "me/JRT-360M-30B-hf")
 
 The command line is `jrt convert SRC DST [options]`.
+
+The names below are imported on first use (PEP 562): `import jrt_convert.source_files` (what `jrt convert` checks
+before the conversion: a folder without a checkpoint, an already converted one, a config.json that is not JSON) does not
+import torch or transformers, so such mistakes are answered in a fraction of a second instead of after their import.
 """
 
-from .checkpoint import ConversionError, read_reference_checkpoint
-from .families import FAMILIES, KNOWN_CHECKPOINTS, detect_family, read_architecture
-from .hub import download_reference_checkpoint, push_to_hub
-from .pipeline import DTYPES, ConversionResult, OptionError, convert_checkpoint
+from __future__ import annotations
+
+import importlib
+
+# Public name -> the module of this package that defines it.
+_EXPORTS = {
+    "ConversionError": "source_files",
+    "read_reference_checkpoint": "checkpoint",
+    "FAMILIES": "families",
+    "KNOWN_CHECKPOINTS": "families",
+    "detect_family": "families",
+    "read_architecture": "families",
+    "download_reference_checkpoint": "hub",
+    "push_to_hub": "hub",
+    "DTYPES": "pipeline",
+    "ConversionResult": "pipeline",
+    "OptionError": "pipeline",
+    "convert_checkpoint": "pipeline",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "DTYPES",

@@ -13,7 +13,6 @@ Family-specific renames (`conv1` -> `conv`) and the checked-then-dropped keys (t
 
 from __future__ import annotations
 
-import json
 import pickle
 import re
 import struct
@@ -24,15 +23,17 @@ from pathlib import Path
 import torch
 
 from .memory import MappedPages, NoRelease
+from .source_files import (  # noqa: F401  (re-exported: found and read without torch, see source_files.py)
+    CONFIG_NAME,
+    LIGHTNING_SUFFIX,
+    WEIGHTS_NAME,
+    ConversionError,
+    NotACheckpointError,
+    find_weights_file,
+    load_reference_config,
+)
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "pytorch_model.bin"
-LIGHTNING_SUFFIX = ".ckpt"
 _MODEL_PREFIX = re.compile(r"^model\.")
-
-
-class ConversionError(ValueError):
-    """A checkpoint that cannot be converted as asked; the message says what is wrong and what to do."""
 
 
 @dataclass
@@ -52,50 +53,6 @@ class ReferenceCheckpoint:
     weights_path: Path
     dropped_keys: list[str]
     is_lightning: bool
-
-
-def find_weights_file(source: Path) -> Path:
-    """`source` itself when it is a file, else `pytorch_model.bin` or the single `*.ckpt` inside the folder."""
-    if source.is_file():
-        return source
-    if not source.is_dir():
-        raise FileNotFoundError(f"Source checkpoint {str(source)!r} does not exist.")
-    weights = source / WEIGHTS_NAME
-    if weights.is_file():
-        return weights
-    lightning = sorted(source.glob(f"*{LIGHTNING_SUFFIX}"))
-    if len(lightning) == 1:
-        return lightning[0]
-    found = sorted(p.name for p in source.iterdir())
-    if not lightning:
-        raise ConversionError(
-            f"No weights in {str(source)!r}: expected {WEIGHTS_NAME!r} or one Lightning '*{LIGHTNING_SUFFIX}' file "
-            f"next to {CONFIG_NAME!r}; found {found}."
-        )
-    raise ConversionError(
-        f"{str(source)!r} holds several Lightning checkpoints {[p.name for p in lightning]}: pass the one to convert "
-        "as SRC (its folder must also hold the reference config.json)."
-    )
-
-
-def load_reference_config(folder: Path) -> dict:
-    path = folder / CONFIG_NAME
-    if not path.is_file():
-        raise ConversionError(
-            f"No {CONFIG_NAME!r} in {str(folder)!r}: the reference config (a GPT2Config dump with the mixer dicts) "
-            "must sit next to the weights."
-        )
-    try:
-        config = json.loads(path.read_text(encoding="utf-8-sig"))
-    except UnicodeDecodeError as error:
-        raise ConversionError(f"{str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}).") from error
-    except json.JSONDecodeError as error:
-        raise ConversionError(
-            f"{str(path)!r} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}."
-        ) from error
-    if not isinstance(config, dict):
-        raise ConversionError(f"{str(path)!r} must hold a JSON object, got {type(config).__name__}.")
-    return config
 
 
 def load_state_dict_safely(
@@ -118,11 +75,15 @@ def load_state_dict_safely(
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=kind == "zip")
     except pickle.UnpicklingError as error:
-        if not _refused_object(error):
+        # What the pickle imports decides, not the words of one torch release (they changed: "Unsupported global",
+        # "... whose module ... is blocked"): a global outside torch's weights-only allow list is an object refused.
+        foreign = _foreign_globals(path, kind)
+        if not foreign and not _refused_object(error):
             raise _damaged(path, kind, error, weights_only="WeightsUnpickler error" in str(error)) from error
+        named = f" ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''})" if foreign else ""
         raise ConversionError(
-            f"Refusing to load {str(path)!r}: it contains Python objects other than tensors and plain containers, "
-            "and unpickling those could run arbitrary code (the file is only read with "
+            f"Refusing to load {str(path)!r}: it contains Python objects other than tensors and plain containers"
+            f"{named}, and unpickling those could run arbitrary code (the file is only read with "
             "`torch.load(weights_only=True)`). If you trust the file, extract the weights in a separate step, e.g. "
             "`python -c \"import torch; ck = torch.load('FILE', weights_only=False); "
             "torch.save(ck.get('state_dict', ck), 'pytorch_model.bin')\"`, and convert that. "
@@ -216,9 +177,89 @@ def _names(names: list[str], limit: int = 20) -> str:
 
 
 def _refused_object(error: pickle.UnpicklingError) -> bool:
-    """Whether torch's weights-only unpickler refused a Python object (rather than choked on damaged bytes)."""
-    text = str(error)
-    return any(marker in text for marker in ("Unsupported global", "Unsupported class"))
+    """Whether torch's message says its weights-only unpickler refused a Python object (the fallback when the pickle's
+    imports cannot be read, `_foreign_globals`)."""
+    text = str(error).lower()
+    return any(marker in text for marker in ("unsupported global", "unsupported class", "is blocked"))
+
+
+# The pickle opcodes that import a module attribute (a class or a function the unpickler would call).
+_IMPORT_OPCODES = {"GLOBAL", "INST", "STACK_GLOBAL"}
+_STRING_OPCODES = {
+    "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING",
+}
+# What a state dict's pickle imports when torch's own allow list cannot be read (a torch without the private helper).
+_PLAIN_GLOBALS = {"collections.OrderedDict", "builtins.set", "builtins.frozenset", "_codecs.encode"}
+_DOTTED_NAME = re.compile(r"^[A-Za-z_][\w.]*\.[A-Za-z_]\w*$")
+
+
+def _foreign_globals(path: Path, kind: str) -> list[str]:
+    """The classes and functions the checkpoint's pickle imports that `torch.load(weights_only=True)` does not allow,
+    in order of appearance, by `module.name` (read with `pickletools`, nothing is executed); [] when there are none
+    or the pickle is too damaged to read that far."""
+    allowed = _allowed_globals()
+    found: list[str] = []
+    for name in _pickled_globals(path, kind):
+        is_allowed = name in allowed if allowed else name.startswith("torch.") or name in _PLAIN_GLOBALS
+        if not is_allowed and name not in found:
+            found.append(name)
+    return found
+
+
+def _allowed_globals() -> set[str]:
+    """`module.name` of the globals torch's weights-only unpickler accepts (its defaults and `add_safe_globals`)."""
+    try:
+        from torch import _weights_only_unpickler as unpickler
+
+        return set(unpickler._get_allowed_globals()) | set(unpickler._get_user_allowed_globals())
+    except (ImportError, AttributeError, TypeError):
+        return set()
+
+
+def _pickled_globals(path: Path, kind: str) -> list[str]:
+    """`module.name` of every GLOBAL / INST / STACK_GLOBAL in the checkpoint's object pickle (`data.pkl` of a zip
+    checkpoint; the pickles of a legacy file up to its storages); [] when a pickle does not parse to its STOP (damaged
+    bytes can look like an import)."""
+    import io
+    import pickletools
+
+    try:
+        if kind == "zip":
+            with zipfile.ZipFile(path) as archive:
+                names = [name for name in archive.namelist() if name.endswith("data.pkl") and name.count("/") <= 1]
+                streams = [io.BytesIO(archive.read(names[0]))] if names else []
+                count = 1
+        else:
+            streams, count = [open(path, "rb")], 4  # magic number, protocol, system info, then the objects
+    except (OSError, zipfile.BadZipFile, KeyError):
+        return []
+    found: list[str] = []
+    for stream in streams:
+        with stream:
+            for _ in range(count):
+                strings: list[str] = []  # the strings pushed so far: STACK_GLOBAL takes its module and name from them
+                memo: dict[int, str | None] = {}
+                top: str | None = None  # the string on top of the stack, if the last push was one
+                try:
+                    for opcode, arg, _position in pickletools.genops(stream):
+                        name = opcode.name
+                        if name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):  # they leave the stack as it is
+                            memo[len(memo) if name == "MEMOIZE" else arg] = top
+                            continue
+                        top = None
+                        if name in _STRING_OPCODES:
+                            top = arg if isinstance(arg, str) else str(arg)
+                        elif name in ("BINGET", "LONG_BINGET", "GET"):
+                            top = memo.get(arg)
+                        elif name == "STACK_GLOBAL" and len(strings) >= 2:
+                            found.append(f"{strings[-2]}.{strings[-1]}")
+                        elif name in ("GLOBAL", "INST"):
+                            found.append(str(arg).replace(" ", ".", 1))
+                        if top is not None:
+                            strings.append(top)
+                except Exception:  # damaged bytes: what they seem to import is no evidence (nothing is unpickled)
+                    return []
+    return [name for name in found if _DOTTED_NAME.match(name)]
 
 
 def _damaged(path: Path, kind: str, error: BaseException, weights_only: bool = False) -> ConversionError:
@@ -328,7 +369,7 @@ def _unpickler_reason(error: BaseException) -> str:
     """The line of torch's long weights-only message that names the refused object."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     for line in lines:
-        if "Unsupported" in line or "WeightsUnpickler error" in line:
+        if "unsupported" in line.lower() or "WeightsUnpickler error" in line or "is blocked" in line:
             return line
     return lines[0] if lines else type(error).__name__
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .source_files import check_example_folder
+
 HIDDEN = 64
 HEADS = 4
 FEATURE_DIM = 4
@@ -128,8 +130,7 @@ def write_example_checkpoint(folder: str | Path, *, seed: int = 0) -> Path:
     """Write `config.json` and `pytorch_model.bin` of the example into `folder` (created; it must not exist or be
     empty, so nothing is overwritten), and its tokenizer into `folder/tokenizer`. Returns the folder."""
     folder = Path(folder)
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise FileExistsError(f"{folder} exists and is not an empty folder: choose a new folder for the example.")
+    check_example_folder(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(example_config(), indent=2) + "\n", encoding="utf-8")
     tensors = {f"model.{key}": value for key, value in example_state_dict(seed=seed).items()}

@@ -378,12 +378,26 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
         use_decay_proj=use_decay_proj,
         rope_theta=_float(config.get("rotary_emb_base", 10000.0), "rotary_emb_base", positive=True),
         rms_norm_eps=_float(config.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon", positive=True),
-        bos_token_id=_int(config.get("bos_token_id", 50256), "bos_token_id"),
-        eos_token_id=_int(config.get("eos_token_id", 50256), "eos_token_id"),
-        mask_token_id=None if config.get("mask_token_id") is None else _int(config["mask_token_id"], "mask_token_id"),
+        bos_token_id=_token_id(config.get("bos_token_id", 50256), "bos_token_id"),
+        eos_token_id=_token_id(config.get("eos_token_id", 50256), "eos_token_id"),
+        mask_token_id=None if config.get("mask_token_id") is None else _token_id(config["mask_token_id"],
+                                                                                 "mask_token_id"),
         linear_attention_target=_target(alt_mixer),
         notes=notes,
     )
+
+
+def _token_id(value: object, field: str) -> int:
+    """A token id of the reference config.json: an integer >= 0, or a ConversionError naming the field (a negative
+    eos id was reported as the converted config's `pad_token_id`, which is set from it). An id past the vocabulary
+    is allowed here: `translate_config` writes it as None, with a note."""
+    token_id = _int(value, field)
+    if token_id < 0:
+        raise ConversionError(
+            f"config.json field {field!r} must be a token id (an integer >= 0), got {token_id}: fix config.json (the "
+            "released models use GPT-2's <|endoftext|> = 50256), or use the config.json that belongs to these weights."
+        )
+    return token_id
 
 
 def _check_backbone(config: dict) -> None:

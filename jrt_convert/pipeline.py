@@ -56,6 +56,7 @@ from .families import (
 from .hub import download_reference_checkpoint, is_repo_id
 from .mapping import map_state_dict
 from .memory import release_mapping
+from .model_card import citation_section, front_matter
 from .safety import (
     backup_name,
     check_destination,
@@ -576,7 +577,6 @@ def render_model_card(
     license tag (the HazyResearch releases are Apache-2.0).
     """
     base_id = source if is_repo_id(source) else _RELEASED_HUB_IDS.get(source.split("/")[-1].lower())
-    base_model = f"base_model: {base_id}\n" if base_id else ""
     is_prefix = config.linear_attention_type == "prefix"
     counts = {kind: config.mixer_types.count(kind) for kind in ("conv", "linear_attention", "sliding_attention")}
     tokenizer_line = (
@@ -604,16 +604,7 @@ def render_model_card(
         if is_prefix
         else ""
     )
-    return f"""---
-library_name: transformers
-pipeline_tag: text-generation
-license: {license}
-{base_model}tags:
-- jrt-rnn
-- based
-- linear-attention
----
-
+    return f"""{front_matter(license=license, base_model=base_id)}
 # {source.split("/")[-1]} (converted)
 
 A conversion of the HazyResearch checkpoint `{source}` ({spec.description}) to a HuggingFace Transformers folder,
@@ -656,12 +647,7 @@ and never emits ids past GPT-2's vocabulary (`generation_vocab_size = {config.ge
 
 Conversion notes:
 {note_lines}
-## Citation
-
-```bibtex
-{_CITATIONS}
-```
-"""
+{citation_section()}"""
 
 
 # Hub ids of the released checkpoints, by lower-cased name: the `base_model` of a conversion from a local folder.
@@ -669,23 +655,6 @@ _RELEASED_HUB_IDS = {
     name.lower(): f"hazyresearch/{name}"
     for name in ("JRT-360M-30B", "JRT-1B-50B", "based-360M-30B", "based-1b-50b", "based-360m", "based-1b")
 }
-
-_CITATIONS = """@article{arora2024just,
-  title={Just read twice: closing the recall gap for recurrent language models},
-  author={Arora, Simran and Timalsina, Aman and Singhal, Aaryan and Eyuboglu, Sabri and Zhao, Xinyi and Rao, Ashish
-          and Rudra, Atri and R{\\'e}, Christopher},
-  journal={arXiv preprint arXiv:2407.05483},
-  year={2024}
-}
-
-@article{arora2024simple,
-  title={Simple linear attention language models balance the recall-throughput tradeoff},
-  author={Arora, Simran and Eyuboglu, Sabri and Zhang, Michael and Timalsina, Aman and Alberti, Silas
-          and Zinsley, Dylan and Zou, James and Rudra, Atri and R{\\'e}, Christopher},
-  journal={arXiv preprint arXiv:2402.18668},
-  year={2024}
-}"""
-
 
 __all__ = [
     "DTYPES", "ConversionResult", "OptionError", "check_options", "convert_checkpoint", "reference_generation_config"

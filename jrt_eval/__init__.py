@@ -19,10 +19,13 @@ from typing import Any
 TASKS_DIR: Path = Path(__file__).resolve().parent / "tasks"
 """The folder of the recall task YAMLs (pass it to lm-eval's `--include_path` / `TaskManager(include_path=...)`)."""
 
+SCORING_MODES: tuple[str, ...] = ("leak_free", "reference")
+"""The `scoring=` of `JRTLM` (here, not in `jrt_eval.lm`, so that `jrt lm-eval` checks it without importing torch)."""
+
 
 def __getattr__(name: str) -> Any:
     # `JRTLM` imports lm-eval (the optional extra): only when asked for.
-    if name in ("JRTLM", "SCORING_MODES"):
+    if name == "JRTLM":
         from . import lm
 
         return getattr(lm, name)

@@ -34,7 +34,7 @@ from lm_eval.models.huggingface import HFLM
 
 import modeling_jrt  # noqa: F401  (registers model_type "jrt_rnn" with the Auto classes)
 
-SCORING_MODES: tuple[str, ...] = ("leak_free", "reference")
+from . import SCORING_MODES  # (defined in __init__, without torch, for `jrt lm-eval`'s early checks)
 
 REFERENCE_MAX_LENGTH = 2048
 """The model window (`max_length`) of JRT-RNN / Based checkpoints when none is given: the reference harness's."""

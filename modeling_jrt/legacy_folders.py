@@ -4,6 +4,8 @@
 - `prefix_strategy` in generation_config.json (0.2): the default fill of a short JRT prompt is a model setting now
   (`config.prefix_strategy`). transformers releases differ in what they keep of a generation config's unknown fields
   (5.25 drops them on load), so the migration reads the saved file itself, once, when the model is loaded.
+  A file that is not JSON is skipped with a warning naming it, as transformers loads such a folder with the
+  generation defaults of config.json (a JSON list or number is transformers' own error, raised before this runs).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 
 def saved_generation_settings(source: str | os.PathLike, load_kwargs: dict) -> dict:
     """The raw `generation_config.json` of the folder or Hub repo `from_pretrained` just loaded (read from the local
-    folder, or from the Hub cache that loading filled: no download), or {} when there is none."""
+    folder, or from the Hub cache that loading filled: no download), or {} when there is none, or when it is not a
+    JSON object (a damaged file is skipped with a warning that names it, not raised: transformers loads such a folder
+    with the generation defaults of config.json, and the migration must not make it fail)."""
     source = str(source)
     subfolder = load_kwargs.get("subfolder") or ""
     if os.path.isdir(source):
@@ -36,8 +40,19 @@ def saved_generation_settings(source: str | os.PathLike, load_kwargs: dict) -> d
         )
     if not isinstance(path, str) or not os.path.isfile(path):
         return {}
-    with open(path, encoding="utf-8") as file:
-        settings = json.load(file)
+    try:
+        with open(path, encoding="utf-8") as file:
+            settings = json.load(file)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        reason = f"{error.msg} at line {error.lineno}, column {error.colno}" if isinstance(
+            error, json.JSONDecodeError
+        ) else f"{type(error).__name__}: {error}"
+        logger.warning(
+            f"{path} is not readable JSON ({reason}): transformers ignores it and uses the generation defaults of "
+            "config.json, and a jrt-rnn 0.2 `prefix_strategy` in it was not read. Fix or delete the file, or save the "
+            "model again."
+        )
+        return {}
     return settings if isinstance(settings, dict) else {}
 
 

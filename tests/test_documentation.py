@@ -95,7 +95,7 @@ def test_generate_snippet_runs_without_the_attention_mask_warning(tmp_path, byte
     assert len(continuation) == 1 and "attention_mask=" in continuation[0]
     capfd.readouterr()
     namespace: dict = {}
-    exec(compile(snippet.replace("path/to/converted", str(folder)), "README: Generate", "exec"), namespace)
+    exec(compile(snippet.replace("./JRT-360M-30B-hf", str(folder)), "README: Generate", "exec"), namespace)
     captured = capfd.readouterr()
     assert "attention mask is not set" not in captured.out + captured.err
     first, more = namespace["first"], namespace["more"]
@@ -119,7 +119,7 @@ def test_generate_snippet_runs_on_the_offline_example(tmp_path, monkeypatch, cap
     _convert_the_readme_example(tmp_path, monkeypatch)
     (snippet,) = _python_blocks("## Generate")
     namespace: dict = {}
-    exec(compile(snippet.replace("path/to/converted", "./JRT-tiny-hf"), "README: Generate", "exec"), namespace)
+    exec(compile(snippet.replace("./JRT-360M-30B-hf", "./JRT-tiny-hf"), "README: Generate", "exec"), namespace)
     assert namespace["more"].shape[1] == namespace["first"].sequences.shape[1] + 8
     assert "The capital of France is" in capsys.readouterr().out
 
@@ -146,3 +146,63 @@ def copy_with_pad_as_eos(tokenizer):
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def test_the_jrt_prefix_snippet_runs_after_use_the_model(tmp_path, monkeypatch):
+    """It used `mask` before defining it, and a 3-row `prefix_length` for the 2-row batch of "Use the model"."""
+    monkeypatch.chdir(tmp_path)
+    (use_the_model,) = _python_blocks("## Use the model")
+    (prefix,) = _python_blocks("## The JRT prefix")
+    namespace: dict = {}
+    exec(compile(use_the_model, "README: Use the model", "exec"), namespace)
+    exec(compile(prefix, "README: The JRT prefix", "exec"), namespace)
+    batch, length = namespace["input_ids"].shape
+    assert namespace["out"].logits.shape[:2] == (batch, length)
+    assert namespace["mask"].shape == (batch, length) and int((namespace["mask"] == 0).sum()) > 0
+
+
+def _documents() -> list[Path]:
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_converted_folders_have_one_placeholder_that_says_it_is_a_folder_to_replace():
+    """README and docs named a converted folder four ways (`./JRT-360M-30B-hf`, `converted/JRT-360M-30B`,
+    `path/to/converted`, `path/or/hub-id`): one spelling now, and every document that uses it without converting
+    into it first says that it is a folder to replace."""
+    placeholder = "./JRT-360M-30B-hf"
+    for path in _documents():
+        text = path.read_text(encoding="utf-8")
+        for other in ("path/to/converted", "converted/JRT", "converted/based", "path/or/hub-id"):
+            assert other not in text, f"{path.name} still says {other!r}"
+        if placeholder in text and f"jrt convert hazyresearch/JRT-360M-30B {placeholder}" not in text:
+            assert re.search(r"replace\s+(it|them)\s+with\s+yours", text), f"{path.name} does not say to replace it"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lstrip("#").strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_links_to_sections_name_existing_headings():
+    """docs/training.md sent readers "above" to a section that is in docs/performance.md: links with an anchor
+    (`DOCUMENT#section`, `#section`) must land on a heading of that document."""
+    broken = []
+    for path in _documents():
+        text = path.read_text(encoding="utf-8")
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md|)#([\w-]+)\)", text):
+            document = path if not target else (path.parent / target).resolve()
+            if not document.is_file():
+                continue  # test_every_cited_document_exists reports it
+            headings = [line for line in document.read_text(encoding="utf-8").splitlines() if line.startswith("#")]
+            if anchor not in {_slug(line) for line in headings}:
+                broken.append(f"{path.name}: {target}#{anchor}")
+    assert not broken, broken
+
+
+def test_the_readme_states_no_test_count_or_suite_duration():
+    """"1,161 tests" and "6-7 minutes" drifted with every change: the README states neither (and no test checks such
+    numbers against the suite)."""
+    text = README.read_text(encoding="utf-8")
+    assert not re.search(r"\d[\d,]* (slow )?tests\b", text)
+    assert not re.search(r"suite[^.]*\d+(-\d+)? minutes", text)

@@ -157,3 +157,81 @@ def test_a_damaged_demo_model_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     _one_line(err, "demo")
     assert f"cannot load the demo model in {tmp_path / 'jrt-rnn-sd'}" in err and "export the folder again" in err
+
+
+def _converted_folder(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "jrt_rnn", "hidden_size": 8}', encoding="utf-8")
+    (folder / "model.safetensors").write_bytes(b"\0" * 16)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "make_source, code, message",
+    [
+        (lambda tmp: tmp / "empty", 2, "No weights in"),
+        (lambda tmp: tmp / "notes", 2, "found ['notes.txt']"),
+        (lambda tmp: tmp / "bad-json", 1, "config.json' is not valid JSON: Expecting value at line 2, column 1"),
+        (lambda tmp: tmp / "list-json", 1, "config.json' must hold a JSON object, got list"),
+        (lambda tmp: tmp / "converted", 2, "is already a converted folder (['model.safetensors'] and a config.json "
+                                           "with model_type 'jrt_rnn')"),
+        (lambda tmp: tmp / "two-ckpts", 2, "holds several Lightning checkpoints"),
+        (lambda tmp: tmp / "converted" / "model.safetensors", 2, "is already a converted folder"),
+    ],
+    ids=["empty-folder", "no-weights", "config-not-json", "config-a-list", "already-converted", "two-ckpts",
+         "converted-weights-file"],
+)
+def test_a_source_that_is_not_a_checkpoint_answers_before_the_heavy_imports(tmp_path, make_source, code, message):
+    """They took 14-29 s (importing torch and transformers first), and an already converted folder listed its 25
+    files as "no weights": now one line at once. A folder that holds no checkpoint (or an already converted one) is
+    a wrong SRC, a usage error (2); a config.json that is not a JSON object is a damaged file (1)."""
+    from usage_error_timing import USAGE_ERROR_SECONDS, run_jrt
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("x")
+    for name, text in (("bad-json", "\n"), ("list-json", "[1]")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+        (tmp_path / name / "pytorch_model.bin").write_bytes(b"x")
+    _converted_folder(tmp_path / "converted")
+    (tmp_path / "two-ckpts").mkdir()
+    for name in ("a.ckpt", "b.ckpt", "config.json"):
+        (tmp_path / "two-ckpts" / name).write_text("{}")
+    source = make_source(tmp_path)
+    returncode, err, seconds, startup = run_jrt(["convert", str(source), str(tmp_path / "out")])
+    assert returncode == code, err
+    _one_line(err, "convert")
+    assert message in err and str(source.parent if source.is_file() else source) in err
+    assert seconds < startup + USAGE_ERROR_SECONDS, (seconds, startup)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_already_converted_folder_is_refused_by_the_python_api_too(tmp_path):
+    from jrt_convert import ConversionError, convert_checkpoint
+
+    source = _converted_folder(tmp_path / "JRT-360M-30B-hf")
+    with pytest.raises(ConversionError, match=r"is already a converted folder .*it loads as it is, with from_pretr"):
+        convert_checkpoint(source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("existing", ["folder", "file"])
+def test_convert_example_into_an_existing_folder_answers_before_the_heavy_imports(tmp_path, existing):
+    """`jrt convert --example DIR` into a folder that is not empty (or a file): exit 2 at once (it took 14 s and
+    exited 1), and nothing there is touched."""
+    from usage_error_timing import USAGE_ERROR_SECONDS, run_jrt
+
+    target = tmp_path / "example"
+    if existing == "folder":
+        target.mkdir()
+        (target / "keep.txt").write_text("mine")
+    else:
+        target.write_text("mine")
+    returncode, err, seconds, startup = run_jrt(["convert", "--example", str(target)])
+    assert returncode == 2, err
+    _one_line(err, "convert")
+    what = "a folder that is not empty" if existing == "folder" else "a file"
+    assert f"--example {target} is {what}: the example is written into a new (or empty) folder only" in err
+    assert seconds < startup + USAGE_ERROR_SECONDS, (seconds, startup)
+    assert (target / "keep.txt" if existing == "folder" else target).read_text() == "mine"

@@ -125,6 +125,47 @@ def test_paths_that_cannot_be_hub_ids_are_missing_folders(capsys, tmp_path):
         assert capsys.readouterr().err == f"jrt generate: error: --model {name!r}: no such folder.\n"
 
 
+@pytest.mark.parametrize(
+    "argv, flag, name",
+    [
+        (["generate", "--model", "FOLDER/model.safetensors", "--prompt", "x"], "--model", "model.safetensors"),
+        (["generate", "--model", "FOLDER/config.json", "--prompt", "x"], "--model", "config.json"),
+        (["generate", "--model", "FOLDER", "--tokenizer", "FOLDER/config.json", "--prompt", "x"], "--tokenizer",
+         "config.json"),
+        (["eval-recall", "--model", "FOLDER/config.json", "--data", "DATA"], "--model", "config.json"),
+        (["lm-eval", "--tasks", "jrt_swde", "--model_args", "pretrained=FOLDER/config.json"],
+         "--model_args pretrained", "config.json"),
+    ],
+    ids=["generate-weights", "generate-config", "generate-tokenizer", "eval-recall", "lm-eval"],
+)
+def test_a_file_given_as_a_model_folder_is_a_usage_error(tiny_folder, tmp_path, capsys, argv, flag, name):
+    """transformers took a file for a Hub id: "Repo id must be in the form ..." (or a minute of retries offline and a
+    traceback). Now one line, exit 2, naming the folder that holds it."""
+    if argv[0] != "generate":
+        pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra")
+    (tiny_folder / "model.safetensors").exists() or pytest.fail("the tiny folder has no model.safetensors")
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"context": "doc", "question": "q", "answers": "a"}\n', encoding="utf-8")
+    argv = [arg.replace("FOLDER", str(tiny_folder)).replace("DATA", str(data)) for arg in argv]
+    code, out, err = _run_timed(argv, capsys)
+    assert code == 2 and out == ""
+    assert err == (
+        f"jrt {argv[0]}: error: {flag} {str(tiny_folder / name)!r} is a file, not a model folder: give the folder "
+        f"that holds the model's config.json, weights and tokenizer files ({str(tiny_folder)!r} holds a config.json), "
+        "or a Hub id.\n"
+    )
+
+
+def test_a_file_outside_a_model_folder_is_named_without_a_folder_hint(tmp_path, capsys):
+    stray = tmp_path / "notes.txt"
+    stray.write_text("x")
+    assert main(["generate", "--model", str(stray), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jrt generate: error: --model {str(stray)!r} is a file, not a model folder") and (
+        "holds a config.json" not in err
+    )
+
+
 def test_unconverted_released_checkpoint_says_convert_it_first(tmp_path, capsys):
     """A folder holding the reference config.json (a GPT2Config dump: it failed with `KeyError: 'swiglu'`)."""
     from jrt_convert.example import write_example_checkpoint

@@ -47,7 +47,7 @@ def test_example_tokenizer_fits_the_checkpoint_and_generates_text(tmp_path, caps
 
 def test_example_refuses_a_folder_that_is_not_empty(tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("mine")
-    assert main(["convert", "--example", str(tmp_path)]) == 1
+    assert main(["convert", "--example", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "is not an empty folder" in err
+    assert err.count("\n") == 1 and "is a folder that is not empty" in err
     assert (tmp_path / "keep.txt").read_text() == "mine"

@@ -76,6 +76,47 @@ def test_exported_demo_folders_load_with_remote_code_alone(tmp_path, capsys):
             torch.testing.assert_close(results[copy], model(prompt_ids).logits, rtol=0, atol=0)
 
 
+def test_exported_demo_folders_carry_a_model_card_whose_usage_runs_without_the_package(tmp_path, capsys):
+    """`jrt demo --export` folders had no README.md, although the converter writes one: each now carries a card with
+    the converter's Hub header and citations, what the model is and how it was trained, and a usage block that runs as
+    written (PATH_OR_REPO replaced) where jrt-rnn is not importable, printing the model's own answer."""
+    import re
+
+    from huggingface_hub import ModelCard
+
+    from jrt_convert.model_card import CITATIONS
+
+    assert main(["demo", "--export", str(tmp_path / "hub")]) == 0
+    capsys.readouterr()
+    script = BLOCK_LOCAL_PACKAGES
+    expected = []
+    for name in FOLDERS:
+        folder = tmp_path / "hub" / name
+        card = ModelCard.load(folder / "README.md")
+        assert card.data.license == "apache-2.0" and card.data.library_name == "transformers"
+        assert {"jrt-rnn", "set-disjointness"} <= set(card.data.tags)
+        assert CITATIONS in card.text
+        kind = "JRT-RNN (prefix linear attention)" if name.startswith("jrt") else "Based (causal linear attention)"
+        assert card.text.lstrip().startswith(f"# {name}: a tiny {kind} on set disjointness")
+        training = json.loads((MODELS_DIR / name / "training.json").read_text())
+        assert f"| parameters | {training['num_parameters']} |" in card.text
+        usage = re.search(r"## Usage\n\n```python\n(.*?)```", card.text, re.S).group(1)
+        script += usage.replace("PATH_OR_REPO", str(folder))
+        model = AutoModelForCausalLM.from_pretrained(MODELS_DIR / name).eval()
+        tokenizer = AutoTokenizer.from_pretrained(MODELS_DIR / name)
+        inputs = tokenizer(PROMPT, return_tensors="pt")
+        answer = model.generate(**inputs, max_new_tokens=1, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+        expected.append(tokenizer.decode(answer))
+    assert expected[0] == "t12"  # JRT-RNN names the shared token
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "mods")}
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == expected
+    assert "[y/N]" not in run.stdout + run.stderr
+
+
 @pytest.mark.parametrize("name", FOLDERS)
 def test_unknown_words_map_to_the_unknown_token(name):
     tokenizer = AutoTokenizer.from_pretrained(MODELS_DIR / name)

@@ -106,6 +106,89 @@ def test_unsupported_pickle_content(tmp_path):
     _assert_no_output(tmp_path)
 
 
+class Payload:
+    """A custom class pickled into a checkpoint (torch's weights-only unpickler refuses it)."""
+
+    def __init__(self, value: int = 1):
+        self.value = value
+
+
+class RunsCode:
+    """A pickle that would run a shell command when unpickled: `os.system` (torch blocks its module, `posix`/`nt`)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize(
+    "make_object, names",
+    [
+        (lambda marker: Payload(), f"{__name__}.Payload"),
+        (lambda marker: RunsCode(marker), "system"),
+        (lambda marker: {"nested": [Payload(2)]}, f"{__name__}.Payload"),
+    ],
+    ids=["custom-class", "os-system", "nested-custom-class"],
+)
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol 4")
+@pytest.mark.parametrize(
+    "save_kwargs",
+    [{}, {"_use_new_zipfile_serialization": False}, {"pickle_protocol": 4}],
+    ids=["zip", "legacy", "protocol-4"],
+)
+def test_a_checkpoint_that_carries_code_is_refused_as_such_whatever_torch_calls_it(
+    tmp_path, make_object, names, save_kwargs
+):
+    """A real checkpoint that pickles a custom class or a function call is refused as "contains Python objects", naming
+    what it imports: decided by the pickle's GLOBAL / STACK_GLOBAL opcodes, not by the wording of one torch release
+    (torch 2.13 says "Trying to load unsupported GLOBAL ... whose module ... is blocked" for `os.system`), and never
+    as "truncated, damaged or not a checkpoint". Nothing in it runs."""
+    folder = _source(tmp_path)
+    marker = tmp_path / "code-ran"
+    state_dict = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    torch.save({**state_dict, "extra": make_object(marker)}, folder / "pytorch_model.bin", **save_kwargs)
+    with pytest.raises(ConversionError) as raised:
+        convert_checkpoint(folder, tmp_path / "out")
+    message = str(raised.value)
+    assert message.startswith(f"Refusing to load {str(folder / 'pytorch_model.bin')!r}: it contains Python objects")
+    assert names in message and "arbitrary code" in message and "weights_only=False" in message
+    assert "damaged" not in message and "\n" not in message
+    assert not marker.exists()
+    _assert_no_output(tmp_path)
+
+
+def test_a_refused_object_is_recognised_whatever_torch_words_its_refusal(tmp_path, monkeypatch):
+    """A future torch that words its refusal differently: the pickle's imports still say what happened."""
+    import pickle
+
+    folder = _source(tmp_path)
+    state_dict = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    torch.save({**state_dict, "extra": Payload()}, folder / "pytorch_model.bin")
+
+    def refuse(*args, **kwargs):
+        raise pickle.UnpicklingError("Weights only load failed.\n\tsomething new happened\n")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    with pytest.raises(ConversionError, match=rf"Refusing to load .*Python objects .*\({__name__}\.Payload\)"):
+        convert_checkpoint(folder, tmp_path / "out")
+    _assert_no_output(tmp_path)
+
+
+def test_a_checkpoint_that_carries_code_is_one_line_exit_1_from_the_command_line(tmp_path, capsys):
+    folder = _source(tmp_path)
+    state_dict = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    torch.save({**state_dict, "extra": RunsCode(tmp_path / "code-ran")}, folder / "pytorch_model.bin")
+    assert jrt_main(["convert", str(folder), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "contains Python objects other than tensors" in err and "system" in err
+    assert "is blocked" in err  # torch's own reason is quoted at the end
+    assert not (tmp_path / "code-ran").exists()
+
+
 def test_a_weights_only_failure_that_names_no_object_says_both_causes(tmp_path, monkeypatch):
     """torch's weights-only unpickler can stop on an operand it does not name (damaged bytes, or an object it has no
     rule for): the message gives both causes and the recipe for a trusted file, not "damaged" alone."""

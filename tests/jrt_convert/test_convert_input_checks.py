@@ -105,8 +105,15 @@ def test_prefix_pad_outside_the_vocabulary_is_a_usage_error(tmp_path, capsys):
          r"field 'rotary_emb_base' must be a positive number, got \[1, 2\]"),
         (lambda c: c.update(layer_norm_epsilon="1e-5"), r"field 'layer_norm_epsilon' must be a positive number"),
         (lambda c: c.update(vocab_size=10**12), r"field 'vocab_size' must be between 1 and 16777216"),
+        # A negative eos id was reported as `pad_token_id` (the converted config's pad is the reference's eos).
+        (lambda c: c.update(eos_token_id=-7),
+         r"^config\.json field 'eos_token_id' must be a token id \(an integer >= 0\), got -7: fix config\.json"),
+        (lambda c: c.update(bos_token_id=-1), r"^config\.json field 'bos_token_id' must be a token id"),
+        (lambda c: c.update(mask_token_id=-2), r"^config\.json field 'mask_token_id' must be a token id .* got -2"),
+        (lambda c: c.update(eos_token_id="50256"), r"field 'eos_token_id' must be an integer, got '50256'"),
     ],
-    ids=["n_layer", "enc_length", "alt_mixer-enc_length", "pad-multiple-0", "rotary-list", "eps-string", "vocab"],
+    ids=["n_layer", "enc_length", "alt_mixer-enc_length", "pad-multiple-0", "rotary-list", "eps-string", "vocab",
+         "eos-negative", "bos-negative", "mask-negative", "eos-string"],
 )
 def test_config_sizes_are_bounded_before_the_weights_are_read(tmp_path, monkeypatch, config_edit, message):
     source = _source(tmp_path / "src", config_edit=config_edit)
@@ -276,4 +283,21 @@ def test_no_space_left_is_reported_the_same_way(tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "write_shards", full)
     with pytest.raises(ConversionError, match=r"for '.*out': No space left on device \(it needs about [\d,]+ bytes"):
         convert_checkpoint(_source(tmp_path / "src"), tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
+def test_a_negative_eos_id_names_its_field_from_the_command_line_with_or_without_a_tokenizer(tmp_path, capsys):
+    """With a tokenizer the eos check compared it with the tokenizer's ("the checkpoint's -7"); without one the
+    converted config refused `pad_token_id`. Both now name eos_token_id, before the weights are read."""
+    from jrt_cli.main import main
+
+    source = _source(tmp_path / "src", config_edit=lambda c: c.update(eos_token_id=-7))
+    tokenizer = tmp_path / "tokenizer"
+    from jrt_convert.example import example_tokenizer
+
+    example_tokenizer().save_pretrained(tokenizer)
+    for extra in ([], ["--tokenizer", str(tokenizer)]):
+        assert main(["convert", str(source), str(tmp_path / "out"), *extra]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "field 'eos_token_id' must be a token id" in err and "pad_token_id" not in err
     _assert_nothing_written(tmp_path)

@@ -166,3 +166,166 @@ def test_tasks_read_the_local_cache_at_once_when_the_hub_is_unreachable(monkeypa
     lm_eval_run.offline_when_the_hub_is_unreachable(argparse.Namespace(tasks="jrt_swde"))
     lm_eval_run.offline_when_the_hub_is_unreachable(argparse.Namespace(tasks=None))
     assert not went_offline
+
+
+def _demo_model() -> str:
+    from jrt_cli.choices import MODELS_DIR
+
+    return str(MODELS_DIR / "jrt-rnn-sd")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--tasks", ""], "--tasks '' names no task"),
+        (["--tasks", " , "], "names no task: give one or more task names"),
+        (["--tasks", "jrt_swdee"], "unknown task(s) jrt_swdee (jrt_swdee: did you mean jrt_swde?): jrt-rnn's tasks"),
+        (["--tasks", "jrt_swde,jrt_nq_4096,boolq"], "unknown task(s) jrt_nq_4096"),
+        (["--tasks", "jrt_swde", "--limit", "-1"], "--limit -1: expected a number of examples per task (>= 1)"),
+        (["--tasks", "jrt_swde", "--limit", "0"], "--limit 0: expected"),
+        (["--tasks", "jrt_swde", "--limit", "nan"], "--limit nan: expected"),
+        (["--tasks", "jrt_swde", "--batch_size", "0"], "--batch_size 0: expected a positive integer"),
+        (["--tasks", "jrt_swde", "--model_args", "pretrained=MODEL,bogus_key=1"],
+         "--model_args bogus_key=1: the `jrt` model takes no argument 'bogus_key'"),
+        (["--tasks", "jrt_swde", "--model_args", "pretrained=MODEL,scorng=reference"],
+         "takes no argument 'scorng' (did you mean scoring?)"),
+        (["--tasks", "jrt_swde", "--model_args", "pretrained=MODEL,prefix_lenght=64"],
+         "(did you mean prefix_length?)"),
+        (["--tasks", "jrt_swde", "--model_args", "pretrained=MODEL,scoring=bogus"],
+         "--model_args scoring=bogus is not one of leak_free, reference"),
+        (["--tasks", "jrt_swde", "--model_args", "pretrained=MODEL,prefix_strategy=fill"],
+         "--model_args prefix_strategy=fill is not one of pad, repeat, none"),
+    ],
+    ids=["tasks-empty", "tasks-blank", "jrt-typo", "jrt-unknown-among-others", "limit-negative", "limit-zero",
+         "limit-nan", "batch-size-zero", "unknown-model-arg", "model-arg-typo", "config-field-typo", "scoring",
+         "prefix-strategy"],
+)
+def test_usage_errors_answer_before_the_heavy_imports(extra, message):
+    """Each took 14-30 s (torch, transformers and lm-eval's models imported, the task index built, or the model
+    loaded: `bogus_key=1` was a 49-line TypeError traceback after 27 s; `--tasks ''` exited 1, `--limit -1` failed
+    on the data set): now exit 2, one line, with nothing heavy imported, in a fraction of a second."""
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
+    from usage_error_timing import USAGE_ERROR_SECONDS, run_jrt
+
+    if "--model_args" not in extra:
+        extra = [*extra, "--model_args", "pretrained=MODEL"]
+    extra = [arg.replace("MODEL", _demo_model()) for arg in extra]
+    returncode, err, seconds, startup = run_jrt(["lm-eval", *extra])
+    assert returncode == 2, err
+    assert err.count("\n") == 1 and err.startswith("jrt lm-eval: error: ") and message in err, err
+    assert seconds < startup + USAGE_ERROR_SECONDS, (seconds, startup)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("dtype", "float32"), ("device", "cpu"), ("max_length", 512), ("batch_size", 2), ("scoring", "reference"),
+        ("prefix_strategy", "repeat"), ("mixed_precision_dtype", "bfloat16"), ("trust_remote_code", True),
+        ("attn_implementation", "eager"), ("low_cpu_mem_usage", True), ("prefix_length", 64),
+        ("linear_attention_chunk_size", 16), ("output_hidden_states", False), ("eos_token_id", 0),
+    ],
+)
+def test_model_args_the_jrt_model_takes_are_accepted(key, value):
+    """HFLM's arguments, `jrt`'s, from_pretrained options and config fields (overrides) all pass the early check."""
+    from jrt_cli.lm_eval_run import check_model_arg_names
+
+    check_model_arg_names({"pretrained": _demo_model(), key: value})
+
+
+def test_model_args_of_a_model_whose_config_is_not_at_hand_are_left_to_the_loader(tmp_path):
+    """A Hub id that is not in the local cache (its config cannot be read without the network), a folder without
+    a config.json, or a model type whose config class is not found: no early verdict on the keys."""
+    from jrt_cli.lm_eval_run import check_model_arg_names
+
+    check_model_arg_names({"pretrained": "nobody-xyz/not-cached-model", "anything": 1})
+    check_model_arg_names({"pretrained": str(tmp_path), "anything": 1})
+    (tmp_path / "config.json").write_text('{"model_type": "someone_elses_model"}')
+    check_model_arg_names({"pretrained": str(tmp_path), "anything": 1})
+
+
+def test_model_args_of_another_model_type_are_its_config_fields(tmp_path):
+    """`--model jrt` loads any causal LM: for a GPT-2 folder, GPT-2's config fields (also those left out of its
+    config.json) are overrides, and a key that is none of them is refused."""
+    import json
+
+    from jrt_cli.lm_eval_run import check_model_arg_names
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    check_model_arg_names({"pretrained": str(tmp_path), "n_positions": 2048, "attn_pdrop": 0.0, "dtype": "float32"})
+    with pytest.raises(ValueError, match=r"takes no argument 'n_positons' \(did you mean n_positions\?\)"):
+        check_model_arg_names({"pretrained": str(tmp_path), "n_positons": 2048})
+
+
+def test_the_known_model_args_match_the_installed_lm_eval_and_the_config():
+    """The lists the early check reads without importing torch are those of the code they stand for."""
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
+    import inspect
+
+    from lm_eval.models.huggingface import HFLM
+
+    from jrt_cli.lm_eval_run import HFLM_ARGUMENTS, JRT_MODEL_ARGUMENTS, config_fields
+    from jrt_eval.lm import JRTLM
+
+    hflm = [name for name in inspect.signature(HFLM.__init__).parameters if name not in ("self", "kwargs")]
+    assert sorted(HFLM_ARGUMENTS) == sorted(hflm)
+    jrtlm = [name for name in inspect.signature(JRTLM.__init__).parameters if name not in ("self", "kwargs")]
+    assert set(jrtlm) <= {*HFLM_ARGUMENTS, *JRT_MODEL_ARGUMENTS}
+    from transformers import GPT2Config, LlamaConfig
+
+    for model_type, config in (("jrt_rnn", modeling_jrt.JRTRNNConfig()), ("gpt2", GPT2Config()),
+                               ("llama", LlamaConfig())):
+        fields = config_fields(model_type)
+        assert set(config.to_dict()) - {"model_type", "_name_or_path"} <= fields, set(config.to_dict()) - fields
+    assert "prefix_length" not in config_fields("llama")  # JRT-RNN's own fields only for its model type
+    assert config_fields("no_such_model_type") is None and config_fields("../x") is None
+
+
+def test_shipped_task_names_are_the_yaml_files_tasks_and_groups():
+    from jrt_cli.lm_eval_run import shipped_task_names
+    from jrt_eval import TASKS_DIR
+
+    names = set(shipped_task_names())
+    assert {path.stem for path in TASKS_DIR.glob("*.yaml")} == names
+    assert {"jrt_swde", "jrt_swde_twice", "jrt_recall", "jrt_recall_twice", "jrt_nq_1024"} <= names
+
+
+def test_jrt_task_names_are_not_checked_early_with_a_users_include_path(tmp_path, monkeypatch):
+    """The user's own tasks may be named jrt_* too: with --include_path, lm-eval's index decides (later)."""
+    import argparse
+
+    from jrt_cli.lm_eval_run import check_arguments_early
+
+    args = argparse.Namespace(command="run", model="hf", tasks=["jrt_mine"], include_path=str(tmp_path),
+                              limit=None, batch_size=None, model_args={})
+    check_arguments_early(args)
+    args.include_path = None
+    with pytest.raises(ValueError, match="unknown task"):
+        check_arguments_early(args)
+    args.tasks = ["jrt_nq_*", "jrt_swde"]  # a glob over the shipped names
+    check_arguments_early(args)
+
+
+def test_the_early_checks_read_the_same_choices_as_the_model():
+    """`scoring` and `prefix_strategy` are checked without importing torch, from the same constants."""
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
+    import jrt_eval
+    import jrt_eval.lm
+    from jrt_cli.lm_eval_run import prefix_strategies
+    from modeling_jrt.configuration_jrt import PREFIX_STRATEGIES
+
+    assert prefix_strategies() == PREFIX_STRATEGIES
+    assert jrt_eval.lm.SCORING_MODES is jrt_eval.SCORING_MODES == ("leak_free", "reference")
+
+
+@pytest.mark.slow
+def test_an_unknown_lm_eval_task_is_found_before_torch_is_imported():
+    """Other task names need lm-eval's task index (about 15 s to build): it is read before torch and transformers are
+    imported, so a misspelt lm-eval task costs that and nothing more."""
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
+    from usage_error_timing import run_jrt
+
+    returncode, err, _, _ = run_jrt(
+        ["lm-eval", "--tasks", "jrt_swde,hellaswagg", "--model_args", f"pretrained={_demo_model()}"],
+        heavy=("torch", "transformers", "lm_eval.models"),
+    )
+    assert returncode == 2 and err.count("\n") == 1 and "unknown task(s) hellaswagg" in err, err

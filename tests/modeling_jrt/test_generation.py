@@ -629,3 +629,49 @@ def test_a_generation_config_with_the_former_prefix_strategy_key_still_loads(mak
     assert reloaded.config.prefix_strategy == "repeat"
     assert not hasattr(reloaded.generation_config, "prefix_strategy")
     assert not torch.equal(greedy(reloaded, short, 6), greedy(reloaded, short, 6, prefix_strategy="pad"))
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("{not json", "Expecting property name"),
+        ('{"prefix_strategy": "repeat",', "Expecting property name"),
+        ("", "Expecting value"),
+        (b"\xff\xfe{}", "UnicodeDecodeError"),
+    ],
+    ids=["not-json", "truncated", "empty", "not-utf8"],
+)
+def test_a_damaged_generation_config_loads_like_transformers_with_a_warning_naming_the_file(
+    make_config, tmp_path, caplog, text, reason
+):
+    """A generation_config.json that is not JSON: transformers alone loads the folder with the generation defaults of
+    config.json; the 0.2 migration must not crash on it either (it did, with a bare JSONDecodeError), but skips it
+    with a warning that names the file."""
+    model = build(make_config, prefix_strategy="repeat")
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "generation_config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with caplog.at_level("WARNING"):
+        reloaded = JRTRNNForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.config.prefix_strategy == "repeat"  # config.json's, untouched
+    assert reloaded.generation_config.eos_token_id == model.generation_config.eos_token_id
+    warning = [record.getMessage() for record in caplog.records if "not readable JSON" in record.getMessage()]
+    assert len(warning) == 1 and str(path) in warning[0] and reason in warning[0], caplog.text
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "3", '"prefix_strategy"'])
+def test_a_generation_config_that_is_not_an_object_fails_as_in_transformers(make_config, tmp_path, text):
+    """A JSON list, number or string: transformers itself refuses the folder (before the migration runs), the same
+    way for a stock model; the migration adds no error of its own."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    build(make_config).save_pretrained(tmp_path / "jrt")
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16)).save_pretrained(tmp_path / "gpt2")
+    errors = []
+    for name, cls in (("gpt2", GPT2LMHeadModel), ("jrt", JRTRNNForCausalLM)):
+        (tmp_path / name / "generation_config.json").write_text(text)
+        with pytest.raises(Exception) as caught:
+            cls.from_pretrained(tmp_path / name)
+        errors.append((type(caught.value), str(caught.value)))
+        assert "legacy_folders" not in str(caught.traceback[-1].path)
+    assert errors[0] == errors[1]
