@@ -90,7 +90,7 @@ def test_generate_snippet_runs_without_the_attention_mask_warning(tmp_path, byte
     JRTRNNForCausalLM(config).save_pretrained(folder)
     tokenizer = copy_with_pad_as_eos(byte_bpe_tokenizer)
     tokenizer.save_pretrained(folder)
-    (snippet,) = _python_blocks("## Generate")
+    snippet, _gpu = _python_blocks("## Generate")
     continuation = [line for line in snippet.splitlines() if line.startswith("more = model.generate(")]
     assert len(continuation) == 1 and "attention_mask=" in continuation[0]
     capfd.readouterr()
@@ -117,11 +117,18 @@ def test_generate_snippet_runs_on_the_offline_example(tmp_path, monkeypatch, cap
     """The README says the converted example (`jrt convert --example`, then `jrt convert ... --tokenizer`) runs the
     "Generate" block offline: it does, as written, from the folder the README names."""
     _convert_the_readme_example(tmp_path, monkeypatch)
-    (snippet,) = _python_blocks("## Generate")
+    snippet, gpu = _python_blocks("## Generate")
     namespace: dict = {}
     exec(compile(snippet.replace("./JRT-360M-30B-hf", "./JRT-tiny-hf"), "README: Generate", "exec"), namespace)
     assert namespace["more"].shape[1] == namespace["first"].sequences.shape[1] + 8
     assert "The capital of France is" in capsys.readouterr().out
+    # The GPU block (the static cache: transformers compiles the decode step on a GPU, stays eager here) runs after
+    # it with the CPU for the GPU and gives the eager tokens.
+    assert 'cache_implementation="static"' in gpu and '.to("cuda")' in gpu
+    exec(compile(gpu.replace("./JRT-360M-30B-hf", "./JRT-tiny-hf").replace('"cuda"', '"cpu"'), "README: GPU", "exec"),
+         namespace)
+    model, inputs = namespace["model"], namespace["inputs"]
+    assert namespace["out"].equal(model.generate(**inputs, max_new_tokens=256))
 
 
 def test_sft_trainer_snippet_runs_as_pasted_on_the_offline_example(tmp_path, monkeypatch):
