@@ -302,6 +302,9 @@ class JRTRNNCache(Cache):
         self.layout = cache_layout(config)
         # `()` int64 on the model's device once a forward ran: the model positions read (caller columns and fill).
         self.positions: torch.Tensor | None = None
+        # `(B,)` int64: the caller's real (not padding) tokens read per row, against which a continuation's mask of
+        # the read tokens is checked.
+        self.real_tokens: torch.Tensor | None = None
         self.prefix: JRTRNNPrefixRecord | None = None
         self.num_rows: int | None = None
         # A prefill chunk of `generate(prefill_chunk_size=...)` whose rows may not hold their whole prompt yet
@@ -325,11 +328,15 @@ class JRTRNNCache(Cache):
         """The caller's columns read (batch padding included, the prefix fill excluded); reads the counter tensor."""
         return 0 if self.positions is None else int(self.positions) - self.fill_columns
 
-    def advance(self, num_positions: int, device: torch.device) -> None:
-        """Count `num_positions` more model positions read (the last step of every forward, compiled or not)."""
+    def advance(self, num_positions: int, real_tokens: torch.Tensor | int, batch_size: int, device: torch.device) -> None:
+        """Count `num_positions` more model positions read, of which `real_tokens` (`(B,)`, or one count for every
+        row) are the caller's real tokens (the last step of every forward, compiled or not)."""
         if self.positions is None:
             self.positions = _static_buffer(torch.zeros((), dtype=torch.long, device=device))
+            self.real_tokens = _static_buffer(torch.zeros(batch_size, dtype=torch.long, device=device))
         self.positions.add_(num_positions)
+        self.real_tokens.add_(real_tokens)
+        self.num_rows = batch_size
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         """The caller's columns this cache has read (what `generate()` skips when it continues from the cache)."""
@@ -415,6 +422,12 @@ class JRTRNNCache(Cache):
                 )
         for layer in self.layers:
             layer.select_rows(index)
+        if self.real_tokens is not None:
+            rows = _rows(self.real_tokens, index)
+            if rows.shape == self.real_tokens.shape:
+                self.real_tokens.copy_(rows)
+            else:
+                self.real_tokens = _static_buffer(rows)
         if self.prefix is not None:
             self.prefix.select_rows(index)
         if self.num_rows is not None:
@@ -441,7 +454,7 @@ class JRTRNNCache(Cache):
         """Forget the sequence: every state empty, as a new cache."""
         for layer in self.layers:
             layer.reset()
-        self.positions, self.prefix, self.num_rows, self.pending_prefill = None, None, None, None
+        self.positions, self.real_tokens, self.prefix, self.num_rows, self.pending_prefill = None, None, None, None, None
         self.holds_beams = False
 
     def __repr__(self) -> str:

@@ -36,7 +36,8 @@ def resolve_cache(cache: object, past_key_values: object, config: JRTRNNConfig) 
 
 def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, seq_len: int, cache: JRTRNNCache | None) -> None:
     """Refuse a padding mask that does not describe `(cached tokens + this forward's tokens)`: any other width or
-    value used to change the logits silently. The width against the cache (which reads its counter tensor) is checked
+    value, padding between a row's real tokens (a hole), or other padding among the cached tokens than the cache read,
+    used to change the logits silently. The width against the cache (which reads its counter tensor) is checked
     outside torch.compile tracing, the values (a device synchronisation per token) outside decode steps as well.
     (`generate()`'s decode steps pass no mask: the cache keeps the flags of what it read, and a new token is real.)"""
     if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size:
@@ -59,6 +60,26 @@ def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, seq_len:
             "`attention_mask` must hold only 0 (padding) and 1 (token); got other values. Pass a binary mask "
             "(`mask.ne(0).long()` if any nonzero value means a token)."
         )
+    real = attention_mask.bool()
+    columns = torch.arange(real.shape[1], device=real.device)
+    start, tokens = real.long().argmax(-1), real.sum(-1)
+    holed = ((columns >= start[:, None]) & (columns < (start + tokens)[:, None])) != real
+    if bool(holed.any()):
+        rows = holed.any(-1).nonzero().flatten().tolist()
+        raise ValueError(
+            f"Rows {rows[:8]} of `attention_mask` have padding between real tokens: give each row its tokens in one run "
+            "(left or right padding only). Padding inside a row would be neither removed nor read: drop those "
+            "tokens from the row instead."
+        )
+    if past > 0 and cache.real_tokens is not None:
+        read = cache.real_tokens.to(real.device)
+        if not bool((real[:, :past].sum(-1) == read).all()):
+            raise ValueError(
+                "`attention_mask` marks other tokens as padding among those the cache already read than the forwards "
+                f"that read them did (real tokens per row: {read.tolist()[:8]} read, "
+                f"{real[:, :past].sum(-1).tolist()[:8]} in this mask): a read token cannot be removed; pass the mask "
+                "the cache was built with, then the new tokens' columns."
+            )
 
 
 def check_one_sequence_per_row(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:

@@ -555,6 +555,12 @@ class JRTRNNPreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(JRTRNNSlidingWindowAttention, index=1),
     }
 
+    def __init__(self, config: JRTRNNConfig, *inputs, **kwargs):
+        # The config the model is built from: a `from_pretrained(..., field=value)` override or a field changed after
+        # construction never passed the config's own checks, and would fail deep in a layer (or run a wrong model).
+        config.validate_architecture()
+        super().__init__(config, *inputs, **kwargs)
+
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, whose folder always loads with `trust_remote_code=True` alone.
 
@@ -651,9 +657,12 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 f"The cache holds {cache.num_rows} rows but the input has {batch_size}: continue with the same rows, "
                 "or reshape the cache first (`cache.batch_repeat_interleave(n)`, `cache.reorder_cache(rows)`)."
             )
+        real_tokens = seq_len  # the caller's real tokens per row in this forward (the cache counts them)
         if attention_mask is not None:
             check_attention_mask(attention_mask, batch_size, seq_len, cache)
             attention_mask = attention_mask[:, -seq_len:]  # this forward's tokens (the cache keeps its own flags)
+            if cache is not None:
+                real_tokens = attention_mask.sum(-1, dtype=torch.long)
         if linear_attention_mask is not None:
             linear_attention_mask = linear_attention_mask[:, -seq_len:]
         if position_ids is not None and seq_len > 1 and not torch.compiler.is_compiling():
@@ -692,8 +701,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             linear_attention_mask=linear_attention_mask, encoder_range=encoder_range, return_dict=True, **kwargs,
         )
         if cache is not None:
-            cache.advance(inputs_embeds.shape[1], inputs_embeds.device)
-            cache.num_rows = batch_size
+            cache.advance(inputs_embeds.shape[1], real_tokens, batch_size, inputs_embeds.device)
             if layout is not None:
                 cache.prefix = layout.record
 

@@ -260,15 +260,7 @@ def fill_prefix(
     #    static shape); otherwise it is read from the data.
     if compiling and plan.static_fill_columns is not None:
         fill_columns = plan.static_fill_columns
-    else:
-        if attention_mask is not None and not compiling:
-            columns = torch.arange(length, device=device)
-            one_run = (columns >= start[:, None]) & (columns < (start + tokens)[:, None])
-            if bool((fill > 0).any()) and not bool((one_run == real).all()):
-                raise ValueError(
-                    "The JRT prefix fill needs each row's tokens in one run (left or right padding, no holes): "
-                    "pass such an `attention_mask`, or `prefix_strategy='none'`."
-                )
+    else:  # (rows are one run of tokens: `inputs.check_attention_mask` refuses holes at the model's door)
         fill_columns = int((fill - start).clamp(min=0).max()) if batch_size > 0 else 0
     if strategy == "pad" and not compiling and bool((fill > 0).any()):
         if pad_token_id is None:

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from conftest import tiny_config
+
 from modeling_jrt import JRTRNNConfig, default_mixer_types
 
 
@@ -175,3 +177,36 @@ def test_a_model_with_default_ids_and_a_small_vocabulary_generates():
     passed = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=2, do_sample=False,
                             **{CACHE_FIELD: JRTRNNCache(config)})
     assert torch.equal(passed, output)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (dict(mixer_types=["conv"] * 3), r"`mixer_types` has 3 entries but `num_hidden_layers` is 4"),
+        (dict(num_hidden_layers=6), r"`mixer_types` has 4 entries but `num_hidden_layers` is 6"),
+        (dict(mixer_types=["conv", "attention", "conv", "conv"]), r"mixer_types"),
+        (dict(hidden_size=33), r"`hidden_size` \(33\) must be divisible by `num_attention_heads` \(2\)"),
+        (dict(linear_attention_type="prefix", use_decay_proj=True), r"Based options"),
+        (dict(sliding_window=0), r"sliding_window"),
+    ],
+)
+def test_the_config_a_model_is_built_from_is_checked(tmp_path, override, message):
+    """`from_pretrained(folder, field=value)` and a field changed after construction never pass the config's own
+    checks: the model checks the config it is built from, with the config's message (was an IndexError inside
+    `modeling_jrt.py`, or a model of another shape)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from modeling_jrt import JRTRNNForCausalLM, JRTRNNModel
+
+    config = tiny_config()
+    JRTRNNForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        AutoModelForCausalLM.from_pretrained(tmp_path, **override)
+    for model_class in (JRTRNNForCausalLM, JRTRNNModel):
+        mutated = AutoConfig.from_pretrained(tmp_path)
+        for field, value in override.items():
+            setattr(mutated, field, value)
+        with pytest.raises(ValueError, match=message):
+            model_class(mutated)
+        with pytest.raises(ValueError, match=message):
+            AutoModelForCausalLM.from_config(mutated)

@@ -203,3 +203,44 @@ def test_reordering_a_cache_by_rows_it_lacks_is_refused(model, rows):
         cache.batch_select_indices(torch.tensor([0.0, 1.0]))
     cache.reorder_cache(torch.tensor([1, 0]))  # the cache is unchanged by the refusals and still reorders
     assert cache.num_rows == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("length", [3, 12], ids=["needs-the-fill", "longer-than-the-prefix"])
+@pytest.mark.parametrize("hole", [[4], [4, 5], [1, 9]])
+def test_padding_between_real_tokens_is_refused_in_every_row(make_config, kind, length, hole):
+    """A hole in a row's mask (padding between its real tokens) was refused in a row that needs the prefix fill and
+    run in other rows, where the result matched neither "token removed" nor "mask ignored": refused everywhere."""
+    model = JRTRNNForCausalLM(make_config(linear_attention_type=kind)).eval()
+    input_ids = torch.randint(4, 99, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, : 12 - length] = 0  # row 1: left padding only, fine
+    mask[0, [column for column in hole if column < 12]] = 0
+    with pytest.raises(ValueError, match=r"Rows \[0\] of `attention_mask` have padding between real tokens"):
+        model(input_ids, attention_mask=mask)
+    with pytest.raises(ValueError, match=r"padding between real tokens"):
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=2)
+    mask[0] = 1
+    model(input_ids, attention_mask=mask)  # left padding, and a right-padded row, are one run each
+    mask[0, -2:] = 0
+    model(input_ids, attention_mask=mask)
+
+
+def test_a_continuation_mask_that_removes_a_read_token_is_refused(model):
+    """The cache counts the real tokens it read per row: a continuation's mask that turns one of them into padding
+    (or padding into a token) would be ignored without a word; it is refused."""
+    input_ids = torch.randint(4, 99, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0
+    cache = output_cache(model(input_ids[:, :8], attention_mask=mask[:, :8], use_cache=True))
+    changed = mask.clone()
+    changed[0, 0] = 0  # a token read as real, now padding (one run: still left padding)
+    with pytest.raises(ValueError, match=r"other tokens as padding among those the cache already read .* \[8, 5\] read, "
+                                         r"\[7, 5\] in this mask"):
+        model(input_ids[:, 8:], attention_mask=changed, cache=cache)
+    changed = mask.clone()
+    changed[1, :3] = 1  # padding read as padding, now tokens
+    with pytest.raises(ValueError, match=r"\[8, 5\] read, \[8, 8\] in this mask"):
+        model(input_ids[:, 8:], attention_mask=changed, cache=cache)
+    model(input_ids[:, 8:], attention_mask=mask, cache=cache)  # the mask the cache read, then the new columns
+    assert cache.real_tokens.tolist() == [10, 7]

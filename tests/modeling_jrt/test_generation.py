@@ -294,6 +294,8 @@ def test_prefill_chunk_size_with_embeddings_and_continuation(make_config, mixer_
     with torch.no_grad():
         first = model.generate(input_ids, **settings)
         longer = torch.cat([first.sequences, prompt(9, seed=2)], dim=1)
+        # The mask is given: inferred from `pad_token_id` (0), a generated 0 would read as a hole in the row.
+        settings["attention_mask"] = torch.ones_like(longer)
         expected = model.generate(longer, **{CACHE_FIELD: copy.deepcopy(output_cache(first))}, **settings)
         chunked = model.generate(longer, **{CACHE_FIELD: output_cache(first)}, prefill_chunk_size=2, **settings)
     torch.testing.assert_close(chunked.sequences, expected.sequences, rtol=0, atol=0)
