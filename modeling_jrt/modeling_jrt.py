@@ -670,6 +670,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
 
         # 1. The first forward of a JRT sequence lays out each row's prefix (fill and encoder range).
         layout = None
+        caller_mask = attention_mask  # (B, T) the caller's padding, before the fill joins the layout
         if self.is_prefix_model and not continuing:
             layout = lay_out_prefix(
                 config, self.embed_tokens, input_ids, inputs_embeds, attention_mask, linear_attention_mask,
@@ -713,6 +714,11 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             if outputs.attentions is not None:
                 # (B, H, queries, keys): the fill is neither a query nor a key of the caller's
                 outputs.attentions = tuple(a[:, :, fill_columns:, fill_columns:] for a in outputs.attentions)
+        if outputs.attentions is not None and not continuing and caller_mask is not None:
+            # 0 on the caller's padding columns, as a row shows alone: a row's fill may sit in its batch padding (left
+            # of its first token), and its weight is cut off with the fill columns above when the row is alone.
+            keys = caller_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
+            outputs.attentions = tuple(a.masked_fill(~keys, 0.0) for a in outputs.attentions)
         result = model_output(
             JRTRNNModelOutput, cache, last_hidden_state=outputs.last_hidden_state,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,

@@ -71,6 +71,32 @@ def test_output_attentions_of_a_filled_prompt_cover_the_callers_positions_only(m
     assert filled.shape == plain.shape == (1, model.config.num_attention_heads, 3, 3)
 
 
+@pytest.mark.parametrize("kind", ["prefix", "causal"])
+@pytest.mark.parametrize("strategy", ["pad", "repeat", "none"])
+def test_a_row_of_a_left_padded_batch_shows_the_attention_it_shows_alone(make_config, strategy, kind):
+    """Rows of 3 and 12 tokens, left padded: the short row's fill sits in its batch padding, and its weight used to
+    show on those padding columns (0.2 each on columns 5..8). Each row shows on its real columns what it shows alone,
+    and 0 on padding columns, in a forward and in `generate(output_attentions=True)`'s first step."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config(initializer_range=0.3, linear_attention_type=kind),
+                                             attn_implementation="eager").eval()
+    batch = ids(2, 12)
+    mask = torch.ones_like(batch)
+    mask[0, :9] = 0
+    batch[0, :9] = 0
+    with torch.no_grad():
+        together = model(batch, attention_mask=mask, output_attentions=True, prefix_strategy=strategy).attentions
+        alone = model(batch[:1, 9:], output_attentions=True, prefix_strategy=strategy).attentions
+        generated = model.generate(batch, attention_mask=mask, max_new_tokens=2, do_sample=False, output_attentions=True,
+                                   return_dict_in_generate=True, prefix_strategy=strategy, **NO_EOS).attentions[0]
+        longest = model(batch[1:], output_attentions=True, prefix_strategy=strategy).attentions
+    for weights in (together, generated):
+        for batched, single, row in zip(weights, alone, longest):
+            torch.testing.assert_close(batched[0, :, 9:, 9:], single[0], rtol=1e-5, atol=1e-6)
+            assert (batched[0, :, :, :9] == 0).all()
+            torch.testing.assert_close(batched[1], row[0], rtol=1e-5, atol=1e-6)
+
+
 def test_return_dict_false_returns_the_tuple(make_config):
     model = build(make_config)
     input_ids = ids()
