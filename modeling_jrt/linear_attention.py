@@ -458,6 +458,7 @@ def linear_attention_step(
     gate: torch.Tensor | None = None,
     eps: float = 1e-12,
     in_place: bool = False,
+    implementation: str = "chunked",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step from the recurrent state (the same for prefix and causal linear attention).
 
@@ -472,6 +473,10 @@ def linear_attention_step(
             when the step runs outside it, and not under torch.compile (otherwise the step is functional). The model's
             decode uses it: the cache owns its state, and allocating a fresh `(B, H, F, V + 1)` tensor per layer and
             token costs more than the update itself.
+        implementation: resolved as for the prefill (`resolve_implementation`). Where it resolves to "triton" (a
+            CUDA state, under "auto") and the step runs in place, the fused kernel of `jrt_kernels` takes it: feature
+            map, state update and readout in one launch instead of about 25 ops (the step at slots, each row its own
+            slot); a kernel that fails warns once and the PyTorch step runs, as for the prefill.
 
     Returns:
         `(output (B, H, V) in v.dtype, new state (B, H, F, V + 1))`.
@@ -498,27 +503,54 @@ def linear_attention_step(
         and state.is_contiguous() and not _records_gradients(q, k, v, state, gate)
         and (torch.is_inference_mode_enabled() or not state.is_inference())  # such a tensor is read-only outside it
     )
+    if in_place and resolve_implementation(implementation, q) == "triton":
+        slots = torch.arange(batch_size, device=state.device)
+        kernel = functools.partial(_load_triton_decode(), q, k, v, state, slots, log_decay=log_decay, gate=gate, eps=eps)
+        step = functools.partial(_step_in_place, q, k, v, state, log_decay, gate, eps)
+        return _run_triton_or_fall_back(_triton_forced(implementation), kernel, step), state
+    if in_place:
+        return _step_in_place(q, k, v, state, log_decay, gate, eps), state
     phi_q = taylor_feature_map(q.to(dtype)).view(rows, 1, num_features)
     phi_k = taylor_feature_map(k.to(dtype)).view(rows, num_features, 1)
     value_and_one = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)  # (B, H, V + 1)
     value_and_one = value_and_one.view(rows, 1, value_dim + 1)
     if log_decay is not None:  # the numerator columns decay by gamma per token, the denominator's never
         gamma = torch.exp(log_decay.to(dtype))[None, :, None, None]
-        if in_place:
-            state[..., :value_dim].mul_(gamma)
-        else:
-            state = torch.cat([state[..., :value_dim] * gamma, state[..., value_dim:]], dim=-1)
-    if in_place:
-        state.view(rows, num_features, value_dim + 1).baddbmm_(phi_k, value_and_one)
-    else:
-        state = torch.baddbmm(state.reshape(rows, num_features, value_dim + 1), phi_k, value_and_one)
-        state = state.view(batch_size, num_heads, num_features, value_dim + 1)
-    readout = torch.bmm(phi_q, state.view(rows, num_features, value_dim + 1)).view(batch_size, num_heads, -1)
-    numerator = readout[..., :value_dim]
+        state = torch.cat([state[..., :value_dim] * gamma, state[..., value_dim:]], dim=-1)
+    state = torch.baddbmm(state.reshape(rows, num_features, value_dim + 1), phi_k, value_and_one)
+    state = state.view(batch_size, num_heads, num_features, value_dim + 1)
+    return _read_state(phi_q, state, gate, eps).to(v.dtype), state
+
+
+def _step_in_place(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, log_decay: torch.Tensor | None,
+    gate: torch.Tensor | None, eps: float,
+) -> torch.Tensor:
+    """`linear_attention_step` updating `state` `(B, H, F, V + 1)` (contiguous) where it is; returns the output
+    `(B, H, V)` in v's dtype."""
+    batch_size, num_heads, _ = q.shape
+    value_dim, num_features, dtype = v.shape[-1], state.shape[-2], state.dtype
+    rows = batch_size * num_heads
+    phi_q = taylor_feature_map(q.to(dtype)).view(rows, 1, num_features)
+    phi_k = taylor_feature_map(k.to(dtype)).view(rows, num_features, 1)
+    value_and_one = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)
+    if log_decay is not None:
+        state[..., :value_dim].mul_(torch.exp(log_decay.to(dtype))[None, :, None, None])
+    state.view(rows, num_features, value_dim + 1).baddbmm_(phi_k, value_and_one.view(rows, 1, value_dim + 1))
+    return _read_state(phi_q, state, gate, eps).to(v.dtype)
+
+
+def _read_state(
+    phi_q: torch.Tensor, state: torch.Tensor, gate: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """phi(q) `(B H, 1, F)` against the states `(B, H, F, V + 1)` -> `(B, H, V)` in the state's dtype: the numerator
+    (times the Based gate) over the denominator."""
+    batch_size, num_heads, num_features, width = state.shape
+    readout = torch.bmm(phi_q, state.view(batch_size * num_heads, num_features, width)).view(batch_size, num_heads, -1)
+    numerator = readout[..., : width - 1]
     if gate is not None:
-        numerator = numerator * gate.to(dtype)[..., None]
-    output = numerator / (readout[..., value_dim:] + eps)
-    return output.to(v.dtype), state
+        numerator = numerator * gate.to(state.dtype)[..., None]
+    return numerator / (readout[..., width - 1 :] + eps)
 
 
 def _load_triton_prefill():

@@ -350,6 +350,7 @@ class JRTRNNLinearAttention(nn.Module):
                 query[:, 0], key[:, 0], value[:, 0], state,
                 log_decay=log_decay, gate=None if gate is None else gate[:, 0],
                 eps=self.config.linear_attention_eps, in_place=True,  # the cache owns the state (no autograd)
+                implementation=self.config.linear_attention_implementation,  # a CUDA state: one fused launch
             )
             output = output[:, None]  # (B, 1, H, V)
         else:

@@ -164,3 +164,36 @@ def test_step_at_slots_asked_for_the_kernel_raises(monkeypatch):
     q, k, v, pool = make_inputs(2, 2, 4, 8, slots_in_pool=3)
     with pytest.raises(OutOfResources):
         linear_attention_step_at_slots(q, k, v, pool, torch.tensor([2, 0], device=DEVICE), implementation="triton")
+
+
+@pytest.mark.parametrize("kind", [dict(linear_attention_type="prefix"),
+                                  dict(linear_attention_type="causal", linear_attention_decay=True, use_decay_proj=True)],
+                         ids=["jrt", "based-decay"])
+def test_the_models_decode_step_takes_the_fused_kernel(monkeypatch, auto_takes_kernel, kind):
+    """The HF model's eager decode step: where "auto" resolves to the kernel (a CUDA state; here the interpreter),
+    each linear-attention layer's step is one launch of the fused kernel on the cache's state (the step at slots,
+    each row its own); the greedy tokens and the state equal those of the PyTorch step."""
+    from conftest import tiny_config
+
+    from modeling_jrt import JRTRNNForCausalLM
+
+    torch.manual_seed(0)
+    model = JRTRNNForCausalLM(tiny_config(initializer_range=0.3, **kind)).eval()
+    input_ids = torch.randint(4, 99, (2, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(input_ids)
+    mask[0, :4] = 0
+    settings = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0,
+                    return_dict_in_generate=True)
+    calls = spy_on_kernel(monkeypatch)
+    with torch.no_grad():
+        fused = model.generate(input_ids, **settings)
+    layers = model.config.mixer_types.count("linear_attention")
+    assert len(calls) == 3 * layers  # three decode steps after the prefill
+    model.config.linear_attention_implementation = "chunked"
+    with torch.no_grad():
+        plain = model.generate(input_ids, **settings)
+    torch.testing.assert_close(fused.sequences, plain.sequences, rtol=0, atol=0)
+    for index, kind_name in enumerate(model.config.mixer_types):
+        if kind_name == "linear_attention":
+            torch.testing.assert_close(fused.cache.layers[index].state, plain.cache.layers[index].state,
+                                       rtol=1e-5, atol=1e-5)
