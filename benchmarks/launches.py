@@ -5,9 +5,10 @@ run for less), and so is a short prefill. This script counts them for both model
 
     on CUDA   the kernels `torch.profiler` records (every CUDA kernel, the Triton ones included);
     on CPU    the operators the dispatcher runs (views and other metadata-only operators excluded), on the code path a
-              GPU runs: the token chunking takes the accelerator's budget, and the linear attention's prefill counts as
+              GPU runs: the token chunking takes the accelerator's budget, the linear attention's prefill counts as
               one launch, the fused Triton kernel's one-pass prefill (below `SEGMENTED_FROM` tokens, the default 4k
-              here; its few host-side allocations are not counted), not as the ops of the CPU's chunked scan.
+              here; its few host-side allocations are not counted), not as the ops of the CPU's chunked scan, and its
+              eager decode step as two (the slots and the fused step's kernel).
 
     OMP_NUM_THREADS=1 python benchmarks/launches.py      # hidden 256, 8 layers; decode B=16, prefill 4096 at B=1, 8
     OMP_NUM_THREADS=1 python benchmarks/launches.py --quick      # seconds
@@ -74,23 +75,28 @@ class DispatchCounter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def gpu_code_path(counter: DispatchCounter):
-    """On CPU, the code path of a GPU: the accelerator's chunk budget, and the linear attention's prefill counted as
-    the fused kernel's one launch."""
+    """On CPU, the code path of a GPU: the accelerator's chunk budget, the linear attention's prefill counted as the
+    fused kernel's one launch and its decode step as two."""
     budget = inference_chunking.INFERENCE_CHUNK_ELEMENTS
-    prefill = jrt_modeling.prefix_linear_attention
+    prefill, step = jrt_modeling.prefix_linear_attention, jrt_modeling.linear_attention_step
 
-    def fused(q, *args, **kwargs):
+    def fused_prefill(*args, **kwargs):
         counter.extra += 1
         with counter.paused():
-            return prefill(q, *args, **kwargs)
+            return prefill(*args, **kwargs)
+
+    def fused_step(*args, **kwargs):  # the eager decode step: the slots (an arange) and one kernel launch
+        counter.extra += 2
+        with counter.paused():
+            return step(*args, **kwargs)
 
     inference_chunking.INFERENCE_CHUNK_ELEMENTS = inference_chunking.ACCELERATOR_CHUNK_ELEMENTS
-    jrt_modeling.prefix_linear_attention = fused
+    jrt_modeling.prefix_linear_attention, jrt_modeling.linear_attention_step = fused_prefill, fused_step
     try:
         yield
     finally:
         inference_chunking.INFERENCE_CHUNK_ELEMENTS = budget
-        jrt_modeling.prefix_linear_attention = prefill
+        jrt_modeling.prefix_linear_attention, jrt_modeling.linear_attention_step = prefill, step
 
 
 def count_launches(run, device: torch.device) -> int:
