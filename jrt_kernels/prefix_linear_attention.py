@@ -57,6 +57,7 @@ program, a power of two), BP (pair rows, two halves of BP / 2).
 """
 
 import functools
+import inspect
 import os
 
 import torch
@@ -379,6 +380,9 @@ def _segment_states_kernel(
 INTERPRETED = isinstance(_prefix_linear_attention_fwd_kernel, InterpretedFunction)
 # JRT_TRITON_AUTOTUNE=0 keeps the default config of the device's architecture (quick compiled test runs; no tuning).
 AUTOTUNE = os.environ.get("JRT_TRITON_AUTOTUNE", "1") != "0"
+# The autotuner's pick of each shape class is written to triton's cache (TRITON_CACHE_DIR) where triton can (3.2 and
+# later): a tuning run ahead of time (benchmarks/gpu_check.sh step 3) leaves the timed run nothing to tune.
+_CACHE_TUNING = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 @functools.cache
@@ -387,7 +391,9 @@ def _autotuned_kernel(major: int, width: int, kernel=_prefix_linear_attention_fw
     architecture family `major` (9: sm_90, 8: any other GPU, 0: the CPU interpreter) for value dims of power of two
     `width`."""
     configs = _INTERPRETER_CONFIGS if major == 0 else configs_for_architecture(major, width)
-    return triton.autotune(configs=configs if AUTOTUNE else configs[:1], key=["K", "V", "T_BUCKET", "MASK"])(kernel)
+    return triton.autotune(
+        configs=configs if AUTOTUNE else configs[:1], key=["K", "V", "T_BUCKET", "MASK"], **_CACHE_TUNING
+    )(kernel)
 
 
 def _kernel_for(device: torch.device, V: int, kernel=_prefix_linear_attention_fwd_kernel):

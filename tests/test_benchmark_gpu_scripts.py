@@ -114,7 +114,7 @@ def test_the_gpu_script_fits_eight_minutes_step_by_step():
     default_run = text[: text.index("JRT_GPU_CHECK_PTXAS:-0")]
     limits = [int(seconds) for seconds in re.findall(r"timeout (\d+) ", default_run)]
     loops = re.findall(r"for batch in ([\d ]+); do", default_run)
-    assert len(limits) == 8 and loops == ["1 8"]
+    assert len(limits) == 9 and loops == ["1 8"]
     model_prefill = int(re.search(r"timeout (\d+) \"\$python\" benchmarks/model_prefill.py", default_run).group(1))
     assert sum(limits) + model_prefill <= 480, limits
     for script_name in ("decode.py", "launches.py", "model_prefill.py", "prefill.py", "gpu_model_check.py"):
