@@ -7,8 +7,9 @@ run for less), and so is a short prefill. This script counts them for both model
     on CPU    the operators the dispatcher runs (views and other metadata-only operators excluded), on the code path a
               GPU runs: the token chunking takes the accelerator's budget, the linear attention's prefill counts as
               one launch, the fused Triton kernel's one-pass prefill (below `SEGMENTED_FROM` tokens, the default 4k
-              here; its few host-side allocations are not counted), not as the ops of the CPU's chunked scan, and its
-              eager decode step as two (the slots and the fused step's kernel).
+              here; its few host-side allocations are not counted), not as the ops of the CPU's chunked scan, its
+              eager decode step as two (the slots and the fused step's kernel), and each RMSNorm as the one launch
+              of the fused norm kernel.
 
     OMP_NUM_THREADS=1 python benchmarks/launches.py      # hidden 256, 8 layers; decode B=16, prefill 4096 at B=1, 8
     OMP_NUM_THREADS=1 python benchmarks/launches.py --quick      # seconds
@@ -76,9 +77,10 @@ class DispatchCounter(TorchDispatchMode):
 @contextlib.contextmanager
 def gpu_code_path(counter: DispatchCounter):
     """On CPU, the code path of a GPU: the accelerator's chunk budget, the linear attention's prefill counted as the
-    fused kernel's one launch and its decode step as two."""
+    fused kernel's one launch, its decode step as two, and each RMSNorm (without autograd) as one."""
     budget = inference_chunking.INFERENCE_CHUNK_ELEMENTS
-    prefill, step = jrt_modeling.prefix_linear_attention, jrt_modeling.linear_attention_step
+    prefill, step, norm = jrt_modeling.prefix_linear_attention, jrt_modeling.linear_attention_step, \
+        jrt_modeling.fused_rms_norm
 
     def fused_prefill(*args, **kwargs):
         counter.extra += 1
@@ -90,13 +92,24 @@ def gpu_code_path(counter: DispatchCounter):
         with counter.paused():
             return step(*args, **kwargs)
 
+    def fused_norm(hidden_states, weight, eps, out=None):  # the fused RMSNorm kernel: one launch
+        if torch.is_grad_enabled():
+            return None
+        counter.extra += 1
+        with counter.paused():
+            x = hidden_states.float()
+            y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(weight.dtype)
+            return y if out is None else out.copy_(y)
+
     inference_chunking.INFERENCE_CHUNK_ELEMENTS = inference_chunking.ACCELERATOR_CHUNK_ELEMENTS
     jrt_modeling.prefix_linear_attention, jrt_modeling.linear_attention_step = fused_prefill, fused_step
+    jrt_modeling.fused_rms_norm = fused_norm
     try:
         yield
     finally:
         inference_chunking.INFERENCE_CHUNK_ELEMENTS = budget
         jrt_modeling.prefix_linear_attention, jrt_modeling.linear_attention_step = prefill, step
+        jrt_modeling.fused_rms_norm = norm
 
 
 def count_launches(run, device: torch.device) -> int:

@@ -2,7 +2,8 @@
 
 The prefill kernel has the same signature as its PyTorch reference in `modeling_jrt.linear_attention`, which stays
 the fallback everywhere; the serving decode step (`linear_attention_decode_triton`) takes a pool of states and each
-request's slot, and replaces gather + `linear_attention_step` + write-back. Importing this package needs triton
+request's slot, and replaces gather + `linear_attention_step` + write-back; `rms_norm_triton` is the model's RMSNorm in
+one launch. Importing this package needs triton
 (`pip install 'jrt-rnn[triton]'`).
 """
 
@@ -16,5 +17,6 @@ except ImportError as error:
 
 from .linear_attention_decode import linear_attention_decode_triton
 from .prefix_linear_attention import prefix_linear_attention_triton
+from .rms_norm import rms_norm_triton
 
-__all__ = ["linear_attention_decode_triton", "prefix_linear_attention_triton"]
+__all__ = ["linear_attention_decode_triton", "prefix_linear_attention_triton", "rms_norm_triton"]

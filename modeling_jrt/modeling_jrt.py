@@ -47,6 +47,7 @@ from .compact_taylor import CompactTaylor  # noqa: F401
 from .huge_pages import advise_huge_pages  # noqa: F401
 from .compat import CACHE_FIELD, keep_last_logits, model_output
 from .configuration_jrt import JRTRNNConfig
+from .fused_norm import fused_rms_norm
 from .generation import JRTRNNGenerationMixin
 from .inference_chunking import inference_chunk_rows, map_position_chunks
 from .inputs import (
@@ -108,6 +109,9 @@ class JRTRNNRMSNorm(nn.Module):
     def normalize(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The norm of hidden_states (rows, hidden) in one pass (no token chunks: `forward`'s size-dependent loop is
         not for a graph that serves every batch size), into `out` (rows, hidden) in w's dtype when given."""
+        fused = fused_rms_norm(hidden_states, self.weight, self.variance_epsilon, out=out)
+        if fused is not None:  # a GPU without autograd: one launch
+            return fused
         hidden_states = hidden_states.float()
         if not torch.is_grad_enabled():
             # Without autograd: mean(x**2) from one reduction (sqrt(sum x**2)), scaled in place (2 passes fewer).
