@@ -57,6 +57,28 @@ def _static_buffer(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _in_place(buffer: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether `values` may be written into `buffer` in place: not when either is part of an autograd graph (a
+    forward with autograd on, e.g. `model(..., use_cache=True)` outside `torch.no_grad()`), where the write is
+    functional (a new tensor) so that a backward through earlier steps still finds what it saved."""
+    return not (torch.is_grad_enabled() and (values.requires_grad or buffer.requires_grad))
+
+
+def _write(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`buffer` holding `values` (same shape): in place where `_in_place` allows, else a new tensor."""
+    if _in_place(buffer, values):
+        return buffer.copy_(values)
+    return values.to(buffer.dtype).clone(memory_format=torch.contiguous_format)
+
+
+def _write_rows(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`buffer` with `values` at `index` along `dim` (`index_copy`): in place where `_in_place` allows."""
+    values = values.to(buffer.dtype)
+    if _in_place(buffer, values):
+        return buffer.index_copy_(dim, index, values)
+    return buffer.index_copy(dim, index, values)
+
+
 class JRTRNNLayerState:
     """What transformers (any release of the range) may read of one cache layer, answered for a layer of this model.
 
@@ -90,10 +112,7 @@ class JRTRNNLayerState:
             if tensor is None:
                 continue
             rows = _rows(tensor, index)
-            if rows.shape == tensor.shape:
-                tensor.copy_(rows)
-            else:
-                setattr(self, name, _static_buffer(rows))
+            setattr(self, name, _write(tensor, rows) if rows.shape == tensor.shape else _static_buffer(rows))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.select_rows(beam_idx)
@@ -139,7 +158,7 @@ class JRTRNNConvState(JRTRNNLayerState):
         if self.inputs is None:
             self.inputs = _static_buffer(newest.contiguous())
         else:
-            self.inputs.copy_(newest)
+            self.inputs = _write(self.inputs, newest)
 
 
 class JRTRNNSlidingWindowState(JRTRNNLayerState):
@@ -209,9 +228,9 @@ class JRTRNNSlidingWindowState(JRTRNNLayerState):
             slots = torch.remainder(first_slot, rows).view(1)
         else:
             slots = (first_slot + torch.arange(kept, device=keys.device)) % rows
-        self.keys.index_copy_(2, slots, keys[:, :, seq_len - kept :].to(self.keys.dtype))
-        self.values.index_copy_(2, slots, values[:, :, seq_len - kept :].to(self.values.dtype))
-        self.key_mask.index_copy_(1, slots, key_mask[:, seq_len - kept :])
+        self.keys = _write_rows(self.keys, 2, slots, keys[:, :, seq_len - kept :])
+        self.values = _write_rows(self.values, 2, slots, values[:, :, seq_len - kept :])
+        self.key_mask = _write_rows(self.key_mask, 1, slots, key_mask[:, seq_len - kept :])
         self.written.add_(seq_len)
         return all_keys, all_values, all_mask
 
@@ -230,7 +249,7 @@ class JRTRNNLinearAttentionState(JRTRNNLayerState):
         if self.state is None:
             self.state = _static_buffer(state)
         elif state is not self.state:
-            self.state.copy_(state)
+            self.state = _write(self.state, state)
 
 
 @dataclass
@@ -272,6 +291,9 @@ def cache_layout(config: JRTRNNConfig) -> dict[str, object]:
     return {field: getattr(config, field) for field in CACHE_LAYOUT_FIELDS}
 
 
+CACHE_FORMAT = 2
+"""The layout of a cache's states: 2 = fixed-shape buffers written in place (1, unnumbered: growing tensors)."""
+
 LAYER_STATES = {
     "conv": lambda config: JRTRNNConvState(config.conv_kernel_size),
     "sliding_attention": lambda config: JRTRNNSlidingWindowState(config.sliding_window),
@@ -298,6 +320,7 @@ class JRTRNNCache(Cache):
 
     def __init__(self, config: JRTRNNConfig):
         super().__init__(layers=[LAYER_STATES[kind](config) for kind in config.mixer_types])
+        self.format = CACHE_FORMAT
         self.mixer_types = list(config.mixer_types)
         self.layout = cache_layout(config)
         # `()` int64 on the model's device once a forward ran: the model positions read (caller columns and fill).
@@ -316,8 +339,9 @@ class JRTRNNCache(Cache):
     # ------------------------------------------------------------------------------------------------ reading
     @property
     def has_state(self) -> bool:
-        """Whether the cache holds a sequence (a forward has read tokens into it). No device synchronisation."""
-        return self.positions is not None
+        """Whether the cache holds a sequence (a forward has read tokens into it). No device synchronisation. (A cache
+        of an earlier release has no counter: the model's door refuses it, `check_format`.)"""
+        return getattr(self, "positions", None) is not None
 
     @property
     def fill_columns(self) -> int:
@@ -326,7 +350,7 @@ class JRTRNNCache(Cache):
     @property
     def num_read(self) -> int:
         """The caller's columns read (batch padding included, the prefix fill excluded); reads the counter tensor."""
-        return 0 if self.positions is None else int(self.positions) - self.fill_columns
+        return int(self.positions) - self.fill_columns if self.has_state else 0
 
     def advance(self, num_positions: int, real_tokens: torch.Tensor | int, batch_size: int, device: torch.device) -> None:
         """Count `num_positions` more model positions read, of which `real_tokens` (`(B,)`, or one count for every
@@ -354,10 +378,20 @@ class JRTRNNCache(Cache):
     def max_cache_len(self) -> int:
         return -1
 
+    def check_format(self) -> None:
+        """Refuse a cache of an earlier layout (unpickled from a jrt-rnn release before the fixed-shape buffers):
+        its states have other shapes and meanings."""
+        if getattr(self, "format", None) != CACHE_FORMAT:
+            raise ValueError(
+                "This cache was made by an earlier jrt-rnn release (another layout of its states): it cannot be "
+                "continued here; generate again from the sequence with a fresh cache."
+            )
+
     def check_layout(self, config: JRTRNNConfig) -> None:
         """Refuse, naming the field, to be continued by a model whose config fixes other shapes or contents
         (`CACHE_LAYOUT_FIELDS`): a cache built for another `sliding_window` would otherwise run with a window the model
         was not trained for, one of another `rope_theta` would mix keys rotated two ways."""
+        self.check_format()
         for field, value in cache_layout(config).items():
             if self.layout.get(field) != value:
                 raise ValueError(
@@ -424,10 +458,8 @@ class JRTRNNCache(Cache):
             layer.select_rows(index)
         if self.real_tokens is not None:
             rows = _rows(self.real_tokens, index)
-            if rows.shape == self.real_tokens.shape:
-                self.real_tokens.copy_(rows)
-            else:
-                self.real_tokens = _static_buffer(rows)
+            same = rows.shape == self.real_tokens.shape
+            self.real_tokens = _write(self.real_tokens, rows) if same else _static_buffer(rows)
         if self.prefix is not None:
             self.prefix.select_rows(index)
         if self.num_rows is not None:

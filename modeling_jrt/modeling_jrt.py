@@ -191,7 +191,7 @@ class JRTRNNShortConv(nn.Module):
             # A decode step: one window [history, x] per channel, one multiply-add (no shifted taps).
             window = torch.cat([history, conv_input.transpose(1, 2)], dim=-1)  # (B, D, K)
             conv_output = (window * self.conv.weight[:, 0].to(window.dtype)).sum(-1)[:, None]  # (B, 1, D)
-            state.inputs.copy_(window[..., 1:])
+            state.write(None, window[..., 1:])  # K - 1 columns: the whole buffer, in place
         else:
             past = None if history is None else history.transpose(1, 2)  # (B, K - 1, D)
             conv_output = causal_depthwise_conv(conv_input, past, self.conv.weight)  # (B, t, D)

@@ -244,3 +244,23 @@ def test_a_continuation_mask_that_removes_a_read_token_is_refused(model):
         model(input_ids[:, 8:], attention_mask=changed, cache=cache)
     model(input_ids[:, 8:], attention_mask=mask, cache=cache)  # the mask the cache read, then the new columns
     assert cache.real_tokens.tolist() == [10, 7]
+
+
+def test_a_cache_of_an_earlier_release_is_refused(model):
+    """A cache unpickled from a release before the fixed-shape buffers (no format mark, growing states, a Python
+    counter) is refused in one line, by a forward and by generate()."""
+    import pickle
+
+    input_ids = torch.randint(4, 99, (1, 6))
+    cache = output_cache(model(input_ids[:, :5], use_cache=True))
+    old = pickle.loads(pickle.dumps(cache))
+    del old.format, old.positions, old.real_tokens
+    old.__dict__['num_read'] = 5
+    for run in (lambda: model(input_ids[:, 5:], cache=old),
+                lambda: model.generate(input_ids, attention_mask=torch.ones_like(input_ids), cache=old,
+                                       max_new_tokens=1)):
+        with pytest.raises(ValueError, match=r"This cache was made by an earlier jrt-rnn release"):
+            run()
+    continued = pickle.loads(pickle.dumps(cache))  # a pickle of this release continues
+    torch.testing.assert_close(model(input_ids[:, 5:], cache=continued).logits,
+                               model(input_ids[:, 5:], cache=cache).logits)
