@@ -11,7 +11,7 @@ import torch
 from transformers.generation import CompileConfig
 
 from modeling_jrt import JRTRNNCache, JRTRNNForCausalLM
-from modeling_jrt.compat import output_cache
+from modeling_jrt.compat import CACHE_FIELD, output_cache
 
 KINDS = {
     "jrt-prefix": dict(linear_attention_type="prefix"),
@@ -97,8 +97,8 @@ def test_a_cache_passed_in_takes_the_compiled_path_and_the_default_stays_eager(m
                              **NO_EOS)
     assert backend.graphs == 0  # transformers' default DynamicCache: eager, as for every model
     cache = JRTRNNCache(model.config)
-    passed = model.generate(input_ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache=cache,
-                            compile_config=config, **NO_EOS)
+    passed = model.generate(input_ids, attention_mask=mask, max_new_tokens=5, do_sample=False, compile_config=config,
+                            **{CACHE_FIELD: cache}, **NO_EOS)  # the cache's name on this transformers release
     assert backend.graphs == 1
     torch.testing.assert_close(default, eager, rtol=0, atol=0)
     torch.testing.assert_close(passed, eager, rtol=0, atol=0)

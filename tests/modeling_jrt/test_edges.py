@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from modeling_jrt import JRTRNNForCausalLM
-from modeling_jrt.compat import output_cache
+from modeling_jrt.compat import CACHE_FIELD, output_cache
 
 KINDS = ["prefix", "causal"]
 
@@ -161,7 +161,7 @@ def test_a_cache_made_under_other_contents_is_refused(make_config, field, value)
     with pytest.raises(ValueError, match=rf"The cache was built for {field}={value!r}, but this model has {field}="):
         model(input_ids[:, 8:], cache=cache)
     with pytest.raises(ValueError, match=rf"built for {field}="):
-        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), cache=cache, max_new_tokens=1)
+        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=1, **{CACHE_FIELD: cache})
 
 
 @pytest.mark.parametrize("kind", ["prefix", "causal"])
@@ -257,7 +257,7 @@ def test_a_cache_of_an_earlier_release_is_refused(model):
     del old.format, old.positions, old.real_tokens
     old.__dict__['num_read'] = 5
     for run in (lambda: model(input_ids[:, 5:], cache=old),
-                lambda: model.generate(input_ids, attention_mask=torch.ones_like(input_ids), cache=old,
+                lambda: model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **{CACHE_FIELD: old},
                                        max_new_tokens=1)):
         with pytest.raises(ValueError, match=r"This cache was made by an earlier jrt-rnn release"):
             run()
