@@ -51,8 +51,9 @@ def _rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | No
 
 def _static_buffer(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`, marked as a buffer whose address stays the same across calls of a compiled function (CUDA graphs then
-    read it in place instead of copying it in; transformers' static caches mark theirs the same way)."""
-    if not torch.compiler.is_compiling():
+    read it in place instead of copying it in; transformers' static caches mark theirs the same way). A CPU tensor is
+    left alone: no CUDA graph reads it, and marking it would import torch's compiler (seconds) in every process."""
+    if tensor.device.type != "cpu" and not torch.compiler.is_compiling():
         torch._dynamo.mark_static_address(tensor)
     return tensor
 
