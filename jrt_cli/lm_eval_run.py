@@ -125,10 +125,10 @@ def run(args: argparse.Namespace) -> int:
     from jrt_eval import TASKS_DIR
 
     setup_logging()
+    check_run_arguments(lm_eval_args)  # lm-eval's task index: still before torch
     if hasattr(lm_eval_args, "include_path"):
         user_path = lm_eval_args.include_path
         lm_eval_args.include_path = [str(TASKS_DIR)] + ([user_path] if user_path else [])
-    check_run_arguments(lm_eval_args)  # lm-eval's task index: still before torch
     import jrt_eval.lm  # noqa: F401  (registers the lm-eval model "jrt"; imports torch and transformers)
 
     quiet_transformers()
@@ -161,17 +161,27 @@ def offline_when_the_hub_is_unreachable(lm_eval_args: argparse.Namespace) -> Non
 
 def check_run_arguments(lm_eval_args: argparse.Namespace) -> None:
     """The task names lm-eval would only find unknown after loading the model and the data sets (minutes), checked
-    against lm-eval's task index (which lm-eval takes about 15 s to build), before torch is imported. A usage error.
-    (What the arguments alone tell is checked first, in a fraction of a second: `check_arguments_early`.)"""
+    against lm-eval's task index before torch is imported. A usage error. For the lm-eval release jrt-rnn pins, the
+    index ships with jrt-rnn (`shipped_task_index`: milliseconds); with another release, or the user's own tasks
+    (`--include_path`), lm-eval builds it (about 15 s). (What the arguments alone tell is checked first:
+    `check_arguments_early`.)"""
     if getattr(lm_eval_args, "command", None) != "run":
         return
     tasks = getattr(lm_eval_args, "tasks", None)
     if tasks:
-        from lm_eval.tasks import TaskManager
-
         names = _task_names(tasks)
-        manager = TaskManager(include_path=lm_eval_args.include_path)
-        unknown = [name for name in names if not Path(name).exists() and not manager.match_tasks([name])]
+        user_path = getattr(lm_eval_args, "include_path", None)
+        index = None if user_path else shipped_task_index()
+        if index is not None:  # the installed lm-eval's names, read from the index jrt-rnn ships for it (ms)
+            known = index + shipped_task_names()
+            unknown = [name for name in names if not _matches(name, known)]
+        else:
+            from lm_eval.tasks import TaskManager
+
+            from jrt_eval import TASKS_DIR
+
+            manager = TaskManager(include_path=[str(TASKS_DIR)] + ([user_path] if user_path else []))
+            unknown = [name for name in names if not Path(name).exists() and not manager.match_tasks([name])]
         if unknown:
             raise UsageError(
                 f"unknown task(s) {', '.join(unknown)}: `jrt lm-eval ls tasks` lists them (jrt-rnn's recall tasks "
@@ -262,6 +272,45 @@ def check_model_arg_names(model_args: dict) -> None:
             "arguments (dtype, device, max_length, ...), scoring and prefix_strategy, from_pretrained options and "
             "the model's config fields (docs/evaluation.md)."
         )
+
+
+TASK_INDEX_DIR = Path(__file__).resolve().parent / "assets"
+
+
+def task_index_path(version: str) -> Path:
+    return TASK_INDEX_DIR / f"lm_eval_tasks-{version}.txt.gz"
+
+
+@functools.cache
+def shipped_task_index() -> tuple[str, ...] | None:
+    """The task, group and tag names of the installed lm-eval (`TaskManager().all_tasks`), from the index jrt-rnn
+    ships for its release (`write_task_index`), or None for a release without one (or no lm-eval)."""
+    import gzip
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        path = task_index_path(version("lm_eval"))
+    except PackageNotFoundError:
+        return None
+    if not path.is_file():
+        return None
+    with gzip.open(path, "rt", encoding="utf-8") as file:
+        return tuple(line for line in file.read().splitlines() if line)
+
+
+def write_task_index() -> Path:
+    """Write the installed lm-eval's task index (`TaskManager().all_tasks`, sorted, one a line, gzip without a time
+    stamp) where `shipped_task_index` reads it: run after changing the lm-eval release pinned in pyproject."""
+    import gzip
+    from importlib.metadata import version
+
+    from lm_eval.tasks import TaskManager
+
+    path = task_index_path(version("lm_eval"))
+    text = "".join(f"{name}\n" for name in sorted(set(TaskManager().all_tasks)))
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as file:
+        file.write(text.encode("utf-8"))
+    return path
 
 
 @functools.cache

@@ -36,6 +36,19 @@ def add_cache_alias(output_class: type) -> type:
     return output_class
 
 
+def leave_static_cache_unused(cache: object) -> None:
+    """Mark the layers of a transformers `StaticCache` that `generate(cache_implementation="static")` built, and that
+    the model replaced with its own cache before using it, as holding no batch (`max_batch_size = 0`).
+
+    transformers 5.5 - 5.14 keep that cache on the model for the next call and read its `max_batch_size` there, which a
+    layer only gets when it stores keys: without the mark a second static call failed with an `AttributeError` inside
+    transformers. With it the next call builds a new (still empty) static cache. Layers that hold keys are left alone.
+    """
+    for layer in getattr(cache, "layers", ()):
+        if not getattr(layer, "is_initialized", True) and not hasattr(layer, "max_batch_size"):
+            layer.max_batch_size = 0
+
+
 def keep_last_logits(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     """The positions of `hidden_states` `(B, T, hidden)` to compute logits for: the last `logits_to_keep` (0 = all),
     or those a 1D index tensor `(K,)` or a per-row one `(B, K)` selects (transformers' `logits_to_keep` convention).
@@ -70,4 +83,6 @@ def keep_last_logits(hidden_states: torch.Tensor, logits_to_keep: int | torch.Te
     return hidden_states[:, logits_to_keep]
 
 
-__all__ = ["CACHE_FIELD", "add_cache_alias", "keep_last_logits", "model_output", "output_cache"]
+__all__ = [
+    "CACHE_FIELD", "add_cache_alias", "keep_last_logits", "leave_static_cache_unused", "model_output", "output_cache",
+]

@@ -9,6 +9,7 @@ from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.utils import logging
 
 from .cache import JRTRNNCache
+from .compat import leave_static_cache_unused
 from .prefix_fill import plan_prefix
 
 logger = logging.get_logger(__name__)
@@ -67,7 +68,9 @@ class JRTRNNGenerationMixin:
                     raise ValueError(stale_cache_message(cache.num_read, width))
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, JRTRNNCache):
-            if not isinstance(cache, (DynamicCache, StaticCache)):
+            if isinstance(cache, StaticCache):
+                leave_static_cache_unused(cache)
+            elif not isinstance(cache, DynamicCache):
                 logger.warning_once(
                     f"generate() built a {type(cache).__name__} (`cache_implementation`); JRT-RNN / Based keep a "
                     "constant-size `JRTRNNCache` of their own instead (the recurrent state and a window of "

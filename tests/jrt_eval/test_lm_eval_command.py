@@ -317,15 +317,42 @@ def test_the_early_checks_read_the_same_choices_as_the_model():
     assert jrt_eval.lm.SCORING_MODES is jrt_eval.SCORING_MODES == ("leak_free", "reference")
 
 
-@pytest.mark.slow
-def test_an_unknown_lm_eval_task_is_found_before_torch_is_imported():
-    """Other task names need lm-eval's task index (about 15 s to build): it is read before torch and transformers are
-    imported, so a misspelt lm-eval task costs that and nothing more."""
+@pytest.mark.parametrize("tasks, unknown", [("bogus", "bogus"), ("jrt_swde,hellaswagg", "hellaswagg"),
+                                            ("hellaswag,mmlu_nosuch_*", "mmlu_nosuch_*")])
+def test_an_unknown_lm_eval_task_answers_before_the_heavy_imports(tasks, unknown):
+    """Other task names were checked against lm-eval's task index, which lm-eval takes about 15 s to build: the index
+    of the pinned lm-eval release ships with jrt-rnn, so `--tasks bogus` is a usage error in a fraction of a second
+    (lm-eval itself not imported); known names and globs over them pass this check."""
     pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
-    from usage_error_timing import run_jrt
+    from usage_error_timing import USAGE_ERROR_SECONDS, run_jrt
 
-    returncode, err, _, _ = run_jrt(
-        ["lm-eval", "--tasks", "jrt_swde,hellaswagg", "--model_args", f"pretrained={_demo_model()}"],
+    returncode, err, seconds, startup = run_jrt(
+        ["lm-eval", "--tasks", tasks, "--model_args", f"pretrained={_demo_model()}"],
         heavy=("torch", "transformers", "lm_eval.models"),
     )
-    assert returncode == 2 and err.count("\n") == 1 and "unknown task(s) hellaswagg" in err, err
+    assert returncode == 2 and err.count("\n") == 1 and f"unknown task(s) {unknown}" in err, err
+    assert seconds < startup + USAGE_ERROR_SECONDS, (seconds, startup)
+
+
+def test_known_lm_eval_tasks_and_globs_pass_the_index_check():
+    import argparse
+
+    from jrt_cli.lm_eval_run import check_run_arguments, shipped_task_index
+
+    pytest.importorskip("lm_eval")
+    assert shipped_task_index() is not None and "hellaswag" in shipped_task_index()
+    for tasks in ("hellaswag", "jrt_swde,arc_easy", "mmlu_*", "jrt_nq_*"):
+        check_run_arguments(argparse.Namespace(command="run", tasks=tasks, include_path=None))
+
+
+@pytest.mark.slow
+def test_the_shipped_task_index_is_lm_evals_own():
+    """The shipped index (`write_task_index`) equals what lm-eval's TaskManager builds for the installed release."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from jrt_cli.lm_eval_run import shipped_task_index
+
+    index = shipped_task_index()
+    assert index is not None, f"no task index shipped for lm-eval {lm_eval.__version__}: run write_task_index()"
+    assert list(index) == sorted(set(TaskManager().all_tasks))
