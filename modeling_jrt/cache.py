@@ -191,7 +191,8 @@ class JRTRNNSlidingWindowState(JRTRNNLayerState):
         self, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor | None, in_order: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """New keys/values `(B, H, T, Dh)` and their padding mask `(B, T)` bool (None: no padding) -> the keys a query
-        of them may see `(B, H, S, Dh)` with their mask `(B, S)`, and the new keys written into the ring.
+        of them may see `(B, H, S, Dh)` with their mask `(B, S)` (None: a first forward without padding), and the new
+        keys written into the ring.
 
         Before the first forward S = T (nothing kept). After it, the W - 1 ring rows come first, with their flags
         (empty rows False): in token order for several queries (the blocked attention reads a band) or when
@@ -207,10 +208,11 @@ class JRTRNNSlidingWindowState(JRTRNNLayerState):
             self.written = _static_buffer(torch.zeros((), dtype=torch.long, device=keys.device))
         if rows == 0:
             return keys, values, key_mask
+        given = key_mask  # a first forward without padding passes on None: the attention needs no mask then
         if key_mask is None:
             key_mask = torch.ones(keys.shape[0], seq_len, dtype=torch.bool, device=keys.device)
         if first:
-            all_keys, all_values, all_mask = keys, values, key_mask
+            all_keys, all_values, all_mask = keys, values, given
         else:
             if seq_len == 1 and not in_order:  # ring order
                 order = None
