@@ -17,11 +17,13 @@
 # 6. decode per token through generate(), both models' default (eager) call and their compiled path
 #    (`cache_implementation="static"`), bf16, 16 sequences at 2k-32k: the benchmark model (hidden 256, 8 layers), then
 #    the released 360M shape (hidden 1024, 26 layers, random weights) at 2k and 8k (benchmarks/decode.py --generate);
-# 7. kernel launches of an eager decode step and of a 4k prefill, both models (benchmarks/launches.py, torch.profiler).
-# Optionally (JRT_GPU_CHECK_PTXAS=1) step 8 below: the backward with ptxas's register allocator at its own level.
+# 7. kernel launches of an eager decode step and of a 4k prefill, both models (benchmarks/launches.py, torch.profiler);
+# 8. a training step's tokens/s, both models (benchmarks/train_step.py); 9. vLLM throughput, both models, at 2k-token
+#    prompts (benchmarks/serve.py; only where vllm imports).
+# Optionally (JRT_GPU_CHECK_PTXAS=1) step 10 below: the backward with ptxas's register allocator at its own level.
 # Writes OUT_DIR/env.txt, tests.txt, model.txt, prefill.txt, prefill.json, prefill_b1.txt, prefill_b1.json,
 # model_prefill.txt, model_prefill_b1.json, model_prefill_b8.json, decode.txt, launches.txt, launches.json,
-# summary.txt (and ptxas.txt, ptxas.json).
+# train.txt, serve.txt (serve.json), summary.txt (and ptxas.txt, ptxas.json).
 # Needs torch with CUDA, triton and a transformers release pyproject declares (>=5.5). Wheels found in .whl/ (e.g.
 # fla-core for the fla columns, or another transformers) are installed to a temporary folder first; nothing is
 # installed system-wide. Run from anywhere; paths are relative to the repository root. For a machine which cannot
@@ -69,12 +71,12 @@ workers=""
 # -v: each test's verdict is in tests.txt as it finishes (a step stopped at its time limit still names its failures);
 # the console shows the failures and the tally.
 echo "== 1. compiled kernel tests" | tee "$out/tests.txt"
-JRT_TRITON_AUTOTUNE=0 timeout 90 "$python" -m pytest -v --tb=short -p no:cacheprovider -o addopts="" $workers \
+JRT_TRITON_AUTOTUNE=0 timeout 80 "$python" -m pytest -v --tb=short -p no:cacheprovider -o addopts="" $workers \
     tests/jrt_kernels 2>&1 | tee -a "$out/tests.txt" | grep -E "FAILED|ERROR|Error:|^E |passed|failed"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== 2. whole-model checks: the GPU paths against the CPU (benchmarks/gpu_model_check.py)" | tee "$out/model.txt"
-JRT_TRITON_AUTOTUNE=0 timeout 60 "$python" benchmarks/gpu_model_check.py 2>&1 | tee -a "$out/model.txt"
+JRT_TRITON_AUTOTUNE=0 timeout 50 "$python" benchmarks/gpu_model_check.py 2>&1 | tee -a "$out/model.txt"
 model_rc=${PIPESTATUS[0]}
 
 echo "== 3. prefill benchmark (paper shapes: B=16, H=16, M=N/2, bf16, N=2k-32k, forward and backward)" \
@@ -82,47 +84,62 @@ echo "== 3. prefill benchmark (paper shapes: B=16, H=16, M=N/2, bf16, N=2k-32k, 
 # 3a. Tuning ahead of time: one untimed call per shape class autotunes the kernel and writes each pick to triton's
 #     cache; 3b then times every N in one step with nothing left to tune.
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$out/triton-cache}"
-timeout 60 "$python" benchmarks/prefill.py --seq-lens 2048 8192 32768 --repeats 1 --warmup 1 --no-quadratic \
+timeout 45 "$python" benchmarks/prefill.py --seq-lens 2048 8192 32768 --repeats 1 --warmup 1 --no-quadratic \
     --no-chunked --no-fla 2>&1 | tail -n 3 | sed 's/^/tuning: /' | tee -a "$out/prefill.txt"
-timeout 50 "$python" benchmarks/prefill.py --seq-lens 2048 8192 32768 --train-step --repeats 5 --warmup 2 \
+timeout 40 "$python" benchmarks/prefill.py --seq-lens 2048 8192 32768 --train-step --repeats 5 --warmup 2 \
     --no-quadratic --json "$out/prefill.json" 2>&1 | tee -a "$out/prefill.txt"
 bench_rc=${PIPESTATUS[0]}
 
 echo "== 4. B=1, N=32k, deployed prefix M=1024" | tee "$out/prefill_b1.txt"
-timeout 25 "$python" benchmarks/prefill.py --batch 1 --seq-lens 32768 --prefix 1024 --no-quadratic --repeats 10 \
+timeout 20 "$python" benchmarks/prefill.py --batch 1 --seq-lens 32768 --prefix 1024 --no-quadratic --repeats 10 \
     --json "$out/prefill_b1.json" 2>&1 | tee -a "$out/prefill_b1.txt"
 b1_rc=${PIPESTATUS[0]}
 
 echo "== 5. whole-model prefill, JRT-RNN vs Llama, bf16, batch 1 and 8" | tee "$out/model_prefill.txt"
 model_prefill_rc=0
 for batch in 1 8; do
-    timeout 25 "$python" benchmarks/model_prefill.py --dtype bfloat16 --batch $batch --lengths 2048 8192 32768 \
+    timeout 20 "$python" benchmarks/model_prefill.py --dtype bfloat16 --batch $batch --lengths 2048 8192 32768 \
         --json "$out/model_prefill_b$batch.json" 2>&1 | tee -a "$out/model_prefill.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || model_prefill_rc=1
 done
 
 echo "== 6. decode per token through generate(): default (eager) and static (compiled), bf16, batch 16" \
     | tee "$out/decode.txt"
-timeout 55 "$python" benchmarks/decode.py --device cuda --dtype bfloat16 --batch 16 --lengths 2048 8192 32768 \
+timeout 45 "$python" benchmarks/decode.py --device cuda --dtype bfloat16 --batch 16 --lengths 2048 8192 32768 \
     --steps 32 --generate 2>&1 | tee -a "$out/decode.txt"
 decode_rc=${PIPESTATUS[0]}
 echo "-- the released 360M shape (hidden 1024, 26 layers, 16 heads)" | tee -a "$out/decode.txt"
-timeout 50 "$python" benchmarks/decode.py --device cuda --dtype bfloat16 --batch 16 --lengths 2048 8192 --steps 32 \
+timeout 45 "$python" benchmarks/decode.py --device cuda --dtype bfloat16 --batch 16 --lengths 2048 8192 --steps 32 \
     --hidden-size 1024 --layers 26 --heads 16 --vocab-size 50264 --generate 2>&1 | tee -a "$out/decode.txt"
 [ "$decode_rc" -eq 0 ] && decode_rc=${PIPESTATUS[0]}
 
 echo "== 7. kernel launches: an eager decode step (batch 16) and a 4k prefill (batch 1, 8)" | tee "$out/launches.txt"
-timeout 25 "$python" benchmarks/launches.py --device cuda --dtype bfloat16 --json "$out/launches.json" 2>&1 \
+timeout 20 "$python" benchmarks/launches.py --device cuda --dtype bfloat16 --json "$out/launches.json" 2>&1 \
     | tee -a "$out/launches.txt"
 launches_rc=${PIPESTATUS[0]}
 
-# 8. (optional, JRT_GPU_CHECK_PTXAS=1, about 2 more minutes) triton runs ptxas with --regAllocOptLevel=2, a workaround
+echo "== 8. a training step's tokens/s, JRT-RNN vs Llama, bf16, batch 4" | tee "$out/train.txt"
+timeout 30 "$python" benchmarks/train_step.py --device cuda --dtype bfloat16 --lengths 2048 8192 2>&1 \
+    | tee -a "$out/train.txt"
+train_rc=${PIPESTATUS[0]}
+
+echo "== 9. vLLM decode throughput, JRT-RNN vs Llama (needs vllm: a wheel in .whl/)" | tee "$out/serve.txt"
+serve_rc=0
+if "$python" -c "import vllm" > /dev/null 2>&1; then
+    timeout 45 "$python" benchmarks/serve.py --prompt-len 2048 --new-tokens 128 --requests 64 --dtype bfloat16 \
+        --rounds 1 --json "$out/serve.json" 2>&1 | tee -a "$out/serve.txt"
+    serve_rc=${PIPESTATUS[0]}
+else
+    echo "vllm does not import here: step skipped" | tee -a "$out/serve.txt"
+fi
+
+# 10. (optional, JRT_GPU_CHECK_PTXAS=1, about 2 more minutes) triton runs ptxas with --regAllocOptLevel=2, a workaround
 #    for a ptxas 13.x bug it does not name; without it the sm_90 dq scan builds spill-free (docs/kernels.md, backward
 #    pass 9). Triton's PTXAS_OPTIONS comes after that flag, and ptxas takes the last value: level 4 built like ptxas's
 #    own default for every kernel here. The compiled backward tests and the paper-shape benchmark at 32k, with it.
 ptxas_rc=0
 if [ "${JRT_GPU_CHECK_PTXAS:-0}" = "1" ]; then
-    echo "== 8. backward tests and 32k benchmark with PTXAS_OPTIONS=--regAllocOptLevel=4" | tee "$out/ptxas.txt"
+    echo "== 10. backward tests and 32k benchmark with PTXAS_OPTIONS=--regAllocOptLevel=4" | tee "$out/ptxas.txt"
     PTXAS_OPTIONS=--regAllocOptLevel=4 JRT_TRITON_AUTOTUNE=0 timeout 120 "$python" -m pytest -q -p no:cacheprovider \
         -o addopts="" tests/jrt_kernels/test_prefix_linear_attention_backward.py 2>&1 | tee -a "$out/ptxas.txt"
     ptxas_rc=${PIPESTATUS[0]}
@@ -133,8 +150,9 @@ if [ "${JRT_GPU_CHECK_PTXAS:-0}" = "1" ]; then
 fi
 
 echo "kernel tests rc=$tests_rc, model checks rc=$model_rc, prefill benchmark rc=$bench_rc, B=1 benchmark rc=$b1_rc," \
-    "model prefill rc=$model_prefill_rc, decode rc=$decode_rc, launches rc=$launches_rc, ptxas step rc=$ptxas_rc" \
+    "model prefill rc=$model_prefill_rc, decode rc=$decode_rc, launches rc=$launches_rc, training rc=$train_rc," \
+    "vLLM rc=$serve_rc, ptxas step rc=$ptxas_rc" \
     | tee "$out/summary.txt"
 rm -rf "$site"
 exit $((tests_rc != 0 || model_rc != 0 || bench_rc != 0 || b1_rc != 0 || model_prefill_rc != 0 || decode_rc != 0 \
-    || launches_rc != 0 || ptxas_rc != 0))
+    || launches_rc != 0 || train_rc != 0 || serve_rc != 0 || ptxas_rc != 0))

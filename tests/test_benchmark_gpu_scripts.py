@@ -114,8 +114,19 @@ def test_the_gpu_script_fits_eight_minutes_step_by_step():
     default_run = text[: text.index("JRT_GPU_CHECK_PTXAS:-0")]
     limits = [int(seconds) for seconds in re.findall(r"timeout (\d+) ", default_run)]
     loops = re.findall(r"for batch in ([\d ]+); do", default_run)
-    assert len(limits) == 9 and loops == ["1 8"]
+    assert len(limits) == 11 and loops == ["1 8"]
     model_prefill = int(re.search(r"timeout (\d+) \"\$python\" benchmarks/model_prefill.py", default_run).group(1))
     assert sum(limits) + model_prefill <= 480, limits
-    for script_name in ("decode.py", "launches.py", "model_prefill.py", "prefill.py", "gpu_model_check.py"):
+    for script_name in ("decode.py", "launches.py", "model_prefill.py", "prefill.py", "gpu_model_check.py",
+                        "train_step.py", "serve.py"):
         assert f"benchmarks/{script_name}" in default_run
+
+
+def test_training_step_throughput_of_both_models(load_benchmark, capsys):
+    """benchmarks/train_step.py --quick: tokens/s of a full training step of each model, and their ratio."""
+    train_step = load_benchmark("train_step")
+    results = train_step.main(["--quick"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if re.match(r"\s+\d+ \|", line)]
+    assert [int(row[0]) for row in rows] == list(results) == [128]
+    jrt, llama, ratio = (float(value) for value in rows[0][1].split())
+    assert jrt > 0 and llama > 0 and ratio == pytest.approx(jrt / llama, rel=0.02)
