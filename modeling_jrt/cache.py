@@ -72,6 +72,13 @@ def _write(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return values.to(buffer.dtype).clone(memory_format=torch.contiguous_format)
 
 
+def _select_buffer_rows(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows `index` `(B',)` of a `(B, ...)` buffer: written into it in place when the batch keeps its size (beam
+    search reorders every step; a compiled step keeps reading the same buffer), else a new (static) buffer."""
+    rows = _rows(buffer, index)
+    return _write(buffer, rows) if rows.shape == buffer.shape else _static_buffer(rows)
+
+
 def _write_rows(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """`buffer` with `values` at `index` along `dim` (`index_copy`): in place where `_in_place` allows."""
     values = values.to(buffer.dtype)
@@ -112,8 +119,7 @@ class JRTRNNLayerState:
             tensor = getattr(self, name)
             if tensor is None:
                 continue
-            rows = _rows(tensor, index)
-            setattr(self, name, _write(tensor, rows) if rows.shape == tensor.shape else _static_buffer(rows))
+            setattr(self, name, _select_buffer_rows(tensor, index))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.select_rows(beam_idx)
@@ -460,9 +466,7 @@ class JRTRNNCache(Cache):
         for layer in self.layers:
             layer.select_rows(index)
         if self.real_tokens is not None:
-            rows = _rows(self.real_tokens, index)
-            same = rows.shape == self.real_tokens.shape
-            self.real_tokens = _write(self.real_tokens, rows) if same else _static_buffer(rows)
+            self.real_tokens = _select_buffer_rows(self.real_tokens, index)
         if self.prefix is not None:
             self.prefix.select_rows(index)
         if self.num_rows is not None:
