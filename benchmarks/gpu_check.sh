@@ -134,9 +134,10 @@ else
 fi
 
 # 10. (optional, JRT_GPU_CHECK_PTXAS=1, about 2 more minutes) triton runs ptxas with --regAllocOptLevel=2, a workaround
-#    for a ptxas 13.x bug it does not name; without it the sm_90 dq scan builds spill-free (docs/kernels.md, backward
-#    pass 9). Triton's PTXAS_OPTIONS comes after that flag, and ptxas takes the last value: level 4 built like ptxas's
-#    own default for every kernel here. The compiled backward tests and the paper-shape benchmark at 32k, with it.
+#    for a ptxas 13.x bug it does not name; without it the sm_90 dq scan builds spill-free (docs/performance.md,
+#    "Backward pass 9"). Triton's PTXAS_OPTIONS comes after that flag, and ptxas takes the last value: level 4 built
+#    like ptxas's own default for every kernel here. The compiled backward tests and the paper-shape benchmark at
+#    32k, with it.
 ptxas_rc=0
 if [ "${JRT_GPU_CHECK_PTXAS:-0}" = "1" ]; then
     echo "== 10. backward tests and 32k benchmark with PTXAS_OPTIONS=--regAllocOptLevel=4" | tee "$out/ptxas.txt"

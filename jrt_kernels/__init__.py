@@ -17,6 +17,19 @@ except ImportError as error:
 
 from .linear_attention_decode import linear_attention_decode_triton
 from .prefix_linear_attention import prefix_linear_attention_triton
+from .prefix_linear_attention_backward import (
+    prefix_linear_attention_backward as prefix_linear_attention_backward_triton,
+)
 from .rms_norm import rms_norm_triton
 
-__all__ = ["linear_attention_decode_triton", "prefix_linear_attention_triton", "rms_norm_triton"]
+KERNEL_API = 1
+"""The version of the calls above (names, arguments, results). The model code of the same release checks it
+(`modeling_jrt.kernel_choice.KERNEL_API`) and runs PyTorch against another; bump both together."""
+
+__all__ = [
+    "KERNEL_API",
+    "linear_attention_decode_triton",
+    "prefix_linear_attention_backward_triton",
+    "prefix_linear_attention_triton",
+    "rms_norm_triton",
+]

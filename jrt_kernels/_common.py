@@ -145,11 +145,11 @@ def dot_types(dtype: torch.dtype, interpreted: bool) -> dict:
     return dict(DOT=_TL_DTYPES[dtype], SDOT=state, EMULATE=interpreted, PRECISION="tf32")
 
 
-# The symmetric 2nd order (docs/prefill.md §4.2, docs/kernels.md "The backward"): (q.k)**2 = sum_i q_i**2 k_i**2 +
-# sum_{i<j} 2 q_i q_j k_i k_j, so a 2nd-order state keeps K diagonal rows and K (K - 1) / 2 pair rows. Pair p is
-# (i, i + d mod K) with i = p mod K, d = p // K + 1 (bands of K pairs; for even K the last band d = K / 2 holds its
-# first K / 2 pairs), which is exactly p < K (K - 1) / 2. Pair features x_i x_j are gathered by 0/1 selection
-# matmuls, and sums over the pairs containing a feature are scattered back by their transposes (tensor cores).
+# The symmetric 2nd order (docs/prefill.md §4.2, docs/kernels.md "Notation and the state"): (q.k)**2 = sum_i q_i**2
+# k_i**2 + sum_{i<j} 2 q_i q_j k_i k_j, so a 2nd-order state keeps K diagonal rows and K (K - 1) / 2 pair rows. Pair p
+# is (i, i + d mod K) with i = p mod K, d = p // K + 1 (bands of K pairs; for even K the last band d = K / 2 holds its
+# first K / 2 pairs), which is exactly p < K (K - 1) / 2. Pair features x_i x_j are gathered by 0/1 selection matmuls,
+# and sums over the pairs containing a feature are scattered back by their transposes (tensor cores).
 
 
 @triton.jit

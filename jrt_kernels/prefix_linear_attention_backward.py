@@ -40,7 +40,7 @@ Both pair scatters (u_p times the gathered factor, summed back by E) take their 
 selections are exact, so that is one rounding of u x, the order of the state operand's own rounding. In the dq scan
 the numerator and denominator terms cancel (G_i . [v_j, 1] = dy_i . (v_j - y_i) / (den_i + eps)), so its u includes
 the denominator's pair term c zp before that rounding.
-Launch configs per architecture: `configs_for_architecture` (docs/kernels.md "The backward").
+Launch configs per architecture: `configs_for_architecture` (docs/kernels.md "Configurations and autotuning").
 
 State rows use the kernel's convention (2nd order without phi's 1/sqrt(2), applied when reading or writing the
 (B, H, F, V + 1) cache layout). Key masks follow `modeling_jrt.linear_attention`: a key's raw value is zeroed where
@@ -649,7 +649,7 @@ INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
 # Launch configs per GPU generation, (BT, num_warps) per scan, 1 stage, from benchmarks/kernel_aot.py
 # (docs/kernels.md); the first of each list is the one launched, the others are what kernel_aot.py also builds.
 # - sm_90: dq (32, 4): from the forward's saved encoder state and 1 / (den + eps) it issues 23% less than (16, 4)
-#   for 32 instead of 12 B of spills (docs/kernels.md "Pass 7"); dk/dv (64, 4): with
+#   for 32 instead of 12 B of spills (docs/performance.md "Backward pass 7"); dk/dv (64, 4): with
 #   64 tokens and 4 warps each warp owns 16 whole rows, so the pair weights u = v Ro^T (wgmma, M = 64) feed the
 #   scatter's A operand straight from registers.
 # - other architectures (sm_80): dq (16, 4) (the feature-major dq scan spills 4 – 5x less there than at (32, 4), at
@@ -658,7 +658,7 @@ INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
 #   it ptxas gave the gated dq scan (every config) and the dq scans at (64, 4) 32 registers.
 # - "dq_recompute": the dq scan that reads the numerator again (a gate, or no saved output), both architectures
 #   (16, 4), which spills least: with the gate sm_90 (32, 4) issues a fifth less at 3.8x the spills; sm_80 (32, 4)
-#   4% less at 2.7x, (64, 4) 6% less at 7x (docs/kernels.md "Pass 5").
+#   4% less at 2.7x, (64, 4) 6% less at 7x (docs/performance.md "Backward pass 5").
 # The interpreter (CPU tests) takes the "other" list.
 _ARCH_CONFIGS = {
     "sm_90": {"dq": [(32, 4), (16, 4)], "dq_recompute": [(16, 4), (32, 4)], "dkv": [(64, 4), (32, 4), (64, 8)]},
@@ -680,17 +680,17 @@ def dq_constexprs(major: int) -> dict[str, bool]:
     layout, `[4, 1]`, under which these two `[16, V]` accumulators were held four times over (32 registers each
     instead of 8); isolated, the sm_80 scan builds without spills in every launch kind and issues 8 – 13% less. On
     sm_90 they are `mma.sync` products that triton already lays out along the value dim; there the transposed form
-    spilled more with the gate (140 -> 296 B; docs/kernels.md "Pass 9")."""
+    spilled more with the gate (140 -> 296 B; docs/performance.md "Backward pass 9")."""
     return {"ISOLATED_UPDATE": major != 9}
 
 
 def dkv_constexprs(major: int) -> dict[str, bool]:
     """The dk/dv scan's per-architecture constexprs: SEL_TABLE, its pair selection matrices loaded from a table
     at each use instead of held in registers across the loop (kept off sm_90, where the B operands stay in shared
-    memory across the loop anyway and the table loads cost more than they save; docs/kernels.md "Pass 3"), and
-    UPDATE_RELOADS, the state update's chunk operands loaded again at the update instead of held across the dk terms
-    (sm_90, and not with the decay: there it cuts the decoder loop's spill traffic by a third at the same issue; on
-    sm_80, and with the decay, it costs issue; docs/kernels.md "Pass 8")."""
+    memory across the loop anyway and the table loads cost more than they save; docs/performance.md "Backward
+    pass 3"), and UPDATE_RELOADS, the state update's chunk operands loaded again at the update instead of held
+    across the dk terms (sm_90, and not with the decay: there it cuts the decoder loop's spill traffic by a third at
+    the same issue; on sm_80, and with the decay, it costs issue; docs/performance.md "Backward pass 8")."""
     return {"SEL_TABLE": major != 9, "UPDATE_RELOADS": major == 9}
 
 
@@ -699,7 +699,7 @@ def launch_options(major: int) -> dict[str, int]:
     puts `.maxnreg 255` into the PTX. Without a register bound there (triton emits only `.reqntid`), the sm_80 ptxas
     of triton 3.9 gives some large builds 32 registers and 7 – 32 KB of spills (the gated Based dq scan at every
     config, the dq scans at (64, 4)); with it they keep 255, and the builds that had 255 are unchanged. sm_90 keeps
-    the default (there the bound moves the dk/dv scan's spills, mostly up; docs/kernels.md "Pass 5")."""
+    the default (there the bound moves the dk/dv scan's spills, mostly up; docs/performance.md "Backward pass 5")."""
     return {} if major == 9 else {"maxnreg": 255}
 
 

@@ -66,6 +66,7 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from modeling_jrt.configuration_jrt import JRTRNNConfig
+from modeling_jrt.kernel_choice import KernelChoice
 from modeling_jrt.linear_attention import (
     fixed_log_decay,
     linear_attention_step_at_slots,
@@ -518,6 +519,7 @@ class JRTLinearAttention(JRTStateLayer):
         self.feature_dim = config.feature_dim
         self.head_dim = config.head_dim
         self.is_prefix = config.linear_attention_type == "prefix"
+        self.kernels = KernelChoice(config=config)  # the model's own choice replaces it (`KernelChoice.install`)
         hidden = config.hidden_size
         features = heads * self.feature_dim
         self.qkv_proj = MergedColumnParallelLinear(
@@ -598,7 +600,7 @@ class JRTLinearAttention(JRTStateLayer):
             gate=gate,
             eps=self.config.linear_attention_eps,
             chunk_size=self.config.linear_attention_chunk_size,
-            implementation=self.config.linear_attention_implementation,
+            implementation=self.kernels,
         )  # (G, T, H, V), (G, H, F, V + 1)
         if slots is not None:
             self.kv_cache[0].index_copy_(0, slots, state)
@@ -610,7 +612,7 @@ class JRTLinearAttention(JRTStateLayer):
         # weighted embedding_bag elsewhere (`linear_attention_step_at_slots`).
         output = linear_attention_step_at_slots(
             query, key, value, self.kv_cache[0], slots, log_decay=self.log_decay(query.device), gate=gate,
-            eps=self.config.linear_attention_eps, implementation=self.config.linear_attention_implementation,
+            eps=self.config.linear_attention_eps, implementation=self.kernels,
         )  # (B, H, V)
         return output.reshape(query.shape[0], -1).to(value.dtype)
 
@@ -689,6 +691,9 @@ class JRTModel(nn.Module):
             [JRTDecoderLayer(config, i, f"{prefix}.layers.{i}", plans) for i in range(config.num_hidden_layers)]
         )
         self.norm = JRTRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # One kernel choice for the model (`modeling_jrt.kernel_choice`), shared by its mixers and norms.
+        self.kernels = KernelChoice(config=config)
+        self.kernels.install(self)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids).float()  # the residual stream stays fp32

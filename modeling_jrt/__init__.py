@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import JRTRNNCache
 from .configuration_jrt import MIXER_TYPES, JRTRNNConfig, default_layer_types, default_mixer_types
+from .kernel_choice import KernelChoice
 from .linear_attention import (
     linear_attention_step,
     prefix_linear_attention,
@@ -36,6 +37,7 @@ __all__ = [
     "JRTRNNForCausalLM",
     "JRTRNNModel",
     "JRTRNNPreTrainedModel",
+    "KernelChoice",
     "default_layer_types",
     "default_mixer_types",
     "ignore_prefix_targets",

@@ -174,9 +174,11 @@ class JRTRNNConfig(PreTrainedConfig):
         use_decay_proj: Input-dependent gate `g = x W` (one value per head, unbounded) on the numerator
             (based-360M-30B). Only with `linear_attention_type="causal"`.
         linear_attention_eps: Added to the linear-attention denominator (1e-12 as in the reference).
-        linear_attention_implementation: Prefill implementation: `"auto"` (the Triton kernel on CUDA, forward and
-            backward, with a one-time warning and the chunked path if it fails to compile or launch there; chunked
-            PyTorch on CPU), `"chunked"`, `"triton"` or `"quadratic"` (the O(N^2) oracle; tests only).
+        linear_attention_implementation: `"auto"` (the Triton kernels of `jrt_kernels` on CUDA: prefill forward
+            and backward, decode step, RMSNorm, each with a one-time warning and PyTorch if it fails to compile or
+            launch there; PyTorch on CPU), `"chunked"` (PyTorch everywhere), `"triton"` (the kernels; a failure
+            raises) or `"quadratic"` (the O(N^2) oracle prefill; tests only). The model's `KernelChoice`
+            (`kernel_choice.py`) applies it.
         linear_attention_chunk_size: Chunk length of the chunked PyTorch prefill.
         mask_token_id: The [MASK] id of the JRT masked-LM objective (50263 in the released models), or None.
             `generate()` never samples it.

@@ -48,36 +48,31 @@ Layouts at every function boundary: q, k `(B, T, H, K)`, v and outputs `(B, T, H
 bool (True = real token), gate `(B, T, H)`, log_decay `(H,)` = log gamma. `validate_linear_attention_inputs` checks
 them once for every implementation (the Triton kernel too: the dispatcher validates before it calls the kernel).
 
-Implementations behind `prefix_linear_attention(..., implementation=...)`:
+Implementations behind `prefix_linear_attention(..., implementation=...)` (a name, or the `KernelChoice` of the
+model that calls: `kernel_choice.py` is the one place that decides, and remembers a kernel that failed):
     "quadratic"  materialises the (T, T) weights and the full feature map: the oracle of the tests (use fp64).
     "chunked"    O(T) time, O(block x state) working memory chunked scan in PyTorch (`chunked_scan.py`); the encoder
                  sum is its initial state; with autograd and under torch.compile one custom op with an explicit
                  backward (`chunked_scan_autograd.py`).
     "triton"     the fused GPU kernel of `jrt_kernels` (optional dependency; forward and backward, decay and gate).
-    "auto"       "triton" on CUDA tensors when the kernel imports, else "chunked"; a kernel that fails to compile or
-                 launch on the device (forward or backward) warns once and the call (and every later one) runs
-                 "chunked" (a failed backward: its gradients are those of the chunked path).
+    "auto"       "triton" on CUDA tensors when the kernels are installed, else "chunked"; a kernel that fails to
+                 compile or launch on the device (forward or backward) warns once and the call (and every later one
+                 of the same choice) runs "chunked" (a failed backward: its gradients are those of the chunked path).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import math
-import os
 import warnings
 
 import torch
-from transformers.utils import logging
 
 from .chunked_scan import full_state, scan_in_place
 from .chunked_scan_autograd import scan
 from .compact_taylor import CompactTaylor
-from .configuration_jrt import LINEAR_ATTENTION_IMPLEMENTATIONS, PREFIX_PAD_MASKINGS
-
-logger = logging.get_logger(__name__)
-
-IMPLEMENTATION_ENV_VAR = "JRT_LINEAR_ATTENTION_IMPL"
+from .configuration_jrt import PREFIX_PAD_MASKINGS
+from .kernel_choice import BACKWARD, LINEAR_ATTENTION, KernelChoice
 
 
 def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
@@ -458,7 +453,7 @@ def linear_attention_step(
     gate: torch.Tensor | None = None,
     eps: float = 1e-12,
     in_place: bool = False,
-    implementation: str = "chunked",
+    implementation: str | KernelChoice = "chunked",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step from the recurrent state (the same for prefix and causal linear attention).
 
@@ -473,10 +468,10 @@ def linear_attention_step(
             when the step runs outside it, and not under torch.compile (otherwise the step is functional). The model's
             decode uses it: the cache owns its state, and allocating a fresh `(B, H, F, V + 1)` tensor per layer and
             token costs more than the update itself.
-        implementation: resolved as for the prefill (`resolve_implementation`). Where it resolves to "triton" (a
-            CUDA state, under "auto") and the step runs in place, the fused kernel of `jrt_kernels` takes it: feature
-            map, state update and readout in one launch instead of about 25 ops (the step at slots, each row its own
-            slot); a kernel that fails warns once and the PyTorch step runs, as for the prefill.
+        implementation: a name or a `KernelChoice`, as for the prefill. Where it chooses "triton" (a CUDA state,
+            under "auto") and the step runs in place, the fused kernel of `jrt_kernels` takes it: feature map, state
+            update and readout in one launch instead of about 25 ops (the step at slots, each row its own slot); a
+            kernel that fails warns once and the PyTorch step runs, as for the prefill.
 
     Returns:
         `(output (B, H, V) in v.dtype, new state (B, H, F, V + 1))`.
@@ -503,11 +498,15 @@ def linear_attention_step(
         and state.is_contiguous() and not _records_gradients(q, k, v, state, gate)
         and (torch.is_inference_mode_enabled() or not state.is_inference())  # such a tensor is read-only outside it
     )
-    if in_place and resolve_implementation(implementation, q) == "triton":
+    choice = KernelChoice.of(implementation)
+    if in_place and choice.linear_attention(q.device) == "triton":
         slots = torch.arange(batch_size, device=state.device)
-        kernel = functools.partial(_load_triton_decode(), q, k, v, state, slots, log_decay=log_decay, gate=gate, eps=eps)
+        kernel = functools.partial(
+            choice.kernels().linear_attention_decode_triton, q, k, v, state, slots, log_decay=log_decay, gate=gate,
+            eps=eps,
+        )
         step = functools.partial(_step_in_place, q, k, v, state, log_decay, gate, eps)
-        return _run_triton_or_fall_back(_triton_forced(implementation), kernel, step), state
+        return choice.run(LINEAR_ATTENTION, kernel, step), state
     if in_place:
         return _step_in_place(q, k, v, state, log_decay, gate, eps), state
     phi_q = taylor_feature_map(q.to(dtype)).view(rows, 1, num_features)
@@ -553,145 +552,20 @@ def _read_state(
     return numerator / (readout[..., width - 1 :] + eps)
 
 
-def _load_triton_prefill():
-    """The fused kernel from the optional `jrt_kernels` package, or None when it (or triton) is not installed."""
-    try:
-        from jrt_kernels import prefix_linear_attention_triton
-    except ImportError:
-        return None
-    return prefix_linear_attention_triton
+def _fused_backward_or_none(choice: KernelChoice, *args, **kwargs) -> tuple[torch.Tensor | None, ...] | None:
+    """The fused backward's gradients, or None when it fails (warns once) or failed before for this `choice`.
 
-
-def _load_triton_decode():
-    """The fused decode step at pool slots from `jrt_kernels`, or None when it (or triton) is not installed."""
-    try:
-        from jrt_kernels import linear_attention_decode_triton
-    except ImportError:
-        return None
-    return linear_attention_decode_triton
-
-
-def _load_triton_backward():
-    """The fused backward launcher of `jrt_kernels`, or None (never in practice: it runs after the fused forward).
-
-    The import sits in `try` like the forward's: transformers' remote-code check skips imports in `try` blocks, so
-    a Hub folder loads without `jrt_kernels`.
-    """
-    try:
-        from jrt_kernels.prefix_linear_attention_backward import prefix_linear_attention_backward
-    except ImportError:
-        return None
-    return prefix_linear_attention_backward
-
-
-# Set when the kernel failed to compile or launch under "auto": later "auto" calls go straight to "chunked".
-_triton_failure: str | None = None
-# Set when the fused backward failed under "auto": later "auto" training keeps the fused forward (which works) and
-# takes the chunked path's gradients (`_KernelWithSafeBackward`), so a forward recomputed by activation checkpointing
-# in the same backward pass takes its original path.
-_backward_failure: str | None = None
-
-
-def resolve_implementation(implementation: str, q: torch.Tensor) -> str:
-    """Pick the prefill implementation.
-
-    An explicit `implementation` wins; `"auto"` can be overridden by the environment variable
-    `JRT_LINEAR_ATTENTION_IMPL` (`chunked` | `triton` | `quadratic`); otherwise `"auto"` picks `"triton"` for CUDA
-    tensors when the kernel imports and has not failed on this device before (`prefix_linear_attention` falls back
-    then), and `"chunked"` everywhere else (the CPU default). The kernel has a fused backward and the Based decay and
-    gate, so training and the decay variants take the same path as inference. A forced
-    `"triton"` also accepts CPU tensors, which the kernel runs in triton's interpreter when `TRITON_INTERPRET=1`.
-    """
-    if implementation not in LINEAR_ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {list(LINEAR_ATTENTION_IMPLEMENTATIONS)}, got {implementation!r}."
-        )
-    if implementation == "auto":
-        forced = os.environ.get(IMPLEMENTATION_ENV_VAR, "").strip().lower()
-        if forced and forced != "auto":
-            if forced not in LINEAR_ATTENTION_IMPLEMENTATIONS:
-                raise ValueError(
-                    f"{IMPLEMENTATION_ENV_VAR} must be one of {list(LINEAR_ATTENTION_IMPLEMENTATIONS)}, got {forced!r}."
-                )
-            implementation = forced
-    if implementation == "auto":
-        if q.is_cuda and _triton_failure is None and _load_triton_prefill() is not None:
-            return "triton"
-        return "chunked"
-    if implementation == "triton" and _load_triton_prefill() is None:
-        raise RuntimeError(
-            "implementation='triton' needs the fused kernel: install it with `pip install 'jrt-rnn[triton]'` "
-            "(the `jrt_kernels` package and triton), or use implementation='chunked'."
-        )
-    return implementation
-
-
-def _warn_kernel_failure(error: Exception, stage: str) -> str:
-    """Warn once that the `stage` ("kernel" or "backward kernel") failed; returns the error in one line."""
-    message = str(error).strip()
-    failure = f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
-    fallback = (
-        "Falling back to the PyTorch implementation for the rest of this process"
-        if stage == "kernel"
-        else "Its gradients come from the PyTorch implementation for the rest of this process (the fused forward "
-        "still runs and the chunked forward is recomputed in the backward)"
-    )
-    logger.warning_once(
-        f"The fused Triton linear-attention {stage} failed on this device ({failure[:300]}). {fallback}; set "
-        "linear_attention_implementation='chunked' in the config to skip the kernel, or 'triton' to see the error."
-    )
-    return failure
-
-
-def _triton_forced(implementation: str) -> bool:
-    """Whether the kernel was asked for by name (the argument or `JRT_LINEAR_ATTENTION_IMPL`): its failures raise."""
-    return implementation == "triton" or os.environ.get(IMPLEMENTATION_ENV_VAR, "").strip().lower() == "triton"
-
-
-def _run_triton_or_fall_back(explicit: bool, run_triton, run_chunked):
-    """Run the kernel; under "auto", a kernel that fails to compile or launch here warns once and runs chunked.
-
-    The failures are of many types (triton's CompilationError / OutOfResources / PTXASError, RuntimeError from the
-    driver or an unsupported architecture), hence `except Exception`. An explicit "triton" re-raises.
-    """
-    global _triton_failure
-    if explicit:
-        return run_triton()
-    try:
-        return run_triton()
-    except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
-        _triton_failure = _warn_kernel_failure(error, "kernel")
-    return run_chunked()
-
-
-# Keyword arguments of the fused backward that older `jrt_kernels` releases lack (each one saves it work).
-_NEWER_BACKWARD_INPUTS = ("output", "encoder_state", "inverse_denominator")
-
-
-def _accepts(function, name: str) -> bool:
-    """Whether `function` (from the installed `jrt_kernels`, which may be older than this model code) takes the
-    keyword argument `name`."""
-    return name in inspect.signature(function).parameters
-
-
-def _fused_backward_or_none(*args, **kwargs) -> tuple[torch.Tensor | None, ...] | None:
-    """The fused backward's gradients, or None when it fails (warns once) or failed before in this process.
-
-    A failure marks the backward alone failed (`_backward_failure`): the fused forward keeps running, and every later
+    A failure marks the backward alone failed (`choice.failures`): the fused forward keeps running, and every later
     "auto" training call takes the chunked gradients from this one's backward, so the forwards that activation
     checkpointing recomputes later in the same backward pass take the path of their original forward (non-reentrant
     checkpointing checks the saved tensors).
     """
-    global _backward_failure
-    if _triton_failure is None and _backward_failure is None:
-        launcher = _load_triton_backward()
-        for name in _NEWER_BACKWARD_INPUTS:  # an older jrt_kernels next to newer model code: its dq scan
-            if name in kwargs and not _accepts(launcher, name):  # recomputes what it does not take
-                kwargs.pop(name)
-        try:
-            return launcher(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
-            _backward_failure = _warn_kernel_failure(error, "backward kernel")
+    if LINEAR_ATTENTION in choice.failures or BACKWARD in choice.failures:
+        return None
+    try:
+        return choice.kernels().prefix_linear_attention_backward_triton(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
+        choice.record_failure(BACKWARD, error)
     return None
 
 
@@ -731,29 +605,27 @@ class _KernelWithSafeBackward(torch.autograd.Function):
     """The fused forward and backward for "auto" training, whose backward falls back to the chunked path.
 
     The fused backward compiles at the first backward call, after the forward has returned, so a failure there
-    (ptxas error, `OutOfResources`, an unsupported architecture) is out of `_run_triton_or_fall_back`'s reach. Here
-    it warns once, marks the kernel failed (`_fused_backward_or_none`) and returns the gradients of the chunked path,
-    computed by autograd through a recomputed chunked forward. A failed forward propagates out of `apply`, to
-    `_run_triton_or_fall_back`. Arguments are those of `prefix_linear_attention`, positional (as `apply` wants).
+    (ptxas error, `OutOfResources`, an unsupported architecture) is out of `KernelChoice.run`'s reach. Here it warns
+    once, marks the backward failed in the choice (`_fused_backward_or_none`) and returns the gradients of the
+    chunked path, computed by autograd through a recomputed chunked forward. A failed forward propagates out of
+    `apply`, to `KernelChoice.run`. Arguments: the choice, then those of `prefix_linear_attention`, positional (as
+    `apply` wants).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask, log_decay,
-                pad_masking, eps, chunk_size):
-        prefill = _load_triton_prefill()
-        # and what the fused backward reads instead of recomputing (the state after the encoder, 1 / (den + eps)),
-        # when this jrt_kernels returns it (an older one recomputes them)
-        extra = {"return_saved": True} if _accepts(prefill, "return_saved") else {}
-        output, state, *saved = prefill(
+    def forward(ctx, choice, q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask,
+                log_decay, pad_masking, eps, chunk_size):
+        # and what the fused backward reads instead of recomputing (the state after the encoder, 1 / (den + eps))
+        output, state, saved = choice.kernels().prefix_linear_attention_triton(
             q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
-            pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps, **extra,
+            pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps,
+            return_saved=True,
         )
-        saved = saved[0] if saved else {}
         # the output too: the fused backward reads dy . y from it instead of recomputing the forward's read
         ctx.save_for_backward(q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask,
                               log_decay, output, *saved.values())
         ctx.saved_names = tuple(saved)
-        ctx.pad_masking, ctx.eps, ctx.chunk_size = pad_masking, eps, chunk_size
+        ctx.choice, ctx.pad_masking, ctx.eps, ctx.chunk_size = choice, pad_masking, eps, chunk_size
         ctx.set_materialize_grads(False)  # no grad_state: the fused backward skips that term
         return output, state
 
@@ -764,17 +636,17 @@ class _KernelWithSafeBackward(torch.autograd.Function):
         output, backward_inputs = saved[11], dict(zip(ctx.saved_names, saved[12:]))
         grad_output = torch.zeros_like(v) if grad_output is None else grad_output
         grads = _fused_backward_or_none(
-            q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start, encoder_end=encoder_end,
-            key_mask=key_mask, strict=ctx.pad_masking == "strict", initial_state=initial_state, log_decay=log_decay,
-            gate=gate, eps=ctx.eps, output=output, **backward_inputs,
+            ctx.choice, q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start,
+            encoder_end=encoder_end, key_mask=key_mask, strict=ctx.pad_masking == "strict", initial_state=initial_state,
+            log_decay=log_decay, gate=gate, eps=ctx.eps, output=output, **backward_inputs,
         )
         if grads is None:
             grads = _chunked_gradients(
-                (q, k, v, k_enc, v_enc, initial_state, gate), ctx.needs_input_grad[:7], grad_output, grad_state,
+                (q, k, v, k_enc, v_enc, initial_state, gate), ctx.needs_input_grad[1:8], grad_output, grad_state,
                 encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
                 pad_masking=ctx.pad_masking, log_decay=log_decay, eps=ctx.eps, chunk_size=ctx.chunk_size,
             )
-        return (*grads, None, None, None, None, None, None, None)
+        return (None, *grads, None, None, None, None, None, None, None)
 
 
 def prefix_linear_attention(
@@ -793,7 +665,7 @@ def prefix_linear_attention(
     gate: torch.Tensor | None = None,
     eps: float = 1e-12,
     chunk_size: int = 32,
-    implementation: str = "auto",
+    implementation: str | KernelChoice = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill of prefix (JRT-RNN) or causal (Based, `k_enc = v_enc = None`) linear attention.
 
@@ -812,7 +684,8 @@ def prefix_linear_attention(
         gate: `(B, T, H)` input-dependent numerator gate of the Based decay variant, or None.
         eps: added to the denominator.
         chunk_size: chunk length of the chunked implementation.
-        implementation: `"auto"`, `"chunked"`, `"triton"` or `"quadratic"` (see `resolve_implementation`).
+        implementation: `"auto"`, `"chunked"`, `"triton"` or `"quadratic"`, or the `KernelChoice` of the caller (a
+            model's: it remembers a kernel that failed); see `kernel_choice.py`.
 
     Returns:
         `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) in fp32)`.
@@ -823,7 +696,8 @@ def prefix_linear_attention(
     )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
-    chosen = resolve_implementation(implementation, q)
+    choice = KernelChoice.of(implementation)
+    chosen = choice.linear_attention(q.device)
     if q.shape[0] == 0 or q.shape[1] == 0:
         return _empty_prefill(q, v, initial_state)  # nothing to scan or launch a kernel for
     kwargs = dict(
@@ -838,17 +712,18 @@ def prefix_linear_attention(
     if chosen == "quadratic":
         return prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
     if chosen == "triton":
-        explicit = _triton_forced(implementation)
         training = _records_gradients(q, k, v, k_enc, v_enc, initial_state, gate)
-        if explicit or not training or torch.compiler.is_compiling():
+        if choice.forced or not training or torch.compiler.is_compiling():
             # The op's own autograd (the fused backward, which raises on failure); torch.compile traces the op.
-            run_triton = functools.partial(_load_triton_prefill(), q, k, v, k_enc, v_enc, **kwargs)
+            run_triton = functools.partial(
+                choice.kernels().prefix_linear_attention_triton, q, k, v, k_enc, v_enc, **kwargs
+            )
         else:  # "auto" training: a failed fused backward falls back to the chunked gradients
             run_triton = functools.partial(
-                _KernelWithSafeBackward.apply, q, k, v, k_enc, v_enc, initial_state, gate, encoder_start,
+                _KernelWithSafeBackward.apply, choice, q, k, v, k_enc, v_enc, initial_state, gate, encoder_start,
                 encoder_end, key_mask, log_decay, pad_masking, eps, chunk_size,
             )
-        return _run_triton_or_fall_back(explicit, run_triton, run_chunked)
+        return choice.run(LINEAR_ATTENTION, run_triton, run_chunked)
     return run_chunked()
 
 
@@ -949,7 +824,7 @@ def linear_attention_step_at_slots(
     log_decay: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     eps: float = 1e-12,
-    implementation: str = "auto",
+    implementation: str | KernelChoice = "auto",
 ) -> torch.Tensor:
     """One decode step for B rows whose states live in a pool at their slots (a serving engine's state cache),
     updated there: `linear_attention_step` on `pool[slots]` (the same states; the read sums in another order).
@@ -958,7 +833,7 @@ def linear_attention_step_at_slots(
         q, k: `(B, H, K)`; v: `(B, H, V)`; log_decay, gate, eps: as `linear_attention_step`.
         pool: `(N, H, F, V + 1)` fp32 states.
         slots: `(B,)` distinct integer slots of the B rows in `pool`.
-        implementation: resolved as for the prefill (`resolve_implementation`). "triton" is the fused step of
+        implementation: a name or a `KernelChoice`, as for the prefill. "triton" is the fused step of
             `jrt_kernels`, which reads and writes each state once, at its slot, in one launch; the others run the
             PyTorch step at the slots (`_step_in_pool`: `index_add_` of the update and a weighted `embedding_bag`
             read, no gathered copy and no write-back; 2-3x faster than gathering on CPU at 16 requests). Under
@@ -976,10 +851,13 @@ def linear_attention_step_at_slots(
     def run_pytorch() -> torch.Tensor:
         return _step_in_pool(q, k, v, pool, slots, log_decay, gate, eps)
 
-    if resolve_implementation(implementation, q) != "triton":  # the step has one PyTorch form
+    choice = KernelChoice.of(implementation)
+    if choice.linear_attention(q.device) != "triton":  # the step has one PyTorch form
         return run_pytorch()
-    kernel = functools.partial(_load_triton_decode(), q, k, v, pool, slots, log_decay=log_decay, gate=gate, eps=eps)
-    return _run_triton_or_fall_back(_triton_forced(implementation), kernel, run_pytorch)
+    kernel = functools.partial(
+        choice.kernels().linear_attention_decode_triton, q, k, v, pool, slots, log_decay=log_decay, gate=gate, eps=eps
+    )
+    return choice.run(LINEAR_ATTENTION, kernel, run_pytorch)
 
 
 __all__ = [
@@ -990,7 +868,6 @@ __all__ = [
     "prefix_linear_attention",
     "prefix_linear_attention_chunked",
     "prefix_linear_attention_quadratic",
-    "resolve_implementation",
     "taylor_feature_map",
     "validate_linear_attention_inputs",
 ]

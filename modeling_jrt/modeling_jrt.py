@@ -67,6 +67,7 @@ from .labels import (
     prompt_lengths_from_labels,
 )
 from .legacy_folders import migrate_legacy_generation_settings
+from .kernel_choice import KernelChoice
 from .linear_attention import fixed_log_decay, linear_attention_step, prefix_linear_attention
 from .loss import IGNORE_INDEX, jrt_loss
 from .outputs import JRTRNNCausalLMOutput, JRTRNNModelOutput
@@ -91,6 +92,7 @@ class JRTRNNRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
+        self.kernels = KernelChoice()  # a model's own choice replaces it (`KernelChoice.install`)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(..., hidden) -> (..., hidden). During inference a long input goes in token chunks (`inference_chunk_rows`)
@@ -109,7 +111,7 @@ class JRTRNNRMSNorm(nn.Module):
     def normalize(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The norm of hidden_states (rows, hidden) in one pass (no token chunks: `forward`'s size-dependent loop is
         not for a graph that serves every batch size), into `out` (rows, hidden) in w's dtype when given."""
-        fused = fused_rms_norm(hidden_states, self.weight, self.variance_epsilon, out=out)
+        fused = fused_rms_norm(hidden_states, self.weight, self.variance_epsilon, self.kernels, out=out)
         if fused is not None:  # a GPU without autograd: one launch
             return fused
         hidden_states = hidden_states.float()
@@ -318,6 +320,7 @@ class JRTRNNLinearAttention(nn.Module):
         if config.use_decay_proj:
             self.decay_proj = nn.Linear(hidden, self.num_heads, bias=False)
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.kernels = KernelChoice(config=config)  # the model's own choice replaces it (`KernelChoice.install`)
 
     def log_decay(self, device: torch.device) -> torch.Tensor | None:
         """(H,) log gamma_h of the fixed decay, computed on the fly (no buffer to restore after meta init)."""
@@ -354,7 +357,7 @@ class JRTRNNLinearAttention(nn.Module):
                 query[:, 0], key[:, 0], value[:, 0], state,
                 log_decay=log_decay, gate=None if gate is None else gate[:, 0],
                 eps=self.config.linear_attention_eps, in_place=True,  # the cache owns the state (no autograd)
-                implementation=self.config.linear_attention_implementation,  # a CUDA state: one fused launch
+                implementation=self.kernels,  # a CUDA state: one fused launch
             )
             output = output[:, None]  # (B, 1, H, V)
         else:
@@ -382,7 +385,7 @@ class JRTRNNLinearAttention(nn.Module):
                 gate=gate,
                 eps=self.config.linear_attention_eps,
                 chunk_size=self.config.linear_attention_chunk_size,
-                implementation=self.config.linear_attention_implementation,
+                implementation=self.kernels,
             )
         if cache is not None:
             cache.layers[self.layer_idx].write(state)
@@ -593,6 +596,9 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         self.norm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = JRTRNNRotaryEmbedding(config)
         self.gradient_checkpointing = False
+        # One kernel choice for the model (`kernel_choice.py`): every layer's linear attention and norm share it.
+        self.kernels = KernelChoice(config=config)
+        self.kernels.install(self)
         self.post_init()
 
     @property

@@ -134,22 +134,12 @@ def load_benchmark():
 
 @pytest.fixture
 def auto_takes_kernel(monkeypatch):
-    """Kernel tests: makes `implementation="auto"` resolve to the Triton kernel on CPU too (the interpreter), until
-    the kernel is marked failed; the failure flags start clear, the environment override is unset, and transformers'
-    warn-once cache is cleared so that each test sees its own fallback warning."""
+    """Kernel tests: makes `"auto"` choose the Triton kernels on CPU too (the interpreter), until a kernel is marked
+    failed in the choice that runs it; transformers' warn-once cache is cleared so that each test sees its own
+    fallback warning."""
     from transformers.utils import logging as hf_logging
 
-    from modeling_jrt import linear_attention
+    from modeling_jrt import kernel_choice
 
-    monkeypatch.setattr(linear_attention, "_triton_failure", None)
-    monkeypatch.setattr(linear_attention, "_backward_failure", None)
-    monkeypatch.delenv(linear_attention.IMPLEMENTATION_ENV_VAR, raising=False)
+    monkeypatch.setattr(kernel_choice, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
     hf_logging.warning_once.cache_clear()
-    resolve = linear_attention.resolve_implementation
-    monkeypatch.setattr(
-        linear_attention, "resolve_implementation",
-        lambda implementation, q, *args, **kwargs: (
-            "triton" if implementation == "auto" and linear_attention._triton_failure is None
-            else resolve(implementation, q, *args, **kwargs)
-        ),
-    )

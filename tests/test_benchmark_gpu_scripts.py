@@ -50,11 +50,18 @@ def test_gpu_model_check_reports_a_failed_bound(gpu_model_check, monkeypatch, ca
 def test_gpu_model_check_fails_when_a_kernel_fell_back(gpu_model_check, monkeypatch, capsys):
     """A backward kernel that failed under "auto" (logged once, then the PyTorch gradients) fails the check: the GPU
     side would have been the chunked path."""
-    monkeypatch.setattr(gpu_model_check.linear_attention_module, "_backward_failure", "OutOfResources: shared memory")
+    build = gpu_model_check.build
+
+    def build_and_fail(*args, **kwargs):
+        model = build(*args, **kwargs)
+        model.model.kernels.failures["linear attention backward"] = "OutOfResources: shared memory"
+        return model
+
+    monkeypatch.setattr(gpu_model_check, "build", build_and_fail)
     assert gpu_model_check.main(["--device", "cpu", "--impl", "chunked", "--kinds", "jrt-pad"]) == 1
     output = capsys.readouterr().out
-    assert "the Triton backward kernel fell back to PyTorch: OutOfResources: shared memory" in output
-    assert output.rstrip().endswith("FAILED: triton backward kernel fallback")
+    assert "the Triton linear attention backward kernel fell back to PyTorch: OutOfResources: shared memory" in output
+    assert output.rstrip().endswith("FAILED: triton linear attention backward fallback")
 
 
 def test_launch_counts_are_printed_side_by_side(load_benchmark, capsys, tmp_path):

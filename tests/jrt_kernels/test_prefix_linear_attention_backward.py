@@ -21,7 +21,8 @@ from conftest import enable_activation_checkpointing  # noqa: E402
 from jrt_kernels._common import _dot_tf32, dot_types  # noqa: E402
 from jrt_kernels import prefix_linear_attention_backward as backward_module  # noqa: E402
 from jrt_kernels.prefix_linear_attention_backward import prefix_linear_attention_backward  # noqa: E402
-from modeling_jrt import linear_attention  # noqa: E402
+from modeling_jrt import kernel_choice  # noqa: E402
+from modeling_jrt.kernel_choice import KernelChoice  # noqa: E402
 from modeling_jrt.linear_attention import num_taylor_features, prefix_linear_attention_quadratic  # noqa: E402
 
 # Tolerance relative to each gradient's largest magnitude: fp32 inputs (3xTF32 products, fp32 accumulation); bf16
@@ -363,13 +364,14 @@ def test_based_decay_and_gate_run_fused(device):
 
 
 # Safe dispatch of the backward: under "auto", a fused backward that fails to compile or launch falls back to the
-# chunked path's gradients (modeling_jrt.linear_attention._KernelWithSafeBackward).
+# chunked path's gradients (modeling_jrt.linear_attention._KernelWithSafeBackward), and the choice that ran it
+# records the failure (modeling_jrt.kernel_choice.KernelChoice).
 
 
 @pytest.fixture
 def backward_launches(monkeypatch, auto_takes_kernel):
     """Counts the fused backward's runs (the first launch of its first kernel: a key mask takes two, the range rows
-    and the others); "auto" resolves to the kernel on CPU too until it fails, and the failure flag starts clear.
+    and the others); "auto" resolves to the kernel on CPU too, until it fails in the choice that runs it.
     `launches.fail = True` makes the launch raise as on a GPU without enough shared memory."""
     from triton.runtime.errors import OutOfResources
 
@@ -445,38 +447,35 @@ def test_auto_backward_falls_back_when_the_kernel_fails(device, backward_launche
     backward_launches.fail = True
     inputs, grad_output, grad_state, kwargs = _safe_dispatch_case(device, variant)
     expected_output, expected_state, expected = _training_step("chunked", inputs, grad_output, grad_state, **kwargs)
-    with CaptureLogger(linear_attention.logger) as captured:
-        output, state, grads = _training_step("auto", inputs, grad_output, grad_state, calls=2, **kwargs)
+    choice = KernelChoice("auto")  # a model's, shared by its layers
+    with CaptureLogger(kernel_choice.logger) as captured:
+        output, state, grads = _training_step(choice, inputs, grad_output, grad_state, calls=2, **kwargs)
     assert type(output.grad_fn).__name__ == "_KernelWithSafeBackwardBackward"  # the fused forward ran
     torch.testing.assert_close(output, expected_output, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5 * expected_state.abs().max().item())
     _assert_same_grads(grads, expected)
     assert backward_launches.count == 1  # tried once, by the first backward that ran
-    assert linear_attention._backward_failure is not None and "OutOfResources" in linear_attention._backward_failure
-    assert linear_attention._triton_failure is None  # the forward kernel works: inference keeps it
+    assert "OutOfResources" in choice.failures[kernel_choice.BACKWARD]
+    assert kernel_choice.LINEAR_ATTENTION not in choice.failures  # the forward kernel works: inference keeps it
     assert "OutOfResources" in captured.out and "linear_attention_implementation='chunked'" in captured.out
     assert captured.out.count("backward kernel failed on this device") == 1
 
-    output, _, later = _training_step("auto", inputs, grad_output, grad_state, **kwargs)
+    output, _, later = _training_step(choice, inputs, grad_output, grad_state, **kwargs)
     assert type(output.grad_fn).__name__ == "_KernelWithSafeBackwardBackward"  # the fused forward still runs
     assert backward_launches.count == 1  # and the fused backward is not tried again
     _assert_same_grads(later, expected)
 
 
-@pytest.mark.parametrize("forced_by", ["argument", "environment"])
-def test_explicit_triton_backward_still_raises(device, backward_launches, monkeypatch, forced_by):
-    """An explicit "triton" (argument or JRT_LINEAR_ATTENTION_IMPL) surfaces the backward's error."""
+def test_explicit_triton_backward_still_raises(device, backward_launches):
+    """An explicit "triton" surfaces the backward's error (and records nothing: there is no fallback to remember)."""
     from triton.runtime.errors import OutOfResources
 
     backward_launches.fail = True
-    implementation = "triton"
-    if forced_by == "environment":
-        monkeypatch.setenv(linear_attention.IMPLEMENTATION_ENV_VAR, "triton")
-        implementation = "auto"
+    choice = KernelChoice("triton")
     inputs, grad_output, grad_state, kwargs = _safe_dispatch_case(device)
     with pytest.raises(OutOfResources):
-        _training_step(implementation, inputs, grad_output, grad_state, **kwargs)
-    assert backward_launches.count == 1 and linear_attention._triton_failure is None
+        _training_step(choice, inputs, grad_output, grad_state, **kwargs)
+    assert backward_launches.count == 1 and not choice.failures
 
 
 @pytest.mark.parametrize("grad_state", [True, False], ids=["dS", "no-dS"])
@@ -484,9 +483,10 @@ def test_auto_training_uses_the_fused_backward(device, backward_launches, grad_s
     """Without a failure, "auto" training runs the fused backward, with the chunked path's gradients."""
     inputs, grad_output, dstate, kwargs = _safe_dispatch_case(device)
     dstate = dstate if grad_state else None
-    output, _, grads = _training_step("auto", inputs, grad_output, dstate, **kwargs)
+    choice = KernelChoice("auto")
+    output, _, grads = _training_step(choice, inputs, grad_output, dstate, **kwargs)
     assert type(output.grad_fn).__name__ == "_KernelWithSafeBackwardBackward"
-    assert backward_launches.count == 1 and linear_attention._triton_failure is None
+    assert backward_launches.count == 1 and not choice.failures
     *_, expected = _training_step("chunked", inputs, grad_output, dstate, **kwargs)
     _assert_same_grads(grads, expected)
 
@@ -519,7 +519,7 @@ def test_auto_backward_fallback_with_activation_checkpointing(device, backward_l
     input_ids = torch.randint(4, 99, (2, 13), device=device)
     model(input_ids, labels=input_ids).loss.backward()
     reference(input_ids, labels=input_ids, use_cache=False).loss.backward()
-    assert backward_launches.count == 1 and linear_attention._backward_failure is not None
+    assert backward_launches.count == 1 and kernel_choice.BACKWARD in model.model.kernels.failures
     for (name, param), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(param.grad, expected.grad, rtol=1e-4, atol=1e-6, msg=name)
 

@@ -7,6 +7,7 @@ matters, v ~ N(0.5, 1) so that a wrong count or a leaked pad shows. Outputs are 
 
 from __future__ import annotations
 
+import sys
 import types
 
 import pytest
@@ -14,10 +15,12 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux: pip install -e '.[dev]')")
 
+import jrt_kernels  # noqa: E402
 import modeling_jrt  # noqa: E402
 from jrt_kernels import prefix_linear_attention as kernel_module  # noqa: E402
 from jrt_kernels import prefix_linear_attention_triton  # noqa: E402
-from modeling_jrt import linear_attention  # noqa: E402
+from modeling_jrt import kernel_choice  # noqa: E402
+from modeling_jrt.kernel_choice import KernelChoice  # noqa: E402
 from modeling_jrt.linear_attention import (  # noqa: E402
     linear_attention_step,
     prefix_linear_attention,
@@ -239,8 +242,9 @@ def test_half_precision_inputs(device, dtype):
 def test_half_precision_feature_dims_with_inexact_scale(device, K):
     """bf16 with K**-1/4 not a power of two: the forward gathers its pair features from the scaled q', k' (each
     factor rounded to bf16, then the product), the backward from the raw inputs scaled in fp32. Measured in the
-    interpreter (docs/kernels.md): output errors 1.3e-2 (K = 8, 32) against 1.1e-2 for K = 16, where the scale is
-    exact; the state's relative error 1.2e-3 / 1.0e-3 against 5.4e-4. Both within the bf16 tolerance."""
+    interpreter (docs/performance.md, "The dq scan at the forward's standard"): output errors 1.3e-2 (K = 8, 32)
+    against 1.1e-2 for K = 16, where the scale is exact; the state's relative error 1.2e-3 / 1.0e-3 against 5.4e-4.
+    Both within the bf16 tolerance."""
     assert_matches_oracle(*make_inputs(1, 40, 2, 16, 9, K=K, dtype=torch.bfloat16, device=device))
 
 
@@ -306,40 +310,51 @@ def test_rejects_what_it_does_not_implement(device):
         triton_prefill(q, k, v, k[:, :3], v[:, :3], encoder_end=torch.tensor([4], device=device))
 
 
-# Dispatcher: which implementation `prefix_linear_attention(..., implementation="auto")` runs.
+# The kernel choice: which implementation `prefix_linear_attention(..., implementation="auto")` runs.
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")  # the choice reads only the device's type
 
 
-@pytest.fixture
-def kernel_available(monkeypatch):
-    monkeypatch.delenv(linear_attention.IMPLEMENTATION_ENV_VAR, raising=False)
-    monkeypatch.setattr(linear_attention, "_load_triton_prefill", lambda: prefix_linear_attention_triton)
-
-
-CUDA_TENSOR = types.SimpleNamespace(is_cuda=True)  # resolve_implementation reads only `.is_cuda`
-CPU_TENSOR = types.SimpleNamespace(is_cuda=False)
-
-
-@pytest.mark.parametrize(
-    ("q", "expected"),
-    [pytest.param(CUDA_TENSOR, "triton", id="cuda"), pytest.param(CPU_TENSOR, "chunked", id="cpu")],
-)
-def test_auto_picks(kernel_available, q, expected):
-    assert linear_attention.resolve_implementation("auto", q) == expected
+@pytest.mark.parametrize(("device_", "expected"), [pytest.param(CUDA, "triton", id="cuda"),
+                                                   pytest.param(CPU, "chunked", id="cpu")])
+def test_auto_picks(device_, expected):
+    assert KernelChoice("auto").linear_attention(device_) == expected
 
 
 def test_auto_without_kernel_is_chunked(monkeypatch):
-    monkeypatch.delenv(linear_attention.IMPLEMENTATION_ENV_VAR, raising=False)
-    monkeypatch.setattr(linear_attention, "_load_triton_prefill", lambda: None)
-    assert linear_attention.resolve_implementation("auto", CUDA_TENSOR) == "chunked"
+    monkeypatch.setitem(sys.modules, "jrt_kernels", None)  # `import jrt_kernels` raises ImportError
+    assert KernelChoice("auto").linear_attention(CUDA) == "chunked"
     with pytest.raises(RuntimeError, match="pip install"):
-        linear_attention.resolve_implementation("triton", CUDA_TENSOR)
+        KernelChoice("triton").linear_attention(CUDA)
 
 
-@pytest.mark.parametrize("forced", ["chunked", "triton", "quadratic"])
-def test_environment_forces(kernel_available, monkeypatch, forced):
-    monkeypatch.setenv(linear_attention.IMPLEMENTATION_ENV_VAR, forced)
-    assert linear_attention.resolve_implementation("auto", CPU_TENSOR) == forced
-    assert linear_attention.resolve_implementation("chunked", CUDA_TENSOR) == "chunked"  # explicit wins
+def test_kernels_of_another_release_are_not_called(monkeypatch):
+    """`jrt_kernels` of another kernel API (installed beside model code of another release): "auto" runs PyTorch
+    (with a warning naming both versions), "triton" refuses; nothing asks the kernels what they accept."""
+    import jrt_kernels
+
+    monkeypatch.setattr(jrt_kernels, "KERNEL_API", kernel_choice.KERNEL_API + 1)
+    assert KernelChoice("auto").linear_attention(CUDA) == "chunked"
+    with pytest.raises(RuntimeError, match="jrt_kernels"):
+        KernelChoice("triton").linear_attention(CUDA)
+
+
+@pytest.mark.parametrize("asked", ["chunked", "triton", "quadratic"])
+def test_an_explicit_implementation_is_taken_on_every_device(asked):
+    assert KernelChoice(asked).linear_attention(CPU) == KernelChoice(asked).linear_attention(CUDA) == asked
+
+
+def test_a_model_choice_follows_its_config():
+    config = types.SimpleNamespace(linear_attention_implementation="chunked")
+    choice = KernelChoice(config=config)
+    assert choice.linear_attention(CUDA) == "chunked"
+    config.linear_attention_implementation = "auto"
+    assert choice.linear_attention(CUDA) == "triton"
+    config.linear_attention_implementation = "gpu"
+    with pytest.raises(ValueError, match="config.linear_attention_implementation must be one of"):
+        choice.linear_attention(CUDA)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        KernelChoice("gpu")
 
 
 @pytest.fixture
@@ -363,14 +378,15 @@ def test_auto_falls_back_when_the_kernel_fails(device, failing_launch):
     from transformers.testing_utils import CaptureLogger
 
     inputs = make_inputs(1, 20, 2, 16, 7, device=device)
-    with CaptureLogger(linear_attention.logger) as captured:
-        output, state = prefix_linear_attention(*inputs, implementation="auto")
-        again, _ = prefix_linear_attention(*inputs, implementation="auto")
+    choice = KernelChoice("auto")  # a model's: it remembers the failure
+    with CaptureLogger(kernel_choice.logger) as captured:
+        output, state = prefix_linear_attention(*inputs, implementation=choice)
+        again, _ = prefix_linear_attention(*inputs, implementation=choice)
     expected_output, expected_state = prefix_linear_attention(*inputs, implementation="chunked")
     torch.testing.assert_close(output, expected_output)
     torch.testing.assert_close(state, expected_state)
     torch.testing.assert_close(again, expected_output)
-    assert len(failing_launch) == 1
+    assert len(failing_launch) == 1 and "OutOfResources" in choice.failures[kernel_choice.LINEAR_ATTENTION]
     assert "OutOfResources" in captured.out and "linear_attention_implementation='chunked'" in captured.out
     assert captured.out.count("failed on this device") == 1
 
@@ -382,7 +398,7 @@ def test_explicit_triton_still_raises(device, failing_launch):
         prefix_linear_attention(*make_inputs(1, 20, 2, 16, 7, device=device), implementation="triton")
 
 
-def test_dispatcher_runs_the_kernel(device, kernel_available, monkeypatch):
+def test_dispatcher_runs_the_kernel(device, monkeypatch):
     """`prefix_linear_attention` calls exactly the implementation it resolves to."""
     calls = []
 
@@ -390,7 +406,7 @@ def test_dispatcher_runs_the_kernel(device, kernel_available, monkeypatch):
         calls.append("triton")
         return prefix_linear_attention_triton(*args, **kwargs)
 
-    monkeypatch.setattr(linear_attention, "_load_triton_prefill", lambda: spy)
+    monkeypatch.setattr(jrt_kernels, "prefix_linear_attention_triton", spy)
     inputs = make_inputs(1, 20, 2, 16, 7, device=device)
     output, state = prefix_linear_attention(*inputs, implementation="triton")
     expected_output, expected_state = prefix_linear_attention(*inputs, implementation="chunked")

@@ -8,9 +8,10 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux: pip install -e '.[dev]')")
 
+import jrt_kernels  # noqa: E402
 from jrt_kernels import rms_norm_triton  # noqa: E402
 from jrt_kernels.rms_norm import INTERPRETED, MAX_BLOCK  # noqa: E402
-from modeling_jrt import fused_norm  # noqa: E402
+from modeling_jrt import kernel_choice  # noqa: E402
 from modeling_jrt.modeling_jrt import JRTRNNRMSNorm  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
@@ -18,9 +19,11 @@ DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 
 @pytest.fixture
 def kernel_on_this_device(monkeypatch):
-    """The model's norms take the kernel on this device (the interpreter on CPU), with no earlier failure."""
-    monkeypatch.setattr(fused_norm, "KERNEL_DEVICE_TYPES", ("cuda", DEVICE.type))
-    monkeypatch.setattr(fused_norm, "_failure", None)
+    """The model's kernels run on this device (the interpreter on CPU); each test sees its own warnings."""
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.setattr(kernel_choice, "KERNEL_DEVICE_TYPES", ("cuda", DEVICE.type))
+    hf_logging.warning_once.cache_clear()
 
 
 def pytorch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,7 +75,7 @@ def test_the_models_norms_take_the_kernel_without_autograd(monkeypatch, kernel_o
         calls.append(1)
         return rms_norm_triton(*args, **kwargs)
 
-    monkeypatch.setattr(fused_norm, "_load_kernel", lambda: spy)
+    monkeypatch.setattr(jrt_kernels, "rms_norm_triton", spy)
     torch.manual_seed(0)
     model = JRTRNNForCausalLM(tiny_config(initializer_range=0.3, linear_attention_type=kind)).eval().to(DEVICE)
     input_ids = torch.randint(4, 99, (2, 10), generator=torch.Generator().manual_seed(2)).to(DEVICE)
@@ -85,7 +88,7 @@ def test_the_models_norms_take_the_kernel_without_autograd(monkeypatch, kernel_o
     model(input_ids, labels=input_ids).loss.backward()
     assert len(calls) == 3 * norms  # training: PyTorch's norm (autograd)
     model.eval()
-    monkeypatch.setattr(fused_norm, "KERNEL_DEVICE_TYPES", ())
+    monkeypatch.setattr(kernel_choice, "KERNEL_DEVICE_TYPES", ())
     plain = model.generate(input_ids, **settings)
     torch.testing.assert_close(fused.sequences, plain.sequences, rtol=0, atol=0)
     torch.testing.assert_close(fused.scores, plain.scores, rtol=1e-4, atol=1e-4)
@@ -97,11 +100,11 @@ def test_a_failing_kernel_warns_once_and_the_pytorch_norm_runs(monkeypatch, kern
     def failing(*args, **kwargs):
         raise RuntimeError("no kernel image is available for execution on the device")
 
-    monkeypatch.setattr(fused_norm, "_load_kernel", lambda: failing)
+    monkeypatch.setattr(jrt_kernels, "rms_norm_triton", failing)
     norm = JRTRNNRMSNorm(16).to(DEVICE)
     x = torch.randn(4, 16, device=DEVICE)
-    with torch.no_grad(), CaptureLogger(fused_norm.logger) as captured:
+    with torch.no_grad(), CaptureLogger(kernel_choice.logger) as captured:
         first, second = norm(x), norm(x)
-    assert "The fused Triton RMSNorm failed on this device (RuntimeError: no kernel image" in captured.out
+    assert "The fused Triton RMSNorm kernel failed on this device (RuntimeError: no kernel image" in captured.out
     torch.testing.assert_close(first, second, rtol=0, atol=0)
-    assert fused_norm._failure is not None
+    assert "no kernel image" in norm.kernels.failures[kernel_choice.NORM]

@@ -16,7 +16,6 @@ from modeling_jrt.linear_attention import (
     prefix_linear_attention,
     prefix_linear_attention_chunked,
     prefix_linear_attention_quadratic,
-    resolve_implementation,
     taylor_feature_map,
 )
 
@@ -551,19 +550,6 @@ def test_bad_arguments_raise_clear_errors():
         prefix_linear_attention(q, k, v, implementation="cuda")
 
 
-def test_dispatcher_on_cpu(monkeypatch):
-    q = torch.randn(1, 4, 1, 2)
-    monkeypatch.delenv("JRT_LINEAR_ATTENTION_IMPL", raising=False)
-    assert resolve_implementation("auto", q) == "chunked"
-    assert resolve_implementation("quadratic", q) == "quadratic"
-    monkeypatch.setenv("JRT_LINEAR_ATTENTION_IMPL", "quadratic")
-    assert resolve_implementation("auto", q) == "quadratic"
-    assert resolve_implementation("chunked", q) == "chunked"  # explicit beats the environment
-    monkeypatch.setenv("JRT_LINEAR_ATTENTION_IMPL", "gpu")
-    with pytest.raises(ValueError, match="JRT_LINEAR_ATTENTION_IMPL"):
-        resolve_implementation("auto", q)
-
-
 # ------------------------------------------------------------------------------------------ per-row encoder ranges
 
 # Rows of one batch with different encoder ranges over M = T = 12 positions: empty (0), one token, the whole row
@@ -661,75 +647,6 @@ def test_bad_encoder_ranges_raise_clear_errors():
         linear_attention_step(q, k, v, torch.zeros(2, 2, 21, 5))
     with pytest.raises(ValueError, match="initial_state must be"):
         linear_attention_step(q[:, 0], k[:, 0], v[:, 0], torch.zeros(2, 2, 21, 4))
-
-
-def test_fused_backward_call_fits_an_older_kernel_package(monkeypatch):
-    """Model code that saves the forward's output still calls a `jrt_kernels` backward without `output=` (an older
-    installed package next to a newer checkpoint's code) instead of failing over to the chunked path."""
-    from modeling_jrt import linear_attention
-
-    calls = []
-
-    def older_launcher(q, k, v, k_enc, v_enc, grad_output, grad_state, *, encoder_start=None, eps=1e-12):
-        calls.append(dict(encoder_start=encoder_start, eps=eps))
-        return ("gradients",)
-
-    def newer_launcher(q, k, v, k_enc, v_enc, grad_output, grad_state, *, encoder_start=None, eps=1e-12, output=None):
-        calls.append(dict(output=output))
-        return ("gradients",)
-
-    def newest_launcher(q, k, v, k_enc, v_enc, grad_output, grad_state, *, eps=1e-12, output=None, encoder_state=None):
-        calls.append(dict(output=output, encoder_state=encoder_state))
-        return ("gradients",)
-
-    for launcher, expected in (
-        (older_launcher, dict(encoder_start=None, eps=0.5)),
-        (newer_launcher, dict(output=7)),
-        (newest_launcher, dict(output=7, encoder_state=8)),
-    ):
-        monkeypatch.setattr(linear_attention, "_load_triton_backward", lambda launcher=launcher: launcher)
-        monkeypatch.setattr(linear_attention, "_triton_failure", None)
-        monkeypatch.setattr(linear_attention, "_backward_failure", None)
-        result = linear_attention._fused_backward_or_none(*[None] * 7, eps=0.5, output=7, encoder_state=8)
-        assert result == ("gradients",)
-        assert calls[-1] == expected
-
-
-def test_safe_backward_forward_fits_an_older_kernel_package(monkeypatch):
-    """An installed `jrt_kernels` whose prefill has no `return_saved` (older than this model code): the training
-    forward calls it without it and the backward gets no saved intermediates (its dq scan recomputes them); a newer
-    one is asked for them and the backward gets each by its keyword."""
-    from modeling_jrt import linear_attention
-
-    q, k = torch.randn(1, 6, 1, 4, requires_grad=True), torch.randn(1, 6, 1, 4)
-    v, k_enc, v_enc = torch.randn(1, 6, 1, 3), torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 3)
-    received = []
-
-    def older_prefill(q, k, v, k_enc, v_enc, *, encoder_start, encoder_end, key_mask, pad_masking, initial_state,
-                      log_decay, gate, eps):
-        return q.new_zeros(1, 6, 1, 3), q.new_zeros(1, 1, 21, 4)
-
-    def newer_prefill(q, k, v, k_enc, v_enc, *, encoder_start, encoder_end, key_mask, pad_masking, initial_state,
-                      log_decay, gate, eps, return_saved=False):
-        saved = dict(encoder_state=q.new_full((1, 1, 5), 3.0), inverse_denominator=q.new_full((1, 6, 1), 2.0))
-        return q.new_zeros(1, 6, 1, 3), q.new_zeros(1, 1, 21, 4), *((saved,) if return_saved else ())
-
-    def launcher(*args, encoder_state=None, inverse_denominator=None, **kwargs):
-        received.append((encoder_state, inverse_denominator))
-        return (torch.zeros_like(q), None, None, None, None, None, None)
-
-    monkeypatch.setattr(linear_attention, "_load_triton_backward", lambda: launcher)
-    monkeypatch.setattr(linear_attention, "_triton_failure", None)
-    monkeypatch.setattr(linear_attention, "_backward_failure", None)
-    for prefill in (older_prefill, newer_prefill):
-        monkeypatch.setattr(linear_attention, "_load_triton_prefill", lambda prefill=prefill: prefill)
-        output, _ = linear_attention._KernelWithSafeBackward.apply(
-            q, k, v, k_enc, v_enc, None, None, None, None, None, None, "strict", 1e-12, 32,
-        )
-        output.sum().backward()
-    assert received[0] == (None, None)
-    assert torch.equal(received[1][0], torch.full((1, 1, 5), 3.0))
-    assert torch.equal(received[1][1], torch.full((1, 6, 1), 2.0))
 
 
 @pytest.mark.parametrize("with_decay", [False, True], ids=["prefix", "based-decay+gate"])

@@ -1,0 +1,189 @@
+"""One kernel choice: which implementation runs the linear attention (prefill and decode step) and the RMSNorm.
+
+The fused Triton kernels live in the optional package `jrt_kernels` (installed with `pip install 'jrt-rnn[triton]'`;
+a Hub folder's remote code runs without it). Whether they run is decided here, and only here, from three things:
+
+- what was asked: `linear_attention_implementation` (`"auto"`, `"chunked"`, `"triton"` or `"quadratic"`);
+- the device: the kernels take CUDA tensors (`KERNEL_DEVICE_TYPES`; the tests add "cpu" for triton's interpreter);
+- what is installed: `jrt_kernels` of this model code's kernel API (`KERNEL_API`; the kernels and the model code are
+  one release, so nothing asks the installed kernels what they accept).
+
+    asked        CUDA tensors                                    other devices
+    "auto"       the kernels (a failure warns once, then PyTorch)  PyTorch ("chunked")
+    "triton"     the kernels; a failure raises                    the kernels (interpreted with TRITON_INTERPRET=1)
+    "chunked"    PyTorch                                          PyTorch
+    "quadratic"  the O(T^2) oracle for the prefill, PyTorch for the rest (tests)
+
+A `KernelChoice` belongs to whoever runs the ops: a model (`JRTRNNModel.kernels`, shared by its layers), the vLLM
+model, or one call of an op given a name. It loads `jrt_kernels` once, logs its choice once per device type, and is
+the one record of a kernel that failed (`failures`): nothing about kernels is a module global.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Callable, TypeVar
+
+import torch
+from transformers.utils import logging
+
+from .configuration_jrt import LINEAR_ATTENTION_IMPLEMENTATIONS
+
+logger = logging.get_logger(__name__)
+
+KERNEL_API = 1
+"""The version of `jrt_kernels`' calls this model code makes (`jrt_kernels.KERNEL_API` must equal it)."""
+
+KERNEL_DEVICE_TYPES = ("cuda",)
+"""Device types whose tensors the kernels take under "auto" (the tests add "cpu" to run them interpreted)."""
+
+# The kernels whose failure `KernelChoice.run` records: the prefill and the decode step share one (a device that
+# cannot build one cannot build the other), the fused backward and the RMSNorm have their own.
+LINEAR_ATTENTION, BACKWARD, NORM = "linear attention", "linear attention backward", "RMSNorm"
+
+_FALLBACKS = {
+    LINEAR_ATTENTION: "the PyTorch implementation runs from now on",
+    BACKWARD: "its gradients come from the PyTorch implementation from now on (the fused forward still runs and the "
+    "chunked forward is recomputed in the backward)",
+    NORM: "the PyTorch RMSNorm runs from now on",
+}
+
+_Result = TypeVar("_Result")
+
+
+def check_implementation(name: object, where: str = "implementation") -> str:
+    """`name` if it is one of `LINEAR_ATTENTION_IMPLEMENTATIONS`, else a `ValueError` naming `where` and the choices."""
+    if name not in LINEAR_ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"{where} must be one of {list(LINEAR_ATTENTION_IMPLEMENTATIONS)}, got {name!r}.")
+    return name
+
+
+class KernelChoice:
+    """Which implementation the linear attention and the RMSNorm take, and which kernels failed.
+
+    Args:
+        requested: the implementation asked for (see the module docstring).
+        config: instead of `requested`, a config whose `linear_attention_implementation` is read at each call (a
+            model's choice follows a later change of its config).
+    """
+
+    def __init__(self, requested: str = "auto", *, config: Any = None):
+        self._requested = check_implementation(requested)
+        self._config = config
+        self._module: ModuleType | None = None
+        self._loaded = False
+        self._logged: set[tuple[str, str]] = set()
+        self.failures: dict[str, str] = {}
+        """The kernels that failed under "auto" (`LINEAR_ATTENTION`, `BACKWARD`, `NORM`) -> the error, in one line."""
+
+    @classmethod
+    def of(cls, implementation: str | KernelChoice) -> KernelChoice:
+        """`implementation` itself when it is a choice, else a new choice of that name (one op call's)."""
+        return implementation if isinstance(implementation, KernelChoice) else cls(implementation)
+
+    @property
+    def requested(self) -> str:
+        if self._config is None:
+            return self._requested
+        return check_implementation(
+            self._config.linear_attention_implementation, "config.linear_attention_implementation"
+        )
+
+    @property
+    def forced(self) -> bool:
+        """Whether the kernels were asked for by name: they run wherever asked, and their failures raise."""
+        return self.requested == "triton"
+
+    def kernels(self) -> ModuleType | None:
+        """`jrt_kernels` when it is installed with this model code's `KERNEL_API`, else None (loaded once)."""
+        if not self._loaded:
+            self._loaded = True
+            try:  # in `try`: transformers' remote-code check skips it, so a Hub folder loads without jrt_kernels
+                import jrt_kernels
+            except ImportError:
+                return None
+            api = getattr(jrt_kernels, "KERNEL_API", None)
+            if api == KERNEL_API:
+                self._module = jrt_kernels
+            else:
+                logger.warning_once(
+                    f"The installed jrt_kernels has kernel API {api}, this model code calls API {KERNEL_API}: the "
+                    "PyTorch implementation runs. Install the jrt-rnn release this model code comes from."
+                )
+        return self._module
+
+    def linear_attention(self, device: torch.device) -> str:
+        """The implementation of the linear attention on `device`: `"triton"` (the fused prefill and decode step),
+        `"chunked"` (PyTorch) or `"quadratic"` (the oracle prefill; its decode step is PyTorch's).
+
+        Raises:
+            RuntimeError: "triton" asked for and `jrt_kernels` is not installed (or of another kernel API).
+        """
+        requested = self.requested
+        if requested == "triton" and self.kernels() is None:
+            raise RuntimeError(
+                "linear_attention_implementation='triton' needs the fused kernels: install them with "
+                "`pip install 'jrt-rnn[triton]'` (the `jrt_kernels` package of this release, and triton), or use "
+                "'chunked'."
+            )
+        if requested != "auto":
+            return requested
+        usable = device.type in KERNEL_DEVICE_TYPES and LINEAR_ATTENTION not in self.failures
+        chosen = "triton" if usable and self.kernels() is not None else "chunked"
+        self._log(device, chosen)
+        return chosen
+
+    def fused_norm(self, device: torch.device) -> bool:
+        """Whether the RMSNorm on `device` is the fused kernel (where the linear attention may take the kernels)."""
+        return (
+            self.requested in ("auto", "triton") and device.type in KERNEL_DEVICE_TYPES
+            and NORM not in self.failures and self.kernels() is not None
+        )
+
+    def run(self, kernel_name: str, kernel: Callable[[], _Result], fallback: Callable[[], _Result]) -> _Result:
+        """`kernel()`; under "auto", a kernel that fails to compile or launch warns once, is recorded in `failures`
+        (so it is not tried again) and `fallback()` runs. A forced "triton" re-raises.
+
+        The failures are of many types (triton's CompilationError / OutOfResources / PTXASError, RuntimeError from
+        the driver or an unsupported architecture), hence `except Exception`.
+        """
+        if self.forced:
+            return kernel()
+        try:
+            return kernel()
+        except Exception as error:  # noqa: BLE001 -- any compile/launch failure of an optional kernel
+            self.record_failure(kernel_name, error)
+        return fallback()
+
+    def record_failure(self, kernel_name: str, error: Exception) -> None:
+        """Mark `kernel_name` failed with `error` and warn (once per process and message)."""
+        message = str(error).strip()
+        self.failures[kernel_name] = f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
+        logger.warning_once(
+            f"The fused Triton {kernel_name} kernel failed on this device ({self.failures[kernel_name][:300]}); "
+            f"{_FALLBACKS[kernel_name]}. Set linear_attention_implementation='chunked' in the config to skip the "
+            "kernels, or 'triton' to see the error."
+        )
+
+    def _log(self, device: torch.device, chosen: str) -> None:
+        """Log the choice once per device type (not while torch.compile traces: it cannot trace a logger)."""
+        if not torch.compiler.is_compiling() and (device.type, chosen) not in self._logged:
+            self._logged.add((device.type, chosen))
+            logger.info(f"Linear attention on {device.type}: {chosen} (linear_attention_implementation='auto').")
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Make this the choice of every module of `model` that holds one (`module.kernels`): a model has one choice
+        and one record of failed kernels, whatever layer met the failure."""
+        for module in model.modules():
+            if isinstance(getattr(module, "kernels", None), KernelChoice):
+                module.kernels = self
+
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle) loads `jrt_kernels` again: a module is neither copied nor pickled."""
+        return {**self.__dict__, "_module": None, "_loaded": False}
+
+    def __repr__(self) -> str:
+        return f"KernelChoice(requested={self.requested!r}, failures={self.failures!r})"
+
+
+__all__ = ["KERNEL_API", "KERNEL_DEVICE_TYPES", "KernelChoice", "check_implementation"]
