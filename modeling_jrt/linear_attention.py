@@ -509,9 +509,8 @@ def linear_attention_step(
         return choice.run(LINEAR_ATTENTION, kernel, step), state
     if in_place:
         return _step_in_place(q, k, v, state, log_decay, gate, eps), state
-    phi_q = taylor_feature_map(q.to(dtype)).view(rows, 1, num_features)
-    phi_k = taylor_feature_map(k.to(dtype)).view(rows, num_features, 1)
-    value_and_one = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)  # (B, H, V + 1)
+    phi_q, phi_k, value_and_one = _step_operands(q, k, v, dtype)
+    phi_q, phi_k = phi_q.view(rows, 1, num_features), phi_k.view(rows, num_features, 1)
     value_and_one = value_and_one.view(rows, 1, value_dim + 1)
     if log_decay is not None:  # the numerator columns decay by gamma per token, the denominator's never
         gamma = torch.exp(log_decay.to(dtype))[None, :, None, None]
@@ -519,6 +518,15 @@ def linear_attention_step(
     state = torch.baddbmm(state.reshape(rows, num_features, value_dim + 1), phi_k, value_and_one)
     state = state.view(batch_size, num_heads, num_features, value_dim + 1)
     return _read_state(phi_q, state, gate, eps).to(v.dtype), state
+
+
+def _step_operands(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every decode step reads of the new token, in the state's `dtype`: phi(q), phi(k) `(B, H, F)` and
+    [v, 1] `(B, H, V + 1)`."""
+    value_and_one = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)
+    return taylor_feature_map(q.to(dtype)), taylor_feature_map(k.to(dtype)), value_and_one
 
 
 def _step_in_place(
@@ -530,9 +538,8 @@ def _step_in_place(
     batch_size, num_heads, _ = q.shape
     value_dim, num_features, dtype = v.shape[-1], state.shape[-2], state.dtype
     rows = batch_size * num_heads
-    phi_q = taylor_feature_map(q.to(dtype)).view(rows, 1, num_features)
-    phi_k = taylor_feature_map(k.to(dtype)).view(rows, num_features, 1)
-    value_and_one = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)
+    phi_q, phi_k, value_and_one = _step_operands(q, k, v, dtype)
+    phi_q, phi_k = phi_q.view(rows, 1, num_features), phi_k.view(rows, num_features, 1)
     if log_decay is not None:
         state[..., :value_dim].mul_(torch.exp(log_decay.to(dtype))[None, :, None, None])
     state.view(rows, num_features, value_dim + 1).baddbmm_(phi_k, value_and_one.view(rows, 1, value_dim + 1))
@@ -793,9 +800,7 @@ def _step_in_pool(
     batch_size, num_heads, _ = q.shape
     value_dim, num_features, dtype = v.shape[-1], pool.shape[-2], pool.dtype
     slots = slots.long()
-    phi_q = taylor_feature_map(q.to(dtype))  # (B, H, F)
-    phi_k = taylor_feature_map(k.to(dtype))  # (B, H, F)
-    value_and_one = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)  # (B, H, V + 1)
+    phi_q, phi_k, value_and_one = _step_operands(q, k, v, dtype)  # (B, H, F), (B, H, F), (B, H, V + 1)
     if log_decay is not None:  # the numerator columns decay by gamma per token, the denominator's never
         gamma = torch.exp(log_decay.to(dtype))[:, None].expand(num_heads, value_dim)
         factor = torch.cat([gamma, gamma.new_ones(num_heads, 1)], dim=-1)  # (H, V + 1)
