@@ -121,6 +121,16 @@ def generate_seconds_per_token(
     return difference if difference > 0 else min(long) / (2 * steps)
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shape flags of `build_models` (`--hidden-size`, `--layers`, `--heads`, `--vocab-size`, `--sliding-window`),
+    for every benchmark that times the two models it builds."""
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--sliding-window", type=int, default=129)
+
+
 def build_models(
     hidden: int, layers: int, heads: int, vocab: int, window: int
 ) -> tuple[JRTRNNForCausalLM, LlamaForCausalLM]:
@@ -144,11 +154,7 @@ def build_models(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab-size", type=int, default=1024)
-    parser.add_argument("--sliding-window", type=int, default=129)
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per length")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")

@@ -148,11 +148,7 @@ def measure(
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab-size", type=int, default=1024)
-    parser.add_argument("--sliding-window", type=int, default=129)
+    decode.add_model_arguments(parser)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=512, help="tokens the cache read before the decode step")
     parser.add_argument("--prefill", type=int, default=4096, help="prompt length of the counted prefill")
