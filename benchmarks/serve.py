@@ -54,8 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--compiled", action="store_true",
-        help="both engines as vLLM runs them by default (compiled: on CPU, dynamo traced once and inductor) instead of "
-        "eagerly (enforce_eager=True); the compile time is not timed",
+        help="both engines as vLLM runs them by default (compiled: on CPU, dynamo traced once and inductor; on a GPU, "
+        "also CUDA graphs, JRT-RNN's decode forwards captured whole) instead of eagerly (enforce_eager=True); the "
+        "compile and capture time is not timed",
     )
     parser.add_argument(
         "--rounds", type=int, default=3,
@@ -113,9 +114,11 @@ def run_one(args: argparse.Namespace, folder: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import vllm
 
+    # max_num_seqs: a timed batch is `--requests` requests, so a compiled engine captures CUDA graphs up to that
+    # batch only (vLLM's default of 256 sequences would capture sizes no round reaches, on both engines).
     llm = vllm.LLM(
         model=folder, dtype=args.dtype, enforce_eager=not args.compiled, skip_tokenizer_init=True, seed=0,
-        max_model_len=args.prompt_len + args.new_tokens,
+        max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=args.requests,
     )
 
     def random_prompts(seed: int, count: int) -> list[dict]:

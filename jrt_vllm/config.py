@@ -4,23 +4,39 @@ from __future__ import annotations
 
 import logging
 
+from vllm.config import CompilationConfig, CUDAGraphMode
 from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateConfig
-from vllm.platforms import current_platform
 
+from .mixers import MIX_OP
 from .prompt_lengths import QUALIFIED_NAME
 
 logger = logging.getLogger(__name__)
 
 
+def cuda_graphs_off(compilation_config: CompilationConfig) -> None:
+    """Set `cudagraph_mode` to NONE (why: `JRTRNNVllmConfig`), with a warning when CUDA graphs were asked for."""
+    requested = compilation_config.cudagraph_mode
+    if requested is not None and requested != CUDAGraphMode.NONE:
+        logger.warning(
+            "jrt_vllm: cudagraph_mode=%s turned off (NONE) for JRT-RNN / Based: vLLM would replay a decode graph for a "
+            "fresh one-token prompt, which needs a first forward of its own (docs/serving.md, \"CUDA graphs\").",
+            requested.name,
+        )
+    compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+
+
 class JRTRNNVllmConfig(VerifyAndUpdateConfig):
-    """Eager execution off the CPU, prefix caching off (both families), chunked prefill off for prefix (JRT-RNN)
+    """Compiled without CUDA graphs, prefix caching off (both families), chunked prefill off for prefix (JRT-RNN)
     models.
 
-    - Compilation: the mixers map vLLM's batch onto requests in Python (the plan, the JRT fill) inside opaque ops
-      (`jrt_vllm.model.mix`), and vLLM compiles the rest of the model around them (`support_torch_compile`). That
-      is verified on vLLM's CPU backend (dynamo traced once, inductor); on a GPU the model runs eagerly
-      (`enforce_eager`): neither the compiled model nor CUDA-graph capture of the decode step has been checked there.
-
+    - Compilation: vLLM compiles the model around the mixers' opaque ops (`jrt_vllm.mixers.mix`), which join
+      `compilation_config.splitting_ops` (vLLM compiles the pieces between them, as around its own mixers).
+    - CUDA graphs: off (`cudagraph_mode` NONE; `cuda_graphs_off`). A decode-only forward reads nothing on the host
+      (`jrt_vllm.batch_plan.DECODE_STEP`), but vLLM 0.32 picks a graph by the batch's shape alone: a batch in which
+      every request reads one token replays the decode graph even when one of them is a fresh one-token prompt, whose
+      JRT first forward needs the fill and the encoder, and whose Based state slot vLLM does not zero (it zeroes
+      attention blocks only). Its piecewise graphs replay by vLLM's token count, while a forward with prompts reads
+      the expanded rows (the fill). Either would be a silently wrong output.
     - Prefix caching: a request's state depends on its whole prompt (the JRT encoder reads the first
       `prefix_length` tokens non-causally, and a short prompt's fill depends on its length), so a cached state of a
       shared prompt prefix is not the state of another prompt. Based could reuse states at block boundaries (vLLM's
@@ -41,12 +57,12 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
         cache_config = vllm_config.cache_config
         scheduler_config = vllm_config.scheduler_config
         model_config = vllm_config.model_config
-        if not model_config.enforce_eager and not current_platform.is_cpu():
-            logger.info(
-                "jrt_vllm: running eagerly (enforce_eager) on %s: the compiled model and CUDA graphs of JRT-RNN / "
-                "Based are verified on vLLM's CPU backend only.", current_platform.device_name,
-            )
-            model_config.enforce_eager = True
+        compilation_config = vllm_config.compilation_config
+        cuda_graphs_off(compilation_config)
+        if compilation_config.splitting_ops is None:  # vLLM's default list names attention ops this model lacks
+            compilation_config.splitting_ops = [MIX_OP]
+        elif MIX_OP not in compilation_config.splitting_ops:
+            compilation_config.splitting_ops = [*compilation_config.splitting_ops, MIX_OP]
         if cache_config.enable_prefix_caching:
             logger.info("jrt_vllm: prefix caching is off for JRT-RNN / Based (a state depends on the whole prompt).")
             cache_config.enable_prefix_caching = False
@@ -78,4 +94,4 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
         MambaModelConfig.verify_and_update_config(vllm_config)
 
 
-__all__ = ["JRTRNNVllmConfig"]
+__all__ = ["JRTRNNVllmConfig", "cuda_graphs_off"]

@@ -6,6 +6,7 @@ import gc
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from vllm_models import MODEL_KINDS, greedy_reference, save_model
 
@@ -50,6 +51,27 @@ def test_engine_settings(engine):
         assert not vllm_config.scheduler_config.enable_chunked_prefill
 
 
+def test_mixers_split_the_compiled_graph(engine):
+    """The mixers' op is one of vLLM's splitting ops, matched by vLLM's own rule on a traced call of it: vLLM compiles
+    the dense parts between the mixers as pieces (on a GPU), as around its own mixers."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from vllm.compilation.partition_rules import should_split
+
+    from jrt_vllm.mixers import MIX_OP
+
+    kind, model, llm = engine
+    splitting_ops = llm.llm_engine.vllm_config.compilation_config.splitting_ops
+    assert MIX_OP in splitting_ops
+
+    def call_mixer(hidden_states, output):
+        torch.ops.jrt_vllm.mix(hidden_states, output, "model.layers.0.mixer")
+        return output
+
+    graph = make_fx(call_mixer, tracing_mode="fake")(torch.zeros(3, 4), torch.zeros(3, 4)).graph
+    split = [node for node in graph.nodes if should_split(node, splitting_ops)]
+    assert [str(node.target) for node in split] == ["jrt_vllm.mix.default"]
+
+
 def test_greedy_batch_of_mixed_lengths_equals_generate(engine):
     """One batch of prompts shorter than, equal to and longer than the prefix: each gives `generate()`'s tokens for
     that prompt alone."""
@@ -67,7 +89,7 @@ def test_prompts_of_one_shape_are_prefilled_in_one_batch(engine, monkeypatch):
     """The prompts of a prefill that expand to the same rows (the same length; with the "pad" or "repeat" fill, every
     prompt shorter than the prefix) are read by each mixer in one call, as the rows of one batch; each still gives
     `generate()`'s tokens for that prompt alone, beside prompts of other shapes."""
-    import jrt_vllm.model
+    import jrt_vllm.mixers
 
     kind, model, llm = engine
     # Lengths 3, 5, 3, 13, 1, 8, 13, 2, 2: prompts of one shape apart in the batch (their rows gathered) and side by
@@ -75,14 +97,14 @@ def test_prompts_of_one_shape_are_prefilled_in_one_batch(engine, monkeypatch):
     prompts = [[70, 101, 44], [12, 250, 7, 99, 180], [5, 61, 9], PROMPTS[3], [37], PROMPTS[2],
                [3, 201, 56, 88, 19, 230, 41, 162, 28, 95, 9, 140, 77], [8, 90], [66, 4]]
     batches = []
-    read = jrt_vllm.model.JRTLinearAttention.read
+    read = jrt_vllm.mixers.JRTLinearAttention.read
 
     def recording(self, projected, hidden_states, slots, group):
         if slots is not None and self.layer_idx == model.config.mixer_types.index("linear_attention"):
             batches.append(sorted(group.requests))
         return read(self, projected, hidden_states, slots, group)
 
-    monkeypatch.setattr(jrt_vllm.model.JRTLinearAttention, "read", recording)
+    monkeypatch.setattr(jrt_vllm.mixers.JRTLinearAttention, "read", recording)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens=4), use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         assert list(output.outputs[0].token_ids) == greedy_reference(model, prompt, 4)
@@ -125,21 +147,73 @@ def test_fused_decode_kernel_in_the_engine_equals_generate(engine, monkeypatch):
     (tests/conftest.py), and a batch of requests decodes exactly what `generate()` does (decay and gate included
     for Based)."""
     pytest.importorskip("triton")
-    import jrt_vllm.model
+    import jrt_vllm.mixers
 
     rows = []
-    step_at_slots = jrt_vllm.model.linear_attention_step_at_slots
+    step_at_slots = jrt_vllm.mixers.linear_attention_step_at_slots
 
     def forced(*args, **kwargs):
         rows.append(args[4].numel())  # the decoding rows' slots
         return step_at_slots(*args, **{**kwargs, "implementation": "triton"})
 
-    monkeypatch.setattr(jrt_vllm.model, "linear_attention_step_at_slots", forced)
+    monkeypatch.setattr(jrt_vllm.mixers, "linear_attention_step_at_slots", forced)
     kind, model, llm = engine
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(max_tokens=4), use_tqdm=False)
     assert rows and max(rows) > 1  # several requests decoded in one launch
     for prompt, output in zip(PROMPTS, outputs):
         assert list(output.outputs[0].token_ids) == greedy_reference(model, prompt, 4)
+
+
+# Tensor calls that a CUDA graph cannot hold: reading a tensor's values on the host (a sync at capture, frozen at
+# replay) and making a tensor from Python data (a copy from host memory).
+HOST_READS = {"tolist", "item", "numpy", "tensor", "as_tensor", "__bool__", "__int__", "__float__", "__index__"}
+
+
+class HostReads(TorchFunctionMode):
+    """Adds to `found` the name of every host-read call (`HOST_READS`) made under it."""
+
+    def __init__(self, found: set[str]):
+        super().__init__()
+        self.found = found
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            self.found.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_decode_steps_read_nothing_on_the_host(engine, monkeypatch):
+    """A forward of decode steps only plans nothing: the model and every mixer (inside its opaque op) run without a
+    host read (no sync per step on a GPU; what a CUDA-graph capture needs). A forward with prompts plans them on the
+    host, which the recorder sees. The tokens are `generate()`'s."""
+    import jrt_vllm.mixers
+    import jrt_vllm.model
+    from jrt_vllm.batch_plan import forward_metadata, is_decode_only
+
+    kind, model, llm = engine
+    forwards: list[tuple[bool, set[str]]] = []  # (decode-only, host reads), forward by forward
+    model_forward, layer_mix = jrt_vllm.model.JRTRNNForCausalLM.forward, jrt_vllm.mixers.JRTStateLayer.mix
+
+    def recorded_forward(self, *args, **kwargs):
+        metadata = forward_metadata()
+        forwards.append((metadata is not None and is_decode_only(metadata), set()))
+        with HostReads(forwards[-1][1]):
+            return model_forward(self, *args, **kwargs)
+
+    def recorded_mix(self, hidden_states, output):  # the op's body: the outer recorder is off inside the op
+        with HostReads(forwards[-1][1]):
+            return layer_mix(self, hidden_states, output)
+
+    monkeypatch.setattr(jrt_vllm.model.JRTRNNForCausalLM, "forward", recorded_forward)
+    monkeypatch.setattr(jrt_vllm.mixers.JRTStateLayer, "mix", recorded_mix)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [
+        greedy_reference(model, p, MAX_NEW_TOKENS) for p in PROMPTS
+    ]
+    assert [decode_only for decode_only, _ in forwards] == [False] + [True] * (MAX_NEW_TOKENS - 1)
+    assert "tolist" in forwards[0][1]  # the prefill's plan
+    assert [found for _, found in forwards[1:]] == [set()] * (MAX_NEW_TOKENS - 1)
 
 
 def test_request_added_mid_stream_equals_generate(engine):
