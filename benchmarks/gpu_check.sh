@@ -19,7 +19,8 @@
 #    the released 360M shape (hidden 1024, 26 layers, random weights) at 2k and 8k (benchmarks/decode.py --generate);
 # 7. kernel launches of an eager decode step and of a 4k prefill, both models (benchmarks/launches.py, torch.profiler);
 # 8. a training step's tokens/s, both models (benchmarks/train_step.py); 9. vLLM throughput, both models as vLLM runs
-#    them by default (compiled, CUDA graphs), at 2k-token prompts (benchmarks/serve.py; only where vllm imports).
+#    them by default (compiled; CUDA graphs for Llama, off for JRT-RNN: docs/serving.md), at 2k-token prompts
+#    (benchmarks/serve.py; only where vllm imports).
 # Optionally (JRT_GPU_CHECK_PTXAS=1) step 10 below: the backward with ptxas's register allocator at its own level.
 # Writes OUT_DIR/env.txt, tests.txt, model.txt, prefill.txt, prefill.json, prefill_b1.txt, prefill_b1.json,
 # model_prefill.txt, model_prefill_b1.json, model_prefill_b8.json, decode.txt, launches.txt, launches.json,
@@ -123,7 +124,7 @@ timeout 30 "$python" benchmarks/train_step.py --device cuda --dtype bfloat16 --l
     | tee -a "$out/train.txt"
 train_rc=${PIPESTATUS[0]}
 
-echo "== 9. vLLM decode throughput, JRT-RNN vs Llama, compiled with CUDA graphs (needs vllm: a wheel in .whl/)" | tee "$out/serve.txt"
+echo "== 9. vLLM decode throughput, JRT-RNN vs Llama, both compiled as vLLM runs them (needs vllm: a wheel in .whl/)" | tee "$out/serve.txt"
 serve_rc=0
 if "$python" -c "import vllm" > /dev/null 2>&1; then
     timeout 65 "$python" benchmarks/serve.py --prompt-len 2048 --new-tokens 128 --requests 64 --dtype bfloat16 \

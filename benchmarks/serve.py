@@ -55,8 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--compiled", action="store_true",
         help="both engines as vLLM runs them by default (compiled: on CPU, dynamo traced once and inductor; on a GPU, "
-        "also CUDA graphs, JRT-RNN's decode forwards captured whole) instead of eagerly (enforce_eager=True); the "
-        "compile and capture time is not timed",
+        "CUDA graphs too, which jrt_vllm turns off for JRT-RNN) instead of eagerly (enforce_eager=True); the compile "
+        "and capture time is not timed",
     )
     parser.add_argument(
         "--rounds", type=int, default=3,
@@ -115,7 +115,7 @@ def run_one(args: argparse.Namespace, folder: str) -> None:
     import vllm
 
     # max_num_seqs: a timed batch is `--requests` requests, so a compiled engine captures CUDA graphs up to that
-    # batch only (vLLM's default of 256 sequences would capture sizes no round reaches, on both engines).
+    # batch only (vLLM's default of 256 sequences would capture sizes no round reaches).
     llm = vllm.LLM(
         model=folder, dtype=args.dtype, enforce_eager=not args.compiled, skip_tokenizer_init=True, seed=0,
         max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=args.requests,
