@@ -46,7 +46,8 @@ docs/reference_architecture.md §2.1).
 Layouts at every function boundary: q, k `(B, T, H, K)`, v and outputs `(B, T, H, V)`, encoder tensors
 `(B, M, H, K)` / `(B, M, H, V)` for the first M tokens, encoder_start / encoder_end `(B,)` int64, key_mask `(B, T)`
 bool (True = real token), gate `(B, T, H)`, log_decay `(H,)` = log gamma. `validate_linear_attention_inputs` checks
-them once for every implementation (the Triton kernel too: the dispatcher validates before it calls the kernel).
+them once for every implementation and makes the frozen `LinearAttentionInputs` they take
+(`linear_attention_inputs.py`; the Triton kernel too: the dispatcher validates before it calls the kernel).
 
 Implementations behind `prefix_linear_attention(..., implementation=...)` (a name, or the `KernelChoice` of the
 model that calls: `kernel_choice.py` is the one place that decides, and remembers a kernel that failed):
@@ -62,6 +63,7 @@ model that calls: `kernel_choice.py` is the one place that decides, and remember
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -71,8 +73,8 @@ import torch
 from .chunked_scan import full_state, scan_in_place
 from .chunked_scan_autograd import scan
 from .compact_taylor import CompactTaylor
-from .configuration_jrt import PREFIX_PAD_MASKINGS
 from .kernel_choice import BACKWARD, LINEAR_ATTENTION, KernelChoice
+from .linear_attention_inputs import LinearAttentionInputs, num_taylor_features, validate_linear_attention_inputs
 
 
 def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
@@ -91,10 +93,6 @@ def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([ones, linear, quadratic], dim=-1)
 
 
-def num_taylor_features(feature_dim: int) -> int:
-    return 1 + feature_dim + feature_dim**2
-
-
 def fixed_log_decay(decay_const: float, heads: range, device: torch.device) -> torch.Tensor:
     """`(len(heads),)` log gamma_h of the Based fixed decay, gamma_h = 1 - 2**(decay_const - h), for the heads `heads`
     (all of a layer's, or one tensor-parallel rank's), computed in fp64 and returned in fp32."""
@@ -107,154 +105,22 @@ def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
-def _as_row_index(value: torch.Tensor | int, batch_size: int, device: torch.device, name: str) -> torch.Tensor:
-    """An int or a `(B,)` integer tensor -> `(B,)` int64 on `device`."""
-    if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
-        raise TypeError(f"{name} must be an int or a (B,) integer tensor; got {type(value).__name__}.")
-    if isinstance(value, int):
-        return torch.full((batch_size,), value, dtype=torch.long, device=device)
-    if value.dtype.is_floating_point or value.dtype == torch.bool or value.shape != (batch_size,):
-        raise ValueError(
-            f"{name} must be a (B,) = ({batch_size},) integer tensor; got {value.dtype} {tuple(value.shape)}."
-        )
-    return value.to(device=device, dtype=torch.long)
+def prefix_linear_attention_quadratic(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The O(T^2) oracle, `prefix_linear_attention(..., implementation="quadratic")`: materialises phi (F features)
+    and the (T, T) weights. Tests only; pass fp64 inputs (the state is then fp64 too)."""
+    return prefix_linear_attention(*args, **kwargs, implementation="quadratic")
 
 
-def validate_linear_attention_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_enc: torch.Tensor | None = None,
-    v_enc: torch.Tensor | None = None,
-    *,
-    encoder_start: torch.Tensor | int | None = None,
-    encoder_end: torch.Tensor | int | None = None,
-    key_mask: torch.Tensor | None = None,
-    pad_masking: str = "strict",
-    initial_state: torch.Tensor | None = None,
-    log_decay: torch.Tensor | None = None,
-    gate: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Check the arguments shared by every implementation (oracle, chunked, step, Triton) and normalise them.
-
-    Raises `ValueError` / `TypeError` naming the argument, the expected and the actual value.
-
-    Returns:
-        `(encoder_start, encoder_end, key_mask)`: the encoder range as `(B,)` int64 tensors (`[0, M)` for every row
-        when none is given; both None without an encoder) and the key mask as `(B, T)` bool (or None).
-    """
-    if q.ndim != 4 or k.shape != q.shape:
-        raise ValueError(f"q and k must both be (B, T, H, K); got q {tuple(q.shape)} and k {tuple(k.shape)}.")
-    batch_size, seq_len, num_heads, feature_dim = q.shape
-    if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be (B, T, H, V) = ({batch_size}, {seq_len}, {num_heads}, V); got {tuple(v.shape)}.")
-    if (k_enc is None) != (v_enc is None):
-        raise ValueError("k_enc and v_enc must be given together (or both None for causal linear attention).")
-    if pad_masking not in PREFIX_PAD_MASKINGS:
-        raise ValueError(f"pad_masking must be one of {list(PREFIX_PAD_MASKINGS)}, got {pad_masking!r}.")
-    if key_mask is not None:
-        if key_mask.shape != (batch_size, seq_len):
-            raise ValueError(f"key_mask must be (B, T) = ({batch_size}, {seq_len}); got {tuple(key_mask.shape)}.")
-        key_mask = key_mask if key_mask.dtype == torch.bool else key_mask != 0  # a 0/1 mask is fine too
-    state_shape = (batch_size, num_heads, num_taylor_features(feature_dim), v.shape[-1] + 1)
-    if initial_state is not None and tuple(initial_state.shape) != state_shape:
-        raise ValueError(f"initial_state must be (B, H, F, V + 1) = {state_shape}; got {tuple(initial_state.shape)}.")
-    if log_decay is not None and tuple(log_decay.shape) != (num_heads,):
-        raise ValueError(f"log_decay must be (H,) = ({num_heads},); got {tuple(log_decay.shape)}.")
-    if gate is not None and gate.shape != (batch_size, seq_len, num_heads):
-        raise ValueError(f"gate must be (B, T, H) = ({batch_size}, {seq_len}, {num_heads}); got {tuple(gate.shape)}.")
-    if k_enc is None:
-        if encoder_start is not None or encoder_end is not None:
-            raise ValueError("encoder_start / encoder_end describe the encoder keys: pass k_enc and v_enc with them.")
-        return None, None, key_mask
-
-    encoder_length = k_enc.shape[1]
-    if k_enc.ndim != 4 or k_enc.shape != (batch_size, encoder_length, num_heads, feature_dim):
-        raise ValueError(f"k_enc must be (B, M, H, K) with B, H, K of q; got {tuple(k_enc.shape)}.")
-    if v_enc.shape != (batch_size, encoder_length, num_heads, v.shape[-1]):
-        raise ValueError(f"v_enc must be (B, M, H, V) with B, H, V of v; got {tuple(v_enc.shape)}.")
-    if encoder_length > seq_len:
-        raise ValueError(f"The encoder covers the first M tokens, so M ({encoder_length}) must be <= T ({seq_len}).")
-    if log_decay is not None or gate is not None:
-        raise ValueError("Decay and gate are Based (causal) options; they cannot be combined with an encoder prefix.")
-    start = _as_row_index(0 if encoder_start is None else encoder_start, batch_size, q.device, "encoder_start")
-    end = _as_row_index(encoder_length if encoder_end is None else encoder_end, batch_size, q.device, "encoder_end")
-    given = encoder_start is not None or encoder_end is not None  # the default [0, M) needs no check (no host sync)
-    invalid = (start < 0) | (start > end) | (end > encoder_length)
-    if given and not torch.compiler.is_compiling() and bool(invalid.any()):
-        raise ValueError(
-            f"The encoder range must satisfy 0 <= encoder_start <= encoder_end <= M = {encoder_length} in every row; "
-            f"got encoder_start {start.tolist()} and encoder_end {end.tolist()}."
-        )
-    return start, end, key_mask
-
-
-def _key_masks(
-    key_mask: torch.Tensor | None,
-    encoder_start: torch.Tensor | None,
-    encoder_end: torch.Tensor | None,
-    seq_len: int,
-    encoder_length: int,
-    pad_masking: str,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Which keys count, from validated inputs (see the module docstring).
-
-    Returns:
-        `(raw, decoder, encoder)`: `raw` `(B, T)` bool, False where the raw key is zeroed before the feature map;
-        `decoder` `(B, T)` / `encoder` `(B, M)` bool, True where phi(k) enters the decoder / encoder sums. None means
-        "all True" (no key mask; no encoder).
-    """
-    in_range = None  # (B, T): inside the row's encoder range
-    if encoder_start is not None:
-        positions = torch.arange(seq_len, device=encoder_start.device)
-        in_range = (positions >= encoder_start[:, None]) & (positions < encoder_end[:, None])
-    encoder = None if in_range is None else in_range[:, :encoder_length]
-    if key_mask is None:
-        return None, None, encoder
-    if pad_masking == "strict" or in_range is None:
-        decoder = key_mask
-    else:  # "reference": a masked key inside the encoder range keeps its weight-1 constant term
-        decoder = key_mask | in_range
-    if encoder is not None and pad_masking == "strict":
-        encoder = encoder & key_mask[:, :encoder_length]
-    return key_mask, decoder, encoder
-
-
-def prefix_linear_attention_quadratic(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_enc: torch.Tensor | None = None,
-    v_enc: torch.Tensor | None = None,
-    *,
-    encoder_start: torch.Tensor | int | None = None,
-    encoder_end: torch.Tensor | int | None = None,
-    key_mask: torch.Tensor | None = None,
-    pad_masking: str = "strict",
-    initial_state: torch.Tensor | None = None,
-    log_decay: torch.Tensor | None = None,
-    gate: torch.Tensor | None = None,
-    eps: float = 1e-12,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The O(T^2) oracle: materialises phi (F features) and the (T, T) weights. Tests only; pass fp64 inputs.
-
-    Same arguments as `prefix_linear_attention`.
-
-    Returns:
-        `(output (B, T, H, V) in v.dtype, state (B, H, F, V + 1))`; the state is fp64 for fp64 inputs, else fp32.
-    """
-    encoder_start, encoder_end, key_mask = validate_linear_attention_inputs(
-        q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
-        pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate,
-    )
-    output_dtype = v.dtype
-    dtype = _compute_dtype(q)
-    seq_len, value_dim = q.shape[1], v.shape[-1]
+def _quadratic(inputs: LinearAttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle (`prefix_linear_attention_quadratic`) on validated inputs."""
+    k_enc, v_enc, initial_state = inputs.k_enc, inputs.v_enc, inputs.initial_state
+    log_decay, gate, eps = inputs.log_decay, inputs.gate, inputs.eps
+    output_dtype = inputs.v.dtype
+    dtype = _compute_dtype(inputs.q)
+    seq_len, value_dim = inputs.q.shape[1], inputs.v.shape[-1]
     encoder_length = 0 if k_enc is None else k_enc.shape[1]
-    raw, decoder_keys, encoder_keys = _key_masks(
-        key_mask, encoder_start, encoder_end, seq_len, encoder_length, pad_masking
-    )
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    raw, decoder_keys, encoder_keys = inputs.key_masks()
+    q, k, v = inputs.q.to(dtype), inputs.k.to(dtype), inputs.v.to(dtype)
 
     phi_q = taylor_feature_map(q)  # (B, T, H, F)
     phi_k = _features_of_keys(k, raw, decoder_keys)  # (B, T, H, F)
@@ -326,24 +192,8 @@ def _features_of_keys(keys: torch.Tensor, raw: torch.Tensor | None, counted: tor
     return features
 
 
-def prefix_linear_attention_chunked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_enc: torch.Tensor | None = None,
-    v_enc: torch.Tensor | None = None,
-    *,
-    encoder_start: torch.Tensor | int | None = None,
-    encoder_end: torch.Tensor | int | None = None,
-    key_mask: torch.Tensor | None = None,
-    pad_masking: str = "strict",
-    initial_state: torch.Tensor | None = None,
-    log_decay: torch.Tensor | None = None,
-    gate: torch.Tensor | None = None,
-    eps: float = 1e-12,
-    chunk_size: int = 32,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked scan: O(T) time, differentiable. Same arguments and results as the oracle.
+def prefix_linear_attention_chunked(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked scan, `prefix_linear_attention(..., implementation="chunked")`: O(T) time, differentiable.
 
     Per chunk of C tokens (docs/prefill.md §4.2):
 
@@ -362,25 +212,13 @@ def prefix_linear_attention_chunked(
       per token for the backward pass; docs/prefill.md §4.4). A compiled graph holds the op as one node whatever T
       is: compile time and memory do not depend on T, and `dynamic=True` does not recompile for a new length.
     """
-    encoder_start, encoder_end, key_mask = validate_linear_attention_inputs(
-        q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
-        pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate,
-    )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
-    if q.shape[0] == 0 or q.shape[1] == 0:
-        return _empty_prefill(q, v, initial_state)
-    return _chunked_prefill(
-        q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, pad_masking,
-        eps, chunk_size,
-    )
+    return prefix_linear_attention(*args, **kwargs, implementation="chunked")
 
 
-def _empty_prefill(
-    q: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _empty_prefill(inputs: LinearAttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """The result for no rows (B = 0) or no tokens (T = 0, hence M = 0): an empty output and the state unchanged
     (the initial state, or zeros), as the oracle gives; both stay connected to the inputs for autograd."""
+    q, v, initial_state = inputs.q, inputs.v, inputs.initial_state
     batch_size, _, num_heads, feature_dim = q.shape
     if initial_state is not None:
         state = initial_state.to(_compute_dtype(q)) * 1
@@ -395,34 +233,19 @@ def _records_gradients(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _chunked_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_enc: torch.Tensor | None,
-    v_enc: torch.Tensor | None,
-    encoder_start: torch.Tensor | None,
-    encoder_end: torch.Tensor | None,
-    key_mask: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
-    log_decay: torch.Tensor | None,
-    gate: torch.Tensor | None,
-    pad_masking: str,
-    eps: float,
-    chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`prefix_linear_attention_chunked` on validated inputs with rows and tokens.
+def _chunked_prefill(inputs: LinearAttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked scan (`prefix_linear_attention_chunked`) on validated inputs with rows and tokens.
 
     The key masks and the compact initial state, then the scan: eagerly without autograd the in-place scan with the
     gate inside (`chunked_scan.scan_in_place`); with autograd or under torch.compile the custom op
     `chunked_scan_autograd.scan` (the same scan, an explicit backward, one opaque node in a compiled graph) and the
     gate outside. The state goes back to the full layout.
     """
+    q, k, v, k_enc, v_enc, initial_state, gate = inputs.differentiable
+    log_decay, eps, chunk_size = inputs.log_decay, inputs.eps, inputs.chunk_size
     batch_size, seq_len, num_heads, feature_dim = q.shape
     value_dim, dtype = v.shape[-1], _compute_dtype(q)
-    raw, decoder_keys, encoder_keys = _key_masks(
-        key_mask, encoder_start, encoder_end, seq_len, 0 if k_enc is None else k_enc.shape[1], pad_masking
-    )
+    raw, decoder_keys, encoder_keys = inputs.key_masks()
     taylor = CompactTaylor(feature_dim, q.device)
     residual = None  # the antisymmetric part of the initial state, which the compact state cannot hold
     if initial_state is None:
@@ -431,7 +254,7 @@ def _chunked_prefill(
         state = taylor.compress(initial_state.to(dtype))  # (B, H, F', V + 1)
         residual = initial_state.to(dtype) - taylor.expand(state)  # (B, H, F, V + 1)
     decay = None if log_decay is None else log_decay.to(dtype)
-    if torch.compiler.is_compiling() or _records_gradients(q, k, v, k_enc, v_enc, initial_state, gate):
+    if torch.compiler.is_compiling() or _records_gradients(*inputs.differentiable):
         output, state, _ = scan(q, k, v, k_enc, v_enc, state, raw, decoder_keys, encoder_keys, decay, chunk_size, eps)
         if gate is not None:
             output = output * gate[..., None].to(dtype)
@@ -577,29 +400,26 @@ def _fused_backward_or_none(choice: KernelChoice, *args, **kwargs) -> tuple[torc
 
 
 def _chunked_gradients(
-    inputs: tuple[torch.Tensor | None, ...],
+    inputs: LinearAttentionInputs,
     needs_grad: tuple[bool, ...],
     grad_output: torch.Tensor,
     grad_state: torch.Tensor | None,
-    **kwargs,
 ) -> list[torch.Tensor | None]:
-    """Gradients of `prefix_linear_attention_chunked` by autograd, recomputing its forward (a failed fused backward).
+    """Gradients of the chunked path by autograd, recomputing its forward (a failed fused backward).
 
     Args:
-        inputs: `(q, k, v, k_enc, v_enc, initial_state, gate)`, the differentiable inputs (None where absent).
-        needs_grad: one flag per input: whether its gradient is wanted.
+        inputs: the call's inputs.
+        needs_grad: one flag per `inputs.differentiable` tensor: whether its gradient is wanted.
         grad_output: `(B, T, H, V)` gradient of the output; grad_state: `(B, H, F, V + 1)` of the state, or None.
-        kwargs: the remaining keyword arguments of `prefix_linear_attention_chunked`.
 
     Returns:
-        One gradient per input, None where it is not wanted (or absent).
+        One gradient per `inputs.differentiable` tensor, None where it is not wanted (or absent).
     """
-    leaves = [None if t is None else t.detach().requires_grad_(needed) for t, needed in zip(inputs, needs_grad)]
-    q, k, v, k_enc, v_enc, initial_state, gate = leaves
+    leaves = [
+        None if t is None else t.detach().requires_grad_(needed) for t, needed in zip(inputs.differentiable, needs_grad)
+    ]
     with torch.enable_grad():
-        output, state = prefix_linear_attention_chunked(
-            q, k, v, k_enc, v_enc, initial_state=initial_state, gate=gate, **kwargs
-        )
+        output, state = _chunked_prefill(inputs.with_differentiable(*leaves))
     wanted = [t for t, needed in zip(leaves, needs_grad) if needed and t is not None]
     outputs, grads = (output, state), (grad_output, grad_state)
     if grad_state is None:
@@ -615,24 +435,25 @@ class _KernelWithSafeBackward(torch.autograd.Function):
     (ptxas error, `OutOfResources`, an unsupported architecture) is out of `KernelChoice.run`'s reach. Here it warns
     once, marks the backward failed in the choice (`_fused_backward_or_none`) and returns the gradients of the
     chunked path, computed by autograd through a recomputed chunked forward. A failed forward propagates out of
-    `apply`, to `KernelChoice.run`. Arguments: the choice, then those of `prefix_linear_attention`, positional (as
-    `apply` wants).
+    `apply`, to `KernelChoice.run`. Arguments: the choice, the validated inputs, and their differentiable tensors
+    again, positional (autograd tracks only what `apply` is given).
     """
 
     @staticmethod
-    def forward(ctx, choice, q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask,
-                log_decay, pad_masking, eps, chunk_size):
+    def forward(ctx, choice, inputs, *differentiable):
         # and what the fused backward reads instead of recomputing (the state after the encoder, 1 / (den + eps))
         output, state, saved = choice.kernels().prefix_linear_attention_triton(
-            q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
-            pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps,
-            return_saved=True,
+            *differentiable[:5], **inputs.kernel_options(), return_saved=True
         )
-        # the output too: the fused backward reads dy . y from it instead of recomputing the forward's read
-        ctx.save_for_backward(q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask,
-                              log_decay, output, *saved.values())
+        # Tensors go through `save_for_backward` (activation checkpointing packs them), the rest stays on ctx. The
+        # output too: the fused backward reads dy . y from it instead of recomputing the forward's read.
+        ranges = (inputs.encoder_start, inputs.encoder_end, inputs.key_mask, inputs.log_decay)
+        ctx.save_for_backward(*differentiable, *ranges, output, *saved.values())
         ctx.saved_names = tuple(saved)
-        ctx.choice, ctx.pad_masking, ctx.eps, ctx.chunk_size = choice, pad_masking, eps, chunk_size
+        ctx.choice, ctx.inputs = choice, dataclasses.replace(
+            inputs, q=None, k=None, v=None, k_enc=None, v_enc=None, encoder_start=None, encoder_end=None,
+            key_mask=None, initial_state=None, log_decay=None, gate=None,
+        )  # the options alone
         ctx.set_materialize_grads(False)  # no grad_state: the fused backward skips that term
         return output, state
 
@@ -641,19 +462,20 @@ class _KernelWithSafeBackward(torch.autograd.Function):
         saved = ctx.saved_tensors  # once: activation checkpointing unpacks each saved tensor once
         q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask, log_decay = saved[:11]
         output, backward_inputs = saved[11], dict(zip(ctx.saved_names, saved[12:]))
+        inputs = dataclasses.replace(
+            ctx.inputs, q=q, k=k, v=v, k_enc=k_enc, v_enc=v_enc, encoder_start=encoder_start, encoder_end=encoder_end,
+            key_mask=key_mask, initial_state=initial_state, log_decay=log_decay, gate=gate,
+        )
         grad_output = torch.zeros_like(v) if grad_output is None else grad_output
         grads = _fused_backward_or_none(
             ctx.choice, q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start,
-            encoder_end=encoder_end, key_mask=key_mask, strict=ctx.pad_masking == "strict", initial_state=initial_state,
-            log_decay=log_decay, gate=gate, eps=ctx.eps, output=output, **backward_inputs,
+            encoder_end=encoder_end, key_mask=key_mask, strict=inputs.pad_masking == "strict",
+            initial_state=initial_state, log_decay=log_decay, gate=gate, eps=inputs.eps, output=output,
+            **backward_inputs,
         )
         if grads is None:
-            grads = _chunked_gradients(
-                (q, k, v, k_enc, v_enc, initial_state, gate), ctx.needs_input_grad[1:8], grad_output, grad_state,
-                encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
-                pad_masking=ctx.pad_masking, log_decay=log_decay, eps=ctx.eps, chunk_size=ctx.chunk_size,
-            )
-        return (None, *grads, None, None, None, None, None, None, None)
+            grads = _chunked_gradients(inputs, ctx.needs_input_grad[2:9], grad_output, grad_state)
+        return (None, None, *grads)
 
 
 def prefix_linear_attention(
@@ -697,39 +519,27 @@ def prefix_linear_attention(
     Returns:
         `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) in fp32)`.
     """
-    encoder_start, encoder_end, key_mask = validate_linear_attention_inputs(
+    inputs = validate_linear_attention_inputs(
         q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
-        pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate,
+        pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps,
+        chunk_size=chunk_size,
     )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
     choice = KernelChoice.of(implementation)
     chosen = choice.linear_attention(q.device)
-    if q.shape[0] == 0 or q.shape[1] == 0:
-        return _empty_prefill(q, v, initial_state)  # nothing to scan or launch a kernel for
-    kwargs = dict(
-        encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask, pad_masking=pad_masking,
-        initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps,
-    )
+    if inputs.is_empty:
+        return _empty_prefill(inputs)  # nothing to scan or launch a kernel for
     # The inputs are validated: the implementations below start at their work (no second check).
-    run_chunked = functools.partial(
-        _chunked_prefill, q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay,
-        gate, pad_masking, eps, chunk_size,
-    )
     if chosen == "quadratic":
-        return prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc, **kwargs)
+        return _quadratic(inputs)
+    run_chunked = functools.partial(_chunked_prefill, inputs)
     if chosen == "triton":
-        training = _records_gradients(q, k, v, k_enc, v_enc, initial_state, gate)
-        if choice.forced or not training or torch.compiler.is_compiling():
+        if choice.forced or not _records_gradients(*inputs.differentiable) or torch.compiler.is_compiling():
             # The op's own autograd (the fused backward, which raises on failure); torch.compile traces the op.
             run_triton = functools.partial(
-                choice.kernels().prefix_linear_attention_triton, q, k, v, k_enc, v_enc, **kwargs
+                choice.kernels().prefix_linear_attention_triton, q, k, v, k_enc, v_enc, **inputs.kernel_options()
             )
         else:  # "auto" training: a failed fused backward falls back to the chunked gradients
-            run_triton = functools.partial(
-                _KernelWithSafeBackward.apply, choice, q, k, v, k_enc, v_enc, initial_state, gate, encoder_start,
-                encoder_end, key_mask, log_decay, pad_masking, eps, chunk_size,
-            )
+            run_triton = functools.partial(_KernelWithSafeBackward.apply, choice, inputs, *inputs.differentiable)
         return choice.run(LINEAR_ATTENTION, run_triton, run_chunked)
     return run_chunked()
 

@@ -1,0 +1,187 @@
+"""The inputs of one prefill of linear attention, checked once: `validate_linear_attention_inputs` makes the frozen
+`LinearAttentionInputs` that every implementation takes (the oracle, the chunked scan, the Triton kernel's launch,
+the chunked gradients of a failed fused backward), so none of them checks again. Layouts: `linear_attention.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .configuration_jrt import PREFIX_PAD_MASKINGS
+
+
+def num_taylor_features(feature_dim: int) -> int:
+    """F = 1 + K + K^2, the features of the 2nd-order Taylor map of K-dimensional queries and keys."""
+    return 1 + feature_dim + feature_dim**2
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionInputs:
+    """One prefill's inputs, validated and normalised (made by `validate_linear_attention_inputs` only).
+
+    Attributes:
+        q, k: `(B, T, H, K)`; v: `(B, T, H, V)`; k_enc, v_enc: `(B, M, H, K)` / `(B, M, H, V)`, or None (causal).
+        encoder_start, encoder_end: `(B,)` int64, `[0, M)` for every row when none was given; None without encoder.
+        key_mask: `(B, T)` bool, or None. pad_masking: "strict" or "reference".
+        initial_state: `(B, H, F, V + 1)`, or None. log_decay: `(H,)`, or None. gate: `(B, T, H)`, or None.
+        eps: added to the denominator. chunk_size: the chunked scan's chunk length (>= 1).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_enc: torch.Tensor | None
+    v_enc: torch.Tensor | None
+    encoder_start: torch.Tensor | None
+    encoder_end: torch.Tensor | None
+    key_mask: torch.Tensor | None
+    pad_masking: str
+    initial_state: torch.Tensor | None
+    log_decay: torch.Tensor | None
+    gate: torch.Tensor | None
+    eps: float
+    chunk_size: int
+
+    @property
+    def differentiable(self) -> tuple[torch.Tensor | None, ...]:
+        """`(q, k, v, k_enc, v_enc, initial_state, gate)`: the inputs a gradient flows to (None where absent)."""
+        return self.q, self.k, self.v, self.k_enc, self.v_enc, self.initial_state, self.gate
+
+    @property
+    def is_empty(self) -> bool:
+        """No rows or no tokens: nothing to scan or launch."""
+        return self.q.shape[0] == 0 or self.q.shape[1] == 0
+
+    def with_differentiable(self, *tensors: torch.Tensor | None) -> LinearAttentionInputs:
+        """The same inputs with `differentiable` replaced (e.g. by detached leaves); shapes are unchanged."""
+        q, k, v, k_enc, v_enc, initial_state, gate = tensors
+        return dataclasses.replace(
+            self, q=q, k=k, v=v, k_enc=k_enc, v_enc=v_enc, initial_state=initial_state, gate=gate
+        )
+
+    def kernel_options(self) -> dict:
+        """The keyword arguments of the `jrt_kernels` prefill launcher besides q, k, v, k_enc, v_enc."""
+        return dict(
+            encoder_start=self.encoder_start, encoder_end=self.encoder_end, key_mask=self.key_mask,
+            pad_masking=self.pad_masking, initial_state=self.initial_state, log_decay=self.log_decay, gate=self.gate,
+            eps=self.eps,
+        )
+
+    def key_masks(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Which keys count (see `linear_attention.py`'s docstring, "Padding").
+
+        Returns:
+            `(raw, decoder, encoder)`: `raw` `(B, T)` bool, False where the raw key is zeroed before the feature map;
+            `decoder` `(B, T)` / `encoder` `(B, M)` bool, True where phi(k) enters the decoder / encoder sums. None
+            means "all True" (no key mask; no encoder).
+        """
+        seq_len = self.q.shape[1]
+        encoder_length = 0 if self.k_enc is None else self.k_enc.shape[1]
+        key_mask, pad_masking = self.key_mask, self.pad_masking
+        in_range = None  # (B, T): inside the row's encoder range
+        if self.encoder_start is not None:
+            positions = torch.arange(seq_len, device=self.encoder_start.device)
+            in_range = (positions >= self.encoder_start[:, None]) & (positions < self.encoder_end[:, None])
+        encoder = None if in_range is None else in_range[:, :encoder_length]
+        if key_mask is None:
+            return None, None, encoder
+        if pad_masking == "strict" or in_range is None:
+            decoder = key_mask
+        else:  # "reference": a masked key inside the encoder range keeps its weight-1 constant term
+            decoder = key_mask | in_range
+        if encoder is not None and pad_masking == "strict":
+            encoder = encoder & key_mask[:, :encoder_length]
+        return key_mask, decoder, encoder
+
+
+def _as_row_index(value: torch.Tensor | int, batch_size: int, device: torch.device, name: str) -> torch.Tensor:
+    """An int or a `(B,)` integer tensor -> `(B,)` int64 on `device`."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
+        raise TypeError(f"{name} must be an int or a (B,) integer tensor; got {type(value).__name__}.")
+    if isinstance(value, int):
+        return torch.full((batch_size,), value, dtype=torch.long, device=device)
+    if value.dtype.is_floating_point or value.dtype == torch.bool or value.shape != (batch_size,):
+        raise ValueError(
+            f"{name} must be a (B,) = ({batch_size},) integer tensor; got {value.dtype} {tuple(value.shape)}."
+        )
+    return value.to(device=device, dtype=torch.long)
+
+
+def validate_linear_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_enc: torch.Tensor | None = None,
+    v_enc: torch.Tensor | None = None,
+    *,
+    encoder_start: torch.Tensor | int | None = None,
+    encoder_end: torch.Tensor | int | None = None,
+    key_mask: torch.Tensor | None = None,
+    pad_masking: str = "strict",
+    initial_state: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    eps: float = 1e-12,
+    chunk_size: int = 32,
+) -> LinearAttentionInputs:
+    """Check the arguments shared by every implementation (oracle, chunked, step, Triton) and normalise them: the
+    encoder range as `(B,)` int64 tensors (`[0, M)` for every row when none is given; both None without an encoder),
+    the key mask as `(B, T)` bool (or None).
+
+    Raises `ValueError` / `TypeError` naming the argument, the expected and the actual value.
+    """
+    if q.ndim != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be (B, T, H, K); got q {tuple(q.shape)} and k {tuple(k.shape)}.")
+    batch_size, seq_len, num_heads, feature_dim = q.shape
+    if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be (B, T, H, V) = ({batch_size}, {seq_len}, {num_heads}, V); got {tuple(v.shape)}.")
+    if (k_enc is None) != (v_enc is None):
+        raise ValueError("k_enc and v_enc must be given together (or both None for causal linear attention).")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    if pad_masking not in PREFIX_PAD_MASKINGS:
+        raise ValueError(f"pad_masking must be one of {list(PREFIX_PAD_MASKINGS)}, got {pad_masking!r}.")
+    if key_mask is not None:
+        if key_mask.shape != (batch_size, seq_len):
+            raise ValueError(f"key_mask must be (B, T) = ({batch_size}, {seq_len}); got {tuple(key_mask.shape)}.")
+        key_mask = key_mask if key_mask.dtype == torch.bool else key_mask != 0  # a 0/1 mask is fine too
+    state_shape = (batch_size, num_heads, num_taylor_features(feature_dim), v.shape[-1] + 1)
+    if initial_state is not None and tuple(initial_state.shape) != state_shape:
+        raise ValueError(f"initial_state must be (B, H, F, V + 1) = {state_shape}; got {tuple(initial_state.shape)}.")
+    if log_decay is not None and tuple(log_decay.shape) != (num_heads,):
+        raise ValueError(f"log_decay must be (H,) = ({num_heads},); got {tuple(log_decay.shape)}.")
+    if gate is not None and gate.shape != (batch_size, seq_len, num_heads):
+        raise ValueError(f"gate must be (B, T, H) = ({batch_size}, {seq_len}, {num_heads}); got {tuple(gate.shape)}.")
+    if k_enc is None:
+        if encoder_start is not None or encoder_end is not None:
+            raise ValueError("encoder_start / encoder_end describe the encoder keys: pass k_enc and v_enc with them.")
+        return LinearAttentionInputs(
+            q, k, v, None, None, None, None, key_mask, pad_masking, initial_state, log_decay, gate, eps, chunk_size
+        )
+
+    encoder_length = k_enc.shape[1]
+    if k_enc.ndim != 4 or k_enc.shape != (batch_size, encoder_length, num_heads, feature_dim):
+        raise ValueError(f"k_enc must be (B, M, H, K) with B, H, K of q; got {tuple(k_enc.shape)}.")
+    if v_enc.shape != (batch_size, encoder_length, num_heads, v.shape[-1]):
+        raise ValueError(f"v_enc must be (B, M, H, V) with B, H, V of v; got {tuple(v_enc.shape)}.")
+    if encoder_length > seq_len:
+        raise ValueError(f"The encoder covers the first M tokens, so M ({encoder_length}) must be <= T ({seq_len}).")
+    if log_decay is not None or gate is not None:
+        raise ValueError("Decay and gate are Based (causal) options; they cannot be combined with an encoder prefix.")
+    start = _as_row_index(0 if encoder_start is None else encoder_start, batch_size, q.device, "encoder_start")
+    end = _as_row_index(encoder_length if encoder_end is None else encoder_end, batch_size, q.device, "encoder_end")
+    given = encoder_start is not None or encoder_end is not None  # the default [0, M) needs no check (no host sync)
+    invalid = (start < 0) | (start > end) | (end > encoder_length)
+    if given and not torch.compiler.is_compiling() and bool(invalid.any()):
+        raise ValueError(
+            f"The encoder range must satisfy 0 <= encoder_start <= encoder_end <= M = {encoder_length} in every row; "
+            f"got encoder_start {start.tolist()} and encoder_end {end.tolist()}."
+        )
+    return LinearAttentionInputs(
+        q, k, v, k_enc, v_enc, start, end, key_mask, pad_masking, initial_state, log_decay, gate, eps, chunk_size
+    )
+
+
+__all__ = ["LinearAttentionInputs", "num_taylor_features", "validate_linear_attention_inputs"]
