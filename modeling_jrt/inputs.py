@@ -13,10 +13,13 @@ from .cache import JRTRNNCache
 from .configuration_jrt import JRTRNNConfig
 
 
-def resolve_cache(cache: object, past_key_values: object, config: JRTRNNConfig) -> JRTRNNCache | None:
-    """The cache of a forward, from `cache=` or its older name `past_key_values=` (transformers < 5.24 passes the
-    latter). Only a `JRTRNNCache` of this model's layer types holds this model's state: anything else is refused with
-    the fix (a key/value cache such as PEFT prefix tuning's virtual tokens cannot feed recurrent layers)."""
+def resolve_cache(
+    cache: object, past_key_values: object, config: JRTRNNConfig, batch_size: int
+) -> JRTRNNCache | None:
+    """The cache of a forward of `batch_size` rows, from `cache=` or its older name `past_key_values=` (transformers
+    < 5.24 passes the latter): the one check of the cache at the model's door. Only a `JRTRNNCache` of this model's
+    layer types holds this model's state: anything else is refused with the fix (a key/value cache such as PEFT
+    prefix tuning's virtual tokens cannot feed recurrent layers), and so is a cache with state for other rows."""
     if cache is not None and past_key_values is not None and cache is not past_key_values:
         raise ValueError("Pass the cache once, as `cache=` or as `past_key_values=`, not both.")
     cache = cache if cache is not None else past_key_values
@@ -31,6 +34,11 @@ def resolve_cache(cache: object, past_key_values: object, config: JRTRNNConfig) 
             "(`PromptTuningConfig`) or LoRA instead."
         )
     cache.check_layout(config)
+    if cache.has_state and cache.num_rows != batch_size:
+        raise ValueError(
+            f"The cache holds {cache.num_rows} rows but the input has {batch_size}: continue with the same rows, "
+            "or reshape the cache first (`cache.batch_repeat_interleave(n)`, `cache.reorder_cache(rows)`)."
+        )
     return cache
 
 

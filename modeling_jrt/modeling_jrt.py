@@ -653,8 +653,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 caller's positions only, as everything else.
         """
         config = self.config
-        cache = resolve_cache(cache, past_key_values, config)
         batch_size, seq_len = check_inputs(config, input_ids, inputs_embeds)
+        cache = resolve_cache(cache, past_key_values, config, batch_size)
         if use_cache is None:  # config.use_cache is the inference default: training builds no cache unless asked
             use_cache = config.use_cache and not self.training
         if self.gradient_checkpointing and self.training and use_cache:
@@ -664,11 +664,6 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         continuing = cache is not None and cache.has_state
         if continuing and prefix_strategy is not None:
             check_prefix_strategy(prefix_strategy)  # a first forward's plan checks it (`plan_prefix`)
-        if continuing and cache.num_rows != batch_size:
-            raise ValueError(
-                f"The cache holds {cache.num_rows} rows but the input has {batch_size}: continue with the same rows, "
-                "or reshape the cache first (`cache.batch_repeat_interleave(n)`, `cache.reorder_cache(rows)`)."
-            )
         real_tokens = seq_len  # the caller's real tokens per row in this forward (the cache counts them)
         if attention_mask is not None:
             check_attention_mask(attention_mask, batch_size, seq_len, cache)
