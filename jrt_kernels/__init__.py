@@ -22,7 +22,7 @@ from .prefix_linear_attention_backward import (
 )
 from .rms_norm import rms_norm_triton
 
-KERNEL_API = 1
+KERNEL_API = 2
 """The version of the calls above (names, arguments, results). The model code of the same release checks it
 (`modeling_jrt.kernel_choice.KERNEL_API`) and runs PyTorch against another; bump both together."""
 

@@ -53,10 +53,12 @@ def _linear_attention_decode_kernel(
     s_ob, s_oh,
     eps, linear_scale, quadratic_scale,
     K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     i_b, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    slot = tl.load(slots + i_b).to(tl.int64)
+    slot = i_b  # without slots, request b's state is row b
+    if HAS_SLOTS:
+        slot = tl.load(slots + i_b).to(tl.int64)
     o_v = tl.arange(0, BV)
     m_v = o_v < V
     b_v = tl.load(v + i_b * s_vb + i_h * s_vh + o_v * s_vv, mask=m_v, other=0.0).to(tl.float32)
@@ -97,7 +99,7 @@ def linear_attention_decode_triton(
     k: torch.Tensor,
     v: torch.Tensor,
     state: torch.Tensor,
-    slots: torch.Tensor,
+    slots: torch.Tensor | None = None,
     *,
     log_decay: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
@@ -112,7 +114,8 @@ def linear_attention_decode_triton(
         q, k: `(B, H, K)` query and key of each request's new token (fp32, bf16 or fp16; any strides).
         v: `(B, H, V)` its value.
         state: `(N, H, F, V + 1)` fp32 pool of states, F = 1 + K + K^2, its last dimension contiguous.
-        slots: `(B,)` integer slots of the B requests in `state`, distinct (two rows on one slot would race).
+        slots: `(B,)` integer slots of the B requests in `state`, distinct (two rows on one slot would race); None:
+            request b's state is row b (a batch's own `(B, H, F, V + 1)` states, no index tensor to build).
         log_decay: `(H,)` log gamma of the Based fixed decay, or None.
         gate: `(B, H)` Based numerator gate, or None.
         eps: added to the fp32 denominator.
@@ -136,7 +139,9 @@ def linear_attention_decode_triton(
             f"state must be an fp32 (N, {H}, {F}, {V + 1}) pool with a contiguous last dimension; got "
             f"{tuple(state.shape)} {state.dtype} with strides {state.stride()}."
         )
-    if slots.shape != (B,) or slots.dtype not in (torch.int32, torch.int64):
+    if slots is None and state.shape[0] != B:
+        raise ValueError(f"Without slots, state must hold the B = {B} requests' states in order; got {state.shape[0]}.")
+    if slots is not None and (slots.shape != (B,) or slots.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"slots must be ({B},) int32 / int64; got {tuple(slots.shape)} {slots.dtype}.")
     if log_decay is not None and log_decay.shape != (H,):
         raise ValueError(f"log_decay must be ({H},); got {tuple(log_decay.shape)}.")
@@ -161,10 +166,11 @@ def _linear_attention_decode(q, k, v, state, slots, log_decay, gate, eps: float)
     decay = state if log_decay is None else log_decay.to(torch.float32).contiguous()
     gate_in, gate_strides = (state, (0, 0)) if gate is None else (gate, gate.stride())
     _linear_attention_decode_kernel[(B, H)](
-        q, k, v, slots, state, decay, gate_in, output,
+        q, k, v, state if slots is None else slots, state, decay, gate_in, output,
         *q.stride(), *k.stride(), *v.stride(), *state.stride()[:3], *gate_strides, *output.stride()[:2],
         eps, K ** -0.25, 1.0 / (math.sqrt(2.0) * math.sqrt(K)),
         K=K, V=V, F=F, BF=BF, BV=BV, HAS_DECAY=log_decay is not None, HAS_GATE=gate is not None,
+        HAS_SLOTS=slots is not None,
     )
     return output
 

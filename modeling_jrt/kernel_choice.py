@@ -31,7 +31,7 @@ from .configuration_jrt import LINEAR_ATTENTION_IMPLEMENTATIONS
 
 logger = logging.get_logger(__name__)
 
-KERNEL_API = 1
+KERNEL_API = 2
 """The version of `jrt_kernels`' calls this model code makes (`jrt_kernels.KERNEL_API` must equal it)."""
 
 KERNEL_DEVICE_TYPES = ("cuda",)

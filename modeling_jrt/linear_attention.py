@@ -323,10 +323,8 @@ def linear_attention_step(
     )
     choice = KernelChoice.of(implementation)
     if in_place and choice.linear_attention(q.device) == "triton":
-        slots = torch.arange(batch_size, device=state.device)
-        kernel = functools.partial(
-            choice.kernels().linear_attention_decode_triton, q, k, v, state, slots, log_decay=log_decay, gate=gate,
-            eps=eps,
+        kernel = functools.partial(  # no slots: row b's state is state[b]
+            choice.kernels().linear_attention_decode_triton, q, k, v, state, log_decay=log_decay, gate=gate, eps=eps,
         )
         step = functools.partial(_step_in_place, q, k, v, state, log_decay, gate, eps)
         return choice.run(LINEAR_ATTENTION, kernel, step), state

@@ -80,6 +80,23 @@ def test_consecutive_steps_match_and_int32_slots():
     torch.testing.assert_close(work, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("based", [False, True], ids=["plain", "decay+gate"])
+def test_without_slots_row_b_is_state_b(based):
+    """`slots=None` (the model's own cache: a batch's states in order) equals the step at slots 0..B-1."""
+    B, H, K, V = 3, 2, 4, 8
+    q, k, v, pool = make_inputs(B, H, K, V, slots_in_pool=B)
+    kwargs = {}
+    if based:
+        kwargs = dict(log_decay=fixed_log_decay(-3.0, range(H), DEVICE), gate=torch.rand(B, H, device=DEVICE))
+    expected_output, expected_pool = reference(q, k, v, pool, torch.arange(B, device=DEVICE), **kwargs)
+    work = pool.clone()
+    output = linear_attention_decode_triton(q, k, v, work, **kwargs)
+    torch.testing.assert_close(output, expected_output, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(work, expected_pool, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"Without slots, state must hold the B = 3 requests' states in order; got 4"):
+        linear_attention_decode_triton(q, k, v, torch.cat([pool, pool[:1]]))
+
+
 def test_no_request_is_a_no_op():
     q, k, v, pool = make_inputs(0, 2, 4, 8, slots_in_pool=2)
     work = pool.clone()
