@@ -35,6 +35,7 @@ with importing_transformers():  # one line instead of a traceback where transfor
     from transformers.modeling_outputs import BaseModelOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
     from transformers.utils import logging
+    from transformers.utils.generic import can_return_tuple
     from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache import JRTRNNCache, JRTRNNConvState, JRTRNNSlidingWindowState
@@ -606,6 +607,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
     def is_prefix_model(self) -> bool:
         return self.config.is_prefix_model
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -621,7 +623,6 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         prefix_pad_token_id: int | None = None,
         prefix_plan: PrefixPlan | None = None,
         past_key_values: JRTRNNCache | None = None,
-        return_dict: bool | None = None,
         **kwargs,
     ) -> JRTRNNModelOutput | tuple:
         """
@@ -648,8 +649,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             prefix_plan: each row's prefix when the caller planned it already (`plan_prefix`; the labels rule of
                 `JRTRNNForCausalLM` passes its own along, so that a training step plans once); default: planned here
                 from `prefix_length`, `prompt_lengths` and `prefix_strategy`.
-            output_hidden_states, output_attentions, return_dict: (keywords) transformers' output capturing
-                (`_can_record_outputs`); `return_dict=False` returns a tuple. Hidden states and attentions cover the
+            output_hidden_states, output_attentions: (keywords) transformers' output capturing
+                (`_can_record_outputs`); `return_dict=False` (keyword) returns a tuple (`can_return_tuple`). Hidden states and attentions cover the
                 caller's positions only, as everything else.
         """
         config = self.config
@@ -730,7 +731,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             JRTRNNModelOutput, cache, last_hidden_state=outputs.last_hidden_state,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
-        return result if (return_dict if return_dict is not None else getattr(config, "return_dict", True)) else result.to_tuple()
+        return result
 
     @capture_outputs
     def run_layers(
@@ -816,6 +817,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
             value.suppress_tokens = sorted(set(value.suppress_tokens or []) | missing)
         self.__dict__["jrt_generation_config"] = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -833,7 +835,6 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
         prefix_pad_token_id: int | None = None,
         prefix_plan: PrefixPlan | None = None,
         past_key_values: JRTRNNCache | None = None,
-        return_dict: bool | None = None,
         **kwargs,
     ) -> JRTRNNCausalLMOutput | tuple:
         """
@@ -925,7 +926,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
             JRTRNNCausalLMOutput, model_cache, loss=loss, logits=logits, hidden_states=outputs.hidden_states,
             attentions=outputs.attentions, ntp_loss=ntp_loss, mlm_loss=mlm_loss,
         )
-        return result if (return_dict if return_dict is not None else getattr(self.config, "return_dict", True)) else result.to_tuple()
+        return result
 
 # The auto classes each model class is saved under (`auto_map`); registered so that `save_pretrained` ships the code.
 _AUTO_CLASSES = {JRTRNNModel: "AutoModel", JRTRNNForCausalLM: "AutoModelForCausalLM"}
