@@ -1,4 +1,5 @@
-"""The inputs of one prefill of linear attention, checked once: `validate_linear_attention_inputs` makes the frozen
+"""The inputs of one prefill of linear attention, checked once (and the small rules every implementation shares: the
+Based fixed decay, the compute dtype, whether autograd records): `validate_linear_attention_inputs` makes the frozen
 `LinearAttentionInputs` that every implementation takes (the oracle, the chunked scan, the Triton kernel's launch,
 the chunked gradients of a failed fused backward), so none of them checks again. Layouts: `linear_attention.py`.
 """
@@ -10,11 +11,7 @@ import dataclasses
 import torch
 
 from .configuration_jrt import PREFIX_PAD_MASKINGS
-
-
-def num_taylor_features(feature_dim: int) -> int:
-    """F = 1 + K + K^2, the features of the 2nd-order Taylor map of K-dimensional queries and keys."""
-    return 1 + feature_dim + feature_dim**2
+from .feature_map import num_taylor_features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,4 +181,27 @@ def validate_linear_attention_inputs(
     )
 
 
-__all__ = ["LinearAttentionInputs", "num_taylor_features", "validate_linear_attention_inputs"]
+def fixed_log_decay(decay_const: float, heads: range, device: torch.device) -> torch.Tensor:
+    """`(len(heads),)` log gamma_h of the Based fixed decay, gamma_h = 1 - 2**(decay_const - h), for the heads `heads`
+    (all of a layer's, or one tensor-parallel rank's), computed in fp64 and returned in fp32."""
+    index = torch.arange(heads.start, heads.stop, device=device, dtype=torch.float64)
+    return torch.log1p(-torch.pow(2.0, decay_const - index)).float()
+
+
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """fp64 stays fp64 (oracle tests); everything else is computed in fp32."""
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
+
+
+def records_gradients(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records a graph through any of `tensors` (the differentiable inputs; None = absent)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+__all__ = [
+    "LinearAttentionInputs",
+    "compute_dtype",
+    "fixed_log_decay",
+    "records_gradients",
+    "validate_linear_attention_inputs",
+]

@@ -41,12 +41,17 @@ with importing_transformers():  # one line instead of a traceback where transfor
 from .cache import JRTRNNCache, JRTRNNConvState, JRTRNNSlidingWindowState
 
 # transformers 5.5 (the oldest release declared) copies into its remote-code module cache only the files the model
-# file imports itself: this file names every module of the package once (these five only `linear_attention.py` uses).
+# file imports itself: this file names every module of the package once (these ten only the linear attention uses).
 from .chunked_scan import scan_in_place  # noqa: F401
 from .chunked_scan_autograd import scan  # noqa: F401
 from .compact_taylor import CompactTaylor  # noqa: F401
+from .feature_map import taylor_feature_map  # noqa: F401
 from .huge_pages import advise_huge_pages  # noqa: F401
+from .linear_attention_chunk import chunked_prefill  # noqa: F401
+from .linear_attention_fused import fused_prefill  # noqa: F401
 from .linear_attention_inputs import LinearAttentionInputs  # noqa: F401
+from .linear_attention_naive import quadratic_prefill  # noqa: F401
+from .linear_attention_recurrent import linear_attention_step_at_slots  # noqa: F401
 from .compat import CACHE_FIELD, keep_last_logits, model_output
 from .configuration_jrt import JRTRNNConfig
 from .fused_norm import fused_rms_norm

@@ -364,7 +364,7 @@ def test_based_decay_and_gate_run_fused(device):
 
 
 # Safe dispatch of the backward: under "auto", a fused backward that fails to compile or launch falls back to the
-# chunked path's gradients (modeling_jrt.linear_attention._KernelWithSafeBackward), and the choice that ran it
+# chunked path's gradients (modeling_jrt.linear_attention_fused._KernelWithSafeBackward), and the choice that ran it
 # records the failure (modeling_jrt.kernel_choice.KernelChoice).
 
 

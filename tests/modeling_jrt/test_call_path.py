@@ -23,7 +23,7 @@ def test_generate_reaches_the_scan_through_six_frames_and_one_check(monkeypatch,
     model = JRTRNNForCausalLM(config).eval()
     stacks: list[list[traceback.FrameSummary]] = []
     checks: list[int] = []
-    scan, check = linear_attention._chunked_prefill, linear_attention.validate_linear_attention_inputs
+    scan, check = linear_attention.chunked_prefill, linear_attention.validate_linear_attention_inputs
 
     def spy_scan(*args, **kwargs):
         stacks.append(traceback.extract_stack()[:-1])
@@ -33,7 +33,7 @@ def test_generate_reaches_the_scan_through_six_frames_and_one_check(monkeypatch,
         checks.append(len(stacks))
         return check(*args, **kwargs)
 
-    monkeypatch.setattr(linear_attention, "_chunked_prefill", spy_scan)
+    monkeypatch.setattr(linear_attention, "chunked_prefill", spy_scan)
     monkeypatch.setattr(linear_attention, "validate_linear_attention_inputs", spy_check)
     model.generate(torch.randint(4, 99, (1, 7)), max_new_tokens=1, do_sample=False)
     (stack,) = stacks  # one prefill, one linear-attention layer
