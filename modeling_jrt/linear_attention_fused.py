@@ -4,7 +4,6 @@ path's gradients when the fused backward fails."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -97,10 +96,7 @@ class _KernelWithSafeBackward(torch.autograd.Function):
         ranges = (inputs.encoder_start, inputs.encoder_end, inputs.key_mask, inputs.log_decay)
         ctx.save_for_backward(*differentiable, *ranges, output, *saved.values())
         ctx.saved_names = tuple(saved)
-        ctx.choice, ctx.inputs = choice, dataclasses.replace(
-            inputs, q=None, k=None, v=None, k_enc=None, v_enc=None, encoder_start=None, encoder_end=None,
-            key_mask=None, initial_state=None, log_decay=None, gate=None,
-        )  # the options alone
+        ctx.choice, ctx.pad_masking, ctx.eps, ctx.chunk_size = choice, inputs.pad_masking, inputs.eps, inputs.chunk_size
         ctx.set_materialize_grads(False)  # no grad_state: the fused backward skips that term
         return output, state
 
@@ -109,10 +105,10 @@ class _KernelWithSafeBackward(torch.autograd.Function):
         saved = ctx.saved_tensors  # once: activation checkpointing unpacks each saved tensor once
         q, k, v, k_enc, v_enc, initial_state, gate, encoder_start, encoder_end, key_mask, log_decay = saved[:11]
         output, backward_inputs = saved[11], dict(zip(ctx.saved_names, saved[12:]))
-        inputs = dataclasses.replace(
-            ctx.inputs, q=q, k=k, v=v, k_enc=k_enc, v_enc=v_enc, encoder_start=encoder_start, encoder_end=encoder_end,
-            key_mask=key_mask, initial_state=initial_state, log_decay=log_decay, gate=gate,
-        )
+        inputs = LinearAttentionInputs(
+            q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, ctx.pad_masking, initial_state, log_decay,
+            gate, ctx.eps, ctx.chunk_size,
+        )  # validated when the forward ran
         grad_output = torch.zeros_like(v) if grad_output is None else grad_output
         grads = _fused_backward_or_none(
             ctx.choice, q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start,
