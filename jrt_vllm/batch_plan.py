@@ -155,12 +155,16 @@ def slot_table(metadata) -> torch.Tensor:
     layer group. Read on the device, from vLLM's metadata tensors: no host read per layer."""
     parts = []
     if metadata.num_decodes > 0:
-        decode = metadata.state_indices_tensor_d
-        parts.append((decode[:, 0] if decode.dim() > 1 else decode)[: metadata.num_decodes])
+        parts.append(_slot_column(metadata.state_indices_tensor_d)[: metadata.num_decodes])
     if metadata.num_prefills > 0:
-        prefill = metadata.state_indices_tensor_p
-        parts.append((prefill[:, 0] if prefill.dim() > 1 else prefill)[: metadata.num_prefills])
+        parts.append(_slot_column(metadata.state_indices_tensor_p)[: metadata.num_prefills])
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).long()
+
+
+def _slot_column(indices: torch.Tensor) -> torch.Tensor:
+    """vLLM's state indices `(requests,)` or `(requests, 1 + speculative blocks)` -> each request's slot `(requests,)`
+    (the first column)."""
+    return indices[:, 0] if indices.dim() > 1 else indices
 
 
 def selector(indices: list[int], device: torch.device) -> slice | torch.Tensor:
@@ -172,13 +176,13 @@ def selector(indices: list[int], device: torch.device) -> slice | torch.Tensor:
     return torch.tensor(indices, dtype=torch.long, device=device)
 
 
-def forward_metadata():
-    """The metadata of one of this forward's layers (all agree on the batch's requests), or None in a forward without
-    metadata (vLLM's profiling run)."""
+def forward_metadata(layer_name: str | None = None):
+    """The metadata of layer `layer_name` in the forward in progress, or of any of its layers when None (all agree on
+    the batch's requests); None in a forward without metadata (vLLM's profiling run)."""
     metadata = get_forward_context().attn_metadata
     if not isinstance(metadata, dict) or not metadata:
         return None
-    return next(iter(metadata.values()))
+    return next(iter(metadata.values())) if layer_name is None else metadata.get(layer_name)
 
 
 def is_decode_only(metadata) -> bool:
@@ -192,8 +196,7 @@ def decode_slots(metadata, rows: int) -> torch.Tensor:
     """`(rows,)` int64: the state slot of each row of a decode-only forward, read on the device. vLLM pads a batch it
     replays in a CUDA graph to the graph's size, pointing the padded rows at its null block (`NULL_BLOCK_ID`, a slot
     no request owns and nobody reads); rows past the slots it gives are pointed there too."""
-    slots = metadata.state_indices_tensor_d
-    slots = (slots[:, 0] if slots.dim() > 1 else slots)[:rows].long()
+    slots = _slot_column(metadata.state_indices_tensor_d)[:rows].long()
     if slots.shape[0] < rows:
         slots = F.pad(slots, (0, rows - slots.shape[0]), value=NULL_BLOCK_ID)
     return slots

@@ -50,7 +50,7 @@ from modeling_jrt.rotary import JRTRNNRotaryEmbedding, apply_rotary_pos_emb
 from modeling_jrt.short_conv import causal_depthwise_conv
 from modeling_jrt.sliding_window import blocked_sliding_window_attention
 
-from .batch_plan import DECODE_STEP, ForwardPlan, SegmentGroup, decode_slots, slot_table
+from .batch_plan import DECODE_STEP, ForwardPlan, SegmentGroup, decode_slots, forward_metadata, slot_table
 from .weights import StackedWeights, shard_rows
 
 # The op's name, as vLLM's `splitting_ops` list it (`jrt_vllm.config`).
@@ -111,12 +111,6 @@ class JRTStateLayer(StackedWeights, MambaBase, nn.Module):
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.SHORT_CONV
 
-    def metadata(self):
-        """This layer's metadata in the forward in progress, or None in a forward without metadata (vLLM's profiling
-        run)."""
-        metadata = get_forward_context().attn_metadata
-        return metadata.get(self.prefix) if isinstance(metadata, dict) else None
-
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states `(N, hidden)`: the expanded batch -> `(N, hidden)` in the model dtype, through the opaque op
         `jrt_vllm::mix` (`mix`)."""
@@ -134,7 +128,7 @@ class JRTStateLayer(StackedWeights, MambaBase, nn.Module):
         the step on all N rows at the slots in the metadata: no host read, the same launches at every step."""
         plan = self.plans.plan
         projected = self.project(hidden_states)  # (N, width) each: this rank's share
-        metadata = None if plan is None else self.metadata()
+        metadata = None if plan is None else forward_metadata(self.prefix)
         if metadata is None:  # profiling: one stateless pass, the output does not matter
             whole = SegmentGroup([], slice(None), slice(None), None, hidden_states.shape[0], True)
             mixed = self.read([p[None] for p in projected], hidden_states[None], None, whole)[0]

@@ -232,17 +232,16 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         if metadata is None:  # vLLM's profiling run: the mixers read the plan None
             return self.model(input_ids)
         if is_decode_only(metadata):  # nothing planned on the host: no host read, the same launches at every step
-            self.plans.plan = DECODE_STEP
-            try:
-                return self.model(input_ids)
-            finally:
-                self.plans.plan = None
-        expanded_ids, plan = plan_batch(input_ids, metadata, self.fill, self._prompt_lengths())
+            expanded_ids, plan = input_ids, DECODE_STEP
+        else:
+            expanded_ids, plan = plan_batch(input_ids, metadata, self.fill, self._prompt_lengths())
         self.plans.plan = plan  # what every mixer of this forward reads (`JRTStateLayer.mix`)
         try:
             hidden_states = self.model(expanded_ids)
         finally:
             self.plans.plan = None
+        if plan is DECODE_STEP:  # one row per token, as vLLM gave them
+            return hidden_states
         output = hidden_states.new_zeros(input_ids.shape[0], hidden_states.shape[-1])
         output[: plan.input_rows.shape[0]] = hidden_states[plan.input_rows]
         return output
