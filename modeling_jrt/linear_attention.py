@@ -46,7 +46,7 @@ docs/reference_architecture.md §2.1).
 Layouts at every function boundary: q, k `(B, T, H, K)`, v and outputs `(B, T, H, V)`, encoder tensors
 `(B, M, H, K)` / `(B, M, H, V)` for the first M tokens, encoder_start / encoder_end `(B,)` int64, key_mask `(B, T)`
 bool (True = real token), gate `(B, T, H)`, log_decay `(H,)` = log gamma. `validate_linear_attention_inputs` checks
-them once for every implementation and makes the frozen `LinearAttentionInputs` they take
+them once for every implementation and makes the immutable `LinearAttentionInputs` they take
 (`linear_attention_inputs.py`; the Triton kernel too: the dispatcher validates before it calls the kernel).
 
 Implementations behind `prefix_linear_attention(..., implementation=...)` (a name, or the `KernelChoice` of the

@@ -1,5 +1,5 @@
 """The inputs of one prefill of linear attention, checked once (and the small rules every implementation shares: the
-Based fixed decay, the compute dtype, whether autograd records): `validate_linear_attention_inputs` makes the frozen
+Based fixed decay, the compute dtype, whether autograd records): `validate_linear_attention_inputs` makes the immutable
 `LinearAttentionInputs` that every implementation takes (the oracle, the chunked scan, the Triton kernel's launch,
 the chunked gradients of a failed fused backward), so none of them checks again. Layouts: `linear_attention.py`.
 """
