@@ -210,13 +210,11 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         if not self.is_prefix:
             return tokens, 0, None
         prompt_lengths = None if prompt_length is None or prompt_length >= tokens.shape[0] else prompt_length
-        plan = plan_prefix(None, 1, tokens.shape[0], tokens.device, prefix_length=self.config.prefix_length,
-                           prompt_lengths=prompt_lengths, strategy=self.prefix_strategy)
-        filled = fill_prefix(tokens[None], None, None, plan, pad_token_id=self.config.prefix_pad_token_id,
-                             embed=None, vocab_size=self.config.vocab_size)
-        masked = filled.linear_attention_mask is not None and filled.fill_columns > 0
-        key_mask = filled.linear_attention_mask[0].bool() if masked else None
-        return filled.input_ids[0], int(plan.fill[0] + plan.encoder_tokens[0]), key_mask
+        plan = plan_prefix(self.config, None, 1, tokens.shape[0], tokens.device, prompt_lengths=prompt_lengths,
+                           strategy=self.prefix_strategy)
+        filled_ids, _, _, key_mask = fill_prefix(plan, tokens[None], None, None)
+        masked = key_mask is not None and plan.fill_columns > 0
+        return filled_ids[0], int(plan.prefix_lengths[0]), key_mask[0].bool() if masked else None
 
     def forward(
         self,

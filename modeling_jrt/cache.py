@@ -16,7 +16,7 @@ compiled (with CUDA graphs on a GPU) when the cache is this one (`cache=JRTRNNCa
 
 Everything the model needs to continue a sequence lives here, nothing in the caller's inputs but the new tokens and
 their padding mask: the ring keeps the padding flags of its keys, the convolution keeps its inputs with padding
-already zeroed, and the cache records how the first forward laid out the JRT prefix (`JRTRNNPrefixRecord`: each
+already zeroed, and the cache keeps the plan of the JRT prefix the first forward read (`PrefixPlan`: each
 row's fill and encoder range). A `copy.deepcopy` or a pickle of the cache therefore continues exactly like the
 original.
 
@@ -37,12 +37,15 @@ releases.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache
 
 from .configuration_jrt import JRTRNNConfig
+
+if TYPE_CHECKING:
+    from .prefix_fill import PrefixPlan
 
 
 def _rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
@@ -261,31 +264,6 @@ class JRTRNNLinearAttentionState(JRTRNNLayerState):
             self.state = _write(self.state, state)
 
 
-@dataclass
-class JRTRNNPrefixRecord:
-    """How the first forward of the cached sequence laid out the JRT prefix (`modeling_jrt.prefix_fill`).
-
-    Attributes:
-        fill_columns: columns the model put in front of the caller's first column (the widest fill of the batch);
-            the model's own position of caller column `j` is `fill_columns + j`.
-        prompt_lengths: `(B,)` caller tokens of each row that formed its prompt (the encoder read
-            `min(prefix_length, prompt)` of them, after the fill).
-        prefix_lengths: `(B,)` tokens the encoder read per row, the fill included (0 for a causal model).
-        strategy: the prefix strategy of the first forward (`"pad"`, `"repeat"` or `"none"`).
-        pad_token_id: the fill token of `"pad"`.
-    """
-
-    fill_columns: int
-    prompt_lengths: torch.Tensor
-    prefix_lengths: torch.Tensor
-    strategy: str
-    pad_token_id: int | None
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.prompt_lengths = _rows(self.prompt_lengths, index)
-        self.prefix_lengths = _rows(self.prefix_lengths, index)
-
-
 # The config fields that fix what a cache holds, its shapes and its contents: the RoPE base rotated the cached keys,
 # the decay and the pad masking made the recurrent state. A cache is continued only by a model that agrees on each.
 CACHE_LAYOUT_FIELDS = (
@@ -337,7 +315,7 @@ class JRTRNNCache(Cache):
         # `(B,)` int64: the caller's real (not padding) tokens read per row, against which a continuation's mask of
         # the read tokens is checked.
         self.real_tokens: torch.Tensor | None = None
-        self.prefix: JRTRNNPrefixRecord | None = None
+        self.prefix: PrefixPlan | None = None  # the plan of the first forward (`plan_prefix`)
         self.num_rows: int | None = None
         # A prefill chunk of `generate(prefill_chunk_size=...)` whose rows may not hold their whole prompt yet
         # (`remember_prefill_chunk`): (tokens or embeddings, padding mask), read again with the next chunk.
@@ -468,7 +446,7 @@ class JRTRNNCache(Cache):
         if self.real_tokens is not None:
             self.real_tokens = _select_buffer_rows(self.real_tokens, index)
         if self.prefix is not None:
-            self.prefix.select_rows(index)
+            self.prefix = self.prefix.select_rows(index)
         if self.num_rows is not None:
             self.num_rows = int(index.shape[0])
 
@@ -506,6 +484,5 @@ __all__ = [
     "JRTRNNConvState",
     "JRTRNNLayerState",
     "JRTRNNLinearAttentionState",
-    "JRTRNNPrefixRecord",
     "JRTRNNSlidingWindowState",
 ]

@@ -10,6 +10,7 @@ from transformers.utils import logging
 
 from .cache import JRTRNNCache
 from .compat import leave_static_cache_unused
+from .inputs import check_attention_mask
 from .prefix_fill import plan_prefix
 
 logger = logging.get_logger(__name__)
@@ -47,7 +48,7 @@ class JRTRNNGenerationMixin:
           what it read; a new token is always real) and without reading the cache's counter: fixed shapes and no
           host synchronisation, so transformers' compiled decode (a compileable cache) serves every step and batch.
         - `generate(use_cache=False)` recomputes the whole sequence each step. A JRT-RNN model's first forward still
-          returns a cache, the record of each row's prompt (`JRTRNNPrefixRecord`), so that every later forward reads
+          returns a cache, the plan of each row's prefix (`PrefixPlan`), so that every later forward reads
           the same prefix (fill included) and never lets the encoder read a generated token; not when the call gives
           `prompt_lengths`, nor for Based.
         - `prefill_chunk_size`: a first chunk that does not hold every row's prompt up to `prefix_length` is kept,
@@ -101,9 +102,9 @@ class JRTRNNGenerationMixin:
             states_prompts = kwargs.get("prompt_lengths") is not None
             model_inputs["use_cache"] = cache is None and self.config.is_prefix_model and not states_prompts
             if cache is not None and cache.prefix is not None:
-                record = cache.prefix
-                model_inputs.update(prompt_lengths=record.prompt_lengths, prefix_strategy=record.strategy,
-                                    prefix_pad_token_id=record.pad_token_id)
+                plan = cache.prefix
+                model_inputs.update(prompt_lengths=plan.prompt, prefix_strategy=plan.strategy,
+                                    prefix_pad_token_id=plan.pad_token_id)
                 kwargs = {k: v for k, v in kwargs.items() if k not in ("prefix_strategy", "prefix_pad_token_id")}
         else:
             cache = JRTRNNCache(self.config) if cache is None else cache
@@ -151,11 +152,8 @@ def holds_every_prefix(config: object, inputs: torch.Tensor, attention_mask: tor
     """Whether a first prefill chunk `inputs` (`(B, T)` ids or `(B, T, hidden)` embeddings, its mask's last T columns)
     holds every row's whole prefix (`plan_prefix`: a row of fewer tokens than its prefix may go on in the next
     chunk, and the JRT encoder must read a prompt in one forward)."""
-    prefix_length = kwargs.get("prefix_length")
-    plan = plan_prefix(
-        attention_mask, inputs.shape[0], inputs.shape[1], inputs.device,
-        prefix_length=config.prefix_length if prefix_length is None else prefix_length,
-    )
+    plan = plan_prefix(config, attention_mask, inputs.shape[0], inputs.shape[1], inputs.device,
+                       prefix_length=kwargs.get("prefix_length"), strategy="none")
     return bool((plan.encoder_tokens >= plan.target).all())
 
 
@@ -216,32 +214,13 @@ def check_generation_cache(
             "again from the returned sequences with a fresh cache."
         )
     if not read and next_sequence_length is not None and attention_mask is not None:
-        check_left_padding(attention_mask)
-
-
-def check_left_padding(attention_mask: torch.Tensor) -> None:
-    """Generation appends tokens at the right end of each row: a row whose padding is on the right would continue
-    after its pads."""
-    if attention_mask.shape[1] == 0 or torch.compiler.is_compiling():
-        return
-    empty = (attention_mask == 0).all(-1)
-    if bool(empty.any()):
-        raise ValueError(
-            f"Rows {empty.nonzero().flatten().tolist()} of the batch are empty (their `attention_mask` is all 0): "
-            "give every row at least one token."
-        )
-    if bool((attention_mask[:, -1] == 0).any()):
-        raise ValueError(
-            "generate() needs left-padded prompts (padding first, then the prompt): set "
-            "`tokenizer.padding_side = 'left'` before tokenizing the batch."
-        )
+        check_attention_mask(attention_mask, sequence.shape[0], attention_mask.shape[1], None, for_generation=True)
 
 
 __all__ = [
     "FIRST_FORWARD_ARGUMENTS",
     "JRTRNNGenerationMixin",
     "check_generation_cache",
-    "check_left_padding",
     "holds_every_prefix",
     "stale_cache_message",
     "unread_columns",

@@ -42,18 +42,43 @@ def resolve_cache(
     return cache
 
 
-def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, seq_len: int, cache: JRTRNNCache | None) -> None:
-    """Refuse a padding mask that does not describe `(cached tokens + this forward's tokens)`: any other width or
-    value, padding between a row's real tokens (a hole), or other padding among the cached tokens than the cache read,
-    used to change the logits silently. The width against the cache (which reads its counter tensor) is checked
-    outside torch.compile tracing, the values (a device synchronisation per token) outside decode steps as well.
-    (`generate()`'s decode steps pass no mask: the cache keeps the flags of what it read, and a new token is real.)"""
+def check_attention_mask(
+    attention_mask: torch.Tensor,
+    batch_size: int,
+    seq_len: int,
+    cache: JRTRNNCache | None,
+    *,
+    for_generation: bool = False,
+) -> None:
+    """The one check of a padding mask. A forward's mask must describe `(cached tokens + this forward's tokens)`:
+    any other width or value, padding between a row's real tokens (a hole), or other padding among the cached tokens
+    than the cache read, used to change the logits silently. The width against the cache (which reads its counter
+    tensor) is checked outside torch.compile tracing, the values (a device synchronisation per token) outside decode
+    steps as well. (`generate()`'s decode steps pass no mask: the cache keeps the flags of what it read, and a new
+    token is real.)
+
+    `for_generation`: the prompt mask of a `generate()` call, checked for what generation adds (the forward checks
+    the rest): every row has a token, and its padding is on the left, since generation appends tokens at the right
+    end of each row (a right-padded row would continue after its pads)."""
     if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size:
         raise ValueError(
             f"`attention_mask` must be a 2D (batch_size, past + seq_len) = ({batch_size}, ...) padding mask, got shape "
             f"{tuple(attention_mask.shape)}."
         )
     if torch.compiler.is_compiling():
+        return
+    if for_generation:
+        empty = (attention_mask == 0).all(-1)
+        if attention_mask.shape[1] and bool(empty.any()):
+            raise ValueError(
+                f"Rows {empty.nonzero().flatten().tolist()} of the batch are empty (their `attention_mask` is all 0): "
+                "give every row at least one token."
+            )
+        if attention_mask.shape[1] and bool((attention_mask[:, -1] == 0).any()):
+            raise ValueError(
+                "generate() needs left-padded prompts (padding first, then the prompt): set "
+                "`tokenizer.padding_side = 'left'` before tokenizing the batch."
+            )
         return
     past = 0 if cache is None else cache.num_read
     if attention_mask.shape[1] != past + seq_len:
@@ -147,25 +172,51 @@ def check_inputs(
 
 
 def check_labels(
-    labels: torch.Tensor | None, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int
+    labels: torch.Tensor | None,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    kwargs: dict,
+    vocab_size: int,
 ) -> torch.Tensor | None:
-    """`labels` as int64, after checking them: one target per input token, `(B, T)` like `input_ids` (or
-    `inputs_embeds` without its last dimension), integer ids in `[0, vocab_size)` or -100. Labels of another length
-    would be masked against the wrong prompt ends and scored at the wrong positions; an id outside the vocabulary
-    would fail deep in the cross-entropy (the values are read outside torch.compile tracing)."""
-    if labels is None:
-        return None
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise ValueError(f"`labels` must be integer token ids (-100 where nothing is scored), got {labels.dtype}.")
+    """`labels` as int64, after checking them and the loss arguments that go with them: the one check of the
+    targets of a forward.
+
+    - `labels`: one target per input token, `(B, T)` like `input_ids` (or `inputs_embeds` without its last
+      dimension), integer ids in `[0, vocab_size)` or -100. Labels of another length would be masked against the
+      wrong prompt ends and scored at the wrong positions; an id outside the vocabulary would fail deep in the
+      cross-entropy.
+    - `kwargs["shift_labels"]` (pre-shifted targets that `Trainer` and TRL pass, `(B, T)`, column t the target of
+      position t, ids as `labels`) goes with `labels`, and is made int64 in `kwargs`.
+    - `kwargs["num_items_in_batch"]` (the targets a gradient-accumulation step scores) is positive.
+
+    Values are read outside torch.compile tracing only."""
     inputs = input_ids if isinstance(input_ids, torch.Tensor) else inputs_embeds
-    if isinstance(inputs, torch.Tensor) and tuple(labels.shape) != tuple(inputs.shape[:2]):
+    shape = None if not isinstance(inputs, torch.Tensor) else tuple(inputs.shape[:2])
+    for name, targets in (("labels", labels), ("shift_labels", kwargs.get("shift_labels"))):
+        if targets is None:
+            continue
+        if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+            raise ValueError(f"`{name}` must be integer token ids (-100 where nothing is scored), got {targets.dtype}.")
+        if shape is not None and tuple(targets.shape) != shape:
+            what = ("one target per input token (the model shifts them; -100 where nothing is scored)"
+                    if name == "labels" else "column t holds the target of position t (labels[:, t + 1]), the last "
+                    "-100 (`labels[:, 1:]` alone is one column short)")
+            raise ValueError(f"`{name}` {tuple(targets.shape)} must have the shape (batch, seq_len) of the input, "
+                             f"{shape}: {what}.")
+        check_target_ids(targets, name, vocab_size)
+    if kwargs.get("shift_labels") is not None:
+        if labels is None:
+            raise ValueError(
+                "`shift_labels` without `labels`: pass the unshifted `labels` (B, T) as well (the model masks the "
+                "targets its JRT encoder reads by their position in the input)."
+            )
+        kwargs["shift_labels"] = kwargs["shift_labels"].long()
+    items = kwargs.get("num_items_in_batch")
+    if items is not None and not torch.compiler.is_compiling() and bool(torch.as_tensor(items) <= 0):
         raise ValueError(
-            f"`labels` {tuple(labels.shape)} must have the shape (batch, seq_len) of the input, "
-            f"{tuple(inputs.shape[:2])}: one target per input token (the model shifts them; -100 where nothing is "
-            "scored)."
+            f"`num_items_in_batch` must be > 0 (the scored targets of the whole accumulated batch), got {items}."
         )
-    check_target_ids(labels, "labels", vocab_size)
-    return labels.long()
+    return None if labels is None else labels.long()
 
 
 def check_target_ids(targets: torch.Tensor, name: str, vocab_size: int) -> None:
@@ -181,44 +232,11 @@ def check_target_ids(targets: torch.Tensor, name: str, vocab_size: int) -> None:
         )
 
 
-def check_loss_arguments(
-    labels: torch.Tensor | None, inputs_shape: tuple[int, int], kwargs: dict, vocab_size: int
-) -> None:
-    """The loss arguments transformers' `Trainer` and TRL pass through `**kwargs`: `shift_labels` (pre-shifted
-    targets, `(B, T)`, column t the target of position t, ids as `labels`) goes with `labels` and is made int64 in
-    `kwargs`; `num_items_in_batch` (the targets a gradient-accumulation step scores) is positive."""
-    shift_labels = kwargs.get("shift_labels")
-    if shift_labels is not None:
-        if shift_labels.dtype.is_floating_point or shift_labels.dtype.is_complex or shift_labels.dtype == torch.bool:
-            raise ValueError(
-                f"`shift_labels` must be integer token ids (-100 where nothing is scored), got {shift_labels.dtype}."
-            )
-        if labels is None:
-            raise ValueError(
-                "`shift_labels` without `labels`: pass the unshifted `labels` (B, T) as well (the model masks the "
-                "targets its JRT encoder reads by their position in the input)."
-            )
-        if tuple(shift_labels.shape) != tuple(inputs_shape):
-            raise ValueError(
-                f"`shift_labels` {tuple(shift_labels.shape)} must have the shape (batch, seq_len) of the input, "
-                f"{tuple(inputs_shape)}: column t holds the target of position t (labels[:, t + 1]), the last -100 "
-                "(`labels[:, 1:]` alone is one column short)."
-            )
-        check_target_ids(shift_labels, "shift_labels", vocab_size)
-        kwargs["shift_labels"] = shift_labels.long()
-    items = kwargs.get("num_items_in_batch")
-    if items is not None and not torch.compiler.is_compiling() and bool(torch.as_tensor(items) <= 0):
-        raise ValueError(
-            f"`num_items_in_batch` must be > 0 (the scored targets of the whole accumulated batch), got {items}."
-        )
-
-
 __all__ = [
     "check_attention_mask",
     "check_inputs",
     "check_labels",
     "check_target_ids",
-    "check_loss_arguments",
     "check_one_sequence_per_row",
     "resolve_cache",
 ]

@@ -15,7 +15,7 @@ from .cache import JRTRNNCache
 from .configuration_jrt import JRTRNNConfig
 from .inputs import check_labels
 from .loss import IGNORE_INDEX, mask_before
-from .prefix_fill import PrefixPlan, plan_prefix, row_spans
+from .prefix_fill import plan_prefix, row_spans
 
 logger = logging.get_logger(__name__)
 
@@ -30,25 +30,26 @@ def leak_free_labels(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
     loss, `num_items_in_batch`-style sums, TRL's fused LM head (which replaces `forward` and calls the backbone
     without labels) or a `compute_loss_func`, scores only what the model cannot have read."""
     labels = kwargs.get("labels")
-    if not isinstance(labels, torch.Tensor):
+    if not isinstance(labels, torch.Tensor) or kwargs.get("mlm_labels") is not None:
         return None
-    labels = check_labels(
-        labels, args[0] if args else kwargs.get("input_ids"), kwargs.get("inputs_embeds"), model.config.vocab_size
-    )
-    if kwargs.get("mlm_labels") is not None or not model.config.is_prefix_model:
+    if not model.config.is_prefix_model or kwargs.get("prefix_plan") is not None:
         return None
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, JRTRNNCache) and cache.has_state:
         return None
+    # The one check of the targets (`check_labels`): the forward trusts labels that come with this rule's plan.
+    kwargs = dict(kwargs)
+    labels = check_labels(labels, args[0] if args else kwargs.get("input_ids"), kwargs.get("inputs_embeds"), kwargs,
+                          model.config.vocab_size)
     attention_mask = kwargs.get("attention_mask")
     attention_mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
-    kwargs = dict(kwargs)
     derived = kwargs.get("prompt_lengths") is None
     if derived:
         kwargs["prompt_lengths"] = prompt_lengths_from_labels(labels, attention_mask)
-    plan = labels_plan(
-        model.config, labels, attention_mask, kwargs["prompt_lengths"], kwargs.get("prefix_length"),
-        kwargs.get("prefix_strategy"),
+    plan = plan_prefix(
+        model.config, attention_mask, *labels.shape, labels.device, prefix_length=kwargs.get("prefix_length"),
+        prompt_lengths=kwargs["prompt_lengths"], strategy=kwargs.get("prefix_strategy"),
+        pad_token_id=kwargs.get("prefix_pad_token_id"),
     )
     masked, kwargs = ignore_encoder_targets(labels, plan.encoder_end, kwargs)  # labels, shift_labels, the warning
     if derived and not torch.compiler.is_compiling():
@@ -100,25 +101,9 @@ def encoder_end(
     continued cache)."""
     if not config.is_prefix_model or (isinstance(cache, JRTRNNCache) and cache.has_state):
         return None
-    return labels_plan(config, labels, attention_mask, prompt_lengths, prefix_length).encoder_end
-
-
-def labels_plan(
-    config: JRTRNNConfig,
-    labels: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    prompt_lengths: torch.Tensor | None,
-    prefix_length: int | torch.Tensor | None,
-    strategy: str | None = None,
-) -> PrefixPlan:
-    """The prefix plan (`plan_prefix`) of a forward whose `(B, T)` `labels` are scored; None arguments take the
-    config's values."""
-    batch_size, length = labels.shape
-    return plan_prefix(
-        attention_mask, batch_size, length, labels.device, prompt_lengths=prompt_lengths,
-        prefix_length=config.prefix_length if prefix_length is None else prefix_length,
-        strategy=config.prefix_strategy if strategy is None else strategy,
-    )
+    plan = plan_prefix(config, attention_mask, *labels.shape, labels.device, prefix_length=prefix_length,
+                       prompt_lengths=prompt_lengths)
+    return plan.encoder_end
 
 
 def ignore_encoder_targets(
@@ -158,7 +143,6 @@ __all__ = [
     "check_jrt_objective_prefix",
     "encoder_end",
     "ignore_encoder_targets",
-    "labels_plan",
     "leak_free_labels",
     "prompt_lengths_from_labels",
     "warn_one_token_prompts",

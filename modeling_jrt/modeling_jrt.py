@@ -61,7 +61,6 @@ from .inputs import (
     check_attention_mask,
     check_inputs,
     check_labels,
-    check_loss_arguments,
     check_one_sequence_per_row,
     resolve_cache,
 )
@@ -78,7 +77,7 @@ from .kernel_choice import KernelChoice
 from .linear_attention import fixed_log_decay, linear_attention_step, prefix_linear_attention
 from .loss import IGNORE_INDEX, jrt_loss
 from .outputs import JRTRNNCausalLMOutput, JRTRNNModelOutput
-from .prefix_fill import JRTRNNEncoderRange, PrefixPlan, check_prefix_strategy, lay_out_prefix, never_generated_ids
+from .prefix_fill import PrefixPlan, check_prefix_strategy, fill_prefix, never_generated_ids, plan_prefix
 from .rotary import JRTRNNRotaryEmbedding, apply_rotary_pos_emb
 from .short_conv import causal_depthwise_conv
 from .sliding_window import (
@@ -300,7 +299,7 @@ class JRTRNNLinearAttention(nn.Module):
     """Taylor-feature linear attention: prefix (JRT-RNN, docs/reference_architecture.md §1.5) or causal (Based,
     §1.4).
 
-    Prefix form: in the first forward of a sequence, each row's prefix (its `JRTRNNEncoderRange`) is also read
+    Prefix form: in the first forward of a sequence, each row's prefix (its `PrefixPlan` read range) is also read
     non-causally through `k_enc_proj` / `v_enc_proj`; every query sees that encoder sum plus the causal sum over the
     decoder keys, under one shared denominator. Decoding continues from the state of both sums with one O(1) step
     per token. The layer computes projections only: the attention math is `linear_attention.py`'s.
@@ -341,16 +340,16 @@ class JRTRNNLinearAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: JRTRNNCache | None = None,
         linear_attention_mask: torch.Tensor | None = None,
-        encoder_range: JRTRNNEncoderRange | None = None,
+        prefix: PrefixPlan | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """hidden_states `(B, T, hidden)` (normalized); attention_mask `(B, T)` batch padding (0) of this forward's
-        tokens; linear_attention_mask `(B, >= T)` the JRT prefix fill (0); encoder_range: the prefix of a first
-        forward. Returns `(B, T, hidden)`."""
+        tokens; linear_attention_mask `(B, >= T)` the JRT prefix fill (0); prefix: the plan of a first forward (the
+        encoder reads its `read_start`/`read_end` columns). Returns `(B, T, hidden)`."""
         batch_size, seq_len, _ = hidden_states.shape
         heads = self.num_heads
         state = None if cache is None else cache.layers[self.layer_idx].state
-        reads_prefix = self.is_prefix and state is None and encoder_range is not None and encoder_range.length > 0
+        reads_prefix = self.is_prefix and state is None and prefix is not None and prefix.read_width > 0
         # 1. Decoder projections (and the Based gate).
         query = self.q_proj(hidden_states).view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
         key = self.k_proj(hidden_states).view(batch_size, seq_len, heads, self.feature_dim)  # (B, T, H, K)
@@ -377,10 +376,10 @@ class JRTRNNLinearAttention(nn.Module):
             k_enc = v_enc = start = end = None
             if reads_prefix:
                 # 3. Encoder projections of the positions the encoder ranges cover (the first forward only).
-                prefix = hidden_states[:, : encoder_range.length]
-                k_enc = self.k_enc_proj(prefix).view(batch_size, -1, heads, self.feature_dim)  # (B, M, H, K)
-                v_enc = self.v_enc_proj(prefix).view(batch_size, -1, heads, self.head_dim)  # (B, M, H, V)
-                start, end = encoder_range.start, encoder_range.end
+                read = hidden_states[:, : prefix.read_width]
+                k_enc = self.k_enc_proj(read).view(batch_size, -1, heads, self.feature_dim)  # (B, M, H, K)
+                v_enc = self.v_enc_proj(read).view(batch_size, -1, heads, self.head_dim)  # (B, M, H, V)
+                start, end = prefix.read_start, prefix.read_end
             output, state = prefix_linear_attention(
                 query, key, value, k_enc, v_enc,
                 encoder_start=start,
@@ -448,7 +447,7 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
         linear_attention_mask: torch.Tensor | None = None,
-        encoder_range: JRTRNNEncoderRange | None = None,
+        prefix: PrefixPlan | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """hidden_states: (B, T, hidden) fp32 residual stream; returns the updated fp32 residual, a new tensor (the
@@ -464,7 +463,7 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
             cache=cache,
             position_embeddings=position_embeddings,
             linear_attention_mask=linear_attention_mask,
-            encoder_range=encoder_range,
+            prefix=prefix,
             **kwargs,
         )
         if self.layer_type == "sliding_attention":  # (output, weights): output capturing records the weights
@@ -681,20 +680,23 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         if position_ids is not None and seq_len > 1 and not torch.compiler.is_compiling():
             check_one_sequence_per_row(position_ids, attention_mask)
 
-        # 1. The first forward of a JRT sequence lays out each row's prefix (fill and encoder range).
-        layout = None
+        # 1. The first forward of a JRT sequence plans each row's prefix (fill and encoder read) and fills it.
+        plan = None
         caller_mask = attention_mask  # (B, T) the caller's padding, before the fill joins the layout
         if self.is_prefix_model and not continuing:
-            layout = lay_out_prefix(
-                config, self.embed_tokens, input_ids, inputs_embeds, attention_mask, linear_attention_mask,
-                prefix_length=prefix_length, prompt_lengths=prompt_lengths, strategy=prefix_strategy,
-                pad_token_id=prefix_pad_token_id, plan=prefix_plan,
+            plan = prefix_plan
+            if plan is None:
+                device = (input_ids if input_ids is not None else inputs_embeds).device
+                plan = plan_prefix(
+                    config, attention_mask, batch_size, seq_len, device, prefix_length=prefix_length,
+                    prompt_lengths=prompt_lengths, strategy=prefix_strategy, pad_token_id=prefix_pad_token_id,
+                )
+            elif tuple(plan.start.shape) != (batch_size,):
+                raise ValueError(f"prefix_plan was made for {tuple(plan.start.shape)} rows; this forward has {batch_size}.")
+            input_ids, inputs_embeds, attention_mask, linear_attention_mask = fill_prefix(
+                plan, input_ids, inputs_embeds, attention_mask, linear_attention_mask, embed=self.embed_tokens
             )
-            filled = layout.filled
-            input_ids, inputs_embeds, attention_mask = filled.input_ids, filled.inputs_embeds, filled.attention_mask
-            linear_attention_mask = layout.linear_attention_mask
-        fill_columns = 0 if layout is None else layout.filled.fill_columns
-        encoder_range = None if layout is None else layout.encoder_range
+        fill_columns = 0 if plan is None else plan.fill_columns
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
 
@@ -705,19 +707,19 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             if continuing:
                 position_ids = position_ids + cache.positions  # a tensor: a compiled step serves every position
         elif fill_columns:
-            position_ids = layout.filled.positions(position_ids.to(inputs_embeds.device))
+            position_ids = plan.positions(position_ids.to(inputs_embeds.device))
         has_sliding = "sliding_attention" in config.mixer_types
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if has_sliding else None
 
         # 3. The blocks, with output capturing (hidden states, attention weights), in the model's layout.
         outputs = self.run_layers(
             inputs_embeds, attention_mask=attention_mask, position_embeddings=position_embeddings, cache=cache,
-            linear_attention_mask=linear_attention_mask, encoder_range=encoder_range, return_dict=True, **kwargs,
+            linear_attention_mask=linear_attention_mask, prefix=plan, return_dict=True, **kwargs,
         )
         if cache is not None:
             cache.advance(inputs_embeds.shape[1], real_tokens, batch_size, inputs_embeds.device)
-            if layout is not None:
-                cache.prefix = layout.record
+            if plan is not None:
+                cache.prefix = plan
 
         # 4. The caller's positions only: the fill columns never leave the model.
         if fill_columns:
@@ -746,7 +748,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         cache: JRTRNNCache | None,
         linear_attention_mask: torch.Tensor | None,
-        encoder_range: JRTRNNEncoderRange | None,
+        prefix: PrefixPlan | None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """The blocks and the final norm over `inputs_embeds` `(B, T', hidden)` in the model's layout (after the
@@ -760,7 +762,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 position_embeddings=position_embeddings,
                 cache=cache,
                 linear_attention_mask=linear_attention_mask,
-                encoder_range=encoder_range,
+                prefix=prefix,
                 output_attentions=output_attentions,
                 **kwargs,
             )
@@ -854,18 +856,18 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
                 `NTP + config.mlm_weight * MLM` (see `modeling_jrt.loss`), with the labels as given.
             logits_to_keep: compute logits for the last `logits_to_keep` positions only (0 = all), or for the
                 positions a tensor selects.
-            prefix_plan: set by the labels rule (`labels.leak_free_labels`, a forward pre-hook) when it masked
-                `labels` by this plan already; the backbone lays out the prefix by it and the loss masks nothing again.
+            prefix_plan: set by the labels rule (`labels.leak_free_labels`, a forward pre-hook) when it checked
+                `labels` and masked them by this plan already; the backbone lays out the prefix by it and the loss
+                checks and masks nothing again.
             Other arguments: see `JRTRNNModel.forward`.
 
         Returns:
             `JRTRNNCausalLMOutput` with `loss`, `logits` `(B, T, vocab_size)`, the cache, and `ntp_loss` / `mlm_loss`
             when `mlm_labels` are given.
         """
-        labels = check_labels(labels, input_ids, inputs_embeds, self.config.vocab_size)
-        reference = input_ids if input_ids is not None else inputs_embeds
-        if reference is not None:
-            check_loss_arguments(labels, tuple(reference.shape[:2]), kwargs, self.config.vocab_size)
+        planned = prefix_plan is not None  # the labels rule checked the labels, planned the prefix and masked them
+        if not planned:
+            labels = check_labels(labels, input_ids, inputs_embeds, kwargs, self.config.vocab_size)
         if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError(
                 f"`logits_to_keep` ({'a tensor' if isinstance(logits_to_keep, torch.Tensor) else logits_to_keep}) with "
@@ -875,7 +877,6 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
         mlm_labels = kwargs.pop("mlm_labels", None)
         if mlm_labels is not None:
             check_jrt_objective_prefix(self.config, prefix_length)
-        planned = prefix_plan is not None  # the labels rule planned the prefix and masked the labels by it
         if labels is not None and not planned and prompt_lengths is None and mlm_labels is None and self.model.is_prefix_model:
             prompt_lengths = prompt_lengths_from_labels(labels, attention_mask)
         outputs = self.model(

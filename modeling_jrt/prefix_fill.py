@@ -11,7 +11,7 @@ JRT-RNN's encoder reads each row's prompt non-causally, up to `prefix_length` to
     "none"    nothing: the encoder reads the prompt only.
 
 The fill is the model's internal business: outputs (logits, hidden states, the loss) cover the caller's positions
-only, `generate()` sees the caller's tokens only, and the cache records the layout (`JRTRNNPrefixRecord`), so later
+only, `generate()` sees the caller's tokens only, and the cache keeps the plan (`PrefixPlan`), so later
 forwards continue from it without the caller knowing. Each row is filled on its own; the filled batch is laid out so
 that every row's fill sits right before its first real token, with the batch padding before it:
 
@@ -28,16 +28,13 @@ This file ships with the Hub remote code: torch and transformers only.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import overload
 
 import torch
 
-from .cache import JRTRNNPrefixRecord
-from .configuration_jrt import JRTRNNConfig
+from .configuration_jrt import PREFIX_STRATEGIES, JRTRNNConfig
 from .loss import check_prefix_length
-
-from .configuration_jrt import PREFIX_STRATEGIES  # noqa: E402  (the fills `forward` knows, `config.prefix_strategy`)
 
 
 def never_generated_ids(config: JRTRNNConfig) -> list[int]:
@@ -98,42 +95,6 @@ def repeat_to_fill(prompt_ids: torch.Tensor | list[int], length: int) -> torch.T
     return prompt_ids[..., index]  # (length,) or (B, length)
 
 
-@dataclass
-class FilledInputs:
-    """A batch in the model's layout after the prefix fill (`fill_prefix`).
-
-    Attributes:
-        input_ids: `(B, F + T)` ids, or None when the input is embeddings.
-        inputs_embeds: `(B, F + T, hidden)` embeddings, or None when the input is ids.
-        attention_mask: `(B, F + T)` 1 for every token the model reads (fill included), 0 for batch padding; None
-            when nothing is padding.
-        linear_attention_mask: `(B, F + T)` 0 at the `"pad"` fill (the linear attention ignores those keys), or None.
-        fill_columns: F, the columns in front of the caller's first column.
-        plan: the per-row prefix it was filled by (`plan_prefix`).
-    """
-
-    input_ids: torch.Tensor | None
-    inputs_embeds: torch.Tensor | None
-    attention_mask: torch.Tensor | None
-    linear_attention_mask: torch.Tensor | None
-    fill_columns: int
-    plan: PrefixPlan
-
-    def positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """The caller's `(B, T)` RoPE positions in the model's layout `(B, F + T)`: the fill counts back from each
-        row's first token, the columns in front of it are 0 (padding)."""
-        if self.fill_columns == 0:
-            return position_ids
-        starts, fills = self.plan.start, self.plan.fill
-        batch_size = starts.shape[0]
-        position_ids = position_ids.expand(batch_size, -1)
-        first = position_ids.gather(1, starts[:, None])  # (B, 1) position of each row's first token
-        columns = torch.arange(self.fill_columns + position_ids.shape[1], device=position_ids.device)[None]
-        row_start = (self.fill_columns + starts)[:, None]
-        in_front = torch.where(columns >= row_start - fills[:, None], first - (row_start - columns), 0)
-        return torch.cat([in_front[:, : self.fill_columns], position_ids], dim=1)
-
-
 def row_spans(
     attention_mask: torch.Tensor | None, batch_size: int, length: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,12 +116,13 @@ def check_prefix_strategy(strategy: object) -> str:
 
 @dataclass
 class PrefixPlan:
-    """Each row's JRT prefix in the first forward of a sequence, in the caller's columns (`plan_prefix`).
+    """Each row's JRT prefix in the first forward of a sequence: the one prefix object (`plan_prefix`).
 
-    The one place the prefix rule is computed: the fill (`fill_prefix`), the encoder range (`encoder_range`), the
-    labels rule (`labels.encoder_end`), the cache's record and a chunked prefill all read it.
+    The fill (`fill_prefix`), the linear attention's encoder read, the labels rule (`labels.py`), a chunked prefill,
+    generation and `jrt_vllm` read it, and the cache keeps it (`JRTRNNCache.prefix`), so that a continuation and an
+    uncached `generate()` step read the same prefix.
 
-    Attributes (each `(B,)` int64):
+    Caller's columns, each `(B,)` int64:
         start: the row's first token (after left padding; 0 with right padding or none).
         tokens: the row's tokens (one run from `start`).
         prompt: the prompt, from `start`: `min(prompt_lengths, tokens)`, all of the row's tokens by default.
@@ -168,12 +130,15 @@ class PrefixPlan:
         encoder_tokens: the caller's tokens the encoder reads, `min(prompt, P)`.
         fill: the tokens the model puts right before `start`, `P - encoder_tokens` when the strategy fills and the
             prompt is not empty, else 0.
-    Other attributes:
+    The model's columns (the caller's column `j` is the model's `fill_columns + j`):
+        fill_columns: F, the columns in front of the caller's (the widest `fill - start`).
+        read_start, read_end: `(B,)` row b's encoder reads the model's columns `[read_start, read_end)`: its fill,
+            then its first `encoder_tokens` tokens (padding never enters the encoder).
+        read_width: M, the leading columns the encoder projections are computed for (`max(read_end)`; every column
+            under torch.compile, a static shape).
+    And:
         strategy: `"pad"`, `"repeat"` or `"none"`.
-        static_fill_columns: `max(P - T, 0)`, the columns in front of the caller's when the strategy fills and it is
-            known without reading the data (an int P and no `prompt_lengths`), else None.
-        uniform_encoder_tokens: `min(P, T)` when every row reads that many and it is known without reading the data
-            (no padding either), else None.
+        pad_token_id: the fill token of `"pad"`.
     """
 
     start: torch.Tensor
@@ -182,247 +147,185 @@ class PrefixPlan:
     target: torch.Tensor
     encoder_tokens: torch.Tensor
     fill: torch.Tensor
+    read_start: torch.Tensor
+    read_end: torch.Tensor
+    fill_columns: int
+    read_width: int
     strategy: str
-    static_fill_columns: int | None = None
-    uniform_encoder_tokens: int | None = None
+    pad_token_id: int | None
 
     @property
     def encoder_end(self) -> torch.Tensor:
         """`(B,)` the caller's column right after each row's encoder read: labels before it are never scored."""
         return self.start + self.encoder_tokens
 
+    @property
+    def prefix_lengths(self) -> torch.Tensor:
+        """`(B,)` tokens each row's encoder reads, its fill included."""
+        return self.read_end - self.read_start
+
+    def positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The caller's `(B, T)` RoPE positions in the model's layout `(B, F + T)`: the fill counts back from each
+        row's first token, the columns in front of it are 0 (padding)."""
+        if self.fill_columns == 0:
+            return position_ids
+        position_ids = position_ids.expand(self.start.shape[0], -1)
+        first = position_ids.gather(1, self.start[:, None])  # (B, 1) position of each row's first token
+        columns = torch.arange(self.fill_columns + position_ids.shape[1], device=position_ids.device)[None]
+        row_start = (self.fill_columns + self.start)[:, None]
+        in_front = torch.where(columns >= row_start - self.fill[:, None], first - (row_start - columns), 0)
+        return torch.cat([in_front[:, : self.fill_columns], position_ids], dim=1)
+
+    def select_rows(self, index: torch.Tensor) -> PrefixPlan:
+        """The plan of the rows `index` `(B',)` (beam search, `batch_repeat_interleave`): the columns stay."""
+        rows = {f.name: getattr(self, f.name).index_select(0, index.to(self.start.device))
+                for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **rows)
+
 
 def plan_prefix(
+    config: JRTRNNConfig,
     attention_mask: torch.Tensor | None,
     batch_size: int,
     length: int,
     device: torch.device,
     *,
-    prefix_length: int | torch.Tensor,
+    prefix_length: int | torch.Tensor | None = None,
     prompt_lengths: int | torch.Tensor | None = None,
-    strategy: str = "none",
+    strategy: str | None = None,
+    pad_token_id: int | None = None,
 ) -> PrefixPlan:
     """The prefix of each row of a first forward: `(B, T)` tokens under `attention_mask` (`(B, >= T)`, its last T
     columns; None: no padding), a prefix of `prefix_length` tokens (an int or `(B,)` per row), a prompt of
-    `prompt_lengths` tokens (an int or `(B,)`; None: the whole row), filled as `strategy` says. Both lengths follow
-    one rule (`check_prefix_length`), checked here."""
+    `prompt_lengths` tokens (an int or `(B,)`; None: the whole row), filled as `strategy` says with `pad_token_id`.
+    None arguments take the config's values. Both lengths follow one rule (`check_prefix_length`), checked here."""
+    prefix_length = config.prefix_length if prefix_length is None else prefix_length
+    strategy = check_prefix_strategy(config.prefix_strategy if strategy is None else strategy)
+    pad_token_id = config.prefix_pad_token_id if pad_token_id is None else pad_token_id
     check_prefix_length(prefix_length, batch_size)
     if prompt_lengths is not None:
         check_prefix_length(prompt_lengths, batch_size, name="prompt_lengths")
-    strategy = check_prefix_strategy(strategy)
     start, tokens = row_spans(attention_mask, batch_size, length, device)
     prompt = tokens if prompt_lengths is None else torch.minimum(torch.as_tensor(prompt_lengths, device=device).long(), tokens)
     target = torch.as_tensor(prefix_length, device=device).long().expand(batch_size)
     encoder_tokens = torch.minimum(prompt, target)
     fills = (prompt > 0) & (strategy != "none")
     fill = torch.where(fills, target - encoder_tokens, torch.zeros_like(target))
+    # Known without reading the data (an int P, no `prompt_lengths`): what torch.compile needs as static shapes.
     known = prompt_lengths is None and not isinstance(prefix_length, torch.Tensor)
+    compiling = torch.compiler.is_compiling()
+    # 1. Columns in front of the caller's: the widest (fill - left padding); max(P - T, 0) with left padding or none
+    #    (rows are one run of tokens: `inputs.check_attention_mask` refuses holes at the model's door).
+    if strategy == "none":
+        fill_columns = 0
+    elif compiling and known:
+        fill_columns = max(prefix_length - length, 0)
+    else:
+        fill_columns = int((fill - start).clamp(min=0).max()) if batch_size > 0 else 0
+    if strategy == "pad" and not compiling and bool((fill > 0).any()):
+        check_fill_token(pad_token_id, config.vocab_size)
+    # 2. The encoder's read in the model's columns: the fill right before the row's first token, then its prompt.
+    read_start = start + fill_columns - fill
+    read_end = read_start + fill + encoder_tokens
+    if compiling:
+        read_width = fill_columns + length
+    elif known and attention_mask is None:
+        read_width = fill_columns + min(prefix_length, length)
+    else:
+        read_width = int(read_end.max()) if batch_size > 0 else 0
     return PrefixPlan(
         start=start, tokens=tokens, prompt=prompt, target=target, encoder_tokens=encoder_tokens, fill=fill,
-        strategy=strategy,
-        static_fill_columns=max(prefix_length - length, 0) if known else None,
-        uniform_encoder_tokens=min(prefix_length, length) if known and attention_mask is None else None,
+        read_start=read_start, read_end=read_end, fill_columns=fill_columns, read_width=read_width,
+        strategy=strategy, pad_token_id=pad_token_id,
     )
 
 
+def check_fill_token(pad_token_id: int | None, vocab_size: int) -> None:
+    if pad_token_id is None:
+        raise ValueError(
+            "prefix_strategy='pad' needs a fill token: pass `prefix_pad_token_id=` or set "
+            "`config.prefix_pad_token_id` (220, GPT-2's ' ', in the released models)."
+        )
+    if not 0 <= pad_token_id < vocab_size:
+        raise ValueError(
+            f"prefix_pad_token_id={pad_token_id} is not a token of this model (vocab_size={vocab_size}): pass "
+            "another `prefix_pad_token_id=`, or `prefix_strategy='repeat'`/`'none'`."
+        )
+
+
 def fill_prefix(
+    plan: PrefixPlan,
     input_ids: torch.Tensor | None,
     inputs_embeds: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
-    plan: PrefixPlan,
-    *,
-    pad_token_id: int | None,
-    embed: Callable[[torch.Tensor], torch.Tensor],
-    vocab_size: int,
-) -> FilledInputs:
-    """The batch in the model's layout: each row's prompt filled as `plan` says (see the module docstring).
+    linear_attention_mask: torch.Tensor | None = None,
+    embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The batch in the model's layout, each row's prompt filled as `plan` says (see the module docstring).
 
     Args:
+        plan: each row's prefix (`plan_prefix` of the same mask).
         input_ids: `(B, T)` the caller's ids, or None.
         inputs_embeds: `(B, T, hidden)` the caller's embeddings, or None (exactly one of the two is given).
-        attention_mask: `(B, T)` 1 for tokens, 0 for padding, or None (no padding). With a fill, each row's tokens
-            must be one run (left or right padding).
-        plan: each row's prefix (`plan_prefix` of the same mask).
-        pad_token_id: the fill token of `"pad"`.
+        attention_mask: `(B, T)` 1 for tokens, 0 for padding, or None (no padding).
+        linear_attention_mask: `(B, T)` the caller's keys the linear attention ignores (0), or None.
         embed: the model's input embedding (to fill embeddings with the pad token).
-        vocab_size: rows of the embedding, to check `pad_token_id`.
+
+    Returns:
+        `(input_ids, inputs_embeds, attention_mask, linear_attention_mask)` over the model's `F + T` columns: the
+        attention mask 1 for every token the model reads (the fill included), the linear-attention mask 0 at the
+        `"pad"` fill too. The inputs as they are when nothing is filled.
     """
     reference = input_ids if input_ids is not None else inputs_embeds
     batch_size, length = reference.shape[:2]
     device = reference.device
+    fill_columns, start, fill = plan.fill_columns, plan.start, plan.fill
     compiling = torch.compiler.is_compiling()
-    strategy, start, tokens, prompt, fill = plan.strategy, plan.start, plan.tokens, plan.prompt, plan.fill
-    real = None if attention_mask is None else attention_mask.to(device).bool()  # (B, T)
-    if strategy == "none":
-        return FilledInputs(input_ids, inputs_embeds, attention_mask, None, 0, plan)
-    # 1. Columns in front of the caller's: the widest (fill - left padding). With left padding (or none) and the
-    #    prompt being the whole row that is max(P - T, 0), known without reading the mask (so torch.compile sees a
-    #    static shape); otherwise it is read from the data.
-    if compiling and plan.static_fill_columns is not None:
-        fill_columns = plan.static_fill_columns
-    else:  # (rows are one run of tokens: `inputs.check_attention_mask` refuses holes at the model's door)
-        fill_columns = int((fill - start).clamp(min=0).max()) if batch_size > 0 else 0
-    if strategy == "pad" and not compiling and bool((fill > 0).any()):
-        if pad_token_id is None:
-            raise ValueError(
-                "prefix_strategy='pad' needs a fill token: pass `prefix_pad_token_id=` or set "
-                "`config.prefix_pad_token_id` (220, GPT-2's ' ', in the released models)."
-            )
-        if not 0 <= pad_token_id < vocab_size:
-            raise ValueError(
-                f"prefix_pad_token_id={pad_token_id} is not a token of this model (vocab_size={vocab_size}): pass "
-                "another `prefix_pad_token_id=`, or `prefix_strategy='repeat'`/`'none'`."
-            )
-    if fill_columns == 0 and not compiling and not bool((fill > 0).any()):
-        return FilledInputs(input_ids, inputs_embeds, attention_mask, None, 0, plan)
-
-    # 2. The model's layout: F columns in front; row b's fill at columns [F + start_b - fill_b, F + start_b).
+    if plan.strategy == "none" or (fill_columns == 0 and not compiling and not bool((fill > 0).any())):
+        return input_ids, inputs_embeds, attention_mask, linear_attention_mask
+    # The model's layout: F columns in front; row b's fill at columns [F + start_b - fill_b, F + start_b).
     width = fill_columns + length
     columns = torch.arange(width, device=device)[None, :]  # (1, T')
     fill_start = (fill_columns + start - fill)[:, None]  # (B, 1)
     is_fill = (columns >= fill_start) & (columns < (fill_columns + start)[:, None])  # (B, T')
     caller_mask = (
-        torch.ones(batch_size, length, dtype=torch.bool, device=device) if attention_mask is None else real
+        torch.ones(batch_size, length, dtype=torch.bool, device=device) if attention_mask is None
+        else attention_mask.to(device).bool()
     )
     mask = torch.cat([caller_mask.new_zeros(batch_size, fill_columns), caller_mask], dim=1) | is_fill
     # Caller column each model column reads: itself (shifted), or for "repeat" fills the prompt token whose copy
     # ends right before the prompt: prompt[(k - fill) mod prompt] for the k-th fill token.
     source = (columns - fill_columns).clamp(min=0).expand(batch_size, width)
-    if strategy == "repeat":
+    if plan.strategy == "repeat":
         k = columns - fill_start
-        repeated = start[:, None] + torch.remainder(k - fill[:, None], prompt.clamp(min=1)[:, None])
+        repeated = start[:, None] + torch.remainder(k - fill[:, None], plan.prompt.clamp(min=1)[:, None])
         source = torch.where(is_fill, repeated, source)
-    pad_fill = is_fill if strategy == "pad" else torch.zeros_like(is_fill)
-    new_ids = new_embeds = None
+    pad_fill = is_fill if plan.strategy == "pad" else None
+    pad_id = plan.pad_token_id or 0
     if input_ids is not None:
-        new_ids = torch.gather(input_ids.to(device), 1, source)
-        if strategy == "pad":
-            new_ids = torch.where(pad_fill, torch.full_like(new_ids, pad_token_id or 0), new_ids)
+        input_ids = torch.gather(input_ids.to(device), 1, source)
+        if pad_fill is not None:
+            input_ids = torch.where(pad_fill, torch.full_like(input_ids, pad_id), input_ids)
     if inputs_embeds is not None:
         index = source[:, :, None].expand(-1, -1, inputs_embeds.shape[-1])
-        new_embeds = torch.gather(inputs_embeds, 1, index)
-        if strategy == "pad":
-            pad = embed(torch.full((1, 1), pad_token_id or 0, dtype=torch.long, device=device)).to(new_embeds.dtype)
-            new_embeds = torch.where(pad_fill[:, :, None], pad, new_embeds)
-    return FilledInputs(
-        input_ids=new_ids,
-        inputs_embeds=new_embeds,
-        attention_mask=mask.long(),
-        linear_attention_mask=(~pad_fill).long() if strategy == "pad" else None,
-        fill_columns=fill_columns,
-        plan=plan,
-    )
+        inputs_embeds = torch.gather(inputs_embeds, 1, index)
+        if pad_fill is not None:
+            pad = embed(torch.full((1, 1), pad_id, dtype=torch.long, device=device)).to(inputs_embeds.dtype)
+            inputs_embeds = torch.where(pad_fill[:, :, None], pad, inputs_embeds)
+    if linear_attention_mask is not None:
+        linear_attention_mask = torch.nn.functional.pad(linear_attention_mask, (fill_columns, 0), value=1)
+    if pad_fill is not None:  # the linear attention ignores the "pad" fill as keys
+        keys = (~pad_fill).long()
+        linear_attention_mask = keys if linear_attention_mask is None else keys * linear_attention_mask
+    return input_ids, inputs_embeds, mask.long(), linear_attention_mask
 
-
-@dataclass
-class JRTRNNEncoderRange:
-    """Where the JRT encoder reads in one forward: row b reads positions `start[b] <= m < end[b]`.
-
-    Attributes:
-        start: `(B,)` int64, the first position row b's encoder reads: its fill, else its first real token.
-        end: `(B,)` int64, `start` + the row's fill + the prompt tokens it reads: padding never enters the encoder.
-        length: `M = max(end)`, the leading positions the encoder projections are computed for.
-    """
-
-    start: torch.Tensor
-    end: torch.Tensor
-    length: int
-
-    @property
-    def prefix_lengths(self) -> torch.Tensor:
-        """`(B,)` tokens each row's encoder reads (its prefix, counted from its first real token)."""
-        return self.end - self.start
-
-
-def encoder_range(plan: PrefixPlan, fill_columns: int, seq_len: int) -> JRTRNNEncoderRange:
-    """Each row's encoder read in the model's layout of `seq_len` columns (`fill_columns` of them in front of the
-    caller's): its fill, right before its first token, then its first `encoder_tokens` tokens."""
-    start = plan.start + fill_columns - plan.fill
-    end = start + plan.fill + plan.encoder_tokens
-    # Positions the encoder projections are computed for: the widest range; known without the data when every row
-    # reads the same (no padding, an int prefix); under torch.compile every position (a static shape; the per-row
-    # ranges still select what each row reads); otherwise read from the data.
-    if torch.compiler.is_compiling():
-        length = seq_len
-    elif plan.uniform_encoder_tokens is not None:
-        length = fill_columns + plan.uniform_encoder_tokens
-    else:
-        length = int(end.max()) if end.numel() else 0
-    return JRTRNNEncoderRange(start=start, end=end, length=length)
-
-
-@dataclass
-class PrefixLayout:
-    """How the first forward of a JRT sequence reads its rows (`lay_out_prefix`).
-
-    Attributes:
-        filled: the inputs in the model's layout, the fill in front of each row's prompt (`fill_prefix`), with the
-            plan they were filled by (`filled.plan`).
-        linear_attention_mask: `(B, F + T)` 0 at keys the linear attention ignores (the `"pad"` fill, and the caller's
-            own `linear_attention_mask`), or None.
-        encoder_range: each row's encoder read, in the model's columns.
-        record: what the cache keeps of it, so that a continuation reads the same prefix.
-    """
-
-    filled: FilledInputs
-    linear_attention_mask: torch.Tensor | None
-    encoder_range: JRTRNNEncoderRange
-    record: JRTRNNPrefixRecord
-
-
-def lay_out_prefix(
-    config: JRTRNNConfig,
-    embed: Callable[[torch.Tensor], torch.Tensor],
-    input_ids: torch.Tensor | None,
-    inputs_embeds: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
-    linear_attention_mask: torch.Tensor | None,
-    *,
-    prefix_length: int | torch.Tensor | None,
-    prompt_lengths: torch.Tensor | None,
-    strategy: str | None,
-    pad_token_id: int | None,
-    plan: PrefixPlan | None = None,
-) -> PrefixLayout:
-    """The prefix of a first forward: each row's prompt filled to `prefix_length` as `strategy` says, the encoder
-    range over it and the record of both. None arguments take the config's values. Inputs as `JRTRNNModel.forward`
-    takes them (`(B, T)` ids or `(B, T, hidden)` embeddings, `(B, T)` masks of this forward's tokens). `plan`: the
-    rows' plan when the caller made it (the labels rule), which then replaces `prefix_length`, `prompt_lengths` and
-    `strategy`."""
-    strategy = config.prefix_strategy if strategy is None else strategy
-    pad_token_id = config.prefix_pad_token_id if pad_token_id is None else pad_token_id
-    prefix_length = config.prefix_length if prefix_length is None else prefix_length
-    reference = input_ids if input_ids is not None else inputs_embeds
-    batch_size, length = reference.shape[:2]
-    if plan is None:
-        plan = plan_prefix(attention_mask, batch_size, length, reference.device, prefix_length=prefix_length,
-                           prompt_lengths=prompt_lengths, strategy=strategy)
-    elif tuple(plan.start.shape) != (batch_size,):
-        raise ValueError(f"prefix_plan was made for {tuple(plan.start.shape)} rows; this forward has {batch_size}.")
-    filled = fill_prefix(input_ids, inputs_embeds, attention_mask, plan, pad_token_id=pad_token_id, embed=embed,
-                         vocab_size=config.vocab_size)
-    if filled.fill_columns and linear_attention_mask is not None:
-        linear_attention_mask = torch.nn.functional.pad(linear_attention_mask, (filled.fill_columns, 0), value=1)
-    if filled.linear_attention_mask is not None:
-        linear_attention_mask = (
-            filled.linear_attention_mask if linear_attention_mask is None
-            else filled.linear_attention_mask * linear_attention_mask
-        )
-    read = encoder_range(plan, filled.fill_columns, filled.fill_columns + length)
-    record = JRTRNNPrefixRecord(filled.fill_columns, plan.prompt, read.prefix_lengths, plan.strategy, pad_token_id)
-    return PrefixLayout(filled, linear_attention_mask, read, record)
 
 __all__ = [
     "PREFIX_STRATEGIES",
-    "FilledInputs",
-    "JRTRNNEncoderRange",
-    "PrefixLayout",
+    "PrefixPlan",
     "check_prefix_strategy",
     "fill_prefix",
-    "lay_out_prefix",
     "never_generated_ids",
-    "PrefixPlan",
-    "encoder_range",
     "plan_prefix",
     "repeat_to_fill",
     "row_spans",

@@ -507,18 +507,19 @@ def test_model_training_step_with_kernel(device, make_config):
 def test_generation_masks_take_the_range_launch(strategy):
     """The masks the model builds for a left-padded JRT batch (batch padding, then the fill of short prompts, then
     the prompt) keep every row one range, so batched generation never takes the general-mask launch."""
+    from modeling_jrt import JRTRNNConfig
     from modeling_jrt.prefix_fill import fill_prefix, plan_prefix
 
     ids = torch.arange(3 * 9).view(3, 9) % 50 + 1
     attention_mask = torch.ones(3, 9, dtype=torch.long)
     attention_mask[0, :6] = 0  # a 3-token prompt: filled up to the prefix length
     attention_mask[1, :2] = 0
-    plan = plan_prefix(attention_mask, 3, 9, ids.device, prefix_length=8, strategy=strategy)
-    prepared = fill_prefix(ids, None, attention_mask, plan, pad_token_id=7, embed=torch.nn.Embedding(64, 4),
-                           vocab_size=64)
-    key_mask = prepared.attention_mask.bool()
-    if prepared.linear_attention_mask is not None:  # as JRTRNNLinearAttention combines them
-        key_mask &= prepared.linear_attention_mask.bool()
+    config = JRTRNNConfig(vocab_size=64, prefix_pad_token_id=7)
+    plan = plan_prefix(config, attention_mask, 3, 9, ids.device, prefix_length=8, strategy=strategy)
+    _, _, mask, linear_attention_mask = fill_prefix(plan, ids, None, attention_mask)
+    key_mask = mask.bool()
+    if linear_attention_mask is not None:  # as JRTRNNLinearAttention combines them
+        key_mask &= linear_attention_mask.bool()
     assert (key_mask.sum(-1) < key_mask.shape[1]).any()  # some rows are padded
     assert kernel_module._key_rows(key_mask)[:, 0].tolist() == [1, 1, 1]
 

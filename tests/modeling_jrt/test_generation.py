@@ -507,7 +507,7 @@ def test_deepcopy_of_a_cache_continues_like_the_original(make_config, kind, stra
     assert saved.get_seq_length() == 3 + 4 + 5 - 1  # the caller's tokens read (the last one is not yet)
     if kind["linear_attention_type"] == "prefix":
         assert saved.prefix.prefix_lengths.tolist() == [PREFIX, PREFIX]  # the encoder read the filled first turn
-        assert saved.prefix.prompt_lengths.tolist() == [3, 3] and saved.fill_columns == PREFIX - 3
+        assert saved.prefix.prompt.tolist() == [3, 3] and saved.fill_columns == PREFIX - 3
 
 
 def test_continuing_from_a_cache_needs_the_tokens_it_read(make_config):

@@ -10,7 +10,7 @@ from conftest import tiny_config
 
 from modeling_jrt import JRTRNNForCausalLM
 from modeling_jrt.labels import encoder_end
-from modeling_jrt.prefix_fill import encoder_range, plan_prefix
+from modeling_jrt.prefix_fill import plan_prefix
 
 
 def left_padded() -> torch.Tensor:
@@ -22,18 +22,24 @@ def left_padded() -> torch.Tensor:
 
 @pytest.mark.parametrize("strategy, fill", [("pad", [5, 0, 0]), ("repeat", [5, 0, 0]), ("none", [0, 0, 0])])
 def test_the_plan_of_a_left_padded_batch(strategy, fill):
-    plan = plan_prefix(left_padded(), 3, 10, torch.device("cpu"), prefix_length=8, strategy=strategy)
+    plan = plan_prefix(tiny_config(), left_padded(), 3, 10, torch.device("cpu"), prefix_length=8, strategy=strategy)
     assert plan.start.tolist() == [7, 2, 0] and plan.tokens.tolist() == [3, 8, 10]
     assert plan.encoder_tokens.tolist() == [3, 8, 8] and plan.fill.tolist() == fill
     assert plan.encoder_end.tolist() == [10, 10, 8]
     # In the model's layout (F = max(fill - start) columns in front), each row's encoder reads its fill and prompt.
     columns = max(max(f - s, 0) for f, s in zip(fill, [7, 2, 0]))
-    read = encoder_range(plan, columns, columns + 10)
-    assert (read.end - read.start).tolist() == [f + e for f, e in zip(fill, [3, 8, 8])]
+    assert plan.fill_columns == columns
+    assert plan.read_start.tolist() == [s + columns - f for s, f in zip([7, 2, 0], fill)]
+    assert plan.prefix_lengths.tolist() == [f + e for f, e in zip(fill, [3, 8, 8])]
+    assert plan.read_width == int(plan.read_end.max())
+    # The cache keeps the plan: beam search selects its rows, the columns stay.
+    picked = plan.select_rows(torch.tensor([2, 0]))
+    assert picked.start.tolist() == [0, 7] and picked.read_end.tolist() == [plan.read_end[2], plan.read_end[0]]
+    assert picked.fill_columns == plan.fill_columns and picked.strategy == strategy
 
 
 def test_prompt_lengths_end_the_encoder_read_before_the_first_target():
-    plan = plan_prefix(left_padded(), 3, 10, torch.device("cpu"), prefix_length=8,
+    plan = plan_prefix(tiny_config(), left_padded(), 3, 10, torch.device("cpu"), prefix_length=8,
                        prompt_lengths=torch.tensor([2, 5, 9]))
     assert plan.encoder_tokens.tolist() == [2, 5, 8]
     labels = torch.zeros(3, 10, dtype=torch.long)
@@ -41,7 +47,7 @@ def test_prompt_lengths_end_the_encoder_read_before_the_first_target():
     end = encoder_end(config, labels, left_padded(), torch.tensor([2, 5, 9]), 8, None)
     assert end.tolist() == [9, 7, 8]
     # an int prompt length is the same for every row
-    same = plan_prefix(left_padded(), 3, 10, torch.device("cpu"), prefix_length=8, prompt_lengths=4)
+    same = plan_prefix(tiny_config(), left_padded(), 3, 10, torch.device("cpu"), prefix_length=8, prompt_lengths=4)
     assert same.encoder_tokens.tolist() == [3, 4, 4]
 
 
