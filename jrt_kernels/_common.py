@@ -82,19 +82,6 @@ def _dot_tf32(a, b, DOT: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _outer(b_x, BT: tl.constexpr, BK: tl.constexpr):
-    """Row-wise outer product [BT, BK] -> [BT, BK * BK] (2nd-order features of one chunk, on chip)."""
-    return tl.reshape(b_x[:, :, None] * b_x[:, None, :], [BT, BK * BK])
-
-
-@triton.jit
-def _sym_contract(b_p, b_x, BT: tl.constexpr, BK: tl.constexpr):
-    """1/2 (P + P^T) x per row: [BT, BK * BK] (row-major BK x BK per token), [BT, BK] -> [BT, BK]."""
-    b_p3 = tl.reshape(b_p, [BT, BK, BK])
-    return 0.5 * (tl.sum(b_p3 * b_x[:, None, :], axis=2) + tl.sum(b_p3 * b_x[:, :, None], axis=1))
-
-
-@triton.jit
 def _key_range(key_rows, i_b, MASK: tl.constexpr):
     """(skip, lo, hi) for row i_b in a launch of kind MASK (`_key_rows`: 0 no key mask, 1 the rows whose mask is one
     range, 2 the others): skip the row when it belongs to the other launch; [lo, hi) its keys in the range launch,

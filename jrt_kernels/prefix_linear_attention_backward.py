@@ -101,15 +101,6 @@ def _add_chunk_f(b_h0, b_h1, b_hd, b_hoa, b_hob, b_zd, b_zpa, b_zpb, b_v, b_ktr,
     )
 
 
-@triton.jit
-def _pair_scatter_t(b_ut, b_xit, b_xjt, b_ei, b_ej, SDOT: tl.constexpr, EMULATE: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    """`_pair_scatter` transposed: per-pair weights u^T and gathered x_i^T, x_j^T [BH, BT] -> [BK, BT], by the
-    selection matrices e_i, e_j [BK, BH] (the A operand: constant across the scan). One rounding of u x to SDOT."""
-    return (_dot(b_ei, b_ut * b_xjt, SDOT, EMULATE, PRECISION)
-            + _dot(b_ej, b_ut * b_xit, SDOT, EMULATE, PRECISION))
-
-
 @triton.jit(do_not_specialize=["T", "M"])
 def _pla_bwd_dq_kernel(
     q, k, v, k_enc, v_enc, key_mask, key_rows, enc_start, enc_end, state_in, log_decay, gate, do, y, dq, rden, dcol,

@@ -403,9 +403,6 @@ class JRTRNNCache(Cache):
     def max_batch_size(self) -> int | None:
         return self.num_rows
 
-    def linear_attention_state(self, layer_idx: int) -> torch.Tensor | None:
-        return self.layers[layer_idx].state
-
     # ------------------------------------------------------------------------------------------- chunked prefill
     def remember_prefill_chunk(
         self, inputs: torch.Tensor, attention_mask: torch.Tensor | None, holds_every_prefix: bool

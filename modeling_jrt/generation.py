@@ -95,7 +95,7 @@ class JRTRNNGenerationMixin:
 
         decoding = False
         if use_cache is False:
-            # Uncached generation: full recomputes. A JRT-RNN model keeps the first forward's cache for its record of
+            # Uncached generation: full recomputes. A JRT-RNN model keeps the first forward's cache for its plan of
             # each row's prompt (docs/generate.md: generate() carries nothing else between steps), unless the call
             # states the prompt lengths itself; Based needs none.
             new, mask, forward_cache = sequence, attention_mask, None
