@@ -59,9 +59,12 @@ BOOL_FIELDS = ("tie_word_embeddings", "conv_bias", "linear_attention_decay", "us
 TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "prefix_pad_token_id", "mask_token_id")
 
 
-def _check_choice(field: str, value: object, allowed: tuple[str, ...]) -> None:
+def check_choice(field: str, value: object, allowed: tuple[str, ...]) -> str:
+    """`value` if it is one of `allowed`, else a `ValueError` naming `field` and the choices: the one check of every
+    named choice (config fields, an op's `implementation` and `pad_masking`, a forward's `prefix_strategy`)."""
     if value not in allowed:
         raise ValueError(f"`{field}` must be one of {list(allowed)}, got {value!r}.")
+    return value
 
 
 def _is_int(value: object) -> bool:
@@ -313,10 +316,10 @@ class JRTRNNConfig(PreTrainedConfig):
                 f"The head dim `hidden_size / num_attention_heads` = {self.hidden_size // self.num_attention_heads} "
                 "must be even for the rotary embedding of the sliding-window attention."
             )
-        _check_choice("linear_attention_type", self.linear_attention_type, LINEAR_ATTENTION_TYPES)
-        _check_choice("prefix_pad_masking", self.prefix_pad_masking, PREFIX_PAD_MASKINGS)
-        _check_choice("prefix_strategy", self.prefix_strategy, PREFIX_STRATEGIES)
-        _check_choice(
+        check_choice("linear_attention_type", self.linear_attention_type, LINEAR_ATTENTION_TYPES)
+        check_choice("prefix_pad_masking", self.prefix_pad_masking, PREFIX_PAD_MASKINGS)
+        check_choice("prefix_strategy", self.prefix_strategy, PREFIX_STRATEGIES)
+        check_choice(
             "linear_attention_implementation", self.linear_attention_implementation, LINEAR_ATTENTION_IMPLEMENTATIONS
         )
         if self.linear_attention_type == "prefix" and (self.linear_attention_decay or self.use_decay_proj):

@@ -27,7 +27,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from transformers.utils import logging
 
-from .configuration_jrt import LINEAR_ATTENTION_IMPLEMENTATIONS
+from .configuration_jrt import LINEAR_ATTENTION_IMPLEMENTATIONS, check_choice
 
 logger = logging.get_logger(__name__)
 
@@ -51,13 +51,6 @@ _FALLBACKS = {
 _Result = TypeVar("_Result")
 
 
-def check_implementation(name: object, where: str = "implementation") -> str:
-    """`name` if it is one of `LINEAR_ATTENTION_IMPLEMENTATIONS`, else a `ValueError` naming `where` and the choices."""
-    if name not in LINEAR_ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(f"{where} must be one of {list(LINEAR_ATTENTION_IMPLEMENTATIONS)}, got {name!r}.")
-    return name
-
-
 class KernelChoice:
     """Which implementation the linear attention and the RMSNorm take, and which kernels failed.
 
@@ -68,7 +61,7 @@ class KernelChoice:
     """
 
     def __init__(self, requested: str = "auto", *, config: Any = None):
-        self._requested = check_implementation(requested)
+        self._requested = check_choice("implementation", requested, LINEAR_ATTENTION_IMPLEMENTATIONS)
         self._config = config
         self._module: ModuleType | None = None
         self._loaded = False
@@ -85,8 +78,9 @@ class KernelChoice:
     def requested(self) -> str:
         if self._config is None:
             return self._requested
-        return check_implementation(
-            self._config.linear_attention_implementation, "config.linear_attention_implementation"
+        return check_choice(
+            "config.linear_attention_implementation", self._config.linear_attention_implementation,
+            LINEAR_ATTENTION_IMPLEMENTATIONS,
         )
 
     @property
@@ -186,4 +180,4 @@ class KernelChoice:
         return f"KernelChoice(requested={self.requested!r}, failures={self.failures!r})"
 
 
-__all__ = ["KERNEL_API", "KERNEL_DEVICE_TYPES", "KernelChoice", "check_implementation"]
+__all__ = ["KERNEL_API", "KERNEL_DEVICE_TYPES", "KernelChoice"]

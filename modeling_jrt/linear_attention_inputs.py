@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from .configuration_jrt import PREFIX_PAD_MASKINGS
+from .configuration_jrt import PREFIX_PAD_MASKINGS, check_choice
 from .feature_map import num_taylor_features
 
 
@@ -137,8 +137,7 @@ def validate_linear_attention_inputs(
         raise ValueError("k_enc and v_enc must be given together (or both None for causal linear attention).")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
-    if pad_masking not in PREFIX_PAD_MASKINGS:
-        raise ValueError(f"pad_masking must be one of {list(PREFIX_PAD_MASKINGS)}, got {pad_masking!r}.")
+    check_choice("pad_masking", pad_masking, PREFIX_PAD_MASKINGS)
     if key_mask is not None:
         if key_mask.shape != (batch_size, seq_len):
             raise ValueError(f"key_mask must be (B, T) = ({batch_size}, {seq_len}); got {tuple(key_mask.shape)}.")

@@ -33,7 +33,7 @@ from typing import overload
 
 import torch
 
-from .configuration_jrt import PREFIX_STRATEGIES, JRTRNNConfig
+from .configuration_jrt import PREFIX_STRATEGIES, JRTRNNConfig, check_choice
 from .loss import check_prefix_length
 
 
@@ -109,9 +109,7 @@ def row_spans(
 
 
 def check_prefix_strategy(strategy: object) -> str:
-    if strategy not in PREFIX_STRATEGIES:
-        raise ValueError(f"`prefix_strategy` must be one of {list(PREFIX_STRATEGIES)}, got {strategy!r}.")
-    return strategy
+    return check_choice("prefix_strategy", strategy, PREFIX_STRATEGIES)
 
 
 @dataclass

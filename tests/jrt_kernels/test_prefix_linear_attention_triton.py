@@ -351,9 +351,9 @@ def test_a_model_choice_follows_its_config():
     config.linear_attention_implementation = "auto"
     assert choice.linear_attention(CUDA) == "triton"
     config.linear_attention_implementation = "gpu"
-    with pytest.raises(ValueError, match="config.linear_attention_implementation must be one of"):
+    with pytest.raises(ValueError, match="`config.linear_attention_implementation` must be one of"):
         choice.linear_attention(CUDA)
-    with pytest.raises(ValueError, match="implementation must be one of"):
+    with pytest.raises(ValueError, match="`implementation` must be one of"):
         KernelChoice("gpu")
 
 

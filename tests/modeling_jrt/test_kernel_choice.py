@@ -31,10 +31,10 @@ def test_auto_is_pytorch_on_a_cpu_and_names_are_checked():
     assert KernelChoice("auto").linear_attention(CPU) == "chunked"
     assert not KernelChoice("auto").fused_norm(CPU)
     assert KernelChoice("quadratic").linear_attention(CPU) == "quadratic"
-    with pytest.raises(ValueError, match=r"implementation must be one of \['auto', 'chunked', 'triton', 'quadratic'\]"):
+    with pytest.raises(ValueError, match=r"`implementation` must be one of \['auto', 'chunked', 'triton', 'quadratic'\]"):
         KernelChoice("gpu")
     q = torch.randn(1, 4, 1, 2)
-    with pytest.raises(ValueError, match="implementation must be one of"):
+    with pytest.raises(ValueError, match="`implementation` must be one of"):
         prefix_linear_attention(q, q, q, implementation="cuda")
 
 

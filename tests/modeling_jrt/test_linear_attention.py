@@ -540,13 +540,13 @@ def test_bad_arguments_raise_clear_errors():
         prefix_linear_attention_chunked(q, k, v, torch.randn(1, 7, 2, 4), torch.randn(1, 7, 2, 4))
     with pytest.raises(ValueError, match="k_enc and v_enc must be given together"):
         prefix_linear_attention_chunked(q, k, v, k_enc, None)
-    with pytest.raises(ValueError, match="pad_masking must be one of"):
+    with pytest.raises(ValueError, match="`pad_masking` must be one of"):
         prefix_linear_attention_chunked(q, k, v, pad_masking="leaky")
     with pytest.raises(ValueError, match="key_mask must be"):
         prefix_linear_attention_chunked(q, k, v, key_mask=torch.ones(1, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="cannot be combined with an encoder"):
         prefix_linear_attention_chunked(q, k, v, k_enc, v_enc, log_decay=torch.zeros(2))
-    with pytest.raises(ValueError, match="implementation must be one of"):
+    with pytest.raises(ValueError, match="`implementation` must be one of"):
         prefix_linear_attention(q, k, v, implementation="cuda")
 
 
