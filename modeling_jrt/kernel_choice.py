@@ -61,7 +61,12 @@ class KernelChoice:
     """
 
     def __init__(self, requested: str = "auto", *, config: Any = None):
-        self._requested = check_choice("implementation", requested, LINEAR_ATTENTION_IMPLEMENTATIONS)
+        if config is not None:
+            requested = config.linear_attention_implementation
+        self._requested = check_choice(
+            "implementation" if config is None else "config.linear_attention_implementation", requested,
+            LINEAR_ATTENTION_IMPLEMENTATIONS,
+        )
         self._config = config
         self._module: ModuleType | None = None
         self._loaded = False
@@ -78,10 +83,12 @@ class KernelChoice:
     def requested(self) -> str:
         if self._config is None:
             return self._requested
-        return check_choice(
-            "config.linear_attention_implementation", self._config.linear_attention_implementation,
-            LINEAR_ATTENTION_IMPLEMENTATIONS,
-        )
+        value = self._config.linear_attention_implementation
+        if value != self._requested:  # checked when the config's value changes, not at every layer's call
+            self._requested = check_choice(
+                "config.linear_attention_implementation", value, LINEAR_ATTENTION_IMPLEMENTATIONS
+            )
+        return value
 
     @property
     def forced(self) -> bool:
