@@ -32,7 +32,7 @@ def leak_free_labels(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
     labels = kwargs.get("labels")
     if not isinstance(labels, torch.Tensor) or kwargs.get("mlm_labels") is not None:
         return None
-    if not model.config.is_prefix_model or kwargs.get("prefix_plan") is not None:
+    if not model.config.is_prefix_model:
         return None
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, JRTRNNCache) and cache.has_state:

@@ -115,3 +115,32 @@ def test_logits_to_keep_with_labels_and_out_of_range(model):
     logits = model(input_ids).logits
     torch.testing.assert_close(model(input_ids, logits_to_keep=torch.tensor([-1, 2])).logits, logits[:, [-1, 2]])
     torch.testing.assert_close(model(input_ids, logits_to_keep=2).logits, logits[:, -2:])
+
+
+@pytest.mark.parametrize("kind", ["prefix", "causal"])
+def test_labels_are_checked_once_per_step(monkeypatch, kind):
+    """One check of the targets per call (`inputs.check_labels`): the labels rule checks them when it plans a JRT
+    prefix, and the forward trusts labels that come with its plan; otherwise the forward checks them."""
+    import modeling_jrt.inputs as inputs
+    import modeling_jrt.labels as labels_rule
+    import modeling_jrt.modeling_jrt as modeling
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return inputs.check_labels(*args, **kwargs)
+
+    monkeypatch.setattr(labels_rule, "check_labels", counted)
+    monkeypatch.setattr(modeling, "check_labels", counted)
+    overrides = {} if kind == "prefix" else dict(linear_attention_type="causal")
+    model = JRTRNNForCausalLM(tiny_config(**overrides)).train()
+    model(ids(), labels=ids())
+    assert len(calls) == 1
+    bad = ids()
+    bad[1, 4] = 99
+    with pytest.raises(ValueError, match=r"`labels` holds ids outside the vocabulary \[0, 99\) that are not -100"):
+        model(ids(), labels=bad)
+    shifted = ids()[:, 1:]
+    with pytest.raises(ValueError, match=r"`shift_labels` \(2, 9\) must have the shape"):
+        model(ids(), labels=ids(), shift_labels=shifted)
