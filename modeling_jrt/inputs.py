@@ -68,13 +68,15 @@ def check_attention_mask(
     if torch.compiler.is_compiling():
         return
     if for_generation:
+        if attention_mask.shape[1] == 0:
+            return
         empty = (attention_mask == 0).all(-1)
-        if attention_mask.shape[1] and bool(empty.any()):
+        if bool(empty.any()):
             raise ValueError(
                 f"Rows {empty.nonzero().flatten().tolist()} of the batch are empty (their `attention_mask` is all 0): "
                 "give every row at least one token."
             )
-        if attention_mask.shape[1] and bool((attention_mask[:, -1] == 0).any()):
+        if bool((attention_mask[:, -1] == 0).any()):
             raise ValueError(
                 "generate() needs left-padded prompts (padding first, then the prompt): set "
                 "`tokenizer.padding_side = 'left'` before tokenizing the batch."

@@ -101,8 +101,9 @@ def encoder_end(
     continued cache)."""
     if not config.is_prefix_model or (isinstance(cache, JRTRNNCache) and cache.has_state):
         return None
+    # Only the encoder's tokens matter here, not the fill (no fill token is checked: the forward checks its own).
     plan = plan_prefix(config, attention_mask, *labels.shape, labels.device, prefix_length=prefix_length,
-                       prompt_lengths=prompt_lengths)
+                       prompt_lengths=prompt_lengths, strategy="none")
     return plan.encoder_end
 
 

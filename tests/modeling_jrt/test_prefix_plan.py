@@ -83,3 +83,18 @@ def test_an_int_prompt_length_equals_the_per_row_tensor():
         whole = model(input_ids).logits
     torch.testing.assert_close(as_int, as_rows, rtol=0, atol=0)
     assert not torch.allclose(as_int, whole)
+
+
+def test_the_forward_masks_labels_by_the_same_plan_without_the_labels_hook():
+    """With the labels rule's hook removed, the forward plans the targets the encoder reads itself, from the
+    arguments it was given: the same loss, also with a fill token passed to the call only."""
+    torch.manual_seed(0)
+    model = JRTRNNForCausalLM(tiny_config(prefix_pad_token_id=None, prefix_strategy="pad")).train()
+    input_ids = torch.randint(4, 99, (2, 10))
+    labels = input_ids.clone()
+    labels[:, :3] = -100  # completion-only: 3-token prompts, filled to the prefix of 8 with the call's token
+    hooked = model(input_ids, labels=labels, prefix_pad_token_id=3).loss
+    model.leak_free_labels_hook.remove()
+    alone = model(input_ids, labels=labels, prefix_pad_token_id=3).loss
+    assert hooked > 0
+    torch.testing.assert_close(alone, hooked, rtol=0, atol=0)
