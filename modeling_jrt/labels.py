@@ -3,10 +3,14 @@
 In a call with `labels`, each row's prompt ends at its first scored target (completion-only labels make the prompt
 the prefix, `prompt_lengths_from_labels`), and the targets inside the prefix the encoder reads (`encoder_end`) are
 set to -100 before anything computes a loss: the model's own, a `num_items_in_batch` sum, TRL's fused LM head or a
-`compute_loss_func` (`leak_free_labels`, a forward pre-hook of `JRTRNNForCausalLM`).
+`compute_loss_func` (`apply_labels_rule`, run by `leak_free_labels`, a forward pre-hook of `JRTRNNForCausalLM`, and by
+the forward itself when it is called without its hooks).
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 from transformers.utils import logging
@@ -15,7 +19,7 @@ from .cache import JRTRNNCache
 from .configuration_jrt import JRTRNNConfig
 from .inputs import check_labels
 from .loss import IGNORE_INDEX, mask_before
-from .prefix_fill import plan_prefix, row_spans
+from .prefix_fill import PrefixPlan, plan_prefix, row_spans
 
 logger = logging.get_logger(__name__)
 
@@ -24,38 +28,77 @@ LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 
 
 def leak_free_labels(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """Forward pre-hook of `JRTRNNForCausalLM` (a public `nn.Module` hook): in a call with `labels` (and no
-    `mlm_labels`), add each row's `prompt_lengths` (`prompt_lengths_from_labels`) and set to -100 the labels of the
-    targets the JRT encoder will read, so that whatever computes the loss from this call's outputs, the model's own
-    loss, `num_items_in_batch`-style sums, TRL's fused LM head (which replaces `forward` and calls the backbone
-    without labels) or a `compute_loss_func`, scores only what the model cannot have read."""
-    labels = kwargs.get("labels")
-    if not isinstance(labels, torch.Tensor) or kwargs.get("mlm_labels") is not None:
-        return None
-    if not model.config.is_prefix_model:
-        return None
+    """Forward pre-hook of `JRTRNNForCausalLM` (a public `nn.Module` hook): a call with `labels` gets the labels rule
+    (`apply_labels_rule`) before the forward runs, so that whatever computes the loss from this call's outputs, the
+    model's own loss, `num_items_in_batch`-style sums, TRL's fused LM head (which replaces `forward` and calls the
+    backbone without labels) or a `compute_loss_func`, scores only what the model cannot have read. The forward
+    applies the same rule itself when it is called without its hooks (`model.forward(...)`)."""
+    if len(args) < 6 and not isinstance(kwargs.get("labels"), torch.Tensor):
+        return None  # (labels is the 6th positional argument)
+    if args:  # by name, as the forward reads them (a positional attention_mask changes the plan)
+        names = positional_names(type(model))[: len(args)]
+        if len(names) < len(args) or any(name in kwargs for name in names):
+            return None  # the forward refuses the call itself
+        kwargs = {**dict(zip(names, args)), **kwargs}
+    config, labels = model.config, kwargs.get("labels")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if isinstance(cache, JRTRNNCache) and cache.has_state:
+    if not isinstance(labels, torch.Tensor) or not labels_rule_applies(config, kwargs.get("mlm_labels"), cache):
         return None
     # The one check of the targets (`check_labels`): the forward trusts labels that come with this rule's plan.
-    kwargs = dict(kwargs)
-    labels = check_labels(labels, args[0] if args else kwargs.get("input_ids"), kwargs.get("inputs_embeds"), kwargs,
-                          model.config.vocab_size)
+    labels = check_labels(labels, kwargs.get("input_ids"), kwargs.get("inputs_embeds"), kwargs, config.vocab_size)
     attention_mask = kwargs.get("attention_mask")
-    attention_mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
-    derived = kwargs.get("prompt_lengths") is None
-    if derived:
-        kwargs["prompt_lengths"] = prompt_lengths_from_labels(labels, attention_mask)
-    plan = plan_prefix(
-        model.config, attention_mask, *labels.shape, labels.device, prefix_length=kwargs.get("prefix_length"),
-        prompt_lengths=kwargs["prompt_lengths"], strategy=kwargs.get("prefix_strategy"),
-        pad_token_id=kwargs.get("prefix_pad_token_id"),
+    labels, prompt_lengths, plan, kwargs = apply_labels_rule(
+        config, labels, attention_mask if isinstance(attention_mask, torch.Tensor) else None, kwargs,
+        prompt_lengths=kwargs.get("prompt_lengths"), prefix_length=kwargs.get("prefix_length"),
+        prefix_strategy=kwargs.get("prefix_strategy"), prefix_pad_token_id=kwargs.get("prefix_pad_token_id"),
     )
-    masked, kwargs = ignore_encoder_targets(labels, plan.encoder_end, kwargs)  # labels, shift_labels, the warning
+    # The model lays out the prefix by this plan and masks nothing again: one plan per training step.
+    return (), {**kwargs, "labels": labels, "prompt_lengths": prompt_lengths, "prefix_plan": plan}
+
+
+@functools.cache
+def positional_names(model_class: type) -> tuple[str, ...]:
+    """The names of `model_class.forward`'s positional parameters after `self`, in order."""
+    parameters = list(inspect.signature(model_class.forward).parameters.values())[1:]
+    return tuple(p.name for p in parameters if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def labels_rule_applies(config: JRTRNNConfig, mlm_labels: torch.Tensor | None, cache: object) -> bool:
+    """Whether the encoder reads this call's tokens, so that the labels rule applies: a JRT model, the first forward
+    of a sequence (no continued cache), and not the JRT objective (whose collator lays out the targets itself)."""
+    return config.is_prefix_model and mlm_labels is None and not (isinstance(cache, JRTRNNCache) and cache.has_state)
+
+
+def apply_labels_rule(
+    config: JRTRNNConfig,
+    labels: torch.LongTensor,
+    attention_mask: torch.Tensor | None,
+    loss_kwargs: dict,
+    *,
+    prompt_lengths: torch.Tensor | None,
+    prefix_length: int | torch.Tensor | None,
+    prefix_strategy: str | None,
+    prefix_pad_token_id: int | None,
+) -> tuple[torch.LongTensor, torch.Tensor | None, PrefixPlan, dict]:
+    """The labels rule (checked labels `(B, T)`): each row's prompt ends at its first scored target unless
+    `prompt_lengths` are given (`prompt_lengths_from_labels`), the prefix is planned from it (`plan_prefix`), and the
+    targets the encoder reads are set to -100 (in `shift_labels` of `loss_kwargs` too; `ignore_encoder_targets`).
+
+    Returns:
+        `(labels, prompt_lengths, plan, loss_kwargs)`: the masked labels, the prompts planned with, the plan the
+        forward lays the prefix out by, and `loss_kwargs` with its `shift_labels` masked.
+    """
+    derived = prompt_lengths is None
+    if derived:
+        prompt_lengths = prompt_lengths_from_labels(labels, attention_mask)
+    plan = plan_prefix(
+        config, attention_mask, *labels.shape, labels.device, prefix_length=prefix_length,
+        prompt_lengths=prompt_lengths, strategy=prefix_strategy, pad_token_id=prefix_pad_token_id,
+    )
+    masked, loss_kwargs = ignore_encoder_targets(labels, plan.encoder_end, loss_kwargs)
     if derived and not torch.compiler.is_compiling():
         warn_one_token_prompts(labels, masked, plan.start)
-    # The model lays out the prefix by this plan and masks nothing again: one plan per training step.
-    return args, {**kwargs, "labels": masked, "prefix_plan": plan}
+    return masked, prompt_lengths, plan, loss_kwargs
 
 
 def warn_one_token_prompts(labels: torch.Tensor, masked: torch.Tensor, start: torch.Tensor) -> None:
@@ -86,25 +129,6 @@ def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tenso
     has_leading_ignored = (first > start + 1) & (first < length)
     full = torch.full_like(first, length)
     return torch.where(has_leading_ignored, first - start, full)
-
-
-def encoder_end(
-    config: JRTRNNConfig,
-    labels: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    prompt_lengths: torch.Tensor | None,
-    prefix_length: int | torch.Tensor | None,
-    cache: object,
-) -> torch.Tensor | None:
-    """`(B,)` label index where each row's encoder read ends, in the caller's columns (the targets before it are
-    never scored; `PrefixPlan.encoder_end`), or None when the encoder read nothing of these tokens (causal model,
-    continued cache)."""
-    if not config.is_prefix_model or (isinstance(cache, JRTRNNCache) and cache.has_state):
-        return None
-    # Only the encoder's tokens matter here, not the fill (no fill token is checked: the forward checks its own).
-    plan = plan_prefix(config, attention_mask, *labels.shape, labels.device, prefix_length=prefix_length,
-                       prompt_lengths=prompt_lengths, strategy="none")
-    return plan.encoder_end
 
 
 def ignore_encoder_targets(
@@ -141,9 +165,10 @@ def check_jrt_objective_prefix(config: JRTRNNConfig, prefix_length: int | torch.
 
 __all__ = [
     "LOSS_KWARGS",
+    "apply_labels_rule",
     "check_jrt_objective_prefix",
-    "encoder_end",
     "ignore_encoder_targets",
+    "labels_rule_applies",
     "leak_free_labels",
     "prompt_lengths_from_labels",
     "warn_one_token_prompts",

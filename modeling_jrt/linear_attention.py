@@ -87,45 +87,23 @@ def prefix_linear_attention(
     k_enc: torch.Tensor | None = None,
     v_enc: torch.Tensor | None = None,
     *,
-    encoder_start: torch.Tensor | int | None = None,
-    encoder_end: torch.Tensor | int | None = None,
-    key_mask: torch.Tensor | None = None,
-    pad_masking: str = "strict",
-    initial_state: torch.Tensor | None = None,
-    log_decay: torch.Tensor | None = None,
-    gate: torch.Tensor | None = None,
-    eps: float = 1e-12,
-    chunk_size: int = 32,
     implementation: str | KernelChoice = "auto",
+    **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill of prefix (JRT-RNN) or causal (Based, `k_enc = v_enc = None`) linear attention.
 
     Args:
-        q, k: `(B, T, H, K)` decoder queries and keys.
-        v: `(B, T, H, V)` decoder values.
+        q, k: `(B, T, H, K)` decoder queries and keys; v: `(B, T, H, V)` decoder values.
         k_enc, v_enc: `(B, M, H, K)` / `(B, M, H, V)` encoder keys and values of the first M <= T tokens, or None.
-        encoder_start, encoder_end: `(B,)` int64 (or ints): row b's encoder reads positions
-            `encoder_start[b] <= m < encoder_end[b]` of k_enc / v_enc; default `[0, M)` for every row.
-        key_mask: `(B, T)` bool, True for real tokens. A masked key outside its row's encoder range never counts;
-            one inside it is removed as `pad_masking` says.
-        pad_masking: `"strict"` (pads contribute nothing) or `"reference"` (the original code's leak, for the masked
-            keys inside the encoder range).
-        initial_state: `(B, H, F, V + 1)` state of earlier tokens (continuing from a cache), or None.
-        log_decay: `(H,)` log gamma of the Based fixed decay, or None.
-        gate: `(B, T, H)` input-dependent numerator gate of the Based decay variant, or None.
-        eps: added to the denominator.
-        chunk_size: chunk length of the chunked implementation.
         implementation: `"auto"`, `"chunked"`, `"triton"` or `"quadratic"`, or the `KernelChoice` of the caller (a
             model's: it remembers a kernel that failed); see `kernel_choice.py`.
+        **options: the other fields of `LinearAttentionInputs`, by name: `encoder_start`, `encoder_end` (each row's
+            encoder range), `key_mask`, `pad_masking`, `initial_state`, `log_decay`, `gate`, `eps`, `chunk_size`.
 
     Returns:
         `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) in fp32)`.
     """
-    inputs = validate_linear_attention_inputs(
-        q, k, v, k_enc, v_enc, encoder_start=encoder_start, encoder_end=encoder_end, key_mask=key_mask,
-        pad_masking=pad_masking, initial_state=initial_state, log_decay=log_decay, gate=gate, eps=eps,
-        chunk_size=chunk_size,
-    )
+    inputs = validate_linear_attention_inputs(q, k, v, k_enc, v_enc, **options)
     choice = KernelChoice.of(implementation)
     chosen = choice.linear_attention(q.device)
     if inputs.is_empty:

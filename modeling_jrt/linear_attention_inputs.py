@@ -15,32 +15,42 @@ from .feature_map import num_taylor_features
 
 
 class LinearAttentionInputs(NamedTuple):
-    """One prefill's inputs, validated and normalised (made by `validate_linear_attention_inputs` only). Immutable;
-    a named tuple rather than a frozen dataclass because the decode step validates its inputs at every token and
-    layer, and a tuple is about 5x cheaper to build (0.7 against 3.3 us).
+    """One prefill's inputs: the arguments of `prefix_linear_attention` (declared here, once), validated and
+    normalised by `validate_linear_attention_inputs`, which every implementation takes. Immutable; a named tuple
+    rather than a frozen dataclass because the decode step validates its inputs at every token and layer, and a tuple
+    is about 5x cheaper to build (0.7 against 3.3 us).
 
     Attributes:
-        q, k: `(B, T, H, K)`; v: `(B, T, H, V)`; k_enc, v_enc: `(B, M, H, K)` / `(B, M, H, V)`, or None (causal).
-        encoder_start, encoder_end: `(B,)` int64, `[0, M)` for every row when none was given; None without encoder.
-        key_mask: `(B, T)` bool, or None. pad_masking: "strict" or "reference".
-        initial_state: `(B, H, F, V + 1)`, or None. log_decay: `(H,)`, or None. gate: `(B, T, H)`, or None.
+        q, k: `(B, T, H, K)` decoder queries and keys. v: `(B, T, H, V)` decoder values.
+        k_enc, v_enc: `(B, M, H, K)` / `(B, M, H, V)` encoder keys and values of the first M <= T tokens, or None
+            (causal linear attention, Based).
+        encoder_start, encoder_end: `(B,)` int64 (ints as arguments): row b's encoder reads positions
+            `encoder_start[b] <= m < encoder_end[b]` of k_enc / v_enc; `[0, M)` for every row when none is given;
+            None without an encoder.
+        key_mask: `(B, T)` bool (a 0/1 mask as an argument), True for real tokens, or None. A masked key outside its
+            row's encoder range never counts; one inside it is removed as `pad_masking` says.
+        pad_masking: `"strict"` (pads contribute nothing) or `"reference"` (the original code's leak, for the masked
+            keys inside the encoder range).
+        initial_state: `(B, H, F, V + 1)` state of earlier tokens (continuing from a cache), or None.
+        log_decay: `(H,)` log gamma of the Based fixed decay, or None.
+        gate: `(B, T, H)` input-dependent numerator gate of the Based decay variant, or None.
         eps: added to the denominator. chunk_size: the chunked scan's chunk length (>= 1).
     """
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    k_enc: torch.Tensor | None
-    v_enc: torch.Tensor | None
-    encoder_start: torch.Tensor | None
-    encoder_end: torch.Tensor | None
-    key_mask: torch.Tensor | None
-    pad_masking: str
-    initial_state: torch.Tensor | None
-    log_decay: torch.Tensor | None
-    gate: torch.Tensor | None
-    eps: float
-    chunk_size: int
+    k_enc: torch.Tensor | None = None
+    v_enc: torch.Tensor | None = None
+    encoder_start: torch.Tensor | None = None
+    encoder_end: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
+    pad_masking: str = "strict"
+    initial_state: torch.Tensor | None = None
+    log_decay: torch.Tensor | None = None
+    gate: torch.Tensor | None = None
+    eps: float = 1e-12
+    chunk_size: int = 32
 
     @property
     def differentiable(self) -> tuple[torch.Tensor | None, ...]:
@@ -105,29 +115,21 @@ def _as_row_index(value: torch.Tensor | int, batch_size: int, device: torch.devi
     return value.to(device=device, dtype=torch.long)
 
 
-def validate_linear_attention_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_enc: torch.Tensor | None = None,
-    v_enc: torch.Tensor | None = None,
-    *,
-    encoder_start: torch.Tensor | int | None = None,
-    encoder_end: torch.Tensor | int | None = None,
-    key_mask: torch.Tensor | None = None,
-    pad_masking: str = "strict",
-    initial_state: torch.Tensor | None = None,
-    log_decay: torch.Tensor | None = None,
-    gate: torch.Tensor | None = None,
-    eps: float = 1e-12,
-    chunk_size: int = 32,
-) -> LinearAttentionInputs:
-    """Check the arguments shared by every implementation (oracle, chunked, step, Triton) and normalise them: the
-    encoder range as `(B,)` int64 tensors (`[0, M)` for every row when none is given; both None without an encoder),
-    the key mask as `(B, T)` bool (or None).
+def validate_linear_attention_inputs(*args, **kwargs) -> LinearAttentionInputs:
+    """The one check of a prefill's (or a decode step's, as T = 1) arguments, those of `LinearAttentionInputs` by
+    position or name: the encoder range as `(B,)` int64 tensors (`[0, M)` for every row when none is given; both None
+    without an encoder), the key mask as `(B, T)` bool (or None).
 
     Raises `ValueError` / `TypeError` naming the argument, the expected and the actual value.
     """
+    try:
+        fields = LinearAttentionInputs(*args, **kwargs)
+    except TypeError as error:
+        raise TypeError(
+            f"{error}: linear attention takes the fields of LinearAttentionInputs, {LinearAttentionInputs._fields}."
+        ) from None
+    (q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, pad_masking, initial_state, log_decay, gate, eps,
+     chunk_size) = fields
     if q.ndim != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must both be (B, T, H, K); got q {tuple(q.shape)} and k {tuple(k.shape)}.")
     batch_size, seq_len, num_heads, feature_dim = q.shape
@@ -152,9 +154,7 @@ def validate_linear_attention_inputs(
     if k_enc is None:
         if encoder_start is not None or encoder_end is not None:
             raise ValueError("encoder_start / encoder_end describe the encoder keys: pass k_enc and v_enc with them.")
-        return LinearAttentionInputs(
-            q, k, v, None, None, None, None, key_mask, pad_masking, initial_state, log_decay, gate, eps, chunk_size
-        )
+        return fields if key_mask is fields.key_mask else fields._replace(key_mask=key_mask)
 
     encoder_length = k_enc.shape[1]
     if k_enc.ndim != 4 or k_enc.shape != (batch_size, encoder_length, num_heads, feature_dim):
@@ -174,9 +174,7 @@ def validate_linear_attention_inputs(
             f"The encoder range must satisfy 0 <= encoder_start <= encoder_end <= M = {encoder_length} in every row; "
             f"got encoder_start {start.tolist()} and encoder_end {end.tolist()}."
         )
-    return LinearAttentionInputs(
-        q, k, v, k_enc, v_enc, start, end, key_mask, pad_masking, initial_state, log_decay, gate, eps, chunk_size
-    )
+    return fields._replace(encoder_start=start, encoder_end=end, key_mask=key_mask)
 
 
 def fixed_log_decay(decay_const: float, heads: range, device: torch.device) -> torch.Tensor:

@@ -66,11 +66,10 @@ from .inputs import (
 )
 from .labels import (
     LOSS_KWARGS,
+    apply_labels_rule,
     check_jrt_objective_prefix,
-    encoder_end,
-    ignore_encoder_targets,
+    labels_rule_applies,
     leak_free_labels,
-    prompt_lengths_from_labels,
 )
 from .legacy_folders import migrate_legacy_generation_settings
 from .kernel_choice import KernelChoice
@@ -798,7 +797,8 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
         self.post_init()
         # Every call with `labels` states where each row's prompt ends, before any forward sees them: the model's own,
         # and one that a trainer put in its place (TRL's fused LM head scores log-probabilities from the backbone).
-        # (`leak_free_labels_hook.remove()` restores the leaky behaviour; benchmarks/sft_leak.py measures it.)
+        # (`leak_free_labels_hook.remove()` restores the leak where the loss is computed outside the forward, which
+        # benchmarks/sft_leak.py measures; the forward applies the rule to its own loss either way.)
         self.leak_free_labels_hook = self.register_forward_pre_hook(leak_free_labels, with_kwargs=True)
 
     @classmethod
@@ -865,8 +865,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
             `JRTRNNCausalLMOutput` with `loss`, `logits` `(B, T, vocab_size)`, the cache, and `ntp_loss` / `mlm_loss`
             when `mlm_labels` are given.
         """
-        planned = prefix_plan is not None  # the labels rule checked the labels, planned the prefix and masked them
-        if not planned:
+        if prefix_plan is None:  # (with a plan, the labels hook checked the labels and applied the labels rule)
             labels = check_labels(labels, input_ids, inputs_embeds, kwargs, self.config.vocab_size)
         if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError(
@@ -877,8 +876,13 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
         mlm_labels = kwargs.pop("mlm_labels", None)
         if mlm_labels is not None:
             check_jrt_objective_prefix(self.config, prefix_length)
-        if labels is not None and not planned and prompt_lengths is None and mlm_labels is None and self.model.is_prefix_model:
-            prompt_lengths = prompt_lengths_from_labels(labels, attention_mask)
+        given = cache if cache is not None else past_key_values
+        if labels is not None and prefix_plan is None and labels_rule_applies(self.config, mlm_labels, given):
+            # Called without its hooks (`model.forward(...)`, or the hook removed): the labels rule, here.
+            labels, prompt_lengths, prefix_plan, kwargs = apply_labels_rule(
+                self.config, labels, attention_mask, kwargs, prompt_lengths=prompt_lengths,
+                prefix_length=prefix_length, prefix_strategy=prefix_strategy, prefix_pad_token_id=prefix_pad_token_id,
+            )
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -908,12 +912,6 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
                 mlm_weight=self.config.mlm_weight, num_items_in_batch=kwargs.get("num_items_in_batch"),
             )
         elif labels is not None:
-            given = cache if cache is not None else past_key_values
-            prefix_end = None if planned else encoder_end(
-                self.config, labels, attention_mask, prompt_lengths, prefix_length, given
-            )
-            if prefix_end is not None:
-                labels, kwargs = ignore_encoder_targets(labels, prefix_end, kwargs)
             loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS}
             targets = loss_kwargs.get("shift_labels")
             targets = labels[:, 1:] if targets is None else targets

@@ -301,6 +301,23 @@ def test_lora_trains_only_the_adapter_and_merges_exactly(make_config, tmp_path):
     torch.testing.assert_close(generated, model.generate(input_ids=prompt, max_new_tokens=6, do_sample=False))
 
 
+def test_a_lora_model_has_the_base_models_leak_free_loss(make_config):
+    """A LoRA model (its adapter a no-op at the start) scores what the base model scores, on completion-only labels
+    of a left-padded batch: the labels rule runs through PEFT's wrappers."""
+    from peft import get_peft_model
+
+    torch.manual_seed(0)
+    base = JRTRNNForCausalLM(make_config(prefix_length=8)).train()
+    input_ids = torch.randint(4, 98, (2, 12))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :6] = -100  # prompts of 3 and 6 tokens, completions of 6
+    batch = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    expected = base(**batch).loss
+    torch.testing.assert_close(get_peft_model(base, default_lora_config())(**batch).loss, expected)
+
+
 def test_shift_labels_with_an_empty_prefix(make_config):
     model = JRTRNNForCausalLM(make_config()).eval()
     input_ids = torch.randint(4, 99, (2, 12))

@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import tiny_config
 
+import modeling_jrt.labels
+import modeling_jrt.modeling_jrt
 from modeling_jrt import JRTRNNForCausalLM
-from modeling_jrt.labels import encoder_end
 from modeling_jrt.prefix_fill import plan_prefix
 
 
@@ -42,10 +43,7 @@ def test_prompt_lengths_end_the_encoder_read_before_the_first_target():
     plan = plan_prefix(tiny_config(), left_padded(), 3, 10, torch.device("cpu"), prefix_length=8,
                        prompt_lengths=torch.tensor([2, 5, 9]))
     assert plan.encoder_tokens.tolist() == [2, 5, 8]
-    labels = torch.zeros(3, 10, dtype=torch.long)
-    config = tiny_config()
-    end = encoder_end(config, labels, left_padded(), torch.tensor([2, 5, 9]), 8, None)
-    assert end.tolist() == [9, 7, 8]
+    assert plan.encoder_end.tolist() == [9, 7, 8]  # the label index where each row's encoder read ends
     # an int prompt length is the same for every row
     same = plan_prefix(tiny_config(), left_padded(), 3, 10, torch.device("cpu"), prefix_length=8, prompt_lengths=4)
     assert same.encoder_tokens.tolist() == [3, 4, 4]
@@ -98,3 +96,40 @@ def test_the_forward_masks_labels_by_the_same_plan_without_the_labels_hook():
     alone = model(input_ids, labels=labels, prefix_pad_token_id=3).loss
     assert hooked > 0
     torch.testing.assert_close(alone, hooked, rtol=0, atol=0)
+
+
+def test_a_training_step_plans_its_prefix_once_with_or_without_the_hook(monkeypatch):
+    """The labels rule (`apply_labels_rule`) plans the prefix and the backbone lays it out by that plan: one plan per
+    step, whether the hook ran (`model(...)`) or the forward was called without it (`model.forward(...)`), and the
+    same loss."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return plan_prefix(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_jrt.labels, "plan_prefix", counted)
+    monkeypatch.setattr(modeling_jrt.modeling_jrt, "plan_prefix", counted)
+    torch.manual_seed(0)
+    model = JRTRNNForCausalLM(tiny_config()).train()
+    input_ids = torch.randint(4, 99, (3, 10))
+    labels = input_ids.masked_fill(left_padded() == 0, -100)
+    losses = []
+    for call in (model, model.forward):
+        calls.clear()
+        losses.append(call(input_ids=input_ids, attention_mask=left_padded(), labels=labels).loss)
+        assert len(calls) == 1, call
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+
+
+def test_a_positional_attention_mask_is_planned_with():
+    """`model(input_ids, attention_mask, labels=...)`: the labels hook plans each row's prefix from the positional
+    mask as well (a plan without it would put a left-padded row's prefix on its padding)."""
+    torch.manual_seed(0)
+    model = JRTRNNForCausalLM(tiny_config(initializer_range=0.3)).train()
+    input_ids = torch.randint(4, 99, (3, 10))
+    labels = input_ids.masked_fill(left_padded() == 0, -100)
+    by_name = model(input_ids=input_ids, attention_mask=left_padded(), labels=labels)
+    by_position = model(input_ids, left_padded(), labels=labels)
+    torch.testing.assert_close(by_position.logits, by_name.logits, rtol=0, atol=0)
+    torch.testing.assert_close(by_position.loss, by_name.loss, rtol=0, atol=0)
