@@ -41,8 +41,8 @@ def leak_free_labels(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
             return None  # the forward refuses the call itself
         kwargs = {**dict(zip(names, args)), **kwargs}
     config, labels = model.config, kwargs.get("labels")
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if not isinstance(labels, torch.Tensor) or not labels_rule_applies(config, kwargs.get("mlm_labels"), cache):
+    applies = labels_rule_applies(config, kwargs.get("mlm_labels"), kwargs.get("cache"), kwargs.get("past_key_values"))
+    if not isinstance(labels, torch.Tensor) or not applies:
         return None
     # The one check of the targets (`check_labels`): the forward trusts labels that come with this rule's plan.
     labels = check_labels(labels, kwargs.get("input_ids"), kwargs.get("inputs_embeds"), kwargs, config.vocab_size)
@@ -63,9 +63,13 @@ def positional_names(model_class: type) -> tuple[str, ...]:
     return tuple(p.name for p in parameters if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
-def labels_rule_applies(config: JRTRNNConfig, mlm_labels: torch.Tensor | None, cache: object) -> bool:
+def labels_rule_applies(
+    config: JRTRNNConfig, mlm_labels: torch.Tensor | None, cache: object, past_key_values: object
+) -> bool:
     """Whether the encoder reads this call's tokens, so that the labels rule applies: a JRT model, the first forward
-    of a sequence (no continued cache), and not the JRT objective (whose collator lays out the targets itself)."""
+    of a sequence (no continued cache: `cache=`, else `past_key_values=`, as `inputs.resolve_cache` takes them), and
+    not the JRT objective (whose collator lays out the targets itself)."""
+    cache = cache if cache is not None else past_key_values
     return config.is_prefix_model and mlm_labels is None and not (isinstance(cache, JRTRNNCache) and cache.has_state)
 
 

@@ -876,8 +876,9 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
         mlm_labels = kwargs.pop("mlm_labels", None)
         if mlm_labels is not None:
             check_jrt_objective_prefix(self.config, prefix_length)
-        given = cache if cache is not None else past_key_values
-        if labels is not None and prefix_plan is None and labels_rule_applies(self.config, mlm_labels, given):
+        if labels is not None and prefix_plan is None and labels_rule_applies(
+            self.config, mlm_labels, cache, past_key_values
+        ):
             # Called without its hooks (`model.forward(...)`, or the hook removed): the labels rule, here.
             labels, prompt_lengths, prefix_plan, kwargs = apply_labels_rule(
                 self.config, labels, attention_mask, kwargs, prompt_lengths=prompt_lengths,

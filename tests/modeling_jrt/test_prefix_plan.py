@@ -133,3 +133,19 @@ def test_a_positional_attention_mask_is_planned_with():
     by_position = model(input_ids, left_padded(), labels=labels)
     torch.testing.assert_close(by_position.logits, by_name.logits, rtol=0, atol=0)
     torch.testing.assert_close(by_position.loss, by_name.loss, rtol=0, atol=0)
+
+
+def test_the_hook_and_the_forward_read_a_continued_cache_by_the_same_rule():
+    """A call that continues a cache given as `past_key_values=` (with `cache=None` beside it) is not a first
+    forward for the labels hook either: nothing is planned or masked, as in `forward` called without the hook."""
+    import copy
+
+    torch.manual_seed(0)
+    model = JRTRNNForCausalLM(tiny_config(initializer_range=0.3)).eval()
+    with torch.no_grad():
+        cache = model(torch.randint(4, 99, (2, 10)), use_cache=True).past_key_values
+        nxt = torch.randint(4, 99, (2, 6))
+        call = dict(input_ids=nxt, labels=nxt, cache=None)
+        hooked = model(**call, past_key_values=copy.deepcopy(cache)).loss
+        alone = model.forward(**call, past_key_values=copy.deepcopy(cache)).loss
+    torch.testing.assert_close(hooked, alone, rtol=0, atol=0)
