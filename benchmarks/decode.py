@@ -28,13 +28,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM
-from modeling_jrt.compat import output_cache
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_model_arguments, build_models, synchronize, timed  # noqa: E402
+
+from modeling_jrt.compat import output_cache  # noqa: E402
 
 
 def cache_bytes(cache) -> int:
@@ -51,11 +54,6 @@ def cache_bytes(cache) -> int:
 
 
 WARMUP_STEPS = 3
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
@@ -106,11 +104,8 @@ def generate_seconds_per_token(
             kwargs["compile_config"] = compile_config
 
     def run(new_tokens: int) -> float:
-        synchronize(device)
-        start = time.perf_counter()
-        model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
-        synchronize(device)
-        return time.perf_counter() - start
+        return timed(lambda: model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs),
+                     device)
 
     run(steps)  # warm-up (and the compile of the static path)
     short, long = [], []
@@ -121,44 +116,12 @@ def generate_seconds_per_token(
     return difference if difference > 0 else min(long) / (2 * steps)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The shape flags of `build_models` (`--hidden-size`, `--layers`, `--heads`, `--vocab-size`, `--sliding-window`),
-    for every benchmark that times the two models it builds."""
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab-size", type=int, default=1024)
-    parser.add_argument("--sliding-window", type=int, default=129)
-
-
-def build_models(
-    hidden: int, layers: int, heads: int, vocab: int, window: int
-) -> tuple[JRTRNNForCausalLM, LlamaForCausalLM]:
-    torch.manual_seed(0)
-    jrt = JRTRNNForCausalLM(
-        JRTRNNConfig(
-            vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-            num_attention_heads=heads, prefix_length=1024, sliding_window=window, bos_token_id=0, eos_token_id=0,
-        )
-    ).eval()
-    llama = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=1 << 16,
-            bos_token_id=0, eos_token_id=0,
-        )
-    ).eval()
-    return jrt, llama
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per length")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights of both models")
     parser.add_argument(
         "--compile", action="store_true",
         help="add a column: JRT-RNN's decode step under torch.compile(model.forward, fullgraph=True)",
@@ -173,8 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.lengths, args.hidden_size, args.layers, args.heads, args.steps = [512, 1024], 128, 4, 4, 4
 
-    jrt, llama = build_models(args.hidden_size, args.layers, args.heads, args.vocab_size, args.sliding_window)
-    jrt, llama = (model.to(args.device, getattr(torch, args.dtype)) for model in (jrt, llama))
+    jrt, llama = build_models(args)
     print(
         f"hidden {args.hidden_size}, {args.layers} layers ({', '.join(jrt.config.mixer_types)}), {args.heads} heads, "
         f"{args.dtype} on {args.device}, batch {args.batch}, torch threads {torch.get_num_threads()}, "

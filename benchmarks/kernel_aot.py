@@ -3,33 +3,14 @@
 Every kernel of `jrt_kernels` is compiled for sm_90 and sm_80 (one build per autotune config) from the exact
 arguments its launcher passes: the launcher runs on small CPU tensors with the paper's B, H, K and V (strides and
 constexprs are what the real call specialises on; T and M are not specialised), the launch is intercepted, and
-triton's own binder turns the arguments into the compile signature. Each case is built for every launch kind
-(`VARIANTS`): "plain" (an encoder prefix), "mask+state" (a key mask and an initial state; its one-range rows are
-launched apart and reported as "range+state") and "decay+gate" (the Based checkpoints: fixed per-head decay,
-numerator gate, no encoder; the backward's dq scan in its recomputing form). The forward is built twice: for
-inference and for training (rows marked "train": it also stores 1 / (den + eps) per query and its state after the
-encoder, which the backward's dq scan reads instead of recomputing). The sequence-parallel prefill (`--kernel
-prefix_linear_attention_segments`: the segment-state kernel and the forward's SEGMENTED build, rows marked
-"segmented") is built for its registers, spills and loops only. Then
-
-    ptxas -v        registers per thread, spill stores/loads, stack frame (spills make slow local-memory traffic)
-    metadata        shared memory per program, checked against the architecture's per-block limit
-    nvdisasm        the cubin's SASS; loops are the ranges closed by a backward branch. Each top-level loop is
-                    counted by instruction class (tensor core, fp32, integer/move, shuffles, shared/global/local
-                    memory, control) so that CUDA-core work and spill traffic inside the hot loops are visible.
-    --spill-lines   where the spills are: the local-memory stores and loads (bytes) per line of the kernel's own
-                    source file and region (before the loops, loop i, after them), from the SASS line info. A
-                    value spilled before a loop and reloaded in it is loop-invariant (hoisted) work.
-    --live-in       what each loop of the PTX holds from before it: the loop-invariant values (wgmma shared-memory
-                    descriptors, other 64-bit values, 32-bit values, predicates; the registers they need) and the
-                    loop-carried ones (state, accumulators). Invariant values held across a loop are what spills
-                    when a loop's own working set also needs the registers.
-
-Issue estimate: a warp issues at most one instruction per cycle per scheduler (4 per SM). For one program,
-instructions = prologue/epilogue + sum over loops (trip count x loop length), times num_warps, times the number of
-programs, divided by SMs x 4 x clock. It ignores latency and tensor-core occupancy (so it is a lower bound for a
-kernel limited by issue), next to the tensor-core floor (FLOPs / dense bf16 peak) and the memory floor
-(bytes / HBM bandwidth); the largest of the three is the best time this build can reach.
+triton's own binder turns the arguments into the compile signature. Each case is built for every launch kind of
+`VARIANTS`, the forward also in its training build (rows marked "train"); the sequence-parallel prefill (`--kernel
+prefix_linear_attention_segments`, rows marked "segmented") for its registers, spills and loops only. Per build:
+`ptxas -v` registers, spill bytes and stack frame (spills make slow local-memory traffic); shared memory against the
+architecture's per-block limit; the SASS's top-level loops counted by instruction class (`sass_loops`); with
+`--spill-lines`, the spill traffic per source line (`spill_lines`); with `--live-in`, what each PTX loop holds from
+before it (`ptx_live_in`); and an issue estimate at the paper shape next to the tensor-core and memory floors
+(`estimates`).
 
     python benchmarks/kernel_aot.py                          # every kernel, config, arch, dtype and variant
     python benchmarks/kernel_aot.py --arch 90 --dtype bf16   # a subset
@@ -64,6 +45,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import pla_bytes, pla_flops  # noqa: E402
 
 # Per architecture: max dynamic shared memory per block (bytes), SMs, boost clock (Hz), dense bf16 peak, HBM B/s.
 ARCHS = {
@@ -145,14 +129,17 @@ def configs_of(case: Case, launch: Launch, arch: int) -> list[triton.Config]:
     return [triton.Config({}, **options)]
 
 
+def _jit_function(launch: Launch) -> JITFunction:
+    return launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
+
+
 def kernel_name(launch: Launch) -> str:
-    fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
-    return fn.__name__
+    return _jit_function(launch).__name__
 
 
 def compile_launch(launch: Launch, config: triton.Config, arch: int):
     """Compile one launch with one config for `arch` exactly as triton's JIT would; returns the CompiledKernel."""
-    fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
+    fn = _jit_function(launch)
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
@@ -225,6 +212,11 @@ def classify(opcode: str) -> str:
     return OPCODE_CLASS.get(opcode, "int")
 
 
+def _top_level(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (start, end) ranges not nested in another, in order."""
+    return sorted({r for r in ranges if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in ranges)})
+
+
 def sass_loops(sass: str) -> tuple[list[dict], dict[str, int]]:
     """Top-level loops (ranges closed by a backward branch, not nested in another) and the whole kernel's mix.
 
@@ -236,10 +228,8 @@ def sass_loops(sass: str) -> tuple[list[dict], dict[str, int]]:
     for address, opcode, target in instructions:
         if opcode == "BRA" and target and 0 <= int(target) < address:  # not the trailing `BRA self` trap
             ranges.append((int(target), address))
-    top = [r for r in ranges if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in ranges)]
-    top = sorted(set(top))
     loops = []
-    for start, end in top:
+    for start, end in _top_level(ranges):
         mix = collections.Counter(classify(op) for address, op, _ in instructions if start <= address <= end)
         loops.append(dict(start=start, end=end, count=sum(mix.values()), mix=dict(mix)))
     whole = collections.Counter(classify(op) for _, op, _ in instructions)
@@ -350,10 +340,9 @@ def ptx_live_in(ptx: str) -> list[dict]:
         branch = _PTX_BRANCH.match(text)
         if branch and branch.group(1) in labels:
             ranges.append((labels[branch.group(1)], number))
-    top = sorted({r for r in ranges if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in ranges)})
     parsed = [_ptx_instruction(line) for line in lines]
     out = []
-    for start, end in top:
+    for start, end in _top_level(ranges):
         before = {register for entry in parsed[: start - 1] if entry for register in entry[1]}
         inside_written: set[str] = set()
         inside_read: set[str] = set()
@@ -403,48 +392,38 @@ class Case:
     name: str
     kernels: Callable[[], list]
     launch: Callable[[torch.dtype, str], None]
-    trips: Callable[[str, dict, int, int], list[int]]
-    programs: Callable[[dict, int, int, int, int], int]
-    flops: Callable[[int, int], float]
-    bytes: Callable[[int, int, int], float]
+    trips: Callable[[str, dict, int, int], list[int]] | None = None  # these four: None where `estimated` is False
+    programs: Callable[[dict, int, int, int, int], int] | None = None
+    flops: Callable[[int, int], float] | None = None
+    bytes: Callable[[int, int, int], float] | None = None
     configs: Callable[[int, str, dict], list[triton.Config]] | None = None  # per (arch, kernel, launch kwargs)
     decode: bool = False  # one token per program: estimates for one step (T = 1), not per prefill length
     estimated: bool = True  # False: registers, spills and loops only (no issue estimate at the paper shape)
 
 
-def _pla_flops(T: int, M: int, K: int = 16, V: int = 64, chunk: int = 64) -> float:
-    """Chunked-algorithm FLOPs per (batch, head) (benchmarks/prefill.py's model; the scan of docs/prefill.md §4.2)."""
-    update = 2 * (K + K * K) * (V + 1)
-    return T * (2 * chunk * (K + V + 1) + 2 * update) + M * update
-
-
-def _pla_bytes(T: int, M: int, element_size: int, K: int = 16, V: int = 64) -> float:
-    return (T * (2 * K + 2 * V) + M * (K + V)) * element_size + (1 + K + K * K) * (V + 1) * 4
+def _value_block_programs(meta: dict, B: int, H: int, T: int, M: int) -> int:
+    """The prefill scans' grid: a program per (value block, batch, head)."""
+    return math.ceil(PAPER["V"] / meta.get("BV", PAPER["V"])) * B * H
 
 
 def _forward_case() -> Case:
     from jrt_kernels import prefix_linear_attention as module
 
     def launch(dtype: torch.dtype, variant: str) -> None:
-        B, H, K, V = PAPER["B"], PAPER["H"], PAPER["K"], PAPER["V"]
-        T, M = 64, 32
-        q, k = torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype)
-        v = torch.randn(B, T, H, V, dtype=dtype)
-        k_enc, v_enc, start, end, mask, state, log_decay, gate = _variant_inputs(variant, dtype, B, T, M, H, K, V)
+        inputs = _variant_inputs(variant, dtype)
         # inference, then training: the forward that also stores what the backward reads (1 / (den + eps) and the
         # state after the encoder)
         for training in (False, True):
-            module._prefix_linear_attention_fwd(q, k, v, k_enc, v_enc, start, end, mask, state, log_decay, gate,
-                                                True, 1e-12, training)
+            module._prefix_linear_attention_fwd(*inputs, True, 1e-12, training)
 
     return Case(
         name="prefix_linear_attention_fwd",
         kernels=lambda: [module._kernel_for(torch.device("cpu"), PAPER["V"])],  # the autotuner a CPU launch takes
         launch=launch,
         trips=lambda kernel, meta, T, M: [math.ceil(M / meta["BT"]), math.ceil(T / meta["BT"])],
-        programs=lambda meta, B, H, T, M: math.ceil(PAPER["V"] / meta.get("BV", PAPER["V"])) * B * H,
-        flops=lambda T, M: _pla_flops(T, M),
-        bytes=lambda T, M, size: _pla_bytes(T, M, size),
+        programs=_value_block_programs,
+        flops=lambda T, M: pla_flops(T, M, PAPER["K"], PAPER["V"]),
+        bytes=lambda T, M, size: pla_bytes(T, M, PAPER["K"], PAPER["V"], size),
         configs=lambda arch, kernel, kwargs: module.configs_for_architecture(arch // 10),
     )
 
@@ -454,16 +433,13 @@ def _backward_case() -> Case:
     from jrt_kernels.prefix_linear_attention import encoder_state_numel
 
     def launch(dtype: torch.dtype, variant: str) -> None:
-        B, H, K, V = PAPER["B"], PAPER["H"], PAPER["K"], PAPER["V"]
-        T, M = 64, 32
-        q, k = torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype)
-        v, do = torch.randn(B, T, H, V, dtype=dtype), torch.randn(B, T, H, V, dtype=dtype)
-        k_enc, v_enc, start, end, mask, state, log_decay, gate = _variant_inputs(variant, dtype, B, T, M, H, K, V)
-        y = torch.randn(B, T, H, V, dtype=dtype)  # the forward's output, saved by the op's autograd
+        q, k, v, k_enc, v_enc, start, end, mask, state, log_decay, gate = _variant_inputs(variant, dtype)
+        do = torch.randn_like(v)
+        y = torch.randn_like(v)  # the forward's output, saved by the op's autograd
         # and what the op's autograd saves with it: the state after the encoder and 1 / (den + eps)
-        saved = dict(inverse_denominator=torch.ones(B, T, H))
+        saved = dict(inverse_denominator=torch.ones(q.shape[:3]))
         if k_enc is not None:
-            saved["encoder_state"] = torch.zeros(B, H, encoder_state_numel(K, V))
+            saved["encoder_state"] = torch.zeros(q.shape[0], q.shape[2], encoder_state_numel(PAPER["K"], PAPER["V"]))
         module.prefix_linear_attention_backward(q, k, v, k_enc, v_enc, do, state, encoder_start=start,
                                                 encoder_end=end, key_mask=mask, initial_state=state,
                                                 log_decay=log_decay, gate=gate, output=y, **saved)
@@ -479,9 +455,10 @@ def _backward_case() -> Case:
         kernels=lambda: [module._pla_bwd_dq_kernel, module._pla_bwd_dkv_kernel],
         launch=launch,
         trips=trips,
-        programs=lambda meta, B, H, T, M: math.ceil(PAPER["V"] / meta.get("BV", PAPER["V"])) * B * H,
-        flops=lambda T, M: 2 * _pla_flops(T, M),  # dq (with the state rebuilt) + dk/dv: about 2 forwards
-        bytes=lambda T, M, size: 2 * _pla_bytes(T, M, size),
+        programs=_value_block_programs,
+        # dq (with the state rebuilt) + dk/dv: about 2 forwards
+        flops=lambda T, M: 2 * pla_flops(T, M, PAPER["K"], PAPER["V"]),
+        bytes=lambda T, M, size: 2 * pla_bytes(T, M, PAPER["K"], PAPER["V"], size),
         configs=lambda arch, kernel, kwargs: [
             triton.Config({"BT": BT, **(module.dq_constexprs if "dq" in kernel else module.dkv_constexprs)(arch // 10)},
                           num_warps=warps, num_stages=1, **module.launch_options(arch // 10))
@@ -497,8 +474,12 @@ def _backward_scan(kernel: str, kwargs: dict) -> str:
     return "dq_recompute" if kwargs.get("RECOMPUTE") else "dq"
 
 
-def _variant_inputs(variant: str, dtype: torch.dtype, B: int, T: int, M: int, H: int, K: int, V: int) -> tuple:
-    """(k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate) of a `VARIANTS` kind."""
+def _variant_inputs(variant: str, dtype: torch.dtype, B: int = PAPER["B"], T: int = 64, M: int = 32) -> tuple:
+    """(q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate) of a `VARIANTS`
+    kind, at the paper's H, K and V."""
+    H, K, V = PAPER["H"], PAPER["K"], PAPER["V"]
+    q, k = torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype)
+    v = torch.randn(B, T, H, V, dtype=dtype)
     kind = VARIANTS[variant]
     M = M if kind["encoder"] else 0
     k_enc = torch.randn(B, M, H, K, dtype=dtype) if M else None
@@ -508,7 +489,7 @@ def _variant_inputs(variant: str, dtype: torch.dtype, B: int, T: int, M: int, H:
     state = torch.zeros(B, H, 1 + K + K * K, V + 1) if kind["padded"] else None
     log_decay = torch.log(torch.linspace(0.9, 0.999, H)) if kind["based"] else None
     gate = torch.rand(B, T, H, dtype=dtype) if kind["based"] else None
-    return k_enc, v_enc, start, end, mask, state, log_decay, gate
+    return q, k, v, k_enc, v_enc, start, end, mask, state, log_decay, gate
 
 
 def _decode_case() -> Case:
@@ -551,13 +532,8 @@ def _segments_case() -> Case:
     from jrt_kernels import prefix_linear_attention as module
 
     def launch(dtype: torch.dtype, variant: str) -> None:
-        B, H, K, V = 1, PAPER["H"], PAPER["K"], PAPER["V"]
-        T, M = 128, 64
-        q, k = torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype)
-        v = torch.randn(B, T, H, V, dtype=dtype)
-        k_enc, v_enc, start, end, mask, state, log_decay, gate = _variant_inputs(variant, dtype, B, T, M, H, K, V)
-        module._prefix_linear_attention_fwd(q, k, v, k_enc, v_enc, start, end, mask, state, log_decay, gate, True,
-                                            1e-12, False, module.SEGMENT_ALIGN)
+        inputs = _variant_inputs(variant, dtype, B=1, T=128, M=64)
+        module._prefix_linear_attention_fwd(*inputs, True, 1e-12, False, module.SEGMENT_ALIGN)
 
     return Case(
         name="prefix_linear_attention_segments",
@@ -566,10 +542,6 @@ def _segments_case() -> Case:
             module._kernel_for(torch.device("cpu"), PAPER["V"]),
         ],
         launch=launch,
-        trips=lambda kernel, meta, T, M: [],
-        programs=lambda meta, B, H, T, M: 0,
-        flops=lambda T, M: 0.0,
-        bytes=lambda T, M, size: 0.0,
         configs=lambda arch, kernel, kwargs: module.configs_for_architecture(arch // 10),
         estimated=False,
     )
@@ -614,8 +586,7 @@ def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtyp
     loops, whole = sass_loops(sass)
     row["loops"] = loops
     if spills_by_line:
-        fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
-        row["spill_lines"] = spill_lines(sass, fn.fn.__code__.co_filename, loops)
+        row["spill_lines"] = spill_lines(sass, _jit_function(launch).fn.__code__.co_filename, loops)
     row["live_in"] = ptx_live_in(compiled.asm["ptx"])
     row["total_instructions"] = sum(whole.values())
     row["compile_s"] = round(time.perf_counter() - started, 1)
@@ -626,7 +597,11 @@ def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtyp
 def estimates(case: Case, row: dict, meta: dict, arch: int, dtype: str, encoder: bool = True
               ) -> dict[int, dict[str, float]]:
     """Issue-bound, tensor-core and memory floors (ms) at the paper shape for each N (M = N / 2, or 0 without an
-    encoder)."""
+    encoder). A warp issues at most one instruction per cycle per scheduler (4 per SM): issue = (instructions outside
+    the loops + each loop's trip count x length) x num_warps x programs / (SMs x 4 x clock). It ignores latency and
+    tensor-core occupancy, so it is a lower bound for a kernel limited by issue; the tensor-core floor is FLOPs /
+    dense bf16 peak, the memory floor bytes / HBM bandwidth; the largest of the three is the best time the build can
+    reach."""
     spec = ARCHS[arch]
     size = DTYPES[dtype].itemsize
     in_loops = sum(loop["count"] for loop in row["loops"])

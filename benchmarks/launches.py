@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from modeling_jrt import inference_chunking
-from modeling_jrt import modeling_jrt as jrt_modeling
-from modeling_jrt.compat import output_cache
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode  # noqa: E402  (benchmarks/decode.py: the same two models)
+from _common import add_model_arguments, build_models  # noqa: E402
+
+from modeling_jrt import inference_chunking  # noqa: E402
+from modeling_jrt import modeling_jrt as jrt_modeling  # noqa: E402
+from modeling_jrt.compat import output_cache  # noqa: E402
 
 
 class DispatchCounter(TorchDispatchMode):
@@ -148,13 +148,11 @@ def measure(
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    decode.add_model_arguments(parser)
+    add_model_arguments(parser)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=512, help="tokens the cache read before the decode step")
     parser.add_argument("--prefill", type=int, default=4096, help="prompt length of the counted prefill")
     parser.add_argument("--prefill-batch", type=int, default=8, help="rows of the second counted prefill")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--quick", action="store_true", help="hidden 64, 4 layers, batch 2, prefill 256")
     parser.add_argument("--json", type=Path, help="write the counts here")
     args = parser.parse_args(argv)
@@ -163,8 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.prefill_batch = 2
         args.sliding_window = 17
     device = torch.device(args.device)
-    jrt, llama = decode.build_models(args.hidden_size, args.layers, args.heads, args.vocab_size, args.sliding_window)
-    jrt, llama = (model.to(device, getattr(torch, args.dtype)) for model in (jrt, llama))
+    jrt, llama = build_models(args)
     what = "CUDA kernels (torch.profiler)" if device.type == "cuda" else "dispatched ops on the GPU's code path"
     print(
         f"{what}; hidden {args.hidden_size}, {args.layers} layers ({', '.join(jrt.config.mixer_types)}), "

@@ -40,33 +40,26 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_model_arguments, model_configs, synchronize, timed  # noqa: E402
 
-from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM  # noqa: E402
+from modeling_jrt import JRTRNNForCausalLM  # noqa: E402
 
 WARMUP_LENGTH = 256
 
 
 def build_model(name: str, args: argparse.Namespace) -> torch.nn.Module:
     """`"jrt"` or `"llama"`, random weights (seed 0), eval mode, on `args.device`."""
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, bos_token_id=0, eos_token_id=0,
-    )
-    if name == "jrt":
-        config = JRTRNNConfig(
-            **common, sliding_window=args.sliding_window, prefix_length=args.prefix_length, prefix_pad_token_id=0
-        )
-        model = JRTRNNForCausalLM(config)
-    elif name == "llama":
-        config = LlamaConfig(**common, num_key_value_heads=args.heads, max_position_embeddings=1 << 17)
-        model = LlamaForCausalLM(config)
-    else:
+    if name not in ("jrt", "llama"):
         raise ValueError(f"unknown model {name!r}; expected 'jrt' or 'llama'")
+    jrt, llama = model_configs(
+        args, jrt=dict(prefix_length=args.prefix_length, prefix_pad_token_id=0),
+        llama=dict(max_position_embeddings=1 << 17),
+    )
+    torch.manual_seed(0)
+    model = JRTRNNForCausalLM(jrt) if name == "jrt" else LlamaForCausalLM(llama)
     return model.to(args.device, getattr(torch, args.dtype)).eval()
 
 
@@ -98,11 +91,6 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
     model(input_ids, use_cache=True, logits_to_keep=1)  # a fresh cache of the model's own kind
@@ -129,14 +117,8 @@ def measure_point(name: str, length: int, args: argparse.Namespace, *, compiled:
     else:
         reset_peak_rss()
         baseline = current_rss()
-    timings = []
-    for _ in range(repeats):
-        synchronize(device)
-        start_wall, start_cpu = time.perf_counter(), time.process_time()
-        prefill(model, input_ids)
-        synchronize(device)
-        elapsed = time.perf_counter() - start_wall if device.type == "cuda" else time.process_time() - start_cpu
-        timings.append(elapsed)
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
+    timings = [timed(lambda: prefill(model, input_ids), device, clock) for _ in range(repeats)]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
     return {"ms": min(timings) * 1e3, "peak_mib": max(peak - baseline, 0) / 2**20}
 
@@ -293,17 +275,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compile", type=int, nargs="*", metavar="N",
         help="add a torch.compile column for JRT-RNN at these lengths (all of --lengths when none are given)",
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights of both models")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each CPU worker")
     parser.add_argument("--repeats", type=int, default=3, help="timed prefills per point up to 8k (1 beyond)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per CPU point")
     parser.add_argument("--batch", type=int, default=1, help="prompts prefilled together")
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab-size", type=int, default=1024)
-    parser.add_argument("--sliding-window", type=int, default=129)
+    add_model_arguments(parser, device="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--prefix-length", type=int, default=1024)
     parser.add_argument(
         "--profile", type=int, metavar="N",

@@ -33,6 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import model_configs  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -77,31 +80,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def save_models(args: argparse.Namespace, root: Path) -> dict[str, Path]:
     """Random JRT-RNN and Llama models of the same size, saved with `save_pretrained`."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM
+    from modeling_jrt import JRTRNNForCausalLM
 
-    intermediate = 2 * args.hidden_size
+    jrt, llama = model_configs(
+        args, token_id=None, jrt=dict(prefix_length=args.prefix_length, prefix_pad_token_id=0),
+        llama=dict(max_position_embeddings=args.prompt_len + args.new_tokens, tie_word_embeddings=True),
+    )
     torch.manual_seed(0)
-    jrt = JRTRNNForCausalLM(
-        JRTRNNConfig(
-            vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=intermediate,
-            num_hidden_layers=args.layers, num_attention_heads=args.heads, prefix_length=args.prefix_length,
-            sliding_window=args.sliding_window, bos_token_id=None, eos_token_id=None, prefix_pad_token_id=0,
-        )
-    )
-    llama = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=intermediate,
-            num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-            max_position_embeddings=args.prompt_len + args.new_tokens, tie_word_embeddings=True,
-            bos_token_id=None, eos_token_id=None,
-        )
-    )
-    folders = {"jrt": root / "jrt", "llama": root / "llama"}
-    jrt.save_pretrained(folders["jrt"])
-    llama.save_pretrained(folders["llama"])
-    return folders
+    models = {"jrt": JRTRNNForCausalLM(jrt), "llama": LlamaForCausalLM(llama)}
+    for kind, model in models.items():
+        model.save_pretrained(root / kind)
+    return {kind: root / kind for kind in models}
 
 
 def run_one(args: argparse.Namespace, folder: str) -> None:

@@ -2,9 +2,9 @@
 
 A step is what `Trainer` runs per batch: forward with labels (the loss), backward, an AdamW step and zeroing the
 gradients, on `batch` rows of `length` tokens; JRT-RNN reads the first half of each row as its prefix (the paper's
-M = N / 2; the loss scores the second half), Llama scores every token. Both models come from `benchmarks/decode.py` (random weights, the same
-width, depth, heads and MLP), in the same dtype on the same device; the steps alternate model by model, and each
-model's figure is its fastest of `repeats` steps after `warmup` ones.
+M = N / 2; the loss scores the second half), Llama scores every token. Both models come from `_common.build_models`
+(random weights, the same width, depth, heads and MLP), in the same dtype on the same device; the steps alternate
+model by model, and each model's figure is its fastest of `repeats` steps after `warmup` ones.
 
     OMP_NUM_THREADS=1 python benchmarks/train_step.py --quick                  # seconds, on CPU
     python benchmarks/train_step.py --device cuda --dtype bfloat16 --lengths 2048 8192
@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode  # noqa: E402  (the same two models as the decode benchmark)
+from _common import add_model_arguments, build_models, timed  # noqa: E402
 
 
 def step_seconds(model: torch.nn.Module, batch: int, length: int, vocab: int, warmup: int, repeats: int) -> float:
@@ -31,36 +30,29 @@ def step_seconds(model: torch.nn.Module, batch: int, length: int, vocab: int, wa
     input_ids = torch.randint(0, vocab, (batch, length), generator=generator).to(device)
     model.train()
     jrt = {"prefix_length": length // 2} if hasattr(model.config, "prefix_length") else {}
-    times = []
-    for index in range(warmup + repeats):
-        decode.synchronize(device)
-        start = time.perf_counter()
-        loss = model(input_ids, labels=input_ids, **jrt).loss
-        loss.backward()
+
+    def step() -> None:
+        model(input_ids, labels=input_ids, **jrt).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        decode.synchronize(device)
-        if index >= warmup:
-            times.append(time.perf_counter() - start)
-    return min(times)
+
+    times = [timed(step, device) for _ in range(warmup + repeats)]
+    return min(times[warmup:])
 
 
 def main(argv: list[str] | None = None) -> dict[int, tuple[float, float]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--batch", type=int, default=4)
-    decode.add_model_arguments(parser)
+    add_model_arguments(parser)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--quick", action="store_true", help="hidden 64, 2 layers, N = 128, batch 2, 1 + 2 steps")
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.batch, args.hidden_size, args.layers, args.heads = [128], 2, 64, 2, 4
         args.sliding_window, args.warmup, args.repeats = 17, 1, 2
-    jrt, llama = decode.build_models(args.hidden_size, args.layers, args.heads, args.vocab_size, args.sliding_window)
-    jrt, llama = (model.to(args.device, getattr(torch, args.dtype)) for model in (jrt, llama))
+    jrt, llama = build_models(args)
     print(
         f"training step (forward with labels, backward, AdamW): hidden {args.hidden_size}, {args.layers} layers, "
         f"{args.dtype} on {args.device}, batch {args.batch}, best of {args.repeats} after {args.warmup}"
