@@ -6,14 +6,12 @@ One run prints, for each shape, the time of
     quadratic   the O(N^2) reference (`prefix_linear_attention_quadratic`), while it fits in memory
     sdpa        causal `scaled_dot_product_attention` with the same B, H, N and head dim (flash backend on CUDA)
     fla_chunk / fla_parallel   flash-linear-attention's Based kernels (causal, no encoder) when `fla` imports
-and the ratios to SDPA, achieved TFLOP/s and the fraction of the roofline floor (FLOPs from `pla_flops` / `sdpa_flops` below, bytes from the tensors each pass must move).
-With --backward (the CUDA default) it also times forward + backward (`*_fb` columns: the fused backward for ours on
-CUDA, the chunked path's explicit backward on a CPU, the flash backward for SDPA, autograd for fla) and reports what
-autograd keeps for the backward pass beyond the inputs (`saved MiB`, ours and SDPA). --train-step times a training step of a small model
-(forward + backward + AdamW, tokens per second) with the chunked and the Triton linear attention. --compile-lengths
-times `torch.compile(prefix_linear_attention_chunked, dynamic=True)` at each length, each in a fresh process with
-inductor's caches off: the compile time (first call minus a compiled call), the compiled call, and whether a call
-at another length recompiled.
+and the ratios to SDPA, achieved TFLOP/s and the fraction of the roofline floor (FLOPs from `pla_flops` /
+`sdpa_flops`, bytes from the tensors each pass must move). With --backward (the CUDA default) it also times forward +
+backward (`*_fb` columns: the fused backward for ours on CUDA, the chunked path's explicit backward on a CPU, the
+flash backward for SDPA, autograd for fla) and reports what autograd keeps for the backward pass beyond the inputs
+(`saved MiB`, ours and SDPA). --train-step times a small model's training step (`train_step_benchmark`),
+--compile-lengths the chunked path's torch.compile, a fresh process per length (`compile_point`).
 
     python benchmarks/prefill.py                       # CPU: N = 1k..8k, B = 1, fp32, one thread
     python benchmarks/prefill.py --quick               # a few small shapes
@@ -44,8 +42,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from modeling_jrt.linear_attention import (
-    num_taylor_features,
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import pla_bytes, pla_flops, timed  # noqa: E402
+
+from modeling_jrt.linear_attention import (  # noqa: E402
     prefix_linear_attention_chunked,
     prefix_linear_attention_quadratic,
 )
@@ -54,29 +54,13 @@ from modeling_jrt.linear_attention import (
 PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12), "L40S": (362e12, 0.864e12)}
 
 
-def pla_flops(T: int, M: int, K: int, V: int, chunk: int = 64) -> float:
-    """FLOPs per (batch, head) of the chunked algorithm (docs/prefill.md §4.2, denominator column included).
-
-    Decoder token: intra-chunk 2 C (K + V + 1), inter-chunk and state update 2 (K + K^2) (V + 1) each;
-    encoder token: the update only.
-    """
-    update = 2 * (K + K * K) * (V + 1)
-    return T * (2 * chunk * (K + V + 1) + 2 * update) + M * update
-
-
-def pla_bytes(T: int, M: int, K: int, V: int, element_size: int) -> float:
-    """HBM bytes per (batch, head): read q, k, v, k_enc, v_enc, write o, write the fp32 state."""
-    return (T * (2 * K + 2 * V) + M * (K + V)) * element_size + num_taylor_features(K) * (V + 1) * 4
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def sdpa_flops(T: int, D: int) -> float:
     """Causal softmax attention FLOPs per (batch, head): QK^T and PV on half the (T, T) square."""
     return 4 * T * T * D / 2
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_methods(
@@ -98,11 +82,7 @@ def time_methods(
             try:
                 grad = torch.enable_grad() if name.endswith("_fb") else torch.no_grad()
                 with grad, sdpa_context(device) if name.startswith("sdpa") else contextlib.nullcontext():
-                    synchronize(device)
-                    start = clock()
-                    fn()
-                    synchronize(device)
-                    elapsed = (clock() - start) * 1e3
+                    elapsed = timed(fn, device, clock) * 1e3
             except Exception as error:  # noqa: BLE001 - report the failure of one method, keep measuring the rest
                 results[name] = f"{type(error).__name__}: {error}"[:200]
                 continue
@@ -156,30 +136,26 @@ def measure_shape(args, device, dtype, B: int, T: int, kernel, fla) -> dict:
     # docs/prefill.md §5: the paper's inputs (q, k ~ randn / K^(1/2) keeps s small; the cost does not depend on it).
     q, k, v = randn(B, T, H, K, scale=K**-0.5), randn(B, T, H, K, scale=K**-0.5), randn(B, T, H, V)
     k_enc, v_enc = randn(B, M, H, K, scale=K**-0.5), randn(B, M, H, V)
+    pla_inputs = (q, k, v, k_enc, v_enc)
+    ours = kernel if args.impl == "triton" else prefix_linear_attention_chunked  # None: the kernel does not import
     row: dict = {"B": B, "T": T, "M": M, "H": H, "K": K, "V": V}
     methods: dict[str, Callable] = {}
-    if args.impl == "triton":
-        if kernel is not None:
-            methods["ours"] = lambda: kernel(q, k, v, k_enc, v_enc)
-        if args.chunked:
-            methods["chunked"] = lambda: prefix_linear_attention_chunked(q, k, v, k_enc, v_enc)
-    else:
-        methods["ours"] = lambda: prefix_linear_attention_chunked(q, k, v, k_enc, v_enc)
+    if ours is not None:
+        methods["ours"] = lambda: ours(*pla_inputs)
+    if args.impl == "triton" and args.chunked:
+        methods["chunked"] = lambda: prefix_linear_attention_chunked(*pla_inputs)
     if args.quadratic and B * H * T * T * 4 * 3 <= args.quadratic_max_gib * 2**30:  # ~3 (B, H, N, N) fp32
-        methods["quadratic"] = lambda: prefix_linear_attention_quadratic(q, k, v, k_enc, v_enc)
-    qs, ks, vs = (randn(B, H, T, V) for _ in range(3))  # SDPA at head dim V (64), as in the paper
-    methods["sdpa"] = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        methods["quadratic"] = lambda: prefix_linear_attention_quadratic(*pla_inputs)
+    sdpa_inputs = tuple(randn(B, H, T, V) for _ in range(3))  # SDPA at head dim V (64), as in the paper
+    methods["sdpa"] = lambda: causal_sdpa(*sdpa_inputs)
     for name, fn in fla.items():
         methods[name] = lambda fn=fn: fn(q, k, v)
     if args.backward:
-        add_backward_methods(methods, args, kernel, fla, (q, k, v, k_enc, v_enc), (qs, ks, vs))
-        for name, fn, inputs in (("ours_fb", prefix_linear_attention_chunked if args.impl != "triton" else kernel,
-                                  (q, k, v, k_enc, v_enc)),
-                                 ("sdpa_fb", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                                  (qs, ks, vs))):
-            if fn is not None and name in methods:
-                with sdpa_context(device) if name.startswith("sdpa") else contextlib.nullcontext():
-                    row[f"{name}_saved_mib"] = saved_for_backward_mib(fn, inputs)
+        add_backward_methods(methods, args, ours, fla, pla_inputs, sdpa_inputs)
+        if ours is not None:
+            row["ours_fb_saved_mib"] = saved_for_backward_mib(ours, pla_inputs)
+        with sdpa_context(device):
+            row["sdpa_fb_saved_mib"] = saved_for_backward_mib(causal_sdpa, sdpa_inputs)
 
     for name, result in time_methods(methods, device, args).items():
         if isinstance(result, str):
@@ -248,18 +224,14 @@ def saved_for_backward_mib(fn: Callable, inputs: tuple) -> float:
     return sum(storages.values()) / 2**20
 
 
-def add_backward_methods(methods: dict, args, kernel, fla: dict, pla_inputs: tuple, sdpa_inputs: tuple) -> None:
+def add_backward_methods(methods: dict, args, ours, fla: dict, pla_inputs: tuple, sdpa_inputs: tuple) -> None:
     """`*_fb` methods: forward + backward of ours (fused backward on CUDA), chunked, SDPA (flash) and fla."""
-    if args.impl == "triton" and kernel is not None:
-        methods["ours_fb"] = _forward_backward(kernel, pla_inputs)
-    elif args.impl != "triton":
-        methods["ours_fb"] = _forward_backward(prefix_linear_attention_chunked, pla_inputs)
+    if ours is not None:
+        methods["ours_fb"] = _forward_backward(ours, pla_inputs)
     if args.impl == "triton" and args.chunked:
         methods["chunked_fb"] = _forward_backward(prefix_linear_attention_chunked, pla_inputs)
     with sdpa_context(pla_inputs[0].device):
-        methods["sdpa_fb"] = _forward_backward(
-            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), sdpa_inputs
-        )
+        methods["sdpa_fb"] = _forward_backward(causal_sdpa, sdpa_inputs)
     for name, fn in fla.items():
         try:
             methods[f"{name}_fb"] = _forward_backward(fn, pla_inputs[:3])
@@ -291,8 +263,7 @@ def train_step_benchmark(args, device: torch.device, dtype: torch.dtype) -> list
         input_ids = torch.randint(4, config.vocab_size, (args.train_batch, length), device=device)
 
         def step() -> None:
-            loss = model(input_ids, labels=input_ids).loss
-            loss.backward()
+            model(input_ids, labels=input_ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -336,24 +307,24 @@ def compile_point(args: argparse.Namespace, T: int) -> dict:
         shapes = [(1, length, H, K), (1, length, H, K), (1, length, H, V), (1, M, H, K), (1, M, H, V)]
         return tuple(torch.randn(*shape, generator=generator) for shape in shapes)
 
+    def seconds(fn: Callable[[], object]) -> tuple[float, float]:
+        """Wall and CPU (`cpu_seconds`) seconds of `fn()`."""
+        start_wall, start_cpu = time.perf_counter(), cpu_seconds()
+        fn()
+        return time.perf_counter() - start_wall, cpu_seconds() - start_cpu
+
     row: dict = {"T": T}
     with torch.no_grad():
         tensors = inputs(T)
-        start_wall, start_cpu = time.perf_counter(), cpu_seconds()
-        compiled(*tensors)
-        first_wall, first_cpu = time.perf_counter() - start_wall, cpu_seconds() - start_cpu
-        start_wall, start_cpu = time.perf_counter(), cpu_seconds()
-        compiled(*tensors)
-        row["compiled_ms"] = (time.perf_counter() - start_wall) * 1e3
-        row["compile_s"] = first_wall - row["compiled_ms"] / 1e3
-        row["compile_cpu_s"] = first_cpu - (cpu_seconds() - start_cpu)
-        start_wall, start_cpu = time.perf_counter(), cpu_seconds()
-        eager = prefix_linear_attention_chunked(*tensors)
-        row["eager_ms"] = (time.perf_counter() - start_wall) * 1e3
+        first_wall, first_cpu = seconds(lambda: compiled(*tensors))
+        wall, cpu = seconds(lambda: compiled(*tensors))
+        row["compiled_ms"] = wall * 1e3
+        row["compile_s"] = first_wall - wall
+        row["compile_cpu_s"] = first_cpu - cpu
+        row["eager_ms"] = seconds(lambda: prefix_linear_attention_chunked(*tensors))[0] * 1e3
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         compiled(*inputs(max(T // 2, 1)))
         row["recompiled"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs
-    del eager
     return row
 
 
