@@ -20,10 +20,8 @@ peak memory and allocator state never leak into the next. Llama runs while N <= 
     python benchmarks/model_prefill.py --compile 8192 --json out.json           # compiled column at 8k, save JSON
     OMP_NUM_THREADS=1 python benchmarks/model_prefill.py --profile 16384        # where JRT-RNN's time goes at 16k
 
-`--profile N` times one JRT-RNN prefill of N tokens in a fresh worker (after a warm-up prefill of the same length) and
-prints the share of process CPU time per module type: linear attention, sliding window, MLP, short conv, RMSNorm,
-and other (embedding, fill, LM head, the layers' glue and residual adds), with the system (page-fault) time. On CUDA
-the shares are of wall time, the device synchronised around every module.
+`--profile N` prints instead the share of one JRT-RNN prefill's time per module type (`profile_point`; "other": the
+embedding, fill, LM head, the layers' glue and residual adds), in a fresh worker.
 """
 
 from __future__ import annotations
@@ -106,8 +104,7 @@ def measure_point(name: str, length: int, args: argparse.Namespace, *, compiled:
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, args.vocab_size, (args.batch, length), generator=generator).to(device)
     # Warm-up: a short prompt (kernel selection, allocator) on the CPU; the same length under torch.compile (one
-    # graph) and on CUDA, where the Triton prefill autotunes (and compiles) per power-of-two bucket of the length: a
-    # short warm-up left that in the timed run (an H200 run of 2026-12-04 timed 482 ms at 16k against 12 ms at 4k).
+    # graph) and on CUDA, where the Triton prefill autotunes (and compiles) per power-of-two bucket of the length.
     prefill(model, input_ids if compiled or device.type == "cuda" else input_ids[:, :WARMUP_LENGTH])
     synchronize(device)
     repeats = args.repeats if length <= 8192 else 1
@@ -123,7 +120,7 @@ def measure_point(name: str, length: int, args: argparse.Namespace, *, compiled:
     return {"ms": min(timings) * 1e3, "peak_mib": max(peak - baseline, 0) / 2**20}
 
 
-PROFILED = {  # module type -> profile row; a call inside another (a norm a mixer runs) counts for its own row only
+PROFILED = {  # module type -> profile row
     "JRTRNNLinearAttention": "linear attention",
     "JRTRNNSlidingWindowAttention": "sliding window",
     "JRTRNNMLP": "MLP",
