@@ -9,12 +9,11 @@ tokens, then decode `steps` tokens one at a time from the cache. Reported per le
 and the Llama / JRT ratios. JRT-RNN's columns stay flat in N (fixed-size linear-attention state, a sliding window
 of keys/values, a conv window); Llama's grow linearly.
 
-`--generate` times decoding the way users run it instead, through `generate()` (greedy, no EOS): per token, the time
-of `2 * steps` new tokens less that of `steps`, so the prefill cancels out. Four columns per length: each model's
-default call (eager, as transformers keeps it) and its compiled path, `cache_implementation="static"` (transformers
-compiles the decode step by itself on a GPU: inductor and CUDA graphs; JRT-RNN's fixed-size cache is not sized by
-`max_cache_len`, Llama's static cache is). Off CUDA the compiled path is asked for explicitly (a compile config for
-every device) and compiles for a while on the first length.
+`--generate` times decoding the way users run it instead, through `generate()` (`generate_seconds_per_token`). Four
+columns per length: each model's default call (eager, as transformers keeps it) and its compiled path,
+`cache_implementation="static"` (transformers compiles the decode step by itself on a GPU: inductor and CUDA graphs;
+JRT-RNN's fixed-size cache is not sized by `max_cache_len`, Llama's static cache is). Off CUDA the compiled path is
+asked for explicitly (a compile config for every device) and compiles for a while on the first length.
 
     OMP_NUM_THREADS=1 python benchmarks/decode.py            # N = 512 .. 8192, hidden 256, 8 layers
     OMP_NUM_THREADS=1 python benchmarks/decode.py --quick    # a few seconds

@@ -4,12 +4,8 @@ An eager decode step on a GPU is bound by its kernel launches (a few microsecond
 run for less), and so is a short prefill. This script counts them for both models on the same inputs:
 
     on CUDA   the kernels `torch.profiler` records (every CUDA kernel, the Triton ones included);
-    on CPU    the operators the dispatcher runs (views and other metadata-only operators excluded), on the code path a
-              GPU runs: the token chunking takes the accelerator's budget, the linear attention's prefill counts as
-              one launch, the fused Triton kernel's one-pass prefill (below `SEGMENTED_FROM` tokens, the default 4k
-              here; its few host-side allocations are not counted), not as the ops of the CPU's chunked scan, its
-              eager decode step as the fused step's one kernel, and each RMSNorm as the one launch of the fused norm
-              kernel.
+    on CPU    the operators the dispatcher runs (`DispatchCounter`) on the code path a GPU runs (`gpu_code_path`: the
+              fused kernels' launches counted as one each, not as the ops of the CPU's PyTorch paths).
 
     OMP_NUM_THREADS=1 python benchmarks/launches.py      # hidden 256, 8 layers; decode B=16, prefill 4096 at B=1, 8
     OMP_NUM_THREADS=1 python benchmarks/launches.py --quick      # seconds
@@ -77,7 +73,9 @@ class DispatchCounter(TorchDispatchMode):
 @contextlib.contextmanager
 def gpu_code_path(counter: DispatchCounter):
     """On CPU, the code path of a GPU: the accelerator's chunk budget, the linear attention's prefill counted as the
-    fused kernel's one launch, its decode step as one, and each RMSNorm (without autograd) as one."""
+    fused Triton kernel's one launch (its one-pass prefill below `SEGMENTED_FROM` tokens, 4k by default; its few
+    host-side allocations are not counted), its eager decode step as the fused step's one, and each RMSNorm (without
+    autograd) as the fused norm kernel's one."""
     budget = inference_chunking.INFERENCE_CHUNK_ELEMENTS
     prefill, step, norm = jrt_modeling.prefix_linear_attention, jrt_modeling.linear_attention_step, \
         jrt_modeling.fused_rms_norm

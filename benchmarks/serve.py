@@ -119,9 +119,7 @@ def run_one(args: argparse.Namespace, folder: str) -> None:
             for _ in range(count)
         ]
 
-    # The warm-up prompts (seed 0) are not among the timed ones (seed r + 1 in round r, the same for both engines):
-    # vLLM caches the prefixes of the prompts an attention model has read (prefix caching, on by default; a recurrent
-    # model has none to reuse), so timing prompts seen before would skip part of the Llama prefill.
+    # Seed 0 warms up, seed r + 1 is round r's (the same for both engines): none is timed twice (prefix caching).
     params = vllm.SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(random_prompts(0, max(1, args.requests // 4)), params, use_tqdm=False)
     print("READY", flush=True)
