@@ -4,6 +4,7 @@ prefill cost model. Importing it makes the repository root importable (the scrip
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +27,19 @@ def timed(fn: Callable[[], object], device: torch.device, clock: Callable[[], fl
     fn()
     synchronize(device)
     return clock() - start
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process in bytes: VmHWM, its own high-water mark (ru_maxrss, the fallback
+    without /proc, is carried across exec on Linux: it would report the parent's RSS at fork time when larger)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, device: str = "cpu") -> None:

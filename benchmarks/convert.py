@@ -148,22 +148,8 @@ def build_checkpoint(
 
 
 _CHILD = """
-import json, resource, sys, time
-
-
-def peak_bytes():
-    # VmHWM: this process's own high-water mark. (ru_maxrss is carried across exec on Linux, so it would report the
-    # parent's RSS at fork time when that is larger.)
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
-
-
+import json, sys, time
+from _common import peak_rss as peak_bytes
 from jrt_convert import convert_checkpoint
 imported = peak_bytes()
 start = time.perf_counter()
@@ -177,7 +163,8 @@ print(json.dumps({"seconds": seconds, "peak_bytes": peak_bytes(), "import_bytes"
 
 def run_conversion(source: Path, destination: Path, *, dtype: str) -> dict:
     """Convert in a fresh interpreter (so the peak RSS is the conversion's own) and return its measurements."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
     pad = "default" if vocab > 220 else "0"  # GPT-2's " " (220) does not fit a tiny vocabulary
     process = subprocess.run(

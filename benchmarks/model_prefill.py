@@ -41,7 +41,7 @@ import transformers
 from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_model_arguments, model_configs, synchronize, timed  # noqa: E402
+from _common import add_model_arguments, model_configs, peak_rss, synchronize, timed  # noqa: E402
 
 from modeling_jrt import JRTRNNForCausalLM  # noqa: E402
 
@@ -75,18 +75,6 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
-
-
-def peak_rss() -> int:
-    """Peak resident set size of this process in bytes (VmHWM, or ru_maxrss without /proc)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @torch.no_grad()
