@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: the same-size JRT-RNN / Llama pair and its flags, a synchronised clock, and the
-prefill cost model. Importing it makes the repository root importable (the scripts run by path)."""
+"""What the benchmark scripts share: the same-size JRT-RNN / Llama pair and its flags, a synchronised clock, the peak
+RSS and the prefill cost model. Importing it makes the repository root importable (the scripts run by path)."""
 
 from __future__ import annotations
 

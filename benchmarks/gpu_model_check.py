@@ -39,7 +39,7 @@ from modeling_jrt.linear_attention import (  # noqa: E402
     num_taylor_features,
 )
 
-# Based first: the first GPU run (2026-12-04) checked the three JRT-RNN fills and ran out of time before it.
+# Based first: a run that its time limit cuts short has still checked it.
 MODEL_KINDS = {
     "based-decay": dict(linear_attention_type="causal", linear_attention_decay=True, use_decay_proj=True),
     "jrt-pad": dict(prefix_strategy="pad"),

@@ -434,12 +434,13 @@ def _backward_case() -> Case:
 
     def launch(dtype: torch.dtype, variant: str) -> None:
         q, k, v, k_enc, v_enc, start, end, mask, state, log_decay, gate = _variant_inputs(variant, dtype)
+        B, T, H, _ = q.shape
         do = torch.randn_like(v)
         y = torch.randn_like(v)  # the forward's output, saved by the op's autograd
         # and what the op's autograd saves with it: the state after the encoder and 1 / (den + eps)
-        saved = dict(inverse_denominator=torch.ones(q.shape[:3]))
+        saved = dict(inverse_denominator=torch.ones(B, T, H))
         if k_enc is not None:
-            saved["encoder_state"] = torch.zeros(q.shape[0], q.shape[2], encoder_state_numel(PAPER["K"], PAPER["V"]))
+            saved["encoder_state"] = torch.zeros(B, H, encoder_state_numel(PAPER["K"], PAPER["V"]))
         module.prefix_linear_attention_backward(q, k, v, k_enc, v_enc, do, state, encoder_start=start,
                                                 encoder_end=end, key_mask=mask, initial_state=state,
                                                 log_decay=log_decay, gate=gate, output=y, **saved)
