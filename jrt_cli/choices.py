@@ -1,9 +1,8 @@
 """What the `jrt` parsers show (choices, defaults, the demo models' folder), without importing torch or transformers.
 
-Building the parser (`jrt --help`, `jrt COMMAND --help`, every usage error) imports only this module and the standard
-library, so it takes milliseconds; a subcommand imports the library inside its `run`. The tuples below repeat
-constants of the library, which needs torch to import; tests/jrt_cli/test_cli_help.py checks that each equals its
-source.
+Building the parser (`jrt --help`, every usage error) imports only this module and the standard library; a subcommand
+imports the library inside its `run`. The tuples below repeat constants of the library (which imports torch);
+tests/jrt_cli/test_cli_help.py checks that each equals its source.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ PROMPT_KINDS: tuple[str, ...] = ("default", "jrt")  # jrt_eval.jsonl_recall.PROM
 MODELS_DIR = Path(__file__).resolve().parent / "assets" / "models"
 DEMO_SEED = 2024
 
-# Modules a parser must not import (what made `jrt --help` take 11-16 s); checked by the tests.
+# Modules a parser must not import; checked by the tests.
 HEAVY_MODULES: tuple[str, ...] = ("torch", "transformers", "lm_eval", "numpy", "datasets", "safetensors")
 
 __all__ = ["DEMO_SEED", "DTYPES", "FAMILIES", "HEAVY_MODULES", "MODELS_DIR", "PREFIX_PAD_MASKINGS",
@@ -30,9 +29,8 @@ __all__ = ["DEMO_SEED", "DTYPES", "FAMILIES", "HEAVY_MODULES", "MODELS_DIR", "PR
 
 
 def integer_type(minimum: int, maximum: int | None = None, expected: str | None = None) -> Callable[[str], int]:
-    """An argparse `type`: an integer in [minimum, maximum] (no maximum: at least `minimum`), checked while the
-    arguments are parsed (a usage error, exit 2, before anything is imported). `expected` words the range in the
-    message ("a positive integer" / "an integer >= N" by default)."""
+    """An argparse `type`: an integer in [minimum, maximum] (no maximum: at least `minimum`), a usage error while the
+    arguments are parsed. `expected` words the range in the message ("a positive integer" / "an integer >= N")."""
     if expected is None:
         expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
 

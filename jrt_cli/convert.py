@@ -107,15 +107,9 @@ def run(args: argparse.Namespace) -> int:
     from jrt_convert.pipeline import check_options
 
     quiet_transformers()
-    options = dict(
-        family=args.family,
-        dtype=args.dtype,
-        tokenizer=args.tokenizer,
-        prefix_pad_masking=args.prefix_pad_masking,
-        prefix_pad_token_id=args.prefix_pad_token_id,
-        max_shard_size=args.max_shard_size,
-        overwrite=args.overwrite,
-    )
+    options = {name: getattr(args, name) for name in (
+        "family", "dtype", "tokenizer", "prefix_pad_masking", "prefix_pad_token_id", "max_shard_size", "overwrite"
+    )}
     try:
         check_options(args.destination, **options)
         if args.push_to_hub:
@@ -138,9 +132,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_local_source(source: str) -> None:
-    """A local SRC that is not a released checkpoint, before the seconds of importing torch and transformers: a
-    folder without weights or one that is already converted is a usage error (exit 2), a config.json that is not
-    JSON a damaged file (exit 1). (A Hub id, and a path that does not exist, are checked by the conversion.)"""
+    """A local SRC that is not a released checkpoint, found before torch is imported (`jrt_convert.source_files`): a
+    folder without weights or an already converted one is a usage error (exit 2), a config.json that is not JSON a
+    damaged file (exit 1)."""
     path = Path(source).expanduser()
     if not path.exists():
         return

@@ -12,8 +12,6 @@ from .main import UsageError, quiet_transformers
 
 NUM_SHOWN = 4
 NUM_SCORED = 200
-
-
 MAX_SEED = 2**32 - 1  # numpy's seeds
 
 
@@ -77,10 +75,8 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     quiet_transformers()  # no "Loading weights" bars in the output
-    models = {}
-    for arm in DEMO_ARMS:
-        if arm.model_dir not in models:
-            models[arm.model_dir] = load_demo_model(arm.model_dir, args.models_dir)
+    names = dict.fromkeys(arm.model_dir for arm in DEMO_ARMS)
+    models = {name: load_demo_model(name, args.models_dir) for name in names}
     token_map = next(iter(models.values()))[1]
     training = json.loads((args.models_dir / DEMO_ARMS[0].model_dir / "training.json").read_text())
 

@@ -26,8 +26,6 @@ from .set_disjointness import SyntheticBatch, set_disjointness
 
 DEMO_SLICES = ((4, 16), (16, 4))  # the set sizes the models were trained on
 LONGER_SLICES = ((8, 24), (24, 8))  # longer sets never seen in training (prompt of 35 tokens)
-
-
 # The shipped demo models (folders of `MODELS_DIR`), by the model kind they demonstrate.
 JRT_DEMO_MODEL = "jrt-rnn-sd"
 BASED_DEMO_MODEL = "based-sd"
@@ -69,20 +67,16 @@ def load_demo_model(model_dir: str, models_dir: Path = MODELS_DIR) -> tuple[torc
     return model, json.loads((path / "token_map.json").read_text())
 
 
-# What a shipped demo folder holds: data only. The model's code comes from the installed package (`export_demo_models`
-# writes Hub-ready folders with the code, for use without the package).
+# What a shipped demo folder holds: data only (the code comes from the installed package).
 SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "token_map.json", "tokenizer.json",
                  "tokenizer_config.json", "training.json")
 
 
 def refresh_demo_folder(folder: Path) -> list[str]:
-    """Rewrite what a demo model folder ships besides its weights, from this package: `config.json` in the current
-    layout (no `auto_map`: the folder holds no code, the installed package loads it), the tokenizer (`sd_tokenizer`
-    of its `token_map.json`); any other file (code a former release shipped) is removed. The weights, the generation
-    config and `training.json` are left alone.
-
-    `python -m jrt_cli.demo_models` runs it on the shipped folders; tests/jrt_cli/test_demo_assets.py checks them.
-    Returns the files written.
+    """Rewrite `config.json` (current layout, no `auto_map`) and the tokenizer (`sd_tokenizer` of `token_map.json`)
+    of a demo model folder and remove any file not in `SHIPPED_FILES`; returns the files written. The weights, the
+    generation config and `training.json` are left alone. `python -m jrt_cli.demo_models` runs it on the shipped
+    folders; tests/jrt_cli/test_demo_assets.py checks them.
     """
     from .set_disjointness import sd_tokenizer
 
@@ -101,11 +95,9 @@ def refresh_demo_folder(folder: Path) -> list[str]:
 
 
 def export_demo_models(destination: Path, models_dir: Path = MODELS_DIR) -> list[Path]:
-    """Write each demo model as a Hub-ready folder under `destination` (`save_pretrained`: weights, config with
-    `auto_map`, the model's code, so a copy loads with `trust_remote_code=True` without this package), with its
-    tokenizer, `token_map.json`, `training.json` and a model card (`README.md`, `render_demo_model_card`). A folder
-    is written complete in a temporary place, then moved into place; an existing one is refused. Returns the folders
-    written."""
+    """Write each demo model as a Hub-ready folder under `destination`: `save_pretrained` (with the model's code, for
+    `trust_remote_code=True` without this package), its tokenizer, `token_map.json`, `training.json` and a model card.
+    Each folder is completed in a temporary place, then moved into place; an existing one is refused. Returns them."""
     import shutil
     import tempfile
 
@@ -133,9 +125,8 @@ CARD_PROMPT = "<bos> t5 t9 t12 t40 | t44 t47 t50 t52 t55 t57 t59 t60 t61 t62 t63
 
 
 def render_demo_model_card(name: str, config, training: dict) -> str:
-    """The README.md of an exported demo model: what it is and how it was trained (from its `training.json`), a usage
-    block that runs without jrt-rnn (`trust_remote_code=True`), its architecture, and the papers. The Hub header and
-    the citations are those of the converter's cards (`jrt_convert.model_card`)."""
+    """The README.md of an exported demo model: what it is, a usage block that runs without jrt-rnn, its architecture
+    and training (from its `training.json`), and the papers (`jrt_convert.model_card`'s header and citations)."""
     from jrt_convert.model_card import citation_section, front_matter
 
     is_prefix = config.linear_attention_type == "prefix"
@@ -202,10 +193,8 @@ def demo_batch(num_examples: int, repeat: int = 1, seed: int = DEMO_SEED, vocab_
 
 @torch.no_grad()
 def generate_answers(model: torch.nn.Module, batch: SyntheticBatch) -> torch.Tensor:
-    """`(B,)` greedy answer token of each prompt, through `generate()` (prefill, then one decoded token).
-
-    The whole prompt is the JRT-RNN prefix (`prefix_length = T`); causal models ignore it.
-    """
+    """`(B,)` greedy answer token of each prompt, through `generate()`; the whole prompt is the JRT-RNN prefix
+    (causal models ignore it)."""
     output = model.generate(
         batch.input_ids, attention_mask=torch.ones_like(batch.input_ids), max_new_tokens=1, do_sample=False,
         prefix_length=batch.prefix_length, pad_token_id=model.config.pad_token_id,
@@ -214,11 +203,8 @@ def generate_answers(model: torch.nn.Module, batch: SyntheticBatch) -> torch.Ten
 
 
 def recurrent_state_size(model: torch.nn.Module, batch: SyntheticBatch) -> dict[str, int]:
-    """Floats of recurrent state per sequence after prefilling the first row of `batch`, read from the cache.
-
-    Returns `{"linear_attention": ..., "conv": ..., "total": ...}`: the sizes of all linear-attention states and
-    all convolution states that the cache holds after the prefill (everything decoding needs).
-    """
+    """Floats of recurrent state per sequence after prefilling the first row of `batch`, read from the cache:
+    `{"linear_attention": ..., "conv": ..., "total": ...}` (everything decoding needs)."""
     with torch.no_grad():
         output = model(input_ids=batch.input_ids[:1], prefix_length=batch.prefix_length, use_cache=True)
     cache = output_cache(output)

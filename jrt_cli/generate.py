@@ -18,11 +18,8 @@ from .choices import PREFIX_STRATEGIES, integer_type
 from .main import UsageError, one_line, quiet_transformers
 from .sources import check_model_source
 
-
 # Files of which a saved tokenizer has at least one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
 MAX_SEED = 2**64 - 1  # torch.manual_seed takes a 64-bit seed
 
 
@@ -102,17 +99,15 @@ def run(args: argparse.Namespace) -> int:
     if inputs["input_ids"].shape[1] == 0:
         raise UsageError(f"--prompt {args.prompt!r} encodes to 0 tokens with this tokenizer: give some text.")
     torch.manual_seed(args.seed)
-    sampling = {"do_sample": args.do_sample}
-    if args.temperature is not None:
-        sampling["temperature"] = args.temperature
-    if args.top_p is not None:
-        sampling["top_p"] = args.top_p
+    sampling = {name: value for name, value in (("temperature", args.temperature), ("top_p", args.top_p))
+                if value is not None}
     output = model.generate(
         **inputs,
         max_new_tokens=args.max_new_tokens,
         prefix_strategy=args.prefix_strategy,
         streamer=prompt_echo_streamer(tokenizer, prompt),
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        do_sample=args.do_sample,
         **sampling,
     )
     explain_a_blank_continuation(tokenizer, inputs["input_ids"][0].tolist(), output[0].tolist())

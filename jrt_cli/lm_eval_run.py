@@ -21,13 +21,14 @@ import math
 import sys
 from pathlib import Path
 
+from .choices import PREFIX_STRATEGIES
 from .main import UsageError, quiet_transformers
 from .sources import check_model_source, go_offline, hub_unreachable
 
 LM_EVAL_SUBCOMMANDS: tuple[str, ...] = ("run", "ls", "validate")
 
 # The `--model_args` keys the `jrt` model takes, known without importing torch (an unknown one is a usage error before
-# anything loads; it failed after the model had loaded, with a TypeError from its constructor):
+# anything loads):
 # - lm-eval's HF model's own arguments (`HFLM.__init__`; a test holds this list against the installed lm-eval),
 HFLM_ARGUMENTS: tuple[str, ...] = (
     "pretrained", "backend", "revision", "subfolder", "tokenizer", "truncation", "logits_cache", "max_length",
@@ -71,10 +72,8 @@ def lm_eval_argv(extra: list[str]) -> list[str]:
 
 
 def build_lm_eval_cli():
-    """lm-eval's `HarnessCLI` with `run --model` documented as defaulting to `jrt` (lm-eval's own says `hf`).
-
-    Only lm-eval's argument parser is imported here (about 1 s): `--help` and usage errors never load torch.
-    """
+    """lm-eval's `HarnessCLI` with `run --model` documented as defaulting to `jrt` (lm-eval's own says `hf`). Only
+    lm-eval's argument parser is imported here: `--help` and usage errors never load torch."""
     from lm_eval._cli import HarnessCLI
 
     cli = HarnessCLI()
@@ -138,9 +137,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def offline_when_the_hub_is_unreachable(lm_eval_args: argparse.Namespace) -> None:
-    """The tasks' data sets come from the Hub: when it cannot be reached (a few seconds' probe), read the local cache
-    only, at once, instead of through a minute of retries per file, and say so (the model's source was checked the
-    same way)."""
+    """When the Hub (where the tasks' data sets come from) cannot be reached, read the local cache only, at once,
+    instead of through a minute of retries per file, and say so."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE or not getattr(lm_eval_args, "tasks", None):
@@ -160,44 +158,37 @@ def offline_when_the_hub_is_unreachable(lm_eval_args: argparse.Namespace) -> Non
 
 
 def check_run_arguments(lm_eval_args: argparse.Namespace) -> None:
-    """The task names lm-eval would only find unknown after loading the model and the data sets (minutes), checked
-    against lm-eval's task index before torch is imported. A usage error. For the lm-eval release jrt-rnn pins, the
-    index ships with jrt-rnn (`shipped_task_index`: milliseconds); with another release, or the user's own tasks
-    (`--include_path`), lm-eval builds it (about 15 s). (What the arguments alone tell is checked first:
-    `check_arguments_early`.)"""
-    if getattr(lm_eval_args, "command", None) != "run":
-        return
+    """Unknown task names, a usage error found before torch is imported (lm-eval finds them only after loading the
+    model and the data sets), from the task index jrt-rnn ships for its pinned lm-eval (`shipped_task_index`), else
+    (another release, or `--include_path`) from the one lm-eval builds (about 15 s)."""
     tasks = getattr(lm_eval_args, "tasks", None)
-    if tasks:
-        names = _task_names(tasks)
-        user_path = getattr(lm_eval_args, "include_path", None)
-        index = None if user_path else shipped_task_index()
-        if index is not None:  # the installed lm-eval's names, read from the index jrt-rnn ships for it (ms)
-            known = index + shipped_task_names()
-            unknown = [name for name in names if not _matches(name, known)]
-        else:
-            from lm_eval.tasks import TaskManager
+    if getattr(lm_eval_args, "command", None) != "run" or not tasks:
+        return
+    names = _task_names(tasks)
+    user_path = getattr(lm_eval_args, "include_path", None)
+    index = None if user_path else shipped_task_index()
+    if index is not None:  # the installed lm-eval's names, read from the index jrt-rnn ships for it (ms)
+        known = index + shipped_task_names()
+        unknown = [name for name in names if not _matches(name, known)]
+    else:
+        from lm_eval.tasks import TaskManager
 
-            from jrt_eval import TASKS_DIR
+        from jrt_eval import TASKS_DIR
 
-            manager = TaskManager(include_path=[str(TASKS_DIR)] + ([user_path] if user_path else []))
-            unknown = [name for name in names if not Path(name).exists() and not manager.match_tasks([name])]
-        if unknown:
-            raise UsageError(
-                f"unknown task(s) {', '.join(unknown)}: `jrt lm-eval ls tasks` lists them (jrt-rnn's recall tasks "
-                "are jrt_swde, jrt_fda, ..., see docs/evaluation.md)."
-            )
+        manager = TaskManager(include_path=[str(TASKS_DIR)] + ([user_path] if user_path else []))
+        unknown = [name for name in names if not Path(name).exists() and not manager.match_tasks([name])]
+    if unknown:
+        raise UsageError(
+            f"unknown task(s) {', '.join(unknown)}: `jrt lm-eval ls tasks` lists them (jrt-rnn's recall tasks "
+            "are jrt_swde, jrt_fda, ..., see docs/evaluation.md)."
+        )
 
 
 def check_arguments_early(lm_eval_args: argparse.Namespace) -> None:
-    """Usage errors found from the arguments alone, before the seconds of importing torch, transformers and lm-eval's
-    models (each took 15-30 s, or failed on the data set): an empty `--tasks`, a `jrt_*` task that jrt-rnn does not
-    ship, `--limit` <= 0, `--batch_size` that is not one, and for the `jrt` model a `--model_args` key it does not take
-    and a `scoring=` / `prefix_strategy=` it does not know.
-
-    Other task names are checked against lm-eval's task index in `check_run_arguments`: building that index parses
-    lm-eval's ~14,000 task files (about 15 s), which cannot be done cheaply here.
-    """
+    """Usage errors found from the arguments alone, before torch, transformers and lm-eval's models are imported: an
+    empty `--tasks`, a `jrt_*` task that jrt-rnn does not ship, `--limit` <= 0, a `--batch_size` that is not one, and
+    for the `jrt` model a `--model_args` key it does not take and a `scoring=` / `prefix_strategy=` it does not know.
+    Other task names need lm-eval's task index: `check_run_arguments`."""
     if getattr(lm_eval_args, "command", None) != "run":
         return
     tasks = getattr(lm_eval_args, "tasks", None)
@@ -231,26 +222,12 @@ def check_arguments_early(lm_eval_args: argparse.Namespace) -> None:
         from jrt_eval import SCORING_MODES
 
         model_args = lm_eval_args.model_args or {}
-        for key, allowed in (("scoring", SCORING_MODES), ("prefix_strategy", prefix_strategies())):
+        for key, allowed in (("scoring", SCORING_MODES), ("prefix_strategy", PREFIX_STRATEGIES)):
             if key in model_args and model_args[key] not in allowed:
                 raise UsageError(
                     f"--model_args {key}={model_args[key]} is not one of {', '.join(allowed)} (the `jrt` model's)."
                 )
         check_model_arg_names(model_args)
-
-
-@functools.cache
-def prefix_strategies() -> tuple[str, ...]:
-    """`modeling_jrt.configuration_jrt.PREFIX_STRATEGIES`, read from its source (importing it imports torch)."""
-    spec = importlib.util.find_spec("modeling_jrt")
-    if spec is not None and spec.origin is not None:
-        tree = ast.parse((Path(spec.origin).parent / "configuration_jrt.py").read_text(encoding="utf-8"))
-        for node in tree.body:
-            if isinstance(node, ast.Assign) and any(
-                isinstance(target, ast.Name) and target.id == "PREFIX_STRATEGIES" for target in node.targets
-            ):
-                return tuple(ast.literal_eval(node.value))
-    raise ImportError("modeling_jrt/configuration_jrt.py does not define PREFIX_STRATEGIES")
 
 
 def check_model_arg_names(model_args: dict) -> None:
@@ -418,8 +395,5 @@ def _matches(name: str, shipped: tuple[str, ...]) -> bool:
 
 
 def _is_batch_size(text: str) -> bool:
-    if text == "auto":
-        return True
-    if text.startswith("auto:"):
-        text = text[len("auto:"):]
-    return text.isdigit() and int(text) > 0
+    number = text.removeprefix("auto:")
+    return text == "auto" or (number.isdigit() and int(number) > 0)

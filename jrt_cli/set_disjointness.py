@@ -24,22 +24,12 @@ SD_NUM_SPECIAL = 4
 
 @dataclass
 class SyntheticBatch:
-    """A batch of one synthetic task.
-
-    Attributes:
-        input_ids: `(B, T)` int64 tokens.
-        labels: `(B, T)` int64; the target to predict at each position, `-100` where nothing is predicted.
-        prefix_length: tokens of the prompt (what a JRT-RNN encoder reads); equal for every row.
-    """
+    """A batch of one synthetic task: `(B, T)` int64 `input_ids` and `labels` (see the module docstring), and
+    `prefix_length`, the tokens of the prompt (what a JRT-RNN encoder reads), equal for every row."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     prefix_length: int
-
-
-def _check_positive(name: str, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value}.")
 
 
 def set_disjointness(
@@ -57,20 +47,14 @@ def set_disjointness(
     overwritten with a random element `t` of A. The sequence is `[1] A [2] B [3] t`; the input drops `t` and the
     only label is `t` at the final `3`. With `repeat = 2` (JRT-Prompt) the input is `[1] A [2] B [1] A [2] B [3]`.
 
-    Args:
-        rng: source of randomness (advanced in place).
-        num_examples: rows `B`.
-        short_length: `|A|` (the set that comes first, despite the name it may be the longer one).
-        long_length: `|B|`.
-        vocab_size: `V`; ids below 4 are specials (0 mask, 1 BOS, 2 set separator, 3 answer separator).
-        repeat: how many times the `[1] A [2] B` context is given.
-
-    Returns:
-        `SyntheticBatch` of `T = repeat * (|A| + |B| + 2) + 1` tokens, `prefix_length = T`.
+    `short_length` is `|A|` (the set that comes first; despite the name it may be the longer one), `long_length`
+    `|B|`; ids below 4 are specials (0 mask, 1 BOS, 2 set separator, 3 answer separator); `rng` advances in place.
+    Returns `num_examples` rows of `T = repeat * (|A| + |B| + 2) + 1` tokens, `prefix_length = T`.
     """
     for name, value in (("num_examples", num_examples), ("short_length", short_length),
                         ("long_length", long_length), ("repeat", repeat)):
-        _check_positive(name, value)
+        if value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {value}.")
     first_pool, second_pool = vocab_size // 2, vocab_size - SD_NUM_SPECIAL - vocab_size // 2
     if short_length > first_pool or long_length > second_pool:
         raise ValueError(
@@ -113,17 +97,13 @@ def render_tokens(token_ids: list[int] | torch.Tensor, token_map: dict) -> str:
 
 
 def sd_tokenizer(token_map: dict):
-    """A `PreTrainedTokenizerFast` for a token map from `sd_token_map`: one word per token, split on whitespace.
-
-    Text is written the way `render_tokens` prints it (`"<bos> t5 t9 | t7 t5 ?"`); decoding joins the tokens with
-    spaces, so `decode(encode(text)) == text`. No special token is added on encoding (prompts start with an explicit
-    `<bos>`, as the models were trained); the pad token is id 0 (`<mask>`, unused by the task), the models'
-    `pad_token_id`. `<mask>` is also the unknown token: a word outside the vocabulary (`"héllo"`, the prose of a
-    recall document) encodes to id 0 instead of failing (the vocabulary has no spare id for an `<unk>` of its own).
-    `<bos>` is also the end-of-sequence token (as GPT-2's `<|endoftext|>` is both): in a stream of examples one ends
-    where the next `<bos>` begins, and tools that append an EOS to a completion (TRL's `SFTTrainer`) need one.
-    `save_pretrained` of the result writes `tokenizer.json` and `tokenizer_config.json`, which `AutoTokenizer` and
-    `pipeline("text-generation")` load without this package.
+    """A `PreTrainedTokenizerFast` for a token map from `sd_token_map`: one word per token, split on whitespace, so
+    `decode(encode(text)) == text` for text as `render_tokens` prints it. No special token is added on encoding
+    (prompts start with an explicit `<bos>`, as the models were trained). `<mask>` (id 0, unused by the task) is the
+    pad token and also the unknown one: the vocabulary has no spare id, and a word outside it (the prose of a recall
+    document) must encode rather than fail. `<bos>` is also EOS (as GPT-2's `<|endoftext|>` is both): one example ends
+    where the next begins, and tools that append an EOS (TRL's `SFTTrainer`) need one. The saved files load with
+    `AutoTokenizer` without this package.
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -54,11 +54,8 @@ def is_hub_id(name: str) -> bool:
 
 
 def check_model_source(name: str, flag: str) -> None:
-    """Raise a one-line error unless `name` (the value of option `flag`) is a usable folder or Hub repo id.
-
-    A Hub id in the local Hub cache while the Hub is unreachable switches this process to offline mode
-    (`HF_HUB_OFFLINE=1`), so that transformers reads the cache at once instead of retrying for a minute.
-    """
+    """Raise a one-line error unless `name` (the value of option `flag`) is a usable folder or Hub repo id (the
+    rules of the module docstring)."""
     path = Path(name).expanduser()
     if path.is_dir():
         check_converted(path, flag)
@@ -77,8 +74,7 @@ def check_model_source(name: str, flag: str) -> None:
 
 def check_hub_source(name: str, flag: str, *, hint: str = "") -> None:
     """For a `name` that is not a local path: raise a one-line error unless the Hub answers or the repo is in the
-    local Hub cache (then this process goes offline, see `check_model_source`). Paths are left to the caller; `hint`
-    ends the message."""
+    local Hub cache (then this process goes offline, `HF_HUB_OFFLINE=1`); `hint` ends the message."""
     if Path(name).expanduser().exists() or looks_like_path(name) or not is_hub_id(name):
         return
     from huggingface_hub import constants

@@ -6,9 +6,8 @@
 
 The command line is `jrt convert SRC DST [options]`.
 
-The names below are imported on first use (PEP 562): `import jrt_convert.source_files` (what `jrt convert` checks
-before the conversion: a folder without a checkpoint, an already converted one, a config.json that is not JSON) does not
-import torch or transformers, so such mistakes are answered in a fraction of a second instead of after their import.
+The names below are imported on first use (PEP 562), so that `import jrt_convert.source_files` (the CLI's first
+checks) does not import torch or transformers.
 """
 
 from __future__ import annotations
@@ -44,17 +43,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = [
-    "DTYPES",
-    "FAMILIES",
-    "KNOWN_CHECKPOINTS",
-    "ConversionError",
-    "ConversionResult",
-    "OptionError",
-    "convert_checkpoint",
-    "detect_family",
-    "download_reference_checkpoint",
-    "push_to_hub",
-    "read_architecture",
-    "read_reference_checkpoint",
-]
+__all__ = list(_EXPORTS)

@@ -1,8 +1,8 @@
 """Reading a reference checkpoint safely: `config.json` plus `pytorch_model.bin` or a Lightning `.ckpt`.
 
-The released checkpoints are pickles (docs/reference_architecture.md §2). They are read with
-`torch.load(weights_only=True)` only, which restores tensors and plain containers and refuses everything else, so a checkpoint cannot run code on
-the converting machine. The state dict is then normalised as the reference loader does (§1.5, §2.3):
+The released checkpoints are pickles (docs/reference_architecture.md §2), read with `torch.load(weights_only=True)`
+only (tensors and plain containers; anything else is refused, so a checkpoint cannot run code). The state dict is then
+normalised as the reference loader does (§1.5, §2.3):
 
 1. strip a leading `model.` (the Lightning module's attribute name),
 2. drop every key containing `metrics` (Lightning metric counters such as `train_metrics.num-tokens.count`).
@@ -23,30 +23,15 @@ from pathlib import Path
 import torch
 
 from .memory import MappedPages, NoRelease
-from .source_files import (  # noqa: F401  (re-exported: found and read without torch, see source_files.py)
-    CONFIG_NAME,
-    LIGHTNING_SUFFIX,
-    WEIGHTS_NAME,
-    ConversionError,
-    NotACheckpointError,
-    find_weights_file,
-    load_reference_config,
-)
+from .source_files import ConversionError, find_weights_file, load_reference_config
 
 _MODEL_PREFIX = re.compile(r"^model\.")
 
 
 @dataclass
 class ReferenceCheckpoint:
-    """A reference checkpoint as read from disk.
-
-    Attributes:
-        config: the reference `config.json` as a plain dict (a GPT2Config dump with mixer dicts).
-        state_dict: tensors after the `model.` prefix strip and the `metrics` drop.
-        weights_path: the file the tensors came from.
-        dropped_keys: keys removed by the normalisation (the metric counters), for the report.
-        is_lightning: True when the tensors came from the `state_dict` entry of a Lightning checkpoint.
-    """
+    """A reference checkpoint as read from disk: its `config.json`, the normalised state dict, the weights file, the
+    keys the normalisation dropped, and whether the tensors came from a Lightning checkpoint's `state_dict` entry."""
 
     config: dict
     state_dict: dict[str, torch.Tensor]
@@ -58,18 +43,15 @@ class ReferenceCheckpoint:
 def load_state_dict_safely(
     path: Path, *, dtype: torch.dtype | None = None
 ) -> tuple[dict[str, torch.Tensor], bool, MappedPages | NoRelease]:
-    """Tensors of a `pytorch_model.bin` or a Lightning `.ckpt`, read with `torch.load(weights_only=True)`.
+    """Tensors of a `pytorch_model.bin` or a Lightning `.ckpt`, read with `torch.load(weights_only=True)`; a value
+    that does not fit `dtype` (the conversion's target) is refused here, by name.
 
-    A zip checkpoint (torch >= 1.6) is memory-mapped: its tensors are read from the file when used, so the state dict
-    costs no memory of its own. A legacy (pre-zip) pickle cannot be mapped and is read whole.
-
-    Args:
-        path: the weights file.
-        dtype: the dtype the weights will be converted to; a value that does not fit it is refused here, by name.
+    A zip checkpoint (torch >= 1.6) is memory-mapped: its tensors are read from the file when used. A legacy (pre-zip)
+    pickle cannot be mapped and is read whole.
 
     Returns:
-        (state_dict, is_lightning, pages): the raw (un-normalised) state dict, whether it came from a Lightning
-        checkpoint's `state_dict` entry, and the handle that releases the memory-mapped pages of a used tensor.
+        (the raw state dict, whether it came from a Lightning checkpoint's `state_dict` entry, the handle that
+        releases the memory-mapped pages of a used tensor).
     """
     kind = check_file_integrity(path)
     try:
@@ -84,10 +66,8 @@ def load_state_dict_safely(
         raise ConversionError(
             f"Refusing to load {str(path)!r}: it contains Python objects other than tensors and plain containers"
             f"{named}, and unpickling those could run arbitrary code (the file is only read with "
-            "`torch.load(weights_only=True)`). If you trust the file, extract the weights in a separate step, e.g. "
-            "`python -c \"import torch; ck = torch.load('FILE', weights_only=False); "
-            "torch.save(ck.get('state_dict', ck), 'pytorch_model.bin')\"`, and convert that. "
-            f"torch says: {_unpickler_reason(error)}"
+            f"`torch.load(weights_only=True)`). If you trust the file, {_EXTRACT_WEIGHTS} torch says: "
+            f"{_unpickler_reason(error)}"
         ) from error
     except _READ_ERRORS as error:  # a damaged file makes the unpickler fail in many ways
         raise _damaged(path, kind, error) from error
@@ -112,6 +92,11 @@ _READ_ERRORS = (
     struct.error, OverflowError, MemoryError,
 )
 _REAL_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# How to convert a trusted checkpoint that holds Python objects besides tensors.
+_EXTRACT_WEIGHTS = (
+    "extract the weights in a separate step, e.g. `python -c \"import torch; ck = torch.load('FILE', "
+    "weights_only=False); torch.save(ck.get('state_dict', ck), 'pytorch_model.bin')\"`, and convert that."
+)
 
 
 def check_tensor_values(
@@ -267,15 +252,12 @@ def _damaged(path: Path, kind: str, error: BaseException, weights_only: bool = F
         return ConversionError(
             f"Cannot read {str(path)!r} with `torch.load(weights_only=True)` ({_unpickler_reason(error)}): the "
             f"{_KINDS[kind]} is damaged, or it holds Python objects other than tensors and plain containers. If it "
-            "is damaged, download or copy it again; if you trust the file, extract the weights in a separate step, "
-            "e.g. `python -c \"import torch; ck = torch.load('FILE', weights_only=False); "
-            "torch.save(ck.get('state_dict', ck), 'pytorch_model.bin')\"`, and convert that."
+            f"is damaged, download or copy it again; if you trust the file, {_EXTRACT_WEIGHTS}"
         )
     reason = str(error).splitlines()[0] if str(error).strip() else "unexpected end of file"
     return ConversionError(
         f"Cannot read {str(path)!r} ({type(error).__name__}: {reason}): the {_KINDS[kind]} is truncated, damaged or "
-        "not a checkpoint. "
-        "Download or copy it again."
+        "not a checkpoint. Download or copy it again."
     )
 
 
@@ -287,16 +269,9 @@ _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 
 
 def check_file_integrity(path: Path) -> str:
-    """Say what the weights file is, and refuse what cannot be a checkpoint: an empty file, a Git LFS pointer, bytes
-    that are neither a torch zip archive nor a legacy torch.save pickle, and a zip checkpoint (torch >= 1.6) whose
-    records fail their CRC-32.
-
-    Every record of torch's zip format carries a CRC-32 of its bytes, so a damaged download or copy is caught here
-    instead of being converted into wrong weights. (Legacy pickles carry no checksum; they are read as they are.)
-
-    Returns:
-        `"zip"` or `"legacy"`.
-    """
+    """`"zip"` or `"legacy"`: what the weights file is. Refused: an empty file, a Git LFS pointer, bytes that are
+    neither a torch zip archive nor a legacy torch.save pickle, and a zip checkpoint whose records fail their CRC-32 (a
+    damaged download or copy; legacy pickles carry no checksum)."""
     size = path.stat().st_size
     if size == 0:
         raise ConversionError(f"{str(path)!r} is empty (0 bytes): the download or copy is incomplete; fetch it again.")
@@ -336,12 +311,8 @@ def check_file_integrity(path: Path) -> str:
 
 
 def normalise_keys(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Strip a leading `model.` and drop the `metrics` counters, as the reference loader does
-    (docs/reference_architecture.md §2.1).
-
-    Returns:
-        (normalised state dict, dropped keys).
-    """
+    """(state dict, dropped keys): a leading `model.` stripped and the `metrics` counters dropped, as the reference
+    loader does (docs/reference_architecture.md §2.1)."""
     normalised: dict[str, torch.Tensor] = {}
     dropped: list[str] = []
     for key, tensor in state_dict.items():
@@ -374,14 +345,5 @@ def _unpickler_reason(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-__all__ = [
-    "ConversionError",
-    "check_file_integrity",
-    "check_tensor_values",
-    "ReferenceCheckpoint",
-    "find_weights_file",
-    "load_reference_config",
-    "load_state_dict_safely",
-    "normalise_keys",
-    "read_reference_checkpoint",
-]
+__all__ = ["ConversionError", "ReferenceCheckpoint", "check_file_integrity", "check_tensor_values", "find_weights_file",
+           "load_reference_config", "load_state_dict_safely", "normalise_keys", "read_reference_checkpoint"]

@@ -97,49 +97,31 @@ class FamilySpec:
     applies_decay: bool  # [JRT]'s parallel forward applies decay (with decay_proj); [BASED]'s never does
 
 
-FAMILY_SPECS = {
-    "jrt": FamilySpec(
-        name="jrt",
-        description="JRT-RNN (prefix linear attention), e.g. hazyresearch/JRT-360M-30B, JRT-1B-50B",
-        reference_loader="HazyResearch/prefix-linear-attention train/src/models/gpt.py",
-        linear_attention_keys=PREFIX_LINEAR_ATTENTION_KEYS,
-        linear_attention_type="prefix",
-        renames_conv1=True,
-        applies_decay=False,
+_JRT_LOADER = "HazyResearch/prefix-linear-attention train/src/models/gpt.py"
+FAMILY_SPECS = {spec.name: spec for spec in (
+    FamilySpec(
+        "jrt", "JRT-RNN (prefix linear attention), e.g. hazyresearch/JRT-360M-30B, JRT-1B-50B", _JRT_LOADER,
+        PREFIX_LINEAR_ATTENTION_KEYS, "prefix", renames_conv1=True, applies_decay=False,
     ),
-    "based-jrt-release": FamilySpec(
-        name="based-jrt-release",
-        description="Based from the JRT release (causal linear attention; fixed + input-dependent decay when "
-        "configured), e.g. hazyresearch/based-360M-30B, based-1b-50b",
-        reference_loader="HazyResearch/prefix-linear-attention train/src/models/gpt.py",
-        linear_attention_keys=BASED_LINEAR_ATTENTION_KEYS,
-        linear_attention_type="causal",
-        renames_conv1=True,
-        applies_decay=True,
+    FamilySpec(
+        "based-jrt-release", "Based from the JRT release (causal linear attention; fixed + input-dependent decay "
+        "when configured), e.g. hazyresearch/based-360M-30B, based-1b-50b", _JRT_LOADER,
+        BASED_LINEAR_ATTENTION_KEYS, "causal", renames_conv1=True, applies_decay=True,
     ),
-    "based-original": FamilySpec(
-        name="based-original",
-        description="Based, original release (causal linear attention, no decay), e.g. hazyresearch/based-360m, "
-        "based-1b",
-        reference_loader="HazyResearch/based based/models/gpt.py",
-        linear_attention_keys=BASED_LINEAR_ATTENTION_KEYS,
-        linear_attention_type="causal",
-        renames_conv1=False,
-        applies_decay=False,
+    FamilySpec(
+        "based-original", "Based, original release (causal linear attention, no decay), e.g. hazyresearch/based-360m, "
+        "based-1b", "HazyResearch/based based/models/gpt.py",
+        BASED_LINEAR_ATTENTION_KEYS, "causal", renames_conv1=False, applies_decay=False,
     ),
-}
-
-_REQUIRED = object()
+)}
 
 
-def _get(config: dict, *names: str, default=_REQUIRED, where: str = "config.json"):
-    """The first of `names` present in `config` (GPT2Config attribute-map aliases), else `default`."""
+def _get(config: dict, *names: str, where: str = "config.json"):
+    """The first of `names` set in `config` (GPT2Config attribute-map aliases); a ConversionError when none is."""
     for name in names:
-        if name in config and config[name] is not None:
+        if config.get(name) is not None:
             return config[name]
-    if default is _REQUIRED:
-        raise ConversionError(f"{where} has no {' / '.join(repr(n) for n in names)}; the converter needs it.")
-    return default
+    raise ConversionError(f"{where} has no {' / '.join(repr(n) for n in names)}; the converter needs it.")
 
 
 # Bounds of every size read from config.json, checked before anything is built from them: a config that asks for a
@@ -161,29 +143,29 @@ BOUNDS: dict[str, tuple[int, int]] = {
 }
 
 
-def _int(value: object, field: str, where: str = "config.json") -> int:
+def _int(value: object, field: str) -> int:
     """`value` as an int, or a ConversionError naming the field (JSON numbers only; 16.0 is accepted, "16" is not),
     within `BOUNDS[field]` when the field has bounds."""
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not is_number or not math.isfinite(value) or value != int(value):
-        raise ConversionError(f"{where} field {field!r} must be an integer, got {value!r}.")
+        raise ConversionError(f"config.json field {field!r} must be an integer, got {value!r}.")
     if field in BOUNDS:
         low, high = BOUNDS[field]
         if not low <= value <= high:
             raise ConversionError(
-                f"{where} field {field!r} must be between {low} and {high}, got "
+                f"config.json field {field!r} must be between {low} and {high}, got "
                 f"{f'{value:g}' if isinstance(value, float) else value}: fix config.json (or use "
                 "the config.json that belongs to these weights)."
             )
     return int(value)
 
 
-def _float(value: object, field: str, *, positive: bool = False, where: str = "config.json") -> float:
+def _float(value: object, field: str, *, positive: bool = False) -> float:
     """`value` as a finite float (a JSON number), or a ConversionError naming the field."""
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not is_number or not math.isfinite(value) or (positive and value <= 0):
         kind = "a positive number" if positive else "a finite number"
-        raise ConversionError(f"{where} field {field!r} must be {kind}, got {value!r}.")
+        raise ConversionError(f"config.json field {field!r} must be {kind}, got {value!r}.")
     return float(value)
 
 
@@ -294,11 +276,7 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
         "sliding_attention" if i in sliding_layers else "linear_attention" if i in linear_layers else "conv"
         for i in range(num_layers)
     ]
-    if not _looks_like(_target(mixer), "conv"):
-        raise ConversionError(
-            f"Unknown checkpoint family: the default mixer is {_target(mixer)!r}, not a gated convolution (BaseConv); "
-            f"supported families: {list(FAMILIES)}."
-        )
+    _check_kind(mixer, "the default mixer", "conv", "a gated convolution (BaseConv)")
 
     # Gated convolution (BaseConv; `kernel_sizes` is ignored by the reference constructor, so is it here).
     expand_proj = _int(mixer.get("expand_proj", 4), "mixer.expand_proj")
@@ -315,11 +293,7 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
     # Linear attention (PLA or Based LA).
     feature_dim, enc_length, use_decay_proj = 16, None, False
     if linear_layers:
-        if not _looks_like(_target(alt_mixer), "linear_attention"):
-            raise ConversionError(
-                f"Unknown checkpoint family: alt_mixer is {_target(alt_mixer)!r}, not a (prefix) linear attention; "
-                f"supported families: {list(FAMILIES)}."
-            )
+        _check_kind(alt_mixer, "alt_mixer", "linear_attention", "a (prefix) linear attention")
         feature_dim = _int(alt_mixer.get("feature_dim", 16), "alt_mixer.feature_dim")
         heads = alt_mixer.get("num_heads")
         if heads is not None and _int(heads, "alt_mixer.num_heads") != num_heads:
@@ -335,11 +309,7 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
 
     window_size = None
     if sliding_layers:
-        if not _looks_like(_target(alt_mixer_2), "sliding"):
-            raise ConversionError(
-                f"Unknown checkpoint family: alt_mixer_2 is {_target(alt_mixer_2)!r}, not a sliding-window attention; "
-                f"supported families: {list(FAMILIES)}."
-            )
+        _check_kind(alt_mixer_2, "alt_mixer_2", "sliding", "a sliding-window attention")
         window_size = _int(_get(alt_mixer_2, "window_size", where="config.json alt_mixer_2"), "alt_mixer_2.window_size")
         if window_size == 4096:
             raise ConversionError(
@@ -388,9 +358,8 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
 
 
 def _token_id(value: object, field: str) -> int:
-    """A token id of the reference config.json: an integer >= 0, or a ConversionError naming the field (a negative
-    eos id was reported as the converted config's `pad_token_id`, which is set from it). An id past the vocabulary
-    is allowed here: `translate_config` writes it as None, with a note."""
+    """A token id of the reference config.json: an integer >= 0, or a ConversionError naming the field. An id past
+    the vocabulary is allowed here: `translate_config` writes it as None, with a note."""
     token_id = _int(value, field)
     if token_id < 0:
         raise ConversionError(
@@ -432,17 +401,21 @@ def _check_feature_map(alt_mixer: dict) -> None:
         )
 
 
-def _looks_like(target: str, kind: str) -> bool:
-    """Whether a `_target_` string names a mixer of `kind` (used only as identifying data)."""
+def _check_kind(mixer: dict, where: str, kind: str, expected: str) -> None:
+    """Refuse a mixer whose `_target_` does not name a mixer of `kind` (used only as identifying data)."""
+    target = _target(mixer)
     name = target.rsplit(".", 1)[-1].lower()
     path = target.lower()
     if kind == "conv":
-        return "conv" in name
-    if kind == "linear_attention":
-        return "linearattention" in name or "linear_attn" in path or "linear_attention" in path
-    if kind == "sliding":
-        return any(word in path for word in ("slid", "slide", "window"))
-    raise AssertionError(kind)
+        fits = "conv" in name
+    elif kind == "linear_attention":
+        fits = "linearattention" in name or "linear_attn" in path or "linear_attention" in path
+    else:
+        fits = any(word in path for word in ("slid", "slide", "window"))
+    if not fits:
+        raise ConversionError(
+            f"Unknown checkpoint family: {where} is {target!r}, not {expected}; supported families: {list(FAMILIES)}."
+        )
 
 
 @dataclass
@@ -454,15 +427,10 @@ class Detection:
 def detect_family(
     config: dict, arch: ReferenceArchitecture, keys: list[str], *, requested: str = "auto", name_hint: str | None = None
 ) -> Detection:
-    """Name the family of a reference checkpoint from its config and state-dict keys.
-
-    Args:
-        config: the reference config.json.
-        arch: its parsed architecture.
-        keys: state-dict keys after `normalise_keys`.
-        requested: `"auto"` or a family the user asked for (checked against the structure).
-        name_hint: the checkpoint's repo id or folder name; a released name settles Based checkpoints that carry no
-            JRT-only marker (their conversion is the same in both Based families).
+    """Name the family of a reference checkpoint from its config, parsed architecture and state-dict keys (after
+    `normalise_keys`). A `requested` family is checked against the structure. `name_hint` (the repo id or folder name)
+    settles Based checkpoints without a JRT-only marker when it is a released name (both Based families convert them
+    the same way).
     """
     if requested != "auto" and requested not in FAMILIES:
         raise ConversionError(f"Unknown family {requested!r}; choose 'auto' or one of {list(FAMILIES)}.")
@@ -522,14 +490,11 @@ def translate_config(
     dtype: torch.dtype,
     prefix_pad_token_id: int | None = GPT2_PREFIX_PAD_TOKEN_ID,
 ) -> tuple[dict, list[str]]:
-    """Keyword arguments of `JRTRNNConfig` for a reference architecture, and notes for the report.
+    """Keyword arguments of `JRTRNNConfig` for a reference architecture, and notes saying which reference settings
+    were translated or dropped (and why).
 
-    Every token id is written explicitly (the config's own defaults are not relied on): bos / eos / pad from the
-    reference config.json (GPT-2's 50256 in the released models; pad = eos), and the prefix pad as given (GPT-2's " "
-    = 220 unless told otherwise). An id outside the vocabulary (a GPT2Config default left in the config.json of a
-    small-vocabulary model) is written as None, with a note.
-
-    The notes say which reference settings were translated or dropped (and why), so that nothing happens silently.
+    Every token id is explicit: bos / eos / pad (= eos) from the reference config.json, the prefix pad as given. An id
+    outside the vocabulary (a GPT2Config default left in a small-vocabulary model's config.json) is written as None.
     """
     notes = list(arch.notes)
     token_ids = {}
@@ -623,18 +588,6 @@ def layer_key_table(spec: FamilySpec, arch: ReferenceArchitecture, layer_idx: in
     return table
 
 
-__all__ = [
-    "BOUNDS",
-    "FAMILIES",
-    "FAMILY_SPECS",
-    "GPT2_PREFIX_PAD_TOKEN_ID",
-    "KNOWN_CHECKPOINTS",
-    "Detection",
-    "FamilySpec",
-    "ReferenceArchitecture",
-    "check_layers_against_weights",
-    "detect_family",
-    "layer_key_table",
-    "read_architecture",
-    "translate_config",
-]
+__all__ = ["BOUNDS", "FAMILIES", "FAMILY_SPECS", "GPT2_PREFIX_PAD_TOKEN_ID", "KNOWN_CHECKPOINTS", "Detection",
+           "FamilySpec", "ReferenceArchitecture", "check_layers_against_weights", "detect_family", "layer_key_table",
+           "read_architecture", "translate_config"]

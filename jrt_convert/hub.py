@@ -7,7 +7,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, snapshot_download
 
-from .checkpoint import CONFIG_NAME, LIGHTNING_SUFFIX, WEIGHTS_NAME, ConversionError
+from .source_files import CONFIG_NAME, LIGHTNING_SUFFIX, WEIGHTS_NAME, ConversionError
 
 try:  # huggingface_hub speaks HTTP through httpx (httpx2 in recent releases); its transport errors are not OSErrors
     from httpx2 import HTTPError as _TransportError
@@ -65,11 +65,8 @@ def push_to_hub(
         commit_message: default "Upload converted JRT-RNN / Based checkpoint".
         token: a Hub token; default: the locally stored login.
 
-    Returns:
-        The URL of the commit, or of the pull request with `create_pr`.
-
-    Raises:
-        RuntimeError: when the Hub refuses or cannot be reached; the message says how to retry.
+    Returns the URL of the commit (of the pull request with `create_pr`); raises RuntimeError, saying how to retry,
+    when the Hub refuses or cannot be reached.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -103,14 +100,8 @@ def push_to_hub(
 
 
 def check_hub_access(repo_id: str, *, private: bool = False, token: str | None = None) -> None:
-    """Before a conversion that will be uploaded: the Hub is reachable, the login works and `repo_id` can be written.
-
-    Creates the repo (`exist_ok`, as the upload would), so that an offline machine, a missing login or a repo owned by
-    someone else is reported before minutes of conversion rather than after.
-
-    Raises:
-        RuntimeError: with the cause and how to fix it.
-    """
+    """Before a conversion that will be uploaded: create the repo (`exist_ok`, as the upload would), so that an
+    offline machine, a missing login or a repo owned by someone else is a RuntimeError before minutes of conversion."""
     if not is_repo_id(repo_id):
         raise ValueError(f"--push-to-hub needs a Hub repo id of the form 'owner/name', got {repo_id!r}.")
     try:

@@ -40,11 +40,9 @@ def full_key_table(spec: FamilySpec, arch: ReferenceArchitecture) -> dict[str, t
 def apply_family_renames(
     state_dict: dict[str, torch.Tensor], spec: FamilySpec, arch: ReferenceArchitecture
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The renames the family's reference loader performs (docs/reference_architecture.md §2.1, "Key renames").
-
-    [JRT]'s loader replaces `conv1` by `conv` in every key (`BaseConvWithSiLU4` naming); a bare `mixer.conv.weight`
-    of a convolution layer is the same tensor as `mixer.conv.conv.weight`.
-    """
+    """The renames the family's reference loader performs (docs/reference_architecture.md §2.1, "Key renames"):
+    [JRT]'s replaces `conv1` by `conv` in every key; a bare `mixer.conv.weight` of a convolution layer is read as
+    `mixer.conv.conv.weight`."""
     renamed: dict[str, torch.Tensor] = {}
     conv_layers = {i for i, kind in enumerate(arch.layer_kinds) if kind == "conv"}
     conv1_renames = bare_conv_renames = 0
@@ -104,20 +102,11 @@ def map_state_dict(
     arch: ReferenceArchitecture,
     target_shapes: dict[str, torch.Size],
 ) -> tuple[WeightPlan, list[str]]:
-    """Plan our model's tensors from a normalised reference state dict (shapes only: no tensor is copied).
+    """Plan our model's tensors (shapes only: no tensor is copied) from a reference state dict after
+    `normalise_keys`; `target_shapes` are our model's `state_dict()` shapes, the tied `lm_head.weight` included.
 
-    Args:
-        state_dict: reference tensors after `normalise_keys` (no `model.` prefix, no metric counters).
-        spec: the family.
-        arch: the parsed reference config.
-        target_shapes: our model's `state_dict()` shapes (including the tied `lm_head.weight`).
-
-    Returns:
-        (the plan of our state dict without the tied `lm_head.weight`, notes about renamed and dropped keys).
-
-    Raises:
-        ConversionError: listing missing reference keys, unexpected reference keys, shape mismatches and unfilled
-            tensors of our model, all at once.
+    Returns the plan (without the tied head) and notes about renamed and dropped keys; raises one `ConversionError`
+    listing every missing or unexpected reference key, shape mismatch and unfilled tensor.
     """
     source, notes = apply_family_renames(state_dict, spec, arch)
     table = full_key_table(spec, arch)

@@ -48,10 +48,7 @@ class MappedPages:
         if not self._ranges or tensor.device.type != "cpu" or tensor.layout != torch.strided:
             return
         storage = tensor.untyped_storage()  # the whole record: releasing a neighbour's pages early costs a re-read
-        start = storage.data_ptr()
-        end = start + storage.nbytes()
-        first = -(-start // _PAGE) * _PAGE  # whole pages only: the neighbours' edges stay
-        last = end // _PAGE * _PAGE
+        first, last = _whole_pages(storage.data_ptr(), storage.nbytes())
         if last <= first or not any(low <= first and last <= high for low, high in self._ranges):
             return
         self._madvise(first, last - first, _MADV_DONTNEED)
@@ -66,10 +63,14 @@ class NoRelease:
 
 def release_mapping(buffer: mmap.mmap, offset: int, length: int) -> None:
     """Drop the resident pages of `buffer[offset:offset + length]` (a read-only file mapping made with `mmap`)."""
-    first = -(-offset // _PAGE) * _PAGE
-    last = (offset + length) // _PAGE * _PAGE
+    first, last = _whole_pages(offset, length)
     if last > first and hasattr(buffer, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
         buffer.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def _whole_pages(start: int, length: int) -> tuple[int, int]:
+    """The first and the end address of the whole pages inside `[start, start + length)`: the neighbours' edges stay."""
+    return -(-start // _PAGE) * _PAGE, (start + length) // _PAGE * _PAGE
 
 
 __all__ = ["MappedPages", "NoRelease", "release_mapping"]

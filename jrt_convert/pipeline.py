@@ -8,14 +8,13 @@
 Memory: the checkpoint is memory-mapped and each converted tensor is written and dropped before the next, so the peak is
 about one copy of the weights (the mapped file while writing, then the reloaded model while verifying), never two.
 
-An interrupted (Ctrl-C, SIGTERM) or failed conversion removes its temporary folder, and the next run removes the folders
-of a killed one (SIGKILL). An existing destination is touched only with `overwrite=True`, and only when it is empty or
-holds exactly the files a previous conversion wrote, unchanged (its manifest, `jrt_convert_manifest.json`); it is
-replaced only after the new one is complete and verified. The source is never written (see `safety.py`).
+An interrupted or failed conversion leaves no output folder, an existing destination is replaced only as `safety.py`
+allows, and the source is never written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
@@ -25,6 +24,7 @@ import shutil
 import struct
 import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,17 +124,14 @@ def convert_checkpoint(
         overwrite: replace an existing destination that a previous conversion wrote, file for file and unchanged (its
             manifest says so); only once the new folder is complete and verified.
 
-    Returns:
-        A `ConversionResult`.
-
     Raises:
         OptionError: an option that cannot work, before anything is read (the CLI's usage error, exit 2).
         ConversionError: for any checkpoint that cannot be converted as asked, with the reason and the fix.
     """
     # 0. Options, before anything is read or allocated.
-    torch_dtype, shard_bytes, destination = _check_options(
-        dtype=dtype, family=family, prefix_pad_masking=prefix_pad_masking, prefix_pad_token_id=prefix_pad_token_id,
-        max_shard_size=max_shard_size, tokenizer=tokenizer, destination=destination,
+    torch_dtype, shard_bytes, destination = check_options(
+        destination, family=family, dtype=dtype, tokenizer=tokenizer, prefix_pad_masking=prefix_pad_masking,
+        prefix_pad_token_id=prefix_pad_token_id, max_shard_size=max_shard_size,
     )
     # 1. Pre-flight: settle what an interrupted run left, refuse destinations that could lose data, check writability.
     cleanup_notes = remove_stale_staging(destination)
@@ -184,7 +181,7 @@ def convert_checkpoint(
     with terminate_cleanly():
         staging = Path(tempfile.mkdtemp(prefix=staging_prefix(destination), dir=destination.parent))
         try:
-            try:
+            with _disk_full_reported(destination, needed_bytes):
                 # Config (with `auto_map`), generation config and the remote code, without weights: the model is on
                 # the meta device. (First: save_pretrained removes weight files it finds in the folder.)
                 model.save_pretrained(staging, state_dict={})
@@ -201,17 +198,9 @@ def convert_checkpoint(
                                       has_tokenizer=tok is not None),
                     encoding="utf-8",
                 )
-            except OSError as error:
-                if error.errno not in _DISK_FULL:
-                    raise
-                raise _disk_full(error, destination, needed_bytes) from error
             verify_folder(staging, hashes, model)
-            try:
+            with _disk_full_reported(destination, needed_bytes):
                 write_manifest(staging, hashes)
-            except OSError as error:
-                if error.errno not in _DISK_FULL:
-                    raise
-                raise _disk_full(error, destination, needed_bytes) from error
             files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
             _apply_umask(staging)
             _move_into_place(staging, destination, overwrite=overwrite, checked=checked)
@@ -255,39 +244,9 @@ def check_options(
     prefix_pad_token_id: int | None = None,
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
-) -> None:
-    """The option checks `convert_checkpoint` starts with, on their own (the CLI runs them before `--push-to-hub`'s
-    Hub check). Raises `OptionError`."""
-    _check_options(
-        dtype=dtype, family=family, prefix_pad_masking=prefix_pad_masking, prefix_pad_token_id=prefix_pad_token_id,
-        max_shard_size=max_shard_size, tokenizer=tokenizer, destination=destination,
-    )
-
-
-# errno values of a full disk, a full quota and a file-size limit (`ulimit -f`).
-_DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
-
-
-def _disk_full(error: OSError, destination: Path, needed_bytes: int) -> ConversionError:
-    """A full disk, quota or `ulimit -f` while writing: one line naming DST and the bytes needed."""
-    return ConversionError(
-        f"Cannot write the converted folder for {str(destination)!r}: {error.strerror or error} (it needs about "
-        f"{needed_bytes:,} bytes for the weights). Free some space (or raise `ulimit -f`), choose another DST, or "
-        "convert with --dtype bfloat16; nothing was written."
-    )
-
-
-def _check_options(
-    *,
-    dtype: str,
-    family: str,
-    prefix_pad_masking: str,
-    prefix_pad_token_id: int | None,
-    max_shard_size: str | int,
-    tokenizer: str | None,
-    destination: str | Path,
 ) -> tuple[torch.dtype, int, Path]:
-    """Every option checked before the work: (target dtype, shard size in bytes, absolute destination)."""
+    """The option checks `convert_checkpoint` starts with, on their own (the CLI runs them before `--push-to-hub`'s
+    Hub check). Raises `OptionError`; returns (target dtype, shard size in bytes, absolute destination)."""
     if dtype not in DTYPES:
         raise OptionError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}.")
     if family != "auto" and family not in FAMILY_SPECS:
@@ -325,6 +284,23 @@ def _check_options(
 
 
 _BARE_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*$")
+# errno values of a full disk, a full quota and a file-size limit (`ulimit -f`).
+_DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+@contextlib.contextmanager
+def _disk_full_reported(destination: Path, needed_bytes: int) -> Iterator[None]:
+    """A full disk, quota or `ulimit -f` while writing becomes one line naming DST and the bytes needed."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in _DISK_FULL:
+            raise
+        raise ConversionError(
+            f"Cannot write the converted folder for {str(destination)!r}: {error.strerror or error} (it needs about "
+            f"{needed_bytes:,} bytes for the weights). Free some space (or raise `ulimit -f`), choose another DST, or "
+            "convert with --dtype bfloat16; nothing was written."
+        ) from error
 
 
 def _prefix_pad_token_id(

@@ -58,12 +58,8 @@ def sha256_of_file(path: Path) -> str:
 
 
 def write_manifest(folder: Path, hashes: dict[str, str] | None = None) -> None:
-    """Record every file of `folder` (relative path, size, SHA-256) in `folder/MANIFEST_NAME`.
-
-    Args:
-        folder: the finished staging folder.
-        hashes: SHA-256 already computed while writing (the weight shards), by relative path; the rest are hashed here.
-    """
+    """Record every file of the finished staging `folder` (relative path, size, SHA-256) in `folder/MANIFEST_NAME`;
+    `hashes` are those already computed while writing (the weight shards), by relative path."""
     hashes = hashes or {}
     files = {}
     for path in sorted(folder.rglob("*")):
@@ -88,12 +84,8 @@ class ManifestCheck:
 
 
 def check_manifest(folder: Path) -> tuple[ManifestCheck, dict[str, tuple[int, int]]]:
-    """Compare `folder` with the manifest a conversion wrote into it.
-
-    Returns:
-        (the check, and `(size, mtime_ns)` of each file as checked, so that a later `unchanged_since` can tell cheaply
-        whether anything moved between the check and the swap).
-    """
+    """Compare `folder` with the manifest a conversion wrote into it. Returns the check and the `(size, mtime_ns)` of
+    each entry as checked, for a cheap `unchanged_since` right before the swap."""
     entries = sorted(folder.rglob("*"))
     names = [path.relative_to(folder).as_posix() for path in entries]
     stats = {name: _stat(path) for name, path in zip(names, entries)}
@@ -150,17 +142,10 @@ def _listing(names: list[str], limit: int = 10) -> str:
 
 
 def check_destination(source: Path | None, destination: Path, *, overwrite: bool) -> dict[str, tuple[int, int]]:
-    """Refuse a destination whose replacement could lose data.
-
-    Refused: the source itself, a folder containing the source, a folder inside a source folder, an existing
-    destination without `overwrite`, and with
-    `overwrite` anything but an empty folder or a folder a previous conversion wrote, file for file and unchanged
-    (`check_manifest`). The message names the files that would be lost.
-
-    Returns:
-        The `(size, mtime_ns)` of the destination's entries as checked (empty when it does not exist), for
-        `unchanged_since` right before the swap.
-    """
+    """Refuse a destination whose replacement could lose data: the source, a folder containing it or inside it, an
+    existing destination without `overwrite`, and with `overwrite` anything but an empty folder or one a previous
+    conversion wrote, file for file and unchanged (`check_manifest`); the message names the files that would be lost.
+    Returns the destination's entries as checked (`check_manifest`; empty when there are none)."""
     target = destination.expanduser().resolve()
     if source is not None:
         origin = source.expanduser().resolve()
@@ -209,13 +194,11 @@ def check_destination(source: Path | None, destination: Path, *, overwrite: bool
 
 
 def remove_stale_staging(destination: Path) -> list[str]:
-    """Remove the staging folders of `destination` whose process is gone, and settle interrupted `--overwrite` swaps.
+    """Remove the staging folders of `destination` whose process is gone, and settle interrupted `--overwrite` swaps;
+    returns notes saying what was removed or restored.
 
     A backup `.NAME.old-*` of a dead process is the previous destination: it is moved back when the destination is
     missing (the run died between the two renames), else deleted. Folders of a live process are left alone.
-
-    Returns:
-        Notes saying what was removed or restored.
     """
     parent = destination.parent
     if not parent.is_dir():
@@ -298,19 +281,6 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f} GiB"
 
 
-__all__ = [
-    "Terminated",
-    "backup_name",
-    "check_destination",
-    "check_free_space",
-    "check_writable",
-    "MANIFEST_NAME",
-    "ManifestCheck",
-    "check_manifest",
-    "sha256_of_file",
-    "unchanged_since",
-    "write_manifest",
-    "remove_stale_staging",
-    "staging_prefix",
-    "terminate_cleanly",
-]
+__all__ = ["MANIFEST_NAME", "ManifestCheck", "Terminated", "backup_name", "check_destination", "check_free_space",
+           "check_manifest", "check_writable", "remove_stale_staging", "sha256_of_file", "staging_prefix",
+           "terminate_cleanly", "unchanged_since", "write_manifest"]

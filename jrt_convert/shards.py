@@ -91,18 +91,11 @@ def write_shards(
     produce: Callable[[str], torch.Tensor],
     written: Callable[[str], None] | None = None,
 ) -> dict[str, str]:
-    """Write the tensors named in `shapes` into safetensors shards in `folder`, one `produce(name)` call at a time.
+    """Write the tensors named in `shapes` (name -> shape, in order) into safetensors shards of `max_shard_size` bytes
+    at most in `folder`, with `model.safetensors.index.json` for more than one. Returns each file's SHA-256, by name.
 
-    Args:
-        folder: where the shards (and, for more than one, `model.safetensors.index.json`) go.
-        shapes: tensor name -> shape, in the order to write them.
-        dtype: dtype of every tensor (`produce` must return exactly this dtype and shape).
-        max_shard_size: bytes per shard at most (a single larger tensor gets a shard of its own).
-        produce: returns the tensor for a name; it is written, hashed and dropped before the next call.
-        written: called with each name once its tensor is on disk (to release what produced it).
-
-    Returns:
-        The SHA-256 of each file written, by file name.
+    `produce(name)` returns a tensor of exactly `dtype` and that shape; it is written, hashed and dropped before the
+    next call, then `written(name)` is called (to release what produced it).
     """
     plan = plan_shards(shapes, dtype, max_shard_size)
     hashes: dict[str, str] = {}

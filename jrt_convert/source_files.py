@@ -114,15 +114,6 @@ def _short_listing(names: list[str], limit: int = 8) -> str:
     return "[" + ", ".join(repr(name) for name in names[:limit]) + "]" + more
 
 
-__all__ = [
-    "CONFIG_NAME",
-    "CONVERTED_MODEL_TYPE",
-    "LIGHTNING_SUFFIX",
-    "WEIGHTS_NAME",
-    "ConversionError",
-    "NotACheckpointError",
-    "check_example_folder",
-    "check_not_converted",
-    "find_weights_file",
-    "load_reference_config",
-]
+__all__ = ["CONFIG_NAME", "CONVERTED_MODEL_TYPE", "LIGHTNING_SUFFIX", "WEIGHTS_NAME", "ConversionError",
+           "NotACheckpointError", "check_example_folder", "check_not_converted", "find_weights_file",
+           "load_reference_config"]

@@ -310,10 +310,10 @@ def test_the_early_checks_read_the_same_choices_as_the_model():
     pytest.importorskip("lm_eval", reason="lm-eval is the optional `eval` extra: pip install -e '.[eval]'")
     import jrt_eval
     import jrt_eval.lm
-    from jrt_cli.lm_eval_run import prefix_strategies
+    from jrt_cli.choices import PREFIX_STRATEGIES as CHECKED_STRATEGIES
     from modeling_jrt.configuration_jrt import PREFIX_STRATEGIES
 
-    assert prefix_strategies() == PREFIX_STRATEGIES
+    assert CHECKED_STRATEGIES == PREFIX_STRATEGIES
     assert jrt_eval.lm.SCORING_MODES is jrt_eval.SCORING_MODES == ("leak_free", "reference")
 
 
