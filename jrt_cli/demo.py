@@ -51,10 +51,8 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _accuracy(model, batch) -> float:
-    from .demo_models import generate_answers
-
-    return (generate_answers(model, batch) == batch.labels[:, -1]).float().mean().item()
+def _accuracy(answers, batch) -> float:
+    return (answers == batch.labels[:, -1]).float().mean().item()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,10 +90,10 @@ def run(args: argparse.Namespace) -> int:
         model = models[arm.model_dir][0]
         batch = demo_batch(args.examples, repeat=arm.repeat, seed=args.seed)
         answers = generate_answers(model, batch)
-        targets = batch.labels[:, -1]
+        longer_batch = demo_batch(args.examples, arm.repeat, args.seed, slices=LONGER_SLICES)
         scored[arm.label] = {
-            "accuracy": (answers == targets).float().mean().item(),
-            "longer": _accuracy(model, demo_batch(args.examples, arm.repeat, args.seed, slices=LONGER_SLICES)),
+            "accuracy": _accuracy(answers, batch),
+            "longer": _accuracy(generate_answers(model, longer_batch), longer_batch),
             "state": recurrent_state_size(model, batch),
             "prompt_tokens": batch.input_ids.shape[1],
             "parameters": sum(p.numel() for p in model.parameters()),

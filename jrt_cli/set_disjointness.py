@@ -32,6 +32,11 @@ class SyntheticBatch:
     prefix_length: int
 
 
+def _check_positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value}.")
+
+
 def set_disjointness(
     rng: np.random.RandomState,
     num_examples: int,
@@ -53,8 +58,7 @@ def set_disjointness(
     """
     for name, value in (("num_examples", num_examples), ("short_length", short_length),
                         ("long_length", long_length), ("repeat", repeat)):
-        if value < 1:
-            raise ValueError(f"`{name}` must be a positive integer, got {value}.")
+        _check_positive(name, value)
     first_pool, second_pool = vocab_size // 2, vocab_size - SD_NUM_SPECIAL - vocab_size // 2
     if short_length > first_pool or long_length > second_pool:
         raise ValueError(

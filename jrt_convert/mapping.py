@@ -102,12 +102,8 @@ def map_state_dict(
     arch: ReferenceArchitecture,
     target_shapes: dict[str, torch.Size],
 ) -> tuple[WeightPlan, list[str]]:
-    """Plan our model's tensors (shapes only: no tensor is copied) from a reference state dict after
-    `normalise_keys`; `target_shapes` are our model's `state_dict()` shapes, the tied `lm_head.weight` included.
-
-    Returns the plan (without the tied head) and notes about renamed and dropped keys; raises one `ConversionError`
-    listing every missing or unexpected reference key, shape mismatch and unfilled tensor.
-    """
+    """The plan (without the tied `lm_head.weight`) and notes about renamed and dropped keys, from a reference state
+    dict after `normalise_keys` and our model's `state_dict()` shapes (the tied head included)."""
     source, notes = apply_family_renames(state_dict, spec, arch)
     table = full_key_table(spec, arch)
     problems: dict[str, list[str]] = {"missing": [], "unexpected": [], "shape": [], "unfilled": []}

@@ -91,12 +91,9 @@ def write_shards(
     produce: Callable[[str], torch.Tensor],
     written: Callable[[str], None] | None = None,
 ) -> dict[str, str]:
-    """Write the tensors named in `shapes` (name -> shape, in order) into safetensors shards of `max_shard_size` bytes
-    at most in `folder`, with `model.safetensors.index.json` for more than one. Returns each file's SHA-256, by name.
-
-    `produce(name)` returns a tensor of exactly `dtype` and that shape; it is written, hashed and dropped before the
-    next call, then `written(name)` is called (to release what produced it).
-    """
+    """Write the tensors of `shapes` (name -> shape, in order; shards as `plan_shards`) into `folder`; returns each
+    file's SHA-256. `produce(name)` returns a tensor of exactly `dtype` and that shape; it is written, hashed and
+    dropped before the next call, then `written(name)` is called (to release what produced it)."""
     plan = plan_shards(shapes, dtype, max_shard_size)
     hashes: dict[str, str] = {}
     weight_map: dict[str, str] = {}
