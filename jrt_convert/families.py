@@ -401,7 +401,7 @@ def _check_feature_map(alt_mixer: dict) -> None:
         )
 
 
-def _check_kind(mixer: dict, where: str, kind: str, expected: str) -> None:
+def _check_kind(mixer: dict | None, where: str, kind: str, expected: str) -> None:
     """Refuse a mixer whose `_target_` does not name a mixer of `kind` (used only as identifying data)."""
     target = _target(mixer)
     name = target.rsplit(".", 1)[-1].lower()
