@@ -9,30 +9,20 @@ forward and updated in place from then on:
     "linear_attention"   JRTRNNLinearAttentionState the fp32 recurrent state                                      (B, H, F, V + 1)
 
 plus one counter tensor, `positions` `()` int64: the model positions read so far (the JRT fill included), from
-which a decode step takes its RoPE position and each ring its row. So the cache never grows, and no tensor it holds
-changes its shape or its address during decoding: `is_compileable` is True, and `generate()` runs its decode step
-compiled (with CUDA graphs on a GPU) when the cache is this one (`cache=JRTRNNCache(config)`, or
-`cache_implementation="static"`). Nothing is sized by `max_cache_len`: the state is the same size at any length.
+which a decode step takes its RoPE position and each ring its row. No tensor changes its shape or address during
+decoding, so `generate()` runs its decode step compiled on this cache (`is_compileable`); nothing is sized by
+`max_cache_len`.
 
-Everything the model needs to continue a sequence lives here, nothing in the caller's inputs but the new tokens and
-their padding mask: the ring keeps the padding flags of its keys, the convolution keeps its inputs with padding
-already zeroed, and the cache keeps the plan of the JRT prefix the first forward read (`PrefixPlan`: each
-row's fill and encoder range). A `copy.deepcopy` or a pickle of the cache therefore continues exactly like the
-original.
+The caller passes nothing but the new tokens and their padding mask: the ring keeps its keys' padding flags, the
+convolution its inputs with padding zeroed, and the cache the plan of the JRT prefix (`PrefixPlan`). A deepcopy or a
+pickle continues exactly like the original.
 
-Sequence length: `get_seq_length()` counts the caller's columns this cache has read (batch padding included, the
-JRT prefix fill excluded), which is what `GenerationMixin.generate` uses to skip the tokens a cache already holds when
-it continues from one, for every layer mix (also a model without any attention layer). It reads the counter tensor
-(a device synchronisation): the model's own forward never calls it.
+`get_seq_length()` counts the caller's columns read (batch padding included, the fill excluded), what `generate()`
+skips when it continues from a cache; it reads the counter (a device synchronisation): the forward never calls it.
 
-The cache is `Cache`'s public subclass API only (`layers`, `get_seq_length`, `reorder_cache`,
-`batch_repeat_interleave`, `batch_select_indices`, `crop`, `reset`, `is_compileable`): it is the same object on every
-transformers release this package supports. transformers reads more of a cache, and of its layers, from release to
-release (5.25 asks every layer `is_croppable` before assisted decoding; its tests read `keys` / `values`). The cache
-answers those questions itself, and every layer state derives from `JRTRNNLayerState`, which answers them for one
-layer: not croppable (a recurrent state cannot be rolled back), compileable, `keys` / `values` None where the layer
-holds no attention keys. Nothing here subclasses transformers' layer classes, whose abstract methods change between
-releases.
+Only `Cache`'s public subclass API is used, the same on every supported transformers release; what releases read of
+a layer (`is_croppable`, `keys` / `values`, ...) `JRTRNNLayerState` answers. No transformers layer class is
+subclassed: their abstract methods change between releases.
 """
 
 from __future__ import annotations
@@ -48,23 +38,17 @@ if TYPE_CHECKING:
     from .prefix_fill import PrefixPlan
 
 
-def _rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
-    return None if tensor is None else tensor.index_select(0, index.to(tensor.device))
-
-
 def _static_buffer(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`, marked as a buffer whose address stays the same across calls of a compiled function (CUDA graphs then
-    read it in place instead of copying it in; transformers' static caches mark theirs the same way). A CPU tensor is
-    left alone: no CUDA graph reads it, and marking it would import torch's compiler (seconds) in every process."""
+    """`tensor`, marked as static for compiled functions (CUDA graphs read it in place), as transformers' static
+    caches do. Not a CPU tensor: no CUDA graph reads it, and marking imports torch's compiler (seconds)."""
     if tensor.device.type != "cpu" and not torch.compiler.is_compiling():
         torch._dynamo.mark_static_address(tensor)
     return tensor
 
 
 def _in_place(buffer: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether `values` may be written into `buffer` in place: not when either is part of an autograd graph (a
-    forward with autograd on, e.g. `model(..., use_cache=True)` outside `torch.no_grad()`), where the write is
-    functional (a new tensor) so that a backward through earlier steps still finds what it saved."""
+    """Whether `values` may be written into `buffer` in place: not when either is part of an autograd graph, where
+    the write is functional so that a backward through earlier steps still finds what it saved."""
     return not (torch.is_grad_enabled() and (values.requires_grad or buffer.requires_grad))
 
 
@@ -78,7 +62,7 @@ def _write(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 def _select_buffer_rows(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The rows `index` `(B',)` of a `(B, ...)` buffer: written into it in place when the batch keeps its size (beam
     search reorders every step; a compiled step keeps reading the same buffer), else a new (static) buffer."""
-    rows = _rows(buffer, index)
+    rows = buffer.index_select(0, index.to(buffer.device))
     return _write(buffer, rows) if rows.shape == buffer.shape else _static_buffer(rows)
 
 
@@ -91,13 +75,9 @@ def _write_rows(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: tor
 
 
 class JRTRNNLayerState:
-    """What transformers (any release of the range) may read of one cache layer, answered for a layer of this model.
-
-    A recurrent state cannot be rolled back (`is_croppable` False: assisted decoding is refused with transformers' own
-    `ValueError`); its buffers keep their shapes and addresses once allocated (`is_compileable` True); outside a
-    sliding-attention layer it holds no attention keys or values (`keys` / `values` None). Subclasses name their
-    per-row buffers `(B, ...)` in `BUFFERS` (None before the first forward).
-    """
+    """What transformers may read of one cache layer: not croppable (a recurrent state cannot be rolled back),
+    compileable, `keys` / `values` None outside sliding attention. Subclasses name their per-row buffers `(B, ...)` in
+    `BUFFERS` (None before the first forward)."""
 
     BUFFERS: tuple[str, ...] = ()
     is_compileable = True
@@ -116,13 +96,10 @@ class JRTRNNLayerState:
         return any(tensor is not None for tensor in self.tensors())
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep (reorder, repeat) the rows `index` `(B',)`: in place when the batch keeps its size (beam search
-        reorders every step; a compiled step keeps reading the same buffers), else into new buffers."""
+        """Keep (reorder, repeat) the rows `index` `(B',)` (`_select_buffer_rows`)."""
         for name in self.BUFFERS:
-            tensor = getattr(self, name)
-            if tensor is None:
-                continue
-            setattr(self, name, _select_buffer_rows(tensor, index))
+            if getattr(self, name) is not None:
+                setattr(self, name, _select_buffer_rows(getattr(self, name), index))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.select_rows(beam_idx)
@@ -173,10 +150,8 @@ class JRTRNNConvState(JRTRNNLayerState):
 
 class JRTRNNSlidingWindowState(JRTRNNLayerState):
     """The last `sliding_window - 1` keys and values of a sliding-attention layer, as a ring `(B, H, W - 1, Dh)`: the
-    key at model position p sits in row `p mod (W - 1)`, so a decode step writes one row, in place. `key_mask`
-    `(B, W - 1)` bool marks the rows that hold a real key (False: padding, or no token yet). `written` `()` int64 counts
-    the positions written (the ring's own clock: a state that carries keys between the token chunks of one forward
-    has no cache around it). A window of 1 keeps nothing."""
+    key at model position p sits in row `p mod (W - 1)`. `key_mask` `(B, W - 1)` bool marks the rows that hold a real
+    key. `written` `()` int64 counts the positions written (the ring's own clock, also without a cache around it)."""
 
     BUFFERS = ("keys", "values", "key_mask")
     is_sliding = True
@@ -200,13 +175,9 @@ class JRTRNNSlidingWindowState(JRTRNNLayerState):
         self, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor | None, in_order: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """New keys/values `(B, H, T, Dh)` and their padding mask `(B, T)` bool (None: no padding) -> the keys a query
-        of them may see `(B, H, S, Dh)` with their mask `(B, S)` (None: a first forward without padding), and the new
-        keys written into the ring.
-
-        Before the first forward S = T (nothing kept). After it, the W - 1 ring rows come first, with their flags
-        (empty rows False): in token order for several queries (the blocked attention reads a band) or when
-        `in_order` (attention weights are returned), else in ring order (one query: softmax attention does not care
-        about key order, and RoPE is already in the keys)."""
+        of them may see `(B, H, S, Dh)` with their mask `(B, S)` (None: a first forward without padding); the new keys
+        are written into the ring. After the first forward the W - 1 ring rows come first: in token order for several
+        queries or when `in_order`, else in ring order (one query: key order does not matter, RoPE is in the keys)."""
         rows, seq_len = self.ring_rows, keys.shape[2]
         first = self.keys is None
         if first:
@@ -264,8 +235,7 @@ class JRTRNNLinearAttentionState(JRTRNNLayerState):
             self.state = _write(self.state, state)
 
 
-# The config fields that fix what a cache holds, its shapes and its contents: the RoPE base rotated the cached keys,
-# the decay and the pad masking made the recurrent state. A cache is continued only by a model that agrees on each.
+# The config fields that fix a cache's shapes and contents: only a model that agrees on each continues it.
 CACHE_LAYOUT_FIELDS = (
     "mixer_types", "hidden_size", "num_attention_heads", "sliding_window", "conv_kernel_size", "conv_expansion",
     "feature_dim", "linear_attention_type", "rope_theta", "linear_attention_decay", "decay_const",
@@ -289,12 +259,9 @@ LAYER_STATES = {
 
 
 class JRTRNNCache(Cache):
-    """The inference cache of `JRTRNNForCausalLM`: constant size, fixed shapes, one state per layer (see the module
-    docstring).
-
-    `model(..., use_cache=True)` and `generate()` create one; pass it back as `cache=` (or `past_key_values=`) to
-    continue the sequence. Build one yourself with `JRTRNNCache(model.config)`: passed to `generate()`, it (like
-    `cache_implementation="static"`) runs the decode step compiled.
+    """The inference cache of `JRTRNNForCausalLM` (module docstring). `model(..., use_cache=True)` and `generate()`
+    create one; pass it back as `cache=` (or `past_key_values=`) to continue. `JRTRNNCache(model.config)` passed to
+    `generate()` (like `cache_implementation="static"`) runs the decode step compiled.
 
     Example:
         >>> out = model(input_ids, use_cache=True)
@@ -310,10 +277,8 @@ class JRTRNNCache(Cache):
         self.format = CACHE_FORMAT
         self.mixer_types = list(config.mixer_types)
         self.layout = cache_layout(config)
-        # `()` int64 on the model's device once a forward ran: the model positions read (caller columns and fill).
-        self.positions: torch.Tensor | None = None
-        # `(B,)` int64: the caller's real (not padding) tokens read per row, against which a continuation's mask of
-        # the read tokens is checked.
+        self.positions: torch.Tensor | None = None  # `()` int64 once a forward ran (module docstring)
+        # `(B,)` int64: the caller's real tokens read per row (a continuation's mask is checked against them).
         self.real_tokens: torch.Tensor | None = None
         self.prefix: PrefixPlan | None = None  # the plan of the first forward (`plan_prefix`)
         self.num_rows: int | None = None
@@ -326,8 +291,7 @@ class JRTRNNCache(Cache):
     # ------------------------------------------------------------------------------------------------ reading
     @property
     def has_state(self) -> bool:
-        """Whether the cache holds a sequence (a forward has read tokens into it). No device synchronisation. (A cache
-        of an earlier release has no counter: the model's door refuses it, `check_format`.)"""
+        """Whether a forward has read tokens into the cache (no device synchronisation)."""
         return getattr(self, "positions", None) is not None
 
     @property
@@ -366,8 +330,7 @@ class JRTRNNCache(Cache):
         return -1
 
     def check_format(self) -> None:
-        """Refuse a cache of an earlier layout (unpickled from a jrt-rnn release before the fixed-shape buffers):
-        its states have other shapes and meanings."""
+        """Refuse a cache unpickled from a release of another layout (`CACHE_FORMAT`)."""
         if getattr(self, "format", None) != CACHE_FORMAT:
             raise ValueError(
                 "This cache was made by an earlier jrt-rnn release (another layout of its states): it cannot be "
@@ -375,9 +338,7 @@ class JRTRNNCache(Cache):
             )
 
     def check_layout(self, config: JRTRNNConfig) -> None:
-        """Refuse, naming the field, to be continued by a model whose config fixes other shapes or contents
-        (`CACHE_LAYOUT_FIELDS`): a cache built for another `sliding_window` would otherwise run with a window the model
-        was not trained for, one of another `rope_theta` would mix keys rotated two ways."""
+        """Refuse, naming the field, a model whose config disagrees on a `CACHE_LAYOUT_FIELDS` field."""
         self.check_format()
         for field, value in cache_layout(config).items():
             if self.layout.get(field) != value:
@@ -408,8 +369,7 @@ class JRTRNNCache(Cache):
         self, inputs: torch.Tensor, attention_mask: torch.Tensor | None, holds_every_prefix: bool
     ) -> None:
         """Keep the first chunk of a chunked prefill (`(B, T)` ids or `(B, T, hidden)` embeddings and its mask) unless
-        it holds every row's whole prefix (`generation.holds_every_prefix`): a row's prompt may go on in the next
-        chunk, and the JRT encoder must read the prompt in one forward."""
+        it holds every row's whole prefix: the JRT encoder must read a prompt in one forward."""
         self.pending_prefill = None if holds_every_prefix else (inputs, attention_mask)
 
     def take_pending_prefill(
@@ -426,8 +386,8 @@ class JRTRNNCache(Cache):
 
     # ------------------------------------------------------------------------------------------------ rows
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep (and reorder, or repeat) the rows `index` `(B',)` of every state (in place when B' = B). Rows outside
-        `[0, B)` are refused with a message (outside torch.compile tracing: the check reads the index)."""
+        """Keep (reorder, repeat) the rows `index` `(B',)` of every state (in place when B' = B); rows outside
+        `[0, B)` are refused (outside torch.compile tracing)."""
         index = torch.as_tensor(index)
         if index.ndim != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
             raise ValueError(f"The rows to keep must be a 1D tensor of integer row indices, got {index.dtype} "
@@ -476,10 +436,6 @@ class JRTRNNCache(Cache):
 
 
 __all__ = [
-    "CACHE_LAYOUT_FIELDS",
-    "JRTRNNCache",
-    "JRTRNNConvState",
-    "JRTRNNLayerState",
-    "JRTRNNLinearAttentionState",
+    "CACHE_LAYOUT_FIELDS", "JRTRNNCache", "JRTRNNConvState", "JRTRNNLayerState", "JRTRNNLinearAttentionState",
     "JRTRNNSlidingWindowState",
 ]

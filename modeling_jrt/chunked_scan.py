@@ -1,22 +1,17 @@
 """The chunked scan of prefix linear attention in PyTorch: O(T) time, O(block x state) working memory.
 
-What `prefix_linear_attention_chunked` (in `linear_attention.py`, with the validation and the dispatch around it)
-runs on inputs it has checked; the algorithm and its measurements are in docs/prefill.md §4.2.
+What `prefix_linear_attention_chunked` runs on validated inputs (docs/prefill.md §4.2):
 
     inter-chunk   o_c  = phi(Q_c) @ state                       everything before the chunk (and the encoder)
     intra-chunk   o_c += tril(1 + s + s**2 / 2) @ [V_c, 1]       s = Q_c K_c^T / sqrt(K): no (C, F) features
     update        state += phi(K_c)^T @ [V_c, 1]
     y_c = o_c[:, :V] / (o_c[:, V] + eps)
 
-The features are the compact Taylor features of `CompactTaylor` (153 instead of 273 rows for K = 16). The forward
-scan (`scan_in_place`) keeps the numerator columns `state[:, :V]` and the denominator column apart: the numerator
-products are then V = 64 wide instead of 65 (a 65th column costs a whole vector tail in every GEMM: without it the
-state products take about 25% less time at 8k), and the denominator column is carried as a quadratic form of [1, x']
-(`CompactTaylor.form`), read and updated with (K + 1)-sized products. The scan reads and returns the compact state,
-`full_state` maps it back to the cache layout of `linear_attention.py` `(B, H, F, V + 1)`. `scan_in_place` runs
-without autograd, in blocks of chunks in one reused workspace, the running state read and updated chunk by chunk:
-every CPU prefill, and the forward of the differentiable op of `chunked_scan_autograd.py`, whose backward uses the
-helpers here too (with the state's 65 columns together).
+The features are those of `CompactTaylor`. `scan_in_place` keeps the numerator columns `state[:, :V]` apart from
+the denominator column, so the numerator products are V wide, not V + 1 (an odd column costs a vector tail in every
+GEMM), and carries the denominator as a quadratic form of [1, x'] (`CompactTaylor.form`). It reads and returns the
+compact state (`full_state` maps it back to the cache layout); it is every CPU prefill and the forward of the op of
+`chunked_scan_autograd.py`, whose backward uses the helpers here too.
 """
 
 from __future__ import annotations
@@ -30,8 +25,7 @@ import torch
 from .compact_taylor import CompactTaylor
 from .huge_pages import advise_huge_pages
 
-# Token-heads per block of the scans (forward and backward): a block's features, weights and scratch stay within a few
-# MiB, whatever T is.
+# Token-heads per block of the scans: a block's scratch stays within a few MiB, whatever T is.
 BLOCK_TOKEN_HEADS = 8192
 ENCODER_BLOCK_TOKEN_HEADS = 8192
 
@@ -87,12 +81,8 @@ def copy_chunk_major(
 
 
 class Workspace:
-    """One allocation per call, handed out as views: the scratch tensors of `scan_in_place`.
-
-    A single block of memory instead of a dozen multi-MiB tensors: its pages are touched once per call, and the
-    allocator can hand the same block to the next call (a prefill calls the scan once per layer) instead of mapping
-    fresh pages for every tensor. `reset()` starts over at the beginning, for a phase whose tensors replace the last
-    phase's.
+    """One allocation per call, handed out as views: the scratch tensors of `scan_in_place` (one block the allocator
+    can hand to the next layer's call, not a dozen fresh multi-MiB mappings). `reset()` starts over at the beginning.
     """
 
     def __init__(self, numel: int, like: torch.Tensor, dtype: torch.dtype):
@@ -112,10 +102,8 @@ class Workspace:
 
 
 def without_autocast(function):
-    """Run `function` with autocast off on the device of its first tensor argument. The scans compute in the dtype
-    they are given (the fp32 state, `out=` products into their own buffers); a bf16 `torch.autocast` region around a
-    prefill (lm-eval's `mixed_precision_dtype`, an autocast training step) would otherwise run some of their
-    products in bf16 and mix dtypes."""
+    """Run `function` with autocast off on the device of its first tensor argument: the scans compute in the dtype
+    they are given, and an autocast region around a prefill would run some products in bf16 and mix dtypes."""
 
     @functools.wraps(function)
     def run(*args, **kwargs):
@@ -147,40 +135,29 @@ def scan_in_place(
     eps: float,
     denominators: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked scan without autograd: what every CPU prefill runs.
+    """The chunked scan without autograd (module docstring), organised for a CPU:
 
-    Per chunk: the inter-chunk read of the running state, the intra-chunk `(C, C)` weights, the state update
-    (module docstring), organised for a CPU:
-
-    - the scratch tensors are views of one `Workspace` allocated per call and reused by every block of chunks
-      (repeated multi-MiB allocations cost page faults);
     - per block of n chunks (about `BLOCK_TOKEN_HEADS` token-heads), the chunk-major copies of q', k', v, the
-      features and the intra-chunk products are batched over the block, every product writing into its buffer
-      (`out=`);
-    - the running numerator state is read and updated chunk by chunk, two `baddbmm_` over the B H heads per chunk:
-      the state `(B H, F', V)` stays in cache between the read and the update, and no per-chunk states are built
-      (at 8k, about 6% faster than the chunk sums as one product plus a cumulative sum over the block);
+      features and the intra-chunk products are batched, each written `out=` its view of one `Workspace`;
+    - the running numerator state `(B H, F', V)` is read and updated chunk by chunk (two `baddbmm_` per chunk), so
+      it stays in cache and no per-chunk states are built;
     - the denominators, per block: the intra-chunk weights' sums over the keys that count, plus [1, q'] F [1, q']
-      with F the denominator's form before the query's chunk (the running form plus `key_form` of the block's
-      earlier chunks, one small product with a lower-triangular matrix); eps is added through the form's constant
-      entry, which every query reads with weight 1;
-    - the normalised rows go straight into the `(B, T, H, V)` output.
+      with F the form before the query's chunk (`CompactTaylor.add_chunk_forms`); eps enters through the form's
+      constant entry, which every query reads with weight 1.
 
-    With the Based decay (`decay`, log gamma per head) the numerator columns decay by gamma per token, chunk by
-    chunk: the intra-chunk numerator weights get gamma**(i - j) (the denominators are taken before), the read of the
-    state gamma**(i + 1), and the update is `S[:, :V] = gamma**L S[:, :V] + sum_j gamma**(L - 1 - j) phi(k_j) v_j`
-    for a chunk of L tokens (the last one may be shorter); the denominator never decays.
-
-    Memory: the inputs, the output and O(block) scratch, whatever T is.
+    With the Based decay (`decay`, log gamma per head) the numerator columns decay by gamma per token: the intra-chunk
+    numerator weights get gamma**(i - j), the read of the state gamma**(i + 1), and the update is
+    `S[:, :V] = gamma**L S[:, :V] + sum_j gamma**(L - 1 - j) phi(k_j) v_j` for a chunk of L tokens; the denominator
+    never decays. Memory: the inputs, the output and O(block) scratch.
 
     Args:
         state: `(B, H, F', V + 1)` compact state before the encoder and the first token.
         q, k, v: `(B, T, H, K / V)`; k_enc, v_enc: `(B, M, H, K / V)` or None.
-        raw, decoder_keys, encoder_keys: the masks of `_key_masks` (None: every key counts).
+        raw, decoder_keys, encoder_keys: the masks of `LinearAttentionInputs.key_masks` (None: every key counts).
         gate: `(B, T, H)` numerator gate, or None.
         decay: `(H,)` log gamma in the compute dtype, or None.
-        denominators: a chunk-major `(N, B, H, C, 1)` tensor (N = ceil(T / C)) that receives each query's
-            `denominator + eps` (what the explicit backward of `chunked_scan_autograd.py` needs), or None.
+        denominators: a chunk-major `(N, B, H, C, 1)` tensor (N = ceil(T / C)) for each query's `denominator + eps`
+            (for the backward of `chunked_scan_autograd.py`), or None.
 
     Returns:
         `(output (B, T, H, V) in the compute dtype, compact state after the last token (B, H, F', V + 1))`.
@@ -190,17 +167,15 @@ def scan_in_place(
     num_features, token_heads, form_dim = taylor.num_features, batch_size * num_heads, feature_dim + 1
     num_chunks = -(-seq_len // chunk_size)
     block, encoder_block = block_sizes(num_chunks, chunk_size, 0 if k_enc is None else k_enc.shape[1], token_heads)
-    # Per token-head of a block: v and the numerator (V each), the features of q and k (F' each, position last; q' and
-    # k' are copied into their rows 1 .. K), a row of (C, C) weights, the denominator and its
-    # inter-chunk part, the gate, raw-key and counted-key weights, the counted [1, k'] rows and the read of the
-    # denominator's form (K + 1 each); per chunk-head the chunk's form and the form before the chunk.
+    # Per token-head of a block: v and the numerator (V each), the features of q and k (F' each), a row of (C, C)
+    # weights, five single columns (denominator, its inter-chunk part, gate, raw and counted weights), the counted
+    # [1, k'] rows and the form's read (K + 1 each); per chunk-head the chunk's form and the form before it.
     per_token_head = 2 * value_dim + 2 * num_features + chunk_size + 5 + 2 * form_dim
     decoder_numel = block * chunk_size * token_heads * per_token_head
     decoder_numel += block * token_heads * 2 * form_dim**2 + chunk_size * token_heads * value_dim
     encoder_numel = encoder_scratch_numel(encoder_block, token_heads, taylor)
     workspace = Workspace(max(decoder_numel, encoder_numel), q, dtype)
-    # The running state: the numerator columns `(B H, F', V)`, updated in place by the 64-wide products, and the
-    # denominator column as the quadratic form of `CompactTaylor.form` `(B H, K + 1, K + 1)`.
+    # The running state: the numerator columns `(B H, F', V)` and the denominator's form `(B H, K + 1, K + 1)`.
     running = state[..., :value_dim].reshape(token_heads, num_features, value_dim).clone()
     form = taylor.form(state[..., value_dim].reshape(token_heads, num_features))
     raw, decoder_keys, encoder_keys = (_as_weights(mask, dtype) for mask in (raw, decoder_keys, encoder_keys))
@@ -211,8 +186,7 @@ def scan_in_place(
                              form.view(batch_size, num_heads, form_dim, form_dim), k_enc, v_enc, raw, encoder_keys,
                              taylor, workspace, encoder_block)
 
-    # 2. Causal scan, in blocks of n chunks (the encoder's buffers are free again). The form's constant entry is
-    # every query's weight-1 read, so eps there adds eps to every denominator (taken off the returned state).
+    # 2. Causal scan, in blocks of n chunks (the encoder's buffers are free again); eps is taken off at the end.
     form[:, 0, 0] += eps
     workspace.reset()
     shape = (block, batch_size, num_heads)
@@ -236,8 +210,7 @@ def scan_in_place(
         log_gamma, position, intra_decay, read_decay = decay_factors(decay, chunk_size)
         whole_chunk_decays = chunk_decays(log_gamma, position, chunk_size)  # recomputed only for a shorter last one
         read = workspace.take(token_heads, chunk_size, value_dim)
-    # The per-chunk operands of the state's read and update, as (B H)-batched matrices: the same views of the
-    # buffers for every block (a block of n < `block` chunks uses the first n).
+    # The per-chunk operands of the state's read and update, (B H)-batched views, the same for every block.
     reads = [(numerators[c].flatten(0, 1), phi_q[c].flatten(0, 1).transpose(1, 2)) for c in range(block)]
     updates = [(phi_k[c].flatten(0, 1), values[c].flatten(0, 1)) for c in range(block)]
     output = q.new_empty(batch_size, seq_len, num_heads, value_dim, dtype=dtype)
@@ -269,8 +242,7 @@ def scan_in_place(
         query_rows, key_rows = phi_q_n[..., :form_dim, :], phi_k_n[..., :form_dim, :]  # [1, x'] (n, B, H, K + 1, C)
         torch.bmm(query_rows.flatten(0, 2).transpose(1, 2), key_rows.flatten(0, 2), out=w_n)
         torch.addcmul(w_n.new_full((), 0.5), w_n, w_n, value=0.5, out=w_n).tril_()
-        # Denominators: the intra-chunk weights' sums over the keys that count, plus [1, q'] F [1, q'] with F the
-        # form of every key before the chunk: the running form plus the forms of the block's earlier chunks.
+        # Denominators: the intra-chunk weights' sums over the keys that count, plus [1, q'] F [1, q'].
         if counted is None:
             torch.sum(w_n, dim=-1, keepdim=True, out=den_n.flatten(0, 2))
             keys_counted = key_rows
@@ -318,8 +290,8 @@ def scan_in_place(
 
 
 def _as_weights(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A bool key mask as 0 / 1 weights in the compute dtype, or None when every key counts (no mask, or one that
-    is all True, as a whole encoder range or an unpadded batch gives): then the scans skip the products by it."""
+    """A bool key mask as 0 / 1 weights in the compute dtype, or None when every key counts (the scans then skip
+    the products by it)."""
     return None if mask is None or bool(mask.all()) else mask.to(dtype)
 
 
@@ -339,10 +311,8 @@ def encoder_blocks(
     block: int,
 ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """The encoder keys' operands, `block` tokens at a time: `(start, end, k' (B, H, K, m), phi(keys) (B, H, F', m))`
-    for positions [start, end), k' = k / K**(1/4) (a view of the features' linear rows). A masked raw key is 0
-    ("reference"; `raw` `(B, >= M)` a 0 / 1 mask in the compute dtype, or None). Which keys count (the rows' encoder
-    ranges) is the caller's: the features are not masked. The tensors are views of a buffer taken from `workspace`
-    (`encoder_scratch_numel` elements), rewritten for the next block."""
+    for positions [start, end), k' = k / K**(1/4). A masked raw key is 0 ("reference"; `raw` `(B, >= M)` 0 / 1 or
+    None); the features are not masked by range. Views of one `workspace` buffer, rewritten for the next block."""
     batch_size, encoder_length, num_heads, feature_dim = k_enc.shape
     phi = workspace.take(batch_size, num_heads, taylor.num_features, block)
     for start in range(0, encoder_length, block):
@@ -367,11 +337,9 @@ def add_encoder_in_place(
     workspace: Workspace,
     block: int,
 ) -> None:
-    """Add the encoder keys over each row's range (`encoder_keys` `(B, >= M)`, 0 / 1 in the compute dtype, or None:
-    every key) to a state: `numerator` `(B, H, F', V)` += phi(K_enc)^T V_enc, and the denominator's `form`
-    `(B, H, K + 1, K + 1)` (`CompactTaylor.form`) += the keys' `key_form`; a block of `encoder_blocks` at a time (the
-    encoder has no causal structure). The numerator reads v_enc where it is (one product per batch row, its rows
-    strided, no copy); a key outside its row's range has its features zeroed."""
+    """Add the encoder keys over each row's range (`encoder_keys` `(B, >= M)` 0 / 1, or None: every key) to a state:
+    `numerator` `(B, H, F', V)` += phi(K_enc)^T V_enc (v_enc read in place, one product per row), and the
+    denominator's `form` `(B, H, K + 1, K + 1)` += the keys' `key_form`, a block of `encoder_blocks` at a time."""
     form_dim = taylor.feature_dim + 1
     v_enc = v_enc.to(numerator.dtype)  # no copy in the compute dtype
     for start, end, _, phi in encoder_blocks(k_enc, raw, taylor, workspace, block):

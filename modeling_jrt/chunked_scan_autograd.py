@@ -1,10 +1,9 @@
 """The chunked scan as one differentiable custom op: `scan`, with an explicit backward in O(block x state) memory.
 
-This is what runs when the chunked path must be differentiated (training on a CPU, or wherever the fused kernel
-does not run) and what torch.compile sees of it. Forward: the inference scan (`scan_in_place`), which also keeps
-each query's denominator; the op saves its inputs, its output and those denominators (O(T (K + V))) instead of
-every block's features, `(C, C)` weights and chunk states (about 100 KB per token at H = 16 under autograd, twelve
-times the inputs). Backward: two sweeps over the chunks, the features rebuilt block by block (docs/prefill.md §4.4):
+The chunked path wherever it is differentiated or traced by torch.compile. Forward: `scan_in_place`, which also
+keeps each query's denominator; the op saves its inputs, output and denominators (O(T (K + V))) instead of every
+block's features, weights and chunk states. Backward: two sweeps over the chunks, the features rebuilt block by
+block (docs/prefill.md §4.4):
 
     G_i = [dy_i, -(dy_i . y_i)] / (den_i + eps)          the gradient of query i's (numerator, denominator) row
 
@@ -16,11 +15,9 @@ times the inputs). Backward: two sweeps over the chunks, the features rebuilt bl
         d phi(K_c) = R [V_c, 1]^T,  d[V_c, 1] = phi(K_c)^T R,  then  R <- gamma^L R + phi(Q_c) G_c
     encoder keys: the same with R after the whole sweep, which is also the initial state's gradient.
 
-The features' own gradient (`d phi -> d x`) is `CompactTaylor.features_backward`'s. The gate stays outside (the op
-returns the ungated output), as do the compact/full state maps and the key masks: autograd and torch.compile trace
-those. Both the forward and the gradients are custom ops (`torch.ops.jrt.<module>_scan`, `..._scan_gradients`,
-named after this module so that a checkpoint's copy of the code and the installed package do not collide), so a
-compiled graph holds two opaque nodes whatever T is: compile time and memory do not depend on T.
+`d phi -> d x` is `CompactTaylor.features_backward`. The gate, the compact/full state maps and the key masks stay
+outside the op (autograd traces them). Forward and gradients are custom ops (`_OP_PREFIX`), so a compiled graph
+holds two opaque nodes whatever T is.
 """
 
 from __future__ import annotations
@@ -30,16 +27,8 @@ import re
 import torch
 
 from .chunked_scan import (
-    Workspace,
-    add_encoder_in_place,
-    block_sizes,
-    chunk_decays,
-    copy_chunk_major,
-    decay_factors,
-    encoder_blocks,
-    encoder_scratch_numel,
-    scan_in_place,
-    without_autocast,
+    Workspace, add_encoder_in_place, block_sizes, chunk_decays, copy_chunk_major, decay_factors, encoder_blocks,
+    encoder_scratch_numel, scan_in_place, without_autocast,
 )
 from .compact_taylor import CompactTaylor
 
@@ -86,8 +75,7 @@ def scan_gradients(
     as_dtype = (lambda mask: None if mask is None else mask.to(dtype))
     raw, decoder_keys, encoder_keys = as_dtype(raw), as_dtype(decoder_keys), as_dtype(encoder_keys)
 
-    # Chunk-major operands of the whole sequence, O(T (K + V)) as the inputs: raw queries and keys (masked raw keys
-    # are 0), [v, 1] times the keys that count, and G = d(numerator, denominator) of every query.
+    # Chunk-major operands, O(T (K + V)): raw q and k (masked raw keys 0), [v, 1] of the keys that count, and G.
     shape = (num_chunks, batch_size, num_heads)
     queries = q.new_empty(*shape, feature_dim, chunk_size, dtype=dtype)  # (N, B, H, K, C), zeros past T
     copy_chunk_major(queries, q, position_last=True)
@@ -138,9 +126,7 @@ def scan_gradients(
 
     # Forward sweep: the state before each chunk, d phi(Q), and the intra-chunk block.
     if k_enc is not None:
-        encoder_workspace = Workspace(
-            encoder_scratch_numel(encoder_block, token_heads, taylor), q, dtype
-        )
+        encoder_workspace = Workspace(encoder_scratch_numel(encoder_block, token_heads, taylor), q, dtype)
         encoder_form = running.new_zeros(batch_size, num_heads, feature_dim + 1, feature_dim + 1)
         add_encoder_in_place(running.view(state.shape)[..., :value_dim], encoder_form, k_enc, v_enc, raw,
                              encoder_keys, taylor, encoder_workspace, encoder_block)
@@ -237,10 +223,9 @@ def _encoder_gradients(
     workspace: Workspace,
     block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(dk_enc, dv_enc)` in the inputs' dtypes: the encoder keys add phi(K_enc)^T [V_enc, 1] to the state that every
-    query reads, so their gradients come from `reverse` `(B, H, F', V + 1)`, the gradient of the state after the
-    encoder: d phi(K_enc) = [V_enc, 1] R^T and d[V_enc, 1] = phi(K_enc) R for the keys that count, over the blocks
-    of `encoder_blocks` (the same operands and masks as the forward's)."""
+    """`(dk_enc, dv_enc)` in the inputs' dtypes from `reverse` `(B, H, F', V + 1)`, the gradient R of the state after
+    the encoder: d phi(K_enc) = [V_enc, 1] R^T and d[V_enc, 1] = phi(K_enc) R for the keys that count, over the
+    blocks of `encoder_blocks`."""
     value_dim = v_enc.shape[-1]
     d_k_enc, d_v_enc = torch.empty_like(k_enc), torch.empty_like(v_enc)
     for start, end, scaled, phi in encoder_blocks(k_enc, raw, taylor, workspace, block):
@@ -259,8 +244,8 @@ def _encoder_gradients(
     return d_k_enc, d_v_enc
 
 
-# The ops' names carry this module's name: a converted checkpoint's copy of this file (imported by transformers as
-# `transformers_modules.<folder>.chunked_scan_autograd`) registers its own ops next to the installed package's.
+# The ops' names carry this module's name: a converted checkpoint's copy of this file (remote code) registers its
+# own ops next to the installed package's.
 _OP_PREFIX = "jrt::" + re.sub(r"\W", "_", __name__)
 _SCAN_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? k_enc, Tensor? v_enc, Tensor state, Tensor? raw, Tensor? decoder_keys, "

@@ -1,9 +1,4 @@
-"""The 2nd-order Taylor feature map without duplicate products, and the state layouts it implies.
-
-The chunked scan (`chunked_scan.py`) and its explicit backward (`chunked_scan_autograd.py`) work in the compact layout
-of `CompactTaylor` (153 feature rows instead of 273 for K = 16); `linear_attention.py` maps its states back to the
-full cache layout. The derivations are in docs/prefill.md §4.2.
-"""
+"""The 2nd-order Taylor feature map without duplicate products (`CompactTaylor`), the layout of the chunked scans."""
 
 from __future__ import annotations
 
@@ -14,25 +9,22 @@ import torch
 
 
 class CompactTaylor:
-    """The 2nd-order Taylor features without duplicates, for the chunked scan (docs/prefill.md §4.2, "Symmetric
-    second order").
+    """The 2nd-order Taylor features without duplicates (docs/prefill.md §4.2, "Symmetric second order").
 
     x_i x_j = x_j x_i, so the K**2 ordered pairs hold only K (K + 1) / 2 distinct products. With x' = x / K**(1/4),
-    the chunked scan's features have F' = 1 + 2 K + K (K - 1) / 2 rows (153 instead of 273 for K = 16):
+    the features have F' = 1 + 2 K + K (K - 1) / 2 rows (153 instead of 273 for K = 16):
 
         [1, x'_1 .. x'_K, x'_1**2 .. x'_K**2, the pairs x'_i x'_j (i != j) by cyclic distance]
 
     The pairs go by distance d = 1, 2, ..: all K pairs (i, (i + d) mod K) for d < K / 2, then, for an even K, the
-    K / 2 pairs (i, i + K / 2), i < K / 2. Each distance is one product of x' with x' shifted by d, so the features
-    take a handful of ops whatever K is (a row-major triangle takes one op per row); the shifted rows are windows of
-    x' followed by its first rows again (`features_in_place`).
+    K / 2 pairs (i, i + K / 2), i < K / 2. Each distance is one product of x' with x' shifted by d: a handful of ops
+    whatever K is.
 
     The features are unweighted for queries; for keys the squares carry a weight 1/2, so that phi(q).phi(k) =
     1 + s + s**2 / 2 exactly (sum_i 1/2 q'_i**2 k'_i**2 + sum_{i<j} q'_i q'_j k'_i k'_j = (q'.k')**2 / 2). The
-    compact state sums the key features times [v, 1]. In the full layout (module docstring) the quadratic row
-    (i, j) is x'_i x'_j / sqrt(2), so the full state is S_ii = sqrt(2) compact_ii and S_ij = S_ji = compact_ij /
-    sqrt(2); `compress` maps a full state back ((S_ij + S_ji) / sqrt(2)): exact for the symmetric sums the scan adds.
-    The antisymmetric part of an arbitrary initial state, which no query reads, is carried aside by the caller.
+    compact state sums the key features times [v, 1]. In the full layout the quadratic row (i, j) is
+    x'_i x'_j / sqrt(2), so S_ii = sqrt(2) compact_ii and S_ij = S_ji = compact_ij / sqrt(2); `compress` maps back
+    ((S_ij + S_ji) / sqrt(2)), exact for symmetric states (the caller carries an antisymmetric part aside).
     """
 
     def __init__(self, feature_dim: int, device: torch.device):
@@ -71,13 +63,9 @@ class CompactTaylor:
         return self.features_in_place(out, key=key)
 
     def features_in_place(self, out: torch.Tensor, *, key: bool, constant: bool = True) -> torch.Tensor:
-        """Complete the features in `out` `(..., F', n)`, whose rows 1 .. K hold x' (the caller writes them, e.g.
-        scaled in its layout copy): the pairs, the squares, and the constant row unless `constant=False` (a buffer
-        whose row 0 is already 1). Every row block is one `out=` product; no other memory.
-
-        The shifted x' of the pairs are windows of rows 2 .., whose rows past K repeat x' from its start: they are
-        written first into the squares' rows, which the squares then overwrite.
-        """
+        """Complete the features in `out` `(..., F', n)`, whose rows 1 .. K hold x': the pairs, the squares, and the
+        constant row unless `constant=False` (row 0 already 1), each row block one `out=` product. The shifted x' of
+        the pairs are windows of rows 2 .., x' repeated first into the squares' rows (overwritten last)."""
         K, distances, half = self.feature_dim, self.full_distances, self.half_distance
         x_scaled = out[..., 1 : 1 + K, :]
         row = 1 + 2 * K

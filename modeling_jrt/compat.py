@@ -1,9 +1,7 @@
 """What differs between the transformers releases this package supports (see pyproject's `transformers` range).
 
-transformers 5.24 renamed the cache of model inputs and outputs from `past_key_values` to `cache`. The model accepts
-both names as forward arguments and returns its cache under the name the installed release reads
-(`CausalLMOutputWithPast`'s own field), so `GenerationMixin.generate` finds it on every release. Nothing here touches
-a private name: the field is read from the public output dataclass.
+transformers 5.24 renamed the cache of model inputs and outputs from `past_key_values` to `cache`: the model accepts
+both names and returns its cache under the installed release's name (read from the public output dataclass).
 """
 
 from __future__ import annotations
@@ -37,13 +35,9 @@ def add_cache_alias(output_class: type) -> type:
 
 
 def leave_static_cache_unused(cache: object) -> None:
-    """Mark the layers of a transformers `StaticCache` that `generate(cache_implementation="static")` built, and that
-    the model replaced with its own cache before using it, as holding no batch (`max_batch_size = 0`).
-
-    transformers 5.5 - 5.14 keep that cache on the model for the next call and read its `max_batch_size` there, which a
-    layer only gets when it stores keys: without the mark a second static call failed with an `AttributeError` inside
-    transformers. With it the next call builds a new (still empty) static cache. Layers that hold keys are left alone.
-    """
+    """Mark the unused layers of a `StaticCache` that `generate(cache_implementation="static")` built, and the model
+    replaced, as holding no batch (`max_batch_size = 0`): transformers 5.5 - 5.14 read it at the next call, where an
+    unused layer raised `AttributeError`."""
     for layer in getattr(cache, "layers", ()):
         if not getattr(layer, "is_initialized", True) and not hasattr(layer, "max_batch_size"):
             layer.max_batch_size = 0

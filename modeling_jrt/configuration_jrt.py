@@ -1,11 +1,9 @@
 """Configuration of JRT-RNN and Based models (`model_type = "jrt_rnn"`).
 
-The mixer of each layer is `mixer_types`, a field transformers does not know. transformers reads a config's
-`layer_types` as its own vocabulary, and what it does with it changes from release to release (5.5 - 5.23 build
-their default generation cache from it, 5.17 rewrites `"conv"` to `"linear_attention"` in custom-code configs, other
-releases check it against a list of allowed names). So this config has no `layer_types`: whatever a release does with
-that name, it cannot change this model. Folders saved before the rename (`"layer_types"` in config.json) load as the
-same model: the value moves to `mixer_types` before transformers' own config code runs.
+The mixer of each layer is `mixer_types`, a field transformers does not know: transformers reads a config's
+`layer_types` as its own vocabulary, differently from release to release (default caches, rewritten names, checks),
+so this config has none. A `"layer_types"` of an older config.json moves to `mixer_types` before transformers' own
+config code runs.
 """
 
 from __future__ import annotations
@@ -33,10 +31,8 @@ POSITIVE_INT_FIELDS = (
     "conv_expansion", "feature_dim", "linear_attention_chunk_size",
 )
 NON_NEGATIVE_INT_FIELDS = ("intermediate_size", "prefix_length")
-# Upper bound of every size field, checked with the field's other checks, before anything is allocated: a typo in a
-# config.json (`prefix_length: 100000000` fills every short prompt to 10^8 tokens in `generate()`) gets a one-line
-# error naming the field instead of an allocator failure minutes later. Each bound is far above any released or
-# published model of this family (vocabularies of 50k-260k ids, widths of 1-8k, prefixes of 1-8k tokens).
+# Upper bound of every size field: a typo in a config.json gets a one-line error, not an allocator failure later.
+# Each bound is far above any published model of this family.
 MAX_SIZES = {
     "vocab_size": 2**22,  # 4,194,304 ids
     "hidden_size": 2**16,
@@ -50,8 +46,7 @@ MAX_SIZES = {
     "linear_attention_chunk_size": 2**12,
     "prefix_length": 2**20,  # generate() fills a shorter prompt up to it
 }
-# The embedding's parameters (`vocab_size * hidden_size`), bounded as well: each factor within its bound can still ask
-# for terabytes (2**22 x 2**16 is 1 TB in fp32). 2**33 is 32 GB in fp32, above a 262k vocabulary at width 16k.
+# The embedding's parameters, bounded as well (factors within their bounds can still ask for 1 TB): 32 GB in fp32.
 MAX_EMBEDDING_ELEMENTS = 2**33
 POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "linear_attention_eps")
 NON_NEGATIVE_FLOAT_FIELDS = ("mlm_weight", "initializer_range")
@@ -60,8 +55,7 @@ TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "prefix_pad_t
 
 
 def check_choice(field: str, value: object, allowed: tuple[str, ...]) -> str:
-    """`value` if it is one of `allowed`, else a `ValueError` naming `field` and the choices: the one check of every
-    named choice (config fields, an op's `implementation` and `pad_masking`, a forward's `prefix_strategy`)."""
+    """`value` if it is one of `allowed`, else a `ValueError` naming `field` and the choices (every named choice)."""
     if value not in allowed:
         raise ValueError(f"`{field}` must be one of {list(allowed)}, got {value!r}.")
     return value
@@ -124,12 +118,8 @@ LAYER_TYPES_RENAMED = (
 @strict
 class JRTRNNConfig(PreTrainedConfig):
     r"""
-    Configuration of a JRT-RNN (prefix linear attention) or Based (causal linear attention) model.
-
-    The stack is the Based hybrid: every layer is an RMSNorm pre-norm block whose mixer is one of
-    `"conv"` (gated short convolution), `"sliding_attention"` (windowed softmax attention with RoPE)
-    or `"linear_attention"` (2nd-order Taylor linear attention), followed by a SwiGLU MLP.
-    The residual stream is kept in fp32.
+    Configuration of a JRT-RNN (prefix linear attention) or Based (causal linear attention) model: pre-norm blocks
+    whose mixer is `"conv"`, `"sliding_attention"` or `"linear_attention"`, each followed by a SwiGLU MLP.
 
     Args:
         vocab_size: Rows of the embedding and the LM head (the released models pad GPT-2's 50257 to 50264).
@@ -139,10 +129,8 @@ class JRTRNNConfig(PreTrainedConfig):
         num_hidden_layers: Number of blocks.
         num_attention_heads: Heads of both the sliding-window and the linear attention (head dim = d / heads).
         mixer_types: Mixer of each layer, one of `"conv"`, `"sliding_attention"`, `"linear_attention"`.
-            Defaults to the released pattern (linear attention at layers 1, 6, 11, ..., sliding attention right
-            after each of them, convolutions elsewhere). `layer_types=` is accepted as its former name (and
-            `"layer_types"` in a config.json saved before 0.4); the config has no `layer_types` attribute, so no
-            transformers release can read this model's mixers as its own layer vocabulary.
+            Defaults to the released pattern (`default_mixer_types`). `layer_types=` is accepted as its former name
+            (module docstring).
         rms_norm_eps: Epsilon of every RMSNorm.
         tie_word_embeddings: Share the LM head with the input embedding (True in every released model).
         sliding_window: Keys a sliding-attention query sees, itself included (HF semantics). The reference
@@ -156,47 +144,35 @@ class JRTRNNConfig(PreTrainedConfig):
             `1 + f + f**2` features.
         linear_attention_type: `"prefix"` (JRT-RNN: the first `prefix_length` tokens are also read non-causally
             through encoder projections) or `"causal"` (Based).
-        prefix_length: Length `M` of the non-causal prefix (1024 in the released JRT models). By default
-            `forward()` reads each row's first `min(prefix_length, tokens)` tokens (counted from its first real
-            token); `forward(prefix_length=...)` sets it per call and per row.
-        prefix_pad_masking: How the JRT prefix pads (`linear_attention_mask = 0`) are removed from the linear
-            attention: `"strict"` (pads contribute nothing) or `"reference"` (raw keys are zeroed before the feature
-            map, so each pad still adds its value with weight 1, as the original code does). Batch padding
-            (`attention_mask = 0`) is always removed entirely, so a left-padded row equals the row alone.
-        prefix_pad_token_id: The token of the `"pad"` fill of a JRT prefix (`prefix_strategy`), also the fill of the
-            reference's loglikelihood scoring (`jrt_eval`). The default, 0, is a token of every vocabulary: the linear
-            attention masks the pads anyway (`prefix_pad_masking`), only the convolutions and the sliding attention
-            read their embedding. The released models use GPT-2's " " = 220, which the converter writes explicitly.
-        prefix_strategy: How the first forward of a sequence fills a prompt shorter than `prefix_length`
-            (`modeling_jrt.prefix_fill`): `"pad"` (the reference protocol: `prefix_pad_token_id` before the prompt,
-            ignored by the linear attention), `"repeat"` (the prompt repeated before itself) or `"none"`. Per call:
-            `forward(prefix_strategy=...)` / `generate(prefix_strategy=...)`.
+        prefix_length: Length `M` of the non-causal prefix (1024 in the released JRT models), counted from each row's
+            first real token; `forward(prefix_length=...)` sets it per call and per row.
+        prefix_pad_masking: How the JRT prefix fill is removed from the linear attention: `"strict"` (it contributes
+            nothing) or `"reference"` (each pad still adds its value with weight 1, as the original code does;
+            `linear_attention.py`). Batch padding is always removed entirely.
+        prefix_pad_token_id: The token of the `"pad"` fill of a JRT prefix (`prefix_strategy`) and of `jrt_eval`'s
+            scoring. The default, 0, is a token of every vocabulary; the released models use GPT-2's " " = 220.
+        prefix_strategy: How the first forward fills a prompt shorter than `prefix_length` (`prefix_fill.py`):
+            `"pad"` (the reference protocol), `"repeat"` or `"none"`; per call `forward` / `generate(prefix_strategy=)`.
         linear_attention_decay: Fixed per-head decay `gamma_h = 1 - 2**(decay_const - h)` of the numerator state
             (based-360M-30B). Only with `linear_attention_type="causal"`.
         decay_const: Exponent offset of the fixed decay (-3 in the released model).
         use_decay_proj: Input-dependent gate `g = x W` (one value per head, unbounded) on the numerator
             (based-360M-30B). Only with `linear_attention_type="causal"`.
         linear_attention_eps: Added to the linear-attention denominator (1e-12 as in the reference).
-        linear_attention_implementation: `"auto"` (the Triton kernels of `jrt_kernels` on CUDA: prefill forward
-            and backward, decode step, RMSNorm, each with a one-time warning and PyTorch if it fails to compile or
-            launch there; PyTorch on CPU), `"chunked"` (PyTorch everywhere), `"triton"` (the kernels; a failure
-            raises) or `"quadratic"` (the O(N^2) oracle prefill; tests only). The model's `KernelChoice`
-            (`kernel_choice.py`) applies it.
+        linear_attention_implementation: `"auto"`, `"chunked"` (PyTorch), `"triton"` (the kernels of `jrt_kernels`)
+            or `"quadratic"` (the oracle prefill; tests only), as `kernel_choice.py` describes.
         linear_attention_chunk_size: Chunk length of the chunked PyTorch prefill.
         mask_token_id: The [MASK] id of the JRT masked-LM objective (50263 in the released models), or None.
             `generate()` never samples it.
-        generation_vocab_size: Number of leading vocabulary rows `generate()` may sample (the tokenizer's vocabulary,
-            50257 for the released GPT-2-tokenized models); the LM-head rows from this index on only pad the
-            embedding and are never generated. None: every row may be generated.
+        generation_vocab_size: Number of leading vocabulary rows `generate()` may sample (the tokenizer's, 50257 for
+            the released models); the rows after only pad the embedding. None: every row may be generated.
         mlm_weight: Weight of the masked-LM term of the JRT objective, `loss = NTP + mlm_weight * MLM` (0.25 in the
             reference); used when `forward()` gets `mlm_labels` (see `modeling_jrt.loss`).
         initializer_range: Standard deviation of the normal initialisation.
-        pad_token_id, bos_token_id, eos_token_id: Special token ids, None by default so that the defaults fit any
-            vocabulary (the released models' 50256 is written by the converter); a value that is set must be a token
-            of the vocabulary. `generate()` without a prompt needs `bos_token_id`, and stops early only at
-            `eos_token_id`.
+        pad_token_id, bos_token_id, eos_token_id: Special token ids of the vocabulary, or None (the default).
+            `generate()` without a prompt needs `bos_token_id`, and stops early only at `eos_token_id`.
 
-    Every size field has an upper bound (`MAX_SIZES`), checked with its type before anything is allocated.
+    Every size field has an upper bound (`MAX_SIZES`).
     """
 
     model_type = "jrt_rnn"
@@ -238,8 +214,7 @@ class JRTRNNConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         self.validate_fields()
-        # The former name (`JRTRNNConfig(layer_types=...)`, config.json of jrt-rnn < 0.4) leaves `kwargs` here, before
-        # transformers' `__post_init__` sees it: it never becomes an attribute transformers would read or rewrite.
+        # The former name leaves `kwargs` before transformers' `__post_init__` sees it (module docstring).
         legacy = kwargs.pop("layer_types", None)
         if legacy is not None:
             legacy = _check_mixer_types(legacy, "layer_types")
@@ -330,8 +305,7 @@ class JRTRNNConfig(PreTrainedConfig):
 
     @property
     def layer_types(self) -> list[str]:
-        """Not an attribute of this config (see the module docstring): `getattr(config, "layer_types", None)` is None
-        for transformers, and a user who reads it is told the new name."""
+        """Not an attribute (module docstring): None for transformers' `getattr`, the new name for users."""
         raise AttributeError(LAYER_TYPES_RENAMED)
 
     @property
@@ -365,8 +339,7 @@ def default_mixer_types(num_hidden_layers: int) -> list[str]:
 default_layer_types = default_mixer_types  # the former name
 
 
-# `save_pretrained` copies this file into the saved folder and names it in `auto_map` (remote code), however the config
-# was loaded: see `JRTRNNPreTrainedModel.save_pretrained`.
+# `save_pretrained` ships this file as remote code (`JRTRNNPreTrainedModel.save_pretrained`).
 JRTRNNConfig.register_for_auto_class()
 
 __all__ = ["MAX_SIZES", "MIXER_TYPES", "JRTRNNConfig", "default_layer_types", "default_mixer_types"]

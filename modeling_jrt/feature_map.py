@@ -8,14 +8,8 @@ import torch
 
 
 def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
-    """2nd-order Taylor feature map (docs/reference_architecture.md §1.3).
-
-    Args:
-        x: `(..., K)` queries or keys of one head.
-
-    Returns:
-        `(..., 1 + K + K**2)`: `[1, x / K**0.25, vec(x x^T) / (sqrt(2) sqrt(K))]`, all ordered pairs, row-major.
-    """
+    """2nd-order Taylor feature map (docs/reference_architecture.md §1.3): queries or keys of one head `(..., K)` ->
+    `(..., 1 + K + K**2)` = `[1, x / K**0.25, vec(x x^T) / (sqrt(2) sqrt(K))]`, all ordered pairs, row-major."""
     feature_dim = x.shape[-1]
     ones = torch.ones_like(x[..., :1])
     linear = x / feature_dim**0.25

@@ -1,10 +1,7 @@
 """`JRTRNNRMSNorm` as one launch on a GPU: the fused kernel of `jrt_kernels` (`rms_norm_triton`) where it applies.
 
-Without autograd the PyTorch norm is five to seven ops, and a decode step runs two norms per layer: on a GPU, whose
-eager decode is bound by kernel launches, that is the largest share of a step's launches. Where the kernel applies
-(no autograd, not traced by torch.compile, and the model's `KernelChoice` says so: a CUDA tensor, the kernels
-installed, not asked for PyTorch) the norm is one launch; a kernel that fails to compile or launch warns once and the
-PyTorch norm runs from then on, as for the linear attention.
+The PyTorch norm is five to seven ops, two norms per layer the largest share of a GPU decode step's launches. Where
+the kernel applies (no autograd, not traced, and the model's `KernelChoice` says so) the norm is one launch.
 """
 
 from __future__ import annotations

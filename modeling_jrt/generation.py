@@ -37,23 +37,13 @@ class JRTRNNGenerationMixin:
     ) -> dict:
         """The inputs of one forward of `generate()` (transformers' public hook; nothing else is overridden).
 
-        - The model keeps its state in a `JRTRNNCache`. A cache that transformers built for the call (from
-          `cache_implementation`, or the default one) holds nothing of this model's: the first forward gets a fresh
-          `JRTRNNCache` instead, and `generate()` carries the returned one on.
-        - Only the tokens the cache has not read are fed (`cache.get_seq_length()` counts the caller's columns).
-        - RoPE positions are the model's own (the columns it has read, the JRT fill included): the `position_ids`
-          that `generate()` derives from the attention mask are not forwarded (RoPE sees relative positions only, so
-          a row's padding never changes what it computes).
-        - Decode steps feed the newest token alone, without the attention mask (the cache keeps the padding flags of
-          what it read; a new token is always real) and without reading the cache's counter: fixed shapes and no
-          host synchronisation, so transformers' compiled decode (a compileable cache) serves every step and batch.
-        - `generate(use_cache=False)` recomputes the whole sequence each step. A JRT-RNN model's first forward still
-          returns a cache, the plan of each row's prefix (`PrefixPlan`), so that every later forward reads
-          the same prefix (fill included) and never lets the encoder read a generated token; not when the call gives
-          `prompt_lengths`, nor for Based.
-        - `prefill_chunk_size`: a first chunk that does not hold every row's prompt up to `prefix_length` is kept,
-          and read again with the next chunk as one first forward (`JRTRNNCache.pending_prefill`), so chunked and
-          one-shot prefills read the same prefix.
+        - A cache transformers built for the call is replaced by a `JRTRNNCache`; only unread tokens are fed.
+        - RoPE positions are the model's own: `generate()`'s `position_ids` are not forwarded.
+        - Decode steps feed the newest token alone, without mask or host read: fixed shapes for a compiled decode.
+        - `use_cache=False` recomputes each step, a JRT model's first forward still returns a cache for its
+          `PrefixPlan` (not with `prompt_lengths`), so the encoder never reads a generated token.
+        - `prefill_chunk_size`: a first chunk that does not hold every row's prefix is read again with the next
+          (`JRTRNNCache.pending_prefill`), so chunked and one-shot prefills read the same prefix.
         """
         # `cache=` and `past_key_values=` both reach here when a caller names the cache the other release's way;
         # generate() then measured `next_sequence_length` against its own (empty) cache: slice by our count instead.
@@ -95,9 +85,7 @@ class JRTRNNGenerationMixin:
 
         decoding = False
         if use_cache is False:
-            # Uncached generation: full recomputes. A JRT-RNN model keeps the first forward's cache for its plan of
-            # each row's prompt (docs/generate.md: generate() carries nothing else between steps), unless the call
-            # states the prompt lengths itself; Based needs none.
+            # Uncached generation: full recomputes; the first forward's cache carries the plan (docs/generate.md).
             new, mask, forward_cache = sequence, attention_mask, None
             states_prompts = kwargs.get("prompt_lengths") is not None
             model_inputs["use_cache"] = cache is None and self.config.is_prefix_model and not states_prompts
@@ -110,9 +98,7 @@ class JRTRNNGenerationMixin:
             cache = JRTRNNCache(self.config) if cache is None else cache
             decoding = next_sequence_length == 1 and not is_first_iteration and cache.has_state and not reads_embeds
             if decoding:
-                # A decode step: the newest token (a fixed shape, and no host read of the cache's counter). Its mask
-                # column is 1 (generate() appends real tokens) and the cache keeps the flags of what it read, so no
-                # mask goes in: one compiled graph serves padded and unpadded batches alike.
+                # A decode step: the newest token, no mask (it is real; the cache keeps the flags of what it read).
                 new, mask = sequence[:, -1:].contiguous(), None
                 cache.pending_prefill = None
             else:
@@ -150,8 +136,7 @@ class JRTRNNGenerationMixin:
 
 def holds_every_prefix(config: object, inputs: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
     """Whether a first prefill chunk `inputs` (`(B, T)` ids or `(B, T, hidden)` embeddings, its mask's last T columns)
-    holds every row's whole prefix (`plan_prefix`: a row of fewer tokens than its prefix may go on in the next
-    chunk, and the JRT encoder must read a prompt in one forward)."""
+    holds every row's whole prefix."""
     plan = plan_prefix(config, attention_mask, inputs.shape[0], inputs.shape[1], inputs.device,
                        prefix_length=kwargs.get("prefix_length"), strategy="none")
     return bool((plan.encoder_tokens >= plan.target).all())
@@ -167,9 +152,8 @@ def unread_columns(
     """The columns of `sequence` (`(B, T)` ids or `(B, T, hidden)` embeddings of a `generate()` step) that a cache
     which has read `read` of the caller's columns has not read yet.
 
-    `generate()` passes either the full sequence, or only the new tokens with a mask over the full sequence; it gives
-    `next_sequence_length` for decode steps and prefills (not for prefill chunks). Embeddings are always the full
-    sequence, up to the columns the mask covers."""
+    `generate()` passes the full sequence, or the new tokens with a mask over the full sequence, and
+    `next_sequence_length` except for prefill chunks. Embeddings are the full sequence, up to the mask's columns."""
     total = sequence.shape[1]
     mask_width = attention_mask.shape[1] if attention_mask is not None else None
     if reads_embeds:
@@ -218,10 +202,6 @@ def check_generation_cache(
 
 
 __all__ = [
-    "FIRST_FORWARD_ARGUMENTS",
-    "JRTRNNGenerationMixin",
-    "check_generation_cache",
-    "holds_every_prefix",
-    "stale_cache_message",
-    "unread_columns",
+    "FIRST_FORWARD_ARGUMENTS", "JRTRNNGenerationMixin", "check_generation_cache", "holds_every_prefix",
+    "stale_cache_message", "unread_columns",
 ]

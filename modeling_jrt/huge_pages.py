@@ -34,13 +34,9 @@ def libc_madvise():
 def advise_huge_pages(tensor: torch.Tensor) -> None:
     """Ask Linux to back a new CPU tensor of at least `HUGE_PAGE_MIN_BYTES` with transparent huge pages.
 
-    A tensor this large gets a fresh mapping from the kernel at every allocation (malloc maps it, and unmaps it when
-    freed), and the first write to each 4 KiB page faults: about 1 us per page, 8 ms for the 32 MiB output of an 8k
-    prefill, as much as the division that writes it. With the advice (`madvise(MADV_HUGEPAGE)` on the 2 MiB-aligned
-    part of the tensor) a fault maps 2 MiB at once, where THP is in its `madvise` mode (`/sys/kernel/mm/
-    transparent_hugepage/enabled`; with `always` the pages are huge anyway, with `never` nothing changes). It
-    changes no value; on other systems or devices it does nothing. PyTorch's own `THP_MEM_ALLOC_ENABLE=1` does the
-    same for every allocation of a process.
+    Such a tensor is a fresh mapping whose first write to each 4 KiB page faults (about 1 us a page); with
+    `madvise(MADV_HUGEPAGE)` on its 2 MiB-aligned part a fault maps 2 MiB at once (where THP is in `madvise` mode).
+    It changes no value; elsewhere it does nothing.
     """
     if tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() < HUGE_PAGE_MIN_BYTES:
         return

@@ -1,20 +1,12 @@
 """Inference-time token chunking: how many positions a position-wise op takes at once when autograd is off.
 
-A long prefill would otherwise build `(B, T, width)` intermediates that grow with T:
-from 16k tokens on they pass glibc's largest mmap threshold (32 MiB), so each is a fresh mmap that is page-faulted in,
-and the peak memory grows with them. So during inference conv and sliding-window layers run whole (norm, mixer,
-residual add, norm, MLP, residual add) one token chunk at a time, their bounded past carried by a layer state
-(`JRTRNNDecoderLayer.layer_chunk_rows`); RMSNorm and the MLP (with its residual add, into the residual the layer
-made) chunk on their own. Chunking keeps every such intermediate below INFERENCE_CHUNK_ELEMENTS elements (8 MiB in
-fp32) on a CPU, never shorter than MIN_INFERENCE_CHUNK rows. On an accelerator (CUDA) the budget is
-ACCELERATOR_CHUNK_ELEMENTS (2**27, 512 MiB in fp32): its caching allocator reuses blocks, so small chunks buy nothing
-there but kernel launches. With the CPU's budget, an H200 prefill of 64k tokens at hidden 256 launched 7175 kernels
-of a few microseconds each and spent 164 ms on the host for 34 ms on the device; the larger budget still bounds
-the peak of a very long prompt. Every mixer takes the normalized stream and returns its output in
-training and inference alike (a conv or sliding-window mixer once per chunk), so a hook on a mixer sees the same
-kind of tensors whatever the grad mode. It runs
-only when autograd is off (`torch.no_grad` / `torch.inference_mode`, as in `generate()`) and outside
-`torch.compile` tracing, so training and compiled graphs see the unchunked ops.
+A long prefill would otherwise build `(B, T, width)` intermediates that grow with T (from 16k tokens on, each a
+fresh page-faulted mmap) and the peak memory with them. So during inference conv and sliding-window layers run whole
+one token chunk at a time (`JRTRNNDecoderLayer.layer_chunk_rows`), and RMSNorm and the MLP chunk on their own. A CPU
+chunk's intermediates stay below INFERENCE_CHUNK_ELEMENTS (8 MiB in fp32), never under MIN_INFERENCE_CHUNK rows; an
+accelerator's budget is ACCELERATOR_CHUNK_ELEMENTS (512 MiB in fp32): its caching allocator reuses blocks, so small
+chunks would only add kernel launches. Only with autograd off and outside `torch.compile` tracing: training and
+compiled graphs see the unchunked ops.
 """
 
 from __future__ import annotations
@@ -60,9 +52,6 @@ def map_position_chunks(
 
 
 __all__ = [
-    "ACCELERATOR_CHUNK_ELEMENTS",
-    "INFERENCE_CHUNK_ELEMENTS",
-    "MIN_INFERENCE_CHUNK",
-    "inference_chunk_rows",
+    "ACCELERATOR_CHUNK_ELEMENTS", "INFERENCE_CHUNK_ELEMENTS", "MIN_INFERENCE_CHUNK", "inference_chunk_rows",
     "map_position_chunks",
 ]

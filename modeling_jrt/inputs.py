@@ -16,10 +16,8 @@ from .configuration_jrt import JRTRNNConfig
 def resolve_cache(
     cache: object, past_key_values: object, config: JRTRNNConfig, batch_size: int
 ) -> JRTRNNCache | None:
-    """The cache of a forward of `batch_size` rows, from `cache=` or its older name `past_key_values=` (transformers
-    < 5.24 passes the latter): the one check of the cache at the model's door. Only a `JRTRNNCache` of this model's
-    layer types holds this model's state: anything else is refused with the fix (a key/value cache such as PEFT
-    prefix tuning's virtual tokens cannot feed recurrent layers), and so is a cache with state for other rows."""
+    """The cache of a forward of `batch_size` rows, from `cache=` or its older name `past_key_values=`: the one check
+    of the cache. Anything but a `JRTRNNCache` of this model's layout and rows is refused with the fix."""
     if cache is not None and past_key_values is not None and cache is not past_key_values:
         raise ValueError("Pass the cache once, as `cache=` or as `past_key_values=`, not both.")
     cache = cache if cache is not None else past_key_values
@@ -50,16 +48,12 @@ def check_attention_mask(
     *,
     for_generation: bool = False,
 ) -> None:
-    """The one check of a padding mask. A forward's mask must describe `(cached tokens + this forward's tokens)`:
-    any other width or value, padding between a row's real tokens (a hole), or other padding among the cached tokens
-    than the cache read, used to change the logits silently. The width against the cache (which reads its counter
-    tensor) is checked outside torch.compile tracing, the values (a device synchronisation per token) outside decode
-    steps as well. (`generate()`'s decode steps pass no mask: the cache keeps the flags of what it read, and a new
-    token is real.)
+    """The one check of a padding mask: it must cover the cached and this forward's tokens, hold 0 / 1 only, no hole
+    in a row's run of tokens, and the padding the cache read. The width is checked outside torch.compile tracing, the
+    values (a device synchronisation) outside decode steps as well.
 
-    `for_generation`: the prompt mask of a `generate()` call, checked for what generation adds (the forward checks
-    the rest): every row has a token, and its padding is on the left, since generation appends tokens at the right
-    end of each row (a right-padded row would continue after its pads)."""
+    `for_generation`: the prompt mask of a `generate()` call, checked for what generation adds: every row has a
+    token, and padding is on the left (generation appends at the right end)."""
     if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size:
         raise ValueError(
             f"`attention_mask` must be a 2D (batch_size, past + seq_len) = ({batch_size}, ...) padding mask, got shape "
@@ -172,7 +166,6 @@ def check_inputs(
     return reference.shape[0], reference.shape[1]
 
 
-
 def check_labels(
     labels: torch.Tensor | None,
     input_ids: torch.Tensor | None,
@@ -180,18 +173,9 @@ def check_labels(
     kwargs: dict,
     vocab_size: int,
 ) -> torch.Tensor | None:
-    """`labels` as int64, after checking them and the loss arguments that go with them: the one check of the
-    targets of a forward.
-
-    - `labels`: one target per input token, `(B, T)` like `input_ids` (or `inputs_embeds` without its last
-      dimension), integer ids in `[0, vocab_size)` or -100. Labels of another length would be masked against the
-      wrong prompt ends and scored at the wrong positions; an id outside the vocabulary would fail deep in the
-      cross-entropy.
-    - `kwargs["shift_labels"]` (pre-shifted targets that `Trainer` and TRL pass, `(B, T)`, column t the target of
-      position t, ids as `labels`) goes with `labels`, and is made int64 in `kwargs`.
-    - `kwargs["num_items_in_batch"]` (the targets a gradient-accumulation step scores) is positive.
-
-    Values are read outside torch.compile tracing only."""
+    """`labels` as int64, after the one check of a forward's targets: `labels` and `kwargs["shift_labels"]`
+    (pre-shifted, made int64 in `kwargs`, only with `labels`) are `(B, T)` like the input, ids in `[0, vocab_size)`
+    or -100; `kwargs["num_items_in_batch"]` is positive. Values are read outside torch.compile tracing only."""
     inputs = input_ids if isinstance(input_ids, torch.Tensor) else inputs_embeds
     shape = None if not isinstance(inputs, torch.Tensor) else tuple(inputs.shape[:2])
     for name, targets in (("labels", labels), ("shift_labels", kwargs.get("shift_labels"))):
@@ -235,10 +219,6 @@ def check_target_ids(targets: torch.Tensor, name: str, vocab_size: int) -> None:
 
 
 __all__ = [
-    "check_attention_mask",
-    "check_inputs",
-    "check_labels",
-    "check_target_ids",
-    "check_one_sequence_per_row",
+    "check_attention_mask", "check_inputs", "check_labels", "check_target_ids", "check_one_sequence_per_row",
     "resolve_cache",
 ]

@@ -1,12 +1,8 @@
 """One kernel choice: which implementation runs the linear attention (prefill and decode step) and the RMSNorm.
 
-The fused Triton kernels live in the optional package `jrt_kernels` (installed with `pip install 'jrt-rnn[triton]'`;
-a Hub folder's remote code runs without it). Whether they run is decided here, and only here, from three things:
-
-- what was asked: `linear_attention_implementation` (`"auto"`, `"chunked"`, `"triton"` or `"quadratic"`);
-- the device: the kernels take CUDA tensors (`KERNEL_DEVICE_TYPES`; the tests add "cpu" for triton's interpreter);
-- what is installed: `jrt_kernels` of this model code's kernel API (`KERNEL_API`; the kernels and the model code are
-  one release, so nothing asks the installed kernels what they accept).
+The fused Triton kernels live in the optional package `jrt_kernels` (`pip install 'jrt-rnn[triton]'`). Whether they
+run is decided here only, from what was asked (`linear_attention_implementation`), the device
+(`KERNEL_DEVICE_TYPES`) and what is installed (`jrt_kernels` of this code's `KERNEL_API`):
 
     asked        CUDA tensors                                    other devices
     "auto"       the kernels (a failure warns once, then PyTorch)  PyTorch ("chunked")
@@ -14,9 +10,8 @@ a Hub folder's remote code runs without it). Whether they run is decided here, a
     "chunked"    PyTorch                                          PyTorch
     "quadratic"  the O(T^2) oracle for the prefill, PyTorch for the rest (tests)
 
-A `KernelChoice` belongs to whoever runs the ops: a model (`JRTRNNModel.kernels`, shared by its layers), the vLLM
-model, or one call of an op given a name. It loads `jrt_kernels` once, logs its choice once per device type, and is
-the one record of a kernel that failed (`failures`): nothing about kernels is a module global.
+A `KernelChoice` belongs to whoever runs the ops (a model, shared by its layers; the vLLM model; one op call). It
+loads `jrt_kernels` once, logs its choice once per device type, and is the one record of failed kernels.
 """
 
 from __future__ import annotations
@@ -52,13 +47,8 @@ _Result = TypeVar("_Result")
 
 
 class KernelChoice:
-    """Which implementation the linear attention and the RMSNorm take, and which kernels failed.
-
-    Args:
-        requested: the implementation asked for (see the module docstring).
-        config: instead of `requested`, a config whose `linear_attention_implementation` is read at each call (a
-            model's choice follows a later change of its config).
-    """
+    """Which implementation the linear attention and the RMSNorm take (module docstring), and which kernels failed.
+    `config`: instead of `requested`, a config whose `linear_attention_implementation` is read at each call."""
 
     def __init__(self, requested: str = "auto", *, config: Any = None):
         if config is not None:
@@ -142,12 +132,8 @@ class KernelChoice:
         )
 
     def run(self, kernel_name: str, kernel: Callable[[], _Result], fallback: Callable[[], _Result]) -> _Result:
-        """`kernel()`; under "auto", a kernel that fails to compile or launch warns once, is recorded in `failures`
-        (so it is not tried again) and `fallback()` runs. A forced "triton" re-raises.
-
-        The failures are of many types (triton's CompilationError / OutOfResources / PTXASError, RuntimeError from
-        the driver or an unsupported architecture), hence `except Exception`.
-        """
+        """`kernel()`; under "auto", a kernel that fails to compile or launch (errors of many types, hence `except
+        Exception`) warns once, is recorded in `failures` and `fallback()` runs. A forced "triton" re-raises."""
         if self.forced:
             return kernel()
         try:
@@ -173,8 +159,7 @@ class KernelChoice:
             logger.info(f"Linear attention on {device.type}: {chosen} (linear_attention_implementation='auto').")
 
     def install(self, model: torch.nn.Module) -> None:
-        """Make this the choice of every module of `model` that holds one (`module.kernels`): a model has one choice
-        and one record of failed kernels, whatever layer met the failure."""
+        """Make this the choice of every module of `model` that holds one (`module.kernels`)."""
         for module in model.modules():
             if isinstance(getattr(module, "kernels", None), KernelChoice):
                 module.kernels = self

@@ -28,11 +28,9 @@ LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 
 
 def leak_free_labels(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """Forward pre-hook of `JRTRNNForCausalLM` (a public `nn.Module` hook): a call with `labels` gets the labels rule
-    (`apply_labels_rule`) before the forward runs, so that whatever computes the loss from this call's outputs, the
-    model's own loss, `num_items_in_batch`-style sums, TRL's fused LM head (which replaces `forward` and calls the
-    backbone without labels) or a `compute_loss_func`, scores only what the model cannot have read. The forward
-    applies the same rule itself when it is called without its hooks (`model.forward(...)`)."""
+    """Forward pre-hook of `JRTRNNForCausalLM`: a call with `labels` gets the labels rule (`apply_labels_rule`) before
+    the forward runs, so that whatever computes the loss (module docstring) scores only what the model cannot have
+    read."""
     if len(args) < 6 and not isinstance(kwargs.get("labels"), torch.Tensor):
         return None  # (labels is the 6th positional argument)
     if args:  # by name, as the forward reads them (a positional attention_mask changes the plan)
@@ -66,9 +64,8 @@ def positional_names(model_class: type) -> tuple[str, ...]:
 def labels_rule_applies(
     config: JRTRNNConfig, mlm_labels: torch.Tensor | None, cache: object, past_key_values: object
 ) -> bool:
-    """Whether the encoder reads this call's tokens, so that the labels rule applies: a JRT model, the first forward
-    of a sequence (no continued cache: `cache=`, else `past_key_values=`, as `inputs.resolve_cache` takes them), and
-    not the JRT objective (whose collator lays out the targets itself)."""
+    """Whether the labels rule applies: a JRT model, a first forward (no continued cache: `cache=`, else
+    `past_key_values=`), and not the JRT objective (whose collator lays out the targets itself)."""
     cache = cache if cache is not None else past_key_values
     return config.is_prefix_model and mlm_labels is None and not (isinstance(cache, JRTRNNCache) and cache.has_state)
 
@@ -85,12 +82,8 @@ def apply_labels_rule(
     prefix_pad_token_id: int | None,
 ) -> tuple[torch.LongTensor, torch.Tensor | None, PrefixPlan, dict]:
     """The labels rule (checked labels `(B, T)`): each row's prompt ends at its first scored target unless
-    `prompt_lengths` are given (`prompt_lengths_from_labels`), the prefix is planned from it (`plan_prefix`), and the
-    targets the encoder reads are set to -100 (in `shift_labels` of `loss_kwargs` too; `ignore_encoder_targets`).
-
-    Returns:
-        `(labels, prompt_lengths, plan, loss_kwargs)`: the masked labels, the prompts planned with, the plan the
-        forward lays the prefix out by, and `loss_kwargs` with its `shift_labels` masked.
+    `prompt_lengths` are given, the prefix is planned from it, and the targets the encoder reads are set to -100 (in
+    `shift_labels` too). Returns the masked labels, the prompt lengths, the plan and `loss_kwargs`.
     """
     derived = prompt_lengths is None
     if derived:
@@ -106,9 +99,8 @@ def apply_labels_rule(
 
 
 def warn_one_token_prompts(labels: torch.Tensor, masked: torch.Tensor, start: torch.Tensor) -> None:
-    """Warn when a row's labels ignore its first token only and then score targets the encoder reads: completion-only
-    labels of a one-token prompt look exactly like `labels=input_ids` after the shift (the first label is never a
-    target), so the default prefix applies and those targets go unscored. `start`: `(B,)` each row's first token."""
+    """Warn when a row's labels ignore its first token only (completion-only labels of a one-token prompt look like
+    `labels=input_ids`) and then lose targets the encoder reads. `start`: `(B,)` each row's first token."""
     rows = torch.arange(labels.shape[0], device=labels.device)
     first_ignored = labels[rows, start] == IGNORE_INDEX
     lost = ((labels != masked) & (labels != IGNORE_INDEX))[:, 1:].any(-1)
@@ -121,10 +113,8 @@ def warn_one_token_prompts(labels: torch.Tensor, masked: torch.Tensor, start: to
 
 
 def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """`(B,)` prompt of each row of a training batch: the tokens before its first scored target (the first label
-    that is not -100 after the shift), counted from the row's first real token, so that the encoder never reads a
-    token it is scored on. A row whose first possible target is scored (`labels=input_ids`) keeps the default
-    (its whole length); so does a row without any scored target. None when no row has a leading ignored run."""
+    """`(B,)` prompt of each row of a training batch: the tokens before its first scored target, counted from its
+    first real token. A row whose first possible target is scored, or that has none, keeps its whole length."""
     batch_size, length = labels.shape
     start, _ = row_spans(attention_mask, batch_size, length, labels.device)
     columns = torch.arange(length, device=labels.device)[None]
@@ -168,12 +158,6 @@ def check_jrt_objective_prefix(config: JRTRNNConfig, prefix_length: int | torch.
 
 
 __all__ = [
-    "LOSS_KWARGS",
-    "apply_labels_rule",
-    "check_jrt_objective_prefix",
-    "ignore_encoder_targets",
-    "labels_rule_applies",
-    "leak_free_labels",
-    "prompt_lengths_from_labels",
-    "warn_one_token_prompts",
+    "LOSS_KWARGS", "apply_labels_rule", "check_jrt_objective_prefix", "ignore_encoder_targets", "labels_rule_applies",
+    "leak_free_labels", "prompt_lengths_from_labels", "warn_one_token_prompts",
 ]

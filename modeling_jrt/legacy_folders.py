@@ -1,11 +1,8 @@
 """What folders saved by earlier jrt-rnn releases carry that now lives elsewhere, moved where it lives now.
 
 - `layer_types` in config.json (< 0.4): read by `JRTRNNConfig` as `mixer_types` (configuration_jrt.py).
-- `prefix_strategy` in generation_config.json (0.2): the default fill of a short JRT prompt is a model setting now
-  (`config.prefix_strategy`). transformers releases differ in what they keep of a generation config's unknown fields
-  (5.25 drops them on load), so the migration reads the saved file itself, once, when the model is loaded.
-  A file that is not JSON is skipped with a warning naming it, as transformers loads such a folder with the
-  generation defaults of config.json (a JSON list or number is transformers' own error, raised before this runs).
+- `prefix_strategy` in generation_config.json (0.2): a model setting now (`config.prefix_strategy`). Releases differ
+  in what they keep of a generation config's unknown fields, so the migration reads the saved file itself, on load.
 """
 
 from __future__ import annotations
@@ -23,10 +20,8 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 
 
 def saved_generation_settings(source: str | os.PathLike, load_kwargs: dict) -> dict:
-    """The raw `generation_config.json` of the folder or Hub repo `from_pretrained` just loaded (read from the local
-    folder, or from the Hub cache that loading filled: no download), or {} when there is none, or when it is not a
-    JSON object (a damaged file is skipped with a warning that names it, not raised: transformers loads such a folder
-    with the generation defaults of config.json, and the migration must not make it fail)."""
+    """The raw `generation_config.json` of the folder or Hub repo `from_pretrained` just loaded (no download), or {}
+    when there is none or it is not a JSON object (a damaged file warns: transformers loads such a folder anyway)."""
     source = str(source)
     subfolder = load_kwargs.get("subfolder") or ""
     if os.path.isdir(source):

@@ -26,12 +26,8 @@ def empty_prefill(inputs: LinearAttentionInputs) -> tuple[torch.Tensor, torch.Te
 
 
 def chunked_prefill(inputs: LinearAttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked scan (`prefix_linear_attention_chunked`) on validated inputs with rows and tokens.
-
-    The key masks and the compact initial state, then the scan: eagerly without autograd the in-place scan with the
-    gate inside (`chunked_scan.scan_in_place`); with autograd or under torch.compile the custom op
-    `chunked_scan_autograd.scan` (the same scan, an explicit backward, one opaque node in a compiled graph) and the
-    gate outside. The state goes back to the full layout.
+    """The chunked scan (`prefix_linear_attention_chunked`) on validated inputs with rows and tokens: without
+    autograd `scan_in_place` (the gate inside), with autograd or under torch.compile the op `scan` (the gate outside).
     """
     q, k, v, k_enc, v_enc, initial_state, gate = inputs.differentiable
     log_decay, eps, chunk_size = inputs.log_decay, inputs.eps, inputs.chunk_size

@@ -17,10 +17,8 @@ from .linear_attention_inputs import LinearAttentionInputs, records_gradients
 def fused_prefill(
     choice: KernelChoice, inputs: LinearAttentionInputs
 ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-    """The Triton prefill of `inputs`, ready to run (`KernelChoice.run` runs it, the chunked path if it fails): the
-    kernel's own autograd when the choice is forced, without gradients or under torch.compile (its fused backward
-    raises on failure; torch.compile traces the op); for "auto" training, `_KernelWithSafeBackward` (a failed fused
-    backward falls back to the chunked gradients)."""
+    """The Triton prefill of `inputs`, ready for `KernelChoice.run`: the kernel's own autograd when forced, without
+    gradients or under torch.compile; for "auto" training `_KernelWithSafeBackward`."""
     if choice.forced or not records_gradients(*inputs.differentiable) or torch.compiler.is_compiling():
         return functools.partial(
             choice.kernels().prefix_linear_attention_triton, *inputs.differentiable[:5], **inputs.kernel_options()
@@ -29,13 +27,9 @@ def fused_prefill(
 
 
 def _fused_backward_or_none(choice: KernelChoice, *args, **kwargs) -> tuple[torch.Tensor | None, ...] | None:
-    """The fused backward's gradients, or None when it fails (warns once) or failed before for this `choice`.
-
-    A failure marks the backward alone failed (`choice.failures`): the fused forward keeps running, and every later
-    "auto" training call takes the chunked gradients from this one's backward, so the forwards that activation
-    checkpointing recomputes later in the same backward pass take the path of their original forward (non-reentrant
-    checkpointing checks the saved tensors).
-    """
+    """The fused backward's gradients, or None when it fails (warns once) or failed before for this `choice`. A
+    failure marks the backward alone failed: the fused forward keeps running (so forwards that activation
+    checkpointing recomputes take their original path)."""
     if LINEAR_ATTENTION in choice.failures or BACKWARD in choice.failures:
         return None
     try:
@@ -51,16 +45,9 @@ def _chunked_gradients(
     grad_output: torch.Tensor,
     grad_state: torch.Tensor | None,
 ) -> list[torch.Tensor | None]:
-    """Gradients of the chunked path by autograd, recomputing its forward (a failed fused backward).
-
-    Args:
-        inputs: the call's inputs.
-        needs_grad: one flag per `inputs.differentiable` tensor: whether its gradient is wanted.
-        grad_output: `(B, T, H, V)` gradient of the output; grad_state: `(B, H, F, V + 1)` of the state, or None.
-
-    Returns:
-        One gradient per `inputs.differentiable` tensor, None where it is not wanted (or absent).
-    """
+    """Gradients of the chunked path by autograd through a recomputed forward (a failed fused backward): one per
+    `inputs.differentiable` tensor whose `needs_grad` flag is set, else None. grad_output `(B, T, H, V)`, grad_state
+    `(B, H, F, V + 1)` or None."""
     leaves = [
         None if t is None else t.detach().requires_grad_(needed) for t, needed in zip(inputs.differentiable, needs_grad)
     ]
@@ -77,11 +64,8 @@ def _chunked_gradients(
 class _KernelWithSafeBackward(torch.autograd.Function):
     """The fused forward and backward for "auto" training, whose backward falls back to the chunked path.
 
-    The fused backward compiles at the first backward call, after the forward has returned, so a failure there
-    (ptxas error, `OutOfResources`, an unsupported architecture) is out of `KernelChoice.run`'s reach. Here it warns
-    once, marks the backward failed in the choice (`_fused_backward_or_none`) and returns the gradients of the
-    chunked path, computed by autograd through a recomputed chunked forward. A failed forward propagates out of
-    `apply`, to `KernelChoice.run`. Arguments: the choice, the validated inputs, and their differentiable tensors
+    The fused backward compiles at the first backward call, out of `KernelChoice.run`'s reach: a failure there
+    falls back to `_chunked_gradients`. Arguments: the choice, the validated inputs, and their differentiable tensors
     again, positional (autograd tracks only what `apply` is given).
     """
 

@@ -1,7 +1,5 @@
-"""The inputs of one prefill of linear attention, checked once (and the small rules every implementation shares: the
-Based fixed decay, the compute dtype, whether autograd records): `validate_linear_attention_inputs` makes the immutable
-`LinearAttentionInputs` that every implementation takes (the oracle, the chunked scan, the Triton kernel's launch,
-the chunked gradients of a failed fused backward), so none of them checks again. Layouts: `linear_attention.py`.
+"""The inputs of one prefill of linear attention, checked once by `validate_linear_attention_inputs` into the
+`LinearAttentionInputs` every implementation takes; and the small rules they share. Layouts: `linear_attention.py`.
 """
 
 from __future__ import annotations
@@ -16,9 +14,7 @@ from .feature_map import num_taylor_features
 
 class LinearAttentionInputs(NamedTuple):
     """One prefill's inputs: the arguments of `prefix_linear_attention` (declared here, once), validated and
-    normalised by `validate_linear_attention_inputs`, which every implementation takes. Immutable; a named tuple
-    rather than a frozen dataclass because the decode step validates its inputs at every token and layer, and a tuple
-    is about 5x cheaper to build (0.7 against 3.3 us).
+    normalised. A named tuple: the decode step validates at every token and layer, and a tuple is cheap to build.
 
     Attributes:
         q, k: `(B, T, H, K)` decoder queries and keys. v: `(B, T, H, V)` decoder values.
@@ -27,10 +23,8 @@ class LinearAttentionInputs(NamedTuple):
         encoder_start, encoder_end: `(B,)` int64 (ints as arguments): row b's encoder reads positions
             `encoder_start[b] <= m < encoder_end[b]` of k_enc / v_enc; `[0, M)` for every row when none is given;
             None without an encoder.
-        key_mask: `(B, T)` bool (a 0/1 mask as an argument), True for real tokens, or None. A masked key outside its
-            row's encoder range never counts; one inside it is removed as `pad_masking` says.
-        pad_masking: `"strict"` (pads contribute nothing) or `"reference"` (the original code's leak, for the masked
-            keys inside the encoder range).
+        key_mask: `(B, T)` bool (a 0/1 mask as an argument), True for real tokens, or None.
+        pad_masking: `"strict"` or `"reference"` (`linear_attention.py`, "Padding").
         initial_state: `(B, H, F, V + 1)` state of earlier tokens (continuing from a cache), or None.
         log_decay: `(H,)` log gamma of the Based fixed decay, or None.
         gate: `(B, T, H)` input-dependent numerator gate of the Based decay variant, or None.
@@ -117,10 +111,7 @@ def _as_row_index(value: torch.Tensor | int, batch_size: int, device: torch.devi
 
 def validate_linear_attention_inputs(*args, **kwargs) -> LinearAttentionInputs:
     """The one check of a prefill's (or a decode step's, as T = 1) arguments, those of `LinearAttentionInputs` by
-    position or name: the encoder range as `(B,)` int64 tensors (`[0, M)` for every row when none is given; both None
-    without an encoder), the key mask as `(B, T)` bool (or None).
-
-    Raises `ValueError` / `TypeError` naming the argument, the expected and the actual value.
+    position or name; normalises the encoder range to `(B,)` int64 and the key mask to bool. Errors name the argument.
     """
     try:
         fields = LinearAttentionInputs(*args, **kwargs)
@@ -195,9 +186,6 @@ def records_gradients(*tensors: torch.Tensor | None) -> bool:
 
 
 __all__ = [
-    "LinearAttentionInputs",
-    "compute_dtype",
-    "fixed_log_decay",
-    "records_gradients",
+    "LinearAttentionInputs", "compute_dtype", "fixed_log_decay", "records_gradients",
     "validate_linear_attention_inputs",
 ]

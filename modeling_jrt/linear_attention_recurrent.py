@@ -25,31 +25,21 @@ def linear_attention_step(
     in_place: bool = False,
     implementation: str | KernelChoice = "chunked",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step from the recurrent state (the same for prefix and causal linear attention).
+    """One decode step from the recurrent state (the same for prefix and causal linear attention): the update
+    `S += phi(k) [v, 1]^T` (one rank-1 `baddbmm` per head), then the read `phi(q)^T S`.
 
     Args:
-        q, k: `(B, H, K)` query and key of the new token.
-        v: `(B, H, V)` its value.
-        state: `(B, H, F, V + 1)` fp32 state after the previous tokens.
+        q, k: `(B, H, K)` query and key of the new token; v: `(B, H, V)` its value.
+        state: `(B, H, F, V + 1)` fp32 state after the previous tokens (the prefill folded the encoder into it).
         log_decay: `(H,)` log gamma of the Based decay, or None.
         gate: `(B, H)` numerator gate of the Based decay variant, or None.
-        in_place: update `state` itself and return it, instead of a new tensor. Only taken where it is safe: a
-            contiguous state, no autograd graph through the step, not a state made under `torch.inference_mode`
-            when the step runs outside it, and not under torch.compile (otherwise the step is functional). The model's
-            decode uses it: the cache owns its state, and allocating a fresh `(B, H, F, V + 1)` tensor per layer and
-            token costs more than the update itself.
-        implementation: a name or a `KernelChoice`, as for the prefill. Where it chooses "triton" (a CUDA state,
-            under "auto") and the step runs in place, the fused kernel of `jrt_kernels` takes it: feature map, state
-            update and readout in one launch instead of about 25 ops (the step at slots, each row its own slot); a
-            kernel that fails warns once and the PyTorch step runs, as for the prefill.
+        in_place: update `state` itself and return it, where it is safe: a contiguous state, no autograd graph, not
+            an inference tensor outside inference mode, not under torch.compile (otherwise the step is functional).
+        implementation: a name or a `KernelChoice`, as for the prefill. "triton" runs in place as the fused kernel
+            of `jrt_kernels` (one launch instead of about 25 ops).
 
     Returns:
         `(output (B, H, V) in v.dtype, new state (B, H, F, V + 1))`.
-
-    The update `S += phi(k) [v, 1]^T` is one rank-1 `baddbmm` per head and the read `phi(q)^T S` one `bmm` (B = 1,
-    H = 16, K = 16, V = 64, one CPU thread: 0.18 ms functional, 0.10 ms in place; the elementwise update with an
-    einsum read took 0.32 ms). There is no encoder here: the prefill folded it into `state`. The arguments are
-    checked by the same `validate_linear_attention_inputs` as the prefill (as one token, T = 1).
     """
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise ValueError(
@@ -60,9 +50,6 @@ def linear_attention_step(
         q[:, None], k[:, None], v[:, None], initial_state=state, log_decay=log_decay,
         gate=None if gate is None else gate[:, None],
     )
-    batch_size, num_heads, _ = q.shape
-    value_dim, num_features, dtype = v.shape[-1], state.shape[-2], state.dtype
-    rows = batch_size * num_heads
     in_place = (
         in_place and not torch.compiler.is_compiling()  # traced: functional (inductor fuses it; no input mutation)
         and state.is_contiguous() and not records_gradients(q, k, v, state, gate)
@@ -73,19 +60,9 @@ def linear_attention_step(
         kernel = functools.partial(  # no slots: row b's state is state[b]
             choice.kernels().linear_attention_decode_triton, q, k, v, state, log_decay=log_decay, gate=gate, eps=eps,
         )
-        step = functools.partial(_step_in_place, q, k, v, state, log_decay, gate, eps)
-        return choice.run(LINEAR_ATTENTION, kernel, step), state
-    if in_place:
-        return _step_in_place(q, k, v, state, log_decay, gate, eps), state
-    phi_q, phi_k, value_and_one = _step_operands(q, k, v, dtype)
-    phi_q, phi_k = phi_q.view(rows, 1, num_features), phi_k.view(rows, num_features, 1)
-    value_and_one = value_and_one.view(rows, 1, value_dim + 1)
-    if log_decay is not None:  # the numerator columns decay by gamma per token, the denominator's never
-        gamma = torch.exp(log_decay.to(dtype))[None, :, None, None]
-        state = torch.cat([state[..., :value_dim] * gamma, state[..., value_dim:]], dim=-1)
-    state = torch.baddbmm(state.reshape(rows, num_features, value_dim + 1), phi_k, value_and_one)
-    state = state.view(batch_size, num_heads, num_features, value_dim + 1)
-    return _read_state(phi_q, state, gate, eps).to(v.dtype), state
+        step = functools.partial(_step, q, k, v, state, log_decay, gate, eps, in_place=True)
+        return choice.run(LINEAR_ATTENTION, kernel, lambda: step()[0]), state
+    return _step(q, k, v, state, log_decay, gate, eps, in_place=in_place)
 
 
 def _step_operands(
@@ -97,34 +74,39 @@ def _step_operands(
     return taylor_feature_map(q.to(dtype)), taylor_feature_map(k.to(dtype)), value_and_one
 
 
-def _step_in_place(
+def _step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, log_decay: torch.Tensor | None,
-    gate: torch.Tensor | None, eps: float,
-) -> torch.Tensor:
-    """`linear_attention_step` updating `state` `(B, H, F, V + 1)` (contiguous) where it is; returns the output
-    `(B, H, V)` in v's dtype."""
+    gate: torch.Tensor | None, eps: float, *, in_place: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch `linear_attention_step`: `(output (B, H, V) in v's dtype, state)`, the state `(B, H, F, V + 1)`
+    updated where it is when `in_place` (contiguous), else a new tensor."""
     batch_size, num_heads, _ = q.shape
     value_dim, num_features, dtype = v.shape[-1], state.shape[-2], state.dtype
     rows = batch_size * num_heads
     phi_q, phi_k, value_and_one = _step_operands(q, k, v, dtype)
     phi_q, phi_k = phi_q.view(rows, 1, num_features), phi_k.view(rows, num_features, 1)
-    if log_decay is not None:
-        state[..., :value_dim].mul_(torch.exp(log_decay.to(dtype))[None, :, None, None])
-    state.view(rows, num_features, value_dim + 1).baddbmm_(phi_k, value_and_one.view(rows, 1, value_dim + 1))
-    return _read_state(phi_q, state, gate, eps).to(v.dtype)
+    value_and_one = value_and_one.view(rows, 1, value_dim + 1)
+    gamma = None if log_decay is None else torch.exp(log_decay.to(dtype))[None, :, None, None]
+    if in_place:  # the numerator columns decay by gamma per token, the denominator's never
+        if gamma is not None:
+            state[..., :value_dim].mul_(gamma)
+        state.view(rows, num_features, value_dim + 1).baddbmm_(phi_k, value_and_one)
+    else:
+        if gamma is not None:
+            state = torch.cat([state[..., :value_dim] * gamma, state[..., value_dim:]], dim=-1)
+        state = torch.baddbmm(state.reshape(rows, num_features, value_dim + 1), phi_k, value_and_one)
+        state = state.view(batch_size, num_heads, num_features, value_dim + 1)
+    readout = torch.bmm(phi_q, state.view(rows, num_features, value_dim + 1)).view(batch_size, num_heads, -1)
+    return _normalise(readout, gate, eps).to(v.dtype), state
 
 
-def _read_state(
-    phi_q: torch.Tensor, state: torch.Tensor, gate: torch.Tensor | None, eps: float
-) -> torch.Tensor:
-    """phi(q) `(B H, 1, F)` against the states `(B, H, F, V + 1)` -> `(B, H, V)` in the state's dtype: the numerator
-    (times the Based gate) over the denominator."""
-    batch_size, num_heads, num_features, width = state.shape
-    readout = torch.bmm(phi_q, state.view(batch_size * num_heads, num_features, width)).view(batch_size, num_heads, -1)
-    numerator = readout[..., : width - 1]
+def _normalise(readout: torch.Tensor, gate: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """phi(q) read against the state, `(B, H, V + 1)` -> `(B, H, V)`: the numerator (times the Based gate) over the
+    denominator."""
+    numerator = readout[..., :-1]
     if gate is not None:
-        numerator = numerator * gate.to(state.dtype)[..., None]
-    return numerator / (readout[..., width - 1 :] + eps)
+        numerator = numerator * gate.to(readout.dtype)[..., None]
+    return numerator / (readout[..., -1:] + eps)
 
 
 def _validate_step_at_slots(q, k, v, pool, slots, log_decay, gate) -> None:
@@ -150,12 +132,8 @@ def _validate_step_at_slots(q, k, v, pool, slots, log_decay, gate) -> None:
 
 def _read_at_slots(phi_q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """phi(q) `(B, H, F)` read against the states `pool[slots]` `(B, H, F, V + 1)` -> `(B, H, V + 1)`, without copying
-    them out of the pool.
-
-    The read is one weighted `embedding_bag` (mode "sum") over the pool seen as rows of V + 1 values: row (slot, h, f)
-    weighted by phi(q)[b, h, f], one bag per (b, h). It reads each of the B states once (a gather and a `bmm` read
-    them twice and write a copy). A pool whose strides are not whole rows (a serving engine may pad its pages to
-    another size) is gathered instead."""
+    them out: one weighted `embedding_bag` ("sum") over the pool seen as rows of V + 1 values, one bag per (b, h). A
+    pool whose strides are not whole rows (padded pages) is gathered instead."""
     batch_size, num_heads, num_features = phi_q.shape
     width = pool.shape[-1]
     strides = pool.stride()
@@ -185,11 +163,9 @@ def _step_in_pool(
     gate: torch.Tensor | None,
     eps: float,
 ) -> torch.Tensor:
-    """`linear_attention_step` on the states at `slots`, updated where they live: the decay is an `index_reduce_`
-    ("prod") of the numerator columns at the slots, the update an `index_add_` of phi(k) [v, 1] there (the same
-    products and sums as the step on a gathered copy, so the states are bit for bit the same), then the read
-    (`_read_at_slots`). A fixed sequence of tensor ops over the B rows, with no host read (it traces into one graph
-    and can be captured in a CUDA graph). Arguments as `linear_attention_step_at_slots`; returns `(B, H, V)`."""
+    """`linear_attention_step` on the states at `slots`, updated where they live: the decay an `index_reduce_`
+    ("prod"), the update an `index_add_` (bit for bit the step's states), then `_read_at_slots`. No host read (one
+    graph, CUDA-graph capturable). Arguments as `linear_attention_step_at_slots`; returns `(B, H, V)`."""
     batch_size, num_heads, _ = q.shape
     value_dim, num_features, dtype = v.shape[-1], pool.shape[-2], pool.dtype
     slots = slots.long()
@@ -205,11 +181,7 @@ def _step_in_pool(
                 warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
                 pool.index_reduce_(0, slots, factor, "prod")
     pool.index_add_(0, slots, phi_k[..., None] * value_and_one[..., None, :])  # (B, H, F, V + 1) rank-1 updates
-    readout = _read_at_slots(phi_q, pool, slots)  # (B, H, V + 1)
-    numerator = readout[..., :value_dim]
-    if gate is not None:
-        numerator = numerator * gate.to(dtype)[..., None]
-    return (numerator / (readout[..., value_dim:] + eps)).to(v.dtype)
+    return _normalise(_read_at_slots(phi_q, pool, slots), gate, eps).to(v.dtype)
 
 
 def linear_attention_step_at_slots(
@@ -231,18 +203,10 @@ def linear_attention_step_at_slots(
         q, k: `(B, H, K)`; v: `(B, H, V)`; log_decay, gate, eps: as `linear_attention_step`.
         pool: `(N, H, F, V + 1)` fp32 states.
         slots: `(B,)` distinct integer slots of the B rows in `pool`.
-        implementation: a name or a `KernelChoice`, as for the prefill. "triton" is the fused step of
-            `jrt_kernels`, which reads and writes each state once, at its slot, in one launch; the others run the
-            PyTorch step at the slots (`_step_in_pool`: `index_add_` of the update and a weighted `embedding_bag`
-            read, no gathered copy and no write-back; 2-3x faster than gathering on CPU at 16 requests). Under
-            "auto" a kernel that fails to compile or launch warns once and the PyTorch step runs, as for the
-            prefill.
+        implementation: a name or a `KernelChoice`, as for the prefill: "triton" is the fused step of `jrt_kernels`,
+            the others the PyTorch step at the slots (`_step_in_pool`).
 
-    Raises:
-        ValueError: q, k, v, pool, slots, log_decay or gate of the wrong shape or dtype (what was expected).
-
-    Returns:
-        `(B, H, V)` output in v's dtype.
+    Returns `(B, H, V)` in v's dtype; a `ValueError` names an argument of the wrong shape or dtype.
     """
     _validate_step_at_slots(q, k, v, pool, slots, log_decay, gate)
 

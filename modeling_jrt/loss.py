@@ -1,18 +1,14 @@
 """The losses `JRTRNNForCausalLM.forward` computes: the JRT objective and the leak-free next-token targets.
 
-They ship with the model (Hub remote code) because `forward` computes them; the data collator that builds the JRT
-training batches is `jrt_train.JRTDataCollator` (its module docstring describes the batch layout).
+The data collator that builds JRT training batches is `jrt_train.JRTDataCollator`.
 
     loss = mean NTP cross-entropy + mlm_weight * mean MLM cross-entropy        (mlm_weight = 0.25)
 
-Gradient accumulation and `num_items_in_batch`: `Trainer` counts the NTP targets of all micro-batches of one
-optimizer step (and of all processes) as `num_items_in_batch` = N, and sums the micro-batch losses. The NTP part is
-`sum(CE) / N`, an exact global mean. The MLM part has its own count, which `Trainer` does not collect, so each
-micro-batch contributes `mlm_weight * mean_MLM(micro-batch) * n_ntp(micro-batch) / N`: the micro-batch MLM means
-weighted by their share of the NTP targets (i.e. of the sequences, for packed blocks). With a fixed mask count per
-sequence this is the exact MLM mean of the whole batch; with Bernoulli masking it is the average of the micro-batch
-means, which is what the reference computes across its GPUs. Without `num_items_in_batch` (plain forward, custom
-loops) the loss is the reference's `mean NTP + mlm_weight * mean MLM` over the given batch.
+Gradient accumulation: `Trainer` passes the NTP targets of a whole optimizer step as `num_items_in_batch` = N and
+sums the micro-batch losses. The NTP part is `sum(CE) / N`, an exact global mean. `Trainer` does not count the MLM
+targets, so each micro-batch contributes `mlm_weight * mean_MLM(micro-batch) * n_ntp(micro-batch) / N`: exact with a
+fixed mask count per sequence, the average of the micro-batch means (as the reference computes across its GPUs)
+with Bernoulli masking. Without `num_items_in_batch` the loss is `mean NTP + mlm_weight * mean MLM` of the batch.
 """
 
 from __future__ import annotations
@@ -29,10 +25,9 @@ IGNORE_INDEX = -100
 def check_prefix_length(
     prefix_length: torch.Tensor | int, batch_size: int | None = None, name: str = "prefix_length"
 ) -> None:
-    """The one rule for every argument that sets a JRT prefix (`forward(prefix_length=...)`, `prompt_lengths=`,
-    `ignore_prefix_targets`): an int or a `(B,)` integer tensor, `>= 0` and at most `MAX_SIZES["prefix_length"]` in
-    every row. Raises `TypeError` / `ValueError` naming the argument (`name`); values are read outside
-    `torch.compile` tracing only (a check of the data is a host synchronisation)."""
+    """The one rule for every argument that sets a JRT prefix (`prefix_length=`, `prompt_lengths=`,
+    `ignore_prefix_targets`): an int or a `(B,)` integer tensor, in `[0, MAX_SIZES["prefix_length"]]` in every row.
+    Errors name the argument (`name`); values are read outside `torch.compile` tracing only."""
     maximum = MAX_SIZES["prefix_length"]
     if isinstance(prefix_length, torch.Tensor):
         dtype = prefix_length.dtype
@@ -60,18 +55,16 @@ def check_prefix_length(
 def ignore_prefix_targets(labels: torch.Tensor, prefix_end: torch.Tensor | int) -> torch.Tensor:
     """`labels` `(B, T)` with the targets a JRT encoder reads set to -100: index `j < prefix_end[b]` in row b.
 
-    `prefix_end` is an int or a `(B,)` integer tensor, `>= 0`: the absolute index after each row's prefix (its first
-    real token plus its prefix length; just `prefix_length` for unpadded or right-padded rows). It follows the rule
-    of `forward(prefix_length=...)` (`check_prefix_length`), with the same errors. The model's loss does this itself;
-    call it in a data collator so that `Trainer`'s `num_items_in_batch` counts only the scored targets.
+    `prefix_end` (`check_prefix_length`'s rule): the index after each row's prefix (its first real token plus its
+    prefix length). The model's loss does this itself; call it in a data collator so that `Trainer`'s
+    `num_items_in_batch` counts only the scored targets.
     """
     check_prefix_length(prefix_end, labels.shape[0] if labels.ndim == 2 else None)
     return mask_before(labels, prefix_end)
 
 
 def mask_before(labels: torch.Tensor, prefix_end: torch.Tensor | int) -> torch.Tensor:
-    """`labels` `(B, T)` with index `j < prefix_end[b]` set to -100 in row b; `prefix_end` already checked (an int or
-    a `(B,)` integer tensor `>= 0`, as `ignore_prefix_targets` checks it)."""
+    """`labels` `(B, T)` with index `j < prefix_end[b]` set to -100 in row b; `prefix_end` already checked."""
     positions = torch.arange(labels.shape[-1], device=labels.device)
     prefix_end = torch.as_tensor(prefix_end, device=labels.device).reshape(-1, 1)  # (B, 1) or (1, 1)
     return labels.masked_fill(positions[None, :] < prefix_end, IGNORE_INDEX)
@@ -89,16 +82,14 @@ def jrt_loss(
 
     Args:
         logits: `(B, T, V)` scores.
-        labels: `(B, T)` next-token targets in the HF convention (unshifted: position t predicts `labels[t + 1]`),
-            -100 where there is none.
-        mlm_labels: `(B, T)` masked-LM targets, predicted at their own position, -100 where there is none.
+        labels: `(B, T)` unshifted next-token targets (position t predicts `labels[t + 1]`), -100 where none.
+        mlm_labels: `(B, T)` masked-LM targets, predicted at their own position, -100 where none.
         mlm_weight: weight of the masked-LM term (0.25 in the reference).
-        num_items_in_batch: NTP targets of the whole optimizer step (all micro-batches and processes), as `Trainer`
-            passes it. See the module docstring for how the MLM term is normalised then.
+        num_items_in_batch: NTP targets of the whole optimizer step, as `Trainer` passes it (module docstring).
 
     Returns:
-        `(loss, ntp_loss, mlm_loss)`: the scalar to optimise, and the detached NTP and MLM means of this batch for
-        logging. A part with no targets contributes 0.
+        `(loss, ntp_loss, mlm_loss)`: the scalar to optimise and the detached NTP and MLM means of this batch (0 for
+        a part with no targets).
     """
     if labels.shape != logits.shape[:2] or mlm_labels.shape != logits.shape[:2]:
         raise ValueError(

@@ -8,13 +8,10 @@ with an fp32 residual stream, where the mixer is picked by `config.mixer_types[i
     "sliding_attention"  softmax attention over the last `sliding_window` tokens, RoPE on q and k
     "linear_attention"   Taylor-feature linear attention, prefix (JRT-RNN) or causal (Based, optional decay)
 
-All state lives in the model's own `JRTRNNCache` (one state per layer, from `config.mixer_types`): the last inputs of
-each convolution, the last `sliding_window - 1` keys/values of each sliding layer and the fp32 linear-attention
-state. The first forward with an empty cache runs the parallel prefill (chunked PyTorch or the Triton kernel); later
-single-token forwards are O(1) recurrent steps. Around the layers: input checks (`inputs.py`), the prefix layout
-(`prefix_fill.py`), the labels rule (`labels.py`), the generation hook (`generation.py`).
-
-This folder is self-contained (relative imports, torch and transformers only) so it can ship as Hub remote code.
+State lives in a `JRTRNNCache` (`cache.py`): a first forward runs the parallel prefill, later one-token forwards are
+O(1) recurrent steps. Around the layers: input checks (`inputs.py`), the prefix layout (`prefix_fill.py`), the
+labels rule (`labels.py`), the generation hook (`generation.py`). Relative imports, torch and transformers only:
+this folder ships as Hub remote code.
 """
 
 from __future__ import annotations
@@ -57,20 +54,8 @@ from .configuration_jrt import JRTRNNConfig
 from .fused_norm import fused_rms_norm
 from .generation import JRTRNNGenerationMixin
 from .inference_chunking import inference_chunk_rows, map_position_chunks
-from .inputs import (
-    check_attention_mask,
-    check_inputs,
-    check_labels,
-    check_one_sequence_per_row,
-    resolve_cache,
-)
-from .labels import (
-    LOSS_KWARGS,
-    apply_labels_rule,
-    check_jrt_objective_prefix,
-    labels_rule_applies,
-    leak_free_labels,
-)
+from .inputs import check_attention_mask, check_inputs, check_labels, check_one_sequence_per_row, resolve_cache
+from .labels import LOSS_KWARGS, apply_labels_rule, check_jrt_objective_prefix, labels_rule_applies, leak_free_labels
 from .legacy_folders import migrate_legacy_generation_settings
 from .kernel_choice import KernelChoice
 from .linear_attention import fixed_log_decay, linear_attention_step, prefix_linear_attention
@@ -80,10 +65,7 @@ from .prefix_fill import PrefixPlan, check_prefix_strategy, fill_prefix, never_g
 from .rotary import JRTRNNRotaryEmbedding, apply_rotary_pos_emb
 from .short_conv import causal_depthwise_conv
 from .sliding_window import (
-    BLOCKED_IMPLEMENTATIONS,
-    blocked_sliding_window_attention,
-    default_block_size,
-    eager_attention_forward,
+    BLOCKED_IMPLEMENTATIONS, blocked_sliding_window_attention, default_block_size, eager_attention_forward,
     sliding_window_additive_mask,
 )
 
@@ -100,8 +82,7 @@ class JRTRNNRMSNorm(nn.Module):
         self.kernels = KernelChoice()  # a model's own choice replaces it (`KernelChoice.install`)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(..., hidden) -> (..., hidden). During inference a long input goes in token chunks (`inference_chunk_rows`)
-        written straight into one new output."""
+        """(..., hidden) -> (..., hidden), in token chunks during inference (`inference_chunk_rows`)."""
         width = hidden_states.shape[-1]
         rows = hidden_states.numel() // max(width, 1)
         chunk = inference_chunk_rows(rows, width, hidden_states.device)
@@ -114,8 +95,8 @@ class JRTRNNRMSNorm(nn.Module):
         return out
 
     def normalize(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The norm of hidden_states (rows, hidden) in one pass (no token chunks: `forward`'s size-dependent loop is
-        not for a graph that serves every batch size), into `out` (rows, hidden) in w's dtype when given."""
+        """The norm of hidden_states (rows, hidden) in one pass (no size-dependent chunk loop: for graphs that serve
+        every batch size), into `out` (rows, hidden) in w's dtype when given."""
         fused = fused_rms_norm(hidden_states, self.weight, self.variance_epsilon, self.kernels, out=out)
         if fused is not None:  # a GPU without autograd: one launch
             return fused
@@ -166,10 +147,8 @@ class JRTRNNShortConv(nn.Module):
         layer_state: JRTRNNConvState | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """hidden_states (B, T, hidden), attention_mask (B, >= T) -> (B, T, hidden). `layer_state`: the convolution
-        state to read and update instead of the cache's (`JRTRNNDecoderLayer` carries the inputs between the token
-        chunks of one forward in one: during inference it runs a long input through the whole layer chunk by chunk,
-        `layer_chunk_rows`, so no `(B, T, 2 * D)` intermediate is built here)."""
+        """hidden_states (B, T, hidden), attention_mask (B, >= T) -> (B, T, hidden). `layer_state`: the state to use
+        instead of the cache's (`JRTRNNDecoderLayer._forward_in_chunks`)."""
         seq_len = hidden_states.shape[1]
         mask = None if attention_mask is None else attention_mask[:, -seq_len:]  # (B, T)
         state = layer_state if layer_state is not None or cache is None else cache.layers[self.layer_idx]
@@ -182,9 +161,8 @@ class JRTRNNShortConv(nn.Module):
     def mix(
         self, hidden_states: torch.Tensor, mask: torch.Tensor | None, state: JRTRNNConvState | None
     ) -> torch.Tensor:
-        """One pass over hidden_states (B, t, hidden) with its padding mask (B, t) (or None) -> (B, t, hidden).
-        `state`: the convolution inputs before these tokens (`JRTRNNConvState`: a cache's, or one that carries them
-        between the chunks of one forward), updated with the last K - 1 inputs; None: no earlier inputs, none kept."""
+        """hidden_states (B, t, hidden) with its padding mask (B, t) (or None) -> (B, t, hidden). `state`: the inputs
+        before these tokens, updated with the last K - 1 inputs; None: no earlier inputs, none kept."""
         seq_len = hidden_states.shape[1]
         # 1. Input projection into the convolution branch and the gate.
         conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, t, D) each
@@ -215,14 +193,10 @@ class JRTRNNShortConv(nn.Module):
 class JRTRNNSlidingWindowAttention(nn.Module):
     """Causal softmax attention over the last `sliding_window` tokens (itself included), RoPE on q and k.
 
-    The reference's fused `Wqkv` is split into `q_proj`, `k_proj`, `v_proj` (rows q | k | v) by the converter.
-
-    The layer gets the padding mask of this forward's tokens only; the cache (`JRTRNNSlidingWindowState`) keeps the
-    last `W - 1` keys with their own padding flags. With the `"eager"` or `"sdpa"` implementation the attention is
-    the blocked O(T * W) form of `sliding_window.py` for prefill and decode alike; any other implementation
-    registered with transformers (`config._attn_implementation`, e.g. flash attention) gets the `(B, S)` key padding
-    mask and the window through `ALL_ATTENTION_FUNCTIONS`. Returning the attention weights (`output_attentions`)
-    runs the eager form with a full `(B, 1, T, S)` mask: weights are quadratic by nature.
+    The cache (`JRTRNNSlidingWindowState`) keeps the last `W - 1` keys with their padding flags. `"eager"` and
+    `"sdpa"` run the blocked O(T * W) form of `sliding_window.py`; any other `config._attn_implementation` (e.g.
+    flash attention) gets the `(B, S)` key padding mask and the window through `ALL_ATTENTION_FUNCTIONS`.
+    `output_attentions` runs the eager form with a full `(B, 1, T, S)` mask.
     """
 
     def __init__(self, config: JRTRNNConfig, layer_idx: int):
@@ -258,9 +232,8 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states (B, T, hidden); attention_mask (B, T) padding of these tokens (0) or None -> (B, T, hidden)
-        and the attention weights (B, H, T, S) when `output_attentions`, else None. `layer_state`: the window state
-        to read and update instead of the cache's (`JRTRNNDecoderLayer` carries the last W - 1 keys between the
-        token chunks of one forward in one)."""
+        and the attention weights (B, H, T, S) when `output_attentions`, else None. `layer_state`: as
+        `JRTRNNShortConv.forward`'s."""
         state = layer_state if layer_state is not None or cache is None else cache.layers[self.layer_idx]
         batch_size, seq_len, _ = hidden_states.shape
         hidden_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
@@ -298,13 +271,9 @@ class JRTRNNLinearAttention(nn.Module):
     """Taylor-feature linear attention: prefix (JRT-RNN, docs/reference_architecture.md §1.5) or causal (Based,
     §1.4).
 
-    Prefix form: in the first forward of a sequence, each row's prefix (its `PrefixPlan` read range) is also read
-    non-causally through `k_enc_proj` / `v_enc_proj`; every query sees that encoder sum plus the causal sum over the
-    decoder keys, under one shared denominator. Decoding continues from the state of both sums with one O(1) step
-    per token. The layer computes projections only: the attention math is `linear_attention.py`'s.
-
-    Based decay variant: a fixed per-head decay gamma_h = 1 - 2**(decay_const - h) on the numerator state and an
-    input-dependent numerator gate `decay_proj(x)` (one unbounded value per head).
+    In the first forward of a sequence each row's prefix (its `PrefixPlan` read range) is also read non-causally
+    through `k_enc_proj` / `v_enc_proj`. The layer computes projections only: the math is `linear_attention.py`'s.
+    Based decay variant: a fixed per-head decay of the numerator state and a numerator gate `decay_proj(x)`.
     """
 
     def __init__(self, config: JRTRNNConfig, layer_idx: int):
@@ -342,9 +311,8 @@ class JRTRNNLinearAttention(nn.Module):
         prefix: PrefixPlan | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """hidden_states `(B, T, hidden)` (normalized); attention_mask `(B, T)` batch padding (0) of this forward's
-        tokens; linear_attention_mask `(B, >= T)` the JRT prefix fill (0); prefix: the plan of a first forward (the
-        encoder reads its `read_start`/`read_end` columns). Returns `(B, T, hidden)`."""
+        """hidden_states `(B, T, hidden)` (normalized); attention_mask `(B, T)` batch padding (0); linear_attention_mask
+        `(B, >= T)` the JRT prefix fill (0); prefix: the plan of a first forward. Returns `(B, T, hidden)`."""
         batch_size, seq_len, _ = hidden_states.shape
         heads = self.num_heads
         state = None if cache is None else cache.layers[self.layer_idx].state
@@ -449,10 +417,8 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         prefix: PrefixPlan | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """hidden_states: (B, T, hidden) fp32 residual stream; returns the updated fp32 residual, a new tensor (the
-        input is never written). `kwargs` (e.g. `output_attentions`) reach the mixer and, for sliding attention,
-        transformers' attention function. Every mixer takes the normalized stream and returns its output, in
-        training and inference alike; during inference only the grouping of tokens into chunks differs."""
+        """hidden_states: (B, T, hidden) fp32 residual stream -> the updated residual, a new tensor. `kwargs` (e.g.
+        `output_attentions`) reach the mixer and, for sliding attention, transformers' attention function."""
         chunk = self.layer_chunk_rows(hidden_states, kwargs)
         if chunk is not None:
             return self._forward_in_chunks(hidden_states, attention_mask, position_embeddings, cache, chunk)
@@ -470,8 +436,7 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         hidden_states = hidden_states + mixed.float()  # a new tensor, owned by this layer
         if self.mlp is None:
             return hidden_states
-        # Norm, MLP and residual add are position-wise: during inference one pass per token chunk, added in place
-        # into the residual this layer just made (no second (B, T, hidden) tensor).
+        # Position-wise: during inference one pass per token chunk, added in place into this layer's new residual.
         rows = hidden_states.numel() // hidden_states.shape[-1]
         chunk = inference_chunk_rows(rows, self.mlp.gate_proj.out_features, hidden_states.device)
         if chunk is None:
@@ -483,13 +448,9 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         return hidden_states
 
     def layer_chunk_rows(self, hidden_states: torch.Tensor, kwargs: dict) -> int | None:
-        """Tokens per chunk when the whole layer runs in token chunks (`_forward_in_chunks`), else None.
-
-        Conv and sliding-window layers see a bounded past (the last K - 1 inputs, the last W - 1 keys), which a
-        layer state carries from one chunk to the next, so during inference (`inference_chunk_rows`) a long input
-        goes through the whole block (norm, mixer, residual add, norm, MLP, residual add) one token chunk at a
-        time: no `(B, T, ...)` intermediate but the output. Not for linear attention (the prefix encoder reads
-        ahead), attention weights (`output_attentions`) or attention implementations other than the blocked ones."""
+        """Tokens per chunk when the whole block runs in token chunks during inference (`_forward_in_chunks`), else
+        None. Conv and sliding-window layers only: their bounded past is carried by a layer state; not linear
+        attention (the prefix encoder reads ahead), `output_attentions` or non-blocked attention implementations."""
         if self.layer_type == "linear_attention":
             return None
         if self.layer_type == "sliding_attention" and (
@@ -514,9 +475,8 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None,
         chunk: int,
     ) -> torch.Tensor:
-        """`forward` of a conv or sliding-window layer (inference only), `chunk` tokens at a time: each chunk's mixer
-        reads the inputs before it from the layer's state (the cache's, or a fresh one that lives for this forward),
-        as a chunked prefill through the cache does; the result lands in a new (B, T, hidden) fp32 tensor."""
+        """`forward` of a conv or sliding-window layer, `chunk` tokens at a time, the past carried by the layer's state
+        (the cache's, or a fresh one for this forward), into a new (B, T, hidden) fp32 tensor."""
         seq_len = hidden_states.shape[1]
         output = torch.empty_like(hidden_states, dtype=torch.float32)
         mask = None if attention_mask is None else attention_mask[:, -seq_len:]  # (B, T)
@@ -554,12 +514,8 @@ class JRTRNNPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["JRTRNNDecoderLayer"]
     _supports_sdpa = True
-    # Windowed kernels: the sliding layers pass `sliding_window` and a (B, S) key padding mask to transformers'
-    # flash-attention functions (through `ALL_ATTENTION_FUNCTIONS`), which build their own window from it.
-    _supports_flash_attn = True
-    # `torch.compile(model, fullgraph=True)` traces a prefill (with the tokenizer's mask, left padding and the JRT fill)
-    # and every decode step (tests/modeling_jrt/test_compile.py).
-    _can_compile_fullgraph = True
+    _supports_flash_attn = True  # the sliding layers pass `sliding_window` and a (B, S) key padding mask
+    _can_compile_fullgraph = True  # prefill (padding, JRT fill) and decode steps
     _is_stateful = True  # the recurrent state cannot be rolled back: no assisted decoding
     # `output_hidden_states`: the input of the first block, then every block's output (the last one after the final
     # norm); `output_attentions`: the weights of each sliding-window layer (eager attention only; sdpa refuses).
@@ -569,20 +525,14 @@ class JRTRNNPreTrainedModel(PreTrainedModel):
     }
 
     def __init__(self, config: JRTRNNConfig, *inputs, **kwargs):
-        # The config the model is built from: a `from_pretrained(..., field=value)` override or a field changed after
-        # construction never passed the config's own checks, and would fail deep in a layer (or run a wrong model).
+        # A `from_pretrained(..., field=value)` override or a field changed after construction was never checked.
         config.validate_architecture()
         super().__init__(config, *inputs, **kwargs)
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
-        """`PreTrainedModel.save_pretrained`, whose folder always loads with `trust_remote_code=True` alone.
-
-        Both model classes and the config are registered for their auto classes (`register_for_auto_class`, at the
-        end of this file and of `configuration_jrt.py`), so transformers copies this file, its relative imports and
-        the config's file into the folder and names the saved class in `auto_map`, however the model was loaded
-        (package import, remote code, a converted folder, `Trainer`, a merged PEFT adapter). `auto_map` also names
-        the sibling auto class, so both `AutoModel` and `AutoModelForCausalLM` load the folder.
-        """
+        """`PreTrainedModel.save_pretrained`, whose folder always loads with `trust_remote_code=True` alone: the classes
+        are registered for their auto classes (end of this file and of `configuration_jrt.py`), so transformers copies
+        the code into the folder however the model was loaded, and `auto_map` names both auto classes."""
         module = type(self).__module__.rsplit(".", 1)[-1]  # "modeling_jrt", also for a remote-code copy of it
         self.config.auto_map = {
             **(getattr(self.config, "auto_map", None) or {}),
@@ -601,7 +551,6 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         self.norm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = JRTRNNRotaryEmbedding(config)
         self.gradient_checkpointing = False
-        # One kernel choice for the model (`kernel_choice.py`): every layer's linear attention and norm share it.
         self.kernels = KernelChoice(config=config)
         self.kernels.install(self)
         self.post_init()
@@ -642,19 +591,15 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 key). Inside a row's encoder range these keys are removed as `config.prefix_pad_masking` says.
             prefix_length: P, the JRT prefix of this forward: an int or a `(B,)` LongTensor per row; default
                 `config.prefix_length`.
-            prompt_lengths: the tokens of each row (from its first real token) that form its prompt, an int or a
-                `(B,)` LongTensor (the rule of `prefix_length`); default: all of them. The encoder reads
-                `min(P, prompt)` of them in the first forward of a sequence (empty cache), filled to P as
-                `prefix_strategy` says when the prompt is shorter (`modeling_jrt.prefix_fill.plan_prefix`); outputs
-                at a row's prompt positions may depend on the whole prompt, never on later tokens.
+            prompt_lengths: the tokens of each row (from its first real token) that form its prompt, as
+                `prefix_length`; default: all of them. A first forward's encoder reads `min(P, prompt)` of them,
+                filled to P as `prefix_strategy` says (`prefix_fill.plan_prefix`).
             prefix_strategy: `"pad"`, `"repeat"` or `"none"`; default `config.prefix_strategy`.
             prefix_pad_token_id: the fill token of `"pad"`; default `config.prefix_pad_token_id`.
-            prefix_plan: each row's prefix when the caller planned it already (`plan_prefix`; the labels rule of
-                `JRTRNNForCausalLM` passes its own along, so that a training step plans once); default: planned here
-                from `prefix_length`, `prompt_lengths` and `prefix_strategy`.
-            output_hidden_states, output_attentions: (keywords) transformers' output capturing
-                (`_can_record_outputs`); `return_dict=False` (keyword) returns a tuple (`can_return_tuple`). Hidden states and attentions cover the
-                caller's positions only, as everything else.
+            prefix_plan: each row's prefix when the caller planned it already (`plan_prefix`; the labels rule passes
+                its own); default: planned here from the three arguments above.
+            output_hidden_states, output_attentions, return_dict: (keywords) transformers' output capturing and
+                `can_return_tuple`. Every output covers the caller's positions only.
         """
         config = self.config
         batch_size, seq_len = check_inputs(config, input_ids, inputs_embeds)
@@ -699,8 +644,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
 
-        # 2. RoPE positions: the model's own columns, counting on from what the cache has read; given positions
-        #    are the caller's (the fill counts back from each row's first token).
+        # 2. RoPE positions: counting on from what the cache has read; given ones are the caller's (`plan.positions`).
         if position_ids is None:
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None]
             if continuing:
@@ -733,11 +677,10 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
             # of its first token), and its weight is cut off with the fill columns above when the row is alone.
             keys = caller_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
             outputs.attentions = tuple(a.masked_fill(~keys, 0.0) for a in outputs.attentions)
-        result = model_output(
+        return model_output(
             JRTRNNModelOutput, cache, last_hidden_state=outputs.last_hidden_state,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
-        return result
 
     @capture_outputs
     def run_layers(
@@ -772,9 +715,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
 class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, GenerationMixin):
     """JRT-RNN / Based language model: `JRTRNNModel` plus a (tied) LM head.
 
-    `generate()` is transformers' own `GenerationMixin.generate`: the model fills the JRT prefix in the first forward
-    of a sequence and keeps its state in a `JRTRNNCache`, so every decoding strategy, streamer, processor and
-    stopping criterion sees the caller's tokens only.
+    `generate()` is transformers' own: the model fills the JRT prefix itself and keeps its state in a `JRTRNNCache`,
+    so every decoding strategy, streamer and processor sees the caller's tokens only.
 
     Example:
         >>> from transformers import AutoModelForCausalLM
@@ -795,16 +737,13 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-        # Every call with `labels` states where each row's prompt ends, before any forward sees them: the model's own,
-        # and one that a trainer put in its place (TRL's fused LM head scores log-probabilities from the backbone).
-        # (`leak_free_labels_hook.remove()` restores the leak where the loss is computed outside the forward, which
-        # benchmarks/sft_leak.py measures; the forward applies the rule to its own loss either way.)
+        # The labels rule (`labels.py`) before any forward sees the labels, also one a trainer put in place of this
+        # one (TRL's fused LM head). `.remove()` restores the leak outside the forward (benchmarks/sft_leak.py).
         self.leak_free_labels_hook = self.register_forward_pre_hook(leak_free_labels, with_kwargs=True)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, then what a folder of an earlier jrt-rnn release saved elsewhere moves
-        where it lives now (`legacy_folders.py`)."""
+        """`PreTrainedModel.from_pretrained`, then earlier releases' saved settings moved (`legacy_folders.py`)."""
         loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True
         migrate_legacy_generation_settings(model, pretrained_model_name_or_path, kwargs)
@@ -846,19 +785,12 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
     ) -> JRTRNNCausalLMOutput | tuple:
         """
         Args:
-            labels: `(B, T)` token ids; the loss is the mean next-token cross-entropy (labels are shifted inside,
-                -100 is ignored), through `self.loss_function` so that `Trainer`'s `num_items_in_batch` applies.
-                Leak-free: the prompt of a row ends at its first scored target (labels with a leading -100 run, as
-                completion-only fine-tuning builds them, make the prompt the prefix), and targets the encoder read
-                (inside each row's prefix) are never scored (`prompt_lengths_from_labels`, `ignore_prefix_targets`).
-            mlm_labels: (keyword, through `**kwargs`) `(B, T)` masked-LM targets of the JRT objective, predicted at
-                their own position (-100 elsewhere), as `JRTDataCollator` builds them. With them the loss is
-                `NTP + config.mlm_weight * MLM` (see `modeling_jrt.loss`), with the labels as given.
-            logits_to_keep: compute logits for the last `logits_to_keep` positions only (0 = all), or for the
-                positions a tensor selects.
-            prefix_plan: set by the labels rule (`labels.leak_free_labels`, a forward pre-hook) when it checked
-                `labels` and masked them by this plan already; the backbone lays out the prefix by it and the loss
-                checks and masks nothing again.
+            labels: `(B, T)` token ids (shifted inside, -100 ignored): the mean next-token cross-entropy through
+                `self.loss_function`. Targets the encoder read are never scored (the labels rule, `labels.py`).
+            mlm_labels: (keyword) `(B, T)` masked-LM targets of the JRT objective (`JRTDataCollator`): the loss is then
+                `NTP + config.mlm_weight * MLM` (`loss.jrt_loss`), with the labels as given.
+            logits_to_keep: logits for the last `logits_to_keep` positions only (0 = all), or those a tensor selects.
+            prefix_plan: set by the labels hook (`labels.leak_free_labels`) that checked and masked `labels` by it.
             Other arguments: see `JRTRNNModel.forward`.
 
         Returns:
@@ -927,25 +859,17 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
             else:
                 loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
                                           **loss_kwargs)
-        result = model_output(
+        return model_output(
             JRTRNNCausalLMOutput, model_cache, loss=loss, logits=logits, hidden_states=outputs.hidden_states,
             attentions=outputs.attentions, ntp_loss=ntp_loss, mlm_loss=mlm_loss,
         )
-        return result
 
-# The auto classes each model class is saved under (`auto_map`); registered so that `save_pretrained` ships the code.
+# The auto classes each model class is saved under (`auto_map`), so that `save_pretrained` ships the code.
 _AUTO_CLASSES = {JRTRNNModel: "AutoModel", JRTRNNForCausalLM: "AutoModelForCausalLM"}
 for _cls, _auto_class in _AUTO_CLASSES.items():
     _cls.register_for_auto_class(_auto_class)
 
 __all__ = [
-    "JRTRNNDecoderLayer",
-    "JRTRNNForCausalLM",
-    "JRTRNNLinearAttention",
-    "JRTRNNMLP",
-    "JRTRNNModel",
-    "JRTRNNPreTrainedModel",
-    "JRTRNNRMSNorm",
-    "JRTRNNShortConv",
-    "JRTRNNSlidingWindowAttention",
+    "JRTRNNDecoderLayer", "JRTRNNForCausalLM", "JRTRNNLinearAttention", "JRTRNNMLP", "JRTRNNModel",
+    "JRTRNNPreTrainedModel", "JRTRNNRMSNorm", "JRTRNNShortConv", "JRTRNNSlidingWindowAttention",
 ]

@@ -20,8 +20,8 @@ class JRTRNNModelOutput(BaseModelOutputWithPast):
 @add_cache_alias
 @dataclass
 class JRTRNNCausalLMOutput(CausalLMOutputWithPast):
-    """`CausalLMOutputWithPast` plus the two parts of the JRT objective (set only when `mlm_labels` are given). Its
-    cache field is `cache` on transformers >= 5.24 and `past_key_values` before (the installed release's name).
+    """`CausalLMOutputWithPast` (its cache field as `JRTRNNModelOutput`'s) plus the two parts of the JRT objective
+    (set only when `mlm_labels` are given).
 
     Args:
         ntp_loss: detached mean next-token cross-entropy of the batch.

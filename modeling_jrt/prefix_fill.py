@@ -10,10 +10,8 @@ JRT-RNN's encoder reads each row's prompt non-causally, up to `prefix_length` to
     "repeat"  the prompt repeated before itself (JRT-Prompt style), so that the fill ends with an intact copy.
     "none"    nothing: the encoder reads the prompt only.
 
-The fill is the model's internal business: outputs (logits, hidden states, the loss) cover the caller's positions
-only, `generate()` sees the caller's tokens only, and the cache keeps the plan (`PrefixPlan`), so later
-forwards continue from it without the caller knowing. Each row is filled on its own; the filled batch is laid out so
-that every row's fill sits right before its first real token, with the batch padding before it:
+The fill is internal: outputs cover the caller's positions only, and the cache keeps the plan (`PrefixPlan`) for
+later forwards. Each row is filled on its own, its fill right before its first real token, the batch padding before:
 
     caller row, left padded (L = 3, prefix 6):          [pad pad pad pad][p0 p1 p2]
     the model's row (F = 3 columns in front):  [pad pad pad pad][f  f  f][p0 p1 p2]      F = max over rows of
@@ -21,8 +19,6 @@ that every row's fill sits right before its first real token, with the batch pad
     the model's row:                           [pad pad pad][p0 p1 p2 p3 p4 p5 p6]
 
 so the caller's column j is the model's column F + j, and a row of a batch reads exactly what it reads alone.
-
-This file ships with the Hub remote code: torch and transformers only.
 """
 
 from __future__ import annotations
@@ -38,10 +34,8 @@ from .loss import check_prefix_length
 
 
 def never_generated_ids(config: JRTRNNConfig) -> list[int]:
-    """The ids generation must never emit, sorted: every id `>= config.generation_vocab_size` (LM-head rows that only
-    pad the vocabulary, e.g. 50257..50263 of the released models) and `config.mask_token_id` (the [MASK] token of the
-    JRT training objective). The model's generation config carries them as `suppress_tokens` (saved in
-    `generation_config.json`), so transformers' own `SuppressTokensLogitsProcessor` applies them on every path."""
+    """The ids generation must never emit, sorted: every id `>= config.generation_vocab_size` (rows that only pad the
+    vocabulary) and `config.mask_token_id`. The model's generation config carries them as `suppress_tokens`."""
     ids = set() if config.generation_vocab_size is None else set(range(config.generation_vocab_size, config.vocab_size))
     if config.mask_token_id is not None:
         ids.add(config.mask_token_id)
@@ -55,10 +49,8 @@ def repeat_to_fill(prompt_ids: list[int], length: int) -> list[int]: ...
 def repeat_to_fill(prompt_ids: torch.Tensor | list[int], length: int) -> torch.Tensor | list[int]:
     """Fill `length` tokens by repeating the prompt so that its last full copy ends at the end.
 
-    `out[i] = prompt[(i - length) mod T]`: the result ends with the whole prompt, is preceded by as many whole
-    copies as fit, and starts with the tail of one more copy when `length` is not a multiple of `T`. JRT-RNN's
-    `"repeat"` prefix strategy fills its non-causal prefix this way, so that the prompt is read twice (or more)
-    and generation continues right after an intact copy.
+    `out[i] = prompt[(i - length) mod T]`: whole copies end at the end, the tail of one more copy starts it when
+    `length` is not a multiple of `T` (the `"repeat"` prefix strategy).
 
     Args:
         prompt_ids: `(T,)` tensor or list of token ids, or a `(B, T)` tensor whose rows are repeated independently
@@ -98,9 +90,8 @@ def repeat_to_fill(prompt_ids: torch.Tensor | list[int], length: int) -> torch.T
 def row_spans(
     attention_mask: torch.Tensor | None, batch_size: int, length: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(start, tokens)`, both `(B,)` int64: each row's first real column and its number of real tokens, in the last
-    `length` columns of `attention_mask` (`(B, S)`, S >= length; None: every token is real). Rows are one run of
-    real tokens (left or right padding), so the run is `[start, start + tokens)`; a row without any has start 0."""
+    """`(start, tokens)`, both `(B,)` int64: each row's run `[start, start + tokens)` of real tokens in the last
+    `length` columns of `attention_mask` (`(B, S)`; None: every token is real); start 0 for a row without any."""
     if attention_mask is None:
         start = torch.zeros(batch_size, dtype=torch.long, device=device)
         return start, torch.full((batch_size,), length, dtype=torch.long, device=device)
@@ -114,11 +105,8 @@ def check_prefix_strategy(strategy: object) -> str:
 
 @dataclass
 class PrefixPlan:
-    """Each row's JRT prefix in the first forward of a sequence: the one prefix object (`plan_prefix`).
-
-    The fill (`fill_prefix`), the linear attention's encoder read, the labels rule (`labels.py`), a chunked prefill,
-    generation and `jrt_vllm` read it, and the cache keeps it (`JRTRNNCache.prefix`), so that a continuation and an
-    uncached `generate()` step read the same prefix.
+    """Each row's JRT prefix in the first forward of a sequence (`plan_prefix`): what the fill, the encoder read, the
+    labels rule, generation and `jrt_vllm` read, and the cache keeps (`JRTRNNCache.prefix`).
 
     Caller's columns, each `(B,)` int64:
         start: the row's first token (after left padding; 0 with right padding or none).
@@ -193,10 +181,9 @@ def plan_prefix(
     strategy: str | None = None,
     pad_token_id: int | None = None,
 ) -> PrefixPlan:
-    """The prefix of each row of a first forward: `(B, T)` tokens under `attention_mask` (`(B, >= T)`, its last T
-    columns; None: no padding), a prefix of `prefix_length` tokens (an int or `(B,)` per row), a prompt of
-    `prompt_lengths` tokens (an int or `(B,)`; None: the whole row), filled as `strategy` says with `pad_token_id`.
-    None arguments take the config's values. Both lengths follow one rule (`check_prefix_length`), checked here."""
+    """The prefix of each row of a first forward of `(B, T)` tokens under `attention_mask` (its last T columns; None:
+    no padding): `prefix_length` and `prompt_lengths` are ints or `(B,)` (`check_prefix_length`; no prompt lengths:
+    the whole row), filled as `strategy` says with `pad_token_id`. None arguments take the config's values."""
     prefix_length = config.prefix_length if prefix_length is None else prefix_length
     strategy = check_prefix_strategy(config.prefix_strategy if strategy is None else strategy)
     pad_token_id = config.prefix_pad_token_id if pad_token_id is None else pad_token_id
@@ -212,8 +199,7 @@ def plan_prefix(
     # Known without reading the data (an int P, no `prompt_lengths`): what torch.compile needs as static shapes.
     known = prompt_lengths is None and not isinstance(prefix_length, torch.Tensor)
     compiling = torch.compiler.is_compiling()
-    # 1. Columns in front of the caller's: the widest (fill - left padding); max(P - T, 0) with left padding or none
-    #    (rows are one run of tokens: `inputs.check_attention_mask` refuses holes at the model's door).
+    # 1. Columns in front of the caller's: the widest (fill - left padding); max(P - T, 0) while compiling.
     if strategy == "none":
         fill_columns = 0
     elif compiling and known:
@@ -259,20 +245,12 @@ def fill_prefix(
     linear_attention_mask: torch.Tensor | None = None,
     embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The batch in the model's layout, each row's prompt filled as `plan` says (see the module docstring).
+    """The batch in the model's layout, each row's prompt filled as `plan` (of the same mask) says.
 
-    Args:
-        plan: each row's prefix (`plan_prefix` of the same mask).
-        input_ids: `(B, T)` the caller's ids, or None.
-        inputs_embeds: `(B, T, hidden)` the caller's embeddings, or None (exactly one of the two is given).
-        attention_mask: `(B, T)` 1 for tokens, 0 for padding, or None (no padding).
-        linear_attention_mask: `(B, T)` the caller's keys the linear attention ignores (0), or None.
-        embed: the model's input embedding (to fill embeddings with the pad token).
-
-    Returns:
-        `(input_ids, inputs_embeds, attention_mask, linear_attention_mask)` over the model's `F + T` columns: the
-        attention mask 1 for every token the model reads (the fill included), the linear-attention mask 0 at the
-        `"pad"` fill too. The inputs as they are when nothing is filled.
+    `input_ids` `(B, T)` or `inputs_embeds` `(B, T, hidden)` (the other None), `attention_mask` and
+    `linear_attention_mask` `(B, T)` or None; `embed`: the model's input embedding (to embed the pad token). Returns
+    the four over the model's `F + T` columns: the attention mask 1 for the fill too, the linear-attention mask 0 at
+    a `"pad"` fill; the inputs as they are when nothing is filled.
     """
     reference = input_ids if input_ids is not None else inputs_embeds
     batch_size, length = reference.shape[:2]
@@ -319,12 +297,6 @@ def fill_prefix(
 
 
 __all__ = [
-    "PREFIX_STRATEGIES",
-    "PrefixPlan",
-    "check_prefix_strategy",
-    "fill_prefix",
-    "never_generated_ids",
-    "plan_prefix",
-    "repeat_to_fill",
-    "row_spans",
+    "PREFIX_STRATEGIES", "PrefixPlan", "check_prefix_strategy", "fill_prefix", "never_generated_ids", "plan_prefix",
+    "repeat_to_fill", "row_spans",
 ]

@@ -11,15 +11,10 @@ def causal_depthwise_conv(inputs: torch.Tensor, history: torch.Tensor | None, we
         out[:, i] = sum_k weight[:, 0, k] * x[i - (K - 1) + k]     x = [history, inputs], zeros before the history
 
     equal to `F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), weight, groups=D)` on the positions of `inputs`, without
-    the transposed copies (a strided `(B, D, t)` view costs more to pad and convolve than the K taps themselves).
+    the transposed copies.
 
-    Args:
-        inputs: `(B, t, D)` the new convolution inputs (may be a strided view).
-        history: `(B, h, D)` with h <= K - 1, the inputs just before them, or None (zeros).
-        weight: `(D, 1, K)` the depthwise `nn.Conv1d` weight; tap K - 1 multiplies the current input.
-
-    Returns:
-        `(B, t, D)`, a new contiguous tensor.
+    inputs `(B, t, D)` (may be a strided view); history `(B, h, D)`, h <= K - 1, the inputs just before them, or
+    None (zeros); weight `(D, 1, K)` the depthwise `nn.Conv1d` weight -> `(B, t, D)`, a new contiguous tensor.
     """
     kernel_size = weight.shape[-1]
     taps = weight[:, 0].t().contiguous().to(inputs.dtype)  # (K, D)

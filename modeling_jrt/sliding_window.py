@@ -1,19 +1,17 @@
 """Sliding-window softmax attention in O(T * W) time and memory: the blocked prefill of the `sliding_attention` layers.
 
-A query at position t sees the keys at positions t - W + 1 ... t (W = `sliding_window`, itself included, HF
-semantics), minus the padding keys. Masked full attention computes all T x S scores and throws all but W per row
-away; that is what made a long prefill quadratic. Here the queries are cut into blocks of `block` rows, and block i
-reads only the slab of `block + W - 1` keys that its rows can see:
+A query at position t sees the keys at positions t - W + 1 ... t (W = `sliding_window`, itself included), minus the
+padding keys. Instead of all T x S scores, the queries are cut into blocks of `block` rows, and block i reads only
+the slab of `block + W - 1` keys that its rows can see:
 
     keys (aligned)  | W-1 keys before the first query | keys of the T queries ... |
     block 0 slab    [<------ block + W - 1 ------>]
     block 1 slab                 [<------ block + W - 1 ------>]      (step: block)
     inside a slab, row r (query i*block + r) sees slab columns r ... r + W - 1 (both ends inclusive)
 
-so each query computes `block + W - 1` scores instead of S, and the only mask is a `(block, block + W - 1)` band
-plus the per-key padding. The slabs are a strided view (`Tensor.unfold`) of the keys, so nothing of size T x T (or
-T x S) is ever allocated. Letters: B batch, H heads, T queries, S keys, D head dim, W window, N number of blocks,
-Q block rows, L slab length = Q + W - 1.
+The only mask is a `(block, block + W - 1)` band plus the per-key padding, and the slabs are a strided view
+(`Tensor.unfold`) of the keys. Letters: B batch, H heads, T queries, S keys, D head dim, W window, N number of
+blocks, Q block rows, L slab length = Q + W - 1.
 """
 
 from __future__ import annotations
@@ -30,20 +28,16 @@ MIN_BLOCK_SIZE = 64
 
 
 def default_block_size(sliding_window: int) -> int:
-    """Query rows per block: `max(64, W // 2)`. A query scores `Q + W - 1` keys (W of them useful) and the slabs hold
-    `T * (1 + (W - 1) / Q)` keys; Q = W / 2 keeps both within 3x of the minimum, and 64 rows keep the matmuls
-    large enough (the fastest block for W = 129 on one CPU thread, measured against 32 ... 256)."""
+    """Query rows per block: `max(64, W // 2)`. A query scores `Q + W - 1` keys (W useful) and the slabs hold
+    `T * (1 + (W - 1) / Q)` keys: Q = W / 2 keeps both within 3x of the minimum, 64 rows keep the matmuls large."""
     return max(MIN_BLOCK_SIZE, sliding_window // 2)
 
 
 def _aligned_keys(
     key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor, query_length: int, sliding_window: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Drop the keys no query can see, or pad in front, so that exactly `W - 1` keys precede the first query.
-
-    key, value (B, H, S, D); key_mask (B', S) bool with B' in {1, B} -> (B, H, T + W - 1, D) twice and
-    (B', T + W - 1); the padded keys are invalid.
-    """
+    """Drop the keys no query can see, or pad invalid keys in front, so that exactly `W - 1` keys precede the first
+    query: key, value (B, H, S, D); key_mask (B', S), B' in {1, B} -> (B, H, T + W - 1, D) twice, (B', T + W - 1)."""
     past = key.shape[2] - query_length  # keys before the first query (the cached window)
     lead = sliding_window - 1 - past
     if lead < 0:  # more history than any query can see
@@ -74,9 +68,8 @@ def blocked_sliding_window_attention(
 ) -> torch.Tensor:
     """Sliding-window attention of T queries over the S >= T keys that end with their own, in query blocks.
 
-    Equal (up to float rounding) to softmax attention with the mask `kv_position in (q_position - W, q_position]`
-    and `key_mask`, i.e. what transformers' `create_sliding_window_causal_mask` builds, at O(T * (Q + W)) cost. One
-    query (a decode step) attends over the last W keys directly (`_one_query_attention`: no slabs, no band).
+    Equal (up to rounding) to softmax attention with the mask `kv_position in (q_position - W, q_position]` and
+    `key_mask`, at O(T * (Q + W)) cost. One query (a decode step) goes to `_one_query_attention`.
 
     Args:
         query: `(B, H, T, D)` the T newest positions.
@@ -87,9 +80,8 @@ def blocked_sliding_window_attention(
         implementation: `"sdpa"` (`F.scaled_dot_product_attention` per block) or `"eager"` (matmul + softmax).
         block_size: query rows per block; default `default_block_size(W)` (at most T).
 
-    Returns:
-        `(B, T, H, D)` in the query's dtype. A query whose window holds only padding (a left pad itself) gets the
-        mean of its window's values instead of NaN; its output is don't-care.
+    Returns `(B, T, H, D)` in the query's dtype; a query whose window holds only padding (don't-care) gets the mean of
+    its window's values instead of NaN.
     """
     if implementation not in BLOCKED_IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} is not blocked; use one of {BLOCKED_IMPLEMENTATIONS}.")
@@ -146,11 +138,9 @@ def _one_query_attention(
     scaling: float,
     implementation: str,
 ) -> torch.Tensor:
-    """`blocked_sliding_window_attention` for one query (a decode step): softmax attention over the last `W` keys (the
-    query's own last), minus the padding keys, without the slabs and the band mask of the blocked path (a handful of
-    ops instead of about thirty per layer and step; a GPU decode is bound by their launches). q `(B, H, 1, D)`, k / v
-    `(B, H, S, D)`, key_mask `(B, S)` or None -> `(B, 1, H, D)`. A query whose visible keys are all padding (a pad
-    itself: don't-care) attends to all of them instead of producing NaN."""
+    """`blocked_sliding_window_attention` for one query (a decode step): softmax attention over the last `W` keys minus
+    the padding keys, in a handful of ops. q `(B, H, 1, D)`, k / v `(B, H, S, D)`, key_mask `(B, S)` or None ->
+    `(B, 1, H, D)`. A query whose keys are all padding (don't-care) attends to all of them instead of NaN."""
     key, value = key[:, :, -window:], value[:, :, -window:]
     mask = None
     if key_mask is not None:
@@ -211,9 +201,6 @@ def sliding_window_additive_mask(
 
 
 __all__ = [
-    "BLOCKED_IMPLEMENTATIONS",
-    "blocked_sliding_window_attention",
-    "default_block_size",
-    "eager_attention_forward",
+    "BLOCKED_IMPLEMENTATIONS", "blocked_sliding_window_attention", "default_block_size", "eager_attention_forward",
     "sliding_window_additive_mask",
 ]

@@ -1,9 +1,8 @@
 """The transformers releases this model code runs on, checked before anything of transformers is imported.
 
-A saved folder ships this code (Hub remote code), and its user may have any transformers: on a release outside the
-range the first import would fail deep inside transformers (4.x lacks `PreTrainedConfig`) or, worse, load. So the
-configuration module calls `check_transformers_release()` first, and a user outside the range reads one line naming
-the range and the release found. `pyproject.toml` declares the same range (a test keeps the two equal).
+A saved folder ships this code, whose user may have any transformers: outside the range an import would fail deep
+inside transformers or, worse, load. So the configuration module calls `check_transformers_release()` first.
+`pyproject.toml` declares the same range (a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -45,13 +44,8 @@ KERNELS_CLASH = "Either a revision or a version must be specified"
 
 @contextlib.contextmanager
 def importing_transformers() -> Iterator[None]:
-    """Around the model file's transformers imports: a failure that is transformers' own, not this model's, becomes
-    one line that says what to do.
-
-    transformers 5.5 - 5.13 name kernels of Hugging Face's `kernels` package without a version at import time, which
-    `kernels` 0.19 and newer refuse (`ValueError: Either a revision or a version must be specified`): every model of
-    those releases fails to import, not only this one.
-    """
+    """Around the model file's transformers imports: transformers 5.5 - 5.13 fail to import with `kernels` >= 0.19
+    (`KERNELS_CLASH`, every model alike); that failure becomes one line that says what to do."""
     try:
         yield
     except ValueError as error:
