@@ -20,9 +20,8 @@ pickle continues exactly like the original.
 `get_seq_length()` counts the caller's columns read (batch padding included, the fill excluded), what `generate()`
 skips when it continues from a cache; it reads the counter (a device synchronisation): the forward never calls it.
 
-Only `Cache`'s public subclass API is used, the same on every supported transformers release; what releases read of
-a layer (`is_croppable`, `keys` / `values`, ...) `JRTRNNLayerState` answers. No transformers layer class is
-subclassed: their abstract methods change between releases.
+Only `Cache`'s public subclass API is used, the same on every supported transformers release; no transformers layer
+class is subclassed (their abstract methods change between releases): `JRTRNNLayerState` answers for a layer.
 """
 
 from __future__ import annotations
@@ -282,13 +281,11 @@ class JRTRNNCache(Cache):
         self.real_tokens: torch.Tensor | None = None
         self.prefix: PrefixPlan | None = None  # the plan of the first forward (`plan_prefix`)
         self.num_rows: int | None = None
-        # A prefill chunk of `generate(prefill_chunk_size=...)` whose rows may not hold their whole prompt yet
-        # (`remember_prefill_chunk`): (tokens or embeddings, padding mask), read again with the next chunk.
+        # (inputs, mask) of a prefill chunk to read again with the next one (`remember_prefill_chunk`).
         self.pending_prefill: tuple[torch.Tensor, torch.Tensor | None] | None = None
         # Set by beam search (`reorder_cache`): the rows hold beams, not the sequences generate() returned.
         self.holds_beams = False
 
-    # ------------------------------------------------------------------------------------------------ reading
     @property
     def has_state(self) -> bool:
         """Whether a forward has read tokens into the cache (no device synchronisation)."""
@@ -321,9 +318,7 @@ class JRTRNNCache(Cache):
         """No maximum length: the state has a constant size (-1, as transformers' recurrent layers answer)."""
         return -1
 
-    def get_max_length(self, layer_idx: int = 0) -> int:
-        """`get_max_cache_shape` under its newer name."""
-        return -1
+    get_max_length = get_max_cache_shape  # its other name
 
     @property
     def max_cache_len(self) -> int:
@@ -364,7 +359,6 @@ class JRTRNNCache(Cache):
     def max_batch_size(self) -> int | None:
         return self.num_rows
 
-    # ------------------------------------------------------------------------------------------- chunked prefill
     def remember_prefill_chunk(
         self, inputs: torch.Tensor, attention_mask: torch.Tensor | None, holds_every_prefix: bool
     ) -> None:
@@ -384,7 +378,6 @@ class JRTRNNCache(Cache):
             attention_mask = torch.cat([kept_mask, kept_mask.new_ones(kept_mask.shape[0], inputs.shape[1])], dim=1)
         return combined, attention_mask, JRTRNNCache(config)
 
-    # ------------------------------------------------------------------------------------------------ rows
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep (reorder, repeat) the rows `index` `(B',)` of every state (in place when B' = B); rows outside
         `[0, B)` are refused (outside torch.compile tracing)."""

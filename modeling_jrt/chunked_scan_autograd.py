@@ -59,13 +59,8 @@ def scan_gradients(
     d_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Gradients of `scan` (module docstring): `(dq, dk, dv, dk_enc, dv_enc, d state)`, each in its input's dtype
-    (None for an absent encoder).
-
-    Args:
-        q, k, v, k_enc, v_enc, state, raw, decoder_keys, encoder_keys, decay: the forward's inputs.
-        output: `(B, T, H, V)` the forward's (ungated) output y; denominators: `(N, B, H, C, 1)` its `den + eps`.
-        d_output, d_state: the gradients of the output and of the compact final state (None: zero).
-    """
+    (None for an absent encoder). Besides the forward's inputs: its (ungated) output y `(B, T, H, V)`, `denominators`
+    `(N, B, H, C, 1)` its `den + eps`, and the gradients of the output and compact final state (None: zero)."""
     batch_size, seq_len, num_heads, feature_dim = q.shape
     value_dim, dtype = v.shape[-1], state.dtype
     width, num_features, token_heads = value_dim + 1, taylor.num_features, batch_size * num_heads

@@ -124,26 +124,20 @@ class JRTRNNConfig(PreTrainedConfig):
     Args:
         vocab_size: Rows of the embedding and the LM head (the released models pad GPT-2's 50257 to 50264).
         hidden_size: Model width `d`.
-        intermediate_size: Hidden width of the SwiGLU MLP (2 * d in the released models); 0 removes the MLPs
-            (as in the zoology synthetic-task models).
+        intermediate_size: Hidden width of the SwiGLU MLP (2 * d in the released models); 0 removes the MLPs.
         num_hidden_layers: Number of blocks.
         num_attention_heads: Heads of both the sliding-window and the linear attention (head dim = d / heads).
-        mixer_types: Mixer of each layer, one of `"conv"`, `"sliding_attention"`, `"linear_attention"`.
-            Defaults to the released pattern (`default_mixer_types`). `layer_types=` is accepted as its former name
-            (module docstring).
+        mixer_types: Mixer of each layer (`MIXER_TYPES`); default `default_mixer_types`. Former name: `layer_types`.
         rms_norm_eps: Epsilon of every RMSNorm.
         tie_word_embeddings: Share the LM head with the input embedding (True in every released model).
-        sliding_window: Keys a sliding-attention query sees, itself included (HF semantics). The reference
-            `window_size: 256` means 128 previous tokens plus self, i.e. `sliding_window = 129`.
+        sliding_window: Keys a sliding-attention query sees, itself included (the reference's `window_size: 256` is
+            129).
         rope_theta: RoPE base of the sliding-window attention.
         conv_kernel_size: Taps of the depthwise causal convolution.
-        conv_expansion: Width of the convolution branch as a multiple of `hidden_size` (the reference
-            `expand_proj: 4` gives 2).
+        conv_expansion: Width of the convolution branch as a multiple of `hidden_size` (`expand_proj: 4` gives 2).
         conv_bias: Whether the convolution block's input and output projections have biases.
-        feature_dim: Per-head dimension `f` of the linear-attention queries and keys; the Taylor feature map has
-            `1 + f + f**2` features.
-        linear_attention_type: `"prefix"` (JRT-RNN: the first `prefix_length` tokens are also read non-causally
-            through encoder projections) or `"causal"` (Based).
+        feature_dim: Per-head dimension `f` of the linear-attention queries and keys (`1 + f + f**2` features).
+        linear_attention_type: `"prefix"` (JRT-RNN: a non-causal encoder reads the prefix) or `"causal"` (Based).
         prefix_length: Length `M` of the non-causal prefix (1024 in the released JRT models), counted from each row's
             first real token; `forward(prefix_length=...)` sets it per call and per row.
         prefix_pad_masking: How the JRT prefix fill is removed from the linear attention: `"strict"` (it contributes
@@ -154,20 +148,18 @@ class JRTRNNConfig(PreTrainedConfig):
         prefix_strategy: How the first forward fills a prompt shorter than `prefix_length` (`prefix_fill.py`):
             `"pad"` (the reference protocol), `"repeat"` or `"none"`; per call `forward` / `generate(prefix_strategy=)`.
         linear_attention_decay: Fixed per-head decay `gamma_h = 1 - 2**(decay_const - h)` of the numerator state
-            (based-360M-30B). Only with `linear_attention_type="causal"`.
+            (based-360M-30B; causal only).
         decay_const: Exponent offset of the fixed decay (-3 in the released model).
-        use_decay_proj: Input-dependent gate `g = x W` (one value per head, unbounded) on the numerator
-            (based-360M-30B). Only with `linear_attention_type="causal"`.
+        use_decay_proj: Input-dependent numerator gate `g = x W`, one value per head (based-360M-30B; causal only).
         linear_attention_eps: Added to the linear-attention denominator (1e-12 as in the reference).
         linear_attention_implementation: `"auto"`, `"chunked"` (PyTorch), `"triton"` (the kernels of `jrt_kernels`)
             or `"quadratic"` (the oracle prefill; tests only), as `kernel_choice.py` describes.
         linear_attention_chunk_size: Chunk length of the chunked PyTorch prefill.
-        mask_token_id: The [MASK] id of the JRT masked-LM objective (50263 in the released models), or None.
-            `generate()` never samples it.
+        mask_token_id: The [MASK] id of the JRT masked-LM objective (50263 in the released models), or None; never
+            generated.
         generation_vocab_size: Number of leading vocabulary rows `generate()` may sample (the tokenizer's, 50257 for
             the released models); the rows after only pad the embedding. None: every row may be generated.
-        mlm_weight: Weight of the masked-LM term of the JRT objective, `loss = NTP + mlm_weight * MLM` (0.25 in the
-            reference); used when `forward()` gets `mlm_labels` (see `modeling_jrt.loss`).
+        mlm_weight: Weight of the masked-LM term of the JRT objective (`loss.py`; 0.25 in the reference).
         initializer_range: Standard deviation of the normal initialisation.
         pad_token_id, bos_token_id, eos_token_id: Special token ids of the vocabulary, or None (the default).
             `generate()` without a prompt needs `bos_token_id`, and stops early only at `eos_token_id`.

@@ -22,8 +22,7 @@ MIN_INFERENCE_CHUNK = 64
 
 def inference_chunk_rows(rows: int, width: int, device: torch.device) -> int | None:
     """Rows per chunk for `rows` positions on `device` whose widest intermediate has `width` elements per row, or None
-    when the op should run unchunked (autograd on, `torch.compile` tracing, or `rows` already fits one chunk of the
-    device's budget: INFERENCE_CHUNK_ELEMENTS on a CPU, ACCELERATOR_CHUNK_ELEMENTS elsewhere)."""
+    when the op runs unchunked (autograd on, `torch.compile` tracing, or `rows` fits one chunk of the budget)."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
     budget = INFERENCE_CHUNK_ELEMENTS if device.type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS

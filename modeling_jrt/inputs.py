@@ -1,8 +1,7 @@
 """Checks at the model's door: the cache, the padding mask, the positions, the inputs and the labels of a forward.
 
 Each refuses, in one line naming the argument and the fix, what would otherwise change the outputs silently or fail
-deep inside a layer. Checks that read tensor values (a host synchronisation) skip decode steps and `torch.compile`
-tracing.
+deep inside a layer. Checks that read tensor values skip `torch.compile` tracing (and decode steps where they can).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The training-label rule: a target the JRT encoder read is never scored.
 
-In a call with `labels`, each row's prompt ends at its first scored target (completion-only labels make the prompt
-the prefix, `prompt_lengths_from_labels`), and the targets inside the prefix the encoder reads (`encoder_end`) are
-set to -100 before anything computes a loss: the model's own, a `num_items_in_batch` sum, TRL's fused LM head or a
-`compute_loss_func` (`apply_labels_rule`, run by `leak_free_labels`, a forward pre-hook of `JRTRNNForCausalLM`, and by
-the forward itself when it is called without its hooks).
+In a call with `labels`, each row's prompt ends at its first scored target (`prompt_lengths_from_labels`), and the
+targets the encoder reads are set to -100 before anything computes a loss: the model's own, a `num_items_in_batch`
+sum, TRL's fused LM head or a `compute_loss_func` (`apply_labels_rule`, run by the forward pre-hook
+`leak_free_labels`, and by the forward itself when it is called without its hooks).
 """
 
 from __future__ import annotations

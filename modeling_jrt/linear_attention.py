@@ -67,15 +67,9 @@ def prefix_linear_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill of prefix (JRT-RNN) or causal (Based, `k_enc = v_enc = None`) linear attention.
 
-    Args:
-        q, k: `(B, T, H, K)` decoder queries and keys; v: `(B, T, H, V)` decoder values.
-        k_enc, v_enc: `(B, M, H, K)` / `(B, M, H, V)` encoder keys and values of the first M <= T tokens, or None.
-        implementation: `"auto"`, `"chunked"`, `"triton"` or `"quadratic"`, or the caller's `KernelChoice`.
-        **options: the other fields of `LinearAttentionInputs`, by name: `encoder_start`, `encoder_end` (each row's
-            encoder range), `key_mask`, `pad_masking`, `initial_state`, `log_decay`, `gate`, `eps`, `chunk_size`.
-
-    Returns:
-        `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) in fp32)`.
+    q, k, v, k_enc, v_enc and `**options` (by name) are the fields of `LinearAttentionInputs`; `implementation`:
+    `"auto"`, `"chunked"`, `"triton"` or `"quadratic"`, or the caller's `KernelChoice`. Returns `(output (B, T, H, V)
+    in v's dtype, final state (B, H, F, V + 1) in fp32)`.
     """
     inputs = validate_linear_attention_inputs(q, k, v, k_enc, v_enc, **options)
     choice = KernelChoice.of(implementation)

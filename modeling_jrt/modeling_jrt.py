@@ -8,10 +8,9 @@ with an fp32 residual stream, where the mixer is picked by `config.mixer_types[i
     "sliding_attention"  softmax attention over the last `sliding_window` tokens, RoPE on q and k
     "linear_attention"   Taylor-feature linear attention, prefix (JRT-RNN) or causal (Based, optional decay)
 
-State lives in a `JRTRNNCache` (`cache.py`): a first forward runs the parallel prefill, later one-token forwards are
-O(1) recurrent steps. Around the layers: input checks (`inputs.py`), the prefix layout (`prefix_fill.py`), the
-labels rule (`labels.py`), the generation hook (`generation.py`). Relative imports, torch and transformers only:
-this folder ships as Hub remote code.
+State lives in a `JRTRNNCache` (`cache.py`). Around the layers: input checks (`inputs.py`), the prefix layout
+(`prefix_fill.py`), the labels rule (`labels.py`), the generation hook (`generation.py`). Relative imports, torch
+and transformers only: this folder ships as Hub remote code.
 """
 
 from __future__ import annotations
@@ -147,23 +146,11 @@ class JRTRNNShortConv(nn.Module):
         layer_state: JRTRNNConvState | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """hidden_states (B, T, hidden), attention_mask (B, >= T) -> (B, T, hidden). `layer_state`: the state to use
-        instead of the cache's (`JRTRNNDecoderLayer._forward_in_chunks`)."""
+        """hidden_states (B, T, hidden), attention_mask (B, >= T) -> (B, T, hidden). The state (the cache's, or
+        `layer_state` from `JRTRNNDecoderLayer._forward_in_chunks`) is updated with the last K - 1 inputs."""
         seq_len = hidden_states.shape[1]
         mask = None if attention_mask is None else attention_mask[:, -seq_len:]  # (B, T)
         state = layer_state if layer_state is not None or cache is None else cache.layers[self.layer_idx]
-        return self.mix(hidden_states, mask, state)
-
-    def inference_width(self, batch_size: int) -> int:
-        """Elements per token of the widest intermediate (the input projection), for `inference_chunk_rows`."""
-        return batch_size * 2 * self.inner_size
-
-    def mix(
-        self, hidden_states: torch.Tensor, mask: torch.Tensor | None, state: JRTRNNConvState | None
-    ) -> torch.Tensor:
-        """hidden_states (B, t, hidden) with its padding mask (B, t) (or None) -> (B, t, hidden). `state`: the inputs
-        before these tokens, updated with the last K - 1 inputs; None: no earlier inputs, none kept."""
-        seq_len = hidden_states.shape[1]
         # 1. Input projection into the convolution branch and the gate.
         conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, t, D) each
         # 2. Padded positions enter the convolution as zeros, so pads never reach the window of a real token.
@@ -188,6 +175,10 @@ class JRTRNNShortConv(nn.Module):
         else:
             mixed = F.silu(conv_output, inplace=True).mul_(gate)
         return self.out_proj(mixed)
+
+    def inference_width(self, batch_size: int) -> int:
+        """Elements per token of the widest intermediate (the input projection), for `inference_chunk_rows`."""
+        return batch_size * 2 * self.inner_size
 
 
 class JRTRNNSlidingWindowAttention(nn.Module):
@@ -248,23 +239,22 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         if state is not None:
             key, value, key_mask = state.update(key, value, key_mask, in_order=output_attentions)  # (B, H, S, D), (B, S)
         # 3. Attention.
-        implementation = self.config._attn_implementation
+        implementation, weights = self.config._attn_implementation, None
         if output_attentions:
             mask = sliding_window_additive_mask(key_mask, seq_len, key.shape[2], self.sliding_window, query.dtype)
             output, weights = eager_attention_forward(self, query, key, value, mask, scaling=self.scaling)
-            return self.o_proj(output.reshape(batch_size, seq_len, -1)), weights
-        if implementation in BLOCKED_IMPLEMENTATIONS:
+        elif implementation in BLOCKED_IMPLEMENTATIONS:
             output = blocked_sliding_window_attention(
                 query, key, value, key_mask,
                 sliding_window=self.sliding_window, scaling=self.scaling, implementation=implementation,
             )  # (B, T, H, D)
-            return self.o_proj(output.reshape(batch_size, seq_len, -1)), None
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        output, _ = attention_interface(
-            self, query, key, value, None if key_mask is None else key_mask.long(),
-            dropout=0.0, scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
-        )  # (B, T, H, D)
-        return self.o_proj(output.reshape(batch_size, seq_len, -1)), None
+        else:
+            attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+            output, _ = attention(
+                self, query, key, value, None if key_mask is None else key_mask.long(),
+                dropout=0.0, scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
+            )  # (B, T, H, D)
+        return self.o_proj(output.reshape(batch_size, seq_len, -1)), weights
 
 
 class JRTRNNLinearAttention(nn.Module):
@@ -580,17 +570,13 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         """
         Args:
             input_ids: `(B, T)` token ids (or `inputs_embeds` `(B, T, hidden)`).
-            attention_mask: `(B, past + T)` 1 for real tokens, 0 for padding (left or right), covering the cached
-                tokens too, as transformers' models take it.
-            position_ids: `(B, T)` RoPE positions; default: counting on from the positions the cache has read (the
-                JRT fill included). With a fill, the fill's positions count back from each row's first token.
-            cache: a `JRTRNNCache` to continue (`past_key_values=` is the same argument under its pre-5.24 name).
-            use_cache: create a `JRTRNNCache` when none is given (default `config.use_cache` in eval mode, False in
-                training mode).
-            linear_attention_mask: `(B, T)` extra mask for the linear-attention layers only (0 = ignore the token as a
-                key). Inside a row's encoder range these keys are removed as `config.prefix_pad_masking` says.
-            prefix_length: P, the JRT prefix of this forward: an int or a `(B,)` LongTensor per row; default
-                `config.prefix_length`.
+            attention_mask: `(B, past + T)` 1 for real tokens, 0 for padding (left or right), the cached tokens too.
+            position_ids: `(B, T)` RoPE positions; default: counting on from the positions the cache has read.
+            cache: a `JRTRNNCache` to continue (`past_key_values=` is its pre-5.24 name).
+            use_cache: create a `JRTRNNCache` when none is given (default `config.use_cache` in eval mode).
+            linear_attention_mask: `(B, T)` extra key mask (0) of the linear-attention layers only
+                (`config.prefix_pad_masking` inside a row's encoder range).
+            prefix_length: P, the JRT prefix: an int or a `(B,)` LongTensor; default `config.prefix_length`.
             prompt_lengths: the tokens of each row (from its first real token) that form its prompt, as
                 `prefix_length`; default: all of them. A first forward's encoder reads `min(P, prompt)` of them,
                 filled to P as `prefix_strategy` says (`prefix_fill.plan_prefix`).

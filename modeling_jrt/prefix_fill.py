@@ -1,13 +1,11 @@
 """The JRT prefix of a sequence's first forward: how prompts shorter than `prefix_length` are filled.
 
-JRT-RNN's encoder reads each row's prompt non-causally, up to `prefix_length` tokens. A shorter prompt is filled to
-`prefix_length` by the model itself, in the first forward of a sequence (nothing in the cache yet), as the
-`prefix_strategy` says:
+JRT-RNN's encoder reads each row's prompt non-causally, up to `prefix_length` tokens. In the first forward of a
+sequence the model fills a shorter prompt to `prefix_length` itself, as `prefix_strategy` says:
 
-    "pad"     `prefix_length - L` copies of `prefix_pad_token_id` before the prompt. Convolutions and sliding attention
-              read them as ordinary tokens (the reference protocol); the linear attention ignores them as keys
-              (`linear_attention_mask = 0`), as `config.prefix_pad_masking` says.
-    "repeat"  the prompt repeated before itself (JRT-Prompt style), so that the fill ends with an intact copy.
+    "pad"     `prefix_length - L` copies of `prefix_pad_token_id` before the prompt (the reference protocol): ordinary
+              tokens for convolutions and sliding attention, masked keys (`prefix_pad_masking`) for linear attention.
+    "repeat"  the prompt repeated before itself (`repeat_to_fill`), so that the fill ends with an intact copy.
     "none"    nothing: the encoder reads the prompt only.
 
 The fill is internal: outputs cover the caller's positions only, and the cache keeps the plan (`PrefixPlan`) for
@@ -49,16 +47,9 @@ def repeat_to_fill(prompt_ids: list[int], length: int) -> list[int]: ...
 def repeat_to_fill(prompt_ids: torch.Tensor | list[int], length: int) -> torch.Tensor | list[int]:
     """Fill `length` tokens by repeating the prompt so that its last full copy ends at the end.
 
-    `out[i] = prompt[(i - length) mod T]`: whole copies end at the end, the tail of one more copy starts it when
-    `length` is not a multiple of `T` (the `"repeat"` prefix strategy).
-
-    Args:
-        prompt_ids: `(T,)` tensor or list of token ids, or a `(B, T)` tensor whose rows are repeated independently
-            (every row as it is: strip left padding first and call once per row when the lengths differ).
-        length: Output length along the last dimension; at least `T`.
-
-    Returns:
-        `(length,)` or `(B, length)` tensor on `prompt_ids`' device and dtype, or a list for a list input.
+    `out[i] = prompt[(i - length) mod T]` (the `"repeat"` prefix strategy), for `prompt_ids` a `(T,)` tensor or list
+    of ids, or a `(B, T)` tensor whose rows are repeated as they are (padding included), and `length >= T`. Returns
+    `(length,)` or `(B, length)` on `prompt_ids`' device and dtype, or a list for a list.
 
     Example:
         >>> repeat_to_fill([1, 2, 3], 8)
