@@ -218,8 +218,7 @@ class JRTRNNSlidingWindowState(JRTRNNLayerState):
 
 
 class JRTRNNLinearAttentionState(JRTRNNLayerState):
-    """The fp32 recurrent state `(B, H, F, V + 1)` of a linear-attention layer (numerator | denominator), or None
-    before the layer's first forward."""
+    """The fp32 recurrent state `(B, H, F, V + 1)` of a linear-attention layer, or None before its first forward."""
 
     BUFFERS = ("state",)
 

@@ -38,8 +38,7 @@ def block_sizes(num_chunks: int, chunk_size: int, encoder_length: int, token_hea
 
 
 def encoder_scratch_numel(block: int, token_heads: int, taylor: CompactTaylor) -> int:
-    """Elements of the `Workspace` that `encoder_blocks` takes its buffer from: the features of a block of `block`
-    encoder tokens per token-head."""
+    """Elements of `encoder_blocks`' `Workspace` buffer: the features of `block` encoder tokens per token-head."""
     return block * token_heads * taylor.num_features
 
 
@@ -290,8 +289,7 @@ def scan_in_place(
 
 
 def _as_weights(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A bool key mask as 0 / 1 weights in the compute dtype, or None when every key counts (the scans then skip
-    the products by it)."""
+    """A bool key mask as 0 / 1 weights in the compute dtype, or None when every key counts (no product by it)."""
     return None if mask is None or bool(mask.all()) else mask.to(dtype)
 
 
@@ -304,11 +302,7 @@ def chunk_decays(
 
 
 def encoder_blocks(
-    k_enc: torch.Tensor,
-    raw: torch.Tensor | None,
-    taylor: CompactTaylor,
-    workspace: Workspace,
-    block: int,
+    k_enc: torch.Tensor, raw: torch.Tensor | None, taylor: CompactTaylor, workspace: Workspace, block: int
 ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """The encoder keys' operands, `block` tokens at a time: `(start, end, k' (B, H, K, m), phi(keys) (B, H, F', m))`
     for positions [start, end), k' = k / K**(1/4). A masked raw key is 0 ("reference"; `raw` `(B, >= M)` 0 / 1 or
@@ -327,15 +321,8 @@ def encoder_blocks(
 
 
 def add_encoder_in_place(
-    numerator: torch.Tensor,
-    form: torch.Tensor,
-    k_enc: torch.Tensor,
-    v_enc: torch.Tensor,
-    raw: torch.Tensor | None,
-    encoder_keys: torch.Tensor | None,
-    taylor: CompactTaylor,
-    workspace: Workspace,
-    block: int,
+    numerator: torch.Tensor, form: torch.Tensor, k_enc: torch.Tensor, v_enc: torch.Tensor, raw: torch.Tensor | None,
+    encoder_keys: torch.Tensor | None, taylor: CompactTaylor, workspace: Workspace, block: int,
 ) -> None:
     """Add the encoder keys over each row's range (`encoder_keys` `(B, >= M)` 0 / 1, or None: every key) to a state:
     `numerator` `(B, H, F', V)` += phi(K_enc)^T V_enc (v_enc read in place, one product per row), and the

@@ -181,11 +181,7 @@ def scan_gradients(
 
 
 def _intra_chunk_gradients(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    values: torch.Tensor,
-    gradient: torch.Tensor,
-    numerator_mask: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, values: torch.Tensor, gradient: torch.Tensor, numerator_mask: torch.Tensor,
     causal: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk `(n, B, H, K, C)` and dv `(n, B, H, C, V)` through the intra-chunk products of n chunks.
@@ -209,14 +205,8 @@ def _intra_chunk_gradients(
 
 
 def _encoder_gradients(
-    k_enc: torch.Tensor,
-    v_enc: torch.Tensor,
-    raw: torch.Tensor | None,
-    encoder_keys: torch.Tensor | None,
-    reverse: torch.Tensor,
-    taylor: CompactTaylor,
-    workspace: Workspace,
-    block: int,
+    k_enc: torch.Tensor, v_enc: torch.Tensor, raw: torch.Tensor | None, encoder_keys: torch.Tensor | None,
+    reverse: torch.Tensor, taylor: CompactTaylor, workspace: Workspace, block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(dk_enc, dv_enc)` in the inputs' dtypes from `reverse` `(B, H, F', V + 1)`, the gradient R of the state after
     the encoder: d phi(K_enc) = [V_enc, 1] R^T and d[V_enc, 1] = phi(K_enc) R for the keys that count, over the

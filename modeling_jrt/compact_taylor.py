@@ -160,11 +160,7 @@ class CompactTaylor:
         return scale
 
     def add_chunk_forms(
-        self,
-        counted_rows: torch.Tensor,
-        rows: torch.Tensor,
-        running: torch.Tensor,
-        chunk_forms: torch.Tensor,
+        self, counted_rows: torch.Tensor, rows: torch.Tensor, running: torch.Tensor, chunk_forms: torch.Tensor,
         before: torch.Tensor,
     ) -> None:
         """For a block of n chunks (`counted_rows`, `rows` `(n, B H, K + 1, C)` as in `key_form`): `before[c]` =

@@ -135,18 +135,14 @@ class JRTRNNGenerationMixin:
 
 
 def holds_every_prefix(config: object, inputs: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
-    """Whether a first prefill chunk `inputs` (`(B, T)` ids or `(B, T, hidden)` embeddings, its mask's last T columns)
-    holds every row's whole prefix."""
+    """Whether a first prefill chunk `inputs` (`(B, T)` ids or `(B, T, hidden)` embeddings) holds every row's prefix."""
     plan = plan_prefix(config, attention_mask, inputs.shape[0], inputs.shape[1], inputs.device,
                        prefix_length=kwargs.get("prefix_length"), strategy="none")
     return bool((plan.encoder_tokens >= plan.target).all())
 
 
 def unread_columns(
-    sequence: torch.Tensor,
-    read: int,
-    attention_mask: torch.Tensor | None,
-    next_sequence_length: int | None,
+    sequence: torch.Tensor, read: int, attention_mask: torch.Tensor | None, next_sequence_length: int | None,
     reads_embeds: bool,
 ) -> torch.Tensor:
     """The columns of `sequence` (`(B, T)` ids or `(B, T, hidden)` embeddings of a `generate()` step) that a cache
@@ -173,12 +169,8 @@ def stale_cache_message(read: int, width: int) -> str:
 
 
 def check_generation_cache(
-    cache: JRTRNNCache,
-    sequence: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    next_sequence_length: int | None,
-    reads_embeds: bool,
-    is_first_iteration: bool | None,
+    cache: JRTRNNCache, sequence: torch.Tensor, attention_mask: torch.Tensor | None, next_sequence_length: int | None,
+    reads_embeds: bool, is_first_iteration: bool | None,
 ) -> None:
     """Refuse, in one line, a `generate()` step that cannot continue `cache`: input with fewer columns than the cache
     read, a beam-search cache (its rows are beams), a right-padded batch."""

@@ -111,8 +111,7 @@ def check_attention_mask(
 
 
 def check_one_sequence_per_row(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-    """Refuse packed rows: positions `(B or 1, T)` that restart between two real tokens of a row (padding may hold
-    any position)."""
+    """Refuse packed rows: positions `(B or 1, T)` that restart between two real tokens of a row."""
     restarts = position_ids[..., 1:] < position_ids[..., :-1]
     if attention_mask is not None:
         real = attention_mask.to(position_ids.device).bool()

@@ -127,8 +127,7 @@ def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tenso
 def ignore_encoder_targets(
     labels: torch.LongTensor, prefix_end: torch.Tensor, kwargs: dict
 ) -> tuple[torch.LongTensor, dict]:
-    """`labels` (and `shift_labels`, if given) without the targets the encoder read (index < `prefix_end`, a plan's
-    `encoder_end`: checked when it was planned, so not again)."""
+    """`labels` (and `shift_labels`) without the targets before `prefix_end` (a plan's `encoder_end`, checked)."""
     masked = mask_before(labels, prefix_end)
     shift_labels = kwargs.get("shift_labels")
     if shift_labels is not None:  # pre-shifted: column t holds the target at index t + 1

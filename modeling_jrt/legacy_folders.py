@@ -52,8 +52,7 @@ def saved_generation_settings(source: str | os.PathLike, load_kwargs: dict) -> d
 
 
 def migrate_legacy_generation_settings(model: object, source: str | os.PathLike, load_kwargs: dict) -> None:
-    """Move a 0.2 folder's `generation_config.prefix_strategy` into `model.config.prefix_strategy`, with a warning
-    that says where it lives now."""
+    """Move a 0.2 folder's `generation_config.prefix_strategy` into `model.config.prefix_strategy`, with a warning."""
     legacy = saved_generation_settings(source, load_kwargs).get("prefix_strategy")
     if legacy is None:
         return

@@ -40,9 +40,7 @@ def _fused_backward_or_none(choice: KernelChoice, *args, **kwargs) -> tuple[torc
 
 
 def _chunked_gradients(
-    inputs: LinearAttentionInputs,
-    needs_grad: tuple[bool, ...],
-    grad_output: torch.Tensor,
+    inputs: LinearAttentionInputs, needs_grad: tuple[bool, ...], grad_output: torch.Tensor,
     grad_state: torch.Tensor | None,
 ) -> list[torch.Tensor | None]:
     """Gradients of the chunked path by autograd through a recomputed forward (a failed fused backward): one per

@@ -68,8 +68,7 @@ def linear_attention_step(
 def _step_operands(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What every decode step reads of the new token, in the state's `dtype`: phi(q), phi(k) `(B, H, F)` and
-    [v, 1] `(B, H, V + 1)`."""
+    """phi(q), phi(k) `(B, H, F)` and [v, 1] `(B, H, V + 1)` of the new token, in the state's `dtype`."""
     value_and_one = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)
     return taylor_feature_map(q.to(dtype)), taylor_feature_map(k.to(dtype)), value_and_one
 
@@ -101,8 +100,7 @@ def _step(
 
 
 def _normalise(readout: torch.Tensor, gate: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """phi(q) read against the state, `(B, H, V + 1)` -> `(B, H, V)`: the numerator (times the Based gate) over the
-    denominator."""
+    """phi(q)'s read of the state `(B, H, V + 1)` -> `(B, H, V)`: the (gated) numerator over the denominator."""
     numerator = readout[..., :-1]
     if gate is not None:
         numerator = numerator * gate.to(readout.dtype)[..., None]
@@ -154,14 +152,8 @@ def _read_at_slots(phi_q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor)
 
 
 def _step_in_pool(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pool: torch.Tensor,
-    slots: torch.Tensor,
-    log_decay: torch.Tensor | None,
-    gate: torch.Tensor | None,
-    eps: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+    log_decay: torch.Tensor | None, gate: torch.Tensor | None, eps: float,
 ) -> torch.Tensor:
     """`linear_attention_step` on the states at `slots`, updated where they live: the decay an `index_reduce_`
     ("prod"), the update an `index_add_` (bit for bit the step's states), then `_read_at_slots`. No host read (one

@@ -207,8 +207,7 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
 
     def inference_width(self, batch_size: int) -> int:
-        """Elements per query of the widest prefill intermediate (the blocked key and value slabs, `Q + W - 1` keys
-        per `Q` queries), for `inference_chunk_rows`."""
+        """Elements per query of the widest prefill intermediate (the key and value slabs): `inference_chunk_rows`."""
         block = default_block_size(self.sliding_window)
         return batch_size * self.num_heads * self.head_dim * -(-(block + self.sliding_window - 1) // block)
 
@@ -223,8 +222,7 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states (B, T, hidden); attention_mask (B, T) padding of these tokens (0) or None -> (B, T, hidden)
-        and the attention weights (B, H, T, S) when `output_attentions`, else None. `layer_state`: as
-        `JRTRNNShortConv.forward`'s."""
+        and the attention weights (B, H, T, S) when `output_attentions`, else None. `layer_state`: as for the conv."""
         state = layer_state if layer_state is not None or cache is None else cache.layers[self.layer_idx]
         batch_size, seq_len, _ = hidden_states.shape
         hidden_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
@@ -338,16 +336,9 @@ class JRTRNNLinearAttention(nn.Module):
                 v_enc = self.v_enc_proj(read).view(batch_size, -1, heads, self.head_dim)  # (B, M, H, V)
                 start, end = prefix.read_start, prefix.read_end
             output, state = prefix_linear_attention(
-                query, key, value, k_enc, v_enc,
-                encoder_start=start,
-                encoder_end=end,
-                key_mask=key_mask,
-                pad_masking=self.config.prefix_pad_masking,
-                initial_state=state,
-                log_decay=log_decay,
-                gate=gate,
-                eps=self.config.linear_attention_eps,
-                chunk_size=self.config.linear_attention_chunk_size,
+                query, key, value, k_enc, v_enc, encoder_start=start, encoder_end=end, key_mask=key_mask,
+                pad_masking=self.config.prefix_pad_masking, initial_state=state, log_decay=log_decay, gate=gate,
+                eps=self.config.linear_attention_eps, chunk_size=self.config.linear_attention_chunk_size,
                 implementation=self.kernels,
             )
         if cache is not None:
@@ -413,12 +404,8 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         if chunk is not None:
             return self._forward_in_chunks(hidden_states, attention_mask, position_embeddings, cache, chunk)
         mixed = self.mixer(
-            self.input_layernorm(hidden_states),
-            attention_mask=attention_mask,
-            cache=cache,
-            position_embeddings=position_embeddings,
-            linear_attention_mask=linear_attention_mask,
-            prefix=prefix,
+            self.input_layernorm(hidden_states), attention_mask=attention_mask, cache=cache,
+            position_embeddings=position_embeddings, linear_attention_mask=linear_attention_mask, prefix=prefix,
             **kwargs,
         )
         if self.layer_type == "sliding_attention":  # (output, weights): output capturing records the weights
@@ -685,13 +672,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         hidden_states = inputs_embeds.float()  # the residual stream stays fp32
         for layer in self.layers:
             hidden_states = layer(
-                hidden_states,
-                attention_mask=attention_mask,
-                position_embeddings=position_embeddings,
-                cache=cache,
-                linear_attention_mask=linear_attention_mask,
-                prefix=prefix,
-                output_attentions=output_attentions,
+                hidden_states, attention_mask=attention_mask, position_embeddings=position_embeddings, cache=cache,
+                linear_attention_mask=linear_attention_mask, prefix=prefix, output_attentions=output_attentions,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
@@ -803,21 +785,11 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
                 prefix_length=prefix_length, prefix_strategy=prefix_strategy, prefix_pad_token_id=prefix_pad_token_id,
             )
         outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            linear_attention_mask=linear_attention_mask,
-            prefix_length=prefix_length,
-            prompt_lengths=prompt_lengths,
-            prefix_strategy=prefix_strategy,
-            prefix_pad_token_id=prefix_pad_token_id,
-            prefix_plan=prefix_plan,
-            return_dict=True,
-            **{k: v for k, v in kwargs.items() if k not in LOSS_KWARGS},
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            linear_attention_mask=linear_attention_mask, prefix_length=prefix_length, prompt_lengths=prompt_lengths,
+            prefix_strategy=prefix_strategy, prefix_pad_token_id=prefix_pad_token_id, prefix_plan=prefix_plan,
+            return_dict=True, **{k: v for k, v in kwargs.items() if k not in LOSS_KWARGS},
         )
         model_cache = getattr(outputs, CACHE_FIELD)
         logits = self.lm_head(keep_last_logits(outputs.last_hidden_state, logits_to_keep))

@@ -10,7 +10,7 @@ from .configuration_jrt import JRTRNNConfig
 
 
 class JRTRNNRotaryEmbedding(nn.Module):
-    """Non-interleaved (rotate-half) RoPE over the full head dim, as flash-attn's RotaryEmbedding in the reference."""
+    """The RoPE tables (module docstring)."""
 
     def __init__(self, config: JRTRNNConfig):
         super().__init__()
@@ -47,8 +47,7 @@ def apply_rotary_pos_emb(
 
 
 def rotary_without_autograd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x * cos + rotate_half(x) * sin` (no autograd) as one product and two multiply-adds on the halves: no negated
-    copy, no concatenation (half the memory passes)."""
+    """`x * cos + rotate_half(x) * sin` without autograd: one product and two multiply-adds on the halves."""
     half = x.shape[-1] // 2
     output = x * cos
     output[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)

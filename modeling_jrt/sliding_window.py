@@ -130,13 +130,8 @@ def blocked_sliding_window_attention(
 
 
 def _one_query_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_mask: torch.Tensor | None,
-    window: int,
-    scaling: float,
-    implementation: str,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None, window: int,
+    scaling: float, implementation: str,
 ) -> torch.Tensor:
     """`blocked_sliding_window_attention` for one query (a decode step): softmax attention over the last `W` keys minus
     the padding keys, in a handful of ops. q `(B, H, 1, D)`, k / v `(B, H, S, D)`, key_mask `(B, S)` or None ->
