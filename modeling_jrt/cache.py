@@ -141,10 +141,7 @@ class JRTRNNConvState(JRTRNNLayerState):
             if history is None:
                 history = new_inputs.new_zeros(new_inputs.shape[0], new_inputs.shape[1], width)
             newest = torch.cat([history[..., seq_len:].to(new_inputs.dtype), new_inputs], dim=-1)
-        if self.inputs is None:
-            self.inputs = _static_buffer(newest.contiguous())
-        else:
-            self.inputs = _write(self.inputs, newest)
+        self.inputs = _static_buffer(newest.contiguous()) if self.inputs is None else _write(self.inputs, newest)
 
 
 class JRTRNNSlidingWindowState(JRTRNNLayerState):
@@ -194,7 +191,6 @@ class JRTRNNSlidingWindowState(JRTRNNLayerState):
             all_keys, all_values, all_mask = keys, values, given
         else:
             if seq_len == 1 and not in_order:  # ring order
-                order = None
                 past_keys, past_values, past_mask = self.keys, self.values, self.key_mask
             else:  # token order: oldest first
                 order = (self.written + torch.arange(rows, device=keys.device)) % rows

@@ -117,32 +117,18 @@ def without_autocast(function):
 
 @without_autocast
 def scan_in_place(
-    state: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_enc: torch.Tensor | None,
-    v_enc: torch.Tensor | None,
-    *,
-    raw: torch.Tensor | None,
-    decoder_keys: torch.Tensor | None,
-    encoder_keys: torch.Tensor | None,
-    gate: torch.Tensor | None,
-    decay: torch.Tensor | None,
-    taylor: CompactTaylor,
-    chunk_size: int,
-    eps: float,
-    denominators: torch.Tensor | None = None,
+    state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_enc: torch.Tensor | None,
+    v_enc: torch.Tensor | None, *, raw: torch.Tensor | None, decoder_keys: torch.Tensor | None,
+    encoder_keys: torch.Tensor | None, gate: torch.Tensor | None, decay: torch.Tensor | None, taylor: CompactTaylor,
+    chunk_size: int, eps: float, denominators: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked scan without autograd (module docstring), organised for a CPU:
 
-    - per block of n chunks (about `BLOCK_TOKEN_HEADS` token-heads), the chunk-major copies of q', k', v, the
-      features and the intra-chunk products are batched, each written `out=` its view of one `Workspace`;
-    - the running numerator state `(B H, F', V)` is read and updated chunk by chunk (two `baddbmm_` per chunk), so
-      it stays in cache and no per-chunk states are built;
-    - the denominators, per block: the intra-chunk weights' sums over the keys that count, plus [1, q'] F [1, q']
-      with F the form before the query's chunk (`CompactTaylor.add_chunk_forms`); eps enters through the form's
-      constant entry, which every query reads with weight 1.
+    - per block of n chunks (about `BLOCK_TOKEN_HEADS` token-heads), the chunk-major copies, features and
+      intra-chunk products are batched, each written `out=` its view of one `Workspace`;
+    - the running numerator state `(B H, F', V)` is read and updated chunk by chunk (two `baddbmm_` per chunk);
+    - the denominators: the intra-chunk weights' sums over the keys that count, plus [1, q'] F [1, q'] with F the
+      form before the query's chunk (`CompactTaylor.add_chunk_forms`), eps in its constant entry.
 
     With the Based decay (`decay`, log gamma per head) the numerator columns decay by gamma per token: the intra-chunk
     numerator weights get gamma**(i - j), the read of the state gamma**(i + 1), and the update is

@@ -41,22 +41,10 @@ def _rows(x: torch.Tensor, seq_len: int, *, position_last: bool) -> torch.Tensor
 
 @without_autocast
 def scan_gradients(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_enc: torch.Tensor | None,
-    v_enc: torch.Tensor | None,
-    state: torch.Tensor,
-    output: torch.Tensor,
-    denominators: torch.Tensor,
-    raw: torch.Tensor | None,
-    decoder_keys: torch.Tensor | None,
-    encoder_keys: torch.Tensor | None,
-    decay: torch.Tensor | None,
-    taylor: CompactTaylor,
-    chunk_size: int,
-    d_output: torch.Tensor | None,
-    d_state: torch.Tensor | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_enc: torch.Tensor | None, v_enc: torch.Tensor | None,
+    state: torch.Tensor, output: torch.Tensor, denominators: torch.Tensor, raw: torch.Tensor | None,
+    decoder_keys: torch.Tensor | None, encoder_keys: torch.Tensor | None, decay: torch.Tensor | None,
+    taylor: CompactTaylor, chunk_size: int, d_output: torch.Tensor | None, d_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Gradients of `scan` (module docstring): `(dq, dk, dv, dk_enc, dv_enc, d state)`, each in its input's dtype
     (None for an absent encoder). Besides the forward's inputs: its (ungated) output y `(B, T, H, V)`, `denominators`

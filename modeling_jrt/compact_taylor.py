@@ -20,11 +20,9 @@ class CompactTaylor:
     K / 2 pairs (i, i + K / 2), i < K / 2. Each distance is one product of x' with x' shifted by d: a handful of ops
     whatever K is.
 
-    The features are unweighted for queries; for keys the squares carry a weight 1/2, so that phi(q).phi(k) =
-    1 + s + s**2 / 2 exactly (sum_i 1/2 q'_i**2 k'_i**2 + sum_{i<j} q'_i q'_j k'_i k'_j = (q'.k')**2 / 2). The
-    compact state sums the key features times [v, 1]. In the full layout the quadratic row (i, j) is
-    x'_i x'_j / sqrt(2), so S_ii = sqrt(2) compact_ii and S_ij = S_ji = compact_ij / sqrt(2); `compress` maps back
-    ((S_ij + S_ji) / sqrt(2)), exact for symmetric states (the caller carries an antisymmetric part aside).
+    For keys the squares carry a weight 1/2, so that phi(q).phi(k) = 1 + s + s**2 / 2 exactly. In the full layout the
+    quadratic row (i, j) is x'_i x'_j / sqrt(2), so S_ii = sqrt(2) compact_ii and S_ij = S_ji = compact_ij / sqrt(2);
+    `compress` maps back ((S_ij + S_ji) / sqrt(2)), exact for symmetric states (the caller keeps the rest aside).
     """
 
     def __init__(self, feature_dim: int, device: torch.device):

@@ -24,8 +24,7 @@ LINEAR_ATTENTION_IMPLEMENTATIONS = ("auto", "chunked", "triton", "quadratic")
 PREFIX_STRATEGIES = ("pad", "repeat", "none")
 
 
-# Field checks run on construction and on load (`from_pretrained` builds the config through `__init__`), before
-# anything derives values from the fields; each error names the field, the value and what is allowed.
+# Field checks, on construction and on load, before anything derives values from the fields.
 POSITIVE_INT_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "sliding_window", "conv_kernel_size",
     "conv_expansion", "feature_dim", "linear_attention_chunk_size",

@@ -1,6 +1,4 @@
-"""How `generate()` feeds the model: `JRTRNNGenerationMixin.prepare_inputs_for_generation`, transformers' public
-hook, and the checks of a generation step. `generate()` itself is transformers' `GenerationMixin.generate`, untouched.
-"""
+"""How transformers' own `generate()` feeds the model (`prepare_inputs_for_generation`), and its step checks."""
 
 from __future__ import annotations
 

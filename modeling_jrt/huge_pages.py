@@ -10,8 +10,7 @@ import sys
 
 import torch
 
-# Outputs of at least this many bytes on a Linux CPU get `advise_huge_pages`: glibc's largest mmap threshold (64-bit),
-# so that the advice only ever covers a mapping of the tensor's own, never memory malloc hands out again.
+# glibc's largest mmap threshold (64-bit): the advice only ever covers a mapping of the tensor's own.
 HUGE_PAGE_MIN_BYTES = 32 << 20
 _HUGE_PAGE = 2 << 20
 
@@ -32,12 +31,8 @@ def libc_madvise():
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> None:
-    """Ask Linux to back a new CPU tensor of at least `HUGE_PAGE_MIN_BYTES` with transparent huge pages.
-
-    Such a tensor is a fresh mapping whose first write to each 4 KiB page faults (about 1 us a page); with
-    `madvise(MADV_HUGEPAGE)` on its 2 MiB-aligned part a fault maps 2 MiB at once (where THP is in `madvise` mode).
-    It changes no value; elsewhere it does nothing.
-    """
+    """Ask Linux to back a new CPU tensor of at least `HUGE_PAGE_MIN_BYTES` with transparent huge pages: a fault on
+    its 2 MiB-aligned part then maps 2 MiB, not one 4 KiB page (where THP is in `madvise` mode). No value changes."""
     if tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() < HUGE_PAGE_MIN_BYTES:
         return
     madvise = libc_madvise()

@@ -47,12 +47,10 @@ def check_attention_mask(
     *,
     for_generation: bool = False,
 ) -> None:
-    """The one check of a padding mask: it must cover the cached and this forward's tokens, hold 0 / 1 only, no hole
-    in a row's run of tokens, and the padding the cache read. The width is checked outside torch.compile tracing, the
-    values (a device synchronisation) outside decode steps as well.
-
-    `for_generation`: the prompt mask of a `generate()` call, checked for what generation adds: every row has a
-    token, and padding is on the left (generation appends at the right end)."""
+    """The one check of a padding mask: it covers the cached and this forward's tokens, holds 0 / 1 only, no hole in
+    a row's run of tokens, and the padding the cache read (values outside decode steps and torch.compile tracing).
+    `for_generation`: a `generate()` prompt's mask, checked for what generation adds: every row has a token, and
+    padding is on the left (generation appends at the right end)."""
     if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size:
         raise ValueError(
             f"`attention_mask` must be a 2D (batch_size, past + seq_len) = ({batch_size}, ...) padding mask, got shape "

@@ -13,7 +13,6 @@ def quadratic_prefill(inputs: LinearAttentionInputs) -> tuple[torch.Tensor, torc
     """The oracle (`prefix_linear_attention_quadratic`) on validated inputs."""
     k_enc, v_enc, initial_state = inputs.k_enc, inputs.v_enc, inputs.initial_state
     log_decay, gate, eps = inputs.log_decay, inputs.gate, inputs.eps
-    output_dtype = inputs.v.dtype
     dtype = compute_dtype(inputs.q)
     seq_len, value_dim = inputs.q.shape[1], inputs.v.shape[-1]
     encoder_length = 0 if k_enc is None else k_enc.shape[1]
@@ -57,18 +56,14 @@ def quadratic_prefill(inputs: LinearAttentionInputs) -> tuple[torch.Tensor, torc
     output = numerator / (denominator[..., None] + eps)
 
     # Final state: sum over all keys, the decoder part decayed to the last position.
-    value_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, T, H, V + 1)
-    key_features = phi_k
     if log_decay is not None:
         age = (seq_len - 1 - positions)[None, :, None, None]
         decayed = phi_k * torch.exp(log_decay.to(dtype)[None, None, :, None] * age)
-        state = torch.cat(
-            [torch.einsum("bthf,bthv->bhfv", decayed, v), phi_k.sum(1)[..., None]], dim=-1
-        )  # (B, H, F, V + 1)
+        state = torch.cat([torch.einsum("bthf,bthv->bhfv", decayed, v), phi_k.sum(1)[..., None]], dim=-1)
     else:
-        state = torch.einsum("bthf,bthv->bhfv", key_features, value_and_one)  # (B, H, F, V + 1)
+        value_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, T, H, V + 1)
+        state = torch.einsum("bthf,bthv->bhfv", phi_k, value_and_one)  # (B, H, F, V + 1)
     if initial_state is not None:
-        previous = initial_state.to(dtype)
         if log_decay is not None:
             decay_all = torch.exp(log_decay.to(dtype) * seq_len)[None, :, None, None]
             previous = torch.cat([previous[..., :value_dim] * decay_all, previous[..., value_dim:]], dim=-1)
@@ -76,7 +71,7 @@ def quadratic_prefill(inputs: LinearAttentionInputs) -> tuple[torch.Tensor, torc
     if k_enc is not None:
         v_enc_and_one = torch.cat([v_enc.to(dtype), torch.ones_like(v_enc[..., :1], dtype=dtype)], dim=-1)
         state = state + torch.einsum("bmhf,bmhv->bhfv", phi_k_enc, v_enc_and_one)
-    return output.to(output_dtype), state
+    return output.to(inputs.v.dtype), state
 
 
 def _features_of_keys(keys: torch.Tensor, raw: torch.Tensor | None, counted: torch.Tensor | None) -> torch.Tensor:

@@ -156,8 +156,7 @@ class JRTRNNShortConv(nn.Module):
         # 2. Padded positions enter the convolution as zeros, so pads never reach the window of a real token.
         if mask is not None:
             conv_input = conv_input * mask[:, :, None].to(conv_input.dtype)
-        # 3. Causal depthwise convolution over [earlier inputs, new inputs]; the state keeps the last K - 1 inputs in
-        # its (B, D, K - 1) buffer, written after the convolution read it.
+        # 3. Causal depthwise convolution over [earlier inputs, new inputs]; then the state keeps the last K - 1.
         history = None if state is None else state.history(conv_input.dtype)  # (B, D, K - 1) or None
         if seq_len == 1 and history is not None:
             # A decode step: one window [history, x] per channel, one multiply-add (no shifted taps).
@@ -322,8 +321,7 @@ class JRTRNNLinearAttention(nn.Module):
             )
             output = output[:, None]  # (B, 1, H, V)
         else:
-            # 2b. Prefill (parallel form). Masked keys: batch padding (outside every encoder range, always removed)
-            # and the JRT prefix fill (inside the range, removed as `prefix_pad_masking` says).
+            # 2b. Prefill (parallel form). Masked keys: batch padding and the JRT prefix fill (`linear_attention.py`).
             key_mask = None if attention_mask is None else attention_mask[:, -seq_len:].bool()  # (B, T)
             if linear_attention_mask is not None:
                 fill = linear_attention_mask[:, -seq_len:].bool()
@@ -466,9 +464,7 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         for start in range(0, seq_len, chunk):
             end = min(start + chunk, seq_len)
             part = hidden_states[:, start:end]
-            rope = None
-            if position_embeddings is not None:
-                rope = tuple(table[:, start:end] for table in position_embeddings)
+            rope = None if position_embeddings is None else tuple(table[:, start:end] for table in position_embeddings)
             mixed = self.mixer(
                 self.input_layernorm(part),
                 attention_mask=None if mask is None else mask[:, start:end],
@@ -494,8 +490,8 @@ class JRTRNNPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True  # the sliding layers pass `sliding_window` and a (B, S) key padding mask
     _can_compile_fullgraph = True  # prefill (padding, JRT fill) and decode steps
     _is_stateful = True  # the recurrent state cannot be rolled back: no assisted decoding
-    # `output_hidden_states`: the input of the first block, then every block's output (the last one after the final
-    # norm); `output_attentions`: the weights of each sliding-window layer (eager attention only; sdpa refuses).
+    # `output_hidden_states`: the first block's input, then every block's output (the last after the final norm);
+    # `output_attentions`: the weights of each sliding-window layer.
     _can_record_outputs = {
         "hidden_states": JRTRNNDecoderLayer,
         "attentions": OutputRecorder(JRTRNNSlidingWindowAttention, index=1),
@@ -646,8 +642,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                 # (B, H, queries, keys): the fill is neither a query nor a key of the caller's
                 outputs.attentions = tuple(a[:, :, fill_columns:, fill_columns:] for a in outputs.attentions)
         if outputs.attentions is not None and not continuing and caller_mask is not None:
-            # 0 on the caller's padding columns, as a row shows alone: a row's fill may sit in its batch padding (left
-            # of its first token), and its weight is cut off with the fill columns above when the row is alone.
+            # 0 on the caller's padding columns, as a row shows alone (its fill may sit in its batch padding).
             keys = caller_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
             outputs.attentions = tuple(a.masked_fill(~keys, 0.0) for a in outputs.attentions)
         return model_output(

@@ -57,9 +57,7 @@ def repeat_to_fill(prompt_ids: torch.Tensor | list[int], length: int) -> torch.T
     """
     if isinstance(prompt_ids, torch.Tensor):
         if prompt_ids.dim() not in (1, 2):
-            raise ValueError(
-                f"`prompt_ids` must be a (T,) or (B, T) tensor, got shape {tuple(prompt_ids.shape)}."
-            )
+            raise ValueError(f"`prompt_ids` must be a (T,) or (B, T) tensor, got shape {tuple(prompt_ids.shape)}.")
         prompt_length = prompt_ids.shape[-1]
     elif isinstance(prompt_ids, list):
         prompt_length = len(prompt_ids)

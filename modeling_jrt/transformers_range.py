@@ -1,8 +1,7 @@
 """The transformers releases this model code runs on, checked before anything of transformers is imported.
 
-A saved folder ships this code, whose user may have any transformers: outside the range an import would fail deep
-inside transformers or, worse, load. So the configuration module calls `check_transformers_release()` first.
-`pyproject.toml` declares the same range (a test keeps the two equal).
+A saved folder's user may have any transformers: outside the range an import would fail deep inside transformers
+or, worse, load. `pyproject.toml` declares the same range (a test keeps the two equal).
 """
 
 from __future__ import annotations
