@@ -87,12 +87,10 @@ class CompactTaylor:
     def features_backward(
         self, x: torch.Tensor, d_phi: torch.Tensor, *, key: bool, scaled: bool = False
     ) -> torch.Tensor:
-        """The gradient `(..., K, n)` of x from that of its features `d_phi` `(..., F', n)` (the explicit backward);
-        `scaled`: x holds x' = x / K**(1/4) instead of x.
+        """The gradient `(..., K, n)` of x from that of its features `d_phi` `(..., F', n)`; `scaled`: x holds x'.
 
-        d x'_a = d phi_(linear a) + 2 w x'_a d phi_(a, a) + sum_(b != a) x'_b d phi_(a, b), w the squares' weight;
-        the pairs go by distance as in `features`: a pair (i, i + d) gives x'_(i + d) d phi to row i and x'_i d phi
-        to row i + d (mod K), a few ops per distance.
+        d x'_a = d phi_(linear a) + 2 w x'_a d phi_(a, a) + sum_(b != a) x'_b d phi_(a, b), w the squares' weight; a
+        pair (i, i + d) gives x'_(i + d) d phi to row i and x'_i d phi to row i + d (mod K), a few ops per distance.
         """
         K, half = self.feature_dim, self.half_distance
         scaled = x if scaled else x * self.scale
@@ -140,12 +138,10 @@ class CompactTaylor:
         return form.flatten(-2) @ self._form_maps[1].to(form.dtype)
 
     def key_form(self, counted_rows: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The form of what keys add to the denominator column, from their [1, k'] `rows` `(..., K + 1, n)` and the
-        same rows times 0 / 1 per key that counts, `counted_rows`: `(..., K + 1, K + 1)`.
-
-        A key adds phi(q) . phi(k) = 1 + s + s**2 / 2 = 1/2 + 1/2 ([1, q'] . [1, k'])**2 for each query, which is
-        [1, q'] F [1, q'] with F = 1/2 [1, k'] [1, k']^T + 1/2 e0 e0^T: half the keys' Gram, whose (0, 0) entry (the
-        count of keys) is taken whole.
+        """The form `(..., K + 1, K + 1)` of what keys add to the denominator column, from their [1, k'] `rows`
+        `(..., K + 1, n)` and the same rows times 0 / 1 per key that counts, `counted_rows`. A key adds
+        1 + s + s**2 / 2 = 1/2 + 1/2 ([1, q'] . [1, k'])**2 = [1, q'] F [1, q'] with F = 1/2 [1, k'] [1, k']^T +
+        1/2 e0 e0^T: half the keys' Gram, its (0, 0) entry (the count of keys) whole.
         """
         gram = torch.matmul(counted_rows, rows.transpose(-1, -2), out=out)
         return gram.mul_(self._form_scale.to(gram.dtype))

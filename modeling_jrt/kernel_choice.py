@@ -104,12 +104,8 @@ class KernelChoice:
         return self._module
 
     def linear_attention(self, device: torch.device) -> str:
-        """The implementation of the linear attention on `device`: `"triton"` (the fused prefill and decode step),
-        `"chunked"` (PyTorch) or `"quadratic"` (the oracle prefill; its decode step is PyTorch's).
-
-        Raises:
-            RuntimeError: "triton" asked for and `jrt_kernels` is not installed (or of another kernel API).
-        """
+        """The implementation of the linear attention on `device`: `"triton"`, `"chunked"` or `"quadratic"`. A
+        `RuntimeError` when "triton" is asked for and `jrt_kernels` (of this `KERNEL_API`) is not installed."""
         requested = self.requested
         if requested == "triton" and self.kernels() is None:
             raise RuntimeError(

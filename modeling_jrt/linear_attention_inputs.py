@@ -18,16 +18,14 @@ class LinearAttentionInputs(NamedTuple):
 
     Attributes:
         q, k: `(B, T, H, K)` decoder queries and keys. v: `(B, T, H, V)` decoder values.
-        k_enc, v_enc: `(B, M, H, K)` / `(B, M, H, V)` encoder keys and values of the first M <= T tokens, or None
-            (causal linear attention, Based).
+        k_enc, v_enc: `(B, M, H, K)` / `(B, M, H, V)` encoder keys and values of the first M <= T tokens, or None.
         encoder_start, encoder_end: `(B,)` int64 (ints as arguments): row b's encoder reads positions
             `encoder_start[b] <= m < encoder_end[b]` of k_enc / v_enc; `[0, M)` for every row when none is given;
             None without an encoder.
         key_mask: `(B, T)` bool (a 0/1 mask as an argument), True for real tokens, or None.
         pad_masking: `"strict"` or `"reference"` (`linear_attention.py`, "Padding").
         initial_state: `(B, H, F, V + 1)` state of earlier tokens (continuing from a cache), or None.
-        log_decay: `(H,)` log gamma of the Based fixed decay, or None.
-        gate: `(B, T, H)` input-dependent numerator gate of the Based decay variant, or None.
+        log_decay: `(H,)` log gamma of the Based fixed decay; gate: `(B, T, H)` its numerator gate; or None.
         eps: added to the denominator. chunk_size: the chunked scan's chunk length (>= 1).
     """
 
@@ -70,13 +68,9 @@ class LinearAttentionInputs(NamedTuple):
         )
 
     def key_masks(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Which keys count (see `linear_attention.py`'s docstring, "Padding").
-
-        Returns:
-            `(raw, decoder, encoder)`: `raw` `(B, T)` bool, False where the raw key is zeroed before the feature map;
-            `decoder` `(B, T)` / `encoder` `(B, M)` bool, True where phi(k) enters the decoder / encoder sums. None
-            means "all True" (no key mask; no encoder).
-        """
+        """Which keys count (`linear_attention.py`, "Padding"): `(raw, decoder, encoder)`, `raw` `(B, T)` False where
+        the raw key is zeroed before the feature map, `decoder` `(B, T)` / `encoder` `(B, M)` True where phi(k) enters
+        the decoder / encoder sums; None means all True."""
         seq_len = self.q.shape[1]
         encoder_length = 0 if self.k_enc is None else self.k_enc.shape[1]
         key_mask, pad_masking = self.key_mask, self.pad_masking

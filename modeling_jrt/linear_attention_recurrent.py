@@ -85,8 +85,9 @@ def _step(
     phi_q, phi_k, value_and_one = _step_operands(q, k, v, dtype)
     phi_q, phi_k = phi_q.view(rows, 1, num_features), phi_k.view(rows, num_features, 1)
     value_and_one = value_and_one.view(rows, 1, value_dim + 1)
+    # The numerator columns decay by gamma per token, the denominator's never.
     gamma = None if log_decay is None else torch.exp(log_decay.to(dtype))[None, :, None, None]
-    if in_place:  # the numerator columns decay by gamma per token, the denominator's never
+    if in_place:
         if gamma is not None:
             state[..., :value_dim].mul_(gamma)
         state.view(rows, num_features, value_dim + 1).baddbmm_(phi_k, value_and_one)

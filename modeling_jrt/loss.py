@@ -80,16 +80,10 @@ def jrt_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The JRT objective: next-token loss plus `mlm_weight` times the masked-LM loss on the prefix.
 
-    Args:
-        logits: `(B, T, V)` scores.
-        labels: `(B, T)` unshifted next-token targets (position t predicts `labels[t + 1]`), -100 where none.
-        mlm_labels: `(B, T)` masked-LM targets, predicted at their own position, -100 where none.
-        mlm_weight: weight of the masked-LM term (0.25 in the reference).
-        num_items_in_batch: NTP targets of the whole optimizer step, as `Trainer` passes it (module docstring).
-
-    Returns:
-        `(loss, ntp_loss, mlm_loss)`: the scalar to optimise and the detached NTP and MLM means of this batch (0 for
-        a part with no targets).
+    logits `(B, T, V)`; labels `(B, T)` unshifted next-token targets; mlm_labels `(B, T)` masked-LM targets at their
+    own position (-100 where none); num_items_in_batch: NTP targets of the whole optimizer step (module docstring).
+    Returns `(loss, ntp_loss, mlm_loss)`: the scalar to optimise and the detached NTP and MLM means of this batch (0
+    for a part with no targets).
     """
     if labels.shape != logits.shape[:2] or mlm_labels.shape != logits.shape[:2]:
         raise ValueError(

@@ -152,7 +152,7 @@ class JRTRNNShortConv(nn.Module):
         mask = None if attention_mask is None else attention_mask[:, -seq_len:]  # (B, T)
         state = layer_state if layer_state is not None or cache is None else cache.layers[self.layer_idx]
         # 1. Input projection into the convolution branch and the gate.
-        conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, t, D) each
+        conv_input, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, T, D) each
         # 2. Padded positions enter the convolution as zeros, so pads never reach the window of a real token.
         if mask is not None:
             conv_input = conv_input * mask[:, :, None].to(conv_input.dtype)
@@ -165,7 +165,7 @@ class JRTRNNShortConv(nn.Module):
             state.write(None, window[..., 1:])  # K - 1 columns: the whole buffer, in place
         else:
             past = None if history is None else history.transpose(1, 2)  # (B, K - 1, D)
-            conv_output = causal_depthwise_conv(conv_input, past, self.conv.weight)  # (B, t, D)
+            conv_output = causal_depthwise_conv(conv_input, past, self.conv.weight)  # (B, T, D)
             if state is not None:
                 state.write(history, conv_input.transpose(1, 2))
         # 4. SiLU, multiplicative gate, output projection (in place when no autograd graph records them).

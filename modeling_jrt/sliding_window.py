@@ -72,11 +72,8 @@ def blocked_sliding_window_attention(
     `key_mask`, at O(T * (Q + W)) cost. One query (a decode step) goes to `_one_query_attention`.
 
     Args:
-        query: `(B, H, T, D)` the T newest positions.
-        key, value: `(B, H, S, D)`: the `S - T` cached keys that precede the queries, then the T keys of the queries.
-        key_mask: `(B, S)` bool, False for padding keys (left padding), or None when there is none.
-        sliding_window: W, the number of keys a query sees, itself included.
-        scaling: the softmax scale (1 / sqrt(D)).
+        query: `(B, H, T, D)`; key, value: `(B, H, S, D)`, the `S - T` cached keys first.
+        key_mask: `(B, S)` bool, False for padding keys, or None. sliding_window: W. scaling: the softmax scale.
         implementation: `"sdpa"` (`F.scaled_dot_product_attention` per block) or `"eager"` (matmul + softmax).
         block_size: query rows per block; default `default_block_size(W)` (at most T).
 
