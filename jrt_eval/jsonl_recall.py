@@ -7,10 +7,8 @@ There is one evaluation code path: this module writes two task YAMLs that includ
 the summary table and the per-record file. Record format and validation: `jrt_eval.recall.load_records`; prompts:
 `jrt_prompt` via `jrt_eval.recall`. Needs the `eval` extra (lm-eval).
 
-Protocol (docs/reference_architecture.md §2.2): each document is cut to `context_tokens - answer_tokens` tokens
-around the answer (or the key), the read-once and/or JRT prompt is built, greedy generation of `max_new_tokens` stops at the first newline,
-and "contains" scores a case-insensitive match of any gold answer. Prompts longer than the model's window
-(`max_length`: `max_position_embeddings`, else 2048) are left-truncated by lm-eval.
+Protocol: the `jrt_eval.recall` module docstring. Prompts longer than the model's window (`max_length`:
+`max_position_embeddings`, else 2048) are left-truncated by lm-eval.
 """
 
 from __future__ import annotations
@@ -30,9 +28,10 @@ from jrt_eval.recall import (
     default_prompt,
     first_line,
     load_records,
+    record_doc,
     twice_prompt,
+    window_context,
 )
-from jrt_prompt import EXTRACTION_TEMPLATES, truncate_context
 
 PROMPT_KINDS: tuple[str, ...] = ("default", "jrt")
 """`default`: the read-once prompt; `jrt`: the JRT-Prompt (document twice)."""
@@ -86,15 +85,11 @@ def build_prompt(
     context_tokens: int = 1000,
     answer_tokens: int = 50,
 ) -> str:
-    """The `prompt_kind` prompt of `record` exactly as the `jrt_jsonl` tasks build it (window centred on the first
-    answer or, for extraction records, the key)."""
+    """The `prompt_kind` prompt of `record` exactly as the `jrt_jsonl` tasks build it."""
     if prompt_kind not in PROMPT_KINDS:
         raise ValueError(f"Unknown prompt kind {prompt_kind!r}; expected one of {', '.join(PROMPT_KINDS)}.")
-    anchors = list(record.answers) + ([record.question] if record.template in EXTRACTION_TEMPLATES else [])
-    context = truncate_context(record.context, tokenizer, context_tokens=context_tokens,
-                               answer_tokens=answer_tokens, answers=anchors)
-    doc = {"context": context, "question": record.question, "header": record.header or "",
-           "template": record.template}
+    doc = record_doc(record)
+    doc["context"] = window_context(doc, tokenizer, context_tokens, answer_tokens)
     return default_prompt(doc) if prompt_kind == "default" else twice_prompt(doc)
 
 

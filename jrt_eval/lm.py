@@ -13,7 +13,7 @@ the forward of a loglikelihood batch:
 
 so the encoder reads the context only (never the continuation, never the padding), and the logits of the scored
 positions (>= C - 1) are exactly those of the row evaluated alone with the same prefix. `scoring="reference"`
-instead reproduces the original HazyResearch harness (see `JRTLM.__init__`).
+instead reproduces the original HazyResearch harness (see `JRTLM`).
 
 `generate_until` goes through the package's `generate()` (HFLM already calls `model.generate`), so prompts shorter
 than the prefix are filled as the model's `prefix_strategy` says; `prefix_strategy=` in `--model_args` overrides it.
@@ -52,10 +52,10 @@ class JRTLM(HFLM):
             row scored alone. `"reference"`: the original harness's scoring, for comparison with published numbers:
             each row (context + continuation) is left-filled with `config.prefix_pad_token_id` up to
             `config.prefix_length` tokens and its last token dropped (so `prefix_length - 1` tokens are fed); the
-            fill is masked in the linear attention as `config.prefix_pad_masking` says and the encoder reads every
-            position. **It leaks**: every continuation token inside the prefix is read by the non-causal encoder,
-            so the logits that score a continuation token have already seen that token and the ones after it
-            (scores are too high, and depend on the continuation's own length). Longer rows are not filled (the
+            fill is masked in the linear attention as `config.prefix_pad_masking` says and the encoder reads the
+            whole filled row. **It leaks**: every continuation token inside the prefix is read by the non-causal
+            encoder, so the logits that score a continuation token have already seen that token and the ones after
+            it (scores are too high, and depend on the continuation's own length). Longer rows are not filled (the
             encoder reads their first `prefix_length` tokens). Rows are scored one at a time in this mode.
         prefix_strategy: Overrides the model's `prefix_strategy` in `generate_until` (`"pad"`, `"repeat"`,
             `"none"`).
@@ -66,14 +66,8 @@ class JRTLM(HFLM):
     context + continuation tokens agree, but with a prefix their logits also depend on where the context ends.
     """
 
-    def __init__(
-        self,
-        pretrained: Any,
-        *,
-        scoring: str = "leak_free",
-        prefix_strategy: str | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, pretrained: Any, *, scoring: str = "leak_free", prefix_strategy: str | None = None,
+                 **kwargs: Any) -> None:
         if scoring not in SCORING_MODES:
             raise ValueError(f"`scoring` must be one of {', '.join(SCORING_MODES)}, got {scoring!r}.")
         # `jrt` loads causal LMs only (AutoModelForCausalLM): saying so skips HFLM's guess from transformers'
@@ -103,10 +97,6 @@ class JRTLM(HFLM):
             if candidate is not None:
                 return candidate
         return None
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Loglikelihood
-    # ------------------------------------------------------------------------------------------------------------
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         """HFLM's loop, told where each row's context ends.
@@ -150,35 +140,21 @@ class JRTLM(HFLM):
                     "version batches differently than 0.4.13."
                 )
         lengths = torch.tensor([len(tokens) for tokens, _ in rows], device=inps.device)  # (B,)
-        context_lengths = [context for _, context in rows]
-        with (
-            torch.no_grad(),
-            torch.autocast(
-                device_type=self.device.type,
-                dtype=self.mixed_precision_dtype,
-                enabled=self.mixed_precision_dtype is not None,
-            ),
-        ):
+        autocast = torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                  enabled=self.mixed_precision_dtype is not None)
+        with torch.no_grad(), autocast:
             if self.scoring == "reference":
                 return self._reference_logits(inps, lengths)
+            # Leak-free, one forward: row b's prompt is its context, so its encoder reads the first
+            # min(context_b, prefix_length) tokens, never the continuation it scores; the padding is masked.
             attention_mask = (torch.arange(inps.shape[1], device=inps.device) < lengths[:, None]).long()  # (B, T)
-            return self._prefix_logits(inps, attention_mask, context_lengths)
-
-    def _prefix_logits(
-        self, inps: torch.Tensor, attention_mask: torch.Tensor, context_lengths: list[int]
-    ) -> torch.Tensor:
-        """Leak-free logits `(B, T, vocab)` in one forward: row b's prompt is its context, so its encoder reads the
-        first `min(context_b, prefix_length)` tokens (the model's prefix rule), never the continuation it scores;
-        nothing is filled, and the right padding is masked and never enters the encoder."""
-        prompt_lengths = torch.tensor(context_lengths, dtype=torch.long, device=inps.device)  # (B,)
-        return self.model(inps, attention_mask=attention_mask, prompt_lengths=prompt_lengths,
-                          prefix_strategy="none").logits
+            prompt_lengths = torch.tensor([context for _, context in rows], dtype=torch.long, device=inps.device)
+            return self.model(inps, attention_mask=attention_mask, prompt_lengths=prompt_lengths,
+                              prefix_strategy="none").logits
 
     def _reference_logits(self, inps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """The reference harness's logits `(B, T, vocab)`, one row at a time: a row of L input tokens (context +
-        continuation minus its last token) is left-filled with `max(prefix_length - 1 - L, 0)` prefix pad tokens, as
-        the reference pads context + continuation to `prefix_length` before dropping the last token; the encoder
-        then reads the whole filled row (continuation included) when it is within `prefix_length`."""
+        """The reference harness's logits `(B, T, vocab)` (`scoring="reference"`), one row at a time: a row of L
+        input tokens is left-filled to `prefix_length - 1` tokens with the prefix pad token."""
         config = self.model.config
         logits = None
         for index, length in enumerate(lengths.tolist()):
@@ -191,10 +167,6 @@ class JRTLM(HFLM):
                 logits = row_logits.new_zeros(inps.shape[0], inps.shape[1], row_logits.shape[-1])
             logits[index, :length] = row_logits[0]
         return logits
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Generation
-    # ------------------------------------------------------------------------------------------------------------
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         """HFLM's generation (greedy unless the task says otherwise), with `prefix_strategy=` for JRT-RNN."""

@@ -17,16 +17,9 @@ and the prompts are `jrt_prompt.jrt_prompt(..., repeats=1)` (default tasks) or `
 single source of the prompt strings. Generation is greedy, 48 tokens, cut at the first newline; the metric
 `contains` is a case-insensitive match of any gold answer in the generation.
 
-Families (Hub data sets as in the reference harness; the `text`/`key`/`value` or `context`/`question`/
-`orig_question`/`answers` columns are mapped to the schema above):
-
-    swde      hazyresearch/based-swde-v2    fda       hazyresearch/based-fda      squad   hazyresearch/based-squad
-    drop      hazyresearch/based_drop       triviaqa  hazyresearch/based_triviaqa
-    nq_512 / nq_1024 / nq_2048              hazyresearch/based_nq_{512,1024,2048}
-    jsonl     your own JSON Lines file (`data_files=`) in the `jrt eval-recall` record format (`load_records`)
-
-The truncation tokenizer is the run's `tokenizer` (from `--model_args`/`--metadata`), else its `pretrained`, else
-GPT-2's (the reference's). `context_tokens` / `answer_tokens` come from `--metadata`.
+Families (`FAMILIES`): the reference harness's Hub data sets, their columns mapped to the schema above by
+`normalize_document`, and `jsonl`, your own JSON Lines file (`data_files=`) in the record format of `load_records`.
+`context_tokens` / `answer_tokens` come from `--metadata`; the tokenizer that counts them: `truncation_tokenizer`.
 """
 
 from __future__ import annotations
@@ -105,14 +98,8 @@ def _parse_record(raw: object, line: int) -> RecallRecord:
 def load_records(path: str | Path, *, limit: int | None = None) -> list[RecallRecord]:
     """Read and validate a JSONL file of records (format: docs/evaluation.md, "jrt eval-recall").
 
-    Args:
-        path: The JSONL file, UTF-8 without a byte-order mark.
-        limit: Read at most this many records (the first ones).
-
-    Raises:
-        FileNotFoundError: `path` does not exist.
-        ValueError: The file is not UTF-8 or starts with a BOM, or a line is not valid JSON or breaks the record
-            format; the message names the file (and `FILE:LINE:` for a line).
+    `path` is UTF-8 without a byte-order mark; `limit` keeps the first records only. A missing file raises
+    `FileNotFoundError`; any other problem `ValueError`, naming the file (and `FILE:LINE:` for a line).
     """
     path = Path(path)
     if not path.is_file():
@@ -149,6 +136,12 @@ def load_records(path: str | Path, *, limit: int | None = None) -> list[RecallRe
 # ----------------------------------------------------------------------------------------------------------------
 # Hub exports -> the task schema
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def record_doc(record: RecallRecord) -> dict:
+    """A JSONL record in the task schema."""
+    return {"context": record.context, "question": record.question, "header": record.header or "",
+            "answers": list(record.answers), "template": record.template, "id": record.id, "line": record.line}
 
 
 def _answers(value: Any) -> list[str]:
@@ -191,8 +184,8 @@ def _load_tokenizer(name: str):
 
 
 def truncation_tokenizer(metadata: dict):
-    """The tokenizer that counts document tokens: `tokenizer`, else `pretrained` (a name or an object), else
-    GPT-2's (the reference's)."""
+    """The tokenizer that counts document tokens: the run's `tokenizer` (from `--model_args` / `--metadata`), else
+    its `pretrained` (a name or an object), else GPT-2's (the reference's)."""
     for key in ("tokenizer", "pretrained"):
         value = metadata.get(key)
         if isinstance(value, str) and value:
@@ -235,11 +228,7 @@ def load_recall_dataset(
     if family == "jsonl":
         if data_files is None:
             raise ValueError("The jrt_jsonl tasks need `data_files=` (a JSON Lines file of records).")
-        docs = [
-            {"context": r.context, "question": r.question, "header": r.header or "", "answers": list(r.answers),
-             "template": r.template, "id": r.id, "line": r.line}
-            for r in load_records(data_files, limit=limit_docs)
-        ]
+        docs = [record_doc(record) for record in load_records(data_files, limit=limit_docs)]
     else:
         if data_files is not None:
             rows = datasets.load_dataset("json", data_files={split: str(data_files)})[split]
@@ -249,12 +238,16 @@ def load_recall_dataset(
         docs = [doc for doc in (normalize_document(family, row) for row in rows) if doc is not None]
     tokenizer = truncation_tokenizer(metadata)
     for doc in docs:
-        anchors = doc["answers"] + ([doc["question"]] if doc["template"] in EXTRACTION_TEMPLATES else [])
-        doc["context"] = truncate_context(
-            doc["context"], tokenizer, context_tokens=context_tokens, answer_tokens=answer_tokens,
-            answers=anchors if centred else (),
-        )
+        doc["context"] = window_context(doc, tokenizer, context_tokens, answer_tokens, centred=centred)
     return datasets.DatasetDict({split: datasets.Dataset.from_list(docs)})
+
+
+def window_context(doc: dict, tokenizer, context_tokens: int, answer_tokens: int, *, centred: bool = True) -> str:
+    """`doc`'s document cut by `truncate_context`, centred (when `centred`) on its answers and, for the extraction
+    templates, its key."""
+    anchors = doc["answers"] + ([doc["question"]] if doc["template"] in EXTRACTION_TEMPLATES else [])
+    return truncate_context(doc["context"], tokenizer, context_tokens=context_tokens, answer_tokens=answer_tokens,
+                            answers=anchors if centred else ())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -308,6 +301,8 @@ __all__ = [
     "load_records",
     "normalize_document",
     "process_results",
+    "record_doc",
     "truncation_tokenizer",
     "twice_prompt",
+    "window_context",
 ]

@@ -147,11 +147,15 @@ def _resolve_template(template: str) -> Callable[[str, str, str | None], _Docume
 DOCUMENT_SEPARATOR = "\n"
 
 
+def _check_repeats(repeats: int) -> None:
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"`repeats` must be a positive integer (1 = read once, 2 = JRT-Prompt), got {repeats!r}.")
+
+
 def read_twice(text: str, repeats: int = 2) -> str:
     """JRT-Prompt in its simplest form, for text without a separate question: `text` `repeats` times, joined by
     `DOCUMENT_SEPARATOR` (what `jrt generate --jrt-prompt` feeds the model)."""
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise ValueError(f"`repeats` must be a positive integer (1 = read once, 2 = JRT-Prompt), got {repeats!r}.")
+    _check_repeats(repeats)
     return DOCUMENT_SEPARATOR.join([text] * repeats)
 
 
@@ -188,8 +192,7 @@ def jrt_prompt(
         ...            header="Where was Zorbin Vale born?")
         'Where was Zorbin Vale born? Zorbin Vale was born in Ostrava.\\nZorbin Vale was born in Ostrava. Zorbin Vale was born in'
     """
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise ValueError(f"`repeats` must be a positive integer (1 = read once, 2 = JRT-Prompt), got {repeats!r}.")
+    _check_repeats(repeats)
     document = _resolve_template(template)(context, question, header)
     if repeats == 1:
         return document.read_once
@@ -253,28 +256,22 @@ def truncate_context(
 ) -> str:
     """Cut `context` to a window of `context_tokens - answer_tokens` tokens around the first answer occurrence.
 
-    The reference `--cutting_context` rule (docs/reference_architecture.md §2.2): with
-    W = `context_tokens - answer_tokens` and `a` the token index where the first case-insensitive occurrence of any answer starts, keep the tokens
+    The reference `--cutting_context` rule (docs/reference_architecture.md §2.2): with W the window and `a` the
+    token index where the earliest case-insensitive occurrence of any of `answers` starts, keep the tokens
     `[max(0, a - W // 2), max(0, a - W // 2) + W)` of the stripped document, decoded back to text. Truncating
-    *before* building the prompts gives the read-once and the JRT prompt the same information; the JRT prompt then
-    holds about twice as many tokens (the reference evaluates it with a 2048-token model window).
+    *before* building the prompts gives the read-once and the JRT prompt the same information.
 
-    When no answer is given or none occurs in the document, the window starts at the beginning. (The reference
-    then centres the window on the *end* of the document, an artefact of slicing with index -1.)
-    A document that already fits is returned stripped but otherwise unchanged. Tokens are counted without special
-    tokens (no BOS), and the decoded window is re-encoded and shortened if needed, so the result never exceeds W
-    tokens even where decoding and re-encoding a cut disagree.
+    When no answer occurs in the document, the window starts at the beginning (the reference centres it on the
+    *end* of the document, an artefact of slicing with index -1). A document that already fits is returned stripped
+    but otherwise unchanged. Tokens are counted without special tokens (no BOS), and the decoded window is
+    re-encoded and shortened if needed, so the result never exceeds W tokens.
 
     Args:
-        context: The document.
         tokenizer: A transformers tokenizer (`encode(..., add_special_tokens=False)` and `decode`).
         context_tokens: The token budget for the document plus the answer (the reference's `context_length`).
         answer_tokens: Tokens reserved for the answer (the reference's `answer_length`).
         answers: Strings to centre the window on (the reference uses the gold answer, and for SWDE/FDA also the
-            key); the earliest occurrence of any of them counts.
-
-    Returns:
-        The truncated document text.
+            key).
     """
     window = context_tokens - answer_tokens
     if window < 1:
@@ -296,16 +293,3 @@ def truncate_context(
         text = tokenizer.decode(token_ids[start:end], skip_special_tokens=True)
     return text
 
-
-__all__ = [
-    "DOCUMENT_SEPARATOR",
-    "EXTRACTION_TEMPLATES",
-    "PROMPT_TEMPLATES",
-    "default_prompt",
-    "default_prompts",
-    "find_answer",
-    "jrt_prompt",
-    "jrt_prompts",
-    "read_twice",
-    "truncate_context",
-]
