@@ -1,4 +1,4 @@
-"""The JRT-RNN training objective (docs/reference_architecture.md §1.5): a data collator and the combined loss.
+"""The JRT-RNN training objective (docs/reference_architecture.md §1.5): the data collator of its batches.
 
 A packed block of tokens `s` of length T is split at the prefix length E (`config.prefix_length`):
 
@@ -15,6 +15,8 @@ sees the [MASK] there, not the token.
 
     loss = mean NTP cross-entropy + mlm_weight * mean MLM cross-entropy        (mlm_weight = 0.25)
 
+computed by `modeling_jrt.loss.jrt_loss` (the model's forward, when a batch has `mlm_labels`).
+
 As in the reference, target s[E] (predicted from the last prefix position) is never used, and the masked tokens are
 all replaced by [MASK] (no 80/10/10 split). The reference samples 2049 tokens to supervise the 1024 positions
 E..2047; a block of T = 2049 tokens here gives exactly the same targets (position 2048's prediction is unused).
@@ -25,11 +27,9 @@ Decisions (and where they differ from the reference):
   a target. (To reproduce it, set `mlm_labels[mlm_labels == 0] = -100` in the batch.)
 - Masking draws exactly `round(mlm_probability * E)` positions per sequence by default (`mask_sampling="fixed"`)
   instead of the reference's independent Bernoulli draw per position (`mask_sampling="bernoulli"`). Both mask each
-  prefix position with probability `mlm_probability` (up to the rounding); the fixed count makes the MLM mean of a batch independent of
-  how it is split into micro-batches and processes (see `jrt_loss`), so gradient accumulation and DDP give the same
-  update as one large batch.
-
-The loss itself is `modeling_jrt.loss.jrt_loss` (the model computes it when a batch has `mlm_labels`).
+  prefix position with probability `mlm_probability` (up to the rounding); the fixed count makes the MLM mean of a
+  batch independent of how it is split into micro-batches and processes (see `jrt_loss`), so gradient accumulation
+  and DDP give the same update as one large batch.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from modeling_jrt import JRTRNNConfig
 from modeling_jrt.loss import IGNORE_INDEX
 
 MASK_SAMPLINGS = ("fixed", "bernoulli")
+Example = Sequence[int] | torch.Tensor | Mapping[str, Any]
 
 
 @dataclass
@@ -61,9 +62,8 @@ class JRTDataCollator:
         prefix_length: length E of the non-causal prefix; must equal the model's `config.prefix_length`.
         mask_token_id: id written over the masked prefix tokens (`config.mask_token_id`).
         mlm_probability: fraction of prefix tokens to mask (0.15 in the reference).
-        mask_sampling: `"fixed"` masks exactly `round(mlm_probability * E)` random prefix positions per sequence
-            (exact under gradient accumulation, see the module docstring); `"bernoulli"` masks each position
-            independently, as the reference.
+        mask_sampling: `"fixed"` (exactly `round(mlm_probability * E)` masks per sequence) or `"bernoulli"` (the
+            reference's draw); see the module docstring.
         pad_token_id: id of the padding that ends short examples (only the trailing run of it counts), or None
             (then only an example's `attention_mask` marks pads).
         seed: seed of the masks. With a seed, the masks depend only on the order in which sequences are collated
@@ -127,7 +127,7 @@ class JRTDataCollator:
             )
         return cls(prefix_length=config.prefix_length, mask_token_id=config.mask_token_id, **kwargs)
 
-    def __call__(self, examples: Sequence[Sequence[int] | torch.Tensor | Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
         if len(examples) == 0:
             raise ValueError("JRTDataCollator got no examples: a batch needs at least one block of token ids.")
         rows = [self._as_tensors(index, example) for index, example in enumerate(examples)]
@@ -160,9 +160,7 @@ class JRTDataCollator:
             batch["attention_mask"] = real.long()
         return batch
 
-    def _as_tensors(self, index: int, example: Sequence[int] | torch.Tensor | Mapping[str, Any]) -> tuple[
-        torch.Tensor, torch.Tensor
-    ]:
+    def _as_tensors(self, index: int, example: Example) -> tuple[torch.Tensor, torch.Tensor]:
         """One example as `(T,)` int64 ids and a `(T,)` bool mask of its real (non-pad) tokens."""
         attention_mask = None
         if isinstance(example, Mapping):
@@ -241,7 +239,7 @@ def _is_int(value: object) -> bool:
 def pack_token_blocks(token_ids: Sequence[int] | torch.Tensor, block_size: int) -> torch.Tensor:
     """Cuts one long token stream (documents joined with an end-of-text token) into `(N, block_size)` blocks,
     dropping the remainder, like the reference's packed Pile samples."""
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+    if not _is_int(block_size) or block_size < 1:
         raise ValueError(f"`block_size` must be a positive integer, got {block_size!r}.")
     token_ids = torch.as_tensor(token_ids)
     is_integer = not (token_ids.is_floating_point() or token_ids.dtype == torch.bool) or token_ids.numel() == 0

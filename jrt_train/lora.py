@@ -15,13 +15,11 @@ LORA_TARGET_MODULES = (
 )
 
 
-
 def default_lora_config(**overrides: Any):
     """A `peft.LoraConfig` for JRT-RNN / Based models: rank 8, alpha 16, on every Linear projection.
 
-    Targets `LORA_TARGET_MODULES` (attention, prefix-encoder, convolution-block and MLP projections). The depthwise
-    convolution cannot take LoRA (its weight is one kernel per channel, and PEFT rejects grouped convolutions); it
-    stays frozen unless you list `"conv"` in `modules_to_save`. Keyword arguments override any `LoraConfig` field.
+    Targets `LORA_TARGET_MODULES`; the depthwise convolution cannot take LoRA (see there) and stays frozen unless you
+    list `"conv"` in `modules_to_save`. Keyword arguments override any `LoraConfig` field.
 
     Example:
         >>> from peft import get_peft_model

@@ -14,10 +14,8 @@ LOSS_PARTS = ("ntp_loss", "mlm_loss")
 
 
 class JRTTrainer(Trainer):
-    """A `Trainer` that logs `ntp_loss` and `mlm_loss` (this process's means since the last log) with `loss`.
-
-    Use it with `JRTDataCollator`, whose batches carry `mlm_labels`; on batches without them the model returns no
-    parts and nothing extra is logged."""
+    """A `Trainer` that logs `ntp_loss` and `mlm_loss` with `loss`. Use it with `JRTDataCollator`, whose batches
+    carry `mlm_labels`; on batches without them the model returns no parts and nothing extra is logged."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

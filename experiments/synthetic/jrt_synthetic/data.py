@@ -18,11 +18,6 @@ import torch
 from modeling_jrt.loss import IGNORE_INDEX
 
 from jrt_cli.set_disjointness import (  # noqa: F401  (re-exported)
-    SD_ANSWER_SEP,
-    SD_BOS,
-    SD_MASK,
-    SD_NUM_SPECIAL,
-    SD_SET_SEP,
     SyntheticBatch,
     _check_positive,
     render_tokens,

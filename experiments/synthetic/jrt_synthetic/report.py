@@ -15,6 +15,10 @@ def _slice_label(name: str) -> str:
     return f"acc ({name.replace('_', ',')})" if "_" in name else f"acc {name}"
 
 
+def _mean_std(mean: float, std: float, values: list[float]) -> str:
+    return f"**{mean:.3f} ± {std:.3f}** ({', '.join(f'{v:.3f}' for v in values)})"
+
+
 def markdown_table(summary: dict) -> str:
     """One row per arm: accuracy per slice as mean ± std over seeds (each seed listed), state size, speed."""
     arms = summary["arms"]
@@ -25,9 +29,7 @@ def markdown_table(summary: dict) -> str:
     lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for arm, stats in arms.items():
         cells = [arm, str(stats["steps"]), " ".join(str(s) for s in stats["seeds"])]
-        for s in slices:
-            per_seed = ", ".join(f"{a:.3f}" for a in stats["accuracy"][s])
-            cells.append(f"**{stats['mean'][s]:.3f} ± {stats['std'][s]:.3f}** ({per_seed})")
+        cells += [_mean_std(stats["mean"][s], stats["std"][s], stats["accuracy"][s]) for s in slices]
         state = stats["recurrent_state_floats"]
         cells += [
             ", ".join(f"{loss:.3f}" for loss in stats["final_train_loss"]),
@@ -126,6 +128,6 @@ def extra_eval_table(results: dict) -> str:
             values = by_slice[s]
             mean = sum(values) / len(values)
             std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
-            cells.append(f"**{mean:.3f} ± {std:.3f}** ({', '.join(f'{v:.3f}' for v in values)})")
+            cells.append(_mean_std(mean, std, values))
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
