@@ -1,11 +1,9 @@
 """`JRTLM`: lm-evaluation-harness's HF model (`HFLM`) with leak-free prefix scoring for JRT-RNN and Based.
 
 lm-eval's stock `hf` model calls `model(input_ids)` on loglikelihood batches right-padded with id 0. For a JRT-RNN
-checkpoint that has two flaws: the non-causal prefix (the first `prefix_length` positions) then covers the
-continuation being scored, so a continuation token's log-prob depends on the continuation itself, and the right
-padding is read by the encoder, so scores change with batch composition. `JRTLM` keeps everything of `HFLM`
-(request batching and sorting, the request cache, chat templates, `generate_until`, output writing) and replaces only
-the forward of a loglikelihood batch:
+checkpoint the non-causal prefix (the first `prefix_length` positions) then covers the continuation being scored,
+and the encoder reads the right padding, so scores depend on the continuation itself and on the batch. `JRTLM` keeps
+everything of `HFLM` and replaces only the forward of a loglikelihood batch:
 
     row (right-padded by HFLM):   [ context c0..c(C-1) | continuation x0..x(N-2) | pad ... ]
     attention_mask:                 1 ...                 1 ...                    0 ...
@@ -15,9 +13,8 @@ so the encoder reads the context only (never the continuation, never the padding
 positions (>= C - 1) are exactly those of the row evaluated alone with the same prefix. `scoring="reference"`
 instead reproduces the original HazyResearch harness (see `JRTLM`).
 
-`generate_until` goes through the package's `generate()` (HFLM already calls `model.generate`), so prompts shorter
-than the prefix are filled as the model's `prefix_strategy` says; `prefix_strategy=` in `--model_args` overrides it.
-bf16 autocast, as the reference evaluated, is HFLM's `mixed_precision_dtype=bfloat16`.
+`generate_until` goes through the model's `generate()`, so prompts shorter than the prefix are filled as its
+`prefix_strategy` says. bf16 autocast, as the reference evaluated, is HFLM's `mixed_precision_dtype=bfloat16`.
 
 Causal models (Based, any other `AutoModelForCausalLM`) have no prefix: they are scored exactly as by `HFLM` (right
 padding cannot reach a causal model's scored positions), logits cache included.
@@ -44,18 +41,16 @@ REFERENCE_MAX_LENGTH = 2048
 class JRTLM(HFLM):
     """lm-eval model `jrt`: `HFLM` whose loglikelihood rows use their context as the JRT prefix.
 
-    Takes every `HFLM` argument (`pretrained`, `tokenizer`, `dtype`, `device`, `batch_size`,
-    `mixed_precision_dtype`, `trust_remote_code`, ...) plus:
+    Takes every `HFLM` argument (`pretrained`, `tokenizer`, `dtype`, `device`, `batch_size`, ...) plus:
 
     Args:
-        scoring: `"leak_free"` (default): each row's prefix is its context, padding is masked; a score equals the
-            row scored alone. `"reference"`: the original harness's scoring, for comparison with published numbers:
-            each row (context + continuation) is left-filled with `config.prefix_pad_token_id` up to
-            `config.prefix_length` tokens and its last token dropped (so `prefix_length - 1` tokens are fed); the
-            fill is masked in the linear attention as `config.prefix_pad_masking` says and the encoder reads the
-            whole filled row. **It leaks**: every continuation token inside the prefix is read by the non-causal
-            encoder, so the logits that score a continuation token have already seen that token and the ones after
-            it (scores are too high, and depend on the continuation's own length). Longer rows are not filled (the
+        scoring: `"leak_free"` (default; see the module docstring). `"reference"`: the original harness's scoring,
+            for comparison with published numbers: each row (context + continuation) is left-filled with
+            `config.prefix_pad_token_id` up to `config.prefix_length` tokens and its last token dropped (so
+            `prefix_length - 1` tokens are fed); the fill is masked in the linear attention as
+            `config.prefix_pad_masking` says and the encoder reads the whole filled row. **It leaks**: the logits
+            that score a continuation token inside the prefix have already seen that token and the ones after it
+            (scores are too high, and depend on the continuation's own length). Longer rows are not filled (the
             encoder reads their first `prefix_length` tokens). Rows are scored one at a time in this mode.
         prefix_strategy: Overrides the model's `prefix_strategy` in `generate_until` (`"pad"`, `"repeat"`,
             `"none"`).

@@ -236,8 +236,7 @@ def evaluate_saved_models(out: str | Path, eval_slices: list[tuple[int, ...]], e
 
     results: dict[str, dict[str, list[float]]] = {}
     for run in sorted(load_runs(out), key=lambda r: (r["name"], r["seed"])):
-        task_fields = dict(run["spec"]["task"], eval_slices=eval_slices, eval_examples=eval_examples)
-        task = TaskSpec(**task_fields)
+        task = TaskSpec(**dict(run["spec"]["task"], eval_slices=eval_slices, eval_examples=eval_examples))
         model = AutoModelForCausalLM.from_pretrained(Path(out) / run_directory_name(run["name"], run["seed"]) / "model")
         for name, accuracy in evaluate(model.eval(), task.eval_sets()).items():
             results.setdefault(run["name"], {}).setdefault(name, []).append(accuracy)

@@ -133,20 +133,16 @@ def build_model_config(spec: RunSpec, prefix_length: int) -> JRTRNNConfig:
     )
 
 
-def labelled_logits(model: JRTRNNForCausalLM, batch: SyntheticBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits `(N, V)` at the N labelled positions of `batch` (row-major order) and the `(N, 2)` (row, position)
-    indices of those positions. The encoder of a prefix model reads `batch.prefix_length` tokens."""
+def labelled_logits(
+    model: JRTRNNForCausalLM, batch: SyntheticBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits `(N, V)` at the N labelled positions of `batch` (row-major order), their labels `(N,)` and rows
+    `(N,)`. The encoder of a prefix model reads `batch.prefix_length` tokens."""
     hidden = model.model(
         input_ids=batch.input_ids, prefix_length=batch.prefix_length, use_cache=False
     ).last_hidden_state  # (B, T, d)
-    positions = (batch.labels != IGNORE_INDEX).nonzero()  # (N, 2)
-    return model.lm_head(hidden[positions[:, 0], positions[:, 1]]), positions
-
-
-def labelled_loss(model: JRTRNNForCausalLM, batch: SyntheticBatch) -> torch.Tensor:
-    """Mean cross-entropy over the labelled positions of `batch`."""
-    logits, positions = labelled_logits(model, batch)
-    return F.cross_entropy(logits, batch.labels[positions[:, 0], positions[:, 1]])
+    rows, positions = (batch.labels != IGNORE_INDEX).nonzero(as_tuple=True)
+    return model.lm_head(hidden[rows, positions]), batch.labels[rows, positions], rows
 
 
 @torch.no_grad()
@@ -157,11 +153,10 @@ def per_example_accuracy(model: JRTRNNForCausalLM, batch: SyntheticBatch, chunk:
         part = SyntheticBatch(
             batch.input_ids[start:start + chunk], batch.labels[start:start + chunk], batch.prefix_length
         )
-        logits, positions = labelled_logits(model, part)
-        correct = (logits.argmax(-1) == part.labels[positions[:, 0], positions[:, 1]]).float()
-        rows = part.input_ids.shape[0]
-        hits = torch.zeros(rows).index_add_(0, positions[:, 0], correct)
-        counts = torch.zeros(rows).index_add_(0, positions[:, 0], torch.ones_like(correct))
+        logits, labels, rows = labelled_logits(model, part)
+        correct = (logits.argmax(-1) == labels).float()
+        hits = torch.zeros(part.input_ids.shape[0]).index_add_(0, rows, correct)
+        counts = torch.zeros(part.input_ids.shape[0]).index_add_(0, rows, torch.ones_like(correct))
         results.append(hits / counts)
     return torch.cat(results)
 
@@ -226,7 +221,8 @@ def train_run(spec: RunSpec, out_dir: str | Path | None = None, progress_positio
                disable=not show_progress, mininterval=2.0, leave=True, dynamic_ncols=True)
     for step in bar:
         slice_ = spec.task.train_slices[rng.randint(len(spec.task.train_slices))]
-        loss = labelled_loss(model, spec.task.sample(rng, spec.batch_size, slice_))
+        logits, labels, _ = labelled_logits(model, spec.task.sample(rng, spec.batch_size, slice_))
+        loss = F.cross_entropy(logits, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
