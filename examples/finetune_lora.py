@@ -151,8 +151,8 @@ def finetune(args: argparse.Namespace) -> int:
     probe = blocks[:2, : min(64, args.block_size)]
     with torch.no_grad():
         expected = model(input_ids=probe).logits
-        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), args.output_dir / "adapter")
-        merged = reloaded.merge_and_unload().eval()
+        base = AutoModelForCausalLM.from_pretrained(base_path)
+        merged = PeftModel.from_pretrained(base, args.output_dir / "adapter").merge_and_unload().eval()
         difference = (merged(input_ids=probe).logits - expected).abs().max().item()
     print(f"{objective} objective; merged vs trained adapter: max |logit difference| = {difference:.2e}")
     merged.save_pretrained(args.output_dir / "merged")

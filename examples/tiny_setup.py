@@ -73,13 +73,12 @@ Arguments = TypeVar("Arguments")
 
 
 def run_distributed(entry: Callable[[Arguments], int], arguments: Arguments) -> int:
-    """Run an example's `entry(arguments)` (its parsed command line) and tear the process group down after it (see
-    `end_distributed`): every rank waits for the others after a success, and a failing rank leaves at once with its
-    exception."""
+    """Run an example's `entry(arguments)` (its parsed command line), then `end_distributed`: after a success every
+    rank waits for the others (rank 0 saves and samples), a failing rank leaves at once with its exception."""
     try:
         code = entry(arguments)
     except BaseException:
         end_distributed(synchronize=False)
         raise
-    end_distributed(synchronize=True)  # every rank waits for rank 0's saving and sampling, then exits cleanly
+    end_distributed(synchronize=True)
     return code

@@ -5,8 +5,7 @@
 - The recall tasks, YAML files in `TASKS_DIR` for lm-eval's `--include_path` (`jrt lm-eval` adds it): `jrt_swde`,
   `jrt_fda`, `jrt_squad`, `jrt_drop`, `jrt_triviaqa`, `jrt_nq_{512,1024,2048}` and `jrt_jsonl` (your own documents),
   each with a `_twice` JRT-Prompt variant, and the groups `jrt_recall` / `jrt_recall_twice`. Their data and prompts
-  come from `jrt_eval.recall`, which builds every prompt with `jrt_prompt` (the single source of the
-  prompt strings).
+  come from `jrt_eval.recall`.
 
 `jrt_eval.recall` needs only `datasets`; `JRTLM` needs lm-eval, imported on first use of `jrt_eval.JRTLM`.
 """

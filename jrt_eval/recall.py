@@ -133,15 +133,15 @@ def load_records(path: str | Path, *, limit: int | None = None) -> list[RecallRe
     return records
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Hub exports -> the task schema
-# ----------------------------------------------------------------------------------------------------------------
-
-
 def record_doc(record: RecallRecord) -> dict:
     """A JSONL record in the task schema."""
     return {"context": record.context, "question": record.question, "header": record.header or "",
             "answers": list(record.answers), "template": record.template, "id": record.id, "line": record.line}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hub exports -> the task schema
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def _answers(value: Any) -> list[str]:
