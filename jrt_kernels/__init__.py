@@ -3,8 +3,7 @@
 The prefill kernel has the same signature as its PyTorch reference in `modeling_jrt.linear_attention`, which stays
 the fallback everywhere; the serving decode step (`linear_attention_decode_triton`) takes a pool of states and each
 request's slot, and replaces gather + `linear_attention_step` + write-back; `rms_norm_triton` is the model's RMSNorm in
-one launch. Importing this package needs triton
-(`pip install 'jrt-rnn[triton]'`).
+one launch. Importing this package needs triton (`pip install 'jrt-rnn[triton]'`).
 """
 
 try:

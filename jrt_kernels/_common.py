@@ -10,6 +10,7 @@ the same arithmetic as a tensor core (exact products of rounded operands, fp32 s
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 
 def check_devices(kernel: str, tensors: list[torch.Tensor], interpreted: bool, on_cpu: str) -> None:
@@ -32,6 +33,9 @@ def _tile(p_base, o_t, m_t, s_t, o_d, m_d, s_d):
     return tl.load(p, mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float32)
 
 
+# TRITON_INTERPRET=1 when this package is first imported makes `triton.jit` return the CPU interpreter's function.
+INTERPRETED = isinstance(_tile, InterpretedFunction)
+
 @triton.jit
 def _op(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     """A matmul operand in DTYPE; under EMULATE, rounded to DTYPE and kept fp32 (exact products, fp32 sums)."""
@@ -49,9 +53,8 @@ def _dot(a, b, DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constex
 @triton.jit
 def _dot_alone(a, b, acc, DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
     """acc + a @ b (operands in DTYPE, fp32 acc), computed as (b^T a^T + acc^T)^T so that the product gets the warp
-    layout of its own shape. Triton gives every dot of a loop body that is connected to another dot that dot's
-    `warpsPerCTA` (its chained-dot rule, whose search stops at transposes). With 4 warps and `[4, 1]`, a product
-    with 16 rows is then computed by all four warps, and its accumulator takes 4x the registers."""
+    layout of its own shape: triton's chained-dot rule, which gives connected dots one `warpsPerCTA`, stops at
+    transposes (under `[4, 1]` a 16-row accumulator takes 4x the registers)."""
     return tl.trans(tl.dot(_op(tl.trans(b), DTYPE, EMULATE), _op(tl.trans(a), DTYPE, EMULATE), acc=tl.trans(acc),
                            input_precision=PRECISION))
 
@@ -70,10 +73,8 @@ def _tf32(x):
 
 @triton.jit
 def _dot_tf32(a, b, DOT: tl.constexpr, EMULATE: tl.constexpr):
-    """a @ b of fp32 operands for the backward's denominator terms: one TF32 product for bf16 / fp16 inputs, 3xTF32
-    (about fp32) for fp32 inputs. With bf16 / fp16 inputs every numerator term of the same gradient takes 8-bit
-    (bf16) state operands, so 10-bit operands here are not what limits its accuracy, and 3xTF32's operand splits
-    cost about a tenth of the dk/dv scan. Under EMULATE the interpreter's exact dot gets truncated operands."""
+    """a @ b of fp32 operands for the backward's denominator terms: one TF32 product for bf16 / fp16 inputs (whose
+    numerator terms take bf16 state operands anyway), 3xTF32 for fp32 inputs; under EMULATE, truncated operands."""
     if DOT == tl.float32:
         return _dot_fp32(a, b)
     if EMULATE:
@@ -103,9 +104,8 @@ def _key_weights(p_m, s_mt, o_t, m_t, start, end, key_lo, key_hi, MASK: tl.const
     """(raw, weight) of the keys at positions o_t: raw False zeroes the raw key, weight is its 0/1 weight.
 
     The key mask is read as MASK says: 0 none, 1 the row's range [key_lo, key_hi) (two comparisons), 2 the (B, T)
-    mask itself (a load per chunk, repeated for every register layout that uses it; the backward always reads it
-    so). Decoder keys: weight = key mask, or under "reference" masking key mask | in the encoder range. Encoder
-    keys: weight = in the range [start, end), and the key mask under strict masking.
+    mask itself (a load per chunk). Decoder keys: weight = key mask, or under "reference" masking key mask | in the
+    encoder range. Encoder keys: weight = in the range [start, end), and the key mask under strict masking.
     """
     in_range = (o_t >= start) & (o_t < end) & m_t
     if MASK == 1:
@@ -166,10 +166,8 @@ def _pair_index(o_p, o_k, K: tl.constexpr):
 def _pair_scatter(b_u, b_xi, b_xj, b_eit, b_ejt, SDOT: tl.constexpr, EMULATE: tl.constexpr,
                   PRECISION: tl.constexpr):
     """d/dx of sum_p u_p x_i x_j: [BT, BH] per-pair weights u and gathered x_i, x_j -> [BT, BK]; each pair (i, j)
-    adds u x_j to feature i and u x_i to feature j, by the transposed selection matrices on the tensor cores.
-
-    The products u x are operands in SDOT (u grows with the state); the 0/1 selections are exact, so the only
-    rounding is that of u x to SDOT."""
+    adds u x_j to feature i and u x_i to feature j, by the transposed (exact) selection matrices. The products u x
+    are SDOT operands (u grows with the state): their rounding is the only one."""
     return (_dot(b_u * b_xj, b_eit, SDOT, EMULATE, PRECISION)
             + _dot(b_u * b_xi, b_ejt, SDOT, EMULATE, PRECISION))
 

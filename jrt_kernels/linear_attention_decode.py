@@ -1,17 +1,16 @@
 """Fused decode step of linear attention that updates each request's state where it lives, in a pool of slots.
 
 A serving engine keeps every request's recurrent state in one pool, `(N, H, F, V + 1)` fp32, and gives the rows of a
-decode batch their slots. The PyTorch step (`modeling_jrt.linear_attention.linear_attention_step`) needs the states
-side by side: gather them (`index_select`), update the copy, write it back (`index_copy_`), moving each state three
-times more than the step itself does. This kernel reads each state once and writes it once, at its slot:
+decode batch their slots. Where the PyTorch step (`linear_attention_step`) gathers the states, updates the copy and
+writes it back, this kernel reads each state once and writes it once, at its slot:
 
     S[slot_b, h]  = S[slot_b, h] * [gamma_h ... gamma_h, 1] + phi(k_bh) [v_bh, 1]^T      (in place)
     o_bh          = g_bh * (phi(q_bh)^T S[slot_b, h])[:V] / ((phi(q_bh)^T S[slot_b, h])[V] + eps)
 
-with `phi` the 2nd-order Taylor feature map (`modeling_jrt.linear_attention.taylor_feature_map`, F = 1 + K + K^2,
-computed on chip from q and k), gamma the Based fixed decay (numerator columns only) and g the Based numerator gate.
-One program per (request, head) walks the state in blocks of BF features; the launch is a fixed sequence (one kernel,
-the slots a device tensor), so it can be captured in a CUDA graph.
+with `phi` the Taylor feature map (`modeling_jrt.linear_attention.taylor_feature_map`, F = 1 + K + K^2, computed on
+chip), gamma the Based fixed decay (numerator columns only) and g the Based numerator gate. One program per
+(request, head) walks the state in blocks of BF features; the slots are a device tensor, so the launch can be captured
+in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from ._common import check_devices
+from ._common import INTERPRETED, check_devices
 
 
 @triton.jit
@@ -89,9 +87,6 @@ def _linear_attention_decode_kernel(
         b_numerator *= tl.load(gate + i_b * s_gb + i_h * s_gh).to(tl.float32)
     b_o = b_numerator / (tl.sum(b_denominator, axis=0) + eps)
     tl.store(o + i_b * s_ob + i_h * s_oh + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-
-
-INTERPRETED = isinstance(_linear_attention_decode_kernel, InterpretedFunction)
 
 
 def linear_attention_decode_triton(

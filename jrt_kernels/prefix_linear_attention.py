@@ -1,15 +1,15 @@
 """Fused Triton prefill of prefix linear attention (JRT-RNN) and causal Taylor linear attention (Based), with a
 fused backward (autograd through `torch.library`) and the Based decay / gate.
 
-The math, the state layout, the argument checks and the reference (`prefix_linear_attention_chunked`) are in
-`modeling_jrt.linear_attention` (docs/prefill.md §4). This module imports torch and triton only: the dispatcher
-`modeling_jrt.linear_attention.prefix_linear_attention(..., implementation="triton")` validates the arguments with
-`validate_linear_attention_inputs` and then calls `prefix_linear_attention_triton`, which only asserts them.
-One program per (value block of BV columns, batch x head) keeps its columns of the fp32 state on chip and
+The math, the argument checks and the reference (`prefix_linear_attention_chunked`) are in
+`modeling_jrt.linear_attention` (docs/prefill.md §4); the design of this kernel in docs/kernels.md. The dispatcher
+`prefix_linear_attention(..., implementation="triton")` validates the arguments and calls
+`prefix_linear_attention_triton`, which only asserts them. One program per (value block of BV columns, batch x head)
+keeps its columns of the fp32 state on chip and
 
     1. reduces the encoder over the row's range: state = initial_state + sum_{start<=m<end} phi(ke_m) [ve_m, 1]
     2. scans the T decoder tokens in chunks of BT, starting from that state, transposed (value dim first):
-           inter  num^T  = h0 + h1^T Q'_c^T + 1/2 (hd^T (Q'_c**2)^T + ho^T P(Q'_c)^T)    (tensor cores)
+           inter  num^T  = h0 + h1^T Q'_c^T + 1/2 hd^T (Q'_c**2)^T + ho^T P(Q'_c)^T      (tensor cores)
                   den    = z0 + Q'_c z1 + 1/2 colsum(Q'_c^T * (Z Q'_c^T))                Z = sum k' k'^T, (K, K)
            intra  num^T += V_c^T tril(1 + S + S**2 / 2)^T,  den += colsum(...)          S^T = K'_c Q'_c^T
            update h0 += V_c^T 1,  h1^T += V_c^T K'_c,  hd^T += V_c^T K'_c**2,  ho^T += V_c^T P(K'_c),
@@ -17,39 +17,13 @@ One program per (value block of BV columns, batch x head) keeps its columns of t
            y_c = num / (den + eps)
     3. writes the final state (sum over all keys, fp32) in the layout of the generation cache.
 
-The numerator state is held as h^T, [BV, features]: the read `h^T @ phi(Q)^T` takes it as the A operand of the
-tensor-core product straight from the registers it accumulates in (as flash attention's P @ V), instead of staging a
-converted copy in shared memory for every chunk; this is what removed most spills (docs/kernels.md).
-
-Here x' = x / K**(1/4), so phi(x) = [1, x', vec(x' x'^T) / sqrt(2)] and phi(q).phi(k) = 1 + s + s**2 / 2. The
-2nd order uses its symmetry (docs/prefill.md §4.2): (q.k)**2 = sum_i q_i**2 k_i**2 + sum_{i<j} 2 q_i q_j k_i k_j, so
-the numerator state holds K diagonal rows (hd, read with the 1/2 of s**2 / 2) and K (K - 1) / 2 pair rows (ho = sum
-k_i k_j v, read with weight 1 by the features P(x) = x_i x_j, gathered by 0/1 selection matmuls and held in two
-halves to keep the feature operands small): 136 rows instead of 256 for K = 16. The final state is written back in
-the full layout (S_ij = S_ji; an initial state's antisymmetric part, which no query reads, passes through, decayed
-with the Based decay). The 2nd-order denominator state is the (K, K) matrix Z, so its read and update are two small
-matmuls instead of reductions over (BT, K**2) tiles. State and denominators are fp32; matmul operands follow
-`_common` (fp16 inputs multiply the state as bf16, which cannot overflow; fp32 inputs run as 3xTF32). Padded keys
-are removed in all three orders (strict masking) or, with `pad_masking="reference"` and inside the row's encoder
-range, keep their weight-1 constant term.
-
-Based decay (no encoder): the numerator weights are multiplied by gamma**(i - j) and the state's numerator by gamma
-per token; the gate multiplies each query's numerator. Inputs are read through their strides (no copies).
-Grid (cdiv(V, BV), B * H): a value block's program rebuilds the chunk's features (the denominator column is written
-by the first). A key mask takes two launches (`_key_rows`): one for the rows whose mask is a single range (no, left
-or right padding: two comparisons per token), one for the others (the mask loaded per chunk); each skips the other's
-rows. Autotuned over a few (BT, BV, warps) per GPU architecture (`configs_for_architecture`) and per (K, V,
-dtype, power-of-two bucket of T), unless JRT_TRITON_AUTOTUNE=0 (the architecture's default config).
-
-Sequence-parallel prefill (inference, `segment_length`; `auto_segment_length` picks it on CUDA when B * H programs
-would leave most SMs idle, e.g. one sequence of a small model): each row's T tokens are cut into NSEG segments of SEG
-tokens (a multiple of every BT, so no chunk straddles two). `_segment_states_kernel`, grid (cdiv(V, BV), B * H,
-NSEG + NENC), reduces each segment's keys alone (the update of step 2 without the queries, decayed to the segment's
-end) and the encoder's range in NENC slices; `_states_before_segments` adds them up in PyTorch into the state each
-segment starts from (the initial state, the whole encoder and every earlier segment, aged gamma**SEG per segment
-with the decay); the kernel above then runs with SEGMENTED, grid (cdiv(V, BV), B * H, NSEG): program s loads its
-segment's start state instead of reading the encoder, scans its SEG tokens, and the last writes the final state.
-About 1.5x the one-pass work on NSEG times the programs.
+Here x' = x / K**(1/4), phi(x) = [1, x', vec(x' x'^T) / sqrt(2)]; the 2nd order is held symmetric (`_common`: K
+diagonal rows hd and K (K - 1) / 2 pair rows ho, in two halves). The Based decay multiplies the numerator weights by
+gamma**(i - j) and the state's numerator by gamma per token; the gate multiplies each query's numerator. A key mask
+takes two launches (`_key_rows`: rows whose mask is one range, and the others). The sequence-parallel prefill
+(`segment_length`, `auto_segment_length`) cuts each row into NSEG segments: `_segment_states_kernel` reduces each
+segment's keys alone, `_states_before_segments` sums them into each segment's start state, and the kernel below then
+scans all segments at once (SEGMENTED).
 
 Dims (fla naming): B batch, T decoder length, M encoder length, H heads, K feature dim, V value dim,
 F = 1 + K + K**2 Taylor features; tiles BT (tokens), BK (feature dim, a power of two >= 16), BV (value columns per
@@ -63,25 +37,17 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
-    _add_antisymmetric_part, _add_chunk_t, _dot, _dot_fp32, _key_range, _key_rows, _key_weights, _load_state_t,
-    _pair_features_t, _pair_index, _scale_state, _store_encoder_state, _store_state_t, _tile, check_devices, dot_types,
-    encoder_state_numel, feature_blocks,
+    INTERPRETED, _add_antisymmetric_part, _add_chunk_t, _dot, _dot_fp32, _key_range, _key_rows, _key_weights,
+    _load_state_t, _pair_features_t, _pair_index, _scale_state, _store_encoder_state, _store_state_t, _tile,
+    check_devices, dot_types, encoder_state_numel, feature_blocks,
 )
 from .prefix_linear_attention_backward import prefix_linear_attention_backward
 
-# Configs per GPU generation, from benchmarks/kernel_aot.py (docs/kernels.md), as (BT, BV, num_warps); the first of
-# each list is the default (JRT_TRITON_AUTOTUNE=0), the others are what the autotuner may pick at the first launch.
-# A program covers BV value columns, so V = 64 takes one program per (batch, head) with BV = 64 and two with BV = 32
-# (the features of a chunk are then built twice, but the fp32 state per program is half as large).
-# - sm_90 (Hopper): (32, 64, 4) builds without spills at the lowest issue estimate, with a padding key mask and an
-#   initial state too; (16, 64, 4) and (32, 64, 8) are spill-free with a general (holed) key mask as well.
-# - every other architecture (sm_80 Ampere, Ada, Blackwell): mma.sync holds both operands in registers, and only
-#   BV = 32 builds without spills on sm_80; (32, 32, 4), also spill-free, and (16, 64, 4), with a few spills, issue
-#   fewer instructions than the default (16, 32, 4).
-# All fit every architecture's shared memory. BT = 64, BV = 128 and 16 warps spill more.
+# (BT, BV, num_warps) per GPU generation, from benchmarks/kernel_aot.py's builds (docs/kernels.md "Configurations and
+# autotuning"): the first is the default (JRT_TRITON_AUTOTUNE=0), the others what the autotuner may pick. On sm_90
+# BV = 64 builds without spills; elsewhere mma.sync holds both operands in registers and BV = 32 is the spill-free one.
 _ARCH_CONFIGS = {
     "sm_90": [(32, 64, 4), (16, 64, 4), (32, 64, 8)],
     "other": [(16, 32, 4), (32, 32, 4), (16, 64, 4)],
@@ -100,8 +66,7 @@ def configs_for_architecture(major: int, V: int = 64) -> list[triton.Config]:
     return [_config(*config) for config in dict.fromkeys((BT, min(BV, width), warps) for BT, BV, warps in table)]
 
 
-# The interpreter (CPU tests) gets BT = 32, which keeps the per-step numpy cost low, and BV = 32, so that the tests'
-# value dims above 32 run the split over programs.
+# The interpreter (CPU tests): BT = 32 keeps the numpy cost per step low; BV = 32 splits the tests' wider values.
 _INTERPRETER_CONFIGS = [_config(32, 32, 4)]
 
 
@@ -126,9 +91,8 @@ def _prefix_linear_attention_fwd_kernel(
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
-    # SEGMENTED (the sequence-parallel prefill, module docstring): program i_s scans the decoder tokens
-    # [i_s SEG, (i_s + 1) SEG) from the state before them (state_in (B, NSEG, H, F, V + 1), the encoder included:
-    # no encoder loop here), and the last segment writes the final state. Otherwise SEG >= T and NSEG = 1.
+    # SEGMENTED: program i_s scans the tokens [i_s SEG, (i_s + 1) SEG) from the state before them (state_in
+    # (B, NSEG, H, F, V + 1), encoder included); the last segment writes the final state. Else SEG >= T, NSEG = 1.
     if SEGMENTED:
         i_s = tl.program_id(2).to(tl.int64)
         t_lo = i_s * SEG
@@ -136,8 +100,7 @@ def _prefix_linear_attention_fwd_kernel(
     else:  # the one-pass build keeps no segment values live
         t_lo = 0
         t_hi = T
-    # With a key mask the launcher runs this kernel twice, MASK = 1 for the rows whose mask is one range [lo, hi)
-    # (padding on the left or the right, or none), MASK = 2 for the others; each launch skips the other's rows.
+    # MASK = 1: the rows whose key mask is one range [lo, hi); MASK = 2: the others (`_key_range`).
     b_skip, b_key_lo, b_key_hi = _key_range(key_rows, i_b, MASK)
     if b_skip:
         return
@@ -148,12 +111,8 @@ def _prefix_linear_attention_fwd_kernel(
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    # 2nd order, symmetric (docs/prefill.md §4.2): K diagonal features x_i**2 (state rows 1 + K + (K + 1) i) and the
-    # K (K - 1) / 2 pairs {i, j}, x_i x_j (rows 1 + K + K i + j and 1 + K + K j + i), padded to BP. Pair p
-    # is (i, i + d mod K) with i = p mod K, d = p // K + 1: bands d = 1 .. (K - 1) // 2 hold K pairs each and, for
-    # even K, the band d = K / 2 its first K / 2 (the rest repeat them), which is exactly p < K (K - 1) / 2.
-    # The pairs are held in two halves a, b of BH = BP / 2 rows each: each product's (BT, BH) feature operand is half
-    # as large, which lowers the peak register use (the state itself is the same size).
+    # The symmetric 2nd order (`_common`): K diagonal rows r_d and the pairs, in two halves a, b of BH = BP / 2 rows
+    # (each product's (BT, BH) feature operand half as large lowers the peak register use).
     r_d = 1 + K + o_k * (K + 1)
     BH: tl.constexpr = BP // 2
     m_pa, r_ija, r_jia, b_eia, b_eja, b_eiat, b_ejat = _pair_index(tl.arange(0, BH), o_k, K)
@@ -161,10 +120,9 @@ def _prefix_linear_attention_fwd_kernel(
     r_kk = 1 + K + o_k[:, None] * K + o_k[None, :]
     p_m = key_mask + i_b * s_mb
 
-    # The numerator state is held transposed, value dim first ([BV, features]): the read `num^T = h^T @ phi(Q)^T`
-    # then takes the state as the A operand of the tensor-core product, straight from the registers it accumulates
-    # in (as flash attention's P @ V), instead of staging a converted copy in shared memory every chunk.
-    # fp32; hd, ho and Z hold sums of k'_i k'_j without the 1/sqrt(2) of phi, applied on read and on write.
+    # The numerator state, fp32, transposed ([BV, features]): the read `num^T = h^T @ phi(Q)^T` takes it as the A
+    # operand straight from its registers (as flash attention's P @ V) instead of staging a copy in shared memory
+    # every chunk (docs/kernels.md "Registers"). hd, ho and Z carry no 1/sqrt(2) of phi (applied on read and write).
     b_h0 = tl.zeros([BV], dtype=tl.float32)
     b_h1 = tl.zeros([BV, BK], dtype=tl.float32)
     b_hd = tl.zeros([BV, BK], dtype=tl.float32)
@@ -293,14 +251,11 @@ def _segment_states_kernel(
     Program (i_v, b * H + h, i_s) reduces, from a zero state, the decoder keys [i_s SEG, (i_s + 1) SEG) for
     i_s < NSEG (decayed to the segment's end with the Based decay: gamma**(end - 1 - t)), or for i_s >= NSEG the
     encoder keys of the row's range [start, end) that fall in [(i_s - NSEG) SEG, (i_s - NSEG + 1) SEG), and writes
-    it to state_out `(B, NSEG + NENC, H, F, V + 1)` in the cache layout. The weights of every key are those of the
-    one-pass kernel (`_key_weights`, the same mask, range and strictness).
+    it to state_out `(B, NSEG + NENC, H, F, V + 1)` in the cache layout, with the one-pass kernel's key weights.
 
-    The loop bodies repeat the forward kernel's state updates line for line rather than sharing helpers with it: the
-    same updates moved into `@triton.jit` helpers (inlined, but in another order) took the forward's sm_90 bf16
-    build from 0 to 628 B of spills (`benchmarks/kernel_aot.py`), so a change to one must be made in both; the
-    segment tests compare the two kernels. (The launch split of the key mask, `_key_range`, is shared: it changed
-    no bf16 forward build.)"""
+    The loop bodies repeat the forward kernel's state updates line for line on purpose: moved into shared
+    `@triton.jit` helpers they made the forward's sm_90 build spill. A change to one must be made in both; the
+    segment tests compare the two kernels."""
     i_v, i_bh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     b_skip, b_key_lo, b_key_hi = _key_range(key_rows, i_b, MASK)
@@ -376,12 +331,9 @@ def _segment_states_kernel(
                    r_d, r_kk, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, V, W)
 
 
-# TRITON_INTERPRET=1 when this module is first imported makes `triton.jit` return the CPU interpreter's function.
-INTERPRETED = isinstance(_prefix_linear_attention_fwd_kernel, InterpretedFunction)
-# JRT_TRITON_AUTOTUNE=0 keeps the default config of the device's architecture (quick compiled test runs; no tuning).
+# JRT_TRITON_AUTOTUNE=0 launches the architecture's default config, untuned.
 AUTOTUNE = os.environ.get("JRT_TRITON_AUTOTUNE", "1") != "0"
-# The autotuner's pick of each shape class is written to triton's cache (TRITON_CACHE_DIR) where triton can (3.2 and
-# later): a tuning run ahead of time (benchmarks/gpu_check.sh step 3) leaves the timed run nothing to tune.
+# Each pick goes to triton's cache where triton can (3.2 and later), so a tuning run ahead of time leaves none to do.
 _CACHE_TUNING = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
@@ -406,11 +358,8 @@ def _kernel_for(device: torch.device, V: int, kernel=_prefix_linear_attention_fw
     return _autotuned_kernel(major, max(16, triton.next_power_of_2(V)), kernel)
 
 
-# The sequence-parallel prefill (`auto_segment_length`): rows of at least SEGMENTED_FROM tokens are cut into segments
-# that are whole multiples of SEGMENT_ALIGN tokens (a multiple of every BT), at least MIN_SEGMENT long, and as many as
-# make about two programs per SM. Measured on an H200 (docs/performance.md, "Third GPU run"), bf16, one row of 8 heads
-# (V = 32): 6.18 -> 0.84 ms at 64k tokens, 1.55 -> 1.00 ms at 16k, but 0.54 -> 0.89 ms at 4k, where three launches
-# and the sums between them cost more than the scan they split.
+# The sequence-parallel prefill (`auto_segment_length`): segments are multiples of SEGMENT_ALIGN tokens (of every BT);
+# below SEGMENTED_FROM tokens its three launches cost more than the scan they split (docs/performance.md).
 SEGMENT_ALIGN = 64
 MIN_SEGMENT = 512
 SEGMENTED_FROM = 8192
@@ -424,12 +373,11 @@ def _multiprocessor_count(index: int) -> int:
 
 def auto_segment_length(B: int, H: int, T: int, device: torch.device) -> int:
     """Tokens per segment of the sequence-parallel prefill for B rows of H heads and T tokens on `device`, or 0 for
-    the one-pass kernel.
+    the one-pass kernel (always off CUDA).
 
-    The one-pass kernel runs one program per (value block, row, head): B * H programs, 8 for one sequence of a small
-    model, on a GPU of 132 SMs. Below one program per SM, the T tokens are cut into segments of at least MIN_SEGMENT
-    tokens, enough of them for about two programs per SM, when T >= SEGMENTED_FROM. Off CUDA (the interpreter) it
-    is 0."""
+    The one pass runs B * H programs (8 for one sequence of a small model, on 132 SMs). When that is below one per
+    SM and T >= SEGMENTED_FROM, the tokens are cut into segments of at least MIN_SEGMENT tokens, enough of them for
+    about two programs per SM."""
     if device.type != "cuda" or INTERPRETED or T < SEGMENTED_FROM:
         return 0
     processors = _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
@@ -495,15 +443,9 @@ def _prefix_linear_attention_fwd(
     segment_length: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the kernel on validated inputs (any strides). Returns `(o (B, T, H, V) in v.dtype, state fp32,
-    encoder state, inverse denominator)`. With `save_for_backward` the last two are what the fused backward's dq
-    scan reads instead of recomputing (`BACKWARD_INPUTS`): the state after the encoder keys `(B, H,
-    encoder_state_numel(K, V))` fp32 in the kernels' own form (the initial state's symmetric part plus the encoder;
-    empty without an encoder) and `1 / (den + eps)` per query `(B, T, H)` fp32; otherwise both are empty.
-
-    `segment_length` > 0 (a multiple of SEGMENT_ALIGN, not with `save_for_backward`) runs the sequence-parallel
-    prefill when it cuts T in two or more: `_segment_states_kernel` reduces every segment's keys (and the encoder's,
-    by segment) in parallel, `_states_before_segments` adds them up into the state each segment starts from, and the
-    prefill kernel scans all segments at once from those states (three launches, B * H * segments programs)."""
+    encoder state, inverse denominator)`: the last two are `prefix_linear_attention_triton`'s saved tensors
+    (`BACKWARD_INPUTS`) with `save_for_backward`, else empty. `segment_length` > 0 (not with `save_for_backward`)
+    runs the sequence-parallel prefill (three launches) when it cuts T in two or more."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     segments = triton.cdiv(T, segment_length) if segment_length > 0 and not save_for_backward else 1
@@ -568,8 +510,7 @@ def _prefix_linear_attention_fwd(
     return o, state, encoder_state, inverse_denominator
 
 
-# What the training forward keeps for the fused backward, by the keyword of `prefix_linear_attention_backward`
-# that takes it: the op's 3rd and 4th outputs.
+# The op's 3rd and 4th outputs, by the keyword of `prefix_linear_attention_backward` that takes each.
 BACKWARD_INPUTS = ("encoder_state", "inverse_denominator")
 
 
@@ -577,8 +518,7 @@ def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
     q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, strict, eps, *_ = (
         inputs
     )
-    # the output too (the dq scan takes dy . y from it instead of reading the numerator from the state again), and
-    # the backward inputs (it starts from the encoder state and reads 1 / (den + eps) instead of recomputing them)
+    # also the output y (the dq scan takes dy . y from it) and the saved tensors (`BACKWARD_INPUTS`)
     ctx.save_for_backward(q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate,
                           *output[:1], *output[2:])
     ctx.mark_non_differentiable(*output[2:])
@@ -601,9 +541,7 @@ def _backward(ctx, grad_output: torch.Tensor | None, grad_state: torch.Tensor | 
     return dq, dk, dv, dk_enc, dv_enc, None, None, None, dinitial, None, dgate, None, None, None, None
 
 
-torch.library.register_autograd(
-    "jrt_kernels::prefix_linear_attention_fwd", _backward, setup_context=_setup_context
-)
+torch.library.register_autograd("jrt_kernels::prefix_linear_attention_fwd", _backward, setup_context=_setup_context)
 
 
 def prefix_linear_attention_triton(
@@ -626,11 +564,10 @@ def prefix_linear_attention_triton(
 ) -> tuple[torch.Tensor, ...] | tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Fused prefill of prefix linear attention (JRT-RNN) or, with `k_enc = v_enc = None`, causal Based attention.
 
-    The keyword signature and the results of `modeling_jrt.linear_attention.prefix_linear_attention_chunked` (its
-    reference), differentiable (a fused backward kernel, registered with `torch.library.register_autograd`).
-    Call it through `prefix_linear_attention(..., implementation="triton")`, which checks the arguments
-    (`validate_linear_attention_inputs`: shapes, the encoder range) and passes them normalised; this function only
-    asserts them. Inputs may be any strided views (e.g. heads split from a fused projection).
+    The keyword signature and results of its reference, `prefix_linear_attention_chunked`, differentiable (a fused
+    backward registered with `torch.library.register_autograd`). Call it through `prefix_linear_attention(...,
+    implementation="triton")`, which validates the arguments; this function only asserts them. Inputs may be any
+    strided views (e.g. heads split from a fused projection).
 
     Args:
         q, k: `(B, T, H, K)` decoder queries and keys (fp32, bf16 or fp16, one dtype for every input).
@@ -646,21 +583,18 @@ def prefix_linear_attention_triton(
         gate: `(B, T, H)` Based numerator gate, or None.
         eps: added to the fp32 denominator.
         return_saved: also return what the fused backward reads instead of recomputing (see Returns).
-        segment_length: inference only (no gradient, no `return_saved`): cut each row's T tokens into segments of
-            this many tokens (a positive multiple of 64) scanned in parallel, each from the state of the tokens
-            before it, which a first pass over the keys computes (the sequence-parallel prefill: more programs when
-            B * H is small, about 1.5x the work). None: `auto_segment_length` on CUDA (segments when B * H is below
-            the GPU's SM count and T is long), one pass otherwise and under `torch.compile`; 0: always one pass.
-            The outputs equal the one-pass kernel's up to the order of the fp32 sums.
+        segment_length: inference only (no gradient, no `return_saved`): scan segments of this many tokens (a
+            positive multiple of 64) in parallel, each from the state of the tokens before it (the sequence-parallel
+            prefill: more programs when B * H is small, about 1.5x the work; equal outputs up to the order of the
+            fp32 sums). None: `auto_segment_length` on CUDA, one pass elsewhere and under `torch.compile`; 0: one
+            pass.
 
     Returns:
         `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) fp32)`, and with `return_saved` a third
-        entry: a dict of keyword arguments for `prefix_linear_attention_backward` (not differentiable), the
-        forward's intermediates that its dq scan then reads instead of recomputing: `"inverse_denominator"`, `1 /
-        (den + eps)` per query `(B, T, H)` fp32, and with an encoder `"encoder_state"`, the state the decoder
-        starts from (the initial state's symmetric part plus the encoder keys) in the kernels' own form `(B, H,
-        encoder_state_numel(K, V))` fp32. With autograd the op keeps them for its own backward whenever an input
-        requires a gradient.
+        entry: a dict of keyword arguments for `prefix_linear_attention_backward` (not differentiable) that its dq
+        scan reads instead of recomputing: `"inverse_denominator"`, `1 / (den + eps)` per query `(B, T, H)` fp32,
+        and with an encoder `"encoder_state"`, the state after the encoder keys (initial state included) in the
+        kernels' own form `(B, H, encoder_state_numel(K, V))` fp32. Under autograd the op keeps them itself.
 
     Raises:
         ValueError: what the kernel does not support (dtype, device) with the way out.

@@ -7,50 +7,31 @@ Forward (see `prefix_linear_attention.py`): with x' = x / K**(1/4), phi(q).phi(k
 
 where the keys of query i are the encoder keys of its row and the decoder keys j <= i, and w_j is the key's weight
 (0 for a removed pad). Given dy and dS (the gradient of S_T), the output's gradient with respect to [num_i, den_i]
-is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (the chunked scan of docs/prefill.md §4.2, run backwards):
+is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (docs/kernels.md "The backward"):
 
     dq kernel  (forward in time, one program per batch x head): rebuilds the forward state S (initial state, encoder,
-               decoder keys < chunk), feature-major, starting from the state after the encoder when the training
-               forward saved it, and per chunk (queries along the columns, as the forward)
-                   den              as the forward computes it (fp32), or its saved 1 / (den + eps)
-                   g, c             from dy, 1 / (den + eps) and the forward's saved output y (c = -(dy . y) /
-                                    (den + eps)); with a gate or without a saved y, dy . num from the products
-                                    S dy^T and V dy^T, which dq's terms share;       stores 1 / (den + eps) and c
+               decoder keys < chunk) feature-major ([features, V]: dq contracts it over the value dim, so it is the
+               A operand of u^T = ho g^T, from registers), or starts from the training forward's saved state after
+               the encoder; per chunk
                    dq'_i  = h1 g_i + c_i z1 + q'_i * (hd g_i + c_i zd)
                             + sum_{pairs (a, b)} u_ip (q'_b e_a + q'_a e_b),  u_i = ho g_i + c_i zp   inter-chunk
                           + sum_{j <= i} w_j (G_i . [v_j, 1]) (1 + s_ij) k'_j              intra-chunk
-               with the symmetric 2nd order: diagonal rows hd (sum k_a**2 v) and pair rows ho (sum k_a k_b v, in
-               two halves), the pair features gathered by 0/1 selection matmuls E and the pair sums scattered back
-               by E (tensor cores); the state held feature-major ([features, V]: dq contracts it over the value
-               dim, so it is the A operand of u^T = ho g^T, from registers); the denominator's 2nd order as the
-               (K, K) matrix Z = sum k' k'^T (for den) with its diagonal zd and pair entries zp (for dq: the
-               denominator's pair term joins u in fp32, before u x is rounded for the scatter).
+               with zd, zp the diagonal and pair entries of the denominator's (K, K) matrix Z = sum k' k'^T; it
+               stores 1 / (den + eps) and c for the second scan.
     dkv kernel (backward in time, one program per batch x head): the reverse state R = dS + sum phi(q_i) G_i^T over
-               the queries after the chunk, held in the same layout (transposed, symmetric, (K, K) matrix Rz for the
+               the queries after the chunk, in the forward's layout (transposed, symmetric, (K, K) matrix Rz for the
                denominator); per chunk (last to first)
                    dv_j   = w_j (R0 + R1 k'_j + 1/2 Rd k'_j**2 + Ro P(k'_j))[:V] + sum_{i >= j} a_ij g_i
                    dk'_j  = w_j (R1 v_j + k'_j * (Rd v_j) + sum_{pairs (a, b)} u_jp (k'_b e_a + k'_a e_b)
                                  + rz1 + Rz k'_j),       u_j = Ro v_j
                             + sum_{i >= j} (G_i . [v_j, 1]) (1 + s_ij) q'_i
-               then dS_0 = R after the decoder chunks (the initial state is seen by every query and passes into S_T;
-               the launcher adds dS's antisymmetric 2nd-order part, which the symmetric R does not carry), and last
-               the encoder keys of the row (they see every query: that same R, read only as matmul operands).
+               then dS_0 = R after the decoder chunks (the launcher adds dS's antisymmetric 2nd-order part, which the
+               symmetric R does not carry), and last the encoder keys of the row, which see every query.
 
-Both pair scatters (u_p times the gathered factor, summed back by E) take their products as SDOT operands: the
-selections are exact, so that is one rounding of u x, the order of the state operand's own rounding. In the dq scan
-the numerator and denominator terms cancel (G_i . [v_j, 1] = dy_i . (v_j - y_i) / (den_i + eps)), so its u includes
-the denominator's pair term c zp before that rounding.
-Launch configs per architecture: `configs_for_architecture` (docs/kernels.md "Configurations and autotuning").
-
-State rows use the kernel's convention (2nd order without phi's 1/sqrt(2), applied when reading or writing the
-(B, H, F, V + 1) cache layout). Key masks follow `modeling_jrt.linear_attention`: a key's raw value is zeroed where
-key_mask is False (so its raw-key gradient is 0), and its weight w is 1 or 0 as the encoder range and pad_masking
-say. State, denominators and every accumulator are fp32; matmul operands are cast to the input dtype (bf16 state
-operands for fp16 inputs: the state can exceed fp16's range), or, in the CPU interpreter, rounded to it and
-multiplied in fp32 (`EMULATE`: the interpreter's bf16 dot is wrong), which is the same arithmetic. The small
-denominator products of the dk/dv scan (the (K, K) matrix Rz) take fp32 operands as one TF32 product for bf16 /
-fp16 inputs (3xTF32 for fp32 inputs), truncated to TF32 under EMULATE (`_dot_tf32`); the dq scan's Z products stay
-3xTF32 (its denominator is the forward's).
+Both pair scatters take u x as SDOT operands (the 0/1 selections are exact: one rounding). In the dq scan the
+numerator and denominator terms cancel (G_i . [v_j, 1] = dy_i . (v_j - y_i) / (den_i + eps)), so its u includes the
+denominator's pair term c zp before that rounding. Masks and weights follow `_key_weights`; operand precision
+follows `_common` (the dk/dv scan's Rz products: `_dot_tf32`; the dq scan's Z products: 3xTF32).
 
 Dims: B batch, T decoder length, M encoder length, H heads, K feature dim, V value dim; tiles BT (tokens),
 BK (feature dim, power of two >= 16), BV (whole value dim, power of two), BP (pair rows, two halves of BP / 2).
@@ -61,10 +42,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from ._common import (
-    _add_antisymmetric_part, _add_chunk_t, _dot, _dot_alone, _dot_fp32, _dot_tf32, _key_range, _key_rows,
+    INTERPRETED, _add_antisymmetric_part, _add_chunk_t, _dot, _dot_alone, _dot_fp32, _dot_tf32, _key_range, _key_rows,
     _key_weights, _load_encoder_state_f, _load_state_t, _pair_features_t, _pair_index, _pair_scatter, _scale_state,
     _select, _store_state_t, _tile, dot_types, feature_blocks,
 )
@@ -124,24 +104,16 @@ def _pla_bwd_dq_kernel(
     """dq (stored in dq's dtype), 1 / (den + eps), c = -(dy . y) / (den + eps) and d gate (fp32, (B, T, H)).
 
     y is the forward's output (B, T, H, V), read for dy . y unless RECOMPUTE (always with a gate, whose gradient
-    needs the ungated numerator): then dy . num, the numerator as the forward reads it, is reduced from the
-    products of dy^T with the rebuilt state and with the chunk's values, which dq's terms take too (g is dy scaled
-    per query). den is always recomputed, from q' Z and the intra-chunk s, which dq needs anyway.
+    needs the ungated numerator): then dy . num is reduced from the products of dy^T with the rebuilt state and
+    with the chunk's values, which dq's terms take too (g is dy scaled per query). The Based decay (never with an
+    encoder) and the gate act as in the forward.
 
-    The forward state is symmetric in its 2nd order, held feature-major ([features, BV]: dq contracts it over the
-    value dim, so it is the A operand of h g^T from registers), with Z for the denominator.
-    With the Based decay (HAS_DECAY; never with an encoder) the numerator state is decayed by gamma per token and
-    the intra-chunk numerator weights by gamma**(i - j); the denominator has no decay. The gate multiplies the
-    numerator of each query (HAS_GATE).
-
-    With ENCODER_STATE, `state_in` is the forward's state after the encoder (its `encoder_state`, in the kernels'
-    form, which includes the initial state), and the encoder keys are not read again. With SAVED_RDEN, `rden` holds
-    the forward's 1 / (den + eps) (its `inverse_denominator`), which is read instead of computed: no denominator
-    state Z is carried then (its diagonal and pair entries, which dq's denominator terms take, still are).
+    With ENCODER_STATE, `state_in` is the forward's `encoder_state` (initial state included) and the encoder keys
+    are not read again. With SAVED_RDEN, `rden` holds the forward's 1 / (den + eps), read instead of computed: no Z
+    is carried then (its diagonal and pair entries, which dq's denominator terms take, still are).
     """
     i_bh = tl.program_id(0)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
-    # Key masks as in the forward: MASK = 1 the rows whose mask is one range [lo, hi), MASK = 2 the others.
     skip, key_lo, key_hi = _key_range(key_rows, i_b, MASK)
     if skip:
         return
@@ -160,11 +132,8 @@ def _pla_bwd_dq_kernel(
     start = tl.load(enc_start + i_b)
     end = tl.load(enc_end + i_b)
 
-    # The forward state, feature-major and symmetric: h1 [BK, BV], diagonal hd [BK, BV] (sum k_i**2 v, read with
-    # 1/2), pair halves hoa, hob [BH, BV] (sum k_i k_j v, read with 1), denominators z0, z1 [BK], Z [BK, BK]
-    # (sum k k^T). Feature-major because dq contracts the state over the value dim: u^T = h @ g^T takes it as the A
-    # operand straight from the registers it accumulates in (the forward's value-major layout would make it the B
-    # operand, staged through shared memory every chunk).
+    # The forward state, feature-major and symmetric: h1 [BK, BV], diagonal hd [BK, BV] (read with 1/2), pair halves
+    # hoa, hob [BH, BV] (read with 1), denominators z0, z1 [BK], Z [BK, BK] (sum k k^T).
     b_h0 = tl.zeros([BV], dtype=tl.float32)
     b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
     b_hd = tl.zeros([BK, BV], dtype=tl.float32)
@@ -217,10 +186,8 @@ def _pla_bwd_dq_kernel(
             b_z1 += tl.sum(b_kw, axis=0)
             b_zz += _dot_fp32(tl.trans(b_kw), b_kw)
 
-    # 2. The decoder scan, queries along the columns (as the forward's read): den as the forward computes it, G =
-    #    [g, c] from dy, 1 / (den + eps) and the forward's output y (c = -(dy . y) / (den + eps)); with a gate, or
-    #    without the saved output (RECOMPUTE), dy . num from the state's and the values' products with dy^T. Then
-    #    dq^T [BK, BT]; the state moves past the chunk at the end.
+    # 2. The decoder scan, queries along the columns (as the forward's read): den, G = [g, c], then dq^T [BK, BT];
+    #    the state moves past the chunk at the end.
     p_q = q + i_b * s_qb + i_h * s_qh
     p_k = k + i_b * s_kb + i_h * s_kh
     p_v = v + i_b * s_vb + i_h * s_vh
@@ -260,10 +227,8 @@ def _pla_bwd_dq_kernel(
             b_rden = 1.0 / (b_den + eps)
         b_dot = _tile(p_do, o_v, m_v, s_ov, o_t, m_t, s_ot)  # dy^T [BV, BT]
         if RECOMPUTE:
-            # dy . num (the ungated numerator as the forward reads it) from the products of dy^T with the state and
-            # with the chunk's values, which dq's terms share: g = dy / (den + eps) (times the gate) is dy^T
-            # scaled per query, so h g^T is h dy^T scaled and dw = V g^T is V dy^T scaled. Only dy's and the state's
-            # rounding (SDOT) enter; the query features multiply the products in fp32.
+            # dy . num (ungated) from the products of dy^T with the state and the chunk's values, which dq's terms
+            # share (g is dy^T scaled per query); the query features multiply the products in fp32.
             b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
             b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
             if MASK != 0:
@@ -327,10 +292,9 @@ def _pla_bwd_dq_kernel(
             tl.store(p_c + o_t * H, b_c, mask=m_t)
             b_gt = b_dot * b_rden[None, :]
 
-            # intra-chunk first: dw_ji = G_i . [gamma**(i - j) v_j, 1], ds_ji = dw_ji (1 + s_ji) [BT keys, BT
-            # queries], dq'^T = K'^T ds^T. Before the inter-chunk terms, so that s and ds are dead during the pair
-            # scatter and g is decayed in place for it. The chunk's raw keys [BK, BT] and values [BT, BV] stay for
-            # the state update.
+            # intra-chunk first (s and ds are then dead during the pair scatter): dw_ji = G_i . [gamma**(i - j) v_j,
+            # 1], ds_ji = dw_ji (1 + s_ji) [BT keys, BT queries], dq'^T = K'^T ds^T. Raw keys and values stay for the
+            # state update.
             b_ktr = _tile(p_k, o_k, m_k, s_kk, o_t, m_t, s_kt)
             b_v = _tile(p_v, o_t, m_t, s_vt, o_v, m_v, s_vv)
             if MASK != 0:
@@ -347,9 +311,7 @@ def _pla_bwd_dq_kernel(
             # The state is the A operand of each product (feature-major); decayed, it is gamma**(p + 1) old. [BK, BT]
             if HAS_DECAY:
                 b_gt = b_gt * tl.exp(b_lg * (o_c + 1).to(tl.float32))[None, :]
-            # The denominator's 2nd order c Z_sym q' is split like the numerator's: its diagonal joins hd g and its
-            # pairs c Z_ij join the pair weights u = ho g in fp32, before u x is rounded for the scatter; the two cancel
-            # (G_i . [v_j, 1] = dy_i . (v_j - y_i) / (den_i + eps)), so what is rounded is the small sum.
+            # c Z_sym q' split like the numerator: its diagonal joins hd g, its pairs join u = ho g before the rounding
             b_dqt += _dot(b_h1, b_gt, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_z1[:, None]
             b_dqt += b_qt * (_dot(b_hd, b_gt, SDOT, EMULATE, PRECISION) + b_c[None, :] * b_zd[:, None])
             # (the pair terms from the raw gathered queries, the key scale applied to their [BK, BT] sum)
@@ -447,8 +409,6 @@ def _pla_bwd_dkv_kernel(
     """
     i_bh = tl.program_id(0)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
-    # With a key mask the launcher runs the scan twice, MASK = 1 for the rows whose mask is one range [lo, hi)
-    # (padding), MASK = 2 for the others (the mask loaded per chunk); each launch skips the other's rows.
     skip, key_lo, key_hi = _key_range(key_rows, i_b, MASK)
     if skip:
         return
@@ -469,10 +429,9 @@ def _pla_bwd_dkv_kernel(
     end = tl.load(enc_end + i_b)
     p_state = i_bh.to(tl.int64) * F * W
 
-    # Reverse state R = dS + sum phi(q) G^T (kernel convention: 2nd order times sqrt(2)), transposed and symmetric:
-    # r1 [BV, BK], diagonal rd [BV, BK] (read with 1/2), pair halves roa, rob [BV, BH] (R_ij + R_ji) / 2 (read with
-    # 1), denominators rz0, rz1 [BK] and the symmetric part of the 2nd-order block, Rz [BK, BK] (read and updated by
-    # one TF32 product each for bf16 / fp16 inputs: `_dot_tf32`).
+    # Reverse state R = dS + sum phi(q) G^T (kernel convention), transposed and symmetric: r1 [BV, BK], diagonal rd
+    # [BV, BK] (read with 1/2), pair halves roa, rob [BV, BH] (R_ij + R_ji) / 2 (read with 1), denominators rz0,
+    # rz1 [BK] and the symmetric part of the 2nd-order block, Rz [BK, BK] (`_dot_tf32` products).
     b_r0 = tl.zeros([BV], dtype=tl.float32)
     b_r1 = tl.zeros([BV, BK], dtype=tl.float32)
     b_rd = tl.zeros([BV, BK], dtype=tl.float32)
@@ -581,9 +540,8 @@ def _pla_bwd_dkv_kernel(
         tl.store(p_dk + o_t[:, None] * s_kt + o_k[None, :] * s_kk, (b_dk * key_scale).to(dk.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
 
-        # R += G_c^T phi(Q_c) (transposed, as the forward's state update); decayed: R <- gamma**L R + sum_i
-        # gamma**(p_i + 1) g_i phi(q_i). With UPDATE_RELOADS (not with the decay) its chunk operands (g^T, q, c,
-        # q^T) are loaded here again instead of held from the chunk's start across the dk terms.
+        # R += G_c^T phi(Q_c) (as the forward's update); decayed: R <- gamma**L R + sum_i gamma**(p_i + 1) g_i
+        # phi(q_i). UPDATE_RELOADS (not with the decay): its chunk operands are loaded again here (`dkv_constexprs`).
         if UPDATE_RELOADS and not HAS_DECAY:
             b_qr = _tile(p_q, o_t, m_t, s_qt, o_k, m_k, s_qk)
             b_q = b_qr * key_scale
@@ -605,9 +563,8 @@ def _pla_bwd_dkv_kernel(
         b_rz1 += tl.sum(b_q * b_c[:, None], axis=0)
         b_rzz += _dot_tf32(b_qt, b_q * b_c[:, None], DOT, EMULATE)
 
-    # 2. d initial state = R, in the cache layout (B, H, F, V + 1): the symmetric 2nd-order rows written to (i, j) and
-    #    (j, i); the launcher adds dS's antisymmetric part (`add_antisymmetric_part`). Stored before the encoder loop,
-    #    which reads R only as matmul operands: so the fp32 R is dead there (held across that loop, it spilled).
+    # 2. d initial state = R, in the cache layout (the launcher adds dS's antisymmetric part). Stored before the
+    #    encoder loop, which reads R only as matmul operands, so the fp32 R is dead there (held across it, it spilled).
     _store_state_t(dstate_in + p_state, b_r0, b_r1, b_rd, b_roa, b_rob, b_rz0, b_rz1, b_rzz, 0, o_k, m_k, o_v, m_v,
                    r_d, r_kk, r_ija, r_jia, m_pa, r_ijb, r_jib, m_pb, V, W)
 
@@ -635,22 +592,11 @@ def _pla_bwd_dkv_kernel(
                  mask=m_t[:, None] & m_k[None, :])
 
 
-INTERPRETED = isinstance(_pla_bwd_dq_kernel, InterpretedFunction)
-
-# Launch configs per GPU generation, (BT, num_warps) per scan, 1 stage, from benchmarks/kernel_aot.py
-# (docs/kernels.md); the first of each list is the one launched, the others are what kernel_aot.py also builds.
-# - sm_90: dq (32, 4): from the forward's saved encoder state and 1 / (den + eps) it issues 23% less than (16, 4)
-#   for 32 instead of 12 B of spills (docs/performance.md "Backward pass 7"); dk/dv (64, 4): with
-#   64 tokens and 4 warps each warp owns 16 whole rows, so the pair weights u = v Ro^T (wgmma, M = 64) feed the
-#   scatter's A operand straight from registers.
-# - other architectures (sm_80): dq (16, 4) (the feature-major dq scan spills 4 – 5x less there than at (32, 4), at
-#   about the same estimate); dk/dv (32, 4) keeps 255 registers without a key mask; its selection matrices come from
-#   a table at each use there (`dkv_constexprs`). Both scans there carry `.maxnreg 255` (`launch_options`): without
-#   it ptxas gave the gated dq scan (every config) and the dq scans at (64, 4) 32 registers.
-# - "dq_recompute": the dq scan that reads the numerator again (a gate, or no saved output), both architectures
-#   (16, 4), which spills least: with the gate sm_90 (32, 4) issues a fifth less at 3.8x the spills; sm_80 (32, 4)
-#   4% less at 2.7x, (64, 4) 6% less at 7x (docs/performance.md "Backward pass 5").
-# The interpreter (CPU tests) takes the "other" list.
+# Launch configs per GPU generation, (BT, num_warps) per scan, 1 stage, from benchmarks/kernel_aot.py's builds
+# (docs/kernels.md "Configurations and autotuning", docs/performance.md "Backward pass 5" and "7"): the first of each
+# list is launched, kernel_aot.py also builds the others. "dq_recompute" is the dq scan that reads the numerator again
+# (a gate, or no saved output). At (64, 4) each warp of the sm_90 dk/dv scan owns 16 whole rows, so the pair weights
+# u = v Ro^T feed the scatter from registers. The interpreter (CPU tests) takes the "other" list.
 _ARCH_CONFIGS = {
     "sm_90": {"dq": [(32, 4), (16, 4)], "dq_recompute": [(16, 4), (32, 4)], "dkv": [(64, 4), (32, 4), (64, 8)]},
     "other": {"dq": [(16, 4), (32, 4)], "dq_recompute": [(16, 4), (32, 4), (64, 4)],
@@ -664,33 +610,25 @@ def configs_for_architecture(major: int) -> dict[str, list[tuple[int, int]]]:
     return _ARCH_CONFIGS["sm_90" if major == 9 else "other"]
 
 
-
 def dq_constexprs(major: int) -> dict[str, bool]:
-    """The dq scan's per-architecture constexprs: ISOLATED_UPDATE, the state's 16-row h1 and hd updates as transposed
-    products (`_dot_alone`) that get their own warp layout. Off sm_90, triton gives all the scan's products one
-    layout, `[4, 1]`, under which these two `[16, V]` accumulators were held four times over (32 registers each
-    instead of 8); isolated, the sm_80 scan builds without spills in every launch kind and issues 8 – 13% less. On
-    sm_90 they are `mma.sync` products that triton already lays out along the value dim; there the transposed form
-    spilled more with the gate (140 -> 296 B; docs/performance.md "Backward pass 9")."""
+    """The dq scan's per-architecture constexprs: ISOLATED_UPDATE (off sm_90), the state's 16-row h1 and hd updates
+    as transposed products (`_dot_alone`) with their own warp layout; under the scan's shared `[4, 1]` layout these
+    `[16, V]` accumulators took 4x the registers (docs/performance.md "Backward pass 9")."""
     return {"ISOLATED_UPDATE": major != 9}
 
 
 def dkv_constexprs(major: int) -> dict[str, bool]:
-    """The dk/dv scan's per-architecture constexprs: SEL_TABLE, its pair selection matrices loaded from a table
-    at each use instead of held in registers across the loop (kept off sm_90, where the B operands stay in shared
-    memory across the loop anyway and the table loads cost more than they save; docs/performance.md "Backward
-    pass 3"), and UPDATE_RELOADS, the state update's chunk operands loaded again at the update instead of held
-    across the dk terms (sm_90, and not with the decay: there it cuts the decoder loop's spill traffic by a third at
-    the same issue; on sm_80, and with the decay, it costs issue; docs/performance.md "Backward pass 8")."""
+    """The dk/dv scan's per-architecture constexprs: SEL_TABLE (off sm_90, where the B operands stay in shared
+    memory anyway), its pair selection matrices loaded from a table at each use instead of held in registers across
+    the loop; UPDATE_RELOADS (sm_90; the kernel ignores it with the decay), the state update's chunk operands loaded
+    again at the update instead of held across the dk terms (docs/performance.md "Backward pass 3" and "8")."""
     return {"SEL_TABLE": major != 9, "UPDATE_RELOADS": major == 9}
 
 
 def launch_options(major: int) -> dict[str, int]:
-    """Compile options of both scans for a CUDA GPU of compute capability `major`.x. Off sm_90: `maxnreg=255`, which
-    puts `.maxnreg 255` into the PTX. Without a register bound there (triton emits only `.reqntid`), the sm_80 ptxas
-    of triton 3.9 gives some large builds 32 registers and 7 – 32 KB of spills (the gated Based dq scan at every
-    config, the dq scans at (64, 4)); with it they keep 255, and the builds that had 255 are unchanged. sm_90 keeps
-    the default (there the bound moves the dk/dv scan's spills, mostly up; docs/performance.md "Backward pass 5")."""
+    """Compile options of both scans for a CUDA GPU of compute capability `major`.x: off sm_90, `maxnreg=255`
+    (`.maxnreg 255` in the PTX; without a bound the sm_80 ptxas of triton 3.9 gave some large builds 32 registers
+    and KBs of spills). sm_90 keeps the default (docs/performance.md "Backward pass 5")."""
     return {} if major == 9 else {"maxnreg": 255}
 
 
@@ -748,13 +686,10 @@ def prefix_linear_attention_backward(
         gate: `(B, T, H)` Based numerator gate, or None.
         chunk_size: BT of both scans (default: the architecture's configs, `configs_for_architecture`).
         output: `(B, T, H, V)` the forward's output y, or None. Given (and without a gate), the dq scan takes
-            `dy . y` from it instead of reading the numerator from the state again (the forward's read); None keeps
-            that recomputation (callers that saved only the inputs).
-        encoder_state: the forward's state after the encoder keys, `(B, H, encoder_state_numel(K, V))` fp32
-            (`prefix_linear_attention_triton(..., return_saved=True)`), or None. Given (with an encoder), the dq
-            scan starts from it instead of reading the encoder keys again; None rebuilds it.
-        inverse_denominator: `(B, T, H)` fp32, the forward's `1 / (den + eps)` per query (the same call's
-            `"inverse_denominator"`), or None. Given, the dq scan reads it instead of computing it (read only).
+            `dy . y` from it instead of recomputing the numerator.
+        encoder_state, inverse_denominator: the forward's saved tensors
+            (`prefix_linear_attention_triton(..., return_saved=True)`), or None (recomputed). Given, the dq scan
+            starts from the state after the encoder keys and reads `1 / (den + eps)` instead of computing them.
 
     Returns:
         `(dq, dk, dv, dk_enc, dv_enc, d initial_state, d gate)` in the inputs' dtypes (fp32 for the state), None
