@@ -2,14 +2,12 @@
 one pass (a prompt, with the JRT prefix fill in front), and at which state slot each request lives.
 
 Two kinds of forward:
-- **decode-only** (`DECODE_STEP`): vLLM's metadata counts no prefill, so every request reads one token on top of its
-  state. Nothing is planned on the host: each mixer takes its slots from the metadata's device tensor
-  (`decode_slots`) and runs its batched step, so a step has no host sync and the same launches every time (what a
-  CUDA-graph capture needs; rows vLLM pads a batch with point at its null block, `NULL_BLOCK_ID`, a slot no request
-  owns). `jrt_vllm.config` says why vLLM's graphs are still off.
-- **any other** (`BatchPlan`, built by `plan_batch`): the requests of a prefill are read in groups of segments of the
-  same shape (stacked as the rows of one batch: one call of each mixer per group), and the decoding requests together
-  in one step. Building it reads the query bounds on the host.
+- **decode-only** (`DECODE_STEP`): every request reads one token on top of its state. Nothing is planned on the host:
+  each mixer takes its slots from the metadata's device tensor (`decode_slots`) and runs its batched step, with no
+  host sync and the same launches every time (`jrt_vllm.config` says why vLLM's CUDA graphs are still off).
+- **any other** (`BatchPlan`, built by `plan_batch`, which reads the query bounds on the host): the requests of a
+  prefill are read in groups of segments of one shape (one call of each mixer per group), the decoding requests
+  together in one step.
 """
 
 from __future__ import annotations
@@ -28,9 +26,8 @@ Fill = Callable[[torch.Tensor, "int | None"], "tuple[torch.Tensor, int, torch.Te
 
 
 class DecodeStep:
-    """The plan of a decode-only forward: every row is one token of a request that has a state, read by the O(1) step
-    at the request's slot (`decode_slots`). It carries nothing: what each row reads is on the device, in vLLM's
-    metadata, so the forward is the same launches at every step, with no host read."""
+    """The plan of a decode-only forward (module docstring): it carries nothing, as what each row reads is in vLLM's
+    metadata on the device."""
 
     def __repr__(self) -> str:
         return "DECODE_STEP"
@@ -40,11 +37,8 @@ DECODE_STEP = DecodeStep()
 
 
 class ForwardPlan:
-    """The plan of the forward in progress, set by `JRTRNNForCausalLM.forward` before the layers run and read by every
-    mixer: one holder shared by the model's layers, outside any traced graph.
-
-    `plan` is `DECODE_STEP` in a decode-only forward, a `BatchPlan` in any other forward with metadata, and None in a
-    forward without metadata (vLLM's profiling run)."""
+    """The plan of the forward in progress, set by `JRTRNNForCausalLM.forward` and read by every mixer, outside any
+    traced graph: `DECODE_STEP`, a `BatchPlan`, or None in a forward without metadata (vLLM's profiling run)."""
 
     plan: BatchPlan | DecodeStep | None = None
 
@@ -80,16 +74,13 @@ class Segment:
 @dataclass
 class SegmentGroup:
     """Segments of one shape (`Segment.shape`), read together: G requests of T rows each, stacked as a `(G, T)` batch,
-    so that each mixer runs once per group rather than once per request. With the "pad" and "repeat" fills, every
-    fresh prompt shorter than `prefix_length` becomes `prefix_length` rows that the encoder reads, so the short
-    prompts of a prefill are one group.
+    so that each mixer runs once per group. With the "pad" and "repeat" fills the short fresh prompts of a prefill
+    all become `prefix_length` rows, one group.
 
     Attributes:
         requests: the G requests (indices in vLLM's batch order).
-        index: the same, to pick their slots from `slot_table` on the device (`selector`: a slice when they are
-            consecutive).
-        rows: their rows in the expanded batch, request after request (`G * T`; `selector`: a slice when the
-            segments are adjacent, so that taking them is a view).
+        index: the same, to pick their slots from `slot_table` (`selector`).
+        rows: their `G * T` rows in the expanded batch, request after request (`selector`).
         key_mask: `(G, T)` the segments' `key_mask`s (all True for a segment without one), or None when no segment
             has one.
         length, fresh, encoder_rows: the shared shape (see `Segment`).
@@ -135,10 +126,8 @@ class BatchPlan:
 
     Attributes:
         decode_requests: requests that read one token on top of their state (the batched O(1) step), in order.
-        decode_index: the same, to pick their slots from `slot_table` on the device (`selector`: a slice when
-            they are consecutive, as vLLM orders them).
-        decode_rows: their rows in the expanded batch (`selector`: a slice when they are consecutive, as when
-            vLLM puts the decodes first, so that selecting them is a view, not a gather).
+        decode_index: the same, to pick their slots from `slot_table` (`selector`).
+        decode_rows: their rows in the expanded batch (`selector`: a slice, as vLLM puts the decodes first).
         groups: every other request, in groups of segments of one shape, each read in one pass.
         input_rows: `(num_actual_tokens,)` the expanded row of each of vLLM's tokens.
     """
@@ -152,7 +141,7 @@ class BatchPlan:
 
 def slot_table(metadata) -> torch.Tensor:
     """`(requests,)` int64: the state slot of every request of this forward, in batch order (decodes first), for one
-    layer group. Read on the device, from vLLM's metadata tensors: no host read per layer."""
+    layer group; read on the device, from vLLM's metadata tensors."""
     parts = []
     if metadata.num_decodes > 0:
         parts.append(_slot_column(metadata.state_indices_tensor_d)[: metadata.num_decodes])
@@ -168,8 +157,7 @@ def _slot_column(indices: torch.Tensor) -> torch.Tensor:
 
 
 def selector(indices: list[int], device: torch.device) -> slice | torch.Tensor:
-    """Positions to select: a slice when they are consecutive (selecting is a view), else an int64 tensor on
-    `device`."""
+    """Positions to select: a slice when they are consecutive (a view), else an int64 tensor on `device`."""
     first = indices[0] if indices else 0
     if indices == list(range(first, first + len(indices))):
         return slice(first, first + len(indices))
@@ -193,9 +181,8 @@ def is_decode_only(metadata) -> bool:
 
 
 def decode_slots(metadata, rows: int) -> torch.Tensor:
-    """`(rows,)` int64: the state slot of each row of a decode-only forward, read on the device. vLLM pads a batch it
-    replays in a CUDA graph to the graph's size, pointing the padded rows at its null block (`NULL_BLOCK_ID`, a slot
-    no request owns and nobody reads); rows past the slots it gives are pointed there too."""
+    """`(rows,)` int64: the state slot of each row of a decode-only forward, read on the device. Rows past vLLM's
+    slots (a batch padded to a CUDA graph's size) point at its null block (`NULL_BLOCK_ID`, a slot no request owns)."""
     slots = _slot_column(metadata.state_indices_tensor_d)[:rows].long()
     if slots.shape[0] < rows:
         slots = F.pad(slots, (0, rows - slots.shape[0]), value=NULL_BLOCK_ID)
@@ -266,5 +253,5 @@ __all__ = [
     "is_decode_only",
     "plan_batch",
     "selector",
-        "slot_table",
+    "slot_table",
 ]

@@ -26,43 +26,32 @@ def cuda_graphs_off(compilation_config: CompilationConfig) -> None:
 
 
 class JRTRNNVllmConfig(VerifyAndUpdateConfig):
-    """Compiled without CUDA graphs, prefix caching off (both families), chunked prefill off for prefix (JRT-RNN)
-    models.
+    """The engine settings of JRT-RNN / Based folders (docs/serving.md). `register` puts this class in vLLM's
+    `MODELS_CONFIG_MAP`, the table vLLM's own models use: vLLM 0.32 has no public per-model hook.
 
-    - Compilation: vLLM compiles the model around the mixers' opaque ops (`jrt_vllm.mixers.mix`), which join
-      `compilation_config.splitting_ops` (vLLM compiles the pieces between them, as around its own mixers).
-    - CUDA graphs: off (`cudagraph_mode` NONE; `cuda_graphs_off`). A decode-only forward reads nothing on the host
-      (`jrt_vllm.batch_plan.DECODE_STEP`), but vLLM 0.32 picks a graph by the batch's shape alone: a batch in which
-      every request reads one token replays the decode graph even when one of them is a fresh one-token prompt, whose
-      JRT first forward needs the fill and the encoder, and whose Based state slot vLLM does not zero (it zeroes
-      attention blocks only). Its piecewise graphs replay by vLLM's token count, while a forward with prompts reads
-      the expanded rows (the fill). Either would be a silently wrong output.
-    - Prefix caching: a request's state depends on its whole prompt (the JRT encoder reads the first
-      `prefix_length` tokens non-causally, and a short prompt's fill depends on its length), so a cached state of a
-      shared prompt prefix is not the state of another prompt. Based could reuse states at block boundaries (vLLM's
-      "align" mode), which jrt_vllm does not implement.
-    - Chunked prefill: the encoder must read a request's prefix in one forward (the output of every prefix token
-      depends on the later prefix tokens), and vLLM may cut a prompt anywhere. With chunked prefill off, vLLM
+    - Compilation: the mixers' opaque ops (`jrt_vllm.mixers.mix`) join `compilation_config.splitting_ops`.
+    - CUDA graphs: off (`cuda_graphs_off`). vLLM 0.32 picks a graph by the batch's shape alone, so a batch of
+      one-token reads would replay the decode graph for a fresh one-token prompt too (which needs the JRT fill and
+      encoder, and a Based state slot that vLLM does not zero), and its piecewise graphs replay by vLLM's token
+      count, not the expanded rows of the fill: either would be a silently wrong output.
+    - Prefix caching: off. A state depends on the whole prompt (the encoder reads the first `prefix_length` tokens
+      non-causally; a short prompt's fill depends on its length), so a shared prefix's cached state is not another
+      prompt's. (Based could reuse states at block boundaries, vLLM's "align" mode: not implemented.)
+    - Chunked prefill (prefix models): off, as the encoder reads a request's prefix in one forward; vLLM then
       schedules whole prompts, so `max_num_batched_tokens` is raised to `max_model_len` when it is smaller.
-    - Prompt lengths (prefix models): `jrt_vllm.prompt_lengths.PromptLengths` joins `model_config.logits_processors`
-      (it changes no logit), so that a preempted request is recomputed with its original prompt's prefix.
-
-    vLLM 0.32 has no public per-model hook for engine settings: `register` puts this class in vLLM's
-    `MODELS_CONFIG_MAP`, the table vLLM's own models use (docs/serving.md says so).
+    - Prompt lengths (prefix models): `jrt_vllm.prompt_lengths.PromptLengths` joins `model_config.logits_processors`,
+      so that a preempted request is recomputed with its original prompt's prefix.
     """
 
     @classmethod
     def verify_and_update_config(cls, vllm_config) -> None:
-        hf_config = vllm_config.model_config.hf_config
-        cache_config = vllm_config.cache_config
-        scheduler_config = vllm_config.scheduler_config
-        model_config = vllm_config.model_config
-        compilation_config = vllm_config.compilation_config
+        model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+        scheduler_config, compilation_config = vllm_config.scheduler_config, vllm_config.compilation_config
+        hf_config = model_config.hf_config
         cuda_graphs_off(compilation_config)
-        if compilation_config.splitting_ops is None:  # vLLM's default list names attention ops this model lacks
-            compilation_config.splitting_ops = [MIX_OP]
-        elif MIX_OP not in compilation_config.splitting_ops:
-            compilation_config.splitting_ops = [*compilation_config.splitting_ops, MIX_OP]
+        splitting_ops = compilation_config.splitting_ops or []  # vLLM's default (None) names attention ops
+        if MIX_OP not in splitting_ops:
+            compilation_config.splitting_ops = [*splitting_ops, MIX_OP]
         if cache_config.enable_prefix_caching:
             logger.info("jrt_vllm: prefix caching is off for JRT-RNN / Based (a state depends on the whole prompt).")
             cache_config.enable_prefix_caching = False
@@ -76,7 +65,7 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
             )
             scheduler_config.enable_chunked_prefill = False
         if not scheduler_config.enable_chunked_prefill:
-            max_model_len = vllm_config.model_config.max_model_len
+            max_model_len = model_config.max_model_len
             if scheduler_config.max_num_batched_tokens < max_model_len:
                 logger.warning(
                     "jrt_vllm: max_num_batched_tokens raised from %d to max_model_len=%d so that every prompt fits "
@@ -87,10 +76,9 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
                 scheduler_config.max_num_batched_tokens = max_model_len
                 scheduler_config.max_num_encoder_input_tokens = max_model_len
                 scheduler_config.encoder_cache_size = max_model_len
-        if is_prefix:
-            processors = list(model_config.logits_processors or [])
-            if QUALIFIED_NAME not in processors:
-                model_config.logits_processors = [*processors, QUALIFIED_NAME]
+        processors = model_config.logits_processors or []
+        if is_prefix and QUALIFIED_NAME not in processors:
+            model_config.logits_processors = [*processors, QUALIFIED_NAME]
         MambaModelConfig.verify_and_update_config(vllm_config)
 
 

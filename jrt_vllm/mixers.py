@@ -9,15 +9,8 @@ metadata of its short-conv backend). The states hold what transformers' cache in
     "linear_attention"   the Taylor-feature state, encoder sum included                (H, F, V + 1)   fp32
 
 The sliding window is a state as well (not vLLM's paged `Attention`): the JRT prefix fill adds tokens that vLLM never
-schedules, and a fixed window of W - 1 keys is what an O(1) model keeps anyway.
-
-The math is `modeling_jrt`'s (linear attention, blocked sliding-window attention, the causal depthwise convolution,
-RoPE); the projections are vLLM's merged column-parallel and row-parallel layers, which split every mixer over
-tensor-parallel ranks by heads or channels, each rank keeping its share of every state.
-
-Each mixer runs inside one opaque op, `jrt_vllm::mix` (`mix`): it reads the forward's plan (`jrt_vllm.batch_plan`)
-and the state slots at every call. vLLM compiles everything around those ops (`jrt_vllm.model.JRTModel`), in pieces
-split at them (`jrt_vllm.config`).
+schedules, and a fixed window of W - 1 keys is what an O(1) model keeps anyway. The math is `modeling_jrt`'s; each
+mixer runs inside one opaque op (`mix`), which vLLM compiles around.
 """
 
 from __future__ import annotations
@@ -62,10 +55,9 @@ def mix(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> N
     """The mixer `layer_name` (a `JRTStateLayer`, found in vLLM's forward context) on hidden_states `(N, hidden)`,
     written into output `(N, hidden)`.
 
-    One opaque op per mixer, the boundary vLLM's own recurrent layers have: a compiled model (vLLM's
-    `support_torch_compile`) traces the dense parts around it, because in a forward with prefills the mixer maps the
-    batch onto requests in Python (`BatchPlan`), which no graph may bake in. In a decode-only forward (`DECODE_STEP`)
-    it reads nothing on the host."""
+    One opaque op per mixer, the boundary vLLM's own recurrent layers have (`splitting_ops`: `jrt_vllm.config`): a
+    compiled model traces the dense parts around it, because in a forward with prefills the mixer maps the batch onto
+    requests in Python (`BatchPlan`), which no graph may bake in."""
     get_forward_context().no_compile_layers[layer_name].mix(hidden_states, output)
 
 
@@ -78,9 +70,9 @@ class JRTStateLayer(StackedWeights, MambaBase, nn.Module):
     """A mixer whose per-request state vLLM allocates (`get_state_shape` / `get_state_dtype`) and binds to
     `self.kv_cache`. All three mixers use the metadata of vLLM's short-conv backend (slots, query ranges).
 
-    Tensor parallel: every mixer is split by heads (attention) or channels (convolution) over the ranks, with vLLM's
-    column-parallel input projections and a row-parallel output projection (which sums the ranks' parts); each rank
-    keeps its share of every request's state. Its weights load by `StackedWeights.load_weights`."""
+    Tensor parallel: split by heads (attention) or channels (convolution), with vLLM's column-parallel input
+    projections and a row-parallel output projection (which sums the ranks' parts); each rank keeps its share of
+    every request's state."""
 
     def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str, plans: ForwardPlan):
         super().__init__()
@@ -119,13 +111,25 @@ class JRTStateLayer(StackedWeights, MambaBase, nn.Module):
         torch.ops.jrt_vllm.mix(hidden_states, output, self.prefix)
         return output
 
+    @property
+    def mixed_width(self) -> int:
+        """Columns of this rank's mixer output (the input of `output_projection`)."""
+        return self.num_heads * self.head_dim
+
+    def split_heads(self, projected: torch.Tensor, *dims: int) -> list[torch.Tensor]:
+        """(..., H (d_1 + d_2 + ...)) side by side -> [(..., H, d_i)]: the parts of this rank's heads."""
+        parts = projected.split([self.num_heads * dim for dim in dims], -1)
+        return [part.unflatten(-1, (self.num_heads, dim)) for part, dim in zip(parts, dims)]
+
+    def output_projection(self, mixed: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(mixed)
+
     def mix(self, hidden_states: torch.Tensor, output: torch.Tensor) -> None:
         """The mixer on the forward's plan (`self.plans`), into output `(N, hidden)`.
 
-        The input projections (`project`) and the output projection (`o_proj` / `out_proj`, which sums the
-        tensor-parallel ranks' parts) run once over all N rows; only the mixing that reads and writes the states runs
-        per request (`read`) or for all decoding requests at once (`step`). A decode-only forward (`DECODE_STEP`) is
-        the step on all N rows at the slots in the metadata: no host read, the same launches at every step."""
+        The projections (`project`, `output_projection`) run once over all N rows; only the mixing that reads and
+        writes the states runs per group of requests (`read`) or for all decoding requests at once (`step`; a
+        decode-only forward is the step on all N rows)."""
         plan = self.plans.plan
         projected = self.project(hidden_states)  # (N, width) each: this rank's share
         metadata = None if plan is None else forward_metadata(self.prefix)
@@ -182,7 +186,7 @@ class JRTShortConv(JRTStateLayer):
         return [self.in_proj(hidden_states)]
 
     def output_projection(self, mixed: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(mixed)
+        return self.out_proj(mixed)  # the transformers model's name
 
     def _mix(self, projected: torch.Tensor, past: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, t, 2 D) projections, (B, h, D) inputs before them (or None) -> SiLU(conv(u)) * g (B, t, D), and u."""
@@ -244,22 +248,14 @@ class JRTSlidingWindowAttention(JRTStateLayer):
     def get_state_dtype(self) -> tuple[torch.dtype, ...]:
         return (self.model_dtype, self.model_dtype, torch.float32)
 
-    @property
-    def mixed_width(self) -> int:
-        return self.num_heads * self.head_dim
-
     def project(self, hidden_states: torch.Tensor) -> list[torch.Tensor]:
         """(N, hidden) -> [q, k, v side by side (N, 3 H d)] (this rank's heads)."""
         return [self.qkv_proj(hidden_states)]
 
-    def output_projection(self, mixed: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(mixed)
-
     def _rotated(self, projected: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """projected `(B, T, 3 H d)`, positions `(B, T)` -> q, k, v `(B, H, T, d)`, q and k rotated."""
-        batch_size, seq_len, _ = projected.shape
-        shape = (batch_size, seq_len, self.num_heads, self.head_dim)
-        query, key, value = (part.reshape(shape).transpose(1, 2) for part in projected.chunk(3, dim=-1))
+        parts = self.split_heads(projected, self.head_dim, self.head_dim, self.head_dim)  # (B, T, H, d) each
+        query, key, value = (part.transpose(1, 2) for part in parts)
         cos, sin = self.rotary_emb(projected, positions)
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         return query, key, value
@@ -292,11 +288,9 @@ class JRTSlidingWindowAttention(JRTStateLayer):
         query, key, value = self._rotated(projected[0], positions)
         keys = torch.cat([past_keys, key], dim=2)  # (G, H, W - 1 + T, d): the held rows, then the new keys
         values = torch.cat([past_values, value], dim=2)
-        row = torch.arange(self.rows, device=device)
-        key_mask = torch.cat(
-            [row[None, :] >= (self.rows - self._held(seen))[:, None], row.new_ones(batch_size, seq_len, dtype=torch.bool)],
-            dim=1,
-        )  # (G, W - 1 + T): the state rows that hold keys, then the new keys
+        held = torch.arange(self.rows, device=device)[None, :] >= (self.rows - self._held(seen))[:, None]
+        # (G, W - 1 + T): the state rows that hold keys, then the new keys
+        key_mask = torch.cat([held, held.new_ones(batch_size, seq_len)], dim=1)
         output = blocked_sliding_window_attention(
             query, keys, values, key_mask, sliding_window=self.window, scaling=self.scaling, implementation="sdpa"
         )  # (G, T, H, d)
@@ -377,10 +371,6 @@ class JRTLinearAttention(JRTStateLayer):
     def get_state_dtype(self) -> tuple[torch.dtype]:
         return (torch.float32,)
 
-    @property
-    def mixed_width(self) -> int:
-        return self.num_heads * self.head_dim
-
     def project(self, hidden_states: torch.Tensor) -> list[torch.Tensor]:
         """(N, hidden) -> [q, k, v side by side (N, H (2 K + V))] and, for the decay variant, [the gate (N, H)]."""
         projected = [self.qkv_proj(hidden_states)]
@@ -388,17 +378,9 @@ class JRTLinearAttention(JRTStateLayer):
             projected.append(self.decay_proj(hidden_states))
         return projected
 
-    def output_projection(self, mixed: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(mixed)
-
     def _split(self, projected: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """[(..., H (2 K + V)), gate] -> q, k (..., H, K), v (..., H, V), gate (..., H) or None."""
-        lead = projected[0].shape[:-1]
-        features = self.num_heads * self.feature_dim
-        query, key, value = projected[0].split([features, features, self.num_heads * self.head_dim], -1)
-        query = query.reshape(*lead, self.num_heads, self.feature_dim)
-        key = key.reshape(*lead, self.num_heads, self.feature_dim)
-        value = value.reshape(*lead, self.num_heads, self.head_dim)
+        query, key, value = self.split_heads(projected[0], self.feature_dim, self.feature_dim, self.head_dim)
         return query, key, value, projected[1] if self.config.use_decay_proj else None
 
     def read(self, projected: list[torch.Tensor], hidden_states: torch.Tensor, slots: torch.Tensor | None,
@@ -413,12 +395,8 @@ class JRTLinearAttention(JRTStateLayer):
             if length is None:  # vLLM's profiling run (no request behind it): as many rows as a prefix can have
                 length = min(self.config.prefix_length, seq_len)
             if length > 0:
-                features = self.num_heads * self.feature_dim
-                k_enc, v_enc = self.kv_enc_proj(hidden_states[:, :length]).split(
-                    [features, self.num_heads * self.head_dim], -1
-                )
-                k_enc = k_enc.reshape(batch_size, length, self.num_heads, self.feature_dim)  # (G, M, H, K)
-                v_enc = v_enc.reshape(batch_size, length, self.num_heads, self.head_dim)  # (G, M, H, V)
+                encoder = self.kv_enc_proj(hidden_states[:, :length])
+                k_enc, v_enc = self.split_heads(encoder, self.feature_dim, self.head_dim)  # (G, M, H, K), (G, M, H, V)
         initial_state = None if (group.fresh or slots is None) else self.kv_cache[0].index_select(0, slots)
         output, state = prefix_linear_attention(
             query, key, value, k_enc, v_enc,

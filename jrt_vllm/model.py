@@ -1,24 +1,15 @@
 """JRT-RNN / Based as a vLLM model: serves the folders that `save_pretrained` and `jrt convert` write.
 
-The blocks are `modeling_jrt`'s (pre-norm, fp32 residual stream, SwiGLU MLP, RMSNorm) with vLLM's layers for the
-dense parts (merged column-parallel projections, SiLU-and-multiply, row-parallel output projections, vocabulary-parallel
-embedding and head); the mixers and their per-request states are `jrt_vllm.mixers`, the mapping of vLLM's flattened
-batch onto them `jrt_vllm.batch_plan`.
+The blocks are `modeling_jrt`'s (pre-norm, fp32 residual stream, SwiGLU MLP, RMSNorm) with vLLM's parallel layers for
+the dense parts; the mixers and their per-request states are `jrt_vllm.mixers`, the mapping of vLLM's flattened batch
+onto them `jrt_vllm.batch_plan`.
 
-The JRT prefix (docs/serving.md). The first forward of a request reads its whole prompt (chunked prefill is off for
-prefix models, `jrt_vllm.config`). A prompt of L < prefix_length tokens is filled in front, as the transformers
-model's first forward fills it (`config.prefix_strategy`, `modeling_jrt.prefix_fill`): "pad" prepends
-`prefix_length - L` copies of `prefix_pad_token_id` (read by convolutions and sliding attention, removed from the
-linear attention as `prefix_pad_masking` says), "repeat" repeats the prompt, "none" adds nothing. The fill runs
-through every layer inside this forward and never reaches vLLM (no logits, no logprobs, not counted in the request's
-length). The linear-attention encoder then reads the first `min(prefix_length, tokens)` tokens non-causally; later
-forwards are O(1) recurrent steps.
-
-A request vLLM preempts is recomputed from its prompt and generated tokens in one fresh forward: the encoder then reads
-the original prompt's prefix (its length from `jrt_vllm.prompt_lengths`), the generated tokens causally.
-
-Compilation: vLLM's `support_torch_compile` on `JRTModel` traces the embedding, norms, fp32 residual stream and MLPs
-once, for every batch size, around the mixers' opaque `jrt_vllm::mix` ops.
+The JRT prefix (docs/serving.md). The first forward of a request reads its whole prompt (`jrt_vllm.config`). A prompt
+shorter than prefix_length is filled in front as the transformers model fills it (`config.prefix_strategy`,
+`modeling_jrt.prefix_fill`); the fill runs through every layer inside this forward and never reaches vLLM (no logits,
+not counted in the request's length). The linear-attention encoder then reads the first `min(prefix_length, tokens)`
+tokens non-causally; later forwards are O(1) recurrent steps. A request vLLM preempts is recomputed in one fresh
+forward: the encoder reads the original prompt's prefix (`jrt_vllm.prompt_lengths`), the generated tokens causally.
 """
 
 from __future__ import annotations
@@ -35,7 +26,7 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowPar
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
-from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, make_layers
+from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
 from modeling_jrt.configuration_jrt import JRTRNNConfig
@@ -45,7 +36,7 @@ from modeling_jrt.prefix_fill import check_prefix_strategy, fill_prefix, never_g
 
 from .batch_plan import DECODE_STEP, ForwardPlan, forward_metadata, is_decode_only, plan_batch
 from .mixers import MIXER_CLASSES
-from .prompt_lengths import tracker_for
+from .prompt_lengths import QUALIFIED_NAME, tracker_for
 from .weights import StackedWeights
 
 logger = logging.getLogger(__name__)
@@ -104,11 +95,9 @@ class JRTDecoderLayer(nn.Module):
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0})
 class JRTModel(nn.Module):
-    """Embeddings, blocks, final norm (`JRTRNNModel`'s names, so the safetensors load by them).
-
-    vLLM compiles it when the engine compiles (`support_torch_compile`: on vLLM's CPU backend, traced once by dynamo
-    and built by inductor, `jrt_vllm.config` says when): the embedding, norms, residual stream and MLPs become one
-    graph around the mixers' opaque `jrt_vllm::mix` ops."""
+    """Embeddings, blocks, final norm (`JRTRNNModel`'s names, so the safetensors load by them). When the engine
+    compiles, the embedding, norms, residual stream and MLPs are traced once, for every batch size, around the mixers'
+    opaque `jrt_vllm::mix` ops."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", plans: ForwardPlan):
         super().__init__()
@@ -168,10 +157,8 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
                 "another `prefix_strategy` in config.json."
             )
         self.plans = ForwardPlan()
-        self.model = JRTModel(vllm_config=vllm_config, prefix=f"{prefix}.model" if prefix else "model", plans=self.plans)
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, prefix=f"{prefix}.lm_head" if prefix else "lm_head"
-        )
+        self.model = JRTModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"), plans=self.plans)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
@@ -194,7 +181,7 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
                     "preempted request whose prompt is shorter than prefix_length=%d would be recomputed with its "
                     "generated tokens inside its prefix. Keep jrt_vllm's engine settings (do not replace "
                     "`logits_processors` after the engine is configured).",
-                    "jrt_vllm.prompt_lengths:PromptLengths",
+                    QUALIFIED_NAME,
                     self.config.prefix_length,
                 )
             return None
@@ -252,9 +239,8 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The safetensors of a `save_pretrained` / `jrt convert` folder, by their own names (`jrt_vllm.weights`):
-        vLLM's `AutoWeightsLoader` walks the modules, the mixers and MLPs put each merged projection in its shard,
-        and each tensor-parallel rank takes its part. A tied head is loaded once, as the embedding."""
+        """The safetensors of a `save_pretrained` / `jrt convert` folder, by their own names (`jrt_vllm.weights`). A
+        tied head is loaded once, as the embedding."""
         return AutoWeightsLoader(self).load_weights(weights)
 
 

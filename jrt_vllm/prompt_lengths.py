@@ -1,14 +1,11 @@
 """Each running request's original prompt length, as vLLM's persistent batch tells its logits processors.
 
-Why the model needs it: a JRT-RNN request whose prompt is shorter than `prefix_length` has an encoder read (and a
-fill) that depends on where its prompt ends. When vLLM preempts a request (for lack of memory, or on
-`reset_prefix_cache(reset_running_requests=True)`), it later recomputes it from scratch: its first forward then
-holds the prompt *and* the tokens it generated, and the forward metadata that reaches the model does not say where
-the prompt ended. vLLM does tell its logits processors: `BatchUpdate.added` carries each request's prompt token ids
-(for a resumed request as well, with the output tokens beside them), under the index the request has in the
-persistent batch, which is also its place in the model's forward (decodes first). `PromptLengths` is a logits
-processor that changes no logit and only keeps `index -> prompt length`; `jrt_vllm.config` adds it to the engines of
-JRT-RNN folders (`model_config.logits_processors`), and `jrt_vllm.model` reads it in each forward.
+Why: a JRT-RNN prompt shorter than `prefix_length` has an encoder read (and a fill) that depends on where it ends. A
+request vLLM preempts is recomputed from scratch, its prompt *and* generated tokens in one forward, whose metadata
+does not say where the prompt ended. vLLM's logits processors are told: `BatchUpdate.added` carries each request's
+prompt token ids under its index in the persistent batch, which is also its place in the model's forward (decodes
+first). `PromptLengths` changes no logit and only keeps `index -> prompt length`; `jrt_vllm.config` adds it to the
+engines of JRT-RNN folders, and `jrt_vllm.model` reads it in each forward.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Loading a `save_pretrained` / `jrt convert` folder's safetensors into the vLLM model, by the transformers names.
 
-vLLM's `AutoWeightsLoader` walks the model (`JRTRNNForCausalLM.load_weights`) and hands each module that has a
-`load_weights` the tensors under its name. The mixers and the MLP have one (`StackedWeights`): vLLM's layers merge
-some of their projections into one parameter (q, k, v into `qkv_proj`; gate and up into `gate_up_proj`), so a
-checkpoint projection goes to its shard of the merged parameter, whose own loader takes this tensor-parallel rank's
-part. The names are otherwise those of the transformers model, so no `WeightsMapper` is needed.
+vLLM's `AutoWeightsLoader` hands each module that has a `load_weights` the tensors under its name. The mixers and the
+MLP have one (`StackedWeights`): vLLM's layers merge some projections into one parameter (q, k, v into `qkv_proj`),
+so a checkpoint projection goes to its shard there, whose loader takes this tensor-parallel rank's part. The names are
+otherwise the transformers model's (no `WeightsMapper`).
 """
 
 from __future__ import annotations
