@@ -453,10 +453,8 @@ def _prefix_linear_attention_fwd(
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     state = torch.empty(B, H, 1 + K + K * K, V + 1, dtype=torch.float32, device=v.device)
     store_encoder_state = save_for_backward and k_enc is not None
-    encoder_state = torch.empty(B, H, encoder_state_numel(K, V), dtype=torch.float32, device=v.device) \
-        if store_encoder_state else state.new_empty(0)
-    inverse_denominator = torch.empty(B, T, H, dtype=torch.float32, device=v.device) \
-        if save_for_backward else state.new_empty(0)
+    encoder_state = state.new_empty(B, H, encoder_state_numel(K, V)) if store_encoder_state else state.new_empty(0)
+    inverse_denominator = state.new_empty(B, T, H) if save_for_backward else state.new_empty(0)
     # Absent optional tensors: never read (empty encoder ranges, HAS_* flags False); any pointer will do.
     k_enc = k if k_enc is None else k_enc
     v_enc = v if v_enc is None else v_enc
