@@ -102,19 +102,12 @@ def finetune(args: argparse.Namespace) -> int:
     from modeling_jrt import JRTRNNForCausalLM
 
     training_args = TrainingArguments(
-        output_dir=str(args.output_dir / "checkpoints"),
-        max_steps=args.max_steps,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
-        logging_steps=max(1, args.max_steps // 5),
-        save_strategy="no",
+        output_dir=str(args.output_dir / "checkpoints"), max_steps=args.max_steps, seed=args.seed,
+        per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate, lr_scheduler_type="constant",
+        logging_steps=max(1, args.max_steps // 5), save_strategy="no", report_to="none", dataloader_drop_last=True,
         use_cache=True,  # Trainer copies it into model.config: the merged model generates with its cache
-        report_to="none",
-        seed=args.seed,
         use_cpu=not torch.accelerator.is_available(),  # on CPU, several processes then use DDP with gloo
-        ddp_find_unused_parameters=False,  # every parameter (or every adapter weight) takes part in each step
-        dataloader_drop_last=True,
+        ddp_find_unused_parameters=False,  # every adapter weight takes part in each step
     )
     set_seed(args.seed)
     if args.model:

@@ -40,22 +40,10 @@ def builtin_corpus(num_documents: int = 400, seed: int = 0) -> list[str]:
 
 def tiny_config(prefix_length: int = 64, hidden_size: int = 64, num_layers: int = 4) -> JRTRNNConfig:
     """A JRT-RNN with every layer type (conv, prefix linear attention, sliding attention) and a byte vocabulary."""
-    return JRTRNNConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        mixer_types=default_mixer_types(num_layers),
-        feature_dim=8,
-        prefix_length=prefix_length,
-        sliding_window=33,
-        mask_token_id=MASK_ID,
-        prefix_pad_token_id=ord(" "),
-        bos_token_id=EOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=EOS_ID,
-    )
+    return JRTRNNConfig(vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                        num_hidden_layers=num_layers, num_attention_heads=4, feature_dim=8, sliding_window=33,
+                        mixer_types=default_mixer_types(num_layers), prefix_length=prefix_length, mask_token_id=MASK_ID,
+                        prefix_pad_token_id=ord(" "), bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
 
 
 def end_distributed(*, synchronize: bool) -> None:

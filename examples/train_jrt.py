@@ -66,25 +66,15 @@ def build_trainer(args: argparse.Namespace) -> JRTTrainer:
 
     model = JRTRNNForCausalLM(tiny_config(args.prefix_length, args.hidden_size, args.num_layers))
     training_args = TrainingArguments(
-        output_dir=str(args.output_dir),
-        max_steps=args.max_steps,
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.learning_rate,
-        adam_beta1=0.9,
-        adam_beta2=0.95,
+        output_dir=str(args.output_dir), max_steps=args.max_steps, seed=args.seed, bf16=args.bf16,
+        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate, adam_beta1=0.9, adam_beta2=0.95, lr_scheduler_type="cosine",
+        warmup_steps=max(1, args.max_steps // 100), max_grad_norm=1.0, logging_steps=max(1, args.max_steps // 10),
         weight_decay=0.1,  # Trainer exempts biases and every *norm* weight, as the reference does
-        lr_scheduler_type="cosine",
-        warmup_steps=max(1, args.max_steps // 100),
-        max_grad_norm=1.0,
-        bf16=args.bf16,
-        logging_steps=max(1, args.max_steps // 10),
-        save_strategy="no",
+        save_strategy="no", report_to="none",
         use_cache=True,  # Trainer copies it into model.config: saved checkpoints generate with their cache
-        report_to="none",
-        seed=args.seed,
         use_cpu=not torch.accelerator.is_available(),  # on CPU, several processes then use DDP with gloo
-        ddp_find_unused_parameters=False,  # every parameter (or every adapter weight) takes part in each step
+        ddp_find_unused_parameters=False,  # every parameter takes part in each step
         dataloader_drop_last=True,  # equal micro-batches on every process
     )
     # With drop_last, the evaluation keeps only whole rounds of one batch per process: at least one block per process,

@@ -4,11 +4,9 @@ tasks `jrt_jsonl` / `jrt_jsonl_twice`.
 There is one evaluation code path: this module writes two task YAMLs that include the shipped `jrt_jsonl` tasks
 (`jrt_eval/tasks`) with your file as their data, runs them with lm-eval's `simple_evaluate` on the `JRTLM` model
 (leak-free JRT scoring; any other causal LM works as under lm-eval's `hf`), and turns lm-eval's logged samples into
-the summary table and the per-record file. Record format and validation: `jrt_eval.recall.load_records`; prompts:
-`jrt_prompt` via `jrt_eval.recall`. Needs the `eval` extra (lm-eval).
-
-Protocol: the `jrt_eval.recall` module docstring. Prompts longer than the model's window (`max_length`:
-`max_position_embeddings`, else 2048) are left-truncated by lm-eval.
+the summary table and the per-record file. Records, prompts and protocol: `jrt_eval.recall`. Prompts longer than
+the model's window (`max_length`: `max_position_embeddings`, else 2048) are left-truncated by lm-eval. Needs the
+`eval` extra (lm-eval).
 """
 
 from __future__ import annotations
@@ -22,16 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from jrt_eval import TASKS_DIR
-from jrt_eval.recall import (
-    RecallRecord,
-    contains_score,
-    default_prompt,
-    first_line,
-    load_records,
-    record_doc,
-    twice_prompt,
-    window_context,
-)
+from jrt_eval.recall import (RecallRecord, contains_score, default_prompt, first_line, load_records, record_doc,
+                             twice_prompt, window_context)
 
 PROMPT_KINDS: tuple[str, ...] = ("default", "jrt")
 """`default`: the read-once prompt; `jrt`: the JRT-Prompt (document twice)."""
@@ -77,14 +67,8 @@ class RecallReport:
         return "\n".join(lines)
 
 
-def build_prompt(
-    record: RecallRecord,
-    tokenizer,
-    *,
-    prompt_kind: str,
-    context_tokens: int = 1000,
-    answer_tokens: int = 50,
-) -> str:
+def build_prompt(record: RecallRecord, tokenizer, *, prompt_kind: str, context_tokens: int = 1000,
+                 answer_tokens: int = 50) -> str:
     """The `prompt_kind` prompt of `record` exactly as the `jrt_jsonl` tasks build it."""
     if prompt_kind not in PROMPT_KINDS:
         raise ValueError(f"Unknown prompt kind {prompt_kind!r}; expected one of {', '.join(PROMPT_KINDS)}.")
@@ -113,17 +97,9 @@ def _task_yaml(task: str, shipped: Path, data: Path, limit: int | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def evaluate_recall(
-    lm,
-    data: str | Path,
-    *,
-    tokenizer_name: str,
-    prompt_kinds: Sequence[str] = PROMPT_KINDS,
-    context_tokens: int = 1000,
-    answer_tokens: int = 50,
-    max_new_tokens: int = 48,
-    limit: int | None = None,
-) -> RecallReport:
+def evaluate_recall(lm, data: str | Path, *, tokenizer_name: str, prompt_kinds: Sequence[str] = PROMPT_KINDS,
+                    context_tokens: int = 1000, answer_tokens: int = 50, max_new_tokens: int = 48,
+                    limit: int | None = None) -> RecallReport:
     """Run the `jrt_jsonl` tasks (one per prompt kind) on the JSONL file `data` with the lm-eval model `lm`.
 
     Args:
@@ -152,21 +128,17 @@ def evaluate_recall(
         )
         output = simple_evaluate(model=lm, tasks=list(tasks.values()), task_manager=manager, log_samples=True,
                                  gen_kwargs={"max_gen_toks": max_new_tokens})
-    report = RecallReport(prompt_kinds=tuple(prompt_kinds))
-    rows = []
+    results = []
     for kind, task in tasks.items():
         for sample in output["samples"][task]:
-            doc = sample["doc"]
-            prompt = sample["arguments"][0][0]
+            record, prompt = records[sample["doc"]["line"]], sample["arguments"][0][0]
             generation = first_line(sample["filtered_resps"][0])
-            record = records[doc["line"]]
-            rows.append((record.line, PROMPT_KINDS.index(kind), RecallResult(
-                id=record.id, line=record.line, prompt_kind=kind, prompt=prompt,
-                prompt_tokens=len(lm.tok_encode(prompt)), generation=generation, answers=list(record.answers),
-                correct=contains_score(generation, record.answers),
-            )))
-    report.results = [result for _, _, result in sorted(rows, key=lambda row: row[:2])]
-    return report
+            results.append(RecallResult(id=record.id, line=record.line, prompt_kind=kind, prompt=prompt,
+                                        prompt_tokens=len(lm.tok_encode(prompt)), generation=generation,
+                                        answers=list(record.answers),
+                                        correct=contains_score(generation, record.answers)))
+    results.sort(key=lambda result: (result.line, PROMPT_KINDS.index(result.prompt_kind)))
+    return RecallReport(prompt_kinds=tuple(prompt_kinds), results=results)
 
 
 def write_results(path: str | Path, report: RecallReport) -> None:
@@ -181,17 +153,5 @@ def quiet_lm_eval() -> None:
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
 
 
-__all__ = [
-    "PROMPT_KINDS",
-    "RecallRecord",
-    "RecallReport",
-    "RecallResult",
-    "build_prompt",
-    "check_output_writable",
-    "contains_score",
-    "evaluate_recall",
-    "first_line",
-    "load_records",
-    "quiet_lm_eval",
-    "write_results",
-]
+__all__ = ["PROMPT_KINDS", "RecallRecord", "RecallReport", "RecallResult", "build_prompt", "check_output_writable",
+           "contains_score", "evaluate_recall", "first_line", "load_records", "quiet_lm_eval", "write_results"]

@@ -1,23 +1,17 @@
 """`JRTLM`: lm-evaluation-harness's HF model (`HFLM`) with leak-free prefix scoring for JRT-RNN and Based.
 
-lm-eval's stock `hf` model calls `model(input_ids)` on loglikelihood batches right-padded with id 0. For a JRT-RNN
-checkpoint the non-causal prefix (the first `prefix_length` positions) then covers the continuation being scored,
-and the encoder reads the right padding, so scores depend on the continuation itself and on the batch. `JRTLM` keeps
-everything of `HFLM` and replaces only the forward of a loglikelihood batch:
+lm-eval's stock `hf` model calls `model(input_ids)` on loglikelihood batches right-padded with id 0: for a JRT-RNN
+checkpoint the non-causal prefix (the first `prefix_length` positions) then covers the continuation being scored
+and the padding, so scores depend on the continuation itself and on the batch. `JRTLM` keeps everything of `HFLM`
+and replaces only the forward of a loglikelihood batch:
 
     row (right-padded by HFLM):   [ context c0..c(C-1) | continuation x0..x(N-2) | pad ... ]
     attention_mask:                 1 ...                 1 ...                    0 ...
     prompt_lengths (per row):       C          (no fill: the encoder reads min(C, config.prefix_length) tokens)
 
-so the encoder reads the context only (never the continuation, never the padding), and the logits of the scored
-positions (>= C - 1) are exactly those of the row evaluated alone with the same prefix. `scoring="reference"`
-instead reproduces the original HazyResearch harness (see `JRTLM`).
-
-`generate_until` goes through the model's `generate()`, so prompts shorter than the prefix are filled as its
-`prefix_strategy` says. bf16 autocast, as the reference evaluated, is HFLM's `mixed_precision_dtype=bfloat16`.
-
-Causal models (Based, any other `AutoModelForCausalLM`) have no prefix: they are scored exactly as by `HFLM` (right
-padding cannot reach a causal model's scored positions), logits cache included.
+so the encoder reads the context only, and the logits of the scored positions (>= C - 1) are exactly those of the
+row evaluated alone with the same prefix. Causal models (Based, any other `AutoModelForCausalLM`) are scored exactly
+as by `HFLM`, logits cache included. Scoring modes, generation and bf16: docs/evaluation.md, "Evaluate with lm-eval".
 """
 
 from __future__ import annotations
@@ -44,14 +38,12 @@ class JRTLM(HFLM):
     Takes every `HFLM` argument (`pretrained`, `tokenizer`, `dtype`, `device`, `batch_size`, ...) plus:
 
     Args:
-        scoring: `"leak_free"` (default; see the module docstring). `"reference"`: the original harness's scoring,
-            for comparison with published numbers: each row (context + continuation) is left-filled with
-            `config.prefix_pad_token_id` up to `config.prefix_length` tokens and its last token dropped (so
-            `prefix_length - 1` tokens are fed); the fill is masked in the linear attention as
-            `config.prefix_pad_masking` says and the encoder reads the whole filled row. **It leaks**: the logits
-            that score a continuation token inside the prefix have already seen that token and the ones after it
-            (scores are too high, and depend on the continuation's own length). Longer rows are not filled (the
-            encoder reads their first `prefix_length` tokens). Rows are scored one at a time in this mode.
+        scoring: `"leak_free"` (default; see the module docstring), or `"reference"`, the original harness's, for
+            comparison with published numbers: each row (context + continuation, its last token dropped) shorter
+            than `prefix_length - 1` is left-filled to that length with `config.prefix_pad_token_id` (masked as
+            `config.prefix_pad_masking` says) and the encoder reads the whole filled row. **It leaks**: a
+            continuation token inside the prefix is read before it is scored (scores are too high). Rows are scored
+            one at a time in this mode.
         prefix_strategy: Overrides the model's `prefix_strategy` in `generate_until` (`"pad"`, `"repeat"`,
             `"none"`).
         max_length: lm-eval's model window (prompts are left-truncated to it); default 2048 for JRT-RNN / Based,

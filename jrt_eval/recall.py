@@ -1,25 +1,20 @@
 """Data, prompts and metric of the recall-intensive lm-eval tasks (JRT paper; docs/reference_architecture.md
-§2.2), default and twice.
+§2.2), default and twice; the protocol and its departures from the reference: docs/evaluation.md.
 
-Each task loads its data through `load_recall_dataset` (lm-eval's `custom_dataset` hook, which receives the task's
-`dataset_kwargs` and the run's metadata, i.e. `--model_args` and `--metadata`), which maps every document to one
-schema,
+`load_recall_dataset` (lm-eval's `custom_dataset` hook: it receives the task's `dataset_kwargs` and the run's
+`--model_args` / `--metadata`) maps every document of a family (`FAMILIES`: the reference's Hub exports, through
+`normalize_document`, or `jsonl`, your file in the record format of `load_records`) to one schema,
 
-    context   the document, cut to `context_tokens - answer_tokens` tokens around the answer (`truncate_context`,
-              the reference's `--cutting_context`; default 1000 - 50, the paper's Table 1 setting)
+    context   the document, cut to `context_tokens - answer_tokens` tokens around the answer (`truncate_context`;
+              default 1000 - 50, the paper's Table 1), counted with `truncation_tokenizer`
     question  the key (SWDE/FDA) or the completion-style question that ends the prompt
     header    the natural-language question of the JRT prompt ("" = the template's default)
     answers   the gold answers (a non-empty list)
     template  a `jrt_prompt.PROMPT_TEMPLATES` name
     id, line  the record's id and JSONL line (`jsonl` family; "" and 0 for the Hub data)
 
-and the prompts are `jrt_prompt.jrt_prompt(..., repeats=1)` (default tasks) or `repeats=2` (`_twice` tasks), the
-single source of the prompt strings. Generation is greedy, 48 tokens, cut at the first newline; the metric
-`contains` is a case-insensitive match of any gold answer in the generation.
-
-Families (`FAMILIES`): the reference harness's Hub data sets, their columns mapped to the schema above by
-`normalize_document`, and `jsonl`, your own JSON Lines file (`data_files=`) in the record format of `load_records`.
-`context_tokens` / `answer_tokens` come from `--metadata`; the tokenizer that counts them: `truncation_tokenizer`.
+and the prompts are `jrt_prompt.jrt_prompt(..., repeats=1)` (default tasks) or `repeats=2` (`_twice` tasks);
+generation is greedy, 48 tokens, cut at the first newline, and scored by `contains` (`process_results`).
 """
 
 from __future__ import annotations
@@ -195,16 +190,9 @@ def truncation_tokenizer(metadata: dict):
     return _load_tokenizer("gpt2")
 
 
-def load_recall_dataset(
-    family: str,
-    *,
-    data_files: str | None = None,
-    split: str = "validation",
-    context_tokens: int = 1000,
-    answer_tokens: int = 50,
-    limit_docs: int | None = None,
-    **metadata: Any,
-):
+def load_recall_dataset(family: str, *, data_files: str | None = None, split: str = "validation",
+                        context_tokens: int = 1000, answer_tokens: int = 50, limit_docs: int | None = None,
+                        **metadata: Any):
     """lm-eval `custom_dataset`: the `family` data as a `DatasetDict` with one `split`, in the task schema.
 
     Args:
@@ -290,19 +278,6 @@ def process_results(doc: dict, results: list[str]) -> dict[str, float]:
     return {"contains": float(contains_score(first_line(results[0]), doc["answers"]))}
 
 
-__all__ = [
-    "FAMILIES",
-    "RecallRecord",
-    "contains_score",
-    "default_prompt",
-    "first_answer",
-    "first_line",
-    "load_recall_dataset",
-    "load_records",
-    "normalize_document",
-    "process_results",
-    "record_doc",
-    "truncation_tokenizer",
-    "twice_prompt",
-    "window_context",
-]
+__all__ = ["FAMILIES", "RecallRecord", "contains_score", "default_prompt", "first_answer", "first_line",
+           "load_recall_dataset", "load_records", "normalize_document", "process_results", "record_doc",
+           "truncation_tokenizer", "twice_prompt", "window_context"]

@@ -6,29 +6,8 @@ model's `"repeat"` prefix strategy uses, lives with the generation code and is r
 
 from modeling_jrt.prefix_fill import repeat_to_fill
 
-from .templates import (
-    DOCUMENT_SEPARATOR,
-    EXTRACTION_TEMPLATES,
-    PROMPT_TEMPLATES,
-    default_prompt,
-    default_prompts,
-    find_answer,
-    jrt_prompt,
-    jrt_prompts,
-    read_twice,
-    truncate_context,
-)
+from .templates import (DOCUMENT_SEPARATOR, EXTRACTION_TEMPLATES, PROMPT_TEMPLATES, default_prompt, default_prompts,
+                        find_answer, jrt_prompt, jrt_prompts, read_twice, truncate_context)
 
-__all__ = [
-    "DOCUMENT_SEPARATOR",
-    "EXTRACTION_TEMPLATES",
-    "PROMPT_TEMPLATES",
-    "default_prompt",
-    "default_prompts",
-    "find_answer",
-    "jrt_prompt",
-    "jrt_prompts",
-    "read_twice",
-    "repeat_to_fill",
-    "truncate_context",
-]
+__all__ = ["DOCUMENT_SEPARATOR", "EXTRACTION_TEMPLATES", "PROMPT_TEMPLATES", "default_prompt", "default_prompts",
+           "find_answer", "jrt_prompt", "jrt_prompts", "read_twice", "repeat_to_fill", "truncate_context"]

@@ -120,13 +120,7 @@ def _squad(context: str, question: str, header: str | None) -> _Document:
 
 
 _TEMPLATES: dict[str, Callable[[str, str, str | None], _Document]] = {
-    "swde": _swde,
-    "fda": _fda,
-    "drop": _drop,
-    "nq": _nq,
-    "triviaqa": _triviaqa,
-    "squad": _squad,
-}
+    "swde": _swde, "fda": _fda, "drop": _drop, "nq": _nq, "triviaqa": _triviaqa, "squad": _squad}
 _ALIASES = {"extraction": "swde", "qa": "drop"}
 
 PROMPT_TEMPLATES: tuple[str, ...] = (*_ALIASES, *_TEMPLATES)
@@ -159,14 +153,8 @@ def read_twice(text: str, repeats: int = 2) -> str:
     return DOCUMENT_SEPARATOR.join([text] * repeats)
 
 
-def jrt_prompt(
-    context: str,
-    question: str,
-    *,
-    repeats: int = 2,
-    template: str = "qa",
-    header: str | None = None,
-) -> str:
+def jrt_prompt(context: str, question: str, *, repeats: int = 2, template: str = "qa",
+               header: str | None = None) -> str:
     """Build a JRT-Prompt (the document `repeats` times) or, with `repeats=1`, the default read-once prompt.
 
     With `repeats=2` the result is exactly the reference `*_twice` task prompt and with `repeats=1` the reference
@@ -204,14 +192,8 @@ def default_prompt(context: str, question: str, *, template: str = "qa") -> str:
     return jrt_prompt(context, question, repeats=1, template=template)
 
 
-def jrt_prompts(
-    contexts: Sequence[str],
-    questions: Sequence[str],
-    *,
-    repeats: int = 2,
-    template: str = "qa",
-    headers: Sequence[str | None] | None = None,
-) -> list[str]:
+def jrt_prompts(contexts: Sequence[str], questions: Sequence[str], *, repeats: int = 2, template: str = "qa",
+                headers: Sequence[str | None] | None = None) -> list[str]:
     """Batch form of `jrt_prompt`: one prompt per (context, question[, header]) triple, all with one template."""
     if len(contexts) != len(questions) or (headers is not None and len(headers) != len(contexts)):
         raise ValueError(
@@ -220,10 +202,8 @@ def jrt_prompts(
             + "; pass one of each per prompt."
         )
     headers = [None] * len(contexts) if headers is None else headers
-    return [
-        jrt_prompt(context, question, repeats=repeats, template=template, header=header)
-        for context, question, header in zip(contexts, questions, headers)
-    ]
+    return [jrt_prompt(context, question, repeats=repeats, template=template, header=header)
+            for context, question, header in zip(contexts, questions, headers)]
 
 
 def default_prompts(contexts: Sequence[str], questions: Sequence[str], *, template: str = "qa") -> list[str]:
@@ -238,22 +218,12 @@ def default_prompts(contexts: Sequence[str], questions: Sequence[str], *, templa
 
 def find_answer(context: str, answers: Sequence[str]) -> int | None:
     """Character offset of the first case-insensitive occurrence of any of `answers` in `context`, or None."""
-    starts = [
-        match.start()
-        for answer in answers
-        if answer and (match := re.search(re.escape(answer), context, re.IGNORECASE)) is not None
-    ]
-    return min(starts) if starts else None
+    matches = [re.search(re.escape(answer), context, re.IGNORECASE) for answer in answers if answer]
+    return min((match.start() for match in matches if match is not None), default=None)
 
 
-def truncate_context(
-    context: str,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    context_tokens: int = 1000,
-    answer_tokens: int = 50,
-    answers: Sequence[str] = (),
-) -> str:
+def truncate_context(context: str, tokenizer: PreTrainedTokenizerBase, *, context_tokens: int = 1000,
+                     answer_tokens: int = 50, answers: Sequence[str] = ()) -> str:
     """Cut `context` to a window of `context_tokens - answer_tokens` tokens around the first answer occurrence.
 
     The reference `--cutting_context` rule (docs/reference_architecture.md §2.2): with W the window and `a` the

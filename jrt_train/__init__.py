@@ -8,13 +8,5 @@ from modeling_jrt.loss import IGNORE_INDEX, ignore_prefix_targets, jrt_loss
 from .collator import MASK_SAMPLINGS, JRTDataCollator, pack_token_blocks
 from .lora import LORA_TARGET_MODULES, default_lora_config
 
-__all__ = [
-    "IGNORE_INDEX",
-    "LORA_TARGET_MODULES",
-    "MASK_SAMPLINGS",
-    "JRTDataCollator",
-    "default_lora_config",
-    "ignore_prefix_targets",
-    "jrt_loss",
-    "pack_token_blocks",
-]
+__all__ = ["IGNORE_INDEX", "LORA_TARGET_MODULES", "MASK_SAMPLINGS", "JRTDataCollator", "default_lora_config",
+           "ignore_prefix_targets", "jrt_loss", "pack_token_blocks"]

@@ -11,25 +11,14 @@ A packed block of tokens `s` of length T is split at the prefix length E (`confi
 
 `labels` follow the HF convention (unshifted: position t predicts `labels[t + 1]`), so next-token prediction starts
 at position E. `mlm_labels` are predicted at their own position: the prefix is read non-causally, and the model
-sees the [MASK] there, not the token.
+sees the [MASK] there, not the token. The model's forward (`modeling_jrt.loss.jrt_loss`) then computes
 
     loss = mean NTP cross-entropy + mlm_weight * mean MLM cross-entropy        (mlm_weight = 0.25)
 
-computed by `modeling_jrt.loss.jrt_loss` (the model's forward, when a batch has `mlm_labels`).
-
-As in the reference, target s[E] (predicted from the last prefix position) is never used, and the masked tokens are
-all replaced by [MASK] (no 80/10/10 split). The reference samples 2049 tokens to supervise the 1024 positions
-E..2047; a block of T = 2049 tokens here gives exactly the same targets (position 2048's prediction is unused).
-
-Decisions (and where they differ from the reference):
-- The reference's MLM loss keeps only targets `y > 0`, which also drops masked tokens whose id is 0 (GPT-2 "!").
-  That is a side effect of using 0 as "no target", not a choice, so it is not replicated: every masked position is
-  a target. (To reproduce it, set `mlm_labels[mlm_labels == 0] = -100` in the batch.)
-- Masking draws exactly `round(mlm_probability * E)` positions per sequence by default (`mask_sampling="fixed"`)
-  instead of the reference's independent Bernoulli draw per position (`mask_sampling="bernoulli"`). Both mask each
-  prefix position with probability `mlm_probability` (up to the rounding); the fixed count makes the MLM mean of a
-  batch independent of how it is split into micro-batches and processes (see `jrt_loss`), so gradient accumulation
-  and DDP give the same update as one large batch.
+As in the reference, target s[E] is never used and every masked token becomes [MASK] (no 80/10/10 split); a block
+of T = 2049 tokens gives the reference's targets. Where this departs from it (its `y > 0` filter is not reproduced:
+set `mlm_labels[mlm_labels == 0] = -100` for it; `mask_sampling="fixed"` draws an exact count per sequence, so that
+gradient accumulation and DDP give the update of one large batch): docs/training.md, "The JRT objective".
 """
 
 from __future__ import annotations

@@ -12,16 +12,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from .experiments import (
-    ARMS,
-    DEFAULT_STEPS,
-    evaluate_saved_models,
-    load_runs,
-    run_directory_name,
-    run_experiment,
-    summarize,
-    write_summary,
-)
+from .experiments import (ARMS, DEFAULT_STEPS, evaluate_saved_models, load_runs, run_directory_name, run_experiment,
+                          summarize, write_summary)
 
 # `export` writes here unless told otherwise: never into an installed package.
 DEFAULT_EXPORT_DIR = Path("runs") / "demo-models"

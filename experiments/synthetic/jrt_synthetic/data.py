@@ -18,12 +18,7 @@ import torch
 from modeling_jrt.loss import IGNORE_INDEX
 
 from jrt_cli.set_disjointness import (  # noqa: F401  (re-exported)
-    SyntheticBatch,
-    _check_positive,
-    render_tokens,
-    sd_token_map,
-    set_disjointness,
-)
+    SyntheticBatch, _check_positive, render_tokens, sd_token_map, set_disjointness)
 
 # Prefix-query MQAR specials (`qmqar`, docs/synthetics.md section 1.3).
 QMQAR_PAD, QMQAR_SEP, QMQAR_QSEP = 0, 1, 2
@@ -31,16 +26,9 @@ QMQAR_NUM_SPECIAL = 4
 QMQAR_ORDERS = ("CQ", "QC", "CQC")
 
 
-def multiquery_ar(
-    rng: np.random.RandomState,
-    num_examples: int,
-    input_seq_len: int,
-    num_kv_pairs: int,
-    vocab_size: int = 8192,
-    power_a: float = 0.01,
-    random_non_queries: bool = True,
-    num_passes: int = 1,
-) -> SyntheticBatch:
+def multiquery_ar(rng: np.random.RandomState, num_examples: int, input_seq_len: int, num_kv_pairs: int,
+                  vocab_size: int = 8192, power_a: float = 0.01, random_non_queries: bool = True,
+                  num_passes: int = 1) -> SyntheticBatch:
     """Zoology's multi-query associative recall (MQAR), with an optional JRT-Prompt repetition of the context.
 
     Context `k1 v1 ... kD vD` (keys from `[1, V/2)`, values from `[V/2, V)`, distinct within an example), repeated
@@ -90,20 +78,12 @@ def multiquery_ar(
         query_region = input_ids[:, context.shape[1]:]
         fill = query_region == 0
         query_region[fill] = rng.randint(vocab_size, size=int(fill.sum()))
-    return SyntheticBatch(
-        torch.from_numpy(np.ascontiguousarray(input_ids)), torch.from_numpy(np.ascontiguousarray(labels)),
-        prefix_length=context.shape[1],
-    )
+    return SyntheticBatch(torch.from_numpy(np.ascontiguousarray(input_ids)),
+                          torch.from_numpy(np.ascontiguousarray(labels)), prefix_length=context.shape[1])
 
 
-def prefix_query_mqar(
-    rng: np.random.RandomState,
-    num_examples: int,
-    num_kv_pairs: int,
-    num_queries: int = 2,
-    vocab_size: int = 132,
-    order: str = "CQ",
-) -> SyntheticBatch:
+def prefix_query_mqar(rng: np.random.RandomState, num_examples: int, num_kv_pairs: int, num_queries: int = 2,
+                      vocab_size: int = 132, order: str = "CQ") -> SyntheticBatch:
     """Prefix-query MQAR (`qmqar`): the questions are part of the prompt, the answers are decoded after it.
 
     Ids: 0 pad (unused), 1 `SEP`, 2 `QSEP`, 3 unused; keys are the lower half of `[4, V)`, values the upper half.
@@ -149,6 +129,5 @@ def prefix_query_mqar(
         decode_labels[0::2] = values[answered]
         rows.append(np.concatenate([prompt, decode]))
         label_rows.append(np.concatenate([np.full_like(prompt, IGNORE_INDEX), decode_labels]))
-    return SyntheticBatch(
-        torch.from_numpy(np.stack(rows)), torch.from_numpy(np.stack(label_rows)), prefix_length=len(prompt)
-    )
+    return SyntheticBatch(torch.from_numpy(np.stack(rows)), torch.from_numpy(np.stack(label_rows)),
+                          prefix_length=len(prompt))

@@ -96,20 +96,15 @@ def run_experiment(experiment: str, seeds: list[int], out: str | Path, steps: in
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers before torch loads
     try:
         with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-            futures = [
-                pool.submit(_run_worker, spec, str(out / run_directory_name(spec.name, spec.seed)), i % jobs)
-                for i, spec in enumerate(specs)
-            ]
-            runs = [future.result() for future in futures]
+            run_dirs = [str(out / run_directory_name(spec.name, spec.seed)) for spec in specs]
+            runs = list(pool.map(_run_worker, specs, run_dirs, [i % jobs for i in range(len(specs))]))
     finally:
         if env_threads is None:
             os.environ.pop("OMP_NUM_THREADS")
         else:
             os.environ["OMP_NUM_THREADS"] = env_threads
     summary = summarize(experiment, runs)
-    summary["wall_seconds"] = time.perf_counter() - start
-    summary["jobs"] = jobs
-    summary["machine"] = machine_description()
+    summary.update(wall_seconds=time.perf_counter() - start, jobs=jobs, machine=machine_description())
     write_summary(summary, out)
     return summary
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 TITLES = {
     "e1": "E1: JRT-RNN vs causal Based on set disjointness (V = 68)",
     "e1-small": "E1 at half the state (hidden 32, 1 head): JRT-RNN vs causal Based on set disjointness (V = 68)",
@@ -123,11 +125,6 @@ def extra_eval_table(results: dict) -> str:
     slices = list(next(iter(results.values())))
     lines = ["| arm | " + " | ".join(_slice_label(s) for s in slices) + " |", "|" + " --- |" * (len(slices) + 1)]
     for arm, by_slice in results.items():
-        cells = []
-        for s in slices:
-            values = by_slice[s]
-            mean = sum(values) / len(values)
-            std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
-            cells.append(_mean_std(mean, std, values))
+        cells = [_mean_std(float(np.mean(by_slice[s])), float(np.std(by_slice[s])), by_slice[s]) for s in slices]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

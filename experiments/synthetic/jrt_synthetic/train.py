@@ -113,34 +113,20 @@ def build_model_config(spec: RunSpec, prefix_length: int) -> JRTRNNConfig:
 
     `prefix_length` is stored in the config (what `generate()` uses); training passes each batch's own prompt length.
     """
-    return JRTRNNConfig(
-        vocab_size=spec.task.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=0,
-        num_hidden_layers=4,
-        num_attention_heads=spec.num_attention_heads,
-        mixer_types=["conv", "linear_attention", "conv", "linear_attention"],
-        feature_dim=spec.feature_dim,
-        conv_kernel_size=3,
-        conv_expansion=1,
-        linear_attention_type=spec.linear_attention_type,
-        prefix_length=prefix_length,
-        prefix_pad_token_id=None,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=None,
-        tie_word_embeddings=True,
-    )
+    return JRTRNNConfig(vocab_size=spec.task.vocab_size, hidden_size=spec.hidden_size, intermediate_size=0,
+                        num_hidden_layers=4, num_attention_heads=spec.num_attention_heads,
+                        mixer_types=["conv", "linear_attention", "conv", "linear_attention"],
+                        feature_dim=spec.feature_dim, conv_kernel_size=3, conv_expansion=1,
+                        linear_attention_type=spec.linear_attention_type, prefix_length=prefix_length,
+                        prefix_pad_token_id=None, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+                        tie_word_embeddings=True)
 
 
-def labelled_logits(
-    model: JRTRNNForCausalLM, batch: SyntheticBatch
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def labelled_logits(model: JRTRNNForCausalLM, batch: SyntheticBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logits `(N, V)` at the N labelled positions of `batch` (row-major order), their labels `(N,)` and rows
     `(N,)`. The encoder of a prefix model reads `batch.prefix_length` tokens."""
-    hidden = model.model(
-        input_ids=batch.input_ids, prefix_length=batch.prefix_length, use_cache=False
-    ).last_hidden_state  # (B, T, d)
+    hidden = model.model(input_ids=batch.input_ids, prefix_length=batch.prefix_length, use_cache=False)
+    hidden = hidden.last_hidden_state  # (B, T, d)
     rows, positions = (batch.labels != IGNORE_INDEX).nonzero(as_tuple=True)
     return model.lm_head(hidden[rows, positions]), batch.labels[rows, positions], rows
 
@@ -150,9 +136,8 @@ def per_example_accuracy(model: JRTRNNForCausalLM, batch: SyntheticBatch, chunk:
     """`(B,)` accuracy of each example: the fraction of its labelled positions where argmax = label."""
     results = []
     for start in range(0, batch.input_ids.shape[0], chunk):
-        part = SyntheticBatch(
-            batch.input_ids[start:start + chunk], batch.labels[start:start + chunk], batch.prefix_length
-        )
+        part = SyntheticBatch(batch.input_ids[start:start + chunk], batch.labels[start:start + chunk],
+                              batch.prefix_length)
         logits, labels, rows = labelled_logits(model, part)
         correct = (logits.argmax(-1) == labels).float()
         hits = torch.zeros(part.input_ids.shape[0]).index_add_(0, rows, correct)
@@ -180,14 +165,9 @@ def warmup_cosine(step: int, total: int, warmup: int) -> float:
 
 def machine_description() -> dict:
     """What the timings were measured on."""
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "load_average_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "load_average_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 
 def train_run(spec: RunSpec, out_dir: str | Path | None = None, progress_position: int = 0,
@@ -240,17 +220,11 @@ def train_run(spec: RunSpec, out_dir: str | Path | None = None, progress_positio
     eval_curve.append({"step": spec.steps, "accuracy": accuracy})
     model.eval()
     results = {
-        "name": spec.name,
-        "seed": spec.seed,
-        "spec": asdict(spec),
-        "accuracy": accuracy,
-        "eval_curve": eval_curve,
-        "loss_curve": curve,
-        "final_train_loss": float(np.mean(losses[-min(len(losses), 200):])),
+        "name": spec.name, "seed": spec.seed, "spec": asdict(spec), "accuracy": accuracy, "eval_curve": eval_curve,
+        "loss_curve": curve, "final_train_loss": float(np.mean(losses[-min(len(losses), 200):])),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "recurrent_state_floats": recurrent_state_size(model, next(iter(eval_sets.values()))),
-        "train_seconds": train_seconds,
-        "ms_per_step": 1000 * train_seconds / spec.steps,
+        "train_seconds": train_seconds, "ms_per_step": 1000 * train_seconds / spec.steps,
         "machine": machine_description(),
     }
     if out_dir is not None:
