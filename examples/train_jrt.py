@@ -84,15 +84,11 @@ def build_trainer(args: argparse.Namespace) -> JRTTrainer:
     num_eval = max(world_size, len(blocks) // 20)
     training_args.per_device_eval_batch_size = max(1, min(args.batch_size, num_eval // world_size))
     train_blocks, eval_blocks = blocks[num_eval:], blocks[:num_eval]
-    return JRTTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=[{"input_ids": block} for block in train_blocks],
-        eval_dataset=[{"input_ids": block} for block in eval_blocks],
-        data_collator=JRTDataCollator.from_config(
-            model.config, mlm_probability=args.mlm_probability, mask_sampling=args.mask_sampling, seed=args.seed
-        ),
-    )
+    collator = JRTDataCollator.from_config(model.config, mlm_probability=args.mlm_probability,
+                                           mask_sampling=args.mask_sampling, seed=args.seed)
+    return JRTTrainer(model=model, args=training_args, data_collator=collator,
+                      train_dataset=[{"input_ids": block} for block in train_blocks],
+                      eval_dataset=[{"input_ids": block} for block in eval_blocks])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,5 @@
-"""JRT-Prompt: read the document twice before answering (docs/reference_architecture.md §2.2).
-
-A recurrent LM has to decide what to keep from a document before it knows the question. JRT-Prompt repeats the
-document after the question has been stated, so the second read happens knowing what is asked:
+"""JRT-Prompt: read the document twice before answering (docs/reference_architecture.md §2.2; usage:
+docs/evaluation.md). The question comes first, so the second read happens knowing what is asked:
 
     read once (default):  document + " " + query
     JRT-Prompt:           header + " " + document + "\\n" + document + " " + query
@@ -20,9 +18,6 @@ handling, one template per task:
     qa           "squad"     based_squad / _twice            completion text   question
 
 `"extraction"` is an alias of `"swde"` and `"qa"` an alias of `"drop"`: use them for your own documents.
-
-`truncate_context` cuts a long document to a token window around the answer, as the reference's
-`--cutting_context` does, so that both prompt kinds see the same information.
 """
 
 from __future__ import annotations

@@ -73,10 +73,8 @@ class TaskSpec:
 
     def eval_sets(self) -> dict[str, SyntheticBatch]:
         """The fixed held-out sets, one per slice, seeded by `EVAL_SEED` and the slice index."""
-        return {
-            self.slice_name(s): self.sample(np.random.RandomState(EVAL_SEED + i), self.eval_examples, s)
-            for i, s in enumerate(self.eval_slices)
-        }
+        return {self.slice_name(s): self.sample(np.random.RandomState(EVAL_SEED + i), self.eval_examples, s)
+                for i, s in enumerate(self.eval_slices)}
 
 
 @dataclass
