@@ -1,27 +1,17 @@
-"""`JRTRNNCache`: the constant-size inference state of a JRT-RNN / Based model, on transformers' public `Cache` API.
+"""`JRTRNNCache`: the constant-size inference state of a JRT-RNN / Based model, on transformers' public `Cache` API
+(docs/generate.md, "The cache"; docs/architecture.md, "A cache that answers for itself").
 
 One slot per layer, picked by `config.mixer_types`, each a fixed-shape buffer allocated for the batch by the first
-forward and updated in place from then on:
+forward and updated in place from then on (`is_compileable`; nothing is sized by `max_cache_len`):
 
-    "conv"               JRTRNNConvState            the last `K - 1` convolution inputs (zeros before the first)  (B, D, K - 1)
-    "sliding_attention"  JRTRNNSlidingWindowState   a ring of the last `W - 1` keys and values                    (B, H, W - 1, Dh)
-                                                    and which ring rows hold a real key (not padding or empty)    (B, W - 1)
-    "linear_attention"   JRTRNNLinearAttentionState the fp32 recurrent state                                      (B, H, F, V + 1)
+    "conv"               JRTRNNConvState            last `K - 1` conv inputs (zeros before the first)  (B, D, K - 1)
+    "sliding_attention"  JRTRNNSlidingWindowState   a ring of the last `W - 1` keys and values         (B, H, W - 1, Dh)
+                                                    and which rows hold a real key (not padding/empty) (B, W - 1)
+    "linear_attention"   JRTRNNLinearAttentionState the fp32 recurrent state                           (B, H, F, V + 1)
 
 plus one counter tensor, `positions` `()` int64: the model positions read so far (the JRT fill included), from
-which a decode step takes its RoPE position and each ring its row. No tensor changes its shape or address during
-decoding, so `generate()` runs its decode step compiled on this cache (`is_compileable`); nothing is sized by
-`max_cache_len`.
-
-The caller passes nothing but the new tokens and their padding mask: the ring keeps its keys' padding flags, the
-convolution its inputs with padding zeroed, and the cache the plan of the JRT prefix (`PrefixPlan`). A deepcopy or a
-pickle continues exactly like the original.
-
-`get_seq_length()` counts the caller's columns read (batch padding included, the fill excluded), what `generate()`
-skips when it continues from a cache; it reads the counter (a device synchronisation): the forward never calls it.
-
-Only `Cache`'s public subclass API is used, the same on every supported transformers release; no transformers layer
-class is subclassed (their abstract methods change between releases): `JRTRNNLayerState` answers for a layer.
+which a decode step takes its RoPE position and each ring its row. With the padding flags and the prefix plan
+(`PrefixPlan`) kept too, the caller passes nothing but the new tokens and their padding mask.
 """
 
 from __future__ import annotations
@@ -100,8 +90,7 @@ class JRTRNNLayerState:
             if getattr(self, name) is not None:
                 setattr(self, name, _select_buffer_rows(getattr(self, name), index))
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.select_rows(beam_idx)
+    reorder_cache = select_rows
 
     def reset(self) -> None:
         for name in self.BUFFERS:
@@ -159,10 +148,6 @@ class JRTRNNSlidingWindowState(JRTRNNLayerState):
         self.key_mask: torch.Tensor | None = None
         self.written: torch.Tensor | None = None
 
-    @property
-    def ring_rows(self) -> int:
-        return self.sliding_window - 1
-
     def reset(self) -> None:
         super().reset()
         self.written = None
@@ -174,7 +159,7 @@ class JRTRNNSlidingWindowState(JRTRNNLayerState):
         of them may see `(B, H, S, Dh)` with their mask `(B, S)` (None: a first forward without padding); the new keys
         are written into the ring. After the first forward the W - 1 ring rows come first: in token order for several
         queries or when `in_order`, else in ring order (one query: key order does not matter, RoPE is in the keys)."""
-        rows, seq_len = self.ring_rows, keys.shape[2]
+        rows, seq_len = self.sliding_window - 1, keys.shape[2]
         first = self.keys is None
         if first:
             batch_size, heads, _, head_dim = keys.shape
@@ -295,7 +280,9 @@ class JRTRNNCache(Cache):
         """The caller's columns read (batch padding included, the prefix fill excluded); reads the counter tensor."""
         return int(self.positions) - self.fill_columns if self.has_state else 0
 
-    def advance(self, num_positions: int, real_tokens: torch.Tensor | int, batch_size: int, device: torch.device) -> None:
+    def advance(
+        self, num_positions: int, real_tokens: torch.Tensor | int, batch_size: int, device: torch.device
+    ) -> None:
         """Count `num_positions` more model positions read, of which `real_tokens` (`(B,)`, or one count for every
         row) are the caller's real tokens (the last step of every forward, compiled or not)."""
         if self.positions is None:
@@ -314,27 +301,21 @@ class JRTRNNCache(Cache):
         return -1
 
     get_max_length = get_max_cache_shape  # its other name
+    max_cache_len = property(get_max_cache_shape)
 
-    @property
-    def max_cache_len(self) -> int:
-        return -1
-
-    def check_format(self) -> None:
-        """Refuse a cache unpickled from a release of another layout (`CACHE_FORMAT`)."""
+    def check_layout(self, config: JRTRNNConfig) -> None:
+        """Refuse a cache unpickled from a release of another layout (`CACHE_FORMAT`), and, naming the field, a model
+        whose config disagrees on a `CACHE_LAYOUT_FIELDS` field."""
         if getattr(self, "format", None) != CACHE_FORMAT:
             raise ValueError(
                 "This cache was made by an earlier jrt-rnn release (another layout of its states): it cannot be "
                 "continued here; generate again from the sequence with a fresh cache."
             )
-
-    def check_layout(self, config: JRTRNNConfig) -> None:
-        """Refuse, naming the field, a model whose config disagrees on a `CACHE_LAYOUT_FIELDS` field."""
-        self.check_format()
         for field, value in cache_layout(config).items():
             if self.layout.get(field) != value:
                 raise ValueError(
-                    f"The cache was built for {field}={self.layout.get(field)!r}, but this model has {field}={value!r}: "
-                    "pass `JRTRNNCache(model.config)`, or the cache this model returned."
+                    f"The cache was built for {field}={self.layout.get(field)!r}, but this model has "
+                    f"{field}={value!r}: pass `JRTRNNCache(model.config)`, or the cache this model returned."
                 )
 
     @property
@@ -346,9 +327,7 @@ class JRTRNNCache(Cache):
         # Never skip `get_seq_length()`: unlike transformers' own recurrent layers, this cache counts what it read.
         return [False] * len(self.layers)
 
-    @property
-    def is_initialized(self) -> bool:
-        return self.has_state
+    is_initialized = has_state
 
     @property
     def max_batch_size(self) -> int | None:
@@ -416,7 +395,7 @@ class JRTRNNCache(Cache):
         """Forget the sequence: every state empty, as a new cache."""
         for layer in self.layers:
             layer.reset()
-        self.positions, self.real_tokens, self.prefix, self.num_rows, self.pending_prefill = None, None, None, None, None
+        self.positions = self.real_tokens = self.prefix = self.num_rows = self.pending_prefill = None
         self.holds_beams = False
 
     def __repr__(self) -> str:

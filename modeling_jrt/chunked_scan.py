@@ -1,11 +1,8 @@
 """The chunked scan of prefix linear attention in PyTorch: O(T) time, O(block x state) working memory.
 
-What `prefix_linear_attention_chunked` runs on validated inputs (docs/prefill.md §4.2):
-
-    inter-chunk   o_c  = phi(Q_c) @ state                       everything before the chunk (and the encoder)
-    intra-chunk   o_c += tril(1 + s + s**2 / 2) @ [V_c, 1]       s = Q_c K_c^T / sqrt(K): no (C, F) features
-    update        state += phi(K_c)^T @ [V_c, 1]
-    y_c = o_c[:, :V] / (o_c[:, V] + eps)
+What `prefix_linear_attention_chunked` runs on validated inputs: the inter-chunk read `phi(Q_c) @ state`, the
+intra-chunk weights `tril(1 + s + s**2 / 2)` from the raw q and k, the state update, one division (docs/prefill.md
+§4.2, with the layout, the denominator's quadratic form and the decay).
 
 The features are those of `CompactTaylor`. `scan_in_place` keeps the numerator columns `state[:, :V]` apart from
 the denominator column, so the numerator products are V wide, not V + 1 (an odd column costs a vector tail in every
@@ -122,18 +119,12 @@ def scan_in_place(
     encoder_keys: torch.Tensor | None, gate: torch.Tensor | None, decay: torch.Tensor | None, taylor: CompactTaylor,
     chunk_size: int, eps: float, denominators: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked scan without autograd (module docstring), organised for a CPU:
+    """The chunked scan without autograd (module docstring), organised for a CPU (docs/prefill.md §4.2, execution 1):
+    blocks of about `BLOCK_TOKEN_HEADS` token-heads written `out=` views of one `Workspace`, the running numerator
+    state `(B H, F', V)` read and updated chunk by chunk, the denominators from the form (`add_chunk_forms`).
 
-    - per block of n chunks (about `BLOCK_TOKEN_HEADS` token-heads), the chunk-major copies, features and
-      intra-chunk products are batched, each written `out=` its view of one `Workspace`;
-    - the running numerator state `(B H, F', V)` is read and updated chunk by chunk (two `baddbmm_` per chunk);
-    - the denominators: the intra-chunk weights' sums over the keys that count, plus [1, q'] F [1, q'] with F the
-      form before the query's chunk (`CompactTaylor.add_chunk_forms`), eps in its constant entry.
-
-    With the Based decay (`decay`, log gamma per head) the numerator columns decay by gamma per token: the intra-chunk
-    numerator weights get gamma**(i - j), the read of the state gamma**(i + 1), and the update is
-    `S[:, :V] = gamma**L S[:, :V] + sum_j gamma**(L - 1 - j) phi(k_j) v_j` for a chunk of L tokens; the denominator
-    never decays. Memory: the inputs, the output and O(block) scratch.
+    The Based decay (`decay`, log gamma per head) weighs the numerator only (docs/prefill.md §4.2, "Decay"). Memory:
+    the inputs, the output and O(block) scratch.
 
     Args:
         state: `(B, H, F', V + 1)` compact state before the encoder and the first token.
@@ -279,9 +270,7 @@ def _as_weights(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
     return None if mask is None or bool(mask.all()) else mask.to(dtype)
 
 
-def chunk_decays(
-    log_gamma: torch.Tensor, position: torch.Tensor, length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_decays(log_gamma: torch.Tensor, position: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The decays over a chunk of `length` tokens (log_gamma `(H, 1, 1)`, position `(C,)`): each key's value to the
     chunk's end, gamma**(L - 1 - j) `(H, C, 1)`, and the state, gamma**L `(H, 1, 1)`."""
     return torch.exp(log_gamma * (length - 1 - position)[:, None]), torch.exp(log_gamma * length)

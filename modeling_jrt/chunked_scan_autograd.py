@@ -3,17 +3,7 @@
 The chunked path wherever it is differentiated or traced by torch.compile. Forward: `scan_in_place`, which also
 keeps each query's denominator; the op saves its inputs, output and denominators (O(T (K + V))) instead of every
 block's features, weights and chunk states. Backward: two sweeps over the chunks, the features rebuilt block by
-block (docs/prefill.md §4.4):
-
-    G_i = [dy_i, -(dy_i . y_i)] / (den_i + eps)          the gradient of query i's (numerator, denominator) row
-
-    forward sweep (state S before each chunk, rebuilt as the forward builds it)
-        d phi(Q_c) = S_c G_c^T                          the inter-chunk read's gradient (numerator columns decayed)
-        intra-chunk: dA = tril(G_c [V_c, 1]^T) (decayed as A), ds = dA (1 + s),
-                     dq += ds K_c / sqrt(K), dk += ds^T Q_c / sqrt(K), d[V_c] += A^T G_c
-    backward sweep (R = the gradient of the state after each chunk, from the final state's gradient back)
-        d phi(K_c) = R [V_c, 1]^T,  d[V_c, 1] = phi(K_c)^T R,  then  R <- gamma^L R + phi(Q_c) G_c
-    encoder keys: the same with R after the whole sweep, which is also the initial state's gradient.
+block; the formulas are docs/prefill.md §4.4 (`G_i`, the forward sweep, the backward sweep `R`, the encoder).
 
 `d phi -> d x` is `CompactTaylor.features_backward`. The gate, the compact/full state maps and the key masks stay
 outside the op (autograd traces them). Forward and gradients are custom ops (`_OP_PREFIX`), so a compiled graph
@@ -34,7 +24,8 @@ from .compact_taylor import CompactTaylor
 
 
 def _rows(x: torch.Tensor, seq_len: int, *, position_last: bool) -> torch.Tensor:
-    """(N, B, H, D, C) (`position_last`) or (N, B, H, C, D) chunk-major -> (B, T, H, D): `copy_chunk_major`'s inverse."""
+    """(N, B, H, D, C) (`position_last`) or (N, B, H, C, D) chunk-major -> (B, T, H, D), `copy_chunk_major`'s
+    inverse."""
     chunks = x.permute(1, 0, 4, 2, 3) if position_last else x.permute(1, 0, 3, 2, 4)  # (B, N, C, H, D)
     return chunks.reshape(chunks.shape[0], -1, *chunks.shape[3:])[:, :seq_len]
 
@@ -176,7 +167,7 @@ def _intra_chunk_gradients(
 
     Forward: numerator `(A * numerator_mask) V`, denominator `(A * causal) 1_counted`, A = 1 + s + s**2 / 2 with
     s = q.k / sqrt(K); `numerator_mask` is the causal mask (`(C, C)`) or the decayed one gamma**(i - j) (`(H, C, C)`).
-    q, k `(n, B, H, K, C)`; values `(n, B, H, C, V + 1)` ([v, 1] of the keys that count); gradient `(n, B, H, C, V + 1)`.
+    q, k `(n, B, H, K, C)`; values `(n, B, H, C, V + 1)` ([v, 1] of the keys that count); gradient like values.
     """
     value_dim, scale = values.shape[-1] - 1, q.shape[-2] ** -0.5
     s = torch.matmul(q.transpose(-1, -2), k).mul_(scale)  # (n, B, H, C, C)

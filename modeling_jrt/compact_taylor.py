@@ -14,11 +14,7 @@ class CompactTaylor:
     x_i x_j = x_j x_i, so the K**2 ordered pairs hold only K (K + 1) / 2 distinct products. With x' = x / K**(1/4),
     the features have F' = 1 + 2 K + K (K - 1) / 2 rows (153 instead of 273 for K = 16):
 
-        [1, x'_1 .. x'_K, x'_1**2 .. x'_K**2, the pairs x'_i x'_j (i != j) by cyclic distance]
-
-    The pairs go by distance d = 1, 2, ..: all K pairs (i, (i + d) mod K) for d < K / 2, then, for an even K, the
-    K / 2 pairs (i, i + K / 2), i < K / 2. Each distance is one product of x' with x' shifted by d: a handful of ops
-    whatever K is.
+        [1, x'_1 .. x'_K, x'_1**2 .. x'_K**2, the pairs x'_i x'_j (i != j) by cyclic distance (the doc's order)]
 
     For keys the squares carry a weight 1/2, so that phi(q).phi(k) = 1 + s + s**2 / 2 exactly. In the full layout the
     quadratic row (i, j) is x'_i x'_j / sqrt(2), so S_ii = sqrt(2) compact_ii and S_ij = S_ji = compact_ij / sqrt(2);

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-CACHE_FIELD = "cache" if "cache" in {field.name for field in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 """The name of the cache in transformers' model outputs on the installed release."""
 
 
@@ -54,7 +54,8 @@ def keep_last_logits(hidden_states: torch.Tensor, logits_to_keep: int | torch.Te
         if logits_to_keep < 0:
             raise ValueError(f"`logits_to_keep` must be >= 0 (0 keeps every position), got {logits_to_keep}.")
         return hidden_states if logits_to_keep == 0 else hidden_states[:, -logits_to_keep:]
-    if logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype == torch.bool or logits_to_keep.dim() not in (1, 2):
+    dtype = logits_to_keep.dtype
+    if dtype.is_floating_point or dtype == torch.bool or logits_to_keep.dim() not in (1, 2):
         raise ValueError(
             f"`logits_to_keep` as a tensor holds integer positions, (K,) or (batch, K); got {logits_to_keep.dtype} of "
             f"shape {tuple(logits_to_keep.shape)}."

@@ -31,19 +31,11 @@ POSITIVE_INT_FIELDS = (
 )
 NON_NEGATIVE_INT_FIELDS = ("intermediate_size", "prefix_length")
 # Upper bound of every size field: a typo in a config.json gets a one-line error, not an allocator failure later.
-# Each bound is far above any published model of this family.
+# Each bound is far above any published model of this family (feature_dim 2**7: 16,513 Taylor features per head).
 MAX_SIZES = {
-    "vocab_size": 2**22,  # 4,194,304 ids
-    "hidden_size": 2**16,
-    "intermediate_size": 2**18,
-    "num_hidden_layers": 2**10,
-    "num_attention_heads": 2**10,
-    "sliding_window": 2**20,  # keys kept per sliding-attention layer in the cache: sliding_window - 1
-    "conv_kernel_size": 2**8,
-    "conv_expansion": 2**6,
-    "feature_dim": 2**7,  # 1 + f + f**2 = 16,513 Taylor features per head at the bound
-    "linear_attention_chunk_size": 2**12,
-    "prefix_length": 2**20,  # generate() fills a shorter prompt up to it
+    "vocab_size": 2**22, "hidden_size": 2**16, "intermediate_size": 2**18, "num_hidden_layers": 2**10,
+    "num_attention_heads": 2**10, "sliding_window": 2**20, "conv_kernel_size": 2**8, "conv_expansion": 2**6,
+    "feature_dim": 2**7, "linear_attention_chunk_size": 2**12, "prefix_length": 2**20,
 }
 # The embedding's parameters, bounded as well (factors within their bounds can still ask for 1 TB): 32 GB in fp32.
 MAX_EMBEDDING_ELEMENTS = 2**33
@@ -245,9 +237,8 @@ class JRTRNNConfig(PreTrainedConfig):
             )
         for field in TOKEN_ID_FIELDS:
             _check_token_id(field, getattr(self, field), self.vocab_size)
-        if not isinstance(self.decay_const, (int, float)) or isinstance(self.decay_const, bool) or not math.isfinite(
-            self.decay_const
-        ):
+        decay_const = self.decay_const
+        if isinstance(decay_const, bool) or not isinstance(decay_const, (int, float)) or not math.isfinite(decay_const):
             raise ValueError(f"`decay_const` must be a finite number, got {self.decay_const!r}.")
         if self.linear_attention_decay and self.decay_const >= 0:
             # gamma_h = 1 - 2**(decay_const - h) lies in (0, 1) for every head h >= 0 only when decay_const < 0.

@@ -22,15 +22,9 @@ class JRTRNNGenerationMixin:
     """The generation hook of `JRTRNNForCausalLM` (mixed in before transformers' `GenerationMixin`)."""
 
     def prepare_inputs_for_generation(
-        self,
-        input_ids: torch.LongTensor,
-        next_sequence_length: int | None = None,
-        cache: Cache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        is_first_iteration: bool | None = False,
-        past_key_values: Cache | None = None,
-        use_cache: bool | None = None,
+        self, input_ids: torch.LongTensor, next_sequence_length: int | None = None, cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = False, past_key_values: Cache | None = None, use_cache: bool | None = None,
         **kwargs,
     ) -> dict:
         """The inputs of one forward of `generate()` (transformers' public hook; nothing else is overridden).
@@ -127,7 +121,8 @@ class JRTRNNGenerationMixin:
         device = self.device
         if device.type != "meta":
             model_inputs = {
-                key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in model_inputs.items()
+                key: value.to(device) if isinstance(value, torch.Tensor) else value
+                for key, value in model_inputs.items()
             }
         return model_inputs
 
@@ -176,7 +171,8 @@ def check_generation_cache(
     mask_width = attention_mask.shape[1] if attention_mask is not None else None
     # Fewer columns than the cache read: generate() says so by a length <= 0, a mask by its width.
     short = next_sequence_length != 1 and (
-        (next_sequence_length is not None and next_sequence_length <= 0) or (mask_width is not None and mask_width <= read)
+        (next_sequence_length is not None and next_sequence_length <= 0)
+        or (mask_width is not None and mask_width <= read)
     )
     if read and not reads_embeds and short:
         width = sequence.shape[1] if mask_width is None else mask_width

@@ -12,9 +12,7 @@ from .cache import JRTRNNCache
 from .configuration_jrt import JRTRNNConfig
 
 
-def resolve_cache(
-    cache: object, past_key_values: object, config: JRTRNNConfig, batch_size: int
-) -> JRTRNNCache | None:
+def resolve_cache(cache: object, past_key_values: object, config: JRTRNNConfig, batch_size: int) -> JRTRNNCache | None:
     """The cache of a forward of `batch_size` rows, from `cache=` or its older name `past_key_values=`: the one check
     of the cache. Anything but a `JRTRNNCache` of this model's layout and rows is refused with the fix."""
     if cache is not None and past_key_values is not None and cache is not past_key_values:
@@ -40,11 +38,7 @@ def resolve_cache(
 
 
 def check_attention_mask(
-    attention_mask: torch.Tensor,
-    batch_size: int,
-    seq_len: int,
-    cache: JRTRNNCache | None,
-    *,
+    attention_mask: torch.Tensor, batch_size: int, seq_len: int, cache: JRTRNNCache | None, *,
     for_generation: bool = False,
 ) -> None:
     """The one check of a padding mask: it covers the cached and this forward's tokens, holds 0 / 1 only, no hole in
@@ -93,8 +87,8 @@ def check_attention_mask(
     if bool(holed.any()):
         rows = holed.any(-1).nonzero().flatten().tolist()
         raise ValueError(
-            f"Rows {rows[:8]} of `attention_mask` have padding between real tokens: give each row its tokens in one run "
-            "(left or right padding only). Padding inside a row would be neither removed nor read: drop those "
+            f"Rows {rows[:8]} of `attention_mask` have padding between real tokens: give each row its tokens in one "
+            "run (left or right padding only). Padding inside a row would be neither removed nor read: drop those "
             "tokens from the row instead."
         )
     if past > 0 and cache.real_tokens is not None:
@@ -163,10 +157,7 @@ def check_inputs(
 
 
 def check_labels(
-    labels: torch.Tensor | None,
-    input_ids: torch.Tensor | None,
-    inputs_embeds: torch.Tensor | None,
-    kwargs: dict,
+    labels: torch.Tensor | None, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, kwargs: dict,
     vocab_size: int,
 ) -> torch.Tensor | None:
     """`labels` as int64, after the one check of a forward's targets: `labels` and `kwargs["shift_labels"]`

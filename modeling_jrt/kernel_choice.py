@@ -2,13 +2,8 @@
 
 The fused Triton kernels live in the optional package `jrt_kernels` (`pip install 'jrt-rnn[triton]'`). Whether they
 run is decided here only, from what was asked (`linear_attention_implementation`), the device
-(`KERNEL_DEVICE_TYPES`) and what is installed (`jrt_kernels` of this code's `KERNEL_API`):
-
-    asked        CUDA tensors                                    other devices
-    "auto"       the kernels (a failure warns once, then PyTorch)  PyTorch ("chunked")
-    "triton"     the kernels; a failure raises                    the kernels (interpreted with TRITON_INTERPRET=1)
-    "chunked"    PyTorch                                          PyTorch
-    "quadratic"  the O(T^2) oracle for the prefill, PyTorch for the rest (tests)
+(`KERNEL_DEVICE_TYPES`) and what is installed (`jrt_kernels` of this code's `KERNEL_API`); the table of choices and
+fallbacks is docs/kernels.md, "Safe dispatch".
 
 A `KernelChoice` belongs to whoever runs the ops (a model, shared by its layers; the vLLM model; one op call). It
 loads `jrt_kernels` once, logs its choice once per device type, and is the one record of failed kernels.

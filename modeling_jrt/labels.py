@@ -70,14 +70,8 @@ def labels_rule_applies(
 
 
 def apply_labels_rule(
-    config: JRTRNNConfig,
-    labels: torch.LongTensor,
-    attention_mask: torch.Tensor | None,
-    loss_kwargs: dict,
-    *,
-    prompt_lengths: torch.Tensor | None,
-    prefix_length: int | torch.Tensor | None,
-    prefix_strategy: str | None,
+    config: JRTRNNConfig, labels: torch.LongTensor, attention_mask: torch.Tensor | None, loss_kwargs: dict, *,
+    prompt_lengths: torch.Tensor | None, prefix_length: int | torch.Tensor | None, prefix_strategy: str | None,
     prefix_pad_token_id: int | None,
 ) -> tuple[torch.LongTensor, torch.Tensor | None, PrefixPlan, dict]:
     """The labels rule (checked labels `(B, T)`): each row's prompt ends at its first scored target unless

@@ -38,17 +38,18 @@ def saved_generation_settings(source: str | os.PathLike, load_kwargs: dict) -> d
     try:
         with open(path, encoding="utf-8") as file:
             settings = json.load(file)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        reason = f"{error.msg} at line {error.lineno}, column {error.colno}" if isinstance(
-            error, json.JSONDecodeError
-        ) else f"{type(error).__name__}: {error}"
-        logger.warning(
-            f"{path} is not readable JSON ({reason}): transformers ignores it and uses the generation defaults of "
-            "config.json, and a jrt-rnn 0.2 `prefix_strategy` in it was not read. Fix or delete the file, or save the "
-            "model again."
-        )
-        return {}
-    return settings if isinstance(settings, dict) else {}
+    except json.JSONDecodeError as error:
+        reason = f"{error.msg} at line {error.lineno}, column {error.colno}"
+    except (OSError, UnicodeDecodeError) as error:
+        reason = f"{type(error).__name__}: {error}"
+    else:
+        return settings if isinstance(settings, dict) else {}
+    logger.warning(
+        f"{path} is not readable JSON ({reason}): transformers ignores it and uses the generation defaults of "
+        "config.json, and a jrt-rnn 0.2 `prefix_strategy` in it was not read. Fix or delete the file, or save the "
+        "model again."
+    )
+    return {}
 
 
 def migrate_legacy_generation_settings(model: object, source: str | os.PathLike, load_kwargs: dict) -> None:

@@ -1,28 +1,8 @@
 """Prefix linear attention (JRT-RNN) and causal linear attention (Based) with the 2nd-order Taylor feature map.
 
-Math (docs/reference_architecture.md §1.3-1.5; the algorithms and numerics: docs/prefill.md). For per-head
-queries/keys of dimension K (the feature dim, 16 in the released models) the Taylor feature map is
-
-    phi(x) = [1, x / K**(1/4), vec(x x^T) / (sqrt(2) sqrt(K))]        (F = 1 + K + K**2 features)
-
-so that phi(q) . phi(k) = 1 + s + s**2 / 2 with s = q . k / sqrt(K); every weight is >= 1/2.
-
-Prefix linear attention reads the first M tokens twice: once non-causally through separate encoder keys and
-values (k_enc, v_enc) and once causally with the decoder keys and values (k, v). With one shared denominator:
-
-    y_i = [sum_{m<M} phi(q_i).phi(ke_m) ve_m + sum_{j<=i} phi(q_i).phi(k_j) v_j]
-          / [sum_{m<M} phi(q_i).phi(ke_m)    + sum_{j<=i} phi(q_i).phi(k_j)    + eps]
-
-M = 0 gives causal Based linear attention. The Based decay variant (based-360M-30B) multiplies the numerator
-weights by gamma_h**(i-j) and by an input-dependent gate g_{i,h}; its denominator has neither.
-
-Recurrent state (shared by every implementation and stored in the generation cache), fp32 whatever the model dtype:
-
-    state[b, h, :, :V] = sum_j phi(k_j) v_j^T   (decayed when a decay is set)      shape (B, H, F, V)
-    state[b, h, :, V]  = sum_j phi(k_j)          (never decayed)                     shape (B, H, F)
-
-i.e. one tensor of shape (B, H, F, V + 1), with the encoder sum included. Decoding is then
-    state <- state (decayed) + phi(k_t) [v_t, 1];  y_t = g_t phi(q_t).state[:, :V] / (phi(q_t).state[:, V] + eps).
+The function, its math and the recurrent state, one fp32 tensor `(B, H, F, V + 1)` per layer (F = 1 + K + K**2
+Taylor features; the encoder sum included, so decoding is the same for both kinds): docs/prefill.md §1-3 and
+docs/reference_architecture.md §1.3-1.5. Without k_enc / v_enc (M = 0) it is causal Based attention.
 
 The encoder range (per row): row b's encoder reads the positions `encoder_start[b] <= m < encoder_end[b]` of k_enc /
 v_enc, the first M positions of the sequence (`0 <= start <= end <= M <= T`), so rows can have different prefixes.

@@ -65,9 +65,7 @@ def linear_attention_step(
     return _step(q, k, v, state, log_decay, gate, eps, in_place=in_place)
 
 
-def _step_operands(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _step_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """phi(q), phi(k) `(B, H, F)` and [v, 1] `(B, H, V + 1)` of the new token, in the state's `dtype`."""
     value_and_one = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)
     return taylor_feature_map(q.to(dtype)), taylor_feature_map(k.to(dtype)), value_and_one
@@ -138,7 +136,8 @@ def _read_at_slots(phi_q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor)
     strides = pool.stride()
     if strides[-1] != 1 or any(stride % width for stride in strides[:-1]):
         state = pool.index_select(0, slots).reshape(batch_size * num_heads, num_features, width)
-        return torch.bmm(phi_q.reshape(batch_size * num_heads, 1, num_features), state).view(batch_size, num_heads, width)
+        readout = torch.bmm(phi_q.reshape(batch_size * num_heads, 1, num_features), state)
+        return readout.view(batch_size, num_heads, width)
     step_slot, step_head, step_feature = (stride // width for stride in strides[:-1])
     num_rows = (pool.shape[0] - 1) * step_slot + (num_heads - 1) * step_head + (num_features - 1) * step_feature + 1
     rows = pool.as_strided((num_rows, width), (width, 1))  # the pool's storage from its first element, row by row
@@ -202,10 +201,7 @@ def linear_attention_step_at_slots(
     Returns `(B, H, V)` in v's dtype; a `ValueError` names an argument of the wrong shape or dtype.
     """
     _validate_step_at_slots(q, k, v, pool, slots, log_decay, gate)
-
-    def run_pytorch() -> torch.Tensor:
-        return _step_in_pool(q, k, v, pool, slots, log_decay, gate, eps)
-
+    run_pytorch = functools.partial(_step_in_pool, q, k, v, pool, slots, log_decay, gate, eps)
     choice = KernelChoice.of(implementation)
     if choice.linear_attention(q.device) != "triton":  # the step has one PyTorch form
         return run_pytorch()

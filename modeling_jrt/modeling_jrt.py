@@ -1,12 +1,8 @@
 """JRT-RNN / Based for HuggingFace Transformers: layers, `JRTRNNModel` and `JRTRNNForCausalLM`.
 
-The stack (docs/reference_architecture.md §1): token embedding -> N pre-norm blocks -> RMSNorm -> tied LM head.
-Each block is
-    residual += mixer(RMSNorm(residual));  residual += SwiGLU(RMSNorm(residual))
-with an fp32 residual stream, where the mixer is picked by `config.mixer_types[i]`:
-    "conv"               gated short convolution (depthwise causal conv, SiLU, multiplicative gate)
-    "sliding_attention"  softmax attention over the last `sliding_window` tokens, RoPE on q and k
-    "linear_attention"   Taylor-feature linear attention, prefix (JRT-RNN) or causal (Based, optional decay)
+The stack (docs/reference_architecture.md §1; a token's path: docs/architecture.md §2): token embedding -> N pre-norm
+blocks on an fp32 residual stream (`JRTRNNDecoderLayer`: the mixer `config.mixer_types[i]` of `MIXER_CLASSES`, then
+a SwiGLU MLP) -> RMSNorm -> tied LM head.
 
 State lives in a `JRTRNNCache` (`cache.py`). Around the layers: input checks (`inputs.py`), the prefix layout
 (`prefix_fill.py`), the labels rule (`labels.py`), the generation hook (`generation.py`). Relative imports, torch
@@ -139,12 +135,8 @@ class JRTRNNShortConv(nn.Module):
         self.out_proj = nn.Linear(self.inner_size, config.hidden_size, bias=config.conv_bias)
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        layer_state: JRTRNNConvState | None = None,
-        **kwargs,
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: Cache | None = None,
+        layer_state: JRTRNNConvState | None = None, **kwargs,
     ) -> torch.Tensor:
         """hidden_states (B, T, hidden), attention_mask (B, >= T) -> (B, T, hidden). The state (the cache's, or
         `layer_state` from `JRTRNNDecoderLayer._forward_in_chunks`) is updated with the last K - 1 inputs."""
@@ -211,14 +203,9 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         return batch_size * self.num_heads * self.head_dim * -(-(block + self.sliding_window - 1) // block)
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cache: JRTRNNCache | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        output_attentions: bool = False,
-        layer_state: JRTRNNSlidingWindowState | None = None,
-        **kwargs,
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        cache: JRTRNNCache | None = None, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_attentions: bool = False, layer_state: JRTRNNSlidingWindowState | None = None, **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states (B, T, hidden); attention_mask (B, T) padding of these tokens (0) or None -> (B, T, hidden)
         and the attention weights (B, H, T, S) when `output_attentions`, else None. `layer_state`: as for the conv."""
@@ -231,10 +218,10 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        # 2. The cached window (and its padding flags) goes in front of the new keys.
+        # 2. The cached window (and its padding flags) goes in front of the new keys: (B, H, S, D), mask (B, S).
         key_mask = None if attention_mask is None else attention_mask.bool()  # (B, T)
         if state is not None:
-            key, value, key_mask = state.update(key, value, key_mask, in_order=output_attentions)  # (B, H, S, D), (B, S)
+            key, value, key_mask = state.update(key, value, key_mask, in_order=output_attentions)
         # 3. Attention.
         implementation, weights = self.config._attn_implementation, None
         if output_attentions:
@@ -290,13 +277,9 @@ class JRTRNNLinearAttention(nn.Module):
         return fixed_log_decay(self.config.decay_const, range(self.num_heads), device)
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cache: JRTRNNCache | None = None,
-        linear_attention_mask: torch.Tensor | None = None,
-        prefix: PrefixPlan | None = None,
-        **kwargs,
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        cache: JRTRNNCache | None = None, linear_attention_mask: torch.Tensor | None = None,
+        prefix: PrefixPlan | None = None, **kwargs,
     ) -> torch.Tensor:
         """hidden_states `(B, T, hidden)` (normalized); attention_mask `(B, T)` batch padding (0); linear_attention_mask
         `(B, >= T)` the JRT prefix fill (0); prefix: the plan of a first forward. Returns `(B, T, hidden)`."""
@@ -378,7 +361,9 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.layer_type = config.mixer_types[layer_idx]
         if self.layer_type not in MIXER_CLASSES:
-            raise ValueError(f"Invalid layer type {self.layer_type!r} at layer {layer_idx}; allowed: {list(MIXER_CLASSES)}.")
+            raise ValueError(
+                f"Invalid layer type {self.layer_type!r} at layer {layer_idx}; allowed: {list(MIXER_CLASSES)}."
+            )
         self.input_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mixer = MIXER_CLASSES[self.layer_type](config, layer_idx)
         # intermediate_size = 0: no MLP (the zoology synthetic-task models have none).
@@ -387,14 +372,9 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         self.mlp = JRTRNNMLP(config, layer_idx) if has_mlp else None
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: Cache | None = None,
-        linear_attention_mask: torch.Tensor | None = None,
-        prefix: PrefixPlan | None = None,
-        **kwargs,
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache: Cache | None = None,
+        linear_attention_mask: torch.Tensor | None = None, prefix: PrefixPlan | None = None, **kwargs,
     ) -> torch.Tensor:
         """hidden_states: (B, T, hidden) fp32 residual stream -> the updated residual, a new tensor. `kwargs` (e.g.
         `output_attentions`) reach the mixer and, for sliding attention, transformers' attention function."""
@@ -443,12 +423,8 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         return chunk
 
     def _forward_in_chunks(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-        cache: Cache | None,
-        chunk: int,
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None, cache: Cache | None, chunk: int,
     ) -> torch.Tensor:
         """`forward` of a conv or sliding-window layer, `chunk` tokens at a time, the past carried by the layer's state
         (the cache's, or a fresh one for this forward), into a new (B, T, hidden) fp32 tensor."""
@@ -466,10 +442,8 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
             part = hidden_states[:, start:end]
             rope = None if position_embeddings is None else tuple(table[:, start:end] for table in position_embeddings)
             mixed = self.mixer(
-                self.input_layernorm(part),
-                attention_mask=None if mask is None else mask[:, start:end],
-                position_embeddings=rope,
-                layer_state=state,
+                self.input_layernorm(part), attention_mask=None if mask is None else mask[:, start:end],
+                position_embeddings=rope, layer_state=state,
             )
             if self.layer_type == "sliding_attention":
                 mixed = mixed[0]
@@ -527,10 +501,6 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         self.kernels = KernelChoice(config=config)
         self.kernels.install(self)
         self.post_init()
-
-    @property
-    def is_prefix_model(self) -> bool:
-        return self.config.is_prefix_model
 
     @can_return_tuple
     def forward(
@@ -596,7 +566,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         # 1. The first forward of a JRT sequence plans each row's prefix (fill and encoder read) and fills it.
         plan = None
         caller_mask = attention_mask  # (B, T) the caller's padding, before the fill joins the layout
-        if self.is_prefix_model and not continuing:
+        if config.is_prefix_model and not continuing:
             plan = prefix_plan
             if plan is None:
                 device = (input_ids if input_ids is not None else inputs_embeds).device
@@ -605,7 +575,9 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                     prompt_lengths=prompt_lengths, strategy=prefix_strategy, pad_token_id=prefix_pad_token_id,
                 )
             elif tuple(plan.start.shape) != (batch_size,):
-                raise ValueError(f"prefix_plan was made for {tuple(plan.start.shape)} rows; this forward has {batch_size}.")
+                raise ValueError(
+                    f"prefix_plan was made for {tuple(plan.start.shape)} rows; this forward has {batch_size}."
+                )
             input_ids, inputs_embeds, attention_mask, linear_attention_mask = fill_prefix(
                 plan, input_ids, inputs_embeds, attention_mask, linear_attention_mask, embed=self.embed_tokens
             )
@@ -652,14 +624,9 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
 
     @capture_outputs
     def run_layers(
-        self,
-        inputs_embeds: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-        cache: JRTRNNCache | None,
-        linear_attention_mask: torch.Tensor | None,
-        prefix: PrefixPlan | None,
-        **kwargs,
+        self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None, cache: JRTRNNCache | None,
+        linear_attention_mask: torch.Tensor | None, prefix: PrefixPlan | None, **kwargs,
     ) -> BaseModelOutputWithPast:
         """The blocks and the final norm over `inputs_embeds` `(B, T', hidden)` in the model's layout (after the
         fill); attention_mask `(B, T')` the padding of these tokens, or None."""

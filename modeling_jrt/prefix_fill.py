@@ -1,12 +1,8 @@
 """The JRT prefix of a sequence's first forward: how prompts shorter than `prefix_length` are filled.
 
 JRT-RNN's encoder reads each row's prompt non-causally, up to `prefix_length` tokens. In the first forward of a
-sequence the model fills a shorter prompt to `prefix_length` itself, as `prefix_strategy` says:
-
-    "pad"     `prefix_length - L` copies of `prefix_pad_token_id` before the prompt (the reference protocol): ordinary
-              tokens for convolutions and sliding attention, masked keys (`prefix_pad_masking`) for linear attention.
-    "repeat"  the prompt repeated before itself (`repeat_to_fill`), so that the fill ends with an intact copy.
-    "none"    nothing: the encoder reads the prompt only.
+sequence the model fills a shorter prompt to `prefix_length` itself, as `prefix_strategy` says (`"pad"`, `"repeat"`
+(`repeat_to_fill`) or `"none"`: docs/prefix.md, "The rule").
 
 The fill is internal: outputs cover the caller's positions only, and the cache keeps the plan (`PrefixPlan`) for
 later forwards. Each row is filled on its own, its fill right before its first real token, the batch padding before:
@@ -159,16 +155,9 @@ class PrefixPlan:
 
 
 def plan_prefix(
-    config: JRTRNNConfig,
-    attention_mask: torch.Tensor | None,
-    batch_size: int,
-    length: int,
-    device: torch.device,
-    *,
-    prefix_length: int | torch.Tensor | None = None,
-    prompt_lengths: int | torch.Tensor | None = None,
-    strategy: str | None = None,
-    pad_token_id: int | None = None,
+    config: JRTRNNConfig, attention_mask: torch.Tensor | None, batch_size: int, length: int, device: torch.device, *,
+    prefix_length: int | torch.Tensor | None = None, prompt_lengths: int | torch.Tensor | None = None,
+    strategy: str | None = None, pad_token_id: int | None = None,
 ) -> PrefixPlan:
     """The prefix of each row of a first forward of `(B, T)` tokens under `attention_mask` (its last T columns; None:
     no padding): `prefix_length` and `prompt_lengths` are ints or `(B,)` (`check_prefix_length`; no prompt lengths:
@@ -180,7 +169,10 @@ def plan_prefix(
     if prompt_lengths is not None:
         check_prefix_length(prompt_lengths, batch_size, name="prompt_lengths")
     start, tokens = row_spans(attention_mask, batch_size, length, device)
-    prompt = tokens if prompt_lengths is None else torch.minimum(torch.as_tensor(prompt_lengths, device=device).long(), tokens)
+    if prompt_lengths is None:
+        prompt = tokens
+    else:
+        prompt = torch.minimum(torch.as_tensor(prompt_lengths, device=device).long(), tokens)
     target = torch.as_tensor(prefix_length, device=device).long().expand(batch_size)
     encoder_tokens = torch.minimum(prompt, target)
     fills = (prompt > 0) & (strategy != "none")
@@ -227,11 +219,8 @@ def check_fill_token(pad_token_id: int | None, vocab_size: int) -> None:
 
 
 def fill_prefix(
-    plan: PrefixPlan,
-    input_ids: torch.Tensor | None,
-    inputs_embeds: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
-    linear_attention_mask: torch.Tensor | None = None,
+    plan: PrefixPlan, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None, linear_attention_mask: torch.Tensor | None = None,
     embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The batch in the model's layout, each row's prompt filled as `plan` (of the same mask) says.

@@ -56,15 +56,8 @@ def _fold_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def blocked_sliding_window_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_mask: torch.Tensor | None,
-    *,
-    sliding_window: int,
-    scaling: float,
-    implementation: str = "sdpa",
-    block_size: int | None = None,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None, *,
+    sliding_window: int, scaling: float, implementation: str = "sdpa", block_size: int | None = None,
 ) -> torch.Tensor:
     """Sliding-window attention of T queries over the S >= T keys that end with their own, in query blocks.
 
@@ -158,14 +151,8 @@ def _masked_attention(
 
 
 def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention with an additive (B, 1, T, S) mask. q (B, H, T, D), k/v (B, H, S, D) -> (B, T, H, D)."""
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, S)

@@ -59,4 +59,7 @@ def importing_transformers() -> Iterator[None]:
         ) from error
 
 
-__all__ = ["MAX_TRANSFORMERS", "MIN_TRANSFORMERS", "TRANSFORMERS_RANGE", "check_transformers_release", "importing_transformers"]
+__all__ = [
+    "MAX_TRANSFORMERS", "MIN_TRANSFORMERS", "TRANSFORMERS_RANGE", "check_transformers_release",
+    "importing_transformers",
+]
