@@ -1,9 +1,8 @@
 """Configuration of JRT-RNN and Based models (`model_type = "jrt_rnn"`).
 
-The mixer of each layer is `mixer_types`, a field transformers does not know: transformers reads a config's
-`layer_types` as its own vocabulary, differently from release to release (default caches, rewritten names, checks),
-so this config has none. A `"layer_types"` of an older config.json moves to `mixer_types` before transformers' own
-config code runs.
+The mixer of each layer is `mixer_types`, not `layer_types`, which transformers reads as its own vocabulary
+(docs/architecture.md, "Independent of transformers' layer vocabulary"). An older config.json's `"layer_types"`
+moves to `mixer_types` before transformers' own config code runs.
 """
 
 from __future__ import annotations

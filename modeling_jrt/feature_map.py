@@ -1,4 +1,4 @@
-"""The 2nd-order Taylor feature map of Based and JRT-RNN's linear attention (the math: `linear_attention.py`)."""
+"""The 2nd-order Taylor feature map of Based and JRT-RNN's linear attention."""
 
 from __future__ import annotations
 
