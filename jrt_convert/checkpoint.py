@@ -100,9 +100,7 @@ _EXTRACT_WEIGHTS = (
 
 
 def check_tensor_values(
-    path: Path,
-    state_dict: dict[str, torch.Tensor],
-    dtype: torch.dtype | None,
+    path: Path, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None,
     pages: MappedPages | NoRelease | None = None,
 ) -> None:
     """Refuse, naming the tensors, anything but dense real floating point (complex, integer, boolean, sparse), NaN or
@@ -170,9 +168,7 @@ def _refused_object(error: pickle.UnpicklingError) -> bool:
 
 # The pickle opcodes that import a module attribute (a class or a function the unpickler would call).
 _IMPORT_OPCODES = {"GLOBAL", "INST", "STACK_GLOBAL"}
-_STRING_OPCODES = {
-    "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING",
-}
+_STRING_OPCODES = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
 # What a state dict's pickle imports when torch's own allow list cannot be read (a torch without the private helper).
 _PLAIN_GLOBALS = {"collections.OrderedDict", "builtins.set", "builtins.frozenset", "_codecs.encode"}
 _DOTTED_NAME = re.compile(r"^[A-Za-z_][\w.]*\.[A-Za-z_]\w*$")

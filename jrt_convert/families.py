@@ -27,16 +27,14 @@ FAMILIES = ("jrt", "based-jrt-release", "based-original")
 # GPT-2's " ": the token the reference pads a short JRT prefix with (docs/reference_architecture.md §4.3).
 GPT2_PREFIX_PAD_TOKEN_ID = 220
 
-# The released checkpoints and their families, used to name a family when the structure alone cannot (based-1b-50b
-# loads identically under both Based loaders; its parallel forward is the same either way).
-KNOWN_CHECKPOINTS = {
-    "jrt-360m-30b": "jrt",
-    "jrt-1b-50b": "jrt",
-    "based-360m-30b": "based-jrt-release",
-    "based-1b-50b": "based-jrt-release",
-    "based-360m": "based-original",
-    "based-1b": "based-original",
+# The released checkpoints (`hazyresearch/NAME` on the Hub) and their families, used to name a family when the
+# structure alone cannot (based-1b-50b loads identically under both Based loaders; its parallel forward is the same
+# either way). KNOWN_CHECKPOINTS is keyed by the lower-cased name.
+RELEASED_CHECKPOINTS = {
+    "JRT-360M-30B": "jrt", "JRT-1B-50B": "jrt", "based-360M-30B": "based-jrt-release",
+    "based-1b-50b": "based-jrt-release", "based-360m": "based-original", "based-1b": "based-original",
 }
+KNOWN_CHECKPOINTS = {name.lower(): family for name, family in RELEASED_CHECKPOINTS.items()}
 
 # Key tables: reference name -> our name(s). A tuple of several names splits the source tensor into that many equal
 # row blocks, in order (fc1 rows are [up; gate], Wqkv rows are [q; k; v]). Block keys are relative to
@@ -46,10 +44,8 @@ GLOBAL_KEYS: dict[str, tuple[str, ...]] = {
     "transformer.ln_f.weight": ("model.norm.weight",),
 }
 BLOCK_KEYS: dict[str, tuple[str, ...]] = {
-    "norm1.weight": ("input_layernorm.weight",),
-    "norm2.weight": ("post_attention_layernorm.weight",),
-    "mlp.fc1.weight": ("mlp.up_proj.weight", "mlp.gate_proj.weight"),
-    "mlp.fc2.weight": ("mlp.down_proj.weight",),
+    "norm1.weight": ("input_layernorm.weight",), "norm2.weight": ("post_attention_layernorm.weight",),
+    "mlp.fc1.weight": ("mlp.up_proj.weight", "mlp.gate_proj.weight"), "mlp.fc2.weight": ("mlp.down_proj.weight",),
 }
 CONV_KEYS: dict[str, tuple[str, ...]] = {
     # in_proj rows are [conv branch; gate] in both layouts, so the fused projection maps as is.
@@ -58,18 +54,15 @@ CONV_KEYS: dict[str, tuple[str, ...]] = {
     "mixer.out_proj.weight": ("mixer.out_proj.weight",),
 }
 CONV_BIAS_KEYS: dict[str, tuple[str, ...]] = {
-    "mixer.in_proj.bias": ("mixer.in_proj.bias",),
-    "mixer.out_proj.bias": ("mixer.out_proj.bias",),
+    "mixer.in_proj.bias": ("mixer.in_proj.bias",), "mixer.out_proj.bias": ("mixer.out_proj.bias",)
 }
 SLIDING_KEYS: dict[str, tuple[str, ...]] = {
     "mixer.Wqkv.weight": ("mixer.q_proj.weight", "mixer.k_proj.weight", "mixer.v_proj.weight"),
     "mixer.out_proj.weight": ("mixer.o_proj.weight",),
 }
 BASED_LINEAR_ATTENTION_KEYS: dict[str, tuple[str, ...]] = {
-    "mixer.proj_q.weight": ("mixer.q_proj.weight",),
-    "mixer.proj_k.weight": ("mixer.k_proj.weight",),
-    "mixer.proj_v.weight": ("mixer.v_proj.weight",),
-    "mixer.out_proj.weight": ("mixer.o_proj.weight",),
+    "mixer.proj_q.weight": ("mixer.q_proj.weight",), "mixer.proj_k.weight": ("mixer.k_proj.weight",),
+    "mixer.proj_v.weight": ("mixer.v_proj.weight",), "mixer.out_proj.weight": ("mixer.o_proj.weight",),
 }
 PREFIX_LINEAR_ATTENTION_KEYS: dict[str, tuple[str, ...]] = {
     **BASED_LINEAR_ATTENTION_KEYS,
@@ -128,18 +121,10 @@ def _get(config: dict, *names: str, where: str = "config.json"):
 # billion layers or a 1e15-token prefix is refused in one line instead of allocating until memory runs out. They are
 # far above the released models (26-36 layers, d <= 1792, 50264 rows, prefix 1024, window 256).
 BOUNDS: dict[str, tuple[int, int]] = {
-    "n_layer": (1, 10_000),
-    "n_embd": (1, 65_536),
-    "n_head": (1, 4_096),
-    "n_inner": (1, 1_048_576),
-    "vocab_size": (1, 16_777_216),
-    "pad_vocab_size_multiple": (1, 65_536),
-    "mixer.expand_proj": (2, 64),
-    "mixer.kernel_size": (1, 1_024),
-    "alt_mixer.feature_dim": (1, 1_024),
-    "alt_mixer.num_heads": (1, 4_096),
-    "alt_mixer_2.window_size": (1, 1_048_576),
-    "enc_length": (1, 1_048_576),
+    "n_layer": (1, 10_000), "n_embd": (1, 65_536), "n_head": (1, 4_096), "n_inner": (1, 1_048_576),
+    "vocab_size": (1, 16_777_216), "pad_vocab_size_multiple": (1, 65_536), "mixer.expand_proj": (2, 64),
+    "mixer.kernel_size": (1, 1_024), "alt_mixer.feature_dim": (1, 1_024), "alt_mixer.num_heads": (1, 4_096),
+    "alt_mixer_2.window_size": (1, 1_048_576), "enc_length": (1, 1_048_576),
 }
 
 
@@ -329,31 +314,19 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
 
     fixed_decay = bool(config.get("fixed_decay", (alt_mixer or {}).get("fixed_decay", False)))
     decay_const = _float(config.get("decay_const", (alt_mixer or {}).get("decay_const", -3)), "decay_const")
+    mask_token_id = config.get("mask_token_id")
     return ReferenceArchitecture(
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        intermediate_size=intermediate_size,
-        vocab_size=vocab_size,
-        padded_vocab_size=padded_vocab_size,
-        layer_kinds=layer_kinds,
-        conv_expansion=expand_proj // 2,
-        conv_kernel_size=kernel_size,
-        conv_bias=bool(mixer.get("use_bias", True)),
-        feature_dim=feature_dim,
-        enc_length=None if enc_length is None else _int(enc_length, "enc_length"),
-        window_size=window_size,
-        fixed_decay=fixed_decay,
-        decay_const=decay_const,
-        use_decay_proj=use_decay_proj,
+        num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, intermediate_size=intermediate_size,
+        vocab_size=vocab_size, padded_vocab_size=padded_vocab_size, layer_kinds=layer_kinds,
+        conv_expansion=expand_proj // 2, conv_kernel_size=kernel_size, conv_bias=bool(mixer.get("use_bias", True)),
+        feature_dim=feature_dim, enc_length=None if enc_length is None else _int(enc_length, "enc_length"),
+        window_size=window_size, fixed_decay=fixed_decay, decay_const=decay_const, use_decay_proj=use_decay_proj,
         rope_theta=_float(config.get("rotary_emb_base", 10000.0), "rotary_emb_base", positive=True),
         rms_norm_eps=_float(config.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon", positive=True),
         bos_token_id=_token_id(config.get("bos_token_id", 50256), "bos_token_id"),
         eos_token_id=_token_id(config.get("eos_token_id", 50256), "eos_token_id"),
-        mask_token_id=None if config.get("mask_token_id") is None else _token_id(config["mask_token_id"],
-                                                                                 "mask_token_id"),
-        linear_attention_target=_target(alt_mixer),
-        notes=notes,
+        mask_token_id=None if mask_token_id is None else _token_id(mask_token_id, "mask_token_id"),
+        linear_attention_target=_target(alt_mixer), notes=notes,
     )
 
 
@@ -372,10 +345,7 @@ def _token_id(value: object, field: str) -> int:
 def _check_backbone(config: dict) -> None:
     """Settings the converted model hard-codes: refuse a checkpoint that departs from them."""
     expected = {
-        "rms_norm": True,
-        "activation_function": "swiglu",
-        "tie_word_embeddings": True,
-        "rotary_emb_fraction": 1,
+        "rms_norm": True, "activation_function": "swiglu", "tie_word_embeddings": True, "rotary_emb_fraction": 1,
         "rotary_emb_interleaved": False,
     }
     for name, value in expected.items():
@@ -483,11 +453,7 @@ def _checked(requested: str, detected: str, evidence: str) -> Detection:
 
 
 def translate_config(
-    arch: ReferenceArchitecture,
-    spec: FamilySpec,
-    *,
-    prefix_pad_masking: str,
-    dtype: torch.dtype,
+    arch: ReferenceArchitecture, spec: FamilySpec, *, prefix_pad_masking: str, dtype: torch.dtype,
     prefix_pad_token_id: int | None = GPT2_PREFIX_PAD_TOKEN_ID,
 ) -> tuple[dict, list[str]]:
     """Keyword arguments of `JRTRNNConfig` for a reference architecture, and notes saying which reference settings
@@ -536,37 +502,22 @@ def translate_config(
     if is_prefix:
         mask_token_id = arch.mask_token_id if arch.mask_token_id is not None else arch.padded_vocab_size - 1
     kwargs = dict(
-        vocab_size=arch.padded_vocab_size,
-        hidden_size=arch.hidden_size,
-        intermediate_size=arch.intermediate_size,
-        num_hidden_layers=arch.num_layers,
-        num_attention_heads=arch.num_heads,
-        mixer_types=list(arch.layer_kinds),
-        rms_norm_eps=arch.rms_norm_eps,
-        tie_word_embeddings=True,
+        vocab_size=arch.padded_vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_heads, mixer_types=list(arch.layer_kinds),
+        rms_norm_eps=arch.rms_norm_eps, tie_word_embeddings=True,
         # The reference window W means W // 2 previous tokens plus the token itself
         # (docs/reference_architecture.md §1.2).
         sliding_window=(arch.window_size // 2 + 1) if arch.window_size is not None else 129,
-        rope_theta=arch.rope_theta,
-        conv_kernel_size=arch.conv_kernel_size,
-        conv_expansion=arch.conv_expansion,
-        conv_bias=arch.conv_bias,
-        feature_dim=arch.feature_dim,
-        linear_attention_type=spec.linear_attention_type,
-        prefix_length=prefix_length if is_prefix else 0,
-        prefix_pad_masking=prefix_pad_masking,
-        prefix_pad_token_id=prefix_pad_token_id,
-        linear_attention_decay=decay,
-        decay_const=arch.decay_const,
-        use_decay_proj=decay_proj,
-        mask_token_id=mask_token_id,
+        rope_theta=arch.rope_theta, conv_kernel_size=arch.conv_kernel_size, conv_expansion=arch.conv_expansion,
+        conv_bias=arch.conv_bias, feature_dim=arch.feature_dim, linear_attention_type=spec.linear_attention_type,
+        prefix_length=prefix_length if is_prefix else 0, prefix_pad_masking=prefix_pad_masking,
+        prefix_pad_token_id=prefix_pad_token_id, linear_attention_decay=decay, decay_const=arch.decay_const,
+        use_decay_proj=decay_proj, mask_token_id=mask_token_id,
         # generate() never emits the padding rows of the embedding: GPT-2's tokenizer cannot decode them (§7).
         generation_vocab_size=arch.vocab_size,
-        bos_token_id=token_ids["bos_token_id"],
-        eos_token_id=token_ids["eos_token_id"],
+        bos_token_id=token_ids["bos_token_id"], eos_token_id=token_ids["eos_token_id"], dtype=dtype,
         # GPT-2 has no pad token; padding is masked by attention_mask, so eos is used (see the README).
         pad_token_id=token_ids["eos_token_id"],
-        dtype=dtype,
     )
     return kwargs, notes
 
@@ -588,6 +539,6 @@ def layer_key_table(spec: FamilySpec, arch: ReferenceArchitecture, layer_idx: in
     return table
 
 
-__all__ = ["BOUNDS", "FAMILIES", "FAMILY_SPECS", "GPT2_PREFIX_PAD_TOKEN_ID", "KNOWN_CHECKPOINTS", "Detection",
-           "FamilySpec", "ReferenceArchitecture", "check_layers_against_weights", "detect_family", "layer_key_table",
-           "read_architecture", "translate_config"]
+__all__ = ["BOUNDS", "FAMILIES", "FAMILY_SPECS", "GPT2_PREFIX_PAD_TOKEN_ID", "KNOWN_CHECKPOINTS",
+           "RELEASED_CHECKPOINTS", "Detection", "FamilySpec", "ReferenceArchitecture", "check_layers_against_weights",
+           "detect_family", "layer_key_table", "read_architecture", "translate_config"]

@@ -31,9 +31,7 @@ def download_reference_checkpoint(repo_id: str, *, revision: str | None = None) 
     """Download `config.json` and the weights of a reference checkpoint from the Hub; returns the local folder."""
     try:
         folder = snapshot_download(
-            repo_id=repo_id,
-            revision=revision,
-            allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, f"*{LIGHTNING_SUFFIX}"],
+            repo_id=repo_id, revision=revision, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, f"*{LIGHTNING_SUFFIX}"]
         )
     except HUB_ERRORS as error:
         raise ConversionError(
@@ -81,11 +79,7 @@ def push_to_hub(
         if revision not in (None, "main"):
             api.create_branch(repo_id=repo_id, branch=revision, repo_type="model", exist_ok=True)
         commit = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=folder,
-            repo_type="model",
-            revision=revision,
-            create_pr=create_pr,
+            repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision, create_pr=create_pr,
             commit_message=commit_message or "Upload converted JRT-RNN / Based checkpoint",
         )
     except HUB_ERRORS as error:

@@ -15,12 +15,7 @@ import torch
 
 from .checkpoint import ConversionError
 from .families import (
-    DECAY_BUFFER_KEY,
-    GLOBAL_KEYS,
-    TIED_HEAD_KEY,
-    FamilySpec,
-    ReferenceArchitecture,
-    layer_key_table,
+    _LAYER_KEY, DECAY_BUFFER_KEY, GLOBAL_KEYS, TIED_HEAD_KEY, FamilySpec, ReferenceArchitecture, layer_key_table,
 )
 
 _LISTED = 20  # keys listed per problem in an error message
@@ -49,7 +44,8 @@ def apply_family_renames(
     for key, tensor in state_dict.items():
         name = key.replace("conv1", "conv") if spec.renames_conv1 else key
         conv1_renames += name != key
-        if name.endswith(".mixer.conv.weight") and _layer_index(name) in conv_layers and tensor.dim() == 3:
+        layer = _LAYER_KEY.match(name)
+        if name.endswith(".mixer.conv.weight") and layer and int(layer.group(1)) in conv_layers and tensor.dim() == 3:
             name = name.removesuffix("conv.weight") + "conv.conv.weight"
             bare_conv_renames += 1
         if name in renamed:
@@ -97,9 +93,7 @@ class WeightPlan:
 
 
 def map_state_dict(
-    state_dict: dict[str, torch.Tensor],
-    spec: FamilySpec,
-    arch: ReferenceArchitecture,
+    state_dict: dict[str, torch.Tensor], spec: FamilySpec, arch: ReferenceArchitecture,
     target_shapes: dict[str, torch.Size],
 ) -> tuple[WeightPlan, list[str]]:
     """The plan (without the tied `lm_head.weight`) and notes about renamed and dropped keys, from a reference state
@@ -182,13 +176,6 @@ def _describe(problems: dict[str, list[str]], spec: FamilySpec) -> str:
             lines.append(f"  {len(keys)} {titles[kind]}:\n    {shown}{more}")
     lines.append("Check --family and that config.json belongs to these weights.")
     return "\n".join(lines)
-
-
-def _layer_index(key: str) -> int | None:
-    parts = key.split(".")
-    if len(parts) > 2 and parts[:2] == ["transformer", "layers"] and parts[2].isdigit():
-        return int(parts[2])
-    return None
 
 
 __all__ = ["TensorSource", "WeightPlan", "apply_family_renames", "full_key_table", "map_state_dict"]

@@ -37,37 +37,19 @@ from modeling_jrt.configuration_jrt import PREFIX_PAD_MASKINGS
 from modeling_jrt.prefix_fill import never_generated_ids
 
 from .checkpoint import (
-    ConversionError,
-    find_weights_file,
-    load_reference_config,
-    load_state_dict_safely,
-    normalise_keys,
+    ConversionError, find_weights_file, load_reference_config, load_state_dict_safely, normalise_keys,
 )
 from .families import (
-    FAMILY_SPECS,
-    GPT2_PREFIX_PAD_TOKEN_ID,
-    FamilySpec,
-    ReferenceArchitecture,
-    check_layers_against_weights,
-    detect_family,
-    read_architecture,
-    translate_config,
+    FAMILY_SPECS, GPT2_PREFIX_PAD_TOKEN_ID, RELEASED_CHECKPOINTS, FamilySpec, ReferenceArchitecture,
+    check_layers_against_weights, detect_family, read_architecture, translate_config,
 )
 from .hub import download_reference_checkpoint, is_repo_id
 from .mapping import map_state_dict
 from .memory import release_mapping
 from .model_card import citation_section, front_matter
 from .safety import (
-    backup_name,
-    check_destination,
-    check_free_space,
-    check_writable,
-    remove_stale_staging,
-    sha256_of_file,
-    staging_prefix,
-    terminate_cleanly,
-    unchanged_since,
-    write_manifest,
+    backup_name, check_destination, check_free_space, check_writable, remove_stale_staging, sha256_of_file,
+    staging_prefix, terminate_cleanly, unchanged_since, write_manifest,
 )
 from .shards import SAFETENSORS_DTYPES, parse_size, tensor_bytes, write_shards
 
@@ -208,14 +190,8 @@ def convert_checkpoint(
             shutil.rmtree(staging, ignore_errors=True)
             raise
     return ConversionResult(
-        destination=destination,
-        source=str(source),
-        family=spec.name,
-        evidence=detection.evidence,
-        config=config,
-        num_parameters=model.num_parameters(),
-        files=files,
-        notes=notes + ([tokenizer_note] if tokenizer_note else []),
+        destination=destination, source=str(source), family=spec.name, evidence=detection.evidence, config=config,
+        num_parameters=model.num_parameters(), files=files, notes=notes + ([tokenizer_note] if tokenizer_note else []),
     )
 
 
@@ -235,14 +211,8 @@ class OptionError(ConversionError):
 
 
 def check_options(
-    destination: str | Path,
-    *,
-    family: str = "auto",
-    dtype: str = "float32",
-    tokenizer: str | None = None,
-    prefix_pad_masking: str = "reference",
-    prefix_pad_token_id: int | None = None,
-    max_shard_size: str | int = "5GB",
+    destination: str | Path, *, family: str = "auto", dtype: str = "float32", tokenizer: str | None = None,
+    prefix_pad_masking: str = "reference", prefix_pad_token_id: int | None = None, max_shard_size: str | int = "5GB",
     overwrite: bool = False,
 ) -> tuple[torch.dtype, int, Path]:
     """The option checks `convert_checkpoint` starts with, on their own (the CLI runs them before `--push-to-hub`'s
@@ -352,12 +322,8 @@ def reference_generation_config(config: JRTRNNConfig) -> GenerationConfig:
     are never generated, whatever calls `generate`.
     """
     return GenerationConfig(
-        do_sample=False,
-        num_beams=1,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-        suppress_tokens=never_generated_ids(config) or None,
+        do_sample=False, num_beams=1, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id, suppress_tokens=never_generated_ids(config) or None,
     )
 
 
@@ -502,9 +468,7 @@ def _apply_umask(folder: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def _move_into_place(
-    staging: Path, destination: Path, *, overwrite: bool, checked: dict[str, tuple[int, int]]
-) -> None:
+def _move_into_place(staging: Path, destination: Path, *, overwrite: bool, checked: dict[str, tuple[int, int]]) -> None:
     """Rename the complete staging folder to `destination` (same filesystem, so each rename is atomic).
 
     `checked` is the destination's listing when `check_destination` allowed replacing it: anything added, removed or
@@ -535,16 +499,8 @@ def _move_into_place(
 
 
 def render_model_card(
-    source: str,
-    spec: FamilySpec,
-    evidence: str,
-    arch: ReferenceArchitecture,
-    config: JRTRNNConfig,
-    dtype: str,
-    notes: list[str],
-    *,
-    has_tokenizer: bool,
-    license: str = "apache-2.0",
+    source: str, spec: FamilySpec, evidence: str, arch: ReferenceArchitecture, config: JRTRNNConfig, dtype: str,
+    notes: list[str], *, has_tokenizer: bool, license: str = "apache-2.0",
 ) -> str:
     """The README.md of the converted folder: provenance, license, conversion options, usage and citation.
 
@@ -627,10 +583,7 @@ Conversion notes:
 
 
 # Hub ids of the released checkpoints, by lower-cased name: the `base_model` of a conversion from a local folder.
-_RELEASED_HUB_IDS = {
-    name.lower(): f"hazyresearch/{name}"
-    for name in ("JRT-360M-30B", "JRT-1B-50B", "based-360M-30B", "based-1b-50b", "based-360m", "based-1b")
-}
+_RELEASED_HUB_IDS = {name.lower(): f"hazyresearch/{name}" for name in RELEASED_CHECKPOINTS}
 
 __all__ = [
     "DTYPES", "ConversionResult", "OptionError", "check_options", "convert_checkpoint", "reference_generation_config"

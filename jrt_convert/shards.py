@@ -84,12 +84,8 @@ def plan_shards(
 
 
 def write_shards(
-    folder: Path,
-    shapes: dict[str, tuple[int, ...]],
-    dtype: torch.dtype,
-    max_shard_size: int,
-    produce: Callable[[str], torch.Tensor],
-    written: Callable[[str], None] | None = None,
+    folder: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, max_shard_size: int,
+    produce: Callable[[str], torch.Tensor], written: Callable[[str], None] | None = None,
 ) -> dict[str, str]:
     """Write the tensors of `shapes` (name -> shape, in order; shards as `plan_shards`) into `folder`; returns each
     file's SHA-256. `produce(name)` returns a tensor of exactly `dtype` and that shape; it is written, hashed and
