@@ -21,9 +21,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "AutoModelForCausalLM.from_pretrained loads, with or without the jrt-rnn package (trust_remote_code=True).",
     )
     parser.add_argument("source", metavar="SRC", nargs="?", help="local folder / weights file, or a Hub repo id")
-    parser.add_argument(
-        "destination", metavar="DST", nargs="?", help="output folder (must not exist unless --overwrite)"
-    )
+    parser.add_argument("destination", metavar="DST", nargs="?",
+                        help="output folder (must not exist unless --overwrite)")
     parser.add_argument(
         "--example", metavar="DIR",
         help="instead of converting: write a tiny random checkpoint in the released JRT-RNN format to DIR "
@@ -34,9 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--family", default="auto", choices=["auto", *FAMILIES],
         help="checkpoint family (default: detected from the config and the weights)",
     )
-    parser.add_argument(
-        "--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default float32)"
-    )
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default float32)")
     parser.add_argument(
         "--tokenizer", metavar="PATH_OR_ID",
         help="GPT-2 tokenizer to ship (folder or Hub id); default: GPT-2 from the local Hub cache if present",
@@ -124,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
           f"{len(result.files)} files)")
     if args.push_to_hub:
         url = push_to_hub(
-            result.destination, args.push_to_hub,
-            private=args.private, revision=args.revision, create_pr=args.create_pr,
+            result.destination, args.push_to_hub, private=args.private, revision=args.revision, create_pr=args.create_pr
         )
         print(f"uploaded to {url}")
     return 0

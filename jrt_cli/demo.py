@@ -32,9 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="folder holding jrt-rnn-sd/ and based-sd/ (default: the models shipped with the package; "
                              "`python experiments/synthetic export` writes such a folder)")
     parser.add_argument("--export", type=Path, metavar="DIR",
-                        help="write the demo models as Hub-ready folders under DIR (weights, config, tokenizer, a model "
-                             "card and the model's code: a copy loads with trust_remote_code=True without jrt-rnn) "
-                             "and exit")
+                        help="write the demo models as Hub-ready folders under DIR (weights, config, tokenizer, a "
+                             "model card and the model's code: a copy loads with trust_remote_code=True without "
+                             "jrt-rnn) and exit")
     parser.set_defaults(func=run)
 
 
@@ -61,13 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.examples < NUM_SHOWN:
         raise UsageError(f"`--examples` must be >= {NUM_SHOWN}, got {args.examples}.")
     from .demo_models import (
-        DEMO_ARMS,
-        DEMO_SLICES,
-        LONGER_SLICES,
-        demo_batch,
-        generate_answers,
-        load_demo_model,
-        recurrent_state_size,
+        DEMO_ARMS, DEMO_SLICES, LONGER_SLICES, demo_batch, generate_answers, load_demo_model, recurrent_state_size,
     )
     from .set_disjointness import render_tokens
 

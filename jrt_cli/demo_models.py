@@ -10,6 +10,8 @@ DIR`) writes Hub-ready copies that carry the model's code.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,9 +100,6 @@ def export_demo_models(destination: Path, models_dir: Path = MODELS_DIR) -> list
     """Write each demo model as a Hub-ready folder under `destination`: `save_pretrained` (with the model's code, for
     `trust_remote_code=True` without this package), its tokenizer, `token_map.json`, `training.json` and a model card.
     Each folder is completed in a temporary place, then moved into place; an existing one is refused. Returns them."""
-    import shutil
-    import tempfile
-
     destination.mkdir(parents=True, exist_ok=True)
     written = []
     for name in DEMO_MODELS.values():

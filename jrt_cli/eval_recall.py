@@ -10,9 +10,8 @@ import argparse
 from pathlib import Path
 
 from .choices import DTYPES, PROMPT_KINDS, integer_type
-from .main import UsageError, quiet_transformers
+from .main import UsageError, quiet_transformers, require_lm_eval
 from .sources import check_model_source
-
 
 _positive_int, _non_negative_int = integer_type(1), integer_type(0)
 
@@ -53,13 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def load_lm(args: argparse.Namespace):
     """The `JRTLM` for `--model`; a missing folder or a failed load is one line (ValueError / RuntimeError)."""
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError:
-        raise RuntimeError(
-            "`jrt eval-recall` runs through lm-evaluation-harness, the optional `eval` extra: "
-            "pip install -e '.[eval]' in a checkout"
-        ) from None
+    require_lm_eval("`jrt eval-recall` runs through")
     import torch
 
     from jrt_eval.lm import JRTLM
@@ -98,14 +91,9 @@ def run(args: argparse.Namespace) -> int:
     quiet_transformers()
     lm = load_lm(args)
     report = evaluate_recall(
-        lm,
-        args.data,
-        tokenizer_name=args.tokenizer or args.model,
-        prompt_kinds=PROMPT_KINDS if args.prompt == "both" else (args.prompt,),
-        context_tokens=args.context_tokens,
-        answer_tokens=args.answer_tokens,
-        max_new_tokens=args.max_new_tokens,
-        limit=args.limit,
+        lm, args.data, tokenizer_name=args.tokenizer or args.model,
+        prompt_kinds=PROMPT_KINDS if args.prompt == "both" else (args.prompt,), context_tokens=args.context_tokens,
+        answer_tokens=args.answer_tokens, max_new_tokens=args.max_new_tokens, limit=args.limit,
     )
     if args.output:
         write_results(args.output, report)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from .choices import PREFIX_STRATEGIES, integer_type
 from .main import UsageError, one_line, quiet_transformers
@@ -102,13 +103,9 @@ def run(args: argparse.Namespace) -> int:
     sampling = {name: value for name, value in (("temperature", args.temperature), ("top_p", args.top_p))
                 if value is not None}
     output = model.generate(
-        **inputs,
-        max_new_tokens=args.max_new_tokens,
-        prefix_strategy=args.prefix_strategy,
-        streamer=prompt_echo_streamer(tokenizer, prompt),
+        **inputs, max_new_tokens=args.max_new_tokens, prefix_strategy=args.prefix_strategy,
+        streamer=prompt_echo_streamer(tokenizer, prompt), do_sample=args.do_sample, **sampling,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-        do_sample=args.do_sample,
-        **sampling,
     )
     explain_a_blank_continuation(tokenizer, inputs["input_ids"][0].tolist(), output[0].tolist())
     return 0
@@ -187,8 +184,6 @@ def resolve_device(name: str | None) -> str:
 
 def load_tokenizer(name: str, trust_remote_code: bool, *, explicit: bool):
     """The tokenizer of `name`, or a one-line error that says to pass `--tokenizer`."""
-    from pathlib import Path
-
     from transformers import AutoTokenizer
 
     folder = Path(name)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import fnmatch
 import functools
+import gzip
 import importlib.util
 import json
 import math
@@ -22,7 +24,7 @@ import sys
 from pathlib import Path
 
 from .choices import PREFIX_STRATEGIES
-from .main import UsageError, quiet_transformers
+from .main import UsageError, quiet_transformers, require_lm_eval
 from .sources import check_model_source, go_offline, hub_unreachable
 
 LM_EVAL_SUBCOMMANDS: tuple[str, ...] = ("run", "ls", "validate")
@@ -85,26 +87,8 @@ def build_lm_eval_cli():
     return cli
 
 
-def check_model_args(lm_eval_args: argparse.Namespace) -> None:
-    """`--model jrt` needs `pretrained=` in `--model_args`: a usage error before anything is loaded."""
-    if getattr(lm_eval_args, "command", None) != "run" or getattr(lm_eval_args, "model", None) != "jrt":
-        return
-    model_args = lm_eval_args.model_args or {}
-    if not isinstance(model_args, dict) or not model_args.get("pretrained"):
-        raise UsageError(
-            "the `jrt` model needs the checkpoint: --model_args pretrained=PATH_OR_HUB_ID[,key=value ...] "
-            f"(got {model_args or 'none'!r})."
-        )
-
-
 def run(args: argparse.Namespace) -> int:
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError:
-        raise RuntimeError(
-            "`jrt lm-eval` needs lm-evaluation-harness, the optional `eval` extra: "
-            "pip install -e '.[eval]' in a checkout"
-        ) from None
+    require_lm_eval("`jrt lm-eval` needs")
     cli = build_lm_eval_cli()
     saved_argv = sys.argv
     sys.argv = ["jrt lm-eval", *lm_eval_argv(args.extra)]
@@ -112,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
         lm_eval_args = cli.parse_args()  # exits for --help (code 0) and for lm-eval's own usage errors (code 2)
     finally:
         sys.argv = saved_argv
-    check_model_args(lm_eval_args)
     check_arguments_early(lm_eval_args)
     if getattr(lm_eval_args, "model", None) == "jrt":  # before the seconds of importing torch and transformers
         for key in ("pretrained", "tokenizer"):
@@ -185,12 +168,20 @@ def check_run_arguments(lm_eval_args: argparse.Namespace) -> None:
 
 
 def check_arguments_early(lm_eval_args: argparse.Namespace) -> None:
-    """Usage errors found from the arguments alone, before torch, transformers and lm-eval's models are imported: an
-    empty `--tasks`, a `jrt_*` task that jrt-rnn does not ship, `--limit` <= 0, a `--batch_size` that is not one, and
-    for the `jrt` model a `--model_args` key it does not take and a `scoring=` / `prefix_strategy=` it does not know.
-    Other task names need lm-eval's task index: `check_run_arguments`."""
+    """Usage errors found from the arguments alone, before torch, transformers and lm-eval's models are imported:
+    `--model jrt` without `pretrained=` in `--model_args`, an empty `--tasks`, a `jrt_*` task that jrt-rnn does not
+    ship, `--limit` <= 0, a `--batch_size` that is not one, and for the `jrt` model a `--model_args` key it does not
+    take and a `scoring=` / `prefix_strategy=` it does not know. Other task names need lm-eval's task index:
+    `check_run_arguments`."""
     if getattr(lm_eval_args, "command", None) != "run":
         return
+    is_jrt = getattr(lm_eval_args, "model", None) == "jrt"
+    model_args = (lm_eval_args.model_args or {}) if is_jrt else {}
+    if is_jrt and (not isinstance(model_args, dict) or not model_args.get("pretrained")):
+        raise UsageError(
+            "the `jrt` model needs the checkpoint: --model_args pretrained=PATH_OR_HUB_ID[,key=value ...] "
+            f"(got {model_args or 'none'!r})."
+        )
     tasks = getattr(lm_eval_args, "tasks", None)
     if tasks is not None:
         names = _task_names(tasks)
@@ -218,10 +209,9 @@ def check_arguments_early(lm_eval_args: argparse.Namespace) -> None:
     batch_size = getattr(lm_eval_args, "batch_size", None)
     if batch_size is not None and not _is_batch_size(str(batch_size)):
         raise UsageError(f"--batch_size {batch_size}: expected a positive integer, 'auto' or 'auto:N'.")
-    if getattr(lm_eval_args, "model", None) == "jrt":
+    if is_jrt:
         from jrt_eval import SCORING_MODES
 
-        model_args = lm_eval_args.model_args or {}
         for key, allowed in (("scoring", SCORING_MODES), ("prefix_strategy", PREFIX_STRATEGIES)):
             if key in model_args and model_args[key] not in allowed:
                 raise UsageError(
@@ -251,18 +241,14 @@ def check_model_arg_names(model_args: dict) -> None:
         )
 
 
-TASK_INDEX_DIR = Path(__file__).resolve().parent / "assets"
-
-
 def task_index_path(version: str) -> Path:
-    return TASK_INDEX_DIR / f"lm_eval_tasks-{version}.txt.gz"
+    return Path(__file__).resolve().parent / "assets" / f"lm_eval_tasks-{version}.txt.gz"
 
 
 @functools.cache
 def shipped_task_index() -> tuple[str, ...] | None:
     """The task, group and tag names of the installed lm-eval (`TaskManager().all_tasks`), from the index jrt-rnn
     ships for its release (`write_task_index`), or None for a release without one (or no lm-eval)."""
-    import gzip
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -278,7 +264,6 @@ def shipped_task_index() -> tuple[str, ...] | None:
 def write_task_index() -> Path:
     """Write the installed lm-eval's task index (`TaskManager().all_tasks`, sorted, one a line, gzip without a time
     stamp) where `shipped_task_index` reads it: run after changing the lm-eval release pinned in pyproject."""
-    import gzip
     from importlib.metadata import version
 
     from lm_eval.tasks import TaskManager
@@ -313,11 +298,10 @@ def config_fields(model_type: str | None) -> frozenset[str] | None:
     if not isinstance(model_type, str) or not model_type.replace("-", "_").isidentifier():
         return None
     module = model_type.replace("-", "_")
-    own = ("modeling_jrt", "configuration_jrt.py") if model_type == "jrt_rnn" else (
-        "transformers", f"models/{module}/configuration_{module}.py"
-    )
-    base = ("transformers", "configuration_utils.py")
-    trees = [_parsed_source(*own), _parsed_source(*base)]
+    own = "modeling_jrt", "configuration_jrt.py"
+    if model_type != "jrt_rnn":
+        own = "transformers", f"models/{module}/configuration_{module}.py"
+    trees = [_parsed_source(*own), _parsed_source("transformers", "configuration_utils.py")]
     if any(tree is None for tree in trees):
         return None
     fields: set[str] = set()
@@ -347,8 +331,7 @@ def _class_fields(node: ast.ClassDef) -> set[str]:
             if "ClassVar" not in ast.unparse(item.annotation):
                 fields.add(item.target.id)
         elif isinstance(item, ast.FunctionDef) and item.name == "__init__":
-            arguments = item.args
-            fields |= {arg.arg for arg in [*arguments.args, *arguments.kwonlyargs] if arg.arg != "self"}
+            fields |= {arg.arg for arg in [*item.args.args, *item.args.kwonlyargs] if arg.arg != "self"}
         elif isinstance(item, ast.FunctionDef) and any(
             isinstance(decorator, ast.Attribute) and decorator.attr == "setter" for decorator in item.decorator_list
         ):
@@ -389,8 +372,6 @@ def _task_names(tasks: str | list[str]) -> list[str]:
 
 def _matches(name: str, shipped: tuple[str, ...]) -> bool:
     """A shipped name, a glob over them (`jrt_nq_*`), or a task file given by path."""
-    import fnmatch
-
     return name in shipped or any(fnmatch.fnmatchcase(task, name) for task in shipped) or Path(name).exists()
 
 

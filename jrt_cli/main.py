@@ -32,9 +32,7 @@ class UsageError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jrt", description="JRT-RNN and Based models for HuggingFace Transformers."
-    )
+    parser = argparse.ArgumentParser(prog="jrt", description="JRT-RNN and Based models for HuggingFace Transformers.")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of errors")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
@@ -77,6 +75,16 @@ def quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+
+
+def require_lm_eval(command: str) -> None:
+    """A one-line RuntimeError when lm-evaluation-harness, the optional `eval` extra `command` needs, is missing."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise RuntimeError(
+            f"{command} lm-evaluation-harness, the optional `eval` extra: pip install -e '.[eval]' in a checkout"
+        ) from None
 
 
 def one_line(error: BaseException) -> str:

@@ -67,12 +67,8 @@ def make_fixture_records(num_records: int = 36, *, seed: int = 0, entities_per_d
         else:
             sentences = [f"{name} {p} {facts[name][k]}." for name in names for k, p, _, _ in _ATTRIBUTES]
             rng.shuffle(sentences)
-            record.update(
-                context=" ".join(sentences),
-                question=f"{target} {phrase}",
-                header=natural_question.format(target),
-                template="qa",
-            )
+            record.update(context=" ".join(sentences), question=f"{target} {phrase}",
+                          header=natural_question.format(target), template="qa")
         record["answers"] = [facts[target][key]]
         records.append(record)
     return records

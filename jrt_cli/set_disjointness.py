@@ -38,11 +38,7 @@ def _check_positive(name: str, value: int) -> None:
 
 
 def set_disjointness(
-    rng: np.random.RandomState,
-    num_examples: int,
-    short_length: int,
-    long_length: int,
-    vocab_size: int = 68,
+    rng: np.random.RandomState, num_examples: int, short_length: int, long_length: int, vocab_size: int = 68,
     repeat: int = 1,
 ) -> SyntheticBatch:
     """Set disjointness, Algorithm 1 of the JRT paper: two sets with exactly one common token.
@@ -121,12 +117,8 @@ def sd_tokenizer(token_map: dict):
                          f"{token_map['vocab_size']}: every id needs one unique string.")
     backend = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token=specials[str(SD_MASK)]))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    bos, mask = specials[str(SD_BOS)], specials[str(SD_MASK)]
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=specials[str(SD_BOS)],
-        eos_token=specials[str(SD_BOS)],
-        pad_token=specials[str(SD_MASK)],
-        unk_token=specials[str(SD_MASK)],
-        padding_side="left",
+        tokenizer_object=backend, bos_token=bos, eos_token=bos, pad_token=mask, unk_token=mask, padding_side="left",
         model_input_names=["input_ids", "attention_mask"],
     )

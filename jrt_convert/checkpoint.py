@@ -1,14 +1,9 @@
 """Reading a reference checkpoint safely: `config.json` plus `pytorch_model.bin` or a Lightning `.ckpt`.
 
 The released checkpoints are pickles (docs/reference_architecture.md §2), read with `torch.load(weights_only=True)`
-only (tensors and plain containers; anything else is refused, so a checkpoint cannot run code). The state dict is then
-normalised as the reference loader does (§1.5, §2.3):
-
-1. strip a leading `model.` (the Lightning module's attribute name),
-2. drop every key containing `metrics` (Lightning metric counters such as `train_metrics.num-tokens.count`).
-
-Family-specific renames (`conv1` -> `conv`) and the checked-then-dropped keys (tied head, decay buffer) are in
-`mapping.py`, the key tables in `families.py`.
+only (tensors and plain containers; anything else is refused, so a checkpoint cannot run code). `normalise_keys` then
+does what the reference loader does to every family's keys; the family-specific renames and the checked-then-dropped
+keys (tied head, decay buffer) are in `mapping.py`, the key tables in `families.py`.
 """
 
 from __future__ import annotations
@@ -307,8 +302,9 @@ def check_file_integrity(path: Path) -> str:
 
 
 def normalise_keys(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """(state dict, dropped keys): a leading `model.` stripped and the `metrics` counters dropped, as the reference
-    loader does (docs/reference_architecture.md §2.1)."""
+    """(state dict, dropped keys): a leading `model.` (the Lightning module's attribute) stripped and the Lightning
+    metric counters (keys containing `metrics`) dropped, as the reference loader does (docs/reference_architecture.md
+    §2.1)."""
     normalised: dict[str, torch.Tensor] = {}
     dropped: list[str] = []
     for key, tensor in state_dict.items():

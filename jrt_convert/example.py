@@ -70,9 +70,6 @@ def example_state_dict(*, seed: int = 0) -> dict[str, torch.Tensor]:
     def linear(out_features: int, in_features: int) -> torch.Tensor:
         return torch.randn(out_features, in_features, generator=generator) / math.sqrt(in_features)
 
-    def norm() -> torch.Tensor:
-        return torch.ones(HIDDEN)
-
     d = HIDDEN
     embedding = 0.02 * torch.randn(PADDED_VOCAB, d, generator=generator)
     state_dict = {"transformer.embeddings.word_embeddings.weight": embedding}
@@ -93,11 +90,11 @@ def example_state_dict(*, seed: int = 0) -> dict[str, torch.Tensor]:
             state_dict[p + "mixer.conv.conv.weight"] = torch.randn(2 * d, 1, 3, generator=generator) / math.sqrt(3)
             state_dict[p + "mixer.out_proj.weight"] = linear(d, 2 * d)
             state_dict[p + "mixer.out_proj.bias"] = torch.zeros(d)
-        state_dict[p + "norm1.weight"] = norm()
-        state_dict[p + "norm2.weight"] = norm()
+        state_dict[p + "norm1.weight"] = torch.ones(d)
+        state_dict[p + "norm2.weight"] = torch.ones(d)
         state_dict[p + "mlp.fc1.weight"] = linear(2 * MLP_HIDDEN, d)
         state_dict[p + "mlp.fc2.weight"] = linear(d, MLP_HIDDEN)
-    state_dict["transformer.ln_f.weight"] = norm()
+    state_dict["transformer.ln_f.weight"] = torch.ones(d)
     state_dict["lm_head.weight"] = embedding  # tied: one tensor, stored once
     return state_dict
 

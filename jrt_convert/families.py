@@ -1,12 +1,8 @@
 """The released checkpoint families: how to recognise each, read its reference config, and name its tensors.
 
-Three families (docs/reference_architecture.md §2, §2.1):
-
-    family              checkpoints                           reference loader     linear attention
-    jrt                 JRT-360M-30B, JRT-1B-50B              [JRT] gpt.py         prefix (PLA)
-    based-jrt-release   based-360M-30B, based-1b-50b          [JRT] gpt.py         causal; decay + decay_proj
-                                                                                    when the config asks for both
-    based-original      based-360m, based-1b                  [BASED] gpt.py       causal; decay never applied
+Three families (docs/reference_architecture.md §2, §2.1; `FAMILY_SPECS` names their checkpoints and reference
+loaders): `jrt` (prefix linear attention), `based-jrt-release` (causal; decay + decay_proj when the config asks for
+both) and `based-original` (causal; the decay is never applied).
 
 The layer kinds come from `alt_mixer_layers` / `alt_mixer_2_layers` (`alt_mixer_2` wins), hyper-parameters from the
 mixer dicts with the reference defaults. `_target_` strings are read only as data that identifies a family, never
@@ -237,8 +233,7 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
     num_heads = _int(_get(config, "n_head", "num_attention_heads"), "n_head")
     _check_backbone(config)
 
-    # Layer kinds: alt_mixer_2 is checked first, then alt_mixer, else the default mixer
-    # (docs/reference_architecture.md §1).
+    # Layer kinds: alt_mixer_2 wins over alt_mixer, else the default mixer (docs/reference_architecture.md §1).
     sliding_layers = _layer_list(config, "alt_mixer_2_layers")
     linear_layers = _layer_list(config, "alt_mixer_layers")
     both = sorted(sliding_layers & linear_layers)
@@ -505,8 +500,7 @@ def translate_config(
         vocab_size=arch.padded_vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
         num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_heads, mixer_types=list(arch.layer_kinds),
         rms_norm_eps=arch.rms_norm_eps, tie_word_embeddings=True,
-        # The reference window W means W // 2 previous tokens plus the token itself
-        # (docs/reference_architecture.md §1.2).
+        # The reference window W is W // 2 previous tokens plus the token itself (docs/reference_architecture.md §1.2).
         sliding_window=(arch.window_size // 2 + 1) if arch.window_size is not None else 129,
         rope_theta=arch.rope_theta, conv_kernel_size=arch.conv_kernel_size, conv_expansion=arch.conv_expansion,
         conv_bias=arch.conv_bias, feature_dim=arch.feature_dim, linear_attention_type=spec.linear_attention_type,

@@ -5,11 +5,8 @@
     -> write to a temporary folder (safetensors shards one tensor at a time, config with auto_map, generation config,
        remote code, tokenizer, model card) -> verify (hashes, reload, one forward) -> manifest -> move into place
 
-Memory: the checkpoint is memory-mapped and each converted tensor is written and dropped before the next, so the peak is
-about one copy of the weights (the mapped file while writing, then the reloaded model while verifying), never two.
-
-An interrupted or failed conversion leaves no output folder, an existing destination is replaced only as `safety.py`
-allows, and the source is never written.
+The peak memory is about one copy of the weights; a failed run leaves no output folder and never writes the source
+(docs/convert.md, "What the converter guarantees"; staging and `--overwrite` in `safety.py`).
 """
 
 from __future__ import annotations
@@ -128,7 +125,7 @@ def convert_checkpoint(
     reference_config = load_reference_config(weights_path.parent)
     arch = read_architecture(reference_config)
     tok, tokenizer_note = _load_tokenizer(tokenizer, arch)
-    raw, is_lightning, pages = load_state_dict_safely(weights_path, dtype=torch_dtype)
+    raw, _, pages = load_state_dict_safely(weights_path, dtype=torch_dtype)
     state_dict, dropped_keys = normalise_keys(raw)
     del raw
     check_layers_against_weights(arch, list(state_dict))
@@ -156,9 +153,7 @@ def convert_checkpoint(
     check_free_space(destination, needed_bytes)
     model.generation_config = reference_generation_config(config)
 
-    # 4. Write to a staging folder (the shards one tensor at a time), verify, move into place. SIGTERM cleans up like
-    # Ctrl-C; after a SIGKILL the next run removes the staging folder (`remove_stale_staging`, by the dead process id
-    # in its name).
+    # 4. Write to a staging folder (the shards one tensor at a time), verify, move into place (see `safety.py`).
     destination.parent.mkdir(parents=True, exist_ok=True)
     with terminate_cleanly():
         staging = Path(tempfile.mkdtemp(prefix=staging_prefix(destination), dir=destination.parent))
@@ -180,8 +175,7 @@ def convert_checkpoint(
                                       has_tokenizer=tok is not None),
                     encoding="utf-8",
                 )
-            verify_folder(staging, hashes, model)
-            with _disk_full_reported(destination, needed_bytes):
+                verify_folder(staging, hashes, model)
                 write_manifest(staging, hashes)
             files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
             _apply_umask(staging)
