@@ -29,10 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(config.json + pytorch_model.bin, 14 MB, and a tokenizer that fits it in DIR/tokenizer), to try "
         "`jrt convert DIR OUT --tokenizer DIR/tokenizer` offline",
     )
-    parser.add_argument(
-        "--family", default="auto", choices=["auto", *FAMILIES],
-        help="checkpoint family (default: detected from the config and the weights)",
-    )
+    parser.add_argument("--family", default="auto", choices=["auto", *FAMILIES],
+                        help="checkpoint family (default: detected from the config and the weights)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default float32)")
     parser.add_argument(
         "--tokenizer", metavar="PATH_OR_ID",
@@ -48,10 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="token that fills a short JRT prefix (default: the tokenizer's ' ', else GPT-2's ' ' = 220); needed for "
         "a checkpoint whose vocabulary has 220 tokens or fewer",
     )
-    parser.add_argument(
-        "--max-shard-size", default="5GB", metavar="SIZE",
-        help="safetensors shard size, e.g. 5GB, 500MB or 2GiB (default 5GB)",
-    )
+    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="safetensors shard size, e.g. 5GB, 500MB or 2GiB (default 5GB)")
     parser.add_argument(
         "--overwrite", action="store_true",
         help="replace DST once the new folder is verified; only a folder an earlier `jrt convert` wrote, file for "

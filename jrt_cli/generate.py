@@ -38,10 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--prompt", required=True, help="text to continue (echoed as given, then the continuation)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    parser.add_argument(
-        "--prefix-strategy", choices=PREFIX_STRATEGIES, default=None,
-        help="how prompts shorter than the JRT prefix are filled (default: the checkpoint's config)",
-    )
+    parser.add_argument("--prefix-strategy", choices=PREFIX_STRATEGIES, default=None,
+                        help="how prompts shorter than the JRT prefix are filled (default: the checkpoint's config)")
     parser.add_argument("--jrt-prompt", action="store_true", help="read the prompt twice (JRT-Prompt)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature > 0 (needs --do-sample)")
