@@ -23,36 +23,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("source", metavar="SRC", nargs="?", help="local folder / weights file, or a Hub repo id")
     parser.add_argument("destination", metavar="DST", nargs="?",
                         help="output folder (must not exist unless --overwrite)")
-    parser.add_argument(
-        "--example", metavar="DIR",
-        help="instead of converting: write a tiny random checkpoint in the released JRT-RNN format to DIR "
-        "(config.json + pytorch_model.bin, 14 MB, and a tokenizer that fits it in DIR/tokenizer), to try "
-        "`jrt convert DIR OUT --tokenizer DIR/tokenizer` offline",
-    )
+    parser.add_argument("--example", metavar="DIR",
+                        help="instead of converting: write a tiny random checkpoint in the released JRT-RNN format to "
+                             "DIR (config.json + pytorch_model.bin, 14 MB, and a tokenizer that fits it in "
+                             "DIR/tokenizer), to try `jrt convert DIR OUT --tokenizer DIR/tokenizer` offline")
     parser.add_argument("--family", default="auto", choices=["auto", *FAMILIES],
                         help="checkpoint family (default: detected from the config and the weights)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default float32)")
-    parser.add_argument(
-        "--tokenizer", metavar="PATH_OR_ID",
-        help="GPT-2 tokenizer to ship (folder or Hub id); default: GPT-2 from the local Hub cache if present",
-    )
-    parser.add_argument(
-        "--prefix-pad-masking", default="reference", choices=PREFIX_PAD_MASKINGS,
-        help="JRT prefix pads: 'reference' reproduces the published evaluation (pads keep a constant-term "
-        "contribution), 'strict' removes them entirely (default: reference)",
-    )
-    parser.add_argument(
-        "--prefix-pad-token-id", type=int, metavar="ID",
-        help="token that fills a short JRT prefix (default: the tokenizer's ' ', else GPT-2's ' ' = 220); needed for "
-        "a checkpoint whose vocabulary has 220 tokens or fewer",
-    )
+    parser.add_argument("--tokenizer", metavar="PATH_OR_ID",
+                        help="GPT-2 tokenizer to ship (folder or Hub id); default: GPT-2 from the local Hub cache if "
+                             "present")
+    parser.add_argument("--prefix-pad-masking", default="reference", choices=PREFIX_PAD_MASKINGS,
+                        help="JRT prefix pads: 'reference' reproduces the published evaluation (pads keep a "
+                             "constant-term contribution), 'strict' removes them entirely (default: reference)")
+    parser.add_argument("--prefix-pad-token-id", type=int, metavar="ID",
+                        help="token that fills a short JRT prefix (default: the tokenizer's ' ', else GPT-2's ' ' = "
+                             "220); needed for a checkpoint whose vocabulary has 220 tokens or fewer")
     parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                         help="safetensors shard size, e.g. 5GB, 500MB or 2GiB (default 5GB)")
-    parser.add_argument(
-        "--overwrite", action="store_true",
-        help="replace DST once the new folder is verified; only a folder an earlier `jrt convert` wrote, file for "
-        "file and unchanged (its jrt_convert_manifest.json), is ever replaced",
-    )
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace DST once the new folder is verified; only a folder an earlier `jrt convert` "
+                             "wrote, file for file and unchanged (its jrt_convert_manifest.json), is ever replaced")
     hub = parser.add_argument_group("upload")
     hub.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the converted folder to this Hub repo")
     hub.add_argument("--private", action="store_true", help="create the Hub repo as private")

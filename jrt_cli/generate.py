@@ -31,11 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Generate from a JRT-RNN / Based checkpoint (local folder or Hub id), streaming to stdout.",
     )
     parser.add_argument("--model", required=True, help="checkpoint folder or Hub repo id")
-    parser.add_argument(
-        "--tokenizer", metavar="PATH_OR_ID", default=None,
-        help="tokenizer folder or Hub id (default: the one saved with --model; a converted folder without one "
-        "needs e.g. --tokenizer gpt2)",
-    )
+    parser.add_argument("--tokenizer", metavar="PATH_OR_ID", default=None,
+                        help="tokenizer folder or Hub id (default: the one saved with --model; a converted folder "
+                             "without one needs e.g. --tokenizer gpt2)")
     parser.add_argument("--prompt", required=True, help="text to continue (echoed as given, then the continuation)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     parser.add_argument("--prefix-strategy", choices=PREFIX_STRATEGIES, default=None,
@@ -43,9 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--jrt-prompt", action="store_true", help="read the prompt twice (JRT-Prompt)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature > 0 (needs --do-sample)")
-    parser.add_argument(
-        "--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1] (needs --do-sample)"
-    )
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="nucleus sampling threshold in (0, 1] (needs --do-sample)")
     parser.add_argument("--seed", type=integer_type(0, MAX_SEED, "an integer in [0, 2**64 - 1]"), default=0,
                         help="random seed for sampling, 0 .. 2**64 - 1 (default 0)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")

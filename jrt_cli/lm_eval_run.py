@@ -54,10 +54,8 @@ FROM_PRETRAINED_OPTIONS: tuple[str, ...] = (
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "lm-eval",
-        add_help=False,
+        "lm-eval", add_help=False, description=__doc__,
         help="lm-evaluation-harness with the `jrt` model and the recall tasks (arguments: lm-eval's)",
-        description=__doc__,
     )
     parser.set_defaults(func=run, passthrough=True)
 

@@ -405,8 +405,7 @@ def detect_family(
             f"Based / JRT-RNN checkpoint has; supported families: {list(FAMILIES)}."
         )
     encoder_keys = [k for k in keys if k.endswith("mixer.proj_k_enc.weight")]
-    is_prefix = bool(encoder_keys) or "prefix" in arch.linear_attention_target.lower()
-    if is_prefix:
+    if encoder_keys or "prefix" in arch.linear_attention_target.lower():
         evidence = (
             f"prefix linear attention ({len(encoder_keys)} '*.mixer.proj_k_enc.weight' keys, "
             f"alt_mixer {arch.linear_attention_target!r})"
@@ -460,10 +459,8 @@ def translate_config(
     notes = list(arch.notes)
     token_ids = {}
     for name, value in (("bos_token_id", arch.bos_token_id), ("eos_token_id", arch.eos_token_id)):
-        if value < arch.padded_vocab_size:
-            token_ids[name] = value
-        else:
-            token_ids[name] = None
+        token_ids[name] = value if value < arch.padded_vocab_size else None
+        if token_ids[name] is None:
             notes.append(
                 f"config.json {name}={value} is outside the {arch.padded_vocab_size}-row vocabulary (a GPT2Config "
                 "default?): written as None"
