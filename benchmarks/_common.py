@@ -42,6 +42,14 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, device: str = "cpu") -> None:
     """The flags `build_models` and `model_configs` read: the shape of both models, their device and dtype."""
     parser.add_argument("--hidden-size", type=int, default=256)

@@ -1,26 +1,16 @@
 """Decode cost vs sequence length: JRT-RNN's recurrent cache against a same-size Llama with its KV cache.
 
 For each total length N (prompt + generated), both models (random weights, built from configs) prefill N - steps
-tokens, then decode `steps` tokens one at a time from the cache. Reported per length:
-
-    ms/token   median wall time of one single-token forward with the cache
-    cache MiB  bytes of every tensor held by the cache after the last step (the memory held per sequence)
-
-and the Llama / JRT ratios. JRT-RNN's columns stay flat in N (fixed-size linear-attention state, a sliding window
-of keys/values, a conv window); Llama's grow linearly.
-
-`--generate` times decoding the way users run it instead, through `generate()` (`generate_seconds_per_token`). Four
-columns per length: each model's default call (eager, as transformers keeps it) and its compiled path,
-`cache_implementation="static"` (transformers compiles the decode step by itself on a GPU: inductor and CUDA graphs;
-JRT-RNN's fixed-size cache is not sized by `max_cache_len`, Llama's static cache is). Off CUDA the compiled path is
-asked for explicitly (a compile config for every device) and compiles for a while on the first length.
+tokens, then decode `steps` tokens one at a time from the cache. Reported per length: the median wall time of one
+single-token forward with the cache (ms/token; on CUDA each step synchronised, the first steps warm-up), the bytes the
+cache holds after the last step (cache MiB), and the Llama / JRT ratios. JRT-RNN's columns stay flat in N, Llama's
+grow linearly. `--generate` times `generate()` instead, each model's default (eager) call and its compiled path
+(`generate_seconds_per_token`; docs/performance.md, "Decoding through `generate()`").
 
     OMP_NUM_THREADS=1 python benchmarks/decode.py            # N = 512 .. 8192, hidden 256, 8 layers
     OMP_NUM_THREADS=1 python benchmarks/decode.py --quick    # a few seconds
     python benchmarks/decode.py --device cuda --dtype bfloat16 --batch 16 --lengths 2048 8192 32768
     python benchmarks/decode.py --device cuda --dtype bfloat16 --batch 16 --lengths 2048 8192 32768 --generate
-
-On CUDA each step is timed to its end (`torch.cuda.synchronize`); the first steps after the prefill are warm-up.
 """
 
 from __future__ import annotations
@@ -56,9 +46,8 @@ WARMUP_STEPS = 3
 
 
 @torch.no_grad()
-def measure(
-    model: torch.nn.Module, length: int, steps: int, vocab_size: int, batch: int = 1, step_forward=None
-) -> tuple[float, int]:
+def measure(model: torch.nn.Module, length: int, steps: int, vocab_size: int, batch: int = 1, step_forward=None
+            ) -> tuple[float, int]:
     """(median seconds per decode step of `batch` rows, cache bytes) after prefilling `length - steps` tokens.
     `step_forward`: what runs each decode step (e.g. a compiled `model.forward`; the prefill stays eager)."""
     step_forward = step_forward or model
@@ -81,9 +70,8 @@ def measure(
 
 
 @torch.no_grad()
-def generate_seconds_per_token(
-    model: torch.nn.Module, length: int, steps: int, vocab_size: int, batch: int, static: bool
-) -> float:
+def generate_seconds_per_token(model: torch.nn.Module, length: int, steps: int, vocab_size: int, batch: int,
+                               static: bool) -> float:
     """Seconds per decoded token of `model.generate()` (greedy) from a `length - 2 * steps`-token prompt: the time of
     `2 * steps` new tokens less that of `steps` (the prefill and the first compile cancel out; the fastest of 3 runs
     of each). Where noise swamps the difference (a few steps on a loaded machine: not positive), the long call's
@@ -121,62 +109,44 @@ def main(argv: list[str] | None = None) -> None:
     add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per length")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-    parser.add_argument(
-        "--compile", action="store_true",
-        help="add a column: JRT-RNN's decode step under torch.compile(model.forward, fullgraph=True)",
-    )
-    parser.add_argument(
-        "--generate", action="store_true",
-        help="time generate() instead: each model's default (eager) call and its compiled path "
-             "(cache_implementation='static')",
-    )
+    parser.add_argument("--compile", action="store_true",
+                        help="add a column: JRT-RNN's decode step under torch.compile(model.forward, fullgraph=True)")
+    parser.add_argument("--generate", action="store_true", help="time generate() instead: each model's default "
+                        "(eager) call and its compiled path (cache_implementation='static')")
     parser.add_argument("--quick", action="store_true", help="small model, N = 512 and 1024, 4 steps")
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.hidden_size, args.layers, args.heads, args.steps = [512, 1024], 128, 4, 4, 4
 
     jrt, llama = build_models(args)
-    print(
-        f"hidden {args.hidden_size}, {args.layers} layers ({', '.join(jrt.config.mixer_types)}), {args.heads} heads, "
-        f"{args.dtype} on {args.device}, batch {args.batch}, torch threads {torch.get_num_threads()}, "
-        f"{args.steps} decode steps per length"
-    )
+    print(f"hidden {args.hidden_size}, {args.layers} layers ({', '.join(jrt.config.mixer_types)}), {args.heads} heads, "
+          f"{args.dtype} on {args.device}, batch {args.batch}, torch threads {torch.get_num_threads()}, "
+          f"{args.steps} decode steps per length")
     if args.generate:
-        header = (
-            f"{'N':>6} | {'JRT eager':>9} {'Llama eager':>11} {'JRT static':>10} {'Llama static':>12} (ms/token) | "
-            f"{'JRT eager / Llama eager':>23} {'JRT static / Llama eager':>24} {'JRT static / Llama static':>25} "
-            "(speed ratios)"
-        )
+        header = (f"{'N':>6} | {'JRT eager':>9} {'Llama eager':>11} {'JRT static':>10} {'Llama static':>12} "
+                  f"(ms/token) | {'JRT eager / Llama eager':>23} {'JRT static / Llama eager':>24} "
+                  f"{'JRT static / Llama static':>25} (speed ratios)")
         print(header)
         print("-" * len(header))
         for length in args.lengths:
-            times = {
-                (name, static): generate_seconds_per_token(model, length, args.steps, args.vocab_size, args.batch, static)
-                for static in (False, True) for name, model in (("jrt", jrt), ("llama", llama))
-            }
-            print(
-                f"{length:>6} | {times['jrt', False] * 1e3:>9.2f} {times['llama', False] * 1e3:>11.2f} "
-                f"{times['jrt', True] * 1e3:>10.2f} {times['llama', True] * 1e3:>12.2f}             | "
-                f"{times['llama', False] / times['jrt', False]:>23.2f} {times['llama', False] / times['jrt', True]:>24.2f} "
-                f"{times['llama', True] / times['jrt', True]:>25.2f}",
-                flush=True,
-            )
+            jrt_eager, llama_eager, jrt_static, llama_static = (
+                generate_seconds_per_token(model, length, args.steps, args.vocab_size, args.batch, static)
+                for static in (False, True) for model in (jrt, llama))
+            print(f"{length:>6} | {jrt_eager * 1e3:>9.2f} {llama_eager * 1e3:>11.2f} {jrt_static * 1e3:>10.2f} "
+                  f"{llama_static * 1e3:>12.2f}             | {llama_eager / jrt_eager:>23.2f} "
+                  f"{llama_eager / jrt_static:>24.2f} {llama_static / jrt_static:>25.2f}", flush=True)
         return
     compiled = torch.compile(jrt.forward, fullgraph=True) if args.compile else None
-    header = (
-        f"{'N':>6} | {'JRT ms/tok':>10} {'Llama ms/tok':>12} {'Llama/JRT':>9} | "
-        f"{'JRT cache MiB':>13} {'Llama cache MiB':>15} {'Llama/JRT':>9}"
-        + (f" | {'JRT compiled ms/tok':>19} {'Llama/compiled':>14}" if compiled else "")
-    )
+    header = (f"{'N':>6} | {'JRT ms/tok':>10} {'Llama ms/tok':>12} {'Llama/JRT':>9} | "
+              f"{'JRT cache MiB':>13} {'Llama cache MiB':>15} {'Llama/JRT':>9}"
+              + (f" | {'JRT compiled ms/tok':>19} {'Llama/compiled':>14}" if compiled else ""))
     print(header)
     print("-" * len(header))
     for length in args.lengths:
         jrt_time, jrt_bytes = measure(jrt, length, args.steps, args.vocab_size, args.batch)
         llama_time, llama_bytes = measure(llama, length, args.steps, args.vocab_size, args.batch)
-        line = (
-            f"{length:>6} | {jrt_time * 1e3:>10.2f} {llama_time * 1e3:>12.2f} {llama_time / jrt_time:>9.2f} | "
-            f"{jrt_bytes / 2**20:>13.2f} {llama_bytes / 2**20:>15.2f} {llama_bytes / jrt_bytes:>9.2f}"
-        )
+        line = (f"{length:>6} | {jrt_time * 1e3:>10.2f} {llama_time * 1e3:>12.2f} {llama_time / jrt_time:>9.2f} | "
+                f"{jrt_bytes / 2**20:>13.2f} {llama_bytes / 2**20:>15.2f} {llama_bytes / jrt_bytes:>9.2f}")
         if compiled:
             compiled_time, _ = measure(jrt, length, args.steps, args.vocab_size, args.batch, step_forward=compiled)
             line += f" | {compiled_time * 1e3:>19.2f} {llama_time / compiled_time:>14.2f}"

@@ -34,10 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM  # noqa: E402
 from modeling_jrt.linear_attention import (  # noqa: E402
-    fixed_log_decay,
-    linear_attention_step_at_slots,
-    num_taylor_features,
-)
+    fixed_log_decay, linear_attention_step_at_slots, num_taylor_features)
 
 # Based first: a run that its time limit cuts short has still checked it.
 MODEL_KINDS = {
@@ -151,11 +148,10 @@ def check_decode_graph(device: torch.device, implementation: str) -> dict:
         static = inputs()
         static_pool = pool.clone()
 
-        def step():
-            q, k, v, gate = static
-            return linear_attention_step_at_slots(
-                q, k, v, static_pool, slots, log_decay=log_decay, gate=gate, implementation=name
-            )
+        def step(tensors=static, state=static_pool):
+            q, k, v, gate = tensors
+            return linear_attention_step_at_slots(q, k, v, state, slots, log_decay=log_decay, gate=gate,
+                                                  implementation=name)
 
         if device.type == "cuda":
             stream = torch.cuda.Stream()
@@ -169,9 +165,7 @@ def check_decode_graph(device: torch.device, implementation: str) -> dict:
                 static_output = step()
         fresh = inputs()
         eager_pool = pool.clone()
-        eager_output = linear_attention_step_at_slots(
-            *fresh[:3], eager_pool, slots, log_decay=log_decay, gate=fresh[3], implementation=name
-        )
+        eager_output = step(fresh, eager_pool)
         static_pool.copy_(pool)
         for buffer, value in zip(static, fresh):
             buffer.copy_(value)
@@ -180,9 +174,8 @@ def check_decode_graph(device: torch.device, implementation: str) -> dict:
             torch.cuda.synchronize()
         else:
             static_output = step()
-        results[name] = max(
-            (static_output - eager_output).abs().max().item(), (static_pool - eager_pool).abs().max().item()
-        )
+        results[name] = max((static_output - eager_output).abs().max().item(),
+                            (static_pool - eager_pool).abs().max().item())
     return results
 
 
@@ -198,9 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     failures = []
     try:
         graph = check_decode_graph(device, args.impl)
-        print("decode step at slots, graph replay vs eager, max |diff|: " + ", ".join(
-            f"{name} {value:.2e}" for name, value in graph.items()
-        ), flush=True)
+        print("decode step at slots, graph replay vs eager, max |diff|: "
+              + ", ".join(f"{name} {value:.2e}" for name, value in graph.items()), flush=True)
         failures += [f"decode graph {name}" for name, value in graph.items() if not value <= 1e-5]
     except Exception as error:
         print(f"decode step at slots in a CUDA graph: failed: {type(error).__name__}: {error}")
@@ -214,10 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{kind:<12} | failed: {type(error).__name__}: {error}")
             failures.append(f"{kind}: {type(error).__name__}")
             continue
-        print(
-            f"{kind:<12} | {result['forward']:>11.2e} | {result['generate']:>22} | {result['backward']:>12.2e} | "
-            f"{result['bf16']:>9.2e} | {time.perf_counter() - start:.0f}", flush=True,
-        )
+        print(f"{kind:<12} | {result['forward']:>11.2e} | {result['generate']:>22} | {result['backward']:>12.2e} | "
+              f"{result['bf16']:>9.2e} | {time.perf_counter() - start:.0f}", flush=True)
         failures += [f"{kind} {name}" for name, bound in TOLERANCE.items() if not result[name] <= bound]
         failures += [] if result["generate_ok"] else [f"{kind} generate"]
         # A fallback would make the GPU side the chunked path, and the comparisons vacuous.

@@ -1,16 +1,8 @@
 """Ahead-of-time build report of the Triton kernels: registers, spills, shared memory and SASS loops, no GPU needed.
 
-Every kernel of `jrt_kernels` is compiled for sm_90 and sm_80 (one build per autotune config) from the exact
-arguments its launcher passes: the launcher runs on small CPU tensors with the paper's B, H, K and V (strides and
-constexprs are what the real call specialises on; T and M are not specialised), the launch is intercepted, and
-triton's own binder turns the arguments into the compile signature. Each case is built for every launch kind of
-`VARIANTS`, the forward also in its training build (rows marked "train"); the sequence-parallel prefill (`--kernel
-prefix_linear_attention_segments`, rows marked "segmented") for its registers, spills and loops only. Per build:
-`ptxas -v` registers, spill bytes and stack frame (spills make slow local-memory traffic); shared memory against the
-architecture's per-block limit; the SASS's top-level loops counted by instruction class (`sass_loops`); with
-`--spill-lines`, the spill traffic per source line (`spill_lines`); with `--live-in`, what each PTX loop holds from
-before it (`ptx_live_in`); and an issue estimate at the paper shape next to the tensor-core and memory floors
-(`estimates`).
+Each launcher of `jrt_kernels` runs on small CPU tensors at the paper's B, H, K, V; the launch is intercepted and
+compiled for sm_90 / sm_80 per autotune config and `VARIANTS` kind, from the exact arguments a GPU run would bind.
+What each row reports and how: docs/kernels.md, "Inspecting the builds without a GPU".
 
     python benchmarks/kernel_aot.py                          # every kernel, config, arch, dtype and variant
     python benchmarks/kernel_aot.py --arch 90 --dtype bf16   # a subset
@@ -27,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -95,6 +88,10 @@ class Launch:
     kwargs: dict
     grid: Callable | tuple
 
+    @property
+    def jit(self) -> JITFunction:
+        return self.kernel.fn if isinstance(self.kernel, Autotuner) else self.kernel
+
 
 def capture_launches(kernels: list[Autotuner | JITFunction], call: Callable[[], object]) -> list[Launch]:
     """Run `call` with the kernels' launches replaced by a recorder; return the launches in order."""
@@ -122,24 +119,16 @@ def configs_of(case: Case, launch: Launch, arch: int) -> list[triton.Config]:
     """The configs `arch` would autotune over (the case's own list per architecture, else the autotuner's), or the
     launch's own options for a plain jit kernel."""
     if case.configs is not None:
-        return case.configs(arch, kernel_name(launch), launch.kwargs)
+        return case.configs(arch, launch.jit.__name__, launch.kwargs)
     if isinstance(launch.kernel, Autotuner):
         return list(launch.kernel.configs)
     options = {name: launch.kwargs[name] for name in ("num_warps", "num_stages") if name in launch.kwargs}
     return [triton.Config({}, **options)]
 
 
-def _jit_function(launch: Launch) -> JITFunction:
-    return launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
-
-
-def kernel_name(launch: Launch) -> str:
-    return _jit_function(launch).__name__
-
-
 def compile_launch(launch: Launch, config: triton.Config, arch: int):
     """Compile one launch with one config for `arch` exactly as triton's JIT would; returns the CompiledKernel."""
-    fn = _jit_function(launch)
+    fn = launch.jit
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
@@ -147,10 +136,6 @@ def compile_launch(launch: Launch, config: triton.Config, arch: int):
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-
-
-def _nvidia_tool(name: str) -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
 def ptxas_report(ptx: str, arch: int) -> dict[str, int]:
@@ -165,17 +150,10 @@ def ptxas_report(ptx: str, arch: int) -> dict[str, int]:
         command = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu_name}", path,
                    "-o", path + ".o"]
         log = subprocess.run(command, check=True, capture_output=True, text=True).stderr
-
-    def number(pattern: str) -> int:
-        match = re.search(pattern, log)
-        return int(match.group(1)) if match else 0
-
-    return dict(
-        registers=number(r"Used (\d+) registers"),
-        spill_stores=number(r"(\d+) bytes spill stores"),
-        spill_loads=number(r"(\d+) bytes spill loads"),
-        stack=number(r"(\d+) bytes stack frame"),
-    )
+    fields = dict(registers=r"Used (\d+) registers", spill_stores=r"(\d+) bytes spill stores",
+                  spill_loads=r"(\d+) bytes spill loads", stack=r"(\d+) bytes stack frame")
+    matches = {key: re.search(pattern, log) for key, pattern in fields.items()}
+    return {key: int(match.group(1)) if match else 0 for key, match in matches.items()}
 
 
 # ------------------------------------------------------------------------------------------------------ SASS loops
@@ -208,10 +186,6 @@ def parse_sass(sass: str) -> list[tuple[int, str, str]]:
             instructions]
 
 
-def classify(opcode: str) -> str:
-    return OPCODE_CLASS.get(opcode, "int")
-
-
 def _top_level(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The (start, end) ranges not nested in another, in order."""
     return sorted({r for r in ranges if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in ranges)})
@@ -228,12 +202,12 @@ def sass_loops(sass: str) -> tuple[list[dict], dict[str, int]]:
     for address, opcode, target in instructions:
         if opcode == "BRA" and target and 0 <= int(target) < address:  # not the trailing `BRA self` trap
             ranges.append((int(target), address))
+    classes = [(address, OPCODE_CLASS.get(opcode, "int")) for address, opcode, _ in instructions]
     loops = []
     for start, end in _top_level(ranges):
-        mix = collections.Counter(classify(op) for address, op, _ in instructions if start <= address <= end)
+        mix = collections.Counter(name for address, name in classes if start <= address <= end)
         loops.append(dict(start=start, end=end, count=sum(mix.values()), mix=dict(mix)))
-    whole = collections.Counter(classify(op) for _, op, _ in instructions)
-    return loops, dict(whole)
+    return loops, dict(collections.Counter(name for _, name in classes))
 
 
 _LOCATION = re.compile(r'^\s*//## File "([^"]+)", line (\d+)')
@@ -287,9 +261,6 @@ _PTX_NO_DESTINATION = ("st.", "bra", "bar.", "barrier.", "ret", "exit", "fence",
                        "cp.async", "wgmma.fence", "wgmma.commit_group", "wgmma.wait_group", "stmatrix", "trap")
 
 
-LIVE_IN_KINDS = ("descriptors", "b64", "b32", "predicates")
-
-
 def _ptx_registers(values: set[str]) -> int:
     """The 32-bit registers a set of PTX values needs: 2 per 64-bit value, none for predicates (their own file)."""
     return sum(2 if r.startswith(("%rd", "%fd")) else 0 if r.startswith("%p") else 1 for r in values)
@@ -301,12 +272,8 @@ def _ptx_instruction(line: str) -> tuple[str, list[str], list[str]] | None:
     text = line.split("//", 1)[0].strip()
     if not text or text[0] in ".{}$" or text.endswith(":"):
         return None
-    if text.startswith("@"):  # a guard predicate is read, not written
-        guard, _, text = text.partition(" ")
-        text = text.strip()
-    else:
-        guard = ""
-    opcode, _, operands = text.partition(" ")
+    guard = text.split(" ", 1)[0] if text.startswith("@") else ""  # a guard predicate is read, not written
+    opcode, _, operands = text[len(guard):].strip().partition(" ")
     operands = operands.strip()
     referenced = _PTX_REGISTER.findall(guard + " " + operands)
     if opcode.startswith(_PTX_NO_DESTINATION):
@@ -318,15 +285,11 @@ def _ptx_instruction(line: str) -> tuple[str, list[str], list[str]] | None:
 def ptx_live_in(ptx: str) -> list[dict]:
     """What each top-level PTX loop reads from before it: the values defined before the loop and referenced in it.
 
-    A loop is a range from a label to a later branch back to it (top level: not inside another). Of the values
-    defined before the loop and referenced inside it, "carried" ones are written in the loop too (state,
-    accumulators, the induction variable); the others are loop-invariant: computed once before the loop (often
-    hoisted out of it by the compiler) and held for its whole length. The invariant ones are counted by kind:
-    "descriptors" (64-bit wgmma shared-memory matrix descriptors, one per operand tile and k-step), "b64" (other
-    64-bit values: pointers), "b32" (32-bit and smaller: addresses, operand registers, scalars) and "predicates"
-    (masks, held in the separate predicate file), with "registers" = the 32-bit registers those need
-    (2 per 64-bit value). Returns [{"start", "end" (PTX line numbers, 1-based), "invariant": {kind: count},
-    "registers", "carried", "carried_registers"}] in source order.
+    A loop runs from a label to a later branch back to it. Values the loop also writes are "carried" (state,
+    accumulators, the induction variable); the others are loop-invariant, held for the loop's whole length, and
+    counted by kind: "descriptors" (wgmma shared-memory matrix descriptors), "b64" (other 64-bit values), "b32"
+    and "predicates" (their own register file). Returns [{"start", "end" (PTX line numbers, 1-based), "invariant":
+    {kind: count}, "registers" (32-bit registers the invariant values need), "carried", "carried_registers"}].
     """
     lines = ptx.splitlines()
     labels = {}
@@ -344,20 +307,14 @@ def ptx_live_in(ptx: str) -> list[dict]:
     out = []
     for start, end in _top_level(ranges):
         before = {register for entry in parsed[: start - 1] if entry for register in entry[1]}
-        inside_written: set[str] = set()
-        inside_read: set[str] = set()
-        descriptor_operands: set[str] = set()
-        for entry in parsed[start - 1: end]:
-            if not entry:
-                continue
-            opcode, written, referenced = entry
-            inside_written.update(written)
-            inside_read.update(referenced)
-            if opcode.startswith("wgmma.mma_async"):
-                descriptor_operands.update(r for r in referenced if r.startswith("%rd"))
+        inside = [entry for entry in parsed[start - 1: end] if entry]
+        inside_written = {register for _, written, _ in inside for register in written}
+        inside_read = {register for _, _, referenced in inside for register in referenced}
+        descriptor_operands = {register for opcode, _, referenced in inside if opcode.startswith("wgmma.mma_async")
+                               for register in referenced if register.startswith("%rd")}
         live = before & (inside_read | inside_written)
         invariant = live - inside_written
-        kinds = collections.Counter()
+        kinds = dict.fromkeys(("descriptors", "b64", "b32", "predicates"), 0)
         for register in invariant:
             if register.startswith("%p"):
                 kinds["predicates"] += 1
@@ -368,9 +325,8 @@ def ptx_live_in(ptx: str) -> list[dict]:
             else:
                 kinds["b32"] += 1
         carried = live & inside_written
-        out.append(dict(start=start, end=end, invariant={kind: kinds[kind] for kind in LIVE_IN_KINDS},
-                        registers=_ptx_registers(invariant), carried=len(carried),
-                        carried_registers=_ptx_registers(carried)))
+        out.append(dict(start=start, end=end, invariant=kinds, registers=_ptx_registers(invariant),
+                        carried=len(carried), carried_registers=_ptx_registers(carried)))
     return out
 
 
@@ -451,6 +407,14 @@ def _backward_case() -> Case:
             return [decoder] if meta.get("ENCODER_STATE") else [encoder, decoder]
         return [decoder, encoder]
 
+    def configs(arch: int, kernel: str, kwargs: dict) -> list[triton.Config]:
+        # the configs_for_architecture entry the backward launcher takes for this launch of `kernel`
+        scan = "dkv" if "dq" not in kernel else "dq_recompute" if kwargs.get("RECOMPUTE") else "dq"
+        constexprs = (module.dq_constexprs if "dq" in kernel else module.dkv_constexprs)(arch // 10)
+        return [triton.Config({"BT": BT, **constexprs}, num_warps=warps, num_stages=1,
+                              **module.launch_options(arch // 10))
+                for BT, warps in module.configs_for_architecture(arch // 10)[scan]]
+
     return Case(
         name="prefix_linear_attention_bwd",
         kernels=lambda: [module._pla_bwd_dq_kernel, module._pla_bwd_dkv_kernel],
@@ -460,19 +424,8 @@ def _backward_case() -> Case:
         # dq (with the state rebuilt) + dk/dv: about 2 forwards
         flops=lambda T, M: 2 * pla_flops(T, M, PAPER["K"], PAPER["V"]),
         bytes=lambda T, M, size: 2 * pla_bytes(T, M, PAPER["K"], PAPER["V"], size),
-        configs=lambda arch, kernel, kwargs: [
-            triton.Config({"BT": BT, **(module.dq_constexprs if "dq" in kernel else module.dkv_constexprs)(arch // 10)},
-                          num_warps=warps, num_stages=1, **module.launch_options(arch // 10))
-            for BT, warps in module.configs_for_architecture(arch // 10)[_backward_scan(kernel, kwargs)]
-        ],
+        configs=configs,
     )
-
-
-def _backward_scan(kernel: str, kwargs: dict) -> str:
-    """The key of `configs_for_architecture` that the backward launcher takes for this launch of `kernel`."""
-    if "dq" not in kernel:
-        return "dkv"
-    return "dq_recompute" if kwargs.get("RECOMPUTE") else "dq"
 
 
 def _variant_inputs(variant: str, dtype: torch.dtype, B: int = PAPER["B"], T: int = 64, M: int = 32) -> tuple:
@@ -556,15 +509,15 @@ def all_cases() -> list[Case]:
 
 
 def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtype: str, variant: str,
-              spills_by_line: bool = False) -> dict:
-    """Compile one (launch, config, arch) and measure it; a build error becomes the row's `error`. With
-    `spills_by_line`, the row's "spill_lines" says which lines of the kernel's source spill (`spill_lines`)."""
+              spill_lines_kept: int = 0) -> dict:
+    """Compile one (launch, config, arch) and measure it; a build error becomes the row's `error`. The row's
+    "spill_lines" are the `spill_lines_kept` source lines of the kernel that spill most (`spill_lines`)."""
     meta = {**launch.kwargs, **config.kwargs}
     encoder = VARIANTS[variant]["encoder"]
     if launch.kwargs.get("MASK") == 1:  # the forward's launch for the rows whose key mask is one range
         variant = "range+state"
     row = dict(
-        kernel=kernel_name(launch), arch=arch, dtype=dtype, variant=variant,
+        kernel=launch.jit.__name__, arch=arch, dtype=dtype, variant=variant,
         config=" ".join(f"{key}={value}" for key, value in config.kwargs.items())
         + f" w{config.num_warps} s{config.num_stages}" + (f" r{config.maxnreg}" if config.maxnreg else ""),
         num_warps=config.num_warps, training=bool(launch.kwargs.get("SAVE_FOR_BACKWARD")),
@@ -582,12 +535,12 @@ def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtyp
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(compiled.asm["cubin"])
         handle.flush()
-        sass = subprocess.run([_nvidia_tool("nvdisasm"), "-c", "-gi", handle.name], check=True, capture_output=True,
-                              text=True).stdout
+        nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+        sass = subprocess.run([nvdisasm, "-c", "-gi", handle.name], check=True, capture_output=True, text=True).stdout
     loops, whole = sass_loops(sass)
     row["loops"] = loops
-    if spills_by_line:
-        row["spill_lines"] = spill_lines(sass, _jit_function(launch).fn.__code__.co_filename, loops)
+    if spill_lines_kept:
+        row["spill_lines"] = spill_lines(sass, launch.jit.fn.__code__.co_filename, loops)[:spill_lines_kept]
     row["live_in"] = ptx_live_in(compiled.asm["ptx"])
     row["total_instructions"] = sum(whole.values())
     row["compile_s"] = round(time.perf_counter() - started, 1)
@@ -597,12 +550,9 @@ def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtyp
 
 def estimates(case: Case, row: dict, meta: dict, arch: int, dtype: str, encoder: bool = True
               ) -> dict[int, dict[str, float]]:
-    """Issue-bound, tensor-core and memory floors (ms) at the paper shape for each N (M = N / 2, or 0 without an
-    encoder). A warp issues at most one instruction per cycle per scheduler (4 per SM): issue = (instructions outside
-    the loops + each loop's trip count x length) x num_warps x programs / (SMs x 4 x clock). It ignores latency and
-    tensor-core occupancy, so it is a lower bound for a kernel limited by issue; the tensor-core floor is FLOPs /
-    dense bf16 peak, the memory floor bytes / HBM bandwidth; the largest of the three is the best time the build can
-    reach."""
+    """Issue-bound time, tensor-core and memory floors (ms) at the paper shape for each N (M = N / 2, or 0 without an
+    encoder): issue = (instructions outside the loops + each loop's trip count x length) x num_warps x programs /
+    (SMs x 4 schedulers x clock), a lower bound (docs/kernels.md); floors = FLOPs / bf16 peak, bytes / bandwidth."""
     spec = ARCHS[arch]
     size = DTYPES[dtype].itemsize
     in_loops = sum(loop["count"] for loop in row["loops"])
@@ -644,8 +594,7 @@ def format_row(row: dict, show_live_in: bool = False) -> str:
                      f"loop-carried = {loop['carried_registers']} registers")
     if row.get("spill_lines"):
         text += "\n    spill st/ld B by source line: " + ", ".join(
-            f"{entry['line']} ({entry['region']}) {entry['stores']}/{entry['loads']}" for entry in row["spill_lines"]
-        )
+            f"{entry['line']} ({entry['region']}) {entry['stores']}/{entry['loads']}" for entry in row["spill_lines"])
     if row["estimates"] and 1 in row["estimates"]:  # a decode step
         step = row["estimates"][1]
         text += (f"\n    one decode step (B={PAPER['B']}, H={PAPER['H']}): issue-bound {step['issue_ms'] * 1e3:.3g} "
@@ -653,8 +602,7 @@ def format_row(row: dict, show_live_in: bool = False) -> str:
     elif row["estimates"]:
         last = row["estimates"][PAPER_LENGTHS[-1]]
         text += "\n    issue-bound ms at N=" + " ".join(
-            f"{T // 1024}k:{row['estimates'][T]['issue_ms']:.3g}" for T in PAPER_LENGTHS
-        )
+            f"{T // 1024}k:{row['estimates'][T]['issue_ms']:.3g}" for T in PAPER_LENGTHS)
         if "tensor_ms" in last:
             text += f" | N=32k floors: tensor {last['tensor_ms']:.3g} ms, memory {last['memory_ms']:.3g} ms"
     return text
@@ -689,18 +637,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for case in all_cases():
         if args.kernel and case.name not in args.kernel:
             continue
-        for dtype in args.dtype:
-            for variant in args.variant:
-                launches = capture_launches(case.kernels(), lambda: case.launch(DTYPES[dtype], variant))
-                for launch in launches:
-                    for arch in args.arch:
-                        for index, config in enumerate(configs_of(case, launch, arch)[: args.configs]):
-                            row = build_row(case, launch, config, arch, dtype, variant, args.spill_lines > 0)
-                            if "spill_lines" in row:
-                                row["spill_lines"] = row["spill_lines"][: args.spill_lines]
-                            row["default"] = index == 0
-                            print(format_row(row, args.live_in), flush=True)
-                            rows.append(row)
+        for dtype, variant in itertools.product(args.dtype, args.variant):
+            for launch in capture_launches(case.kernels(), lambda: case.launch(DTYPES[dtype], variant)):
+                for arch in args.arch:
+                    for index, config in enumerate(configs_of(case, launch, arch)[: args.configs]):
+                        row = build_row(case, launch, config, arch, dtype, variant, args.spill_lines)
+                        row["default"] = index == 0
+                        print(format_row(row, args.live_in), flush=True)
+                        rows.append(row)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=1, default=str)

@@ -77,18 +77,15 @@ def gpu_code_path(counter: DispatchCounter):
     host-side allocations are not counted), its eager decode step as the fused step's one, and each RMSNorm (without
     autograd) as the fused norm kernel's one."""
     budget = inference_chunking.INFERENCE_CHUNK_ELEMENTS
-    prefill, step, norm = jrt_modeling.prefix_linear_attention, jrt_modeling.linear_attention_step, \
-        jrt_modeling.fused_rms_norm
+    saved = {name: getattr(jrt_modeling, name)
+             for name in ("prefix_linear_attention", "linear_attention_step", "fused_rms_norm")}
 
-    def fused_prefill(*args, **kwargs):
-        counter.extra += 1
-        with counter.paused():
-            return prefill(*args, **kwargs)
-
-    def fused_step(*args, **kwargs):  # the eager decode step: one kernel launch (no slots: row b is state b)
-        counter.extra += 1
-        with counter.paused():
-            return step(*args, **kwargs)
+    def one_launch(fn):
+        def launch(*args, **kwargs):
+            counter.extra += 1
+            with counter.paused():
+                return fn(*args, **kwargs)
+        return launch
 
     def fused_norm(hidden_states, weight, eps, choice, out=None):  # the fused RMSNorm kernel: one launch
         if torch.is_grad_enabled():
@@ -100,14 +97,16 @@ def gpu_code_path(counter: DispatchCounter):
             return y if out is None else out.copy_(y)
 
     inference_chunking.INFERENCE_CHUNK_ELEMENTS = inference_chunking.ACCELERATOR_CHUNK_ELEMENTS
-    jrt_modeling.prefix_linear_attention, jrt_modeling.linear_attention_step = fused_prefill, fused_step
+    # the eager decode step takes no slots (row b is state b): the fused step's one launch
+    jrt_modeling.prefix_linear_attention = one_launch(saved["prefix_linear_attention"])
+    jrt_modeling.linear_attention_step = one_launch(saved["linear_attention_step"])
     jrt_modeling.fused_rms_norm = fused_norm
     try:
         yield
     finally:
         inference_chunking.INFERENCE_CHUNK_ELEMENTS = budget
-        jrt_modeling.prefix_linear_attention, jrt_modeling.linear_attention_step = prefill, step
-        jrt_modeling.fused_rms_norm = norm
+        for name, fn in saved.items():
+            setattr(jrt_modeling, name, fn)
 
 
 def count_launches(run, device: torch.device) -> int:
@@ -128,9 +127,8 @@ def count_launches(run, device: torch.device) -> int:
 
 
 @torch.no_grad()
-def measure(
-    model, vocab: int, batch: int, context: int, prefill: int, prefill_batch: int, device: torch.device
-) -> dict[str, int]:
+def measure(model, vocab: int, batch: int, context: int, prefill: int, prefill_batch: int, device: torch.device
+            ) -> dict[str, int]:
     """Launches of one decode step of `batch` rows after `context` tokens, and of a `prefill`-token prompt at batch 1
     and `prefill_batch`."""
     generator = torch.Generator().manual_seed(0)
@@ -140,7 +138,8 @@ def measure(
     counts = {"decode": count_launches(lambda: model(token, cache=cache, logits_to_keep=1), device)}
     for rows in (1, prefill_batch):
         long_prompt = torch.randint(0, vocab, (rows, prefill), generator=generator).to(device)
-        counts[f"prefill_b{rows}"] = count_launches(lambda: model(long_prompt, use_cache=True, logits_to_keep=1), device)
+        counts[f"prefill_b{rows}"] = count_launches(
+            lambda: model(long_prompt, use_cache=True, logits_to_keep=1), device)
     return counts
 
 
@@ -156,26 +155,21 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.quick:
         args.hidden_size, args.layers, args.heads, args.batch, args.context, args.prefill = 64, 4, 4, 2, 32, 256
-        args.prefill_batch = 2
-        args.sliding_window = 17
+        args.prefill_batch, args.sliding_window = 2, 17
     device = torch.device(args.device)
     jrt, llama = build_models(args)
     what = "CUDA kernels (torch.profiler)" if device.type == "cuda" else "dispatched ops on the GPU's code path"
-    print(
-        f"{what}; hidden {args.hidden_size}, {args.layers} layers ({', '.join(jrt.config.mixer_types)}), "
-        f"{args.dtype}, decode at batch {args.batch} after {args.context} tokens, prefill of {args.prefill} tokens"
-    )
-    results = {
-        name: measure(model, args.vocab_size, args.batch, args.context, args.prefill, args.prefill_batch, device)
-        for name, model in (("jrt", jrt), ("llama", llama))
-    }
+    print(f"{what}; hidden {args.hidden_size}, {args.layers} layers ({', '.join(jrt.config.mixer_types)}), "
+          f"{args.dtype}, decode at batch {args.batch} after {args.context} tokens, prefill of {args.prefill} tokens")
+    results = {name: measure(model, args.vocab_size, args.batch, args.context, args.prefill, args.prefill_batch, device)
+               for name, model in (("jrt", jrt), ("llama", llama))}
     print(f"{'':<22} {'JRT-RNN':>8} {'Llama':>8} {'JRT/Llama':>10}")
     for key, label in (("decode", f"decode step (B={args.batch})"), ("prefill_b1", "prefill (B=1)"),
                        (f"prefill_b{args.prefill_batch}", f"prefill (B={args.prefill_batch})")):
         jrt_count, llama_count = results["jrt"][key], results["llama"][key]
         print(f"{label:<22} {jrt_count:>8} {llama_count:>8} {jrt_count / llama_count:>10.2f}")
-    report = {"device": str(device), "dtype": args.dtype, "counts": results, "args": {
-        k: v for k, v in vars(args).items() if k != "json"}}
+    report = {"device": str(device), "dtype": args.dtype, "counts": results,
+              "args": {k: v for k, v in vars(args).items() if k != "json"}}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))
     return report

@@ -1,32 +1,24 @@
 """Whole-model prefill: JRT-RNN against a Llama of the same width and depth, N = 2k ... 64k tokens.
 
-Both models have random weights built from configs (hidden 256, 8 layers, 8 heads, SwiGLU 512 by default; JRT-RNN
-uses its default layer pattern `conv, linear_attention, sliding_attention, conv, conv, conv, linear_attention,
-sliding_attention`, window 129, prefix 1024). One prefill is one forward of a single sequence with a fresh cache and
-`logits_to_keep=1`, as `generate()` does it. Reported per length N:
-
-    ms          prefill time: on CPU the process CPU time (the machine may be shared), minimum of the repeats;
-                on CUDA the synchronised wall time
-    peak MiB    the peak memory the prefill adds on top of the loaded model: on CPU the peak RSS of the worker
-                process (VmHWM, reset before the timed runs), on CUDA `torch.cuda.max_memory_allocated`
-    Llama/JRT   time ratio;  x per 2N: growth from the previous (half) length, 2.0 is linear
-    compiled    optional (`--compile`): JRT-RNN under `torch.compile(model)`, warmed up at the same length
-
-On CPU every (model, N) point runs in a fresh process with `OMP_NUM_THREADS=--threads` (default 1), so one point's
-peak memory and allocator state never leak into the next. Llama runs while N <= --llama-max-length.
+Both models have random weights (`_common.model_configs`: hidden 256, 8 layers, 8 heads, SwiGLU 512; JRT-RNN's default
+layer pattern, window 129, prefix 1024). One prefill is one forward with a fresh cache and `logits_to_keep=1`, as
+`generate()` does it (docs/performance.md, "Whole-model prefill against Llama"). Per length N: the time (on CPU the
+process CPU time, minimum of the repeats; on CUDA the synchronised wall time), the peak memory the prefill adds to the
+loaded model (on CPU the worker's peak RSS, VmHWM reset before the timed runs; on CUDA
+`torch.cuda.max_memory_allocated`), the Llama / JRT ratio, the growth per doubling of N (2.0 is linear), and with
+`--compile` JRT-RNN under `torch.compile(model)`. On CPU every (model, N) point runs in a fresh process with `--threads`
+threads.
 
     OMP_NUM_THREADS=1 python benchmarks/model_prefill.py                        # N = 2k .. 64k (long: tens of minutes)
     OMP_NUM_THREADS=1 python benchmarks/model_prefill.py --lengths 2048 4096    # a few points
     python benchmarks/model_prefill.py --compile 8192 --json out.json           # compiled column at 8k, save JSON
     OMP_NUM_THREADS=1 python benchmarks/model_prefill.py --profile 16384        # where JRT-RNN's time goes at 16k
-
-`--profile N` prints instead the share of one JRT-RNN prefill's time per module type (`profile_point`; "other": the
-embedding, fill, LM head, the layers' glue and residual adds), in a fresh worker.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -61,22 +53,6 @@ def build_model(name: str, args: argparse.Namespace) -> torch.nn.Module:
     return model.to(args.device, getattr(torch, args.dtype)).eval()
 
 
-def current_rss() -> int:
-    """Resident set size of this process in bytes."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS counter (VmHWM) of this process; False where Linux does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
 @torch.no_grad()
 def prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
     model(input_ids, use_cache=True, logits_to_keep=1)  # a fresh cache of the model's own kind
@@ -100,8 +76,10 @@ def measure_point(name: str, length: int, args: argparse.Namespace, *, compiled:
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
     else:
-        reset_peak_rss()
-        baseline = current_rss()
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # resets this process's peak RSS (VmHWM), where Linux allows it
+        with open("/proc/self/statm") as statm:  # the resident set size now
+            baseline = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     clock = time.perf_counter if device.type == "cuda" else time.process_time
     timings = [timed(lambda: prefill(model, input_ids), device, clock) for _ in range(repeats)]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
@@ -109,11 +87,8 @@ def measure_point(name: str, length: int, args: argparse.Namespace, *, compiled:
 
 
 PROFILED = {  # module type -> profile row
-    "JRTRNNLinearAttention": "linear attention",
-    "JRTRNNSlidingWindowAttention": "sliding window",
-    "JRTRNNMLP": "MLP",
-    "JRTRNNShortConv": "short conv",
-    "JRTRNNRMSNorm": "RMSNorm",
+    "JRTRNNLinearAttention": "linear attention", "JRTRNNSlidingWindowAttention": "sliding window", "JRTRNNMLP": "MLP",
+    "JRTRNNShortConv": "short conv", "JRTRNNRMSNorm": "RMSNorm",
 }
 
 
@@ -182,15 +157,12 @@ def print_profile(result: dict) -> None:
         print(f"| {name} | {ms:.0f} | {100 * ms / total:.1f}% |")
 
 
-FORWARDED = (
-    "hidden_size", "layers", "heads", "vocab_size", "sliding_window", "prefix_length", "repeats", "device", "dtype",
-    "batch",
-)
+FORWARDED = ("hidden_size", "layers", "heads", "vocab_size", "sliding_window", "prefix_length", "repeats", "device",
+             "dtype", "batch")
 
 
-def run_point(
-    name: str, length: int, args: argparse.Namespace, *, compiled: bool = False, profile: bool = False
-) -> dict | str:
+def run_point(name: str, length: int, args: argparse.Namespace, *, compiled: bool = False, profile: bool = False
+              ) -> dict | str:
     """One measurement (or `profile_point` with `profile`); on CPU in a fresh worker process. Returns the
     measurement or a short failure reason."""
     if args.device != "cpu":
@@ -227,10 +199,8 @@ def cell(value: dict | str | None, key: str, fmt: str = ".0f") -> str:
 
 def print_table(lengths: list[int], results: dict[str, list], compiled: bool) -> None:
     jrt, llama = results["jrt"], results["llama"]
-    header = (
-        "| N | JRT ms | Llama ms | Llama/JRT | JRT x per 2N | Llama x per 2N "
-        "| JRT peak MiB | Llama peak MiB | JRT mem x per 2N | Llama mem x per 2N |"
-    )
+    header = ("| N | JRT ms | Llama ms | Llama/JRT | JRT x per 2N | Llama x per 2N "
+              "| JRT peak MiB | Llama peak MiB | JRT mem x per 2N | Llama mem x per 2N |")
     if compiled:
         header += " JRT compiled ms | eager/compiled |"
     print(header)
@@ -256,20 +226,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768, 65536])
     parser.add_argument("--llama-max-length", type=int, default=32768, help="longest N Llama runs at")
-    parser.add_argument(
-        "--compile", type=int, nargs="*", metavar="N",
-        help="add a torch.compile column for JRT-RNN at these lengths (all of --lengths when none are given)",
-    )
+    parser.add_argument("--compile", type=int, nargs="*", metavar="N", help="add a torch.compile column for JRT-RNN "
+                        "at these lengths (all of --lengths when none are given)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each CPU worker")
     parser.add_argument("--repeats", type=int, default=3, help="timed prefills per point up to 8k (1 beyond)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per CPU point")
     parser.add_argument("--batch", type=int, default=1, help="prompts prefilled together")
     add_model_arguments(parser, device="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--prefix-length", type=int, default=1024)
-    parser.add_argument(
-        "--profile", type=int, metavar="N",
-        help="instead of the table: the share of JRT-RNN's process CPU time per module type in a prefill of N tokens",
-    )
+    parser.add_argument("--profile", type=int, metavar="N", help="instead of the table: the share of JRT-RNN's "
+                        "process CPU time per module type in a prefill of N tokens")
     parser.add_argument("--json", type=Path, help="also write every measurement to this file")
     parser.add_argument("--worker", choices=("jrt", "llama"), help=argparse.SUPPRESS)
     parser.add_argument("--worker-compiled", action="store_true", help=argparse.SUPPRESS)
@@ -281,10 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:  # one point, in this (fresh) process: print its JSON line
         torch.set_num_threads(args.threads)
-        if args.worker_profile:
-            print(json.dumps(profile_point(args.lengths[0], args)))
-            return
-        print(json.dumps(measure_point(args.worker, args.lengths[0], args, compiled=args.worker_compiled)))
+        point = (profile_point(args.lengths[0], args) if args.worker_profile
+                 else measure_point(args.worker, args.lengths[0], args, compiled=args.worker_compiled))
+        print(json.dumps(point))
         return
     environment = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),

