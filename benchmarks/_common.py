@@ -29,6 +29,18 @@ def timed(fn: Callable[[], object], device: torch.device, clock: Callable[[], fl
     return clock() - start
 
 
+def training_step(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs) -> Callable[[], None]:
+    """One training step as `Trainer` runs it: forward with labels (`kwargs` too), backward, AdamW, zero_grad."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        model(input_ids, labels=input_ids, **kwargs).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 def peak_rss() -> int:
     """Peak resident set size of this process in bytes: VmHWM, its own high-water mark (ru_maxrss, the fallback
     without /proc, is carried across exec on Linux: it would report the parent's RSS at fork time when larger)."""
@@ -68,10 +80,9 @@ def model_configs(args: argparse.Namespace, *, token_id: int | None = 0, jrt: di
 
     from modeling_jrt import JRTRNNConfig
 
-    shape = dict(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, bos_token_id=token_id, eos_token_id=token_id,
-    )
+    shape = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+                 num_hidden_layers=args.layers, num_attention_heads=args.heads, bos_token_id=token_id,
+                 eos_token_id=token_id)
     return (JRTRNNConfig(**shape, sliding_window=args.sliding_window, **jrt),
             LlamaConfig(**shape, num_key_value_heads=args.heads, **llama))
 

@@ -127,14 +127,12 @@ def reference_state_dict(config: dict, preset: dict, *, seed: int = 0) -> dict[s
     return sd
 
 
-def build_checkpoint(
-    folder: Path, name: str, *, layers: int | None, hidden: int | None, vocab: int, legacy: bool = False
-) -> Path:
+def build_checkpoint(folder: Path, name: str, *, layers: int | None, hidden: int | None, vocab: int,
+                     legacy: bool = False) -> Path:
     preset = dict(PRESETS[name])
     if layers is not None:  # a smaller model with the same layer pattern (tests)
-        preset.update(
-            layers=layers, la=[i for i in preset["la"] if i < layers], swa=[i for i in preset["swa"] if i < layers]
-        )
+        preset.update(layers=layers, la=[i for i in preset["la"] if i < layers],
+                      swa=[i for i in preset["swa"] if i < layers])
     if hidden is not None:
         preset.update(hidden=hidden, mlp=256 * math.ceil(2 * hidden / 256))  # GatedMlp rounds up to 256
     source = folder / name
@@ -167,10 +165,8 @@ def run_conversion(source: Path, destination: Path, *, dtype: str) -> dict:
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
     pad = "default" if vocab > 220 else "0"  # GPT-2's " " (220) does not fit a tiny vocabulary
-    process = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(source), str(destination), dtype, pad],
-        env=env, capture_output=True, text=True,
-    )
+    process = subprocess.run([sys.executable, "-c", _CHILD, str(source), str(destination), dtype, pad], env=env,
+                             capture_output=True, text=True)
     if process.returncode != 0:
         raise RuntimeError(f"the conversion failed:\n{process.stderr[-3000:]}")
     return json.loads(process.stdout.strip().splitlines()[-1])
@@ -191,9 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(dir=args.workdir) as folder:
         folder = Path(folder)
         start = time.perf_counter()
-        source = build_checkpoint(
-            folder, args.checkpoint, layers=args.layers, hidden=args.hidden, vocab=args.vocab, legacy=args.legacy
-        )
+        source = build_checkpoint(folder, args.checkpoint, layers=args.layers, hidden=args.hidden, vocab=args.vocab,
+                                  legacy=args.legacy)
         built = time.perf_counter() - start
         checkpoint_bytes = (source / "pytorch_model.bin").stat().st_size
         measured = run_conversion(source, folder / "out", dtype=args.dtype)

@@ -65,8 +65,7 @@ def measure(model: torch.nn.Module, length: int, steps: int, vocab_size: int, ba
         logits = step_forward(token, cache=cache).logits
         synchronize(device)
         timings.append(time.perf_counter() - start)
-    timings = timings[-steps:]
-    return statistics.median(timings), cache_bytes(cache)
+    return statistics.median(timings[-steps:]), cache_bytes(cache)
 
 
 @torch.no_grad()

@@ -96,10 +96,8 @@ class Launch:
 def capture_launches(kernels: list[Autotuner | JITFunction], call: Callable[[], object]) -> list[Launch]:
     """Run `call` with the kernels' launches replaced by a recorder; return the launches in order."""
     launches: list[Launch] = []
-    saved = []
+    saved = [(kernel, kernel.__dict__.get("run")) for kernel in kernels]
     for kernel in kernels:
-        saved.append((kernel, kernel.__dict__.get("run")))
-
         def record(*args, grid, warmup=False, _kernel=kernel, **kwargs):
             launches.append(Launch(_kernel, args, kwargs, grid))
 
@@ -163,8 +161,8 @@ _LABEL = re.compile(r"^(\.L_x_\d+):")
 _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
 
-def parse_sass(sass: str) -> list[tuple[int, str, str]]:
-    """nvdisasm text -> [(address, opcode, branch target label or "")], labels resolved to addresses later."""
+def parse_sass(sass: str) -> list[tuple[int, str, int | None]]:
+    """nvdisasm text -> [(address, opcode, branch target's address (-1: not found) or None)]."""
     instructions = []
     labels: dict[str, int] = {}
     pending: list[str] = []
@@ -177,13 +175,11 @@ def parse_sass(sass: str) -> list[tuple[int, str, str]]:
         if not match:
             continue
         address = int(match.group(1), 16)
-        for name in pending:
-            labels[name] = address
+        labels.update(dict.fromkeys(pending, address))
         pending = []
         target = _TARGET.search(match.group(4))
         instructions.append((address, match.group(2), target.group(1) if target else ""))
-    return [(address, opcode, str(labels.get(target, -1)) if target else "") for address, opcode, target in
-            instructions]
+    return [(address, opcode, labels.get(target, -1) if target else None) for address, opcode, target in instructions]
 
 
 def _top_level(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -198,10 +194,9 @@ def sass_loops(sass: str) -> tuple[list[dict], dict[str, int]]:
     maps an instruction class to its count.
     """
     instructions = parse_sass(sass)
-    ranges = []
-    for address, opcode, target in instructions:
-        if opcode == "BRA" and target and 0 <= int(target) < address:  # not the trailing `BRA self` trap
-            ranges.append((int(target), address))
+    # a backward branch closes a loop (`target < address`: not the trailing `BRA self` trap)
+    ranges = [(target, address) for address, opcode, target in instructions
+              if opcode == "BRA" and target is not None and 0 <= target < address]
     classes = [(address, OPCODE_CLASS.get(opcode, "int")) for address, opcode, _ in instructions]
     loops = []
     for start, end in _top_level(ranges):
@@ -218,11 +213,10 @@ _LOCAL_BYTES = {".64": 8, ".128": 16, ".U8": 1, ".S8": 1, ".U16": 2, ".S16": 2}
 def spill_lines(sass: str, source_file: str, loops: list[dict]) -> list[dict]:
     """Local-memory traffic (the spills) per line of `source_file` and region, from nvdisasm's `-gi` line info.
 
-    Each STL / LDL is attributed to the last line of `source_file` among the location comments before it (for code
-    inlined from a helper in another file, its call site in the kernel's body), and to its region: "before" the
-    first loop, "loop i" (`sass_loops`' top-level loops), "between" or "after" them. Returns [{"line", "region",
-    "stores", "loads"}] in bytes (from the access width), largest total first. A value stored before a loop and
-    loaded inside it is loop-invariant work the compiler hoisted and could not keep in registers.
+    Each STL / LDL counts at the last line of `source_file` named before it (code inlined from a helper in another
+    file: its call site) and in its region: "before" the first loop, "loop i" (`sass_loops`' loops), "between" or
+    "after" them. Returns [{"line", "region", "stores", "loads"}] in bytes, largest total first. A value stored before
+    a loop and loaded inside it is loop-invariant work the compiler hoisted and could not keep in registers.
     """
     line = 0
     traffic: dict[tuple[int, str], list[int]] = collections.defaultdict(lambda: [0, 0])
@@ -337,12 +331,10 @@ def ptx_live_in(ptx: str) -> list[dict]:
 class Case:
     """A kernel launch to build: how to trigger it, and its per-program loop trip counts and grid at a shape.
 
-    `launch(dtype, variant)` runs the launcher with the inputs of a `VARIANTS` kind. `trips(kernel, meta, T, M)`
-    gives the trip count of each top-level loop of the named kernel in source order; `programs(meta, B, H, T, M)`
-    the number of programs. `flops(T, M)` / `bytes(T, M, element_size)` per (batch, head) give the floors of the
-    whole case (all its launches). `configs(arch, kernel, kwargs)`, when given, is the list a GPU of that
-    architecture autotunes over or launches the named kernel with (default first; the launch's kwargs say which form
-    of a scan it is); otherwise the autotuner's own list, or a plain launch's own options.
+    `launch(dtype, variant)` runs the launcher on a `VARIANTS` kind's inputs; `trips(kernel, meta, T, M)` gives the
+    trip count of each top-level loop of the named kernel, `programs(meta, B, H, T, M)` the grid size, and
+    `flops(T, M)` / `bytes(T, M, element_size)` the floors of all the case's launches per (batch, head).
+    `configs(arch, kernel, kwargs)` lists what that architecture autotunes over or launches with, default first.
     """
 
     name: str
@@ -479,10 +471,8 @@ def _decode_case() -> Case:
 
 
 def _segments_case() -> Case:
-    """The sequence-parallel prefill (inference): `_segment_states_kernel` (each segment's keys, the encoder by
-    slices) and the forward kernel's SEGMENTED build, launched on T = 128 in segments of 64 tokens. Built for the
-    registers, spills and loops only: it runs where B x H leaves SMs idle (one sequence), not at the paper's B = 16,
-    so no issue estimate is made at the paper shape."""
+    """The sequence-parallel prefill (inference): `_segment_states_kernel` and the forward kernel's SEGMENTED build,
+    on T = 128 in segments of 64 tokens. No issue estimate: it runs for one sequence, not at the paper's B = 16."""
     from jrt_kernels import prefix_linear_attention as module
 
     def launch(dtype: torch.dtype, variant: str) -> None:
@@ -491,10 +481,8 @@ def _segments_case() -> Case:
 
     return Case(
         name="prefix_linear_attention_segments",
-        kernels=lambda: [
-            module._kernel_for(torch.device("cpu"), PAPER["V"], module._segment_states_kernel),
-            module._kernel_for(torch.device("cpu"), PAPER["V"]),
-        ],
+        kernels=lambda: [module._kernel_for(torch.device("cpu"), PAPER["V"], module._segment_states_kernel),
+                         module._kernel_for(torch.device("cpu"), PAPER["V"])],
         launch=launch,
         configs=lambda arch, kernel, kwargs: module.configs_for_architecture(arch // 10),
         estimated=False,
@@ -516,13 +504,11 @@ def build_row(case: Case, launch: Launch, config: triton.Config, arch: int, dtyp
     encoder = VARIANTS[variant]["encoder"]
     if launch.kwargs.get("MASK") == 1:  # the forward's launch for the rows whose key mask is one range
         variant = "range+state"
-    row = dict(
-        kernel=launch.jit.__name__, arch=arch, dtype=dtype, variant=variant,
-        config=" ".join(f"{key}={value}" for key, value in config.kwargs.items())
-        + f" w{config.num_warps} s{config.num_stages}" + (f" r{config.maxnreg}" if config.maxnreg else ""),
-        num_warps=config.num_warps, training=bool(launch.kwargs.get("SAVE_FOR_BACKWARD")),
-        segmented=bool(launch.kwargs.get("SEGMENTED")),
-    )
+    options = f" w{config.num_warps} s{config.num_stages}" + (f" r{config.maxnreg}" if config.maxnreg else "")
+    row = dict(kernel=launch.jit.__name__, arch=arch, dtype=dtype, variant=variant,
+               config=" ".join(f"{key}={value}" for key, value in config.kwargs.items()) + options,
+               num_warps=config.num_warps, training=bool(launch.kwargs.get("SAVE_FOR_BACKWARD")),
+               segmented=bool(launch.kwargs.get("SEGMENTED")))
     started = time.perf_counter()
     try:
         compiled = compile_launch(launch, config, arch)

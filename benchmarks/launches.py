@@ -1,19 +1,15 @@
 """Kernel launches of a decode step and of a prefill, JRT-RNN against a same-size Llama, side by side.
 
 An eager decode step on a GPU is bound by its kernel launches (a few microseconds of host time each, for kernels that
-run for less), and so is a short prefill. This script counts them for both models on the same inputs:
-
-    on CUDA   the kernels `torch.profiler` records (every CUDA kernel, the Triton ones included);
-    on CPU    the operators the dispatcher runs (`DispatchCounter`) on the code path a GPU runs (`gpu_code_path`: the
-              fused kernels' launches counted as one each, not as the ops of the CPU's PyTorch paths).
+run for less), and so is a short prefill. On CUDA this counts the kernels `torch.profiler` records (the Triton ones
+included); on CPU the operators the dispatcher runs (`DispatchCounter`) on the code path a GPU runs (`gpu_code_path`).
+The decode step is the one `generate()` runs by default (eager, no attention mask: the cache keeps the padding flags),
+from a cache that read `--context` tokens; the JRT-RNN / Llama ratio is what the issue's goal (at most 0.7 for a
+decode step, 1.5 for a prefill) is measured against.
 
     OMP_NUM_THREADS=1 python benchmarks/launches.py      # hidden 256, 8 layers; decode B=16, prefill 4096 at B=1, 8
     OMP_NUM_THREADS=1 python benchmarks/launches.py --quick      # seconds
     python benchmarks/launches.py --device cuda --dtype bfloat16
-
-The decode step is the one `generate()` runs by default (eager, no attention mask: the cache keeps the padding flags),
-from a cache that read `--context` tokens; the ratio JRT-RNN / Llama is what the issue's goal (at most 0.7 for a decode
-step, 1.5 for a prefill) is measured against.
 """
 
 from __future__ import annotations

@@ -44,10 +44,8 @@ def build_model(name: str, args: argparse.Namespace) -> torch.nn.Module:
     """`"jrt"` or `"llama"`, random weights (seed 0), eval mode, on `args.device`."""
     if name not in ("jrt", "llama"):
         raise ValueError(f"unknown model {name!r}; expected 'jrt' or 'llama'")
-    jrt, llama = model_configs(
-        args, jrt=dict(prefix_length=args.prefix_length, prefix_pad_token_id=0),
-        llama=dict(max_position_embeddings=1 << 17),
-    )
+    jrt, llama = model_configs(args, jrt=dict(prefix_length=args.prefix_length, prefix_pad_token_id=0),
+                               llama=dict(max_position_embeddings=1 << 17))
     torch.manual_seed(0)
     model = JRTRNNForCausalLM(jrt) if name == "jrt" else LlamaForCausalLM(llama)
     return model.to(args.device, getattr(torch, args.dtype)).eval()
@@ -71,7 +69,6 @@ def measure_point(name: str, length: int, args: argparse.Namespace, *, compiled:
     # graph) and on CUDA, where the Triton prefill autotunes (and compiles) per power-of-two bucket of the length.
     prefill(model, input_ids if compiled or device.type == "cuda" else input_ids[:, :WARMUP_LENGTH])
     synchronize(device)
-    repeats = args.repeats if length <= 8192 else 1
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
@@ -81,6 +78,7 @@ def measure_point(name: str, length: int, args: argparse.Namespace, *, compiled:
         with open("/proc/self/statm") as statm:  # the resident set size now
             baseline = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     clock = time.perf_counter if device.type == "cuda" else time.process_time
+    repeats = args.repeats if length <= 8192 else 1
     timings = [timed(lambda: prefill(model, input_ids), device, clock) for _ in range(repeats)]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
     return {"ms": min(timings) * 1e3, "peak_mib": max(peak - baseline, 0) / 2**20}
@@ -110,10 +108,8 @@ def profile_point(length: int, args: argparse.Namespace) -> dict:
     started: list[list[float]] = []  # [start, time of the profiled calls inside] per open call
 
     def clock() -> float:
-        if device.type == "cpu":
-            return time.process_time()
         synchronize(device)
-        return time.perf_counter()
+        return time.process_time() if device.type == "cpu" else time.perf_counter()
 
     def before(module, inputs):
         started.append([clock(), 0.0])
@@ -125,25 +121,19 @@ def profile_point(length: int, args: argparse.Namespace) -> dict:
         if started:
             started[-1][1] += elapsed
 
-    handles = []
-    for module in model.modules():
-        if type(module).__name__ in PROFILED:
-            handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+    handles = [handle for module in model.modules() if type(module).__name__ in PROFILED
+               for handle in (module.register_forward_pre_hook(before), module.register_forward_hook(after))]
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    start = clock()
-    prefill(model, input_ids)
-    total = clock() - start
+    total = timed(lambda: prefill(model, input_ids), device, clock)
     end_usage = resource.getrusage(resource.RUSAGE_SELF)
     for handle in handles:
         handle.remove()
     shares = {name: seconds * 1e3 for name, seconds in totals.items()}
     shares["other"] = max(total * 1e3 - sum(shares.values()), 0.0)
-    return {
-        "length": length, "device": device.type, "total_ms": total * 1e3, "ms": shares,
-        "user_ms": (end_usage.ru_utime - usage.ru_utime) * 1e3,
-        "system_ms": (end_usage.ru_stime - usage.ru_stime) * 1e3,
-        "minor_faults": end_usage.ru_minflt - usage.ru_minflt,
-    }
+    return {"length": length, "device": device.type, "total_ms": total * 1e3, "ms": shares,
+            "user_ms": (end_usage.ru_utime - usage.ru_utime) * 1e3,
+            "system_ms": (end_usage.ru_stime - usage.ru_stime) * 1e3,
+            "minor_faults": end_usage.ru_minflt - usage.ru_minflt}
 
 
 def print_profile(result: dict) -> None:
@@ -181,14 +171,16 @@ def run_point(name: str, length: int, args: argparse.Namespace, *, compiled: boo
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def ratio(numerator: dict | str | None, denominator: dict | str | None, key: str, suffix: str = "") -> str:
+    """numerator[key] / denominator[key] of two measurements, or "-" (a failed or skipped point, or a 0 below)."""
+    both = isinstance(numerator, dict) and isinstance(denominator, dict)
+    return f"{numerator[key] / denominator[key]:.2f}{suffix}" if both and denominator[key] else "-"
+
+
 def growth(values: list, index: int, key: str) -> str:
-    """`x per 2N` cell: the ratio to the previous length when that one is exactly half ("-" when that one is 0, e.g.
-    a peak memory too small to move the RSS)."""
-    if index == 0 or not isinstance(values[index], dict) or not isinstance(values[index - 1], dict):
-        return "-"
-    if not values[index - 1][key]:
-        return "-"
-    return f"{values[index][key] / values[index - 1][key]:.2f}"
+    """`x per 2N` cell: the ratio to the previous length ("-" when that one is 0, e.g. a peak memory too small to move
+    the RSS)."""
+    return ratio(values[index], values[index - 1], key) if index else "-"
 
 
 def cell(value: dict | str | None, key: str, fmt: str = ".0f") -> str:
@@ -206,19 +198,12 @@ def print_table(lengths: list[int], results: dict[str, list], compiled: bool) ->
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for i, length in enumerate(lengths):
-        ratio = "-"
-        if isinstance(jrt[i], dict) and isinstance(llama[i], dict):
-            ratio = f"{llama[i]['ms'] / jrt[i]['ms']:.2f}x"
-        row = (
-            f"| {length} | {cell(jrt[i], 'ms')} | {cell(llama[i], 'ms')} | {ratio} | {growth(jrt, i, 'ms')} "
-            f"| {growth(llama, i, 'ms')} | {cell(jrt[i], 'peak_mib')} | {cell(llama[i], 'peak_mib')} "
-            f"| {growth(jrt, i, 'peak_mib')} | {growth(llama, i, 'peak_mib')} |"
-        )
+        row = (f"| {length} | {cell(jrt[i], 'ms')} | {cell(llama[i], 'ms')} | {ratio(llama[i], jrt[i], 'ms', 'x')} "
+               f"| {growth(jrt, i, 'ms')} | {growth(llama, i, 'ms')} | {cell(jrt[i], 'peak_mib')} "
+               f"| {cell(llama[i], 'peak_mib')} | {growth(jrt, i, 'peak_mib')} | {growth(llama, i, 'peak_mib')} |")
         if compiled:
             fast = results["jrt_compiled"][i]
-            both = isinstance(fast, dict) and isinstance(jrt[i], dict)
-            speedup = f"{jrt[i]['ms'] / fast['ms']:.2f}x" if both else "-"
-            row += f" {cell(fast, 'ms')} | {speedup} |"
+            row += f" {cell(fast, 'ms')} | {ratio(jrt[i], fast, 'ms', 'x')} |"
         print(row, flush=True)
 
 
@@ -253,8 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     environment = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
-        "threads": args.threads if args.device == "cpu" else None,
-        "torch": torch.__version__,
+        "threads": args.threads if args.device == "cpu" else None, "torch": torch.__version__,
         "transformers": transformers.__version__,
         "model": f"hidden {args.hidden_size}, {args.layers} layers, {args.heads} heads, window {args.sliding_window}, "
         f"prefix {args.prefix_length}, {args.dtype}, batch {args.batch}, logits_to_keep=1",

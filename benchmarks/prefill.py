@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import pla_bytes, pla_flops, timed, triton_version  # noqa: E402
+from _common import pla_bytes, pla_flops, timed, training_step, triton_version  # noqa: E402
 
 from modeling_jrt.linear_attention import (  # noqa: E402
     prefix_linear_attention_chunked, prefix_linear_attention_quadratic)
@@ -55,12 +55,10 @@ def sdpa_flops(T: int, D: int) -> float:
 
 def time_methods(methods: dict[str, Callable[[], object]], device: torch.device, args: argparse.Namespace
                  ) -> dict[str, float | str]:
-    """Time each method in ms: `warmup` untimed calls each, then `repeats` rounds calling every method once.
-
-    Rounds interleave the methods so that a change of machine load hits them alike. On CUDA each call is
-    synchronised and timed on the wall clock. On a CPU with one thread the clock is the process CPU time: on a
-    shared machine it excludes the time spent waiting for a core. A method that fails gets its error message.
-    """
+    """Time each method in ms: `warmup` untimed calls each, then `repeats` rounds calling every method once (the
+    rounds interleave the methods so that a change of machine load hits them alike). On CUDA each call is synchronised
+    and timed on the wall clock; on a CPU with one thread the clock is the process CPU time, which excludes the time a
+    shared machine makes it wait for a core. A method that fails gets its error message."""
     clock = time.process_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
     samples: dict[str, list[float]] = {name: [] for name in methods}
     results: dict[str, float | str] = {}
@@ -164,8 +162,7 @@ def measure_shape(args, device, dtype, B: int, T: int, kernel, fla) -> dict:
     element_size = torch.finfo(dtype).bits // 8
     flops = B * H * pla_flops(T, M, K, V)
     traffic = B * H * pla_bytes(T, M, K, V, element_size)
-    row["pla_gflop"] = flops / 1e9
-    row["pla_gbyte"] = traffic / 1e9
+    row.update(pla_gflop=flops / 1e9, pla_gbyte=traffic / 1e9)
     if row.get("ours"):
         row["ours_tflops"] = flops / (row["ours"] * 1e-3) / 1e12
         if args.peak_tflops and args.peak_gbps:
@@ -213,8 +210,7 @@ def saved_for_backward_mib(fn: Callable, inputs: tuple) -> float:
         return tensor
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        result = fn(*leaves)
-    del result
+        fn(*leaves)  # the result is freed at once: only what autograd saved was counted
     return sum(storages.values()) / 2**20
 
 
@@ -226,26 +222,20 @@ def train_step_benchmark(args, device: torch.device, dtype: torch.dtype) -> list
     rows = []
     for implementation in implementations:
         torch.manual_seed(0)
-        config = modeling_jrt.JRTRNNConfig(
+        shape = dict(
             vocab_size=50304, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=16,
             mixer_types=["conv", "linear_attention", "sliding_attention", "linear_attention"], feature_dim=16,
             prefix_length=args.train_length // 2, sliding_window=64,
-            linear_attention_implementation=implementation,
-        ) if args.train_length > 64 else modeling_jrt.JRTRNNConfig(  # a tiny model for smoke tests
+        ) if args.train_length > 64 else dict(  # a tiny model for smoke tests
             vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            mixer_types=["linear_attention", "conv"], feature_dim=4, prefix_length=8, sliding_window=5,
-            linear_attention_implementation=implementation, bos_token_id=1, eos_token_id=2, prefix_pad_token_id=3,
+            mixer_types=["linear_attention", "conv"], feature_dim=4, prefix_length=8, sliding_window=5, bos_token_id=1,
+            eos_token_id=2, prefix_pad_token_id=3,
         )
+        config = modeling_jrt.JRTRNNConfig(**shape, linear_attention_implementation=implementation)
         model = modeling_jrt.JRTRNNForCausalLM(config).to(device=device, dtype=dtype).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         length = args.train_length
         input_ids = torch.randint(4, config.vocab_size, (args.train_batch, length), device=device)
-
-        def step() -> None:
-            model(input_ids, labels=input_ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
+        step = training_step(model, input_ids)
         result = time_methods({f"train_{implementation}_fb": step}, device, args)[f"train_{implementation}_fb"]
         row = {"implementation": implementation, "B": args.train_batch, "T": length}
         if isinstance(result, str):
@@ -258,19 +248,11 @@ def train_step_benchmark(args, device: torch.device, dtype: torch.dtype) -> list
     return rows
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process and its finished children (inductor compiles C++ in worker processes)."""
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + children.ru_utime + children.ru_stime
-
-
 def compile_point(args: argparse.Namespace, T: int) -> dict:
     """In this (fresh) process: compile the chunked path with dynamic shapes and call it at T, then at T / 2.
-
-    compile_s is the first call's wall time minus a compiled call's (tracing, inductor, C++ compilation);
-    compile_cpu_s the same in CPU time, worker processes included. recompiled: whether the call at T / 2 traced a
-    second graph (it must not with dynamic=True).
-    """
+    compile_s is the first call's wall time minus a compiled call's (tracing, inductor, C++ compilation),
+    compile_cpu_s the same in CPU time (worker processes included); recompiled: whether the call at T / 2 traced a
+    second graph (it must not with dynamic=True)."""
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
@@ -286,8 +268,12 @@ def compile_point(args: argparse.Namespace, T: int) -> dict:
         shapes = [(1, length, H, K), (1, length, H, K), (1, length, H, V), (1, M, H, K), (1, M, H, V)]
         return tuple(torch.randn(*shape, generator=generator) for shape in shapes)
 
+    def cpu_seconds() -> float:  # this process's and its finished children's (inductor compiles C++ in workers)
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + children.ru_utime + children.ru_stime
+
     def seconds(fn: Callable[[], object]) -> tuple[float, float]:
-        """Wall and CPU (`cpu_seconds`) seconds of `fn()`."""
+        """Wall and CPU seconds of `fn()`."""
         start_wall, start_cpu = time.perf_counter(), cpu_seconds()
         fn()
         return time.perf_counter() - start_wall, cpu_seconds() - start_cpu
@@ -371,8 +357,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--batch", type=int, default=None, help="batch of the N sweep (default: 16 CUDA, 1 CPU)")
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=None,
-                        help="default: 1k..32k on CUDA, 1k..8k on CPU")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=None, help="default: 1k..32k on CUDA, 1k..8k on CPU")
     parser.add_argument("--batch-sweep", action="store_true", help="also sweep B = 2..64 at --batch-sweep-len")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
     parser.add_argument("--batch-sweep-len", type=int, default=16384)
@@ -383,8 +368,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-quadratic", dest="quadratic", action="store_false", help="skip the O(N^2) reference")
     parser.add_argument("--quadratic-max-gib", type=float, default=None,
                         help="skip the quadratic reference above this working set (default: 8 CUDA, 2 CPU)")
-    parser.add_argument("--no-chunked", dest="chunked", action="store_false",
-                        help="on CUDA, skip the chunked PyTorch path")
+    parser.add_argument("--no-chunked", dest="chunked", action="store_false", help="on CUDA, skip the chunked path")
     parser.add_argument("--no-fla", dest="fla", action="store_false", help="skip flash-linear-attention")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (default: 20 CUDA, 3 CPU)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls (default: 5 CUDA, 1 CPU)")

@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=4)  # head dim 64 (vLLM's CPU attention takes only some)
+    parser.add_argument("--heads", type=int, default=4)  # head dim 64: vLLM's CPU attention takes only some (not 16)
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--prefix-length", type=int, default=256)
     parser.add_argument("--sliding-window", type=int, default=65)
@@ -57,8 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1; got {args.rounds}")
-    if args.quick:
-        # head dim 64: vLLM's CPU attention kernels (Llama) take only some head dims (not 16).
+    if args.quick:  # head dim 64 as well (see --heads)
         args.hidden_size, args.layers, args.heads, args.vocab_size = 128, 2, 2, 512
         args.prefix_length, args.sliding_window, args.prompt_len, args.new_tokens, args.requests = 16, 9, 32, 8, 8
     return args
@@ -71,10 +70,9 @@ def save_models(args: argparse.Namespace, root: Path) -> dict[str, Path]:
 
     from modeling_jrt import JRTRNNForCausalLM
 
-    jrt, llama = model_configs(
-        args, token_id=None, jrt=dict(prefix_length=args.prefix_length, prefix_pad_token_id=0),
-        llama=dict(max_position_embeddings=args.prompt_len + args.new_tokens, tie_word_embeddings=True),
-    )
+    jrt, llama = model_configs(args, token_id=None, jrt=dict(prefix_length=args.prefix_length, prefix_pad_token_id=0),
+                               llama=dict(max_position_embeddings=args.prompt_len + args.new_tokens,
+                                          tie_word_embeddings=True))
     torch.manual_seed(0)
     models = {"jrt": JRTRNNForCausalLM(jrt), "llama": LlamaForCausalLM(llama)}
     for kind, model in models.items():
@@ -94,17 +92,13 @@ def run_one(args: argparse.Namespace, folder: str) -> None:
 
     # max_num_seqs: a timed batch is `--requests` requests, so a compiled engine captures CUDA graphs up to that
     # batch only (vLLM's default of 256 sequences would capture sizes no round reaches).
-    llm = vllm.LLM(
-        model=folder, dtype=args.dtype, enforce_eager=not args.compiled, skip_tokenizer_init=True, seed=0,
-        max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=args.requests,
-    )
+    llm = vllm.LLM(model=folder, dtype=args.dtype, enforce_eager=not args.compiled, skip_tokenizer_init=True, seed=0,
+                   max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=args.requests)
 
     def random_prompts(seed: int, count: int) -> list[dict]:
         generator = random.Random(seed)
-        return [
-            {"prompt_token_ids": [generator.randrange(args.vocab_size) for _ in range(args.prompt_len)]}
-            for _ in range(count)
-        ]
+        return [{"prompt_token_ids": [generator.randrange(args.vocab_size) for _ in range(args.prompt_len)]}
+                for _ in range(count)]
 
     # Seed 0 warms up, seed r + 1 is round r's (the same for both engines): none is timed twice (prefix caching).
     params = vllm.SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
@@ -129,9 +123,8 @@ class Worker:
     def __init__(self, kind: str, command: list[str]):
         self.kind = kind
         self.log = tempfile.TemporaryFile(mode="w+")  # vLLM logs to stderr: a pipe nobody reads would fill and block
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env={**os.environ}
-        )
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                        text=True, env={**os.environ})
         self.expect("READY")
 
     def expect(self, prefix: str) -> str:
@@ -177,10 +170,8 @@ def serve_both(args: argparse.Namespace, forwarded: list[str], folders: dict[str
     finally:
         for worker in workers:
             worker.close()
-    results = {
-        kind: {**{key: statistics.median([r[key] for r in runs]) for key in ("seconds", *METRICS)}, "rounds": runs}
-        for kind, runs in rounds.items()
-    }
+    results = {kind: {**{key: statistics.median([r[key] for r in runs]) for key in ("seconds", *METRICS)},
+                      "rounds": runs} for kind, runs in rounds.items()}
     paired = list(zip(rounds["jrt"], rounds["llama"]))
     ratios = {key: statistics.median([jrt[key] / llama[key] for jrt, llama in paired]) for key in METRICS}
     return results, ratios

@@ -1,10 +1,8 @@
 """Training throughput, JRT-RNN against a same-size Llama: tokens per second of a full training step.
 
-A step is what `Trainer` runs per batch: forward with labels (the loss), backward, an AdamW step and zeroing the
-gradients, on `batch` rows of `length` tokens; JRT-RNN reads the first half of each row as its prefix (the paper's
-M = N / 2; the loss scores the second half), Llama scores every token. Both models come from `_common.build_models`
-(random weights, the same width, depth, heads and MLP), in the same dtype on the same device; the steps alternate
-model by model, and each model's figure is its fastest of `repeats` steps after `warmup` ones.
+A step (`_common.training_step`) runs on `batch` rows of `length` tokens; JRT-RNN reads the first half of each row as
+its prefix (the paper's M = N / 2; the loss scores the second half), Llama scores every token. Both models come from
+`_common.build_models`; each model's figure is its fastest of `repeats` steps after `warmup` ones.
 
     OMP_NUM_THREADS=1 python benchmarks/train_step.py --quick                  # seconds, on CPU
     python benchmarks/train_step.py --device cuda --dtype bfloat16 --lengths 2048 8192
@@ -19,23 +17,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_model_arguments, build_models, timed  # noqa: E402
+from _common import add_model_arguments, build_models, timed, training_step  # noqa: E402
 
 
 def step_seconds(model: torch.nn.Module, batch: int, length: int, vocab: int, warmup: int, repeats: int) -> float:
     """The fastest of `repeats` training steps (forward with labels, backward, AdamW, zero_grad) after `warmup`."""
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, vocab, (batch, length), generator=generator).to(device)
     model.train()
     jrt = {"prefix_length": length // 2} if hasattr(model.config, "prefix_length") else {}
-
-    def step() -> None:
-        model(input_ids, labels=input_ids, **jrt).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    step = training_step(model, input_ids, **jrt)
     times = [timed(step, device) for _ in range(warmup + repeats)]
     return min(times[warmup:])
 
@@ -53,10 +45,8 @@ def main(argv: list[str] | None = None) -> dict[int, tuple[float, float]]:
         args.lengths, args.batch, args.hidden_size, args.layers, args.heads = [128], 2, 64, 2, 4
         args.sliding_window, args.warmup, args.repeats = 17, 1, 2
     jrt, llama = build_models(args)
-    print(
-        f"training step (forward with labels, backward, AdamW): hidden {args.hidden_size}, {args.layers} layers, "
-        f"{args.dtype} on {args.device}, batch {args.batch}, best of {args.repeats} after {args.warmup}"
-    )
+    print(f"training step (forward with labels, backward, AdamW): hidden {args.hidden_size}, {args.layers} layers, "
+          f"{args.dtype} on {args.device}, batch {args.batch}, best of {args.repeats} after {args.warmup}")
     print(f"{'N':>6} | {'JRT-RNN tok/s':>13} {'Llama tok/s':>12} {'JRT / Llama':>12}")
     results = {}
     for length in args.lengths:
