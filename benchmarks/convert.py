@@ -92,15 +92,11 @@ def reference_shapes(config: dict, preset: dict) -> dict[str, tuple[int, ...]]:
             if preset["kind"] == "based-decay":
                 shapes[p + "mixer.decay_proj.weight"] = (HEADS, d)
         else:
-            shapes.update({
-                p + "mixer.in_proj.weight": (4 * d, d), p + "mixer.in_proj.bias": (4 * d,),
-                p + "mixer.conv.conv.weight": (2 * d, 1, 3), p + "mixer.out_proj.weight": (d, 2 * d),
-                p + "mixer.out_proj.bias": (d,),
-            })
-        shapes.update({
-            p + "norm1.weight": (d,), p + "norm2.weight": (d,), p + "mlp.fc1.weight": (2 * mlp, d),
-            p + "mlp.fc2.weight": (d, mlp),
-        })
+            shapes.update({p + "mixer.in_proj.weight": (4 * d, d), p + "mixer.in_proj.bias": (4 * d,),
+                           p + "mixer.conv.conv.weight": (2 * d, 1, 3), p + "mixer.out_proj.weight": (d, 2 * d),
+                           p + "mixer.out_proj.bias": (d,)})
+        shapes.update({p + "norm1.weight": (d,), p + "norm2.weight": (d,), p + "mlp.fc1.weight": (2 * mlp, d),
+                       p + "mlp.fc2.weight": (d, mlp)})
     shapes["model.transformer.ln_f.weight"] = (d,)
     if config.get("fixed_decay"):
         shapes["model.transformer.decay.decay"] = (HEADS,)
