@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for a run by path
 
 from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM  # noqa: E402
 from modeling_jrt.linear_attention import (  # noqa: E402
