@@ -97,13 +97,10 @@ class JRTRNNLayerState:
             setattr(self, name, None)
 
     def crop(self, max_length: int) -> None:
-        raise ValueError(CROP_REFUSED)
-
-
-CROP_REFUSED = (
-    "A JRT-RNN / Based cache holds a recurrent state, which cannot be rolled back to an earlier length: recompute from "
-    "the shorter prompt instead."
-)
+        raise ValueError(
+            "A JRT-RNN / Based cache holds a recurrent state, which cannot be rolled back to an earlier length: "
+            "recompute from the shorter prompt instead."
+        )
 
 
 class JRTRNNConvState(JRTRNNLayerState):
@@ -115,10 +112,6 @@ class JRTRNNConvState(JRTRNNLayerState):
     def __init__(self, kernel_size: int):
         self.kernel_size = kernel_size
         self.inputs: torch.Tensor | None = None
-
-    def history(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The kept inputs in `dtype`, `(B, D, K - 1)`, or None before the first forward."""
-        return None if self.inputs is None else self.inputs.to(dtype)
 
     def write(self, history: torch.Tensor | None, new_inputs: torch.Tensor) -> None:
         """Keep the last `K - 1` of the inputs `[history, new_inputs]` (`(B, D, K - 1)` or None for zeros, then
@@ -222,11 +215,6 @@ CACHE_LAYOUT_FIELDS = (
 )
 
 
-def cache_layout(config: JRTRNNConfig) -> dict[str, object]:
-    """The values of `CACHE_LAYOUT_FIELDS` in `config`."""
-    return {field: getattr(config, field) for field in CACHE_LAYOUT_FIELDS}
-
-
 CACHE_FORMAT = 2
 """The layout of a cache's states: 2 = fixed-shape buffers written in place (1, unnumbered: growing tensors)."""
 
@@ -255,13 +243,14 @@ class JRTRNNCache(Cache):
         super().__init__(layers=[LAYER_STATES[kind](config) for kind in config.mixer_types])
         self.format = CACHE_FORMAT
         self.mixer_types = list(config.mixer_types)
-        self.layout = cache_layout(config)
+        self.layout = {field: getattr(config, field) for field in CACHE_LAYOUT_FIELDS}
         self.positions: torch.Tensor | None = None  # `()` int64 once a forward ran (module docstring)
         # `(B,)` int64: the caller's real tokens read per row (a continuation's mask is checked against them).
         self.real_tokens: torch.Tensor | None = None
         self.prefix: PrefixPlan | None = None  # the plan of the first forward (`plan_prefix`)
         self.num_rows: int | None = None
-        # (inputs, mask) of a prefill chunk to read again with the next one (`remember_prefill_chunk`).
+        # (inputs, mask) of a first prefill chunk without every row's whole prefix, read again with the next chunk:
+        # the JRT encoder reads a prompt in one forward (`prepare_inputs_for_generation`).
         self.pending_prefill: tuple[torch.Tensor, torch.Tensor | None] | None = None
         # Set by beam search (`reorder_cache`): the rows hold beams, not the sequences generate() returned.
         self.holds_beams = False
@@ -311,7 +300,8 @@ class JRTRNNCache(Cache):
                 "This cache was made by an earlier jrt-rnn release (another layout of its states): it cannot be "
                 "continued here; generate again from the sequence with a fresh cache."
             )
-        for field, value in cache_layout(config).items():
+        for field in CACHE_LAYOUT_FIELDS:
+            value = getattr(config, field)
             if self.layout.get(field) != value:
                 raise ValueError(
                     f"The cache was built for {field}={self.layout.get(field)!r}, but this model has "
@@ -332,13 +322,6 @@ class JRTRNNCache(Cache):
     @property
     def max_batch_size(self) -> int | None:
         return self.num_rows
-
-    def remember_prefill_chunk(
-        self, inputs: torch.Tensor, attention_mask: torch.Tensor | None, holds_every_prefix: bool
-    ) -> None:
-        """Keep the first chunk of a chunked prefill (`(B, T)` ids or `(B, T, hidden)` embeddings and its mask) unless
-        it holds every row's whole prefix: the JRT encoder must read a prompt in one forward."""
-        self.pending_prefill = None if holds_every_prefix else (inputs, attention_mask)
 
     def take_pending_prefill(
         self, inputs: torch.Tensor, attention_mask: torch.Tensor | None, config: JRTRNNConfig
@@ -381,15 +364,12 @@ class JRTRNNCache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every row `repeats` times in place (row b becomes rows b * repeats ... b * repeats + repeats - 1)."""
-        if self.num_rows is None:
-            return
-        self.select_rows(torch.arange(self.num_rows).repeat_interleave(repeats))
+        if self.num_rows is not None:
+            self.select_rows(torch.arange(self.num_rows).repeat_interleave(repeats))
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.select_rows(indices)
+    batch_select_indices = select_rows
 
-    def crop(self, max_length: int) -> None:
-        raise ValueError(CROP_REFUSED)
+    crop = JRTRNNLayerState.crop  # the same refusal
 
     def reset(self) -> None:
         """Forget the sequence: every state empty, as a new cache."""

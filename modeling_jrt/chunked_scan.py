@@ -34,11 +34,6 @@ def block_sizes(num_chunks: int, chunk_size: int, encoder_length: int, token_hea
     return block, max(1, min(encoder_length, ENCODER_BLOCK_TOKEN_HEADS // token_heads))
 
 
-def encoder_scratch_numel(block: int, token_heads: int, taylor: CompactTaylor) -> int:
-    """Elements of `encoder_blocks`' `Workspace` buffer: the features of `block` encoder tokens per token-head."""
-    return block * token_heads * taylor.num_features
-
-
 def decay_factors(decay: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, ...]:
     """`(log_gamma (H, 1, 1), position (C,), intra-chunk gamma**(i - j) masked to i >= j (H, C, C), read decay
     gamma**(i + 1) (H, C, 1))` of the decayed scans, from `decay` = log gamma `(H,)`."""
@@ -149,12 +144,15 @@ def scan_in_place(
     per_token_head = 2 * value_dim + 2 * num_features + chunk_size + 5 + 2 * form_dim
     decoder_numel = block * chunk_size * token_heads * per_token_head
     decoder_numel += block * token_heads * 2 * form_dim**2 + chunk_size * token_heads * value_dim
-    encoder_numel = encoder_scratch_numel(encoder_block, token_heads, taylor)
+    encoder_numel = encoder_block * token_heads * num_features  # `encoder_blocks`' features
     workspace = Workspace(max(decoder_numel, encoder_numel), q, dtype)
     # The running state: the numerator columns `(B H, F', V)` and the denominator's form `(B H, K + 1, K + 1)`.
     running = state[..., :value_dim].reshape(token_heads, num_features, value_dim).clone()
     form = taylor.form(state[..., value_dim].reshape(token_heads, num_features))
-    raw, decoder_keys, encoder_keys = (_as_weights(mask, dtype) for mask in (raw, decoder_keys, encoder_keys))
+    # 0 / 1 weights in the compute dtype, or None when every key counts (no product by them)
+    raw, decoder_keys, encoder_keys = (
+        None if mask is None or bool(mask.all()) else mask.to(dtype) for mask in (raw, decoder_keys, encoder_keys)
+    )
 
     # 1. Encoder reduction: running += phi(K_enc)^T V_enc and the form += its keys' [1, k'] Gram, over each row's range.
     if k_enc is not None:
@@ -234,18 +232,14 @@ def scan_in_place(
         den_n.add_(inter_denominator[:n].transpose(-1, -2))
         if denominators is not None:
             denominators[first : first + n].copy_(den_n)
-        if decay is None:
-            torch.bmm(w_n, v_n.flatten(0, 2), out=o_n.flatten(0, 2))
-            # Inter-chunk, chunk by chunk: read the state before the chunk, then add the chunk's keys to it.
-            for (read_out, read_features), (update_features, update_values) in zip(reads[:n], updates[:n]):
-                read_out.baddbmm_(read_features, running)
-                running.baddbmm_(update_features, update_values)
-        else:
-            # The numerator from gamma**(i - j) times the weights (the denominators above are undecayed).
+        if decay is not None:  # the numerator from gamma**(i - j) times the weights (the denominators are undecayed)
             weights[:n].mul_(intra_decay)
-            torch.bmm(w_n, v_n.flatten(0, 2), out=o_n.flatten(0, 2))
-            for c in range(n):
-                (read_out, read_features), (update_features, update_values) = reads[c], updates[c]
+        torch.bmm(w_n, v_n.flatten(0, 2), out=o_n.flatten(0, 2))
+        # Inter-chunk, chunk by chunk: read the state before the chunk, then add the chunk's keys to it.
+        for c, ((read_out, read_features), (update_features, update_values)) in enumerate(zip(reads[:n], updates[:n])):
+            if decay is None:
+                read_out.baddbmm_(read_features, running)
+            else:
                 length = min(chunk_size, end - start - c * chunk_size)  # tokens in this chunk
                 torch.bmm(read_features, running, out=read)
                 read.view(batch_size, num_heads, chunk_size, value_dim).mul_(read_decay)
@@ -255,7 +249,7 @@ def scan_in_place(
                 )
                 v_n[c].mul_(value_decay)
                 running.view(batch_size, num_heads, num_features, value_dim).mul_(state_decay)
-                running.baddbmm_(update_features, update_values)
+            running.baddbmm_(update_features, update_values)
         if gates is not None:
             copy_chunk_major(gates[:n], gate[:, start:end, :, None], position_last=False)
             o_n.mul_(gates[:n])
@@ -263,11 +257,6 @@ def scan_in_place(
     form[:, 0, 0] -= eps
     compact = torch.cat([running, taylor.form_to_compact(form)[..., None]], dim=-1)
     return output, compact.view(state.shape)
-
-
-def _as_weights(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A bool key mask as 0 / 1 weights in the compute dtype, or None when every key counts (no product by it)."""
-    return None if mask is None or bool(mask.all()) else mask.to(dtype)
 
 
 def chunk_decays(log_gamma: torch.Tensor, position: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ import torch
 
 from .chunked_scan import (
     Workspace, add_encoder_in_place, block_sizes, chunk_decays, copy_chunk_major, decay_factors, encoder_blocks,
-    encoder_scratch_numel, scan_in_place, without_autocast,
+    scan_in_place, without_autocast,
 )
 from .compact_taylor import CompactTaylor
 
@@ -46,8 +46,7 @@ def scan_gradients(
     num_chunks = -(-seq_len // chunk_size)
     block, encoder_block = block_sizes(num_chunks, chunk_size, 0 if k_enc is None else k_enc.shape[1], token_heads)
     blocks = [(first, min(first + block, num_chunks)) for first in range(0, num_chunks, block)]
-    as_dtype = (lambda mask: None if mask is None else mask.to(dtype))
-    raw, decoder_keys, encoder_keys = as_dtype(raw), as_dtype(decoder_keys), as_dtype(encoder_keys)
+    raw, decoder_keys, encoder_keys = (None if m is None else m.to(dtype) for m in (raw, decoder_keys, encoder_keys))
 
     # Chunk-major operands, O(T (K + V)): raw q and k (masked raw keys 0), [v, 1] of the keys that count, and G.
     shape = (num_chunks, batch_size, num_heads)
@@ -92,15 +91,15 @@ def scan_gradients(
         update = torch.cat([values_c[..., :value_dim] * value_decay, values_c[..., value_dim:]], dim=-1)
         return update, value_decay, state_decay
 
-    d_queries, d_keys = torch.zeros_like(queries), torch.zeros_like(keys)
-    d_values = torch.zeros_like(values)
+    d_queries, d_keys, d_values = torch.zeros_like(queries), torch.zeros_like(keys), torch.zeros_like(values)
     features_shape = (block, batch_size, num_heads, num_features, chunk_size)
     phi_q, phi_k = queries.new_empty(features_shape), queries.new_empty(features_shape)  # a block's, written in place
     d_phi = queries.new_empty(features_shape)
 
     # Forward sweep: the state before each chunk, d phi(Q), and the intra-chunk block.
     if k_enc is not None:
-        encoder_workspace = Workspace(encoder_scratch_numel(encoder_block, token_heads, taylor), q, dtype)
+        # `encoder_blocks`' features of `encoder_block` tokens per token-head
+        encoder_workspace = Workspace(encoder_block * token_heads * num_features, q, dtype)
         encoder_form = running.new_zeros(batch_size, num_heads, feature_dim + 1, feature_dim + 1)
         add_encoder_in_place(running.view(state.shape)[..., :value_dim], encoder_form, k_enc, v_enc, raw,
                              encoder_keys, taylor, encoder_workspace, encoder_block)
@@ -257,10 +256,7 @@ def _scan_gradients(q, k, v, k_enc, v_enc, state, output, denominators, raw, dec
 
 def _scan_gradients_fake(q, k, v, k_enc, v_enc, state, output, denominators, raw, decoder_keys, encoder_keys,
                          log_decay, chunk_size, d_output, d_state):
-    absent = q.new_empty(0)
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            absent if k_enc is None else k_enc.new_empty(k_enc.shape),
-            absent if v_enc is None else v_enc.new_empty(v_enc.shape), state.new_empty(state.shape))
+    return tuple(q.new_empty(0) if t is None else t.new_empty(t.shape) for t in (q, k, v, k_enc, v_enc, state))
 
 
 def _setup_context(ctx, inputs, output):

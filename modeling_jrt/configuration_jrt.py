@@ -75,19 +75,6 @@ def _check_float(field: str, value: object, *, positive: bool) -> None:
         raise ValueError(f"`{field}` must be {kind}, got {value!r}.")
 
 
-def _check_token_id(field: str, value: object, vocab_size: int) -> None:
-    """`value` is None, or a token id (a list of ids for `eos_token_id`) in [0, vocab_size)."""
-    if value is None:
-        return
-    ids = value if field == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
-    for token_id in ids:
-        if not _is_int(token_id) or not 0 <= token_id < vocab_size:
-            raise ValueError(
-                f"`{field}` must be None or a token id in [0, vocab_size={vocab_size}), got {value!r}: set it to a "
-                "token of this vocabulary (or None)."
-            )
-
-
 def _check_mixer_types(mixer_types: object, field: str = "mixer_types") -> list[str]:
     """`mixer_types` as a list of this model's own mixer names (`MIXER_TYPES`), one per layer."""
     if isinstance(mixer_types, str) or not isinstance(mixer_types, (list, tuple)):
@@ -96,13 +83,6 @@ def _check_mixer_types(mixer_types: object, field: str = "mixer_types") -> list[
         if mixer_type not in MIXER_TYPES:
             raise ValueError(f"`{field}[{index}]` is {mixer_type!r}; allowed mixer types are {list(MIXER_TYPES)}.")
     return list(mixer_types)
-
-
-LAYER_TYPES_RENAMED = (
-    "`JRTRNNConfig.layer_types` is now `mixer_types` (same values): transformers reads a config's `layer_types` as its "
-    "own cache and layer vocabulary, differently from release to release, so this model keeps its mixers under a name "
-    "of its own. `JRTRNNConfig(layer_types=...)` and config.json files with `layer_types` still load."
-)
 
 
 @strict
@@ -216,14 +196,12 @@ class JRTRNNConfig(PreTrainedConfig):
 
     def validate_fields(self) -> None:
         """Type and range of every field on its own; every error names the field, the value and what is allowed."""
-        for field in POSITIVE_INT_FIELDS:
-            _check_int(field, getattr(self, field), minimum=1)
-        for field in NON_NEGATIVE_INT_FIELDS:
-            _check_int(field, getattr(self, field), minimum=0)
-        for field in POSITIVE_FLOAT_FIELDS:
-            _check_float(field, getattr(self, field), positive=True)
-        for field in NON_NEGATIVE_FLOAT_FIELDS:
-            _check_float(field, getattr(self, field), positive=False)
+        for fields, minimum in ((POSITIVE_INT_FIELDS, 1), (NON_NEGATIVE_INT_FIELDS, 0)):
+            for field in fields:
+                _check_int(field, getattr(self, field), minimum=minimum)
+        for fields, positive in ((POSITIVE_FLOAT_FIELDS, True), (NON_NEGATIVE_FLOAT_FIELDS, False)):
+            for field in fields:
+                _check_float(field, getattr(self, field), positive=positive)
         for field in BOOL_FIELDS:
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"`{field}` must be True or False, got {getattr(self, field)!r}.")
@@ -234,8 +212,14 @@ class JRTRNNConfig(PreTrainedConfig):
                 f"parameters ({elements * 4 / 2**30:,.0f} GiB in float32), above {MAX_EMBEDDING_ELEMENTS:,}: check the "
                 "values (a typo in config.json?)."
             )
-        for field in TOKEN_ID_FIELDS:
-            _check_token_id(field, getattr(self, field), self.vocab_size)
+        for field in TOKEN_ID_FIELDS:  # None, or a token id (a list of ids for `eos_token_id`)
+            value = getattr(self, field)
+            ids = value if field == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
+            if value is not None and not all(_is_int(i) and 0 <= i < self.vocab_size for i in ids):
+                raise ValueError(
+                    f"`{field}` must be None or a token id in [0, vocab_size={self.vocab_size}), got {value!r}: set it "
+                    "to a token of this vocabulary (or None)."
+                )
         decay_const = self.decay_const
         if isinstance(decay_const, bool) or not isinstance(decay_const, (int, float)) or not math.isfinite(decay_const):
             raise ValueError(f"`decay_const` must be a finite number, got {self.decay_const!r}.")
@@ -287,7 +271,12 @@ class JRTRNNConfig(PreTrainedConfig):
     @property
     def layer_types(self) -> list[str]:
         """Not an attribute (module docstring): None for transformers' `getattr`, the new name for users."""
-        raise AttributeError(LAYER_TYPES_RENAMED)
+        raise AttributeError(
+            "`JRTRNNConfig.layer_types` is now `mixer_types` (same values): transformers reads a config's "
+            "`layer_types` as its own cache and layer vocabulary, differently from release to release, so this model "
+            "keeps its mixers under a name of its own. `JRTRNNConfig(layer_types=...)` and config.json files with "
+            "`layer_types` still load."
+        )
 
     @property
     def is_prefix_model(self) -> bool:

@@ -104,8 +104,12 @@ class JRTRNNGenerationMixin:
                 # The previous forward was a prefill chunk whose prompt may go on: read it again with this chunk.
                 new, mask, forward_cache = cache.take_pending_prefill(new, mask, self.config)
             if next_sequence_length is None and not forward_cache.has_state and self.config.is_prefix_model:
-                # A prefill chunk (generate() gives no length for those): keep it until the prompt is complete.
-                forward_cache.remember_prefill_chunk(new, mask, holds_every_prefix(self.config, new, mask, kwargs))
+                # A first prefill chunk (generate() gives no length for those): read again with the next one unless it
+                # holds every row's whole prefix (the encoder reads a prompt in one forward).
+                plan = plan_prefix(self.config, mask, new.shape[0], new.shape[1], new.device,
+                                   prefix_length=kwargs.get("prefix_length"), strategy="none")
+                holds_every_prefix = bool((plan.encoder_tokens >= plan.target).all())
+                forward_cache.pending_prefill = None if holds_every_prefix else (new, mask)
         model_inputs["inputs_embeds" if reads_embeds else "input_ids"] = new
         if forward_cache is not None:
             # Under the name every transformers release (and PEFT's prompt learning, which reads it) knows.
@@ -115,23 +119,11 @@ class JRTRNNGenerationMixin:
         # The JRT prefix arguments shape a sequence's first forward only: a decode step gets none (the cache holds the
         # prefix it laid out), so a compiled step does not depend on them.
         skipped = ("labels", "position_ids") + (FIRST_FORWARD_ARGUMENTS if decoding else ())
-        for key, value in kwargs.items():
-            if key not in model_inputs and key not in skipped:
-                model_inputs[key] = value
+        model_inputs.update({k: v for k, v in kwargs.items() if k not in model_inputs and k not in skipped})
         device = self.device
         if device.type != "meta":
-            model_inputs = {
-                key: value.to(device) if isinstance(value, torch.Tensor) else value
-                for key, value in model_inputs.items()
-            }
+            model_inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in model_inputs.items()}
         return model_inputs
-
-
-def holds_every_prefix(config: object, inputs: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
-    """Whether a first prefill chunk `inputs` (`(B, T)` ids or `(B, T, hidden)` embeddings) holds every row's prefix."""
-    plan = plan_prefix(config, attention_mask, inputs.shape[0], inputs.shape[1], inputs.device,
-                       prefix_length=kwargs.get("prefix_length"), strategy="none")
-    return bool((plan.encoder_tokens >= plan.target).all())
 
 
 def unread_columns(
@@ -188,6 +180,6 @@ def check_generation_cache(
 
 
 __all__ = [
-    "FIRST_FORWARD_ARGUMENTS", "JRTRNNGenerationMixin", "check_generation_cache", "holds_every_prefix",
-    "stale_cache_message", "unread_columns",
+    "FIRST_FORWARD_ARGUMENTS", "JRTRNNGenerationMixin", "check_generation_cache", "stale_cache_message",
+    "unread_columns",
 ]

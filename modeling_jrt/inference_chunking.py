@@ -1,12 +1,7 @@
-"""Inference-time token chunking: how many positions a position-wise op takes at once when autograd is off.
-
-A long prefill would otherwise build `(B, T, width)` intermediates that grow with T (from 16k tokens on, each a
-fresh page-faulted mmap) and the peak memory with them. So during inference conv and sliding-window layers run whole
-one token chunk at a time (`JRTRNNDecoderLayer.layer_chunk_rows`), and RMSNorm and the MLP chunk on their own. A CPU
-chunk's intermediates stay below INFERENCE_CHUNK_ELEMENTS (8 MiB in fp32), never under MIN_INFERENCE_CHUNK rows; an
-accelerator's budget is ACCELERATOR_CHUNK_ELEMENTS (512 MiB in fp32): its caching allocator reuses blocks, so small
-chunks would only add kernel launches. Only with autograd off and outside `torch.compile` tracing: training and
-compiled graphs see the unchunked ops.
+"""Inference-time token chunking: how many positions a position-wise op takes at once when autograd is off and
+nothing is traced (docs/performance.md, "Layers in token chunks"): a long prefill's `(B, T, width)` intermediates
+stay within a budget of elements per chunk, `INFERENCE_CHUNK_ELEMENTS` on a CPU, `ACCELERATOR_CHUNK_ELEMENTS` on an
+accelerator (whose caching allocator reuses blocks: small chunks would only add launches).
 """
 
 from __future__ import annotations

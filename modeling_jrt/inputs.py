@@ -176,7 +176,15 @@ def check_labels(
                     "-100 (`labels[:, 1:]` alone is one column short)")
             raise ValueError(f"`{name}` {tuple(targets.shape)} must have the shape (batch, seq_len) of the input, "
                              f"{shape}: {what}.")
-        check_target_ids(targets, name, vocab_size)
+        if torch.compiler.is_compiling():
+            continue
+        outside = (targets != -100) & ((targets < 0) | (targets >= vocab_size))
+        if bool(outside.any()):
+            raise ValueError(
+                f"`{name}` holds ids outside the vocabulary [0, {vocab_size}) that are not -100 (ignored): "
+                f"{sorted(set(targets[outside].tolist()))[:8]}. Use this model's tokenizer, and -100 where nothing is "
+                "scored."
+            )
     if kwargs.get("shift_labels") is not None:
         if labels is None:
             raise ValueError(
@@ -192,20 +200,6 @@ def check_labels(
     return None if labels is None else labels.long()
 
 
-def check_target_ids(targets: torch.Tensor, name: str, vocab_size: int) -> None:
-    """Refuse target ids outside `[0, vocab_size)` other than -100 (`name` the argument), naming a few of them."""
-    if torch.compiler.is_compiling():
-        return
-    outside = (targets != -100) & ((targets < 0) | (targets >= vocab_size))
-    if bool(outside.any()):
-        raise ValueError(
-            f"`{name}` holds ids outside the vocabulary [0, {vocab_size}) that are not -100 (ignored): "
-            f"{sorted(set(targets[outside].tolist()))[:8]}. Use this model's tokenizer, and -100 where nothing is "
-            "scored."
-        )
-
-
 __all__ = [
-    "check_attention_mask", "check_inputs", "check_labels", "check_target_ids", "check_one_sequence_per_row",
-    "resolve_cache",
+    "check_attention_mask", "check_inputs", "check_labels", "check_one_sequence_per_row", "resolve_cache",
 ]

@@ -112,7 +112,10 @@ class KernelChoice:
             return requested
         usable = device.type in KERNEL_DEVICE_TYPES and LINEAR_ATTENTION not in self.failures
         chosen = "triton" if usable and self.kernels() is not None else "chunked"
-        self._log(device, chosen)
+        # Logged once per device type (not while torch.compile traces: it cannot trace a logger).
+        if not torch.compiler.is_compiling() and (device.type, chosen) not in self._logged:
+            self._logged.add((device.type, chosen))
+            logger.info(f"Linear attention on {device.type}: {chosen} (linear_attention_implementation='auto').")
         return chosen
 
     def fused_norm(self, device: torch.device) -> bool:
@@ -142,12 +145,6 @@ class KernelChoice:
             f"{_FALLBACKS[kernel_name]}. Set linear_attention_implementation='chunked' in the config to skip the "
             "kernels, or 'triton' to see the error."
         )
-
-    def _log(self, device: torch.device, chosen: str) -> None:
-        """Log the choice once per device type (not while torch.compile traces: it cannot trace a logger)."""
-        if not torch.compiler.is_compiling() and (device.type, chosen) not in self._logged:
-            self._logged.add((device.type, chosen))
-            logger.info(f"Linear attention on {device.type}: {chosen} (linear_attention_implementation='auto').")
 
     def install(self, model: torch.nn.Module) -> None:
         """Make this the choice of every module of `model` that holds one (`module.kernels`)."""

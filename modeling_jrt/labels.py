@@ -85,24 +85,30 @@ def apply_labels_rule(
         config, attention_mask, *labels.shape, labels.device, prefix_length=prefix_length,
         prompt_lengths=prompt_lengths, strategy=prefix_strategy, pad_token_id=prefix_pad_token_id,
     )
-    masked, loss_kwargs = ignore_encoder_targets(labels, plan.encoder_end, loss_kwargs)
-    if derived and not torch.compiler.is_compiling():
-        warn_one_token_prompts(labels, masked, plan.start)
-    return masked, prompt_lengths, plan, loss_kwargs
-
-
-def warn_one_token_prompts(labels: torch.Tensor, masked: torch.Tensor, start: torch.Tensor) -> None:
-    """Warn when a row's labels ignore its first token only (completion-only labels of a one-token prompt look like
-    `labels=input_ids`) and then lose targets the encoder reads. `start`: `(B,)` each row's first token."""
-    rows = torch.arange(labels.shape[0], device=labels.device)
-    first_ignored = labels[rows, start] == IGNORE_INDEX
-    lost = ((labels != masked) & (labels != IGNORE_INDEX))[:, 1:].any(-1)
-    if bool((first_ignored & lost).any()):
+    masked = mask_before(labels, plan.encoder_end)
+    shift_labels = loss_kwargs.get("shift_labels")
+    if shift_labels is not None:  # pre-shifted: column t holds the target at index t + 1
+        loss_kwargs = {**loss_kwargs, "shift_labels": mask_before(shift_labels, (plan.encoder_end - 1).clamp(min=0))}
+    if loss_kwargs.get("num_items_in_batch") is not None and bool(((labels != masked)[:, 1:]).any()):
         logger.warning_once(
-            "Some rows' labels ignore only their first token, as completion-only labels of a one-token prompt do: "
-            "that cannot be told from `labels=input_ids`, so the default JRT prefix applies and the targets inside "
-            "it are not scored. Pass `prompt_lengths=1` (per row, a (B,) tensor) to make the prompt the prefix."
+            "The labels of this batch include targets that the JRT encoder reads (inside each row's prefix): the "
+            "loss ignores them, but `num_items_in_batch` (from Trainer) still counts them, which scales the loss "
+            "down. Set them to -100 in the data collator (`jrt_train.ignore_prefix_targets`, or "
+            "`labels[:, :prefix_length] = -100` for unpadded blocks), or use `JRTDataCollator`."
         )
+    if derived and not torch.compiler.is_compiling():
+        # Rows whose labels ignore their first token only (completion-only labels of a one-token prompt look like
+        # `labels=input_ids`) and then lose targets the encoder reads.
+        first_ignored = labels[torch.arange(labels.shape[0], device=labels.device), plan.start] == IGNORE_INDEX
+        lost = ((labels != masked) & (labels != IGNORE_INDEX))[:, 1:].any(-1)
+        if bool((first_ignored & lost).any()):
+            logger.warning_once(
+                "Some rows' labels ignore only their first token, as completion-only labels of a one-token prompt do: "
+                "that cannot be told from `labels=input_ids`, so the default JRT prefix applies and the targets "
+                "inside it are not scored. Pass `prompt_lengths=1` (per row, a (B,) tensor) to make the prompt the "
+                "prefix."
+            )
+    return masked, prompt_lengths, plan, loss_kwargs
 
 
 def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -116,24 +122,6 @@ def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tenso
     has_leading_ignored = (first > start + 1) & (first < length)
     full = torch.full_like(first, length)
     return torch.where(has_leading_ignored, first - start, full)
-
-
-def ignore_encoder_targets(
-    labels: torch.LongTensor, prefix_end: torch.Tensor, kwargs: dict
-) -> tuple[torch.LongTensor, dict]:
-    """`labels` (and `shift_labels`) without the targets before `prefix_end` (a plan's `encoder_end`, checked)."""
-    masked = mask_before(labels, prefix_end)
-    shift_labels = kwargs.get("shift_labels")
-    if shift_labels is not None:  # pre-shifted: column t holds the target at index t + 1
-        kwargs = {**kwargs, "shift_labels": mask_before(shift_labels, (prefix_end - 1).clamp(min=0))}
-    if kwargs.get("num_items_in_batch") is not None and bool(((labels != masked)[:, 1:]).any()):
-        logger.warning_once(
-            "The labels of this batch include targets that the JRT encoder reads (inside each row's prefix): the "
-            "loss ignores them, but `num_items_in_batch` (from Trainer) still counts them, which scales the loss "
-            "down. Set them to -100 in the data collator (`jrt_train.ignore_prefix_targets`, or "
-            "`labels[:, :prefix_length] = -100` for unpadded blocks), or use `JRTDataCollator`."
-        )
-    return masked, kwargs
 
 
 def check_jrt_objective_prefix(config: JRTRNNConfig, prefix_length: int | torch.Tensor | None) -> None:
@@ -150,6 +138,6 @@ def check_jrt_objective_prefix(config: JRTRNNConfig, prefix_length: int | torch.
 
 
 __all__ = [
-    "LOSS_KWARGS", "apply_labels_rule", "check_jrt_objective_prefix", "ignore_encoder_targets", "labels_rule_applies",
-    "leak_free_labels", "prompt_lengths_from_labels", "warn_one_token_prompts",
+    "LOSS_KWARGS", "apply_labels_rule", "check_jrt_objective_prefix", "labels_rule_applies", "leak_free_labels",
+    "prompt_lengths_from_labels",
 ]

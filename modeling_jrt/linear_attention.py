@@ -54,8 +54,8 @@ def prefix_linear_attention(
     inputs = validate_linear_attention_inputs(q, k, v, k_enc, v_enc, **options)
     choice = KernelChoice.of(implementation)
     chosen = choice.linear_attention(q.device)
-    if inputs.is_empty:
-        return empty_prefill(inputs)  # nothing to scan or launch a kernel for
+    if 0 in q.shape[:2]:
+        return empty_prefill(inputs)  # no rows or no tokens: nothing to scan or launch a kernel for
     if chosen == "quadratic":
         return quadratic_prefill(inputs)
     run_chunked = functools.partial(chunked_prefill, inputs)

@@ -26,19 +26,6 @@ def fused_prefill(
     return functools.partial(_KernelWithSafeBackward.apply, choice, inputs, *inputs.differentiable)
 
 
-def _fused_backward_or_none(choice: KernelChoice, *args, **kwargs) -> tuple[torch.Tensor | None, ...] | None:
-    """The fused backward's gradients, or None when it fails (warns once) or failed before for this `choice`. A
-    failure marks the backward alone failed: the fused forward keeps running (so forwards that activation
-    checkpointing recomputes take their original path)."""
-    if LINEAR_ATTENTION in choice.failures or BACKWARD in choice.failures:
-        return None
-    try:
-        return choice.kernels().prefix_linear_attention_backward_triton(*args, **kwargs)
-    except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
-        choice.record_failure(BACKWARD, error)
-    return None
-
-
 def _chunked_gradients(
     inputs: LinearAttentionInputs, needs_grad: tuple[bool, ...], grad_output: torch.Tensor,
     grad_state: torch.Tensor | None,
@@ -49,8 +36,11 @@ def _chunked_gradients(
     leaves = [
         None if t is None else t.detach().requires_grad_(needed) for t, needed in zip(inputs.differentiable, needs_grad)
     ]
+    q, k, v, k_enc, v_enc, initial_state, gate = leaves
     with torch.enable_grad():
-        output, state = chunked_prefill(inputs.with_differentiable(*leaves))
+        output, state = chunked_prefill(
+            inputs._replace(q=q, k=k, v=v, k_enc=k_enc, v_enc=v_enc, initial_state=initial_state, gate=gate)
+        )
     wanted = [t for t, needed in zip(leaves, needs_grad) if needed and t is not None]
     outputs, grads = (output, state), (grad_output, grad_state)
     if grad_state is None:
@@ -92,12 +82,19 @@ class _KernelWithSafeBackward(torch.autograd.Function):
             gate, ctx.eps, ctx.chunk_size,
         )  # validated when the forward ran
         grad_output = torch.zeros_like(v) if grad_output is None else grad_output
-        grads = _fused_backward_or_none(
-            ctx.choice, q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start,
-            encoder_end=encoder_end, key_mask=key_mask, strict=inputs.pad_masking == "strict",
-            initial_state=initial_state, log_decay=log_decay, gate=gate, eps=inputs.eps, output=output,
-            **backward_inputs,
-        )
+        grads, choice = None, ctx.choice
+        # Skipped once it failed for this choice; a failure marks the backward alone failed: the fused forward keeps
+        # running (so forwards that activation checkpointing recomputes take their original path).
+        if LINEAR_ATTENTION not in choice.failures and BACKWARD not in choice.failures:
+            try:
+                grads = choice.kernels().prefix_linear_attention_backward_triton(
+                    q, k, v, k_enc, v_enc, grad_output, grad_state, encoder_start=encoder_start,
+                    encoder_end=encoder_end, key_mask=key_mask, strict=inputs.pad_masking == "strict",
+                    initial_state=initial_state, log_decay=log_decay, gate=gate, eps=inputs.eps, output=output,
+                    **backward_inputs,
+                )
+            except Exception as error:  # noqa: BLE001 -- any compile/launch failure of the optional kernel
+                choice.record_failure(BACKWARD, error)
         if grads is None:
             grads = _chunked_gradients(inputs, ctx.needs_input_grad[2:9], grad_output, grad_state)
         return (None, None, *grads)

@@ -49,16 +49,6 @@ class LinearAttentionInputs(NamedTuple):
         """`(q, k, v, k_enc, v_enc, initial_state, gate)`: the inputs a gradient flows to (None where absent)."""
         return self.q, self.k, self.v, self.k_enc, self.v_enc, self.initial_state, self.gate
 
-    @property
-    def is_empty(self) -> bool:
-        """No rows or no tokens: nothing to scan or launch."""
-        return self.q.shape[0] == 0 or self.q.shape[1] == 0
-
-    def with_differentiable(self, *tensors: torch.Tensor | None) -> LinearAttentionInputs:
-        """The same inputs with `differentiable` replaced (e.g. by detached leaves); shapes are unchanged."""
-        q, k, v, k_enc, v_enc, initial_state, gate = tensors
-        return self._replace(q=q, k=k, v=v, k_enc=k_enc, v_enc=v_enc, initial_state=initial_state, gate=gate)
-
     def kernel_options(self) -> dict:
         """The keyword arguments of the `jrt_kernels` prefill launcher besides q, k, v, k_enc, v_enc."""
         return dict(
@@ -81,10 +71,8 @@ class LinearAttentionInputs(NamedTuple):
         encoder = None if in_range is None else in_range[:, :encoder_length]
         if key_mask is None:
             return None, None, encoder
-        if pad_masking == "strict" or in_range is None:
-            decoder = key_mask
-        else:  # "reference": a masked key inside the encoder range keeps its weight-1 constant term
-            decoder = key_mask | in_range
+        # "reference": a masked key inside the encoder range keeps its weight-1 constant term
+        decoder = key_mask if pad_masking == "strict" or in_range is None else key_mask | in_range
         if encoder is not None and pad_masking == "strict":
             encoder = encoder & key_mask[:, :encoder_length]
         return key_mask, decoder, encoder

@@ -106,27 +106,6 @@ def _normalise(readout: torch.Tensor, gate: torch.Tensor | None, eps: float) -> 
     return numerator / (readout[..., -1:] + eps)
 
 
-def _validate_step_at_slots(q, k, v, pool, slots, log_decay, gate) -> None:
-    """The arguments of `linear_attention_step_at_slots` (those of a one-token step, and the pool and its slots)."""
-    if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(
-            f"q, k must be (B, H, K) and v (B, H, V) with the same B and H; got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}."
-        )
-    batch_size, num_heads, feature_dim = q.shape
-    validate_linear_attention_inputs(
-        q[:, None], k[:, None], v[:, None], log_decay=log_decay, gate=None if gate is None else gate[:, None]
-    )
-    state = (num_heads, num_taylor_features(feature_dim), v.shape[-1] + 1)
-    if pool.ndim != 4 or tuple(pool.shape[1:]) != state or pool.dtype not in (torch.float32, torch.float64):
-        raise ValueError(
-            f"pool must be an fp32 (N, H, F, V + 1) = (N, {', '.join(map(str, state))}) tensor of states; got "
-            f"{tuple(pool.shape)} {pool.dtype}."
-        )
-    if slots.shape != (batch_size,) or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slots must be ({batch_size},) int32 / int64; got {tuple(slots.shape)} {slots.dtype}.")
-
-
 def _read_at_slots(phi_q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """phi(q) `(B, H, F)` read against the states `pool[slots]` `(B, H, F, V + 1)` -> `(B, H, V + 1)`, without copying
     them out: one weighted `embedding_bag` ("sum") over the pool seen as rows of V + 1 values, one bag per (b, h). A
@@ -200,7 +179,23 @@ def linear_attention_step_at_slots(
 
     Returns `(B, H, V)` in v's dtype; a `ValueError` names an argument of the wrong shape or dtype.
     """
-    _validate_step_at_slots(q, k, v, pool, slots, log_decay, gate)
+    if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"q, k must be (B, H, K) and v (B, H, V) with the same B and H; got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}."
+        )
+    batch_size, num_heads, feature_dim = q.shape
+    validate_linear_attention_inputs(
+        q[:, None], k[:, None], v[:, None], log_decay=log_decay, gate=None if gate is None else gate[:, None]
+    )
+    state = (num_heads, num_taylor_features(feature_dim), v.shape[-1] + 1)
+    if pool.ndim != 4 or tuple(pool.shape[1:]) != state or pool.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"pool must be an fp32 (N, H, F, V + 1) = (N, {', '.join(map(str, state))}) tensor of states; got "
+            f"{tuple(pool.shape)} {pool.dtype}."
+        )
+    if slots.shape != (batch_size,) or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be ({batch_size},) int32 / int64; got {tuple(slots.shape)} {slots.dtype}.")
     run_pytorch = functools.partial(_step_in_pool, q, k, v, pool, slots, log_decay, gate, eps)
     choice = KernelChoice.of(implementation)
     if choice.linear_attention(q.device) != "triton":  # the step has one PyTorch form

@@ -1,14 +1,11 @@
 """The losses `JRTRNNForCausalLM.forward` computes: the JRT objective and the leak-free next-token targets.
 
-The data collator that builds JRT training batches is `jrt_train.JRTDataCollator`.
-
     loss = mean NTP cross-entropy + mlm_weight * mean MLM cross-entropy        (mlm_weight = 0.25)
 
-Gradient accumulation: `Trainer` passes the NTP targets of a whole optimizer step as `num_items_in_batch` = N and
-sums the micro-batch losses. The NTP part is `sum(CE) / N`, an exact global mean. `Trainer` does not count the MLM
-targets, so each micro-batch contributes `mlm_weight * mean_MLM(micro-batch) * n_ntp(micro-batch) / N`: exact with a
-fixed mask count per sequence, the average of the micro-batch means (as the reference computes across its GPUs)
-with Bernoulli masking. Without `num_items_in_batch` the loss is `mean NTP + mlm_weight * mean MLM` of the batch.
+Gradient accumulation (docs/training.md): `Trainer` passes the NTP targets of a whole optimizer step as
+`num_items_in_batch` = N. The NTP part is then `sum(CE) / N`, an exact global mean; `Trainer` does not count the MLM
+targets, so each micro-batch adds `mlm_weight * mean_MLM(micro-batch) * n_ntp(micro-batch) / N` (exact with a fixed
+mask count per sequence). The collator of JRT training batches is `jrt_train.JRTDataCollator`.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ class JRTRNNShortConv(nn.Module):
         if mask is not None:
             conv_input = conv_input * mask[:, :, None].to(conv_input.dtype)
         # 3. Causal depthwise convolution over [earlier inputs, new inputs]; then the state keeps the last K - 1.
-        history = None if state is None else state.history(conv_input.dtype)  # (B, D, K - 1) or None
+        history = None if state is None or state.inputs is None else state.inputs.to(conv_input.dtype)  # (B, D, K - 1)
         if seq_len == 1 and history is not None:
             # A decode step: one window [history, x] per channel, one multiply-add (no shifted taps).
             window = torch.cat([history, conv_input.transpose(1, 2)], dim=-1)  # (B, D, K)
@@ -212,12 +212,11 @@ class JRTRNNSlidingWindowAttention(nn.Module):
         state = layer_state if layer_state is not None or cache is None else cache.layers[self.layer_idx]
         batch_size, seq_len, _ = hidden_states.shape
         hidden_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
-        # 1. Projections and RoPE.
-        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
-        cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        # 1. Projections (B, H, T, D) and RoPE.
+        query, key, value = [
+            proj(hidden_states).view(hidden_shape).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)
+        ]
+        query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
         # 2. The cached window (and its padding flags) goes in front of the new keys: (B, H, S, D), mask (B, S).
         key_mask = None if attention_mask is None else attention_mask.bool()  # (B, T)
         if state is not None:
@@ -545,9 +544,7 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
         cache = resolve_cache(cache, past_key_values, config, batch_size)
         if use_cache is None:  # config.use_cache is the inference default: training builds no cache unless asked
             use_cache = config.use_cache and not self.training
-        if self.gradient_checkpointing and self.training and use_cache:
-            use_cache = False
-        if use_cache and cache is None:
+        if use_cache and cache is None and not (self.gradient_checkpointing and self.training):
             cache = JRTRNNCache(config)
         continuing = cache is not None and cache.has_state
         if continuing and prefix_strategy is not None:

@@ -188,7 +188,16 @@ def plan_prefix(
     else:
         fill_columns = int((fill - start).clamp(min=0).max()) if batch_size > 0 else 0
     if strategy == "pad" and not compiling and bool((fill > 0).any()):
-        check_fill_token(pad_token_id, config.vocab_size)
+        if pad_token_id is None:
+            raise ValueError(
+                "prefix_strategy='pad' needs a fill token: pass `prefix_pad_token_id=` or set "
+                "`config.prefix_pad_token_id` (220, GPT-2's ' ', in the released models)."
+            )
+        if not 0 <= pad_token_id < config.vocab_size:
+            raise ValueError(
+                f"prefix_pad_token_id={pad_token_id} is not a token of this model (vocab_size={config.vocab_size}): "
+                "pass another `prefix_pad_token_id=`, or `prefix_strategy='repeat'`/`'none'`."
+            )
     # 2. The encoder's read in the model's columns: the fill right before the row's first token, then its prompt.
     read_start = start + fill_columns - fill
     read_end = read_start + fill + encoder_tokens
@@ -203,19 +212,6 @@ def plan_prefix(
         read_start=read_start, read_end=read_end, fill_columns=fill_columns, read_width=read_width,
         strategy=strategy, pad_token_id=pad_token_id,
     )
-
-
-def check_fill_token(pad_token_id: int | None, vocab_size: int) -> None:
-    if pad_token_id is None:
-        raise ValueError(
-            "prefix_strategy='pad' needs a fill token: pass `prefix_pad_token_id=` or set "
-            "`config.prefix_pad_token_id` (220, GPT-2's ' ', in the released models)."
-        )
-    if not 0 <= pad_token_id < vocab_size:
-        raise ValueError(
-            f"prefix_pad_token_id={pad_token_id} is not a token of this model (vocab_size={vocab_size}): pass "
-            "another `prefix_pad_token_id=`, or `prefix_strategy='repeat'`/`'none'`."
-        )
 
 
 def fill_prefix(

@@ -33,22 +33,6 @@ def default_block_size(sliding_window: int) -> int:
     return max(MIN_BLOCK_SIZE, sliding_window // 2)
 
 
-def _aligned_keys(
-    key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor, query_length: int, sliding_window: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Drop the keys no query can see, or pad invalid keys in front, so that exactly `W - 1` keys precede the first
-    query: key, value (B, H, S, D); key_mask (B', S), B' in {1, B} -> (B, H, T + W - 1, D) twice, (B', T + W - 1)."""
-    past = key.shape[2] - query_length  # keys before the first query (the cached window)
-    lead = sliding_window - 1 - past
-    if lead < 0:  # more history than any query can see
-        return key[:, :, -lead:], value[:, :, -lead:], key_mask[:, -lead:]
-    if lead > 0:
-        key = F.pad(key, (0, 0, lead, 0))
-        value = F.pad(value, (0, 0, lead, 0))
-        key_mask = F.pad(key_mask, (lead, 0), value=False)
-    return key, value, key_mask
-
-
 def _fold_blocks(x: torch.Tensor) -> torch.Tensor:
     """(B, H, N, Q, D) -> (B * N, H, Q, D): the fused SDPA kernels take 4D inputs only."""
     batch_size, num_heads, num_blocks, rows, head_dim = x.shape
@@ -80,9 +64,15 @@ def blocked_sliding_window_attention(
     if query_length == 1:  # a decode step: the last W keys, no band and no blocks
         return _one_query_attention(query, key, value, key_mask, window, scaling, implementation)
     padded = key_mask is not None  # without padding every query sees at least itself
-    if key_mask is None:
-        key_mask = torch.ones(1, key.shape[2], dtype=torch.bool, device=key.device)
-    key, value, key_mask = _aligned_keys(key, value, key_mask.bool(), query_length, window)
+    key_mask = torch.ones(1, key.shape[2], dtype=torch.bool, device=key.device) if key_mask is None else key_mask.bool()
+    # Exactly W - 1 keys before the first query: drop those no query can see, or pad invalid keys in front. key, value
+    # (B, H, T + W - 1, D), key_mask (B', T + W - 1), B' in {1, B}.
+    lead = window - 1 - (key.shape[2] - query_length)  # keys before the first query: the cached window
+    if lead < 0:  # more history than any query can see
+        key, value, key_mask = key[:, :, -lead:], value[:, :, -lead:], key_mask[:, -lead:]
+    elif lead > 0:
+        key, value = F.pad(key, (0, 0, lead, 0)), F.pad(value, (0, 0, lead, 0))
+        key_mask = F.pad(key_mask, (lead, 0), value=False)
 
     # 1. Blocks of Q query rows; the last one is padded at the end (its extra rows are cut off at the end).
     rows = min(query_length, block_size or default_block_size(window))

@@ -17,21 +17,16 @@ MAX_TRANSFORMERS = (6, 0)
 TRANSFORMERS_RANGE = f">={MIN_TRANSFORMERS[0]}.{MIN_TRANSFORMERS[1]},<{MAX_TRANSFORMERS[0]}"
 
 
-def release_tuple(version: str) -> tuple[int, int]:
-    """(major, minor) of a version string such as "5.24.0", "5.25.0.dev0" or "6.0.0rc1"."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    if match is None:
-        raise ValueError(f"Cannot read a transformers version from {version!r}.")
-    return int(match.group(1)), int(match.group(2))
-
-
 def check_transformers_release(version: str | None = None) -> None:
     """Raise `ImportError` in one line unless `version` (default: the installed transformers) is in the range."""
     if version is None:
         import transformers
 
         version = transformers.__version__
-    if not MIN_TRANSFORMERS <= release_tuple(version) < MAX_TRANSFORMERS:
+    match = re.match(r"(\d+)\.(\d+)", version)  # "5.24.0", "5.25.0.dev0", "6.0.0rc1"
+    if match is None:
+        raise ValueError(f"Cannot read a transformers version from {version!r}.")
+    if not MIN_TRANSFORMERS <= (int(match.group(1)), int(match.group(2))) < MAX_TRANSFORMERS:
         raise ImportError(
             f"jrt-rnn's model code needs transformers{TRANSFORMERS_RANGE}; found {version}. Install a release in the "
             f'range: pip install "transformers{TRANSFORMERS_RANGE}"'
