@@ -365,11 +365,9 @@ def _forward_case() -> Case:
             module._prefix_linear_attention_fwd(*inputs, True, 1e-12, training)
 
     return Case(
-        name="prefix_linear_attention_fwd",
+        "prefix_linear_attention_fwd", launch=launch, programs=_value_block_programs,
         kernels=lambda: [module._kernel_for(torch.device("cpu"), PAPER["V"])],  # the autotuner a CPU launch takes
-        launch=launch,
         trips=lambda kernel, meta, T, M: [math.ceil(M / meta["BT"]), math.ceil(T / meta["BT"])],
-        programs=_value_block_programs,
         flops=lambda T, M: pla_flops(T, M, PAPER["K"], PAPER["V"]),
         bytes=lambda T, M, size: pla_bytes(T, M, PAPER["K"], PAPER["V"], size),
         configs=lambda arch, kernel, kwargs: module.configs_for_architecture(arch // 10),
@@ -408,15 +406,11 @@ def _backward_case() -> Case:
                 for BT, warps in module.configs_for_architecture(arch // 10)[scan]]
 
     return Case(
-        name="prefix_linear_attention_bwd",
-        kernels=lambda: [module._pla_bwd_dq_kernel, module._pla_bwd_dkv_kernel],
-        launch=launch,
-        trips=trips,
-        programs=_value_block_programs,
+        "prefix_linear_attention_bwd", lambda: [module._pla_bwd_dq_kernel, module._pla_bwd_dkv_kernel], launch,
+        trips=trips, programs=_value_block_programs, configs=configs,
         # dq (with the state rebuilt) + dk/dv: about 2 forwards
         flops=lambda T, M: 2 * pla_flops(T, M, PAPER["K"], PAPER["V"]),
         bytes=lambda T, M, size: 2 * pla_bytes(T, M, PAPER["K"], PAPER["V"], size),
-        configs=configs,
     )
 
 
@@ -459,14 +453,10 @@ def _decode_case() -> Case:
         module._linear_attention_decode(q, k, v, pool, slots, log_decay, gate, 1e-12)
 
     return Case(
-        name="linear_attention_decode",
-        kernels=lambda: [module._linear_attention_decode_kernel],
-        launch=launch,
-        trips=lambda kernel, meta, T, M: [math.ceil(F / meta["BF"])],
-        programs=lambda meta, B, H, T, M: B * H,
+        "linear_attention_decode", lambda: [module._linear_attention_decode_kernel], launch, decode=True,
+        trips=lambda kernel, meta, T, M: [math.ceil(F / meta["BF"])], programs=lambda meta, B, H, T, M: B * H,
         flops=lambda T, M: 6 * F * (V + 1),  # decay, rank-1 update and read of the state
         bytes=lambda T, M, size: 2 * F * (V + 1) * 4 + (2 * K + 2 * V) * size,  # the state read and written once
-        decode=True,
     )
 
 
@@ -480,12 +470,10 @@ def _segments_case() -> Case:
         module._prefix_linear_attention_fwd(*inputs, True, 1e-12, False, module.SEGMENT_ALIGN)
 
     return Case(
-        name="prefix_linear_attention_segments",
+        "prefix_linear_attention_segments", launch=launch, estimated=False,
         kernels=lambda: [module._kernel_for(torch.device("cpu"), PAPER["V"], module._segment_states_kernel),
                          module._kernel_for(torch.device("cpu"), PAPER["V"])],
-        launch=launch,
         configs=lambda arch, kernel, kwargs: module.configs_for_architecture(arch // 10),
-        estimated=False,
     )
 
 

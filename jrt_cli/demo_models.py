@@ -43,21 +43,17 @@ class DemoArm:
     repeat: int = 1
 
 
-DEMO_ARMS = (
-    DemoArm("JRT-RNN (prefix linear attention)", JRT_DEMO_MODEL),
-    DemoArm("Based (causal linear attention)", BASED_DEMO_MODEL),
-    DemoArm("Based + JRT-Prompt (input twice)", BASED_DEMO_MODEL, repeat=2),
-)
+DEMO_ARMS = (DemoArm("JRT-RNN (prefix linear attention)", JRT_DEMO_MODEL),
+             DemoArm("Based (causal linear attention)", BASED_DEMO_MODEL),
+             DemoArm("Based + JRT-Prompt (input twice)", BASED_DEMO_MODEL, repeat=2))
 
 
 def load_demo_model(model_dir: str, models_dir: Path = MODELS_DIR) -> tuple[torch.nn.Module, dict]:
     """(model in eval mode, token map) of a shipped demo model, e.g. `"jrt-rnn-sd"`."""
     path = models_dir / model_dir
     if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"No demo model in {path}: reinstall jrt-rnn, or pass the folder of models exported by "
-            "`python experiments/synthetic export` (see its README)."
-        )
+        raise FileNotFoundError(f"No demo model in {path}: reinstall jrt-rnn, or pass the folder of models exported by "
+                                "`python experiments/synthetic export` (see its README).")
     try:
         model = AutoModelForCausalLM.from_pretrained(path)
     except Exception as error:  # noqa: BLE001 -- a damaged or foreign folder: one line naming it
@@ -185,9 +181,8 @@ def demo_batch(num_examples: int, repeat: int = 1, seed: int = DEMO_SEED, vocab_
     rng = np.random.RandomState(seed)
     sizes = [num_examples // len(slices) + (i < num_examples % len(slices)) for i in range(len(slices))]
     parts = [set_disjointness(rng, n, a, b, vocab_size, repeat) for n, (a, b) in zip(sizes, slices) if n]
-    return SyntheticBatch(
-        torch.cat([p.input_ids for p in parts]), torch.cat([p.labels for p in parts]), parts[0].prefix_length
-    )
+    return SyntheticBatch(torch.cat([p.input_ids for p in parts]), torch.cat([p.labels for p in parts]),
+                          parts[0].prefix_length)
 
 
 @torch.no_grad()

@@ -62,10 +62,8 @@ def load_lm(args: argparse.Namespace):
             check_model_source(name, flag)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return JRTLM(
-            pretrained=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=device,
-            batch_size=args.batch_size, trust_remote_code=args.trust_remote_code, max_length=args.max_length,
-        )
+        return JRTLM(pretrained=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=device,
+                     batch_size=args.batch_size, trust_remote_code=args.trust_remote_code, max_length=args.max_length)
     except (OSError, ValueError) as error:  # transformers: missing files (OSError), no model_type (ValueError)
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise RuntimeError(f"cannot load --model {args.model}: {reason}") from None

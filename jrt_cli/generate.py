@@ -26,8 +26,7 @@ MAX_SEED = 2**64 - 1  # torch.manual_seed takes a 64-bit seed
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "generate",
-        help="stream a continuation of a prompt",
+        "generate", help="stream a continuation of a prompt",
         description="Generate from a JRT-RNN / Based checkpoint (local folder or Hub id), streaming to stdout.",
     )
     parser.add_argument("--model", required=True, help="checkpoint folder or Hub repo id")
@@ -113,8 +112,7 @@ def warn_unfit_tokenizer(tokenizer, config) -> None:
         print(
             f"note: the tokenizer has {len(tokenizer):,} tokens but the model generates ids up to {generated - 1:,}: "
             "ids the tokenizer lacks print as nothing. Pass the tokenizer the model was trained with (--tokenizer).",
-            file=sys.stderr,
-        )
+            file=sys.stderr)
 
 
 def explain_a_blank_continuation(tokenizer, prompt_ids: list[int], output_ids: list[int]) -> None:
@@ -132,8 +130,7 @@ def explain_a_blank_continuation(tokenizer, prompt_ids: list[int], output_ids: l
         print(
             f"note: {prompt_ids.count(unknown)} of the prompt's {len(prompt_ids)} tokens are words the tokenizer "
             f"does not know (read as {tokenizer.unk_token!r}): write the prompt in the model's vocabulary.",
-            file=sys.stderr,
-        )
+            file=sys.stderr)
 
 
 def prompt_echo_streamer(tokenizer, prompt: str):

@@ -176,10 +176,8 @@ def check_arguments_early(lm_eval_args: argparse.Namespace) -> None:
     is_jrt = getattr(lm_eval_args, "model", None) == "jrt"
     model_args = (lm_eval_args.model_args or {}) if is_jrt else {}
     if is_jrt and (not isinstance(model_args, dict) or not model_args.get("pretrained")):
-        raise UsageError(
-            "the `jrt` model needs the checkpoint: --model_args pretrained=PATH_OR_HUB_ID[,key=value ...] "
-            f"(got {model_args or 'none'!r})."
-        )
+        raise UsageError("the `jrt` model needs the checkpoint: --model_args pretrained=PATH_OR_HUB_ID[,key=value ...] "
+                         f"(got {model_args or 'none'!r}).")
     tasks = getattr(lm_eval_args, "tasks", None)
     if tasks is not None:
         names = _task_names(tasks)

@@ -19,12 +19,10 @@ import sys
 _SYLLABLES = ("ka", "lo", "mir", "zen", "tu", "var", "el", "dro", "qui", "sa", "nor", "bex", "ri", "fal", "gu", "ost")
 _COLORS = ("amber", "teal", "crimson", "ochre", "violet", "slate", "jade", "ivory")
 # (key of the extraction record, phrase of the QA record, natural question, how a value is drawn)
-_ATTRIBUTES = (
-    ("founded", "was founded in", "When was {} founded?", "year"),
-    ("headquarters", "has its headquarters in", "Where are the headquarters of {}?", "place"),
-    ("mascot", "has a mascot called", "What is the mascot of {}?", "name"),
-    ("color", "uses the signature color", "What is the signature color of {}?", "color"),
-)
+_ATTRIBUTES = (("founded", "was founded in", "When was {} founded?", "year"),
+               ("headquarters", "has its headquarters in", "Where are the headquarters of {}?", "place"),
+               ("mascot", "has a mascot called", "What is the mascot of {}?", "name"),
+               ("color", "uses the signature color", "What is the signature color of {}?", "color"))
 
 
 def _word(rng: random.Random, syllables: int) -> str:

@@ -82,10 +82,8 @@ def load_state_dict_safely(
 
 
 # What a damaged legacy pickle (or a damaged zip record) can raise inside torch.load.
-_READ_ERRORS = (
-    EOFError, RuntimeError, zipfile.BadZipFile, IndexError, KeyError, ValueError, TypeError, AttributeError,
-    struct.error, OverflowError, MemoryError,
-)
+_READ_ERRORS = (EOFError, RuntimeError, zipfile.BadZipFile, IndexError, KeyError, ValueError, TypeError,
+                AttributeError, struct.error, OverflowError, MemoryError)
 _REAL_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # How to convert a trusted checkpoint that holds Python objects besides tensors.
 _EXTRACT_WEIGHTS = (

@@ -133,11 +133,9 @@ def _int(value: object, field: str) -> int:
     if field in BOUNDS:
         low, high = BOUNDS[field]
         if not low <= value <= high:
-            raise ConversionError(
-                f"config.json field {field!r} must be between {low} and {high}, got "
-                f"{f'{value:g}' if isinstance(value, float) else value}: fix config.json (or use "
-                "the config.json that belongs to these weights)."
-            )
+            raise ConversionError(f"config.json field {field!r} must be between {low} and {high}, got "
+                                  f"{f'{value:g}' if isinstance(value, float) else value}: fix config.json (or use "
+                                  "the config.json that belongs to these weights).")
     return int(value)
 
 
@@ -406,10 +404,8 @@ def detect_family(
         )
     encoder_keys = [k for k in keys if k.endswith("mixer.proj_k_enc.weight")]
     if encoder_keys or "prefix" in arch.linear_attention_target.lower():
-        evidence = (
-            f"prefix linear attention ({len(encoder_keys)} '*.mixer.proj_k_enc.weight' keys, "
-            f"alt_mixer {arch.linear_attention_target!r})"
-        )
+        evidence = (f"prefix linear attention ({len(encoder_keys)} '*.mixer.proj_k_enc.weight' keys, "
+                    f"alt_mixer {arch.linear_attention_target!r})")
         return _checked(requested, "jrt", evidence)
 
     markers = []
@@ -474,10 +470,8 @@ def translate_config(
             )
         decay = decay_proj = arch.use_decay_proj
         if arch.fixed_decay and not arch.use_decay_proj:
-            notes.append(
-                "fixed_decay=true without use_decay_proj: the reference parallel forward ignores the decay "
-                "(it only reaches its recurrent step, a train/inference mismatch), so it is not applied."
-            )
+            notes.append("fixed_decay=true without use_decay_proj: the reference parallel forward ignores the decay "
+                         "(it only reaches its recurrent step, a train/inference mismatch), so it is not applied.")
     elif arch.fixed_decay:
         notes.append(f"fixed_decay=true is ignored: the {spec.name} reference loader never applies the decay.")
     if arch.use_decay_proj and not spec.applies_decay:

@@ -132,10 +132,8 @@ def map_state_dict(
             if expected is None:
                 problems["unfilled"].append(f"{target_key} (named by the key table, absent from the model)")
             elif tuple(block_shape) != tuple(expected):
-                problems["shape"].append(
-                    f"{source_key} {tuple(tensor.shape)} -> {target_key} expects {tuple(expected)}"
-                    + (f" per block of {len(target_keys)}" if len(target_keys) > 1 else "")
-                )
+                problems["shape"].append(f"{source_key} {tuple(tensor.shape)} -> {target_key} expects {tuple(expected)}"
+                                         + (f" per block of {len(target_keys)}" if len(target_keys) > 1 else ""))
             else:
                 sources[target_key] = TensorSource(source_key, block, len(target_keys))
     problems["unexpected"] = sorted(k for k in source if k not in consumed)
@@ -154,10 +152,8 @@ def _check_decay_buffer(buffer: torch.Tensor, arch: ReferenceArchitecture, shape
     heads = torch.arange(arch.num_heads, dtype=torch.float64)
     expected = torch.log1p(-torch.pow(2.0, arch.decay_const - heads))
     if not torch.allclose(buffer.double(), expected, rtol=1e-4, atol=1e-6):
-        shape_problems.append(
-            f"{DECAY_BUFFER_KEY} holds {buffer.tolist()}, not log(1 - 2**(decay_const - h)) with "
-            f"decay_const={arch.decay_const:g}: check decay_const in config.json"
-        )
+        shape_problems.append(f"{DECAY_BUFFER_KEY} holds {buffer.tolist()}, not log(1 - 2**(decay_const - h)) with "
+                              f"decay_const={arch.decay_const:g}: check decay_const in config.json")
     return f"dropped {DECAY_BUFFER_KEY} (a constant: log(1 - 2**(decay_const - h)), decay_const={arch.decay_const:g})"
 
 

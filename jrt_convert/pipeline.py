@@ -236,10 +236,8 @@ def check_options(
                 "id such as 'gpt2' or 'openai-community/gpt2'."
             )
         if not looks_like_path and not (is_repo_id(tokenizer) or _BARE_HUB_ID.match(tokenizer)):
-            raise OptionError(
-                f"--tokenizer {tokenizer!r} is neither an existing folder nor a Hub id such as 'gpt2' or "
-                "'openai-community/gpt2'."
-            )
+            raise OptionError(f"--tokenizer {tokenizer!r} is neither an existing folder nor a Hub id such as 'gpt2' or "
+                              "'openai-community/gpt2'.")
     # An absolute path: `.` and `..` have no name to derive the staging folders' names from.
     absolute = Path(os.path.abspath(Path(destination).expanduser()))
     if not absolute.name:

@@ -43,9 +43,7 @@ FAMILIES: dict[str, tuple[str | None, str | None, str, bool]] = {
 }
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Your own documents: the JSON Lines record format
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------- Your own documents: the JSON Lines record format
 
 
 @dataclass(frozen=True)
@@ -134,9 +132,7 @@ def record_doc(record: RecallRecord) -> dict:
             "answers": list(record.answers), "template": record.template, "id": record.id, "line": record.line}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Hub exports -> the task schema
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------- Hub exports -> the task schema
 
 
 def _answers(value: Any) -> list[str]:
@@ -238,9 +234,7 @@ def window_context(doc: dict, tokenizer, context_tokens: int, answer_tokens: int
                             answers=anchors if centred else ())
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Prompts and metric (the task YAMLs' doc_to_text / doc_to_target / process_results)
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------- Prompts and metric (the task YAMLs' doc_to_text / doc_to_target / process_results)
 
 
 def _prompt(doc: dict, repeats: int) -> str:

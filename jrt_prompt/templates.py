@@ -31,9 +31,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Prompt templates
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------- Prompt templates
 
 
 def _capitalize_first(text: str) -> str:
@@ -125,13 +123,6 @@ EXTRACTION_TEMPLATES: frozenset[str] = frozenset({"extraction", "swde", "fda"})
 """Templates whose `question` is an attribute key (SWDE/FDA style) rather than a question."""
 
 
-def _resolve_template(template: str) -> Callable[[str, str, str | None], _Document]:
-    name = _ALIASES.get(template, template)
-    if name not in _TEMPLATES:
-        raise ValueError(f"Unknown prompt template {template!r}; expected one of {', '.join(PROMPT_TEMPLATES)}.")
-    return _TEMPLATES[name]
-
-
 # Between two copies of the document in a JRT-Prompt (the reference's `*_twice` tasks).
 DOCUMENT_SEPARATOR = "\n"
 
@@ -176,7 +167,10 @@ def jrt_prompt(context: str, question: str, *, repeats: int = 2, template: str =
         'Where was Zorbin Vale born? Zorbin Vale was born in Ostrava.\\nZorbin Vale was born in Ostrava. Zorbin Vale was born in'
     """
     _check_repeats(repeats)
-    document = _resolve_template(template)(context, question, header)
+    name = _ALIASES.get(template, template)
+    if name not in _TEMPLATES:
+        raise ValueError(f"Unknown prompt template {template!r}; expected one of {', '.join(PROMPT_TEMPLATES)}.")
+    document = _TEMPLATES[name](context, question, header)
     if repeats == 1:
         return document.read_once
     return document.header + " " + DOCUMENT_SEPARATOR.join([document.text] * (repeats - 1) + [document.last])
@@ -191,11 +185,9 @@ def jrt_prompts(contexts: Sequence[str], questions: Sequence[str], *, repeats: i
                 headers: Sequence[str | None] | None = None) -> list[str]:
     """Batch form of `jrt_prompt`: one prompt per (context, question[, header]) triple, all with one template."""
     if len(contexts) != len(questions) or (headers is not None and len(headers) != len(contexts)):
-        raise ValueError(
-            f"Got {len(contexts)} contexts, {len(questions)} questions"
-            + ("" if headers is None else f" and {len(headers)} headers")
-            + "; pass one of each per prompt."
-        )
+        raise ValueError(f"Got {len(contexts)} contexts, {len(questions)} questions"
+                         + ("" if headers is None else f" and {len(headers)} headers")
+                         + "; pass one of each per prompt.")
     headers = [None] * len(contexts) if headers is None else headers
     return [jrt_prompt(context, question, repeats=repeats, template=template, header=header)
             for context, question, header in zip(contexts, questions, headers)]
@@ -206,9 +198,7 @@ def default_prompts(contexts: Sequence[str], questions: Sequence[str], *, templa
     return jrt_prompts(contexts, questions, repeats=1, template=template)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Truncation around the answer
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------- Truncation around the answer
 
 
 def find_answer(context: str, answers: Sequence[str]) -> int | None:

@@ -87,10 +87,8 @@ class JRTDataCollator:
                 "and use `JRTDataCollator.from_config(model.config)`."
             )
         if not _is_int(self.mask_token_id) or self.mask_token_id < 0:
-            raise ValueError(
-                f"`mask_token_id` must be a token id (an integer >= 0), got {self.mask_token_id!r} "
-                f"({type(self.mask_token_id).__name__})."
-            )
+            raise ValueError(f"`mask_token_id` must be a token id (an integer >= 0), got {self.mask_token_id!r} "
+                             f"({type(self.mask_token_id).__name__}).")
         for name in ("pad_token_id", "seed"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
@@ -110,10 +108,8 @@ class JRTDataCollator:
                 "(50263 in the released JRT models) or pass `mask_token_id` to `JRTDataCollator` directly."
             )
         if config.linear_attention_type != "prefix":
-            raise ValueError(
-                f"The JRT objective needs prefix linear attention, but `linear_attention_type` is "
-                f"{config.linear_attention_type!r}: train Based models with plain causal-LM labels."
-            )
+            raise ValueError(f"The JRT objective needs prefix linear attention, but `linear_attention_type` is "
+                             f"{config.linear_attention_type!r}: train Based models with plain causal-LM labels.")
         return cls(prefix_length=config.prefix_length, mask_token_id=config.mask_token_id, **kwargs)
 
     def __call__(self, examples: Sequence[Example]) -> dict[str, torch.Tensor]:

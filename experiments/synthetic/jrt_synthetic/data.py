@@ -1,13 +1,7 @@
 """Seeded generators of the synthetic recall tasks (docs/synthetics.md, section 1).
 
-Every generator returns a `SyntheticBatch`: `input_ids` and `labels` of the same shape `(B, T)`, where
-`labels[b, t]` is the token the model must predict *at* position t (not shifted: the label sits on the last token
-the model has read, e.g. on the final answer separator of set disjointness or on a query key of MQAR), and -100
-elsewhere. `prefix_length` is the length of the "prompt" a JRT-RNN encoder reads non-causally.
-
-Set disjointness is the task of the `jrt demo` models, so its generator lives in the package
-(`jrt_cli.set_disjointness`) and is re-exported here; MQAR and prefix-query MQAR are harness-only.
-
+Every generator returns a `SyntheticBatch` (labels not shifted, see `jrt_cli.set_disjointness`). Set disjointness,
+the task of the `jrt demo` models, lives there and is re-exported here; MQAR and prefix-query MQAR are harness-only.
 Randomness comes from a `numpy.random.RandomState` passed in by the caller, so one seed fixes a whole data stream.
 """
 
