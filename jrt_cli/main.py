@@ -39,9 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(f"jrt_cli.{name}").add_parser(subparsers)
     for subparser in subparsers.choices.values():
         # SUPPRESS keeps `jrt --debug COMMAND` working: the subcommand's default does not overwrite it.
-        subparser.add_argument(
-            "--debug", action="store_true", default=argparse.SUPPRESS, help="show the full traceback of errors"
-        )
+        subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                               help="show the full traceback of errors")
     return parser
 
 

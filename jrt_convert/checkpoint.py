@@ -135,11 +135,8 @@ def check_tensor_values(
         )
     if overflow:
         limit = torch.finfo(dtype).max
-        fix = (
-            "convert with --dtype bfloat16 or float32, which reach 3.4e+38"
-            if limit < torch.finfo(torch.float32).max
-            else "the checkpoint is damaged or diverged"
-        )
+        fix = ("convert with --dtype bfloat16 or float32, which reach 3.4e+38" if limit < torch.finfo(torch.float32).max
+               else "the checkpoint is damaged or diverged")
         raise ConversionError(
             f"{str(path)!r}: these tensors hold values beyond {str(dtype).removeprefix('torch.')}'s range "
             f"(+-{limit:.4g}; largest magnitude found {largest:.4g}): {_names(overflow)}. They would become Inf: {fix}."
