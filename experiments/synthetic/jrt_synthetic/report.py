@@ -33,12 +33,9 @@ def markdown_table(summary: dict) -> str:
         cells = [arm, str(stats["steps"]), " ".join(str(s) for s in stats["seeds"])]
         cells += [_mean_std(stats["mean"][s], stats["std"][s], stats["accuracy"][s]) for s in slices]
         state = stats["recurrent_state_floats"]
-        cells += [
-            ", ".join(f"{loss:.3f}" for loss in stats["final_train_loss"]),
-            f"{state['linear_attention']} + {state['conv']}",
-            str(stats["num_parameters"]),
-            f"{stats['ms_per_step']:.1f}",
-        ]
+        cells += [", ".join(f"{loss:.3f}" for loss in stats["final_train_loss"]),
+                  f"{state['linear_attention']} + {state['conv']}", str(stats["num_parameters"]),
+                  f"{stats['ms_per_step']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     if all("curve" in stats for stats in arms.values()):
         steps = list(next(iter(arms.values()))["curve"])
