@@ -16,7 +16,7 @@ import importlib
 
 # Public name -> the module of this package that defines it.
 _EXPORTS = {
-    "ConversionError": "source_files", "read_reference_checkpoint": "checkpoint", "FAMILIES": "families",
+    "ConversionError": "source_files", "FAMILIES": "families",
     "KNOWN_CHECKPOINTS": "families", "detect_family": "families", "read_architecture": "families",
     "download_reference_checkpoint": "hub", "push_to_hub": "hub", "DTYPES": "pipeline", "ConversionResult": "pipeline",
     "OptionError": "pipeline", "convert_checkpoint": "pipeline",

@@ -12,7 +12,6 @@ import pickle
 import re
 import struct
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,18 +20,6 @@ from .memory import MappedPages, NoRelease
 from .source_files import ConversionError, find_weights_file, load_reference_config
 
 _MODEL_PREFIX = re.compile(r"^model\.")
-
-
-@dataclass
-class ReferenceCheckpoint:
-    """A reference checkpoint as read from disk: its `config.json`, the normalised state dict, the weights file, the
-    keys the normalisation dropped, and whether the tensors came from a Lightning checkpoint's `state_dict` entry."""
-
-    config: dict
-    state_dict: dict[str, torch.Tensor]
-    weights_path: Path
-    dropped_keys: list[str]
-    is_lightning: bool
 
 
 def load_state_dict_safely(
@@ -313,16 +300,6 @@ def normalise_keys(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch
     return normalised, dropped
 
 
-def read_reference_checkpoint(source: Path, *, dtype: torch.dtype | None = None) -> ReferenceCheckpoint:
-    """Read `config.json` and the weights of a local reference checkpoint (a folder, or a weights file); `dtype` is
-    the conversion's target dtype (values that overflow it are refused)."""
-    weights_path = find_weights_file(source)
-    config = load_reference_config(weights_path.parent)
-    raw, is_lightning, _ = load_state_dict_safely(weights_path, dtype=dtype)
-    state_dict, dropped = normalise_keys(raw)
-    return ReferenceCheckpoint(config, state_dict, weights_path, dropped, is_lightning)
-
-
 def _unpickler_reason(error: BaseException) -> str:
     """The line of torch's long weights-only message that names the refused object."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -332,5 +309,7 @@ def _unpickler_reason(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-__all__ = ["ConversionError", "ReferenceCheckpoint", "check_file_integrity", "check_tensor_values", "find_weights_file",
-           "load_reference_config", "load_state_dict_safely", "normalise_keys", "read_reference_checkpoint"]
+__all__ = [
+    "ConversionError", "check_file_integrity", "check_tensor_values", "find_weights_file", "load_reference_config",
+    "load_state_dict_safely", "normalise_keys",
+]

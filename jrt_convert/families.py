@@ -20,7 +20,7 @@ import torch
 from .checkpoint import ConversionError
 
 FAMILIES = ("jrt", "based-jrt-release", "based-original")
-# GPT-2's " ": the token the reference pads a short JRT prefix with (docs/reference_architecture.md §4.3).
+# GPT-2's " ": the token the reference pads a short JRT prefix with (docs/reference_architecture.md §2.1).
 GPT2_PREFIX_PAD_TOKEN_ID = 220
 
 # The released checkpoints (`hazyresearch/NAME` on the Hub) and their families, used to name a family when the
