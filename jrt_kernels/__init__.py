@@ -26,9 +26,6 @@ KERNEL_API = 2
 (`modeling_jrt.kernel_choice.KERNEL_API`) and runs PyTorch against another; bump both together."""
 
 __all__ = [
-    "KERNEL_API",
-    "linear_attention_decode_triton",
-    "prefix_linear_attention_backward_triton",
-    "prefix_linear_attention_triton",
-    "rms_norm_triton",
+    "KERNEL_API", "linear_attention_decode_triton", "prefix_linear_attention_backward_triton",
+    "prefix_linear_attention_triton", "rms_norm_triton",
 ]

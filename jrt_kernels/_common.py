@@ -1,10 +1,9 @@
 """Triton helpers shared by the kernels (the prefill's forward and backward, and the launchers' device rule).
 
-Operand precision (docs/prefill.md §5): state and accumulators are fp32; `tl.dot` operands are cast to DOT (chunk
-operands: q, k, v, weights) or SDOT (operands that multiply the state, which grows with the sequence: bf16 for fp16
-inputs, whose range ends at 65504). fp32 inputs run as 3xTF32 (tensor cores, about fp32 accuracy). In triton's CPU
-interpreter a bf16 `tl.dot` multiplies raw bits, so EMULATE rounds each operand to its dtype and multiplies in fp32:
-the same arithmetic as a tensor core (exact products of rounded operands, fp32 sums).
+Operand precision (`dot_types`; docs/kernels.md "Numerics"): fp32 state and accumulators; `tl.dot` operands cast to
+DOT (chunk operands: q, k, v, weights) or SDOT (operands that multiply the state: bf16 for fp16 inputs); fp32 inputs
+as 3xTF32. EMULATE (triton's CPU interpreter, whose bf16 `tl.dot` multiplies raw bits) rounds each operand to its
+dtype and multiplies in fp32, as a tensor core does.
 """
 
 import torch
@@ -132,11 +131,9 @@ def dot_types(dtype: torch.dtype, interpreted: bool) -> dict:
     return dict(DOT=_TL_DTYPES[dtype], SDOT=state, EMULATE=interpreted, PRECISION="tf32")
 
 
-# The symmetric 2nd order (docs/prefill.md §4.2, docs/kernels.md "Notation and the state"): (q.k)**2 = sum_i q_i**2
-# k_i**2 + sum_{i<j} 2 q_i q_j k_i k_j, so a 2nd-order state keeps K diagonal rows and K (K - 1) / 2 pair rows. Pair p
-# is (i, i + d mod K) with i = p mod K, d = p // K + 1 (bands of K pairs; for even K the last band d = K / 2 holds its
-# first K / 2 pairs), which is exactly p < K (K - 1) / 2. Pair features x_i x_j are gathered by 0/1 selection matmuls,
-# and sums over the pairs containing a feature are scattered back by their transposes (tensor cores).
+# The symmetric 2nd order (docs/kernels.md "Notation and the state"): K diagonal rows and K (K - 1) / 2 pair rows.
+# Pair p < K (K - 1) / 2 is (i, i + d mod K) with i = p mod K, d = p // K + 1 (bands of K pairs; for even K the last
+# band d = K / 2 holds its first K / 2 pairs), gathered by 0/1 selection matrices and scattered back by transposes.
 
 
 @triton.jit
@@ -329,10 +326,8 @@ def _load_encoder_state_f(p, i_bh, o_k, o_v, m_v, V: tl.constexpr, BK: tl.conste
     return b_h0, b_h1, b_hd, b_hoa, b_hob, b_z0, b_z1, b_zz
 
 
-def _add_antisymmetric_part(
-    state: torch.Tensor, source: torch.Tensor, log_decay: torch.Tensor | None, K: int, T: int, *,
-    denominator: bool = False,
-) -> None:
+def _add_antisymmetric_part(state: torch.Tensor, source: torch.Tensor, log_decay: torch.Tensor | None, K: int, T: int,
+                            *, denominator: bool = False) -> None:
     """Add to a kernel's (B, H, F, V + 1) result, in place, the antisymmetric part (S_ij - S_ji) / 2 of `source`'s
     2nd-order numerator rows, which the kernels (symmetric 2nd order) do not carry and nothing reads, times
     gamma**T with the Based decay; with `denominator`, also that of its denominator column (no decay there).

@@ -1,16 +1,14 @@
 """Fused decode step of linear attention that updates each request's state where it lives, in a pool of slots.
 
-A serving engine keeps every request's recurrent state in one pool, `(N, H, F, V + 1)` fp32, and gives the rows of a
-decode batch their slots. Where the PyTorch step (`linear_attention_step`) gathers the states, updates the copy and
-writes it back, this kernel reads each state once and writes it once, at its slot:
+A serving engine keeps every request's recurrent state in one `(N, H, F, V + 1)` fp32 pool. Where the PyTorch step
+gathers the states, updates the copy and writes it back, this kernel reads each state once and writes it once, at its
+slot (docs/kernels.md "The decode step at its slot"):
 
     S[slot_b, h]  = S[slot_b, h] * [gamma_h ... gamma_h, 1] + phi(k_bh) [v_bh, 1]^T      (in place)
     o_bh          = g_bh * (phi(q_bh)^T S[slot_b, h])[:V] / ((phi(q_bh)^T S[slot_b, h])[V] + eps)
 
 with `phi` the Taylor feature map (`modeling_jrt.linear_attention.taylor_feature_map`, F = 1 + K + K^2, computed on
-chip), gamma the Based fixed decay (numerator columns only) and g the Based numerator gate. One program per
-(request, head) walks the state in blocks of BF features; the slots are a device tensor, so the launch can be captured
-in a CUDA graph.
+chip), gamma the Based fixed decay (numerator columns only) and g the Based numerator gate.
 """
 
 from __future__ import annotations

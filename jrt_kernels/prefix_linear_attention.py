@@ -2,28 +2,12 @@
 fused backward (autograd through `torch.library`) and the Based decay / gate.
 
 The math, the argument checks and the reference (`prefix_linear_attention_chunked`) are in
-`modeling_jrt.linear_attention` (docs/prefill.md §4); the design of this kernel in docs/kernels.md. The dispatcher
+`modeling_jrt.linear_attention` (docs/prefill.md §4); the design of these kernels (the encoder loop, the transposed
+decoder scan, the key-mask launches, the sequence-parallel prefill) in docs/kernels.md. The dispatcher
 `prefix_linear_attention(..., implementation="triton")` validates the arguments and calls
 `prefix_linear_attention_triton`, which only asserts them. One program per (value block of BV columns, batch x head)
-keeps its columns of the fp32 state on chip and
-
-    1. reduces the encoder over the row's range: state = initial_state + sum_{start<=m<end} phi(ke_m) [ve_m, 1]
-    2. scans the T decoder tokens in chunks of BT, starting from that state, transposed (value dim first):
-           inter  num^T  = h0 + h1^T Q'_c^T + 1/2 hd^T (Q'_c**2)^T + ho^T P(Q'_c)^T      (tensor cores)
-                  den    = z0 + Q'_c z1 + 1/2 colsum(Q'_c^T * (Z Q'_c^T))                Z = sum k' k'^T, (K, K)
-           intra  num^T += V_c^T tril(1 + S + S**2 / 2)^T,  den += colsum(...)          S^T = K'_c Q'_c^T
-           update h0 += V_c^T 1,  h1^T += V_c^T K'_c,  hd^T += V_c^T K'_c**2,  ho^T += V_c^T P(K'_c),
-                  z0, z1, Z += K'_c^T K'_c
-           y_c = num / (den + eps)
-    3. writes the final state (sum over all keys, fp32) in the layout of the generation cache.
-
-Here x' = x / K**(1/4), phi(x) = [1, x', vec(x' x'^T) / sqrt(2)]; the 2nd order is held symmetric (`_common`: K
-diagonal rows hd and K (K - 1) / 2 pair rows ho, in two halves). The Based decay multiplies the numerator weights by
-gamma**(i - j) and the state's numerator by gamma per token; the gate multiplies each query's numerator. A key mask
-takes two launches (`_key_rows`: rows whose mask is one range, and the others). The sequence-parallel prefill
-(`segment_length`, `auto_segment_length`) cuts each row into NSEG segments: `_segment_states_kernel` reduces each
-segment's keys alone, `_states_before_segments` sums them into each segment's start state, and the kernel below then
-scans all segments at once (SEGMENTED).
+keeps its columns of the fp32 state on chip; x' = x / K**(1/4), phi(x) = [1, x', vec(x' x'^T) / sqrt(2)], the 2nd
+order held symmetric (`_common`: K diagonal rows hd and K (K - 1) / 2 pair rows ho, in two halves).
 
 Dims (fla naming): B batch, T decoder length, M encoder length, H heads, K feature dim, V value dim,
 F = 1 + K + K**2 Taylor features; tiles BT (tokens), BK (feature dim, a power of two >= 16), BV (value columns per
@@ -343,9 +327,8 @@ def _autotuned_kernel(major: int, width: int, kernel=_prefix_linear_attention_fw
     architecture family `major` (9: sm_90, 8: any other GPU, 0: the CPU interpreter) for value dims of power of two
     `width`."""
     configs = _INTERPRETER_CONFIGS if major == 0 else configs_for_architecture(major, width)
-    return triton.autotune(
-        configs=configs if AUTOTUNE else configs[:1], key=["K", "V", "T_BUCKET", "MASK"], **_CACHE_TUNING
-    )(kernel)
+    return triton.autotune(configs=configs if AUTOTUNE else configs[:1], key=["K", "V", "T_BUCKET", "MASK"],
+                           **_CACHE_TUNING)(kernel)
 
 
 def _kernel_for(device: torch.device, V: int, kernel=_prefix_linear_attention_fwd_kernel):
@@ -373,11 +356,8 @@ def _multiprocessor_count(index: int) -> int:
 
 def auto_segment_length(B: int, H: int, T: int, device: torch.device) -> int:
     """Tokens per segment of the sequence-parallel prefill for B rows of H heads and T tokens on `device`, or 0 for
-    the one-pass kernel (always off CUDA).
-
-    The one pass runs B * H programs (8 for one sequence of a small model, on 132 SMs). When that is below one per
-    SM and T >= SEGMENTED_FROM, the tokens are cut into segments of at least MIN_SEGMENT tokens, enough of them for
-    about two programs per SM."""
+    the one-pass kernel (always off CUDA): when B * H programs are fewer than the SMs and T >= SEGMENTED_FROM,
+    segments of at least MIN_SEGMENT tokens, enough of them for about two programs per SM."""
     if device.type != "cuda" or INTERPRETED or T < SEGMENTED_FROM:
         return 0
     processors = _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
@@ -389,10 +369,8 @@ def auto_segment_length(B: int, H: int, T: int, device: torch.device) -> int:
     return triton.cdiv(triton.cdiv(T, segments), SEGMENT_ALIGN) * SEGMENT_ALIGN
 
 
-def _states_before_segments(
-    parts: torch.Tensor, segments: int, initial_state: torch.Tensor | None, log_decay: torch.Tensor | None,
-    segment_length: int,
-) -> torch.Tensor:
+def _states_before_segments(parts: torch.Tensor, segments: int, initial_state: torch.Tensor | None,
+                            log_decay: torch.Tensor | None, segment_length: int) -> torch.Tensor:
     """The state each segment starts from, `(B, NSEG, H, F, V + 1)` fp32, from `_segment_states_kernel`'s `parts`
     `(B, NSEG + NENC, H, F, V + 1)` (each decoder segment's keys alone, then the encoder's keys by segment):
 
@@ -426,21 +404,10 @@ PAD_MASKINGS = ("strict", "reference")  # as in modeling_jrt.linear_attention (t
 
 @torch.library.triton_op("jrt_kernels::prefix_linear_attention_fwd", mutates_args=())
 def _prefix_linear_attention_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_enc: torch.Tensor | None,
-    v_enc: torch.Tensor | None,
-    encoder_start: torch.Tensor,
-    encoder_end: torch.Tensor,
-    key_mask: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
-    log_decay: torch.Tensor | None,
-    gate: torch.Tensor | None,
-    strict: bool,
-    eps: float,
-    save_for_backward: bool,
-    segment_length: int = 0,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_enc: torch.Tensor | None, v_enc: torch.Tensor | None,
+    encoder_start: torch.Tensor, encoder_end: torch.Tensor, key_mask: torch.Tensor | None,
+    initial_state: torch.Tensor | None, log_decay: torch.Tensor | None, gate: torch.Tensor | None, strict: bool,
+    eps: float, save_for_backward: bool, segment_length: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the kernel on validated inputs (any strides). Returns `(o (B, T, H, V) in v.dtype, state fp32,
     encoder state, inverse denominator)`: the last two are `prefix_linear_attention_triton`'s saved tensors
@@ -465,6 +432,10 @@ def _prefix_linear_attention_fwd(
     gate_in = state if gate is None else gate.contiguous()  # (B, T, H)
     BK, BP = feature_blocks(K)
 
+    def grid(programs: int):
+        """The launch grid of value blocks x (batch x head) x `programs`."""
+        return lambda meta: (triton.cdiv(V, meta["BV"]), B * H, programs)
+
     key_rows = state if key_mask is None else _key_rows(key_mask)
     mask_kinds = (0,) if key_mask is None else (1, 2)
     state_in = initial_state
@@ -473,10 +444,7 @@ def _prefix_linear_attention_fwd(
         seg_len, seg_bucket = segment_length, triton.next_power_of_2(segment_length)
         encoder_segments = triton.cdiv(encoder_length, segment_length)
         parts = torch.empty(B, segments + encoder_segments, H, *state.shape[2:], dtype=torch.float32, device=v.device)
-
-        def parts_grid(meta):
-            return (triton.cdiv(V, meta["BV"]), B * H, segments + encoder_segments)
-
+        parts_grid = grid(segments + encoder_segments)
         for mask_kind in mask_kinds:
             torch.library.wrap_triton(_kernel_for(q.device, V, _segment_states_kernel))[parts_grid](
                 k, v, k_enc, v_enc, encoder_start, encoder_end, mask, key_rows, decay, parts,
@@ -487,12 +455,9 @@ def _prefix_linear_attention_fwd(
             )
         state_in = _states_before_segments(parts, segments, initial_state, log_decay, segment_length)
 
-    def grid(meta):
-        return (triton.cdiv(V, meta["BV"]), B * H, segments)
-
     # A key mask takes two launches, the range rows and the other rows (each skips the other's programs at once).
     for mask_kind in mask_kinds:
-        torch.library.wrap_triton(_kernel_for(q.device, V))[grid](
+        torch.library.wrap_triton(_kernel_for(q.device, V))[grid(segments)](
             q, k, v, k_enc, v_enc, encoder_start, encoder_end, mask, key_rows,
             state if state_in is None else state_in, decay, gate_in, o, state,
             encoder_state if store_encoder_state else state, inverse_denominator if save_for_backward else state,
@@ -513,14 +478,11 @@ BACKWARD_INPUTS = ("encoder_state", "inverse_denominator")
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate, strict, eps, *_ = (
-        inputs
-    )
-    # also the output y (the dq scan takes dy . y from it) and the saved tensors (`BACKWARD_INPUTS`)
-    ctx.save_for_backward(q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, initial_state, log_decay, gate,
-                          *output[:1], *output[2:])
+    # the op's tensor inputs (q to gate), the output y (the dq scan takes dy . y from it) and the saved tensors
+    # (`BACKWARD_INPUTS`)
+    ctx.save_for_backward(*inputs[:11], output[0], *output[2:])
     ctx.mark_non_differentiable(*output[2:])
-    ctx.strict, ctx.eps = strict, eps
+    ctx.strict, ctx.eps = inputs[11:13]
 
 
 def _backward(ctx, grad_output: torch.Tensor | None, grad_state: torch.Tensor | None, *_grad_saved) -> tuple:
@@ -582,10 +544,9 @@ def prefix_linear_attention_triton(
         eps: added to the fp32 denominator.
         return_saved: also return what the fused backward reads instead of recomputing (see Returns).
         segment_length: inference only (no gradient, no `return_saved`): scan segments of this many tokens (a
-            positive multiple of 64) in parallel, each from the state of the tokens before it (the sequence-parallel
-            prefill: more programs when B * H is small, about 1.5x the work; equal outputs up to the order of the
-            fp32 sums). None: `auto_segment_length` on CUDA, one pass elsewhere and under `torch.compile`; 0: one
-            pass.
+            positive multiple of 64) in parallel, each from the state before it (the sequence-parallel prefill,
+            docs/kernels.md). None: `auto_segment_length` on CUDA, one pass elsewhere and under `torch.compile`; 0:
+            one pass.
 
     Returns:
         `(output (B, T, H, V) in v's dtype, final state (B, H, F, V + 1) fp32)`, and with `return_saved` a third
@@ -616,15 +577,13 @@ def prefix_linear_attention_triton(
             f"{sorted({str(t.dtype) for t in inputs})}. Cast them, or use implementation='chunked' (fp64 works there)."
         )
     if initial_state is not None and initial_state.dtype != torch.float32:
-        raise ValueError(
-            f"The Triton prefill kernel keeps its state in fp32; got an {initial_state.dtype} initial_state."
-        )
+        raise ValueError(f"The Triton prefill kernel keeps its state in fp32; got an {initial_state.dtype} "
+                         "initial_state.")
     tensors = [t for t in (*inputs, key_mask, initial_state, encoder_start, encoder_end, log_decay, gate)
                if t is not None]
     check_devices("prefill", tensors, INTERPRETED, "use implementation='chunked'")
-    differentiated = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, k_enc, v_enc, initial_state, gate)
-    )
+    differentiated = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                     for t in (q, k, v, k_enc, v_enc, initial_state, gate))
     save_for_backward = return_saved or differentiated
     compiling = torch.compiler.is_compiling()
     if segment_length is None:  # torch.compile traces the one pass (the segmented launches failed to trace on an H200)

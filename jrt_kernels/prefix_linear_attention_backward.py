@@ -7,26 +7,12 @@ Forward (see `prefix_linear_attention.py`): with x' = x / K**(1/4), phi(q).phi(k
 
 where the keys of query i are the encoder keys of its row and the decoder keys j <= i, and w_j is the key's weight
 (0 for a removed pad). Given dy and dS (the gradient of S_T), the output's gradient with respect to [num_i, den_i]
-is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans (docs/kernels.md "The backward"):
-
-    dq kernel  (forward in time, one program per batch x head): rebuilds the forward state S (initial state, encoder,
-               decoder keys < chunk) feature-major ([features, V]: dq contracts it over the value dim, so it is the
-               A operand of u^T = ho g^T, from registers), or starts from the training forward's saved state after
-               the encoder; per chunk
-                   dq'_i  = h1 g_i + c_i z1 + q'_i * (hd g_i + c_i zd)
-                            + sum_{pairs (a, b)} u_ip (q'_b e_a + q'_a e_b),  u_i = ho g_i + c_i zp   inter-chunk
-                          + sum_{j <= i} w_j (G_i . [v_j, 1]) (1 + s_ij) k'_j              intra-chunk
-               with zd, zp the diagonal and pair entries of the denominator's (K, K) matrix Z = sum k' k'^T; it
-               stores 1 / (den + eps) and c for the second scan.
-    dkv kernel (backward in time, one program per batch x head): the reverse state R = dS + sum phi(q_i) G_i^T over
-               the queries after the chunk, in the forward's layout (transposed, symmetric, (K, K) matrix Rz for the
-               denominator); per chunk (last to first)
-                   dv_j   = w_j (R0 + R1 k'_j + 1/2 Rd k'_j**2 + Ro P(k'_j))[:V] + sum_{i >= j} a_ij g_i
-                   dk'_j  = w_j (R1 v_j + k'_j * (Rd v_j) + sum_{pairs (a, b)} u_jp (k'_b e_a + k'_a e_b)
-                                 + rz1 + Rz k'_j),       u_j = Ro v_j
-                            + sum_{i >= j} (G_i . [v_j, 1]) (1 + s_ij) q'_i
-               then dS_0 = R after the decoder chunks (the launcher adds dS's antisymmetric 2nd-order part, which the
-               symmetric R does not carry), and last the encoder keys of the row, which see every query.
+is G_i = [g_i, c_i] = [dy_i, -dy_i . y_i] / (den_i + eps). Two scans, one program per batch x head each, whose
+formulas, layouts and per-architecture forms docs/kernels.md ("The backward") gives: the dq kernel (forward in time)
+rebuilds the forward state S feature-major, or starts from the training forward's saved state after the encoder, and
+stores 1 / (den + eps) and c for the second; the dkv kernel (backward in time) carries the reverse state
+R = dS + sum phi(q_i) G_i^T over the later queries in the forward's layout, stores dS_0 = R after the decoder chunks
+(the launcher adds dS's antisymmetric 2nd-order part), and last reads the encoder keys, which see every query.
 
 Both pair scatters take u x as SDOT operands (the 0/1 selections are exact: one rounding). In the dq scan the
 numerator and denominator terms cancel (G_i . [v_j, 1] = dy_i . (v_j - y_i) / (den_i + eps)), so its u includes the
@@ -610,25 +596,23 @@ def configs_for_architecture(major: int) -> dict[str, list[tuple[int, int]]]:
     return _ARCH_CONFIGS["sm_90" if major == 9 else "other"]
 
 
+# The per-architecture forms of the two scans for compute capability `major`.x; docs/kernels.md ("The backward",
+# "Per-architecture forms") says what each switch does and why.
+
+
 def dq_constexprs(major: int) -> dict[str, bool]:
-    """The dq scan's per-architecture constexprs: ISOLATED_UPDATE (off sm_90), the state's 16-row h1 and hd updates
-    as transposed products (`_dot_alone`) with their own warp layout; under the scan's shared `[4, 1]` layout these
-    `[16, V]` accumulators took 4x the registers (docs/performance.md "Backward pass 9")."""
+    """The dq scan's constexprs: ISOLATED_UPDATE off sm_90 (the 16-row h1, hd updates by `_dot_alone`)."""
     return {"ISOLATED_UPDATE": major != 9}
 
 
 def dkv_constexprs(major: int) -> dict[str, bool]:
-    """The dk/dv scan's per-architecture constexprs: SEL_TABLE (off sm_90, where the B operands stay in shared
-    memory anyway), its pair selection matrices loaded from a table at each use instead of held in registers across
-    the loop; UPDATE_RELOADS (sm_90; the kernel ignores it with the decay), the state update's chunk operands loaded
-    again at the update instead of held across the dk terms (docs/performance.md "Backward pass 3" and "8")."""
+    """The dk/dv scan's constexprs: SEL_TABLE off sm_90 (`_selection_table`), UPDATE_RELOADS on sm_90 (the kernel
+    ignores it with the decay)."""
     return {"SEL_TABLE": major != 9, "UPDATE_RELOADS": major == 9}
 
 
 def launch_options(major: int) -> dict[str, int]:
-    """Compile options of both scans for a CUDA GPU of compute capability `major`.x: off sm_90, `maxnreg=255`
-    (`.maxnreg 255` in the PTX; without a bound the sm_80 ptxas of triton 3.9 gave some large builds 32 registers
-    and KBs of spills). sm_90 keeps the default (docs/performance.md "Backward pass 5")."""
+    """Compile options of both scans on a CUDA GPU: `maxnreg=255` off sm_90 (`.maxnreg 255` in the PTX)."""
     return {} if major == 9 else {"maxnreg": 255}
 
 
@@ -653,26 +637,12 @@ def _dense(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
 
 
 def prefix_linear_attention_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_enc: torch.Tensor | None,
-    v_enc: torch.Tensor | None,
-    grad_output: torch.Tensor,
-    grad_state: torch.Tensor | None,
-    *,
-    encoder_start: torch.Tensor | None = None,
-    encoder_end: torch.Tensor | None = None,
-    key_mask: torch.Tensor | None = None,
-    strict: bool = True,
-    initial_state: torch.Tensor | None = None,
-    log_decay: torch.Tensor | None = None,
-    gate: torch.Tensor | None = None,
-    eps: float = 1e-12,
-    chunk_size: int | None = None,
-    output: torch.Tensor | None = None,
-    encoder_state: torch.Tensor | None = None,
-    inverse_denominator: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_enc: torch.Tensor | None, v_enc: torch.Tensor | None,
+    grad_output: torch.Tensor, grad_state: torch.Tensor | None, *, encoder_start: torch.Tensor | None = None,
+    encoder_end: torch.Tensor | None = None, key_mask: torch.Tensor | None = None, strict: bool = True,
+    initial_state: torch.Tensor | None = None, log_decay: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+    eps: float = 1e-12, chunk_size: int | None = None, output: torch.Tensor | None = None,
+    encoder_state: torch.Tensor | None = None, inverse_denominator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of `prefix_linear_attention` from validated inputs; launches the two scans.
 
@@ -714,11 +684,8 @@ def prefix_linear_attention_backward(
         BT_DQ = BT_DKV = chunk_size
     BK, BP = feature_blocks(K)
     BV = max(16, triton.next_power_of_2(V))
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    dk_enc = None if k_enc is None else torch.zeros_like(k_enc)
-    dv_enc = None if v_enc is None else torch.zeros_like(v_enc)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    dk_enc, dv_enc = (None if t is None else torch.zeros_like(t) for t in (k_enc, v_enc))
     dstate_in = torch.empty(B, H, 1 + K + K * K, V + 1, dtype=torch.float32, device=device)
     saved_rden = inverse_denominator is not None
     rden = inverse_denominator.contiguous() if saved_rden else torch.empty(B, T, H, dtype=torch.float32, device=device)
@@ -727,10 +694,7 @@ def prefix_linear_attention_backward(
     gate_in = rden if gate is None else gate.contiguous()
     decay_in = rden if log_decay is None else log_decay.to(torch.float32).contiguous()
     # Absent optional tensors are never read (flags off, empty ranges); any pointer of the right kind will do.
-    ke = k if k_enc is None else k_enc
-    ve = v if v_enc is None else v_enc
-    dke = dk if dk_enc is None else dk_enc
-    dve = dv if dv_enc is None else dv_enc
+    ke, ve, dke, dve = (x if t is None else t for x, t in ((k, k_enc), (v, v_enc), (dk, dk_enc), (dv, dv_enc)))
     mask = q if key_mask is None else key_mask.view(torch.uint8)
     mask_strides = (0, 0) if key_mask is None else mask.stride()
     from_encoder_state = encoder_state is not None and k_enc is not None
