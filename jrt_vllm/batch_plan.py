@@ -1,13 +1,10 @@
 """How one vLLM forward maps onto the layers of `jrt_vllm.model`: which rows are O(1) decode steps, which are read in
 one pass (a prompt, with the JRT prefix fill in front), and at which state slot each request lives.
 
-Two kinds of forward:
-- **decode-only** (`DECODE_STEP`): every request reads one token on top of its state. Nothing is planned on the host:
-  each mixer takes its slots from the metadata's device tensor (`decode_slots`) and runs its batched step, with no
-  host sync and the same launches every time (`jrt_vllm.config` says why vLLM's CUDA graphs are still off).
-- **any other** (`BatchPlan`, built by `plan_batch`, which reads the query bounds on the host): the requests of a
-  prefill are read in groups of segments of one shape (one call of each mixer per group), the decoding requests
-  together in one step.
+Two kinds of forward (docs/serving.md, "CUDA graphs"): **decode-only** (`DECODE_STEP`), nothing planned on the host:
+each mixer runs its batched step at the slots of the metadata's device tensor (`decode_slots`), with no host sync;
+**any other** (`BatchPlan`, from `plan_batch`, which reads the query bounds on the host): the prefill requests read
+in groups of segments of one shape (one call of each mixer per group), the decoding requests in one step.
 """
 
 from __future__ import annotations
@@ -189,9 +186,8 @@ def decode_slots(metadata, rows: int) -> torch.Tensor:
     return slots
 
 
-def plan_batch(
-    input_ids: torch.Tensor, metadata, fill: Fill, prompt_lengths: dict[int, int] | None
-) -> tuple[torch.Tensor, BatchPlan]:
+def plan_batch(input_ids: torch.Tensor, metadata, fill: Fill,
+               prompt_lengths: dict[int, int] | None) -> tuple[torch.Tensor, BatchPlan]:
     """The expanded ids `(rows,)` (each fresh request's fill in front of its tokens) and the plan of a forward that is
     not decode-only.
 
@@ -232,26 +228,14 @@ def plan_batch(
         row += filled.shape[0]
     device = input_ids.device
     plan = BatchPlan(
-        decode_requests=decode_requests,
-        decode_index=selector(decode_requests, device),
-        decode_rows=selector(decode_rows, device),
-        groups=[SegmentGroup.of(segments, device) for segments in by_shape.values()],
-        input_rows=torch.tensor(input_rows, dtype=torch.long, device=device),
+        decode_requests, selector(decode_requests, device), selector(decode_rows, device),
+        [SegmentGroup.of(segments, device) for segments in by_shape.values()],
+        torch.tensor(input_rows, dtype=torch.long, device=device),
     )
     return torch.cat(pieces), plan
 
 
 __all__ = [
-    "DECODE_STEP",
-    "BatchPlan",
-    "DecodeStep",
-    "ForwardPlan",
-    "Segment",
-    "SegmentGroup",
-    "decode_slots",
-    "forward_metadata",
-    "is_decode_only",
-    "plan_batch",
-    "selector",
-    "slot_table",
+    "DECODE_STEP", "BatchPlan", "DecodeStep", "ForwardPlan", "Segment", "SegmentGroup", "decode_slots",
+    "forward_metadata", "is_decode_only", "plan_batch", "selector", "slot_table",
 ]

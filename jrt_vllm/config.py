@@ -26,21 +26,18 @@ def cuda_graphs_off(compilation_config: CompilationConfig) -> None:
 
 
 class JRTRNNVllmConfig(VerifyAndUpdateConfig):
-    """The engine settings of JRT-RNN / Based folders (docs/serving.md). `register` puts this class in vLLM's
-    `MODELS_CONFIG_MAP`, the table vLLM's own models use: vLLM 0.32 has no public per-model hook.
+    """The engine settings of JRT-RNN / Based folders (docs/serving.md: "Engine settings the plugin sets", "CUDA
+    graphs", "Preemption"). `register` puts this class in vLLM's `MODELS_CONFIG_MAP`, the table vLLM's own models
+    use: vLLM 0.32 has no public per-model hook.
 
-    - Compilation: the mixers' opaque ops (`jrt_vllm.mixers.mix`) join `compilation_config.splitting_ops`.
-    - CUDA graphs: off (`cuda_graphs_off`). vLLM 0.32 picks a graph by the batch's shape alone, so a batch of
-      one-token reads would replay the decode graph for a fresh one-token prompt too (which needs the JRT fill and
-      encoder, and a Based state slot that vLLM does not zero), and its piecewise graphs replay by vLLM's token
-      count, not the expanded rows of the fill: either would be a silently wrong output.
-    - Prefix caching: off. A state depends on the whole prompt (the encoder reads the first `prefix_length` tokens
-      non-causally; a short prompt's fill depends on its length), so a shared prefix's cached state is not another
-      prompt's. (Based could reuse states at block boundaries, vLLM's "align" mode: not implemented.)
-    - Chunked prefill (prefix models): off, as the encoder reads a request's prefix in one forward; vLLM then
-      schedules whole prompts, so `max_num_batched_tokens` is raised to `max_model_len` when it is smaller.
-    - Prompt lengths (prefix models): `jrt_vllm.prompt_lengths.PromptLengths` joins `model_config.logits_processors`,
-      so that a preempted request is recomputed with its original prompt's prefix.
+    - the mixers' opaque ops (`jrt_vllm.mixers.mix`) join `compilation_config.splitting_ops`;
+    - CUDA graphs off (`cuda_graphs_off`): vLLM 0.32 picks a graph by the batch's shape alone, so it would replay the
+      decode graph for a fresh one-token prompt and its piecewise graphs by its own token count, not the fill's rows
+      (either a silently wrong output);
+    - prefix caching off: a state depends on the whole prompt (the encoder's read, a short prompt's fill);
+    - prefix models: chunked prefill off (the encoder reads a request's prefix in one forward; `max_num_batched_tokens`
+      raised to `max_model_len` when smaller), and `jrt_vllm.prompt_lengths.PromptLengths` joins
+      `model_config.logits_processors` (a preempted request is recomputed with its original prompt's prefix).
     """
 
     @classmethod
@@ -70,8 +67,7 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
                 logger.warning(
                     "jrt_vllm: max_num_batched_tokens raised from %d to max_model_len=%d so that every prompt fits "
                     "one forward (or pass a smaller max_model_len).",
-                    scheduler_config.max_num_batched_tokens,
-                    max_model_len,
+                    scheduler_config.max_num_batched_tokens, max_model_len,
                 )
                 scheduler_config.max_num_batched_tokens = max_model_len
                 scheduler_config.max_num_encoder_input_tokens = max_model_len

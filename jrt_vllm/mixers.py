@@ -9,8 +9,7 @@ metadata of its short-conv backend). The states hold what transformers' cache in
     "linear_attention"   the Taylor-feature state, encoder sum included                (H, F, V + 1)   fp32
 
 The sliding window is a state as well (not vLLM's paged `Attention`): the JRT prefix fill adds tokens that vLLM never
-schedules, and a fixed window of W - 1 keys is what an O(1) model keeps anyway. The math is `modeling_jrt`'s; each
-mixer runs inside one opaque op (`mix`), which vLLM compiles around.
+schedules, and a fixed window of W - 1 keys is what an O(1) model keeps anyway. The math is `modeling_jrt`'s.
 """
 
 from __future__ import annotations
@@ -22,10 +21,7 @@ from vllm.config import get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
+    ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
 )
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.utils import set_weight_attrs
@@ -34,10 +30,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from modeling_jrt.configuration_jrt import JRTRNNConfig
 from modeling_jrt.kernel_choice import KernelChoice
 from modeling_jrt.linear_attention import (
-    fixed_log_decay,
-    linear_attention_step_at_slots,
-    num_taylor_features,
-    prefix_linear_attention,
+    fixed_log_decay, linear_attention_step_at_slots, num_taylor_features, prefix_linear_attention,
 )
 from modeling_jrt.rotary import JRTRNNRotaryEmbedding, apply_rotary_pos_emb
 from modeling_jrt.short_conv import causal_depthwise_conv
@@ -167,9 +160,8 @@ class JRTShortConv(JRTStateLayer):
         self.conv = nn.Module()
         self.conv.weight = nn.Parameter(torch.empty(self.inner_size, 1, self.kernel_size), requires_grad=False)
         set_weight_attrs(self.conv.weight, {"weight_loader": shard_rows})
-        self.out_proj = RowParallelLinear(
-            inner, config.hidden_size, bias=config.conv_bias, prefix=f"{prefix}.out_proj", return_bias=False
-        )
+        self.out_proj = RowParallelLinear(inner, config.hidden_size, bias=config.conv_bias, prefix=f"{prefix}.out_proj",
+                                          return_bias=False)
 
     def get_state_shape(self) -> tuple[tuple[int, ...]]:
         return ((self.history, self.inner_size),)
@@ -234,10 +226,8 @@ class JRTSlidingWindowAttention(JRTStateLayer):
         self.rows = max(self.window - 1, 1)  # ring rows (a window of 1 keeps nothing: one row, never read)
         self.scaling = self.head_dim**-0.5
         hidden = config.hidden_size
-        self.qkv_proj = QKVParallelLinear(
-            hidden, self.head_dim, config.num_attention_heads, bias=False, prefix=f"{prefix}.qkv_proj",
-            return_bias=False,
-        )
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, config.num_attention_heads, bias=False,
+                                          prefix=f"{prefix}.qkv_proj", return_bias=False)
         self.o_proj = RowParallelLinear(hidden, hidden, bias=False, prefix=f"{prefix}.o_proj", return_bias=False)
         self.rotary_emb = JRTRNNRotaryEmbedding(config)
 
@@ -291,9 +281,8 @@ class JRTSlidingWindowAttention(JRTStateLayer):
         held = torch.arange(self.rows, device=device)[None, :] >= (self.rows - self._held(seen))[:, None]
         # (G, W - 1 + T): the state rows that hold keys, then the new keys
         key_mask = torch.cat([held, held.new_ones(batch_size, seq_len)], dim=1)
-        output = blocked_sliding_window_attention(
-            query, keys, values, key_mask, sliding_window=self.window, scaling=self.scaling, implementation="sdpa"
-        )  # (G, T, H, d)
+        output = blocked_sliding_window_attention(query, keys, values, key_mask, sliding_window=self.window,
+                                                  scaling=self.scaling, implementation="sdpa")  # (G, T, H, d)
         if slots is not None:  # the last W - 1 keys, each at its ring row
             index = self._ring_order(seen, seq_len)[:, None, :, None].expand(-1, self.num_heads, -1, self.head_dim)
             for state, rows in ((self.kv_cache[0], keys), (self.kv_cache[1], values)):
@@ -330,10 +319,8 @@ class JRTLinearAttention(JRTStateLayer):
     """`JRTRNNLinearAttention` (same weights): prefix (JRT-RNN) or causal (Based, optional decay) linear attention.
     State: `(H / tp, F, V + 1)` fp32 (`modeling_jrt.linear_attention`), the encoder sum included."""
 
-    stacked_params = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "k_enc_proj": ("kv_enc_proj", 0), "v_enc_proj": ("kv_enc_proj", 1),
-    }
+    stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "k_enc_proj": ("kv_enc_proj", 0), "v_enc_proj": ("kv_enc_proj", 1)}
 
     def __init__(self, config: JRTRNNConfig, layer_idx: int, prefix: str, plans: ForwardPlan):
         super().__init__(config, layer_idx, prefix, plans)
@@ -345,17 +332,14 @@ class JRTLinearAttention(JRTStateLayer):
         self.kernels = KernelChoice(config=config)  # the model's own choice replaces it (`KernelChoice.install`)
         hidden = config.hidden_size
         features = heads * self.feature_dim
-        self.qkv_proj = MergedColumnParallelLinear(
-            hidden, [features, features, hidden], bias=False, prefix=f"{prefix}.qkv_proj", return_bias=False
-        )
+        self.qkv_proj = MergedColumnParallelLinear(hidden, [features, features, hidden], bias=False,
+                                                   prefix=f"{prefix}.qkv_proj", return_bias=False)
         if self.is_prefix:
-            self.kv_enc_proj = MergedColumnParallelLinear(
-                hidden, [features, hidden], bias=False, prefix=f"{prefix}.kv_enc_proj", return_bias=False
-            )
+            self.kv_enc_proj = MergedColumnParallelLinear(hidden, [features, hidden], bias=False,
+                                                          prefix=f"{prefix}.kv_enc_proj", return_bias=False)
         if config.use_decay_proj:
-            self.decay_proj = ColumnParallelLinear(
-                hidden, heads, bias=False, prefix=f"{prefix}.decay_proj", return_bias=False
-            )
+            self.decay_proj = ColumnParallelLinear(hidden, heads, bias=False, prefix=f"{prefix}.decay_proj",
+                                                   return_bias=False)
         self.o_proj = RowParallelLinear(hidden, hidden, bias=False, prefix=f"{prefix}.o_proj", return_bias=False)
         # This rank's heads of the fixed decay, on the device of the first forward.
         self.heads = range(self.tp_rank * self.num_heads, (self.tp_rank + 1) * self.num_heads)
@@ -398,15 +382,11 @@ class JRTLinearAttention(JRTStateLayer):
                 encoder = self.kv_enc_proj(hidden_states[:, :length])
                 k_enc, v_enc = self.split_heads(encoder, self.feature_dim, self.head_dim)  # (G, M, H, K), (G, M, H, V)
         initial_state = None if (group.fresh or slots is None) else self.kv_cache[0].index_select(0, slots)
+        # key_mask: the "pad" fill of each row, removed as `prefix_pad_masking` says
         output, state = prefix_linear_attention(
-            query, key, value, k_enc, v_enc,
-            key_mask=group.key_mask,  # the "pad" fill of each row, removed as `prefix_pad_masking` says
-            pad_masking=self.config.prefix_pad_masking,
-            initial_state=initial_state,
-            log_decay=self.log_decay(hidden_states.device),
-            gate=gate,
-            eps=self.config.linear_attention_eps,
-            chunk_size=self.config.linear_attention_chunk_size,
+            query, key, value, k_enc, v_enc, key_mask=group.key_mask, pad_masking=self.config.prefix_pad_masking,
+            initial_state=initial_state, log_decay=self.log_decay(hidden_states.device), gate=gate,
+            eps=self.config.linear_attention_eps, chunk_size=self.config.linear_attention_chunk_size,
             implementation=self.kernels,
         )  # (G, T, H, V), (G, H, F, V + 1)
         if slots is not None:
@@ -424,18 +404,10 @@ class JRTLinearAttention(JRTStateLayer):
         return output.reshape(query.shape[0], -1).to(value.dtype)
 
 
-MIXER_CLASSES = {
-    "conv": JRTShortConv,
-    "sliding_attention": JRTSlidingWindowAttention,
-    "linear_attention": JRTLinearAttention,
-}
+MIXER_CLASSES = {"conv": JRTShortConv, "sliding_attention": JRTSlidingWindowAttention,
+                 "linear_attention": JRTLinearAttention}
 
 
 __all__ = [
-    "MIXER_CLASSES",
-    "MIX_OP",
-    "JRTLinearAttention",
-    "JRTShortConv",
-    "JRTSlidingWindowAttention",
-    "JRTStateLayer",
+    "MIXER_CLASSES", "MIX_OP", "JRTLinearAttention", "JRTShortConv", "JRTSlidingWindowAttention", "JRTStateLayer",
 ]

@@ -4,12 +4,9 @@ The blocks are `modeling_jrt`'s (pre-norm, fp32 residual stream, SwiGLU MLP, RMS
 the dense parts; the mixers and their per-request states are `jrt_vllm.mixers`, the mapping of vLLM's flattened batch
 onto them `jrt_vllm.batch_plan`.
 
-The JRT prefix (docs/serving.md). The first forward of a request reads its whole prompt (`jrt_vllm.config`). A prompt
-shorter than prefix_length is filled in front as the transformers model fills it (`config.prefix_strategy`,
-`modeling_jrt.prefix_fill`); the fill runs through every layer inside this forward and never reaches vLLM (no logits,
-not counted in the request's length). The linear-attention encoder then reads the first `min(prefix_length, tokens)`
-tokens non-causally; later forwards are O(1) recurrent steps. A request vLLM preempts is recomputed in one fresh
-forward: the encoder reads the original prompt's prefix (`jrt_vllm.prompt_lengths`), the generated tokens causally.
+The JRT prefix (docs/serving.md, "The JRT prefix", "Preemption"): a request's first forward reads its whole prompt,
+with the transformers model's fill in front of a short one (`JRTRNNForCausalLM.fill`), which never reaches vLLM;
+later forwards are O(1) recurrent steps.
 """
 
 from __future__ import annotations
@@ -52,13 +49,11 @@ class JRTMLP(StackedWeights, nn.Module):
         super().__init__()
         self.prefix = prefix
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [size, size], bias=False, prefix=f"{prefix}.gate_up_proj", return_bias=False
-        )
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=False,
+                                                       prefix=f"{prefix}.gate_up_proj", return_bias=False)
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(
-            size, config.hidden_size, bias=False, prefix=f"{prefix}.down_proj", return_bias=False
-        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, prefix=f"{prefix}.down_proj",
+                                           return_bias=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(hidden_states)))
@@ -102,9 +97,8 @@ class JRTModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", plans: ForwardPlan):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
-        )
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   prefix=f"{prefix}.embed_tokens")
         _, _, self.layers = make_layers(
             config.num_hidden_layers, lambda prefix: JRTDecoderLayer(config, prefix, plans), prefix=f"{prefix}.layers"
         )
@@ -181,8 +175,7 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
                     "preempted request whose prompt is shorter than prefix_length=%d would be recomputed with its "
                     "generated tokens inside its prefix. Keep jrt_vllm's engine settings (do not replace "
                     "`logits_processors` after the engine is configured).",
-                    QUALIFIED_NAME,
-                    self.config.prefix_length,
+                    QUALIFIED_NAME, self.config.prefix_length,
                 )
             return None
         return tracker.lengths
@@ -203,14 +196,9 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         masked = key_mask is not None and plan.fill_columns > 0
         return filled_ids[0], int(plan.prefix_lengths[0]), key_mask[0].bool() if masked else None
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        **kwargs,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None,
+                **kwargs) -> torch.Tensor:
         if input_ids is None:
             raise NotImplementedError("jrt_vllm reads token ids (the JRT fill is made of tokens), not embeddings.")
         metadata = forward_metadata()

@@ -1,11 +1,9 @@
 """Each running request's original prompt length, as vLLM's persistent batch tells its logits processors.
 
-Why: a JRT-RNN prompt shorter than `prefix_length` has an encoder read (and a fill) that depends on where it ends. A
-request vLLM preempts is recomputed from scratch, its prompt *and* generated tokens in one forward, whose metadata
-does not say where the prompt ended. vLLM's logits processors are told: `BatchUpdate.added` carries each request's
-prompt token ids under its index in the persistent batch, which is also its place in the model's forward (decodes
-first). `PromptLengths` changes no logit and only keeps `index -> prompt length`; `jrt_vllm.config` adds it to the
-engines of JRT-RNN folders, and `jrt_vllm.model` reads it in each forward.
+Why (docs/serving.md, "Preemption"): a preempted request is recomputed in one forward whose metadata does not say
+where its prompt ended, which a short JRT-RNN prompt's encoder read and fill depend on. `BatchUpdate.added` carries
+each request's prompt ids under its index in the persistent batch, also its place in the model's forward (decodes
+first). `jrt_vllm.config` adds `PromptLengths` to the engines of JRT-RNN folders; `jrt_vllm.model` reads it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Loading a `save_pretrained` / `jrt convert` folder's safetensors into the vLLM model, by the transformers names.
 
-vLLM's `AutoWeightsLoader` hands each module that has a `load_weights` the tensors under its name. The mixers and the
-MLP have one (`StackedWeights`): vLLM's layers merge some projections into one parameter (q, k, v into `qkv_proj`),
-so a checkpoint projection goes to its shard there, whose loader takes this tensor-parallel rank's part. The names are
-otherwise the transformers model's (no `WeightsMapper`).
+vLLM's `AutoWeightsLoader` hands each module that has a `load_weights` the tensors under its name; the mixers and the
+MLP have one (`StackedWeights`, for vLLM's merged projections). The names are the transformers model's (no
+`WeightsMapper`).
 """
 
 from __future__ import annotations
