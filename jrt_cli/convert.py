@@ -75,9 +75,8 @@ def run(args: argparse.Namespace) -> int:
     if (args.private or args.revision or args.create_pr) and not args.push_to_hub:
         raise UsageError("--private, --revision and --create-pr need --push-to-hub REPO_ID.")
     if args.create_pr and args.revision not in (None, "main"):
-        raise UsageError(
-            f"--create-pr opens a pull request against main; it cannot be combined with --revision {args.revision!r}."
-        )
+        raise UsageError("--create-pr opens a pull request against main; it "
+                         f"cannot be combined with --revision {args.revision!r}.")
     check_local_source(args.source)
     # A Hub id with the Hub unreachable fails in seconds (transformers and huggingface_hub retry for a minute).
     check_hub_source(

@@ -24,8 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "JRT-Prompt (the prompt given twice) at the same recurrent state size.",
     )
     parser.add_argument("--seed", type=integer_type(0, MAX_SEED, f"an integer from 0 to 2**32 - 1 ({MAX_SEED})"),
-                        default=DEMO_SEED,
-                        help=f"seed of the fresh prompts, 0 to 2**32 - 1 (default {DEMO_SEED})")
+                        default=DEMO_SEED, help=f"seed of the fresh prompts, 0 to 2**32 - 1 (default {DEMO_SEED})")
     parser.add_argument("--examples", type=int, default=NUM_SCORED,
                         help=f"examples scored for the accuracy (default {NUM_SCORED})")
     parser.add_argument("--models-dir", type=Path, default=MODELS_DIR,

@@ -58,9 +58,8 @@ def load_demo_model(model_dir: str, models_dir: Path = MODELS_DIR) -> tuple[torc
         model = AutoModelForCausalLM.from_pretrained(path)
     except Exception as error:  # noqa: BLE001 -- a damaged or foreign folder: one line naming it
         reason = " ".join(str(error).split()) or type(error).__name__
-        raise RuntimeError(
-            f"cannot load the demo model in {path} ({reason}): copy or export the folder again"
-        ) from error
+        raise RuntimeError(f"cannot load the demo model in {path} "
+                           f"({reason}): copy or export the folder again") from error
     model.eval()
     return model, json.loads((path / "token_map.json").read_text())
 

@@ -72,10 +72,8 @@ def load_lm(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     # The arguments first, before anything heavy is imported (usage errors answer at once, exit 2).
     if args.context_tokens <= args.answer_tokens:
-        raise UsageError(
-            f"--context-tokens ({args.context_tokens}) must exceed --answer-tokens ({args.answer_tokens}): the "
-            f"document window is their difference"
-        )
+        raise UsageError(f"--context-tokens ({args.context_tokens}) must exceed --answer-tokens ({args.answer_tokens}):"
+                         " the document window is their difference")
     if not Path(args.data).is_file():
         raise UsageError(f"no data file at {args.data}: pass a JSON Lines file of records (--data)")
     from jrt_eval.jsonl_recall import check_output_writable, evaluate_recall, load_records, quiet_lm_eval, write_results

@@ -58,10 +58,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     if not args.do_sample and (args.temperature is not None or args.top_p is not None):
         raise UsageError("--temperature and --top-p set how to sample: add --do-sample (greedy decoding ignores them).")
     if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature > 0):
-        raise UsageError(
-            f"--temperature must be a finite number > 0, got {args.temperature} (for greedy decoding, leave out "
-            "--do-sample)."
-        )
+        raise UsageError("--temperature must be a finite number > 0, got "
+                         f"{args.temperature} (for greedy decoding, leave out --do-sample).")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}.")
 
@@ -180,10 +178,8 @@ def load_tokenizer(name: str, trust_remote_code: bool, *, explicit: bool):
 
     folder = Path(name)
     if not explicit and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise FileNotFoundError(
-            f"{name!r} holds no tokenizer (none of {list(TOKENIZER_FILES)}): pass --tokenizer PATH_OR_ID, e.g. "
-            "--tokenizer gpt2 for the released models."
-        )
+        raise FileNotFoundError(f"{name!r} holds no tokenizer (none of {list(TOKENIZER_FILES)}): pass "
+                                "--tokenizer PATH_OR_ID, e.g. --tokenizer gpt2 for the released models.")
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as error:

@@ -159,10 +159,8 @@ def check_run_arguments(lm_eval_args: argparse.Namespace) -> None:
         manager = TaskManager(include_path=[str(TASKS_DIR)] + ([user_path] if user_path else []))
         unknown = [name for name in names if not Path(name).exists() and not manager.match_tasks([name])]
     if unknown:
-        raise UsageError(
-            f"unknown task(s) {', '.join(unknown)}: `jrt lm-eval ls tasks` lists them (jrt-rnn's recall tasks "
-            "are jrt_swde, jrt_fda, ..., see docs/evaluation.md)."
-        )
+        raise UsageError(f"unknown task(s) {', '.join(unknown)}: `jrt lm-eval ls tasks` lists them "
+                         "(jrt-rnn's recall tasks are jrt_swde, jrt_fda, ..., see docs/evaluation.md).")
 
 
 def check_arguments_early(lm_eval_args: argparse.Namespace) -> None:
@@ -182,10 +180,9 @@ def check_arguments_early(lm_eval_args: argparse.Namespace) -> None:
     if tasks is not None:
         names = _task_names(tasks)
         if not names:
-            raise UsageError(
-                f"--tasks {','.join(tasks) if isinstance(tasks, list) else tasks!r} names no task: give one or more "
-                "task names, e.g. --tasks jrt_swde or --tasks jrt_swde,hellaswag (`jrt lm-eval ls tasks` lists them)."
-            )
+            raise UsageError(f"--tasks {','.join(tasks) if isinstance(tasks, list) else tasks!r} "
+                             "names no task: give one or more task names, e.g. --tasks jrt_swde "
+                             "or --tasks jrt_swde,hellaswag (`jrt lm-eval ls tasks` lists them).")
         shipped = shipped_task_names()
         # With the user's own tasks (--include_path), a jrt_* name may be theirs: lm-eval's index decides.
         own_tasks = bool(getattr(lm_eval_args, "include_path", None))
@@ -193,15 +190,12 @@ def check_arguments_early(lm_eval_args: argparse.Namespace) -> None:
         if unknown and not own_tasks:
             hints = {name: difflib.get_close_matches(name, shipped, n=1) for name in unknown}
             hint = "".join(f" ({name}: did you mean {match[0]}?)" for name, match in hints.items() if match)
-            raise UsageError(
-                f"unknown task(s) {', '.join(unknown)}{hint}: jrt-rnn's tasks are {', '.join(sorted(shipped))} "
-                "(docs/evaluation.md)."
-            )
+            raise UsageError(f"unknown task(s) {', '.join(unknown)}{hint}: jrt-rnn's tasks "
+                             f"are {', '.join(sorted(shipped))} (docs/evaluation.md).")
     limit = getattr(lm_eval_args, "limit", None)
     if limit is not None and not (math.isfinite(limit) and limit > 0):
-        raise UsageError(
-            f"--limit {limit:g}: expected a number of examples per task (>= 1) or a fraction of them (between 0 and 1)."
-        )
+        raise UsageError(f"--limit {limit:g}: expected a number of examples per "
+                         "task (>= 1) or a fraction of them (between 0 and 1).")
     batch_size = getattr(lm_eval_args, "batch_size", None)
     if batch_size is not None and not _is_batch_size(str(batch_size)):
         raise UsageError(f"--batch_size {batch_size}: expected a positive integer, 'auto' or 'auto:N'.")
@@ -210,9 +204,8 @@ def check_arguments_early(lm_eval_args: argparse.Namespace) -> None:
 
         for key, allowed in (("scoring", SCORING_MODES), ("prefix_strategy", PREFIX_STRATEGIES)):
             if key in model_args and model_args[key] not in allowed:
-                raise UsageError(
-                    f"--model_args {key}={model_args[key]} is not one of {', '.join(allowed)} (the `jrt` model's)."
-                )
+                raise UsageError(f"--model_args {key}={model_args[key]} is not one "
+                                 f"of {', '.join(allowed)} (the `jrt` model's).")
         check_model_arg_names(model_args)
 
 
@@ -230,11 +223,10 @@ def check_model_arg_names(model_args: dict) -> None:
             continue
         match = difflib.get_close_matches(key, sorted(known), n=1)
         hint = f" (did you mean {match[0]}?)" if match else ""
-        raise UsageError(
-            f"--model_args {key}={value}: the `jrt` model takes no argument {key!r}{hint}. It takes lm-eval's HF model "
-            "arguments (dtype, device, max_length, ...), scoring and prefix_strategy, from_pretrained options and "
-            "the model's config fields (docs/evaluation.md)."
-        )
+        raise UsageError(f"--model_args {key}={value}: the `jrt` model takes no argument "
+                         f"{key!r}{hint}. It takes lm-eval's HF model arguments (dtype, device, "
+                         "max_length, ...), scoring and prefix_strategy, from_pretrained "
+                         "options and the model's config fields (docs/evaluation.md).")
 
 
 def task_index_path(version: str) -> Path:

@@ -81,9 +81,8 @@ def require_lm_eval(command: str) -> None:
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        raise RuntimeError(
-            f"{command} lm-evaluation-harness, the optional `eval` extra: pip install -e '.[eval]' in a checkout"
-        ) from None
+        raise RuntimeError(f"{command} lm-evaluation-harness, the optional "
+                           "`eval` extra: pip install -e '.[eval]' in a checkout") from None
 
 
 def one_line(error: BaseException) -> str:

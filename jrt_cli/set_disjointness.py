@@ -57,10 +57,9 @@ def set_disjointness(
         _check_positive(name, value)
     first_pool, second_pool = vocab_size // 2, vocab_size - SD_NUM_SPECIAL - vocab_size // 2
     if short_length > first_pool or long_length > second_pool:
-        raise ValueError(
-            f"Sets of sizes ({short_length}, {long_length}) do not fit the pools of vocab_size={vocab_size} "
-            f"({first_pool} and {second_pool} ids): use a larger vocab_size or smaller sets."
-        )
+        raise ValueError(f"Sets of sizes ({short_length}, {long_length}) do not fit "
+                         f"the pools of vocab_size={vocab_size} ({first_pool} and "
+                         f"{second_pool} ids): use a larger vocab_size or smaller sets.")
     all_ids = np.arange(SD_NUM_SPECIAL, vocab_size)
     context_length = short_length + long_length + 2
     length = repeat * context_length + 1

@@ -63,10 +63,8 @@ def check_model_source(name: str, flag: str) -> None:
     if path.exists():  # transformers reads a file as a Hub id ("Repo id must be in the form ..."), after retries
         holder = path.parent
         example = f" ({str(holder)!r} holds a config.json)" if (holder / "config.json").is_file() else ""
-        raise UsageError(
-            f"{flag} {name!r} is a file, not a model folder: give the folder that holds the model's config.json, "
-            f"weights and tokenizer files{example}, or a Hub id."
-        )
+        raise UsageError(f"{flag} {name!r} is a file, not a model folder: give the folder that holds "
+                         f"the model's config.json, weights and tokenizer files{example}, or a Hub id.")
     if looks_like_path(name) or not is_hub_id(name):
         raise ModelSourceError(f"{flag} {name!r}: no such folder.")
     check_hub_source(name, flag)
@@ -111,10 +109,9 @@ def check_converted(folder: Path, flag: str) -> None:
         return  # transformers reports an unreadable config with its file name
     is_reference = isinstance(config, dict) and any(key in config for key in _REFERENCE_CONFIG_KEYS)
     if is_reference and config.get("model_type") != "jrt_rnn":
-        raise ModelSourceError(
-            f"{flag} {str(folder)!r} holds a released HazyResearch checkpoint in its original format: convert it "
-            f"first: jrt convert SRC DST (e.g. jrt convert {folder} {folder}-hf), then pass DST."
-        )
+        raise ModelSourceError(f"{flag} {str(folder)!r} holds a released HazyResearch checkpoint "
+                               "in its original format: convert it first: jrt convert SRC DST "
+                               f"(e.g. jrt convert {folder} {folder}-hf), then pass DST.")
 
 
 @functools.cache

@@ -19,8 +19,6 @@ import torch
 from .memory import MappedPages, NoRelease
 from .source_files import ConversionError, find_weights_file, load_reference_config
 
-_MODEL_PREFIX = re.compile(r"^model\.")
-
 
 def load_state_dict_safely(
     path: Path, *, dtype: torch.dtype | None = None
@@ -45,21 +43,18 @@ def load_state_dict_safely(
         if not foreign and not _refused_object(error):
             raise _damaged(path, kind, error, weights_only="WeightsUnpickler error" in str(error)) from error
         named = f" ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''})" if foreign else ""
-        raise ConversionError(
-            f"Refusing to load {str(path)!r}: it contains Python objects other than tensors and plain containers"
-            f"{named}, and unpickling those could run arbitrary code (the file is only read with "
-            f"`torch.load(weights_only=True)`). If you trust the file, {_EXTRACT_WEIGHTS} torch says: "
-            f"{_unpickler_reason(error)}"
-        ) from error
+        raise ConversionError(f"Refusing to load {str(path)!r}: it contains Python objects "
+                              f"other than tensors and plain containers{named}, and unpickling "
+                              "those could run arbitrary code (the file is only read with "
+                              "`torch.load(weights_only=True)`). If you trust the file, "
+                              f"{_EXTRACT_WEIGHTS} torch says: {_unpickler_reason(error)}") from error
     except _READ_ERRORS as error:  # a damaged file makes the unpickler fail in many ways
         raise _damaged(path, kind, error) from error
     is_lightning = isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict)
     state_dict = loaded["state_dict"] if is_lightning else loaded
     if not isinstance(state_dict, dict):
-        raise ConversionError(
-            f"{str(path)!r} holds a {type(state_dict).__name__}, not a state dict (a mapping of names to tensors) "
-            "or a Lightning checkpoint with a 'state_dict' entry."
-        )
+        raise ConversionError(f"{str(path)!r} holds a {type(state_dict).__name__}, not a state dict (a mapping "
+                              "of names to tensors) or a Lightning checkpoint with a 'state_dict' entry.")
     not_tensors = sorted(str(k) for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
     if not_tensors:
         raise ConversionError(f"{str(path)!r}: these state-dict entries are not tensors: {not_tensors}.")
@@ -110,24 +105,19 @@ def check_tensor_values(
             overflow.append(key)
             largest = max(largest, float(ends.abs().max()))
     if wrong_kind:
-        raise ConversionError(
-            f"{str(path)!r}: these tensors are not dense real floating point, as model weights are: "
-            f"{_names(wrong_kind)}. Only float32, float64, float16 and bfloat16 weights can be converted; check that "
-            "the file is the model's checkpoint."
-        )
+        raise ConversionError(f"{str(path)!r}: these tensors are not dense real floating point, as model "
+                              f"weights are: {_names(wrong_kind)}. Only float32, float64, float16 and bfloat16 "
+                              "weights can be converted; check that the file is the model's checkpoint.")
     if non_finite:
-        raise ConversionError(
-            f"{str(path)!r}: these tensors hold NaN or Inf values: {_names(non_finite)}. The checkpoint is damaged or "
-            "diverged; a converted model would give NaN logits."
-        )
+        raise ConversionError(f"{str(path)!r}: these tensors hold NaN or Inf values: {_names(non_finite)}. "
+                              "The checkpoint is damaged or diverged; a converted model would give NaN logits.")
     if overflow:
         limit = torch.finfo(dtype).max
         fix = ("convert with --dtype bfloat16 or float32, which reach 3.4e+38" if limit < torch.finfo(torch.float32).max
                else "the checkpoint is damaged or diverged")
-        raise ConversionError(
-            f"{str(path)!r}: these tensors hold values beyond {str(dtype).removeprefix('torch.')}'s range "
-            f"(+-{limit:.4g}; largest magnitude found {largest:.4g}): {_names(overflow)}. They would become Inf: {fix}."
-        )
+        raise ConversionError(f"{str(path)!r}: these tensors hold values beyond "
+                              f"{str(dtype).removeprefix('torch.')}'s range (+-{limit:.4g}; largest magnitude "
+                              f"found {largest:.4g}): {_names(overflow)}. They would become Inf: {fix}.")
 
 
 def _names(names: list[str], limit: int = 20) -> str:
@@ -222,16 +212,13 @@ def _pickled_globals(path: Path, kind: str) -> list[str]:
 
 def _damaged(path: Path, kind: str, error: BaseException, weights_only: bool = False) -> ConversionError:
     if weights_only:  # torch's weights-only unpickler stopped: damaged bytes, or an object it does not name
-        return ConversionError(
-            f"Cannot read {str(path)!r} with `torch.load(weights_only=True)` ({_unpickler_reason(error)}): the "
-            f"{_KINDS[kind]} is damaged, or it holds Python objects other than tensors and plain containers. If it "
-            f"is damaged, download or copy it again; if you trust the file, {_EXTRACT_WEIGHTS}"
-        )
+        return ConversionError(f"Cannot read {str(path)!r} with `torch.load(weights_only=True)` "
+                               f"({_unpickler_reason(error)}): the {_KINDS[kind]} is damaged, or it holds "
+                               "Python objects other than tensors and plain containers. If it is damaged, "
+                               f"download or copy it again; if you trust the file, {_EXTRACT_WEIGHTS}")
     reason = str(error).splitlines()[0] if str(error).strip() else "unexpected end of file"
-    return ConversionError(
-        f"Cannot read {str(path)!r} ({type(error).__name__}: {reason}): the {_KINDS[kind]} is truncated, damaged or "
-        "not a checkpoint. Download or copy it again."
-    )
+    return ConversionError(f"Cannot read {str(path)!r} ({type(error).__name__}: {reason}): the {_KINDS[kind]} "
+                           "is truncated, damaged or not a checkpoint. Download or copy it again.")
 
 
 _KINDS = {"zip": "torch zip checkpoint", "legacy": "legacy torch.save pickle"}
@@ -251,35 +238,26 @@ def check_file_integrity(path: Path) -> str:
     with open(path, "rb") as handle:
         head = handle.read(64)
     if head.startswith(_LFS_POINTER):
-        raise ConversionError(
-            f"{str(path)!r} is a Git LFS pointer file ({size} bytes), not the weights: download the real file "
-            "(`git lfs pull` in the clone, or `hf download REPO pytorch_model.bin`)."
-        )
+        raise ConversionError(f"{str(path)!r} is a Git LFS pointer file ({size} bytes), not the weights: download "
+                              "the real file (`git lfs pull` in the clone, or `hf download REPO pytorch_model.bin`).")
     if not zipfile.is_zipfile(path):
         if head.startswith(b"\x80") and _LEGACY_MAGIC in head[:32]:
             return "legacy"
         if head.startswith(b"PK\x03\x04"):
-            raise ConversionError(
-                f"Cannot read {str(path)!r} (a zip archive without its end, {size:,} bytes): the torch zip checkpoint "
-                "is truncated or damaged. Download or copy it again."
-            )
-        raise ConversionError(
-            f"{str(path)!r} is not a PyTorch checkpoint: it is neither a torch zip archive nor a legacy torch.save "
-            f"pickle (it starts with {head[:8]!r}). The file is damaged or not a checkpoint; download or copy it "
-            "again."
-        )
+            raise ConversionError(f"Cannot read {str(path)!r} (a zip archive without its end, {size:,} bytes): "
+                                  "the torch zip checkpoint is truncated or damaged. Download or copy it again.")
+        raise ConversionError(f"{str(path)!r} is not a PyTorch checkpoint: it is neither a torch zip "
+                              f"archive nor a legacy torch.save pickle (it starts with {head[:8]!r}). "
+                              "The file is damaged or not a checkpoint; download or copy it again.")
     try:
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()
     except (zipfile.BadZipFile, OSError, EOFError) as error:
-        raise ConversionError(
-            f"Cannot read {str(path)!r} as a torch zip checkpoint ({error}): the file is damaged; fetch it again."
-        ) from error
+        raise ConversionError(f"Cannot read {str(path)!r} as a torch zip checkpoint "
+                              f"({error}): the file is damaged; fetch it again.") from error
     if damaged is not None:
-        raise ConversionError(
-            f"{str(path)!r} is damaged: its record {damaged!r} fails the CRC-32 check (a corrupted download or copy). "
-            "Fetch the file again; nothing was converted."
-        )
+        raise ConversionError(f"{str(path)!r} is damaged: its record {damaged!r} fails the CRC-32 check (a "
+                              "corrupted download or copy). Fetch the file again; nothing was converted.")
     return "zip"
 
 
@@ -290,7 +268,7 @@ def normalise_keys(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch
     normalised: dict[str, torch.Tensor] = {}
     dropped: list[str] = []
     for key, tensor in state_dict.items():
-        name = _MODEL_PREFIX.sub("", key)
+        name = key.removeprefix("model.")
         if "metrics" in name:
             dropped.append(key)
             continue

@@ -156,10 +156,8 @@ def check_layers_against_weights(arch: "ReferenceArchitecture", keys: list[str])
         held = (
             f"layers {indices[0]}-{indices[-1]} ({len(indices)} layers)" if indices else "no transformer.layers.* keys"
         )
-        raise ConversionError(
-            f"config.json n_layer={arch.num_layers}, but the weights hold {held}: use the config.json that belongs to "
-            "these weights (or fix its n_layer)."
-        )
+        raise ConversionError(f"config.json n_layer={arch.num_layers}, but the weights hold {held}: "
+                              "use the config.json that belongs to these weights (or fix its n_layer).")
 
 
 _LAYER_KEY = re.compile(r"^transformer\.layers\.(\d+)\.")
@@ -221,10 +219,9 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
     alt_mixer = _mixer_dict(config, "alt_mixer")
     alt_mixer_2 = _mixer_dict(config, "alt_mixer_2")
     if mixer is None:
-        raise ConversionError(
-            "Unknown checkpoint family: config.json has no 'mixer' dict, so it is not a Based / JRT-RNN "
-            f"GPT2MixerConfig dump (supported families: {list(FAMILIES)}; the attention and Mamba baselines are not)."
-        )
+        raise ConversionError("Unknown checkpoint family: config.json has no 'mixer' dict, so it "
+                              "is not a Based / JRT-RNN GPT2MixerConfig dump (supported families: "
+                              f"{list(FAMILIES)}; the attention and Mamba baselines are not).")
     notes: list[str] = []
     num_layers = _int(_get(config, "n_layer", "num_hidden_layers"), "n_layer")
     hidden_size = _int(_get(config, "n_embd", "hidden_size"), "n_embd")
@@ -236,11 +233,9 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
     linear_layers = _layer_list(config, "alt_mixer_layers")
     both = sorted(sliding_layers & linear_layers)
     if both:
-        raise ConversionError(
-            f"config.json lists layers {both} in both alt_mixer_layers (linear attention) and alt_mixer_2_layers "
-            "(sliding attention); each layer has one mixer. Fix the config (the released checkpoints list disjoint "
-            "layers)."
-        )
+        raise ConversionError(f"config.json lists layers {both} in both alt_mixer_layers (linear "
+                              "attention) and alt_mixer_2_layers (sliding attention); each layer has one "
+                              "mixer. Fix the config (the released checkpoints list disjoint layers).")
     for name, layers, mixer_args in (
         ("alt_mixer_2_layers", sliding_layers, alt_mixer_2),
         ("alt_mixer_layers", linear_layers, alt_mixer),
@@ -259,9 +254,8 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
     # Gated convolution (BaseConv; `kernel_sizes` is ignored by the reference constructor, so is it here).
     expand_proj = _int(mixer.get("expand_proj", 4), "mixer.expand_proj")
     if expand_proj % 2:
-        raise ConversionError(
-            f"BaseConv expand_proj must be even (inner width = expand_proj * d / 2), got {expand_proj}."
-        )
+        raise ConversionError("BaseConv expand_proj must be even (inner width "
+                              f"= expand_proj * d / 2), got {expand_proj}.")
     kernel_size = _int(mixer.get("kernel_size", 3), "mixer.kernel_size")
     if "kernel_sizes" in mixer:
         notes.append(
@@ -275,10 +269,8 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
         feature_dim = _int(alt_mixer.get("feature_dim", 16), "alt_mixer.feature_dim")
         heads = alt_mixer.get("num_heads")
         if heads is not None and _int(heads, "alt_mixer.num_heads") != num_heads:
-            raise ConversionError(
-                f"alt_mixer.num_heads={heads} differs from n_head={num_heads}; the converted model shares one head "
-                "count between its attention layers."
-            )
+            raise ConversionError(f"alt_mixer.num_heads={heads} differs from n_head={num_heads}; the "
+                                  "converted model shares one head count between its attention layers.")
         _check_feature_map(alt_mixer)
         enc_length = alt_mixer.get("enc_length", config.get("enc_length"))
         use_decay_proj = bool(alt_mixer.get("use_decay_proj", False))
@@ -290,10 +282,8 @@ def read_architecture(config: dict) -> ReferenceArchitecture:
         _check_kind(alt_mixer_2, "alt_mixer_2", "sliding", "a sliding-window attention")
         window_size = _int(_get(alt_mixer_2, "window_size", where="config.json alt_mixer_2"), "alt_mixer_2.window_size")
         if window_size == 4096:
-            raise ConversionError(
-                "alt_mixer_2.window_size=4096 triggers the reference's per-layer window special case (layers 7 and 17 "
-                "use 256), which the converted model does not support."
-            )
+            raise ConversionError("alt_mixer_2.window_size=4096 triggers the reference's per-layer window special "
+                                  "case (layers 7 and 17 use 256), which the converted model does not support.")
 
     vocab_size = _int(config.get("vocab_size", 50257), "vocab_size")
     multiple = _int(config.get("pad_vocab_size_multiple", 8), "pad_vocab_size_multiple")
@@ -328,10 +318,9 @@ def _token_id(value: object, field: str) -> int:
     the vocabulary is allowed here: `translate_config` writes it as None, with a note."""
     token_id = _int(value, field)
     if token_id < 0:
-        raise ConversionError(
-            f"config.json field {field!r} must be a token id (an integer >= 0), got {token_id}: fix config.json (the "
-            "released models use GPT-2's <|endoftext|> = 50256), or use the config.json that belongs to these weights."
-        )
+        raise ConversionError(f"config.json field {field!r} must be a token id (an integer >= 0), got "
+                              f"{token_id}: fix config.json (the released models use GPT-2's <|endoftext|> "
+                              "= 50256), or use the config.json that belongs to these weights.")
     return token_id
 
 
@@ -343,14 +332,11 @@ def _check_backbone(config: dict) -> None:
     }
     for name, value in expected.items():
         if name in config and config[name] is not None and config[name] != value:
-            raise ConversionError(
-                f"config.json {name}={config[name]!r} is not supported: every released Based / JRT-RNN checkpoint "
-                f"uses {value!r}, and so does the converted model."
-            )
+            raise ConversionError(f"config.json {name}={config[name]!r} is not supported: every released Based "
+                                  f"/ JRT-RNN checkpoint uses {value!r}, and so does the converted model.")
     if config.get("rotary_emb_scale_base") is not None:
-        raise ConversionError(
-            "config.json rotary_emb_scale_base (xPos) is not supported; the released models use None."
-        )
+        raise ConversionError("config.json rotary_emb_scale_base (xPos) is "
+                              "not supported; the released models use None.")
 
 
 def _check_feature_map(alt_mixer: dict) -> None:
@@ -358,10 +344,9 @@ def _check_feature_map(alt_mixer: dict) -> None:
     feature_map = alt_mixer.get("feature_map")
     target = _target(feature_map) if isinstance(feature_map, dict) else ""
     if (name is not None and name != "taylor_exp") or (target and "taylor" not in target.lower()):
-        raise ConversionError(
-            f"Unsupported linear-attention feature map (feature_name={name!r}, feature_map={target!r}): only the "
-            "2nd-order Taylor map ('taylor_exp' / TaylorExp) of the released models is implemented."
-        )
+        raise ConversionError(f"Unsupported linear-attention feature map (feature_name={name!r}, "
+                              f"feature_map={target!r}): only the 2nd-order Taylor map "
+                              "('taylor_exp' / TaylorExp) of the released models is implemented.")
 
 
 def _check_kind(mixer: dict | None, where: str, kind: str, expected: str) -> None:
@@ -376,9 +361,8 @@ def _check_kind(mixer: dict | None, where: str, kind: str, expected: str) -> Non
     else:
         fits = any(word in path for word in ("slid", "slide", "window"))
     if not fits:
-        raise ConversionError(
-            f"Unknown checkpoint family: {where} is {target!r}, not {expected}; supported families: {list(FAMILIES)}."
-        )
+        raise ConversionError(f"Unknown checkpoint family: {where} is {target!r}, "
+                              f"not {expected}; supported families: {list(FAMILIES)}.")
 
 
 @dataclass
@@ -398,10 +382,9 @@ def detect_family(
     if requested != "auto" and requested not in FAMILIES:
         raise ConversionError(f"Unknown family {requested!r}; choose 'auto' or one of {list(FAMILIES)}.")
     if "linear_attention" not in arch.layer_kinds:
-        raise ConversionError(
-            "Unknown checkpoint family: config.json lists no linear-attention layers (alt_mixer_layers), which every "
-            f"Based / JRT-RNN checkpoint has; supported families: {list(FAMILIES)}."
-        )
+        raise ConversionError("Unknown checkpoint family: config.json lists no "
+                              "linear-attention layers (alt_mixer_layers), which every Based / "
+                              f"JRT-RNN checkpoint has; supported families: {list(FAMILIES)}.")
     encoder_keys = [k for k in keys if k.endswith("mixer.proj_k_enc.weight")]
     if encoder_keys or "prefix" in arch.linear_attention_target.lower():
         evidence = (f"prefix linear attention ({len(encoder_keys)} '*.mixer.proj_k_enc.weight' keys, "
@@ -437,9 +420,8 @@ def detect_family(
 def _checked(requested: str, detected: str, evidence: str) -> Detection:
     if requested in ("auto", detected):
         return Detection(detected, evidence if requested == "auto" else f"requested; structure: {evidence}")
-    raise ConversionError(
-        f"--family {requested} does not fit this checkpoint: it has {evidence}, which is the {detected!r} family."
-    )
+    raise ConversionError(f"--family {requested} does not fit this checkpoint: "
+                          f"it has {evidence}, which is the {detected!r} family.")
 
 
 def translate_config(
@@ -464,10 +446,9 @@ def translate_config(
     decay, decay_proj = False, False
     if spec.applies_decay:
         if arch.use_decay_proj and not arch.fixed_decay:
-            raise ConversionError(
-                "alt_mixer.use_decay_proj=true without fixed_decay: no released checkpoint uses this combination and "
-                "the reference behaviour is not specified, so it is not converted."
-            )
+            raise ConversionError("alt_mixer.use_decay_proj=true without fixed_decay: no "
+                                  "released checkpoint uses this combination and the reference "
+                                  "behaviour is not specified, so it is not converted.")
         decay = decay_proj = arch.use_decay_proj
         if arch.fixed_decay and not arch.use_decay_proj:
             notes.append("fixed_decay=true without use_decay_proj: the reference parallel forward ignores the decay "
@@ -475,10 +456,8 @@ def translate_config(
     elif arch.fixed_decay:
         notes.append(f"fixed_decay=true is ignored: the {spec.name} reference loader never applies the decay.")
     if arch.use_decay_proj and not spec.applies_decay:
-        raise ConversionError(
-            f"alt_mixer.use_decay_proj=true, but the {spec.name} family has no input-dependent decay; "
-            "convert with --family based-jrt-release."
-        )
+        raise ConversionError(f"alt_mixer.use_decay_proj=true, but the {spec.name} family has no "
+                              "input-dependent decay; convert with --family based-jrt-release.")
 
     is_prefix = spec.linear_attention_type == "prefix"
     prefix_length = arch.enc_length if arch.enc_length is not None else 1024

@@ -34,11 +34,10 @@ def download_reference_checkpoint(repo_id: str, *, revision: str | None = None) 
             repo_id=repo_id, revision=revision, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, f"*{LIGHTNING_SUFFIX}"]
         )
     except HUB_ERRORS as error:
-        raise ConversionError(
-            f"Could not download {repo_id!r} from the Hugging Face Hub ({type(error).__name__}: {error}). "
-            f"Without network access, copy {CONFIG_NAME} and {WEIGHTS_NAME} from https://huggingface.co/{repo_id} "
-            "into a folder and pass that folder as SRC."
-        ) from error
+        raise ConversionError(f"Could not download {repo_id!r} from the Hugging Face Hub "
+                              f"({type(error).__name__}: {error}). Without network access, copy "
+                              f"{CONFIG_NAME} and {WEIGHTS_NAME} from https://huggingface.co/{repo_id} "
+                              "into a folder and pass that folder as SRC.") from error
     return Path(folder)
 
 
@@ -70,9 +69,8 @@ def push_to_hub(
     if not folder.is_dir():
         raise FileNotFoundError(f"Nothing to upload: {str(folder)!r} is not a folder.")
     if create_pr and revision not in (None, "main"):
-        raise ValueError(
-            f"--create-pr opens a pull request against main; it cannot be combined with --revision {revision!r}."
-        )
+        raise ValueError("--create-pr opens a pull request against main; it "
+                         f"cannot be combined with --revision {revision!r}.")
     api = HfApi(token=token)
     try:
         api.create_repo(repo_id=repo_id, private=private, repo_type="model", exist_ok=True)
@@ -85,11 +83,10 @@ def push_to_hub(
     except HUB_ERRORS as error:
         retry = f"hf upload {repo_id} {folder} ." + (f" --revision {revision}" if revision else "")
         retry += " --create-pr" if create_pr else ""
-        raise RuntimeError(
-            f"Upload to {repo_id!r} failed ({type(error).__name__}: {_first_line(error)}). The converted folder "
-            f"{str(folder)!r} is intact: fix the cause (login with `hf auth login`, network, permissions) and retry "
-            f"with `{retry}`, or call jrt_convert.push_to_hub on the folder."
-        ) from error
+        raise RuntimeError(f"Upload to {repo_id!r} failed ({type(error).__name__}: "
+                           f"{_first_line(error)}). The converted folder {str(folder)!r} is intact: "
+                           "fix the cause (login with `hf auth login`, network, permissions) and "
+                           f"retry with `{retry}`, or call jrt_convert.push_to_hub on the folder.") from error
     return commit.pr_url if create_pr and commit.pr_url else commit.commit_url
 
 
@@ -101,11 +98,10 @@ def check_hub_access(repo_id: str, *, private: bool = False, token: str | None =
     try:
         HfApi(token=token).create_repo(repo_id=repo_id, private=private, repo_type="model", exist_ok=True)
     except HUB_ERRORS as error:
-        raise RuntimeError(
-            f"Cannot upload to {repo_id!r} ({type(error).__name__}: {_first_line(error)}); nothing was converted. "
-            "Fix the cause (network or HF_HUB_OFFLINE, `hf auth login`, write access to the repo) and run again, or "
-            "convert without --push-to-hub and upload later with `hf upload`."
-        ) from error
+        raise RuntimeError(f"Cannot upload to {repo_id!r} ({type(error).__name__}: "
+                           f"{_first_line(error)}); nothing was converted. Fix the cause (network or "
+                           "HF_HUB_OFFLINE, `hf auth login`, write access to the repo) and run again, "
+                           "or convert without --push-to-hub and upload later with `hf upload`.") from error
 
 
 def _first_line(error: BaseException) -> str:

@@ -24,11 +24,9 @@ _LISTED = 20  # keys listed per problem in an error message
 def full_key_table(spec: FamilySpec, arch: ReferenceArchitecture) -> dict[str, tuple[str, ...]]:
     """Every reference key the family's checkpoint must hold -> our key(s) (several = equal row blocks)."""
     table = dict(GLOBAL_KEYS)
-    for layer_idx in range(arch.num_layers):
-        for source, targets in layer_key_table(spec, arch, layer_idx).items():
-            table[f"transformer.layers.{layer_idx}.{source}"] = tuple(
-                f"model.layers.{layer_idx}.{target}" for target in targets
-            )
+    for i in range(arch.num_layers):
+        for source, targets in layer_key_table(spec, arch, i).items():
+            table[f"transformer.layers.{i}.{source}"] = tuple(f"model.layers.{i}.{target}" for target in targets)
     return table
 
 

@@ -216,9 +216,7 @@ def check_options(
     if family != "auto" and family not in FAMILY_SPECS:
         raise OptionError(f"Unknown family {family!r}; choose 'auto' or one of {list(FAMILY_SPECS)}.")
     if prefix_pad_masking not in PREFIX_PAD_MASKINGS:
-        raise OptionError(
-            f"prefix_pad_masking must be one of {list(PREFIX_PAD_MASKINGS)}, got {prefix_pad_masking!r}."
-        )
+        raise OptionError(f"prefix_pad_masking must be one of {list(PREFIX_PAD_MASKINGS)}, got {prefix_pad_masking!r}.")
     if prefix_pad_token_id is not None and (
         not isinstance(prefix_pad_token_id, int) or isinstance(prefix_pad_token_id, bool) or prefix_pad_token_id < 0
     ):
@@ -231,10 +229,8 @@ def check_options(
         path = Path(tokenizer).expanduser()
         looks_like_path = path.exists() or tokenizer.startswith(("/", ".", "~")) or tokenizer.count("/") > 1
         if looks_like_path and not path.is_dir():
-            raise OptionError(
-                f"--tokenizer {tokenizer!r} is not an existing folder; give a folder holding a tokenizer, or a Hub "
-                "id such as 'gpt2' or 'openai-community/gpt2'."
-            )
+            raise OptionError(f"--tokenizer {tokenizer!r} is not an existing folder; give a folder "
+                              "holding a tokenizer, or a Hub id such as 'gpt2' or 'openai-community/gpt2'.")
         if not looks_like_path and not (is_repo_id(tokenizer) or _BARE_HUB_ID.match(tokenizer)):
             raise OptionError(f"--tokenizer {tokenizer!r} is neither an existing folder nor a Hub id such as 'gpt2' or "
                               "'openai-community/gpt2'.")
@@ -258,11 +254,10 @@ def _disk_full_reported(destination: Path, needed_bytes: int) -> Iterator[None]:
     except OSError as error:
         if error.errno not in _DISK_FULL:
             raise
-        raise ConversionError(
-            f"Cannot write the converted folder for {str(destination)!r}: {error.strerror or error} (it needs about "
-            f"{needed_bytes:,} bytes for the weights). Free some space (or raise `ulimit -f`), choose another DST, or "
-            "convert with --dtype bfloat16; nothing was written."
-        ) from error
+        raise ConversionError(f"Cannot write the converted folder for {str(destination)!r}: "
+                              f"{error.strerror or error} (it needs about {needed_bytes:,} bytes "
+                              "for the weights). Free some space (or raise `ulimit -f`), choose "
+                              "another DST, or convert with --dtype bfloat16; nothing was written.") from error
 
 
 def _prefix_pad_token_id(
@@ -273,10 +268,8 @@ def _prefix_pad_token_id(
     vocabulary = arch.padded_vocab_size
     if requested is not None:
         if requested >= vocabulary:
-            raise OptionError(
-                f"--prefix-pad-token-id {requested} is outside this checkpoint's vocabulary ({vocabulary} embedding "
-                f"rows): give a token id below {vocabulary}."
-            )
+            raise OptionError(f"--prefix-pad-token-id {requested} is outside this checkpoint's vocabulary "
+                              f"({vocabulary} embedding rows): give a token id below {vocabulary}.")
         return requested, []
     source, pad_id = "GPT-2's \" \" (the reference's prefix pad)", GPT2_PREFIX_PAD_TOKEN_ID
     if tok is not None:
@@ -288,11 +281,10 @@ def _prefix_pad_token_id(
     if spec.linear_attention_type != "prefix":
         return None, [f"no prefix pad token: {source} = {pad_id} is outside the {vocabulary}-row vocabulary, and "
                       f"the {spec.name} family has no JRT prefix"]
-    raise ConversionError(
-        f"The JRT prefix pad token defaults to {source} = {pad_id}, but this checkpoint's vocabulary has only "
-        f"{vocabulary} rows: pass --prefix-pad-token-id ID (prefix_pad_token_id= in Python) with the id of the token "
-        "that fills a short prefix (the reference uses ' '), or --tokenizer with the model's tokenizer to take its ' '."
-    )
+    raise ConversionError(f"The JRT prefix pad token defaults to {source} = {pad_id}, but this checkpoint's "
+                          f"vocabulary has only {vocabulary} rows: pass --prefix-pad-token-id ID "
+                          "(prefix_pad_token_id= in Python) with the id of the token that fills a short prefix "
+                          "(the reference uses ' '), or --tokenizer with the model's tokenizer to take its ' '.")
 
 
 def _resolve_source(source: str) -> tuple[Path, str]:
@@ -303,9 +295,8 @@ def _resolve_source(source: str) -> tuple[Path, str]:
         return path, folder.resolve().name
     if is_repo_id(source):
         return download_reference_checkpoint(source), source
-    raise FileNotFoundError(
-        f"Source {source!r} is neither an existing file or folder nor a Hub repo id of the form 'owner/name'."
-    )
+    raise FileNotFoundError(f"Source {source!r} is neither an existing file or "
+                            "folder nor a Hub repo id of the form 'owner/name'.")
 
 
 def reference_generation_config(config: JRTRNNConfig) -> GenerationConfig:
@@ -330,19 +321,16 @@ def verify_folder(folder: Path, hashes: dict[str, str], model: JRTRNNForCausalLM
     """
     corrupted = sorted(name for name, digest in hashes.items() if sha256_of_file(folder / name) != digest)
     if corrupted:
-        raise ConversionError(
-            f"Verification failed: {corrupted} changed between writing and reading back (a failing disk or another "
-            "process writing there); nothing was moved into place."
-        )
+        raise ConversionError(f"Verification failed: {corrupted} changed between writing and reading back (a "
+                              "failing disk or another process writing there); nothing was moved into place.")
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items() if name not in tied}
     tensors, regions = _map_shards(folder, list(hashes))
     actual = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     if actual != expected:
         differing = sorted(set(actual) ^ set(expected) | {k for k in expected if actual.get(k) != expected[k]})
-        raise ConversionError(
-            f"Verification failed: the written folder differs from the converted model at {differing}."
-        )
+        raise ConversionError("Verification failed: the written folder differs "
+                              f"from the converted model at {differing}.")
 
     with torch.device("meta"):
         reloaded = JRTRNNForCausalLM(model.config).to(model.dtype)
@@ -364,10 +352,8 @@ def verify_folder(folder: Path, hashes: dict[str, str], model: JRTRNNForCausalLM
     for hook in hooks:
         hook.remove()
     if not torch.isfinite(logits).all():
-        raise ConversionError(
-            "Verification failed: the converted model's logits on a short input are not finite (every weight is "
-            f"finite in {reloaded.dtype}); convert with --dtype float32."
-        )
+        raise ConversionError("Verification failed: the converted model's logits on a short input are not finite "
+                              f"(every weight is finite in {reloaded.dtype}); convert with --dtype float32.")
 
 
 def _map_shards(
@@ -438,14 +424,11 @@ def _load_tokenizer(
         except (OSError, ValueError) as error:
             raise ConversionError(f"Could not load the tokenizer {tokenizer!r}: {error}") from error
     if len(tok) > arch.padded_vocab_size:
-        raise ConversionError(
-            f"The tokenizer has {len(tok)} tokens but the model only {arch.padded_vocab_size} embedding rows."
-        )
+        raise ConversionError(f"The tokenizer has {len(tok)} tokens but the model "
+                              f"only {arch.padded_vocab_size} embedding rows.")
     if tok.eos_token_id != arch.eos_token_id:
-        raise ConversionError(
-            f"The tokenizer's eos id is {tok.eos_token_id}, the checkpoint's {arch.eos_token_id}: the released models "
-            "use GPT-2's tokenizer (eos '<|endoftext|>' = 50256)."
-        )
+        raise ConversionError(f"The tokenizer's eos id is {tok.eos_token_id}, the checkpoint's {arch.eos_token_id}: "
+                              "the released models use GPT-2's tokenizer (eos '<|endoftext|>' = 50256).")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok, None
@@ -473,10 +456,8 @@ def _move_into_place(staging: Path, destination: Path, *, overwrite: bool, check
         raise ConversionError(f"Destination {str(destination)!r} appeared during the conversion; nothing was written.")
     moved = unchanged_since(destination, checked)
     if moved:
-        raise ConversionError(
-            f"Destination {str(destination)!r} changed during the conversion ({moved[:10]}); it was left as it is. "
-            "Run again to replace it."
-        )
+        raise ConversionError(f"Destination {str(destination)!r} changed during the conversion "
+                              f"({moved[:10]}); it was left as it is. Run again to replace it.")
     backup = destination.with_name(backup_name(destination))
     os.replace(destination, backup)
     try:

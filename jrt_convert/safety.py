@@ -150,38 +150,30 @@ def check_destination(source: Path | None, destination: Path, *, overwrite: bool
     if source is not None:
         origin = source.expanduser().resolve()
         if target == origin or target in origin.parents:
-            raise ConversionError(
-                f"Destination {str(destination)!r} is the source checkpoint or a folder containing it "
-                f"({str(source)!r}); writing there would delete the source. Choose a new folder for DST."
-            )
+            raise ConversionError(f"Destination {str(destination)!r} is the source checkpoint "
+                                  f"or a folder containing it ({str(source)!r}); writing "
+                                  "there would delete the source. Choose a new folder for DST.")
         if origin.is_dir() and origin in target.parents:
-            raise ConversionError(
-                f"Destination {str(destination)!r} is inside the source folder {str(source)!r}: the source is never "
-                "written. Choose a folder outside it for DST."
-            )
+            raise ConversionError(f"Destination {str(destination)!r} is inside the source folder {str(source)!r}: "
+                                  "the source is never written. Choose a folder outside it for DST.")
     if not destination.exists() and not destination.is_symlink():
         return {}
     if not overwrite:
-        raise ConversionError(
-            f"Destination {str(destination)!r} already exists; choose another folder or pass --overwrite to replace "
-            "it (it is replaced only after the new conversion is complete and verified)."
-        )
+        raise ConversionError(f"Destination {str(destination)!r} already exists; choose another "
+                              "folder or pass --overwrite to replace it (it is replaced only "
+                              "after the new conversion is complete and verified).")
     if destination.is_symlink() or not destination.is_dir():
-        raise ConversionError(
-            f"Destination {str(destination)!r} is not a folder; --overwrite replaces only a folder that a previous "
-            "conversion wrote. Remove it yourself or choose another DST."
-        )
+        raise ConversionError(f"Destination {str(destination)!r} is not a folder; --overwrite replaces only a "
+                              "folder that a previous conversion wrote. Remove it yourself or choose another DST.")
     if not any(destination.iterdir()):
         return {}
     check, stats = check_manifest(destination)
     if check.replaceable:
         return stats
     if check.manifest_problem is not None:
-        raise ConversionError(
-            f"Destination {str(destination)!r} was not written by `jrt convert` ({check.manifest_problem}; it holds "
-            f"{_listing(check.unlisted)}), so --overwrite will not replace it. Choose another DST, or empty it "
-            "yourself."
-        )
+        raise ConversionError(f"Destination {str(destination)!r} was not written by `jrt convert` "
+                              f"({check.manifest_problem}; it holds {_listing(check.unlisted)}), so "
+                              "--overwrite will not replace it. Choose another DST, or empty it yourself.")
     reasons = []
     if check.unlisted:
         reasons.append(f"files the conversion did not write: {_listing(check.unlisted)}")
@@ -226,10 +218,8 @@ def check_writable(destination: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{destination.name}.probe-"):
             pass
     except OSError as error:
-        raise ConversionError(
-            f"Cannot write next to the destination {str(destination)!r} ({error.strerror or error}): choose a DST in "
-            "a writable folder."
-        ) from error
+        raise ConversionError(f"Cannot write next to the destination {str(destination)!r} "
+                              f"({error.strerror or error}): choose a DST in a writable folder.") from error
 
 
 def check_free_space(destination: Path, needed_bytes: int) -> None:
@@ -237,10 +227,9 @@ def check_free_space(destination: Path, needed_bytes: int) -> None:
     free = shutil.disk_usage(destination.parent).free
     needed = needed_bytes + _SPACE_MARGIN_BYTES
     if free < needed:
-        raise ConversionError(
-            f"Not enough free space for {str(destination)!r}: the converted folder needs about {_gib(needed)}, the "
-            f"filesystem has {_gib(free)} free. Free some space, choose another DST, or convert with --dtype bf16."
-        )
+        raise ConversionError(f"Not enough free space for {str(destination)!r}: the converted folder "
+                              f"needs about {_gib(needed)}, the filesystem has {_gib(free)} free. "
+                              "Free some space, choose another DST, or convert with --dtype bf16.")
 
 
 class Terminated(SystemExit):

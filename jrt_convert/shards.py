@@ -45,10 +45,8 @@ def parse_size(value: str | int) -> int:
     else:
         match = _SIZE.match(str(value))
         if match is None or (match.group(2) or "").upper() not in _UNITS:
-            raise ValueError(
-                f"{value!r} is not a size: write a number with one of the units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB "
-                "(e.g. 5GB or 500MiB)."
-            )
+            raise ValueError(f"{value!r} is not a size: write a number with one of the units "
+                             "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 5GB or 500MiB).")
         number, unit = float(match.group(1)), (match.group(2) or "").upper()
     size = int(number * _UNITS[unit])
     if size <= 0:

@@ -47,15 +47,11 @@ def find_weights_file(source: Path) -> Path:
     found = sorted(p.name for p in source.iterdir())
     if not lightning:
         listing = f"found {_short_listing(found)}" if found else "the folder is empty"
-        raise NotACheckpointError(
-            f"No weights in {str(source)!r}: expected {WEIGHTS_NAME!r} or one Lightning '*{LIGHTNING_SUFFIX}' file "
-            f"next to {CONFIG_NAME!r}; {listing}. Give the folder of a released checkpoint (or a Hub id such as "
-            "hazyresearch/JRT-360M-30B) as SRC."
-        )
-    raise NotACheckpointError(
-        f"{str(source)!r} holds several Lightning checkpoints {[p.name for p in lightning]}: pass the one to convert "
-        "as SRC (its folder must also hold the reference config.json)."
-    )
+        raise NotACheckpointError(f"No weights in {str(source)!r}: expected {WEIGHTS_NAME!r} or one Lightning "
+                                  f"'*{LIGHTNING_SUFFIX}' file next to {CONFIG_NAME!r}; {listing}. Give the folder "
+                                  "of a released checkpoint (or a Hub id such as hazyresearch/JRT-360M-30B) as SRC.")
+    raise NotACheckpointError(f"{str(source)!r} holds several Lightning checkpoints {[p.name for p in lightning]}: "
+                              "pass the one to convert as SRC (its folder must also hold the reference config.json).")
 
 
 def check_not_converted(folder: Path) -> None:
@@ -69,12 +65,11 @@ def check_not_converted(folder: Path) -> None:
     if isinstance(config, dict) and config.get("model_type") == CONVERTED_MODEL_TYPE:
         weights = sorted(p.name for p in folder.glob("*.safetensors")) or sorted(p.name for p in folder.glob("*.bin"))
         holding = f"{_short_listing(weights)} and " if weights else ""
-        raise NotACheckpointError(
-            f"{str(folder)!r} is already a converted folder ({holding}a config.json with model_type "
-            f"{CONVERTED_MODEL_TYPE!r}): it loads as it is, with from_pretrained or `jrt generate --model "
-            f"{folder}`. `jrt convert` reads a released HazyResearch checkpoint (its config.json and "
-            f"{WEIGHTS_NAME} or a Lightning '*{LIGHTNING_SUFFIX}')."
-        )
+        raise NotACheckpointError(f"{str(folder)!r} is already a converted folder ({holding}a "
+                                  f"config.json with model_type {CONVERTED_MODEL_TYPE!r}): it loads as "
+                                  f"it is, with from_pretrained or `jrt generate --model {folder}`. `jrt "
+                                  "convert` reads a released HazyResearch checkpoint (its config.json and "
+                                  f"{WEIGHTS_NAME} or a Lightning '*{LIGHTNING_SUFFIX}').")
 
 
 def load_reference_config(folder: Path) -> dict:
@@ -82,18 +77,15 @@ def load_reference_config(folder: Path) -> dict:
     and JSON that is not an object are `ConversionError`s naming the file."""
     path = folder / CONFIG_NAME
     if not path.is_file():
-        raise ConversionError(
-            f"No {CONFIG_NAME!r} in {str(folder)!r}: the reference config (a GPT2Config dump with the mixer dicts) "
-            "must sit next to the weights."
-        )
+        raise ConversionError(f"No {CONFIG_NAME!r} in {str(folder)!r}: the reference config (a "
+                              "GPT2Config dump with the mixer dicts) must sit next to the weights.")
     try:
         config = json.loads(path.read_text(encoding="utf-8-sig"))
     except UnicodeDecodeError as error:
         raise ConversionError(f"{str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}).") from error
     except json.JSONDecodeError as error:
-        raise ConversionError(
-            f"{str(path)!r} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}."
-        ) from error
+        raise ConversionError(f"{str(path)!r} is not valid JSON: {error.msg} "
+                              f"at line {error.lineno}, column {error.colno}.") from error
     if not isinstance(config, dict):
         raise ConversionError(f"{str(path)!r} must hold a JSON object, got {type(config).__name__}.")
     return config
@@ -103,10 +95,8 @@ def check_example_folder(folder: Path) -> None:
     """`jrt convert --example DIR` writes into a new or empty folder only, so that nothing is overwritten."""
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         what = "a file" if not folder.is_dir() else "a folder that is not empty"
-        raise FileExistsError(
-            f"{folder} is {what}: the example is written into a new (or empty) folder only, so that nothing is "
-            "overwritten; choose another DIR."
-        )
+        raise FileExistsError(f"{folder} is {what}: the example is written into a new (or empty) "
+                              "folder only, so that nothing is overwritten; choose another DIR.")
 
 
 def _short_listing(names: list[str], limit: int = 8) -> str:
