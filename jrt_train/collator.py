@@ -195,26 +195,20 @@ class JRTDataCollator:
             )
 
     def _draw_mask(self) -> torch.Tensor:
-        """(E,) bool mask of one sequence's prefix."""
-        generator = self._get_generator()
-        if self.mask_sampling == "bernoulli":
-            return torch.rand(self.prefix_length, generator=generator) < self.mlm_probability
-        num_masked = round(self.mlm_probability * self.prefix_length)
-        mask = torch.zeros(self.prefix_length, dtype=torch.bool)
-        mask[torch.randperm(self.prefix_length, generator=generator)[:num_masked]] = True
-        return mask
-
-    def _get_generator(self) -> torch.Generator | None:
-        """Created at the first call, inside the process and dataloader worker that uses it."""
-        if self.seed is None:
-            return None
-        if self._generator is None:
+        """(E,) bool mask of one sequence's prefix. A seed's generator is created at the first draw, inside the
+        process and dataloader worker that uses it (without a seed `_generator` stays None: torch's global one)."""
+        if self.seed is not None and self._generator is None:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             worker = torch.utils.data.get_worker_info()
             # Python hashes tuples of ints deterministically (PYTHONHASHSEED only affects str and bytes).
             stream = hash((self.seed, rank, 0 if worker is None else worker.id)) & (2**63 - 1)
             self._generator = torch.Generator().manual_seed(stream)
-        return self._generator
+        if self.mask_sampling == "bernoulli":
+            return torch.rand(self.prefix_length, generator=self._generator) < self.mlm_probability
+        num_masked = round(self.mlm_probability * self.prefix_length)
+        mask = torch.zeros(self.prefix_length, dtype=torch.bool)
+        mask[torch.randperm(self.prefix_length, generator=self._generator)[:num_masked]] = True
+        return mask
 
 
 def _is_int(value: object) -> bool:

@@ -200,6 +200,4 @@ def check_labels(
     return None if labels is None else labels.long()
 
 
-__all__ = [
-    "check_attention_mask", "check_inputs", "check_labels", "check_one_sequence_per_row", "resolve_cache",
-]
+__all__ = ["check_attention_mask", "check_inputs", "check_labels", "check_one_sequence_per_row", "resolve_cache"]

@@ -120,8 +120,7 @@ def prompt_lengths_from_labels(labels: torch.Tensor, attention_mask: torch.Tenso
     scored = (labels != IGNORE_INDEX) & (columns > start[:, None])  # targets: label index >= first token + 1
     first = torch.where(scored, columns, length).min(-1).values  # (B,) first scored label index, T if none
     has_leading_ignored = (first > start + 1) & (first < length)
-    full = torch.full_like(first, length)
-    return torch.where(has_leading_ignored, first - start, full)
+    return torch.where(has_leading_ignored, first - start, length)
 
 
 def check_jrt_objective_prefix(config: JRTRNNConfig, prefix_length: int | torch.Tensor | None) -> None:

@@ -68,11 +68,7 @@ def mask_before(labels: torch.Tensor, prefix_end: torch.Tensor | int) -> torch.T
 
 
 def jrt_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    mlm_labels: torch.Tensor,
-    *,
-    mlm_weight: float,
+    logits: torch.Tensor, labels: torch.Tensor, mlm_labels: torch.Tensor, *, mlm_weight: float,
     num_items_in_batch: torch.Tensor | int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The JRT objective: next-token loss plus `mlm_weight` times the masked-LM loss on the prefix.

@@ -346,11 +346,8 @@ class JRTRNNMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))  # no autograd: in place
 
 
-MIXER_CLASSES = {
-    "conv": JRTRNNShortConv,
-    "sliding_attention": JRTRNNSlidingWindowAttention,
-    "linear_attention": JRTRNNLinearAttention,
-}
+MIXER_CLASSES = {"conv": JRTRNNShortConv, "sliding_attention": JRTRNNSlidingWindowAttention,
+                 "linear_attention": JRTRNNLinearAttention}
 
 
 class JRTRNNDecoderLayer(GradientCheckpointingLayer):
