@@ -169,10 +169,7 @@ def plan_prefix(
     if prompt_lengths is not None:
         check_prefix_length(prompt_lengths, batch_size, name="prompt_lengths")
     start, tokens = row_spans(attention_mask, batch_size, length, device)
-    if prompt_lengths is None:
-        prompt = tokens
-    else:
-        prompt = torch.minimum(torch.as_tensor(prompt_lengths, device=device).long(), tokens)
+    prompt = tokens if prompt_lengths is None else torch.as_tensor(prompt_lengths, device=device).long().minimum(tokens)
     target = torch.as_tensor(prefix_length, device=device).long().expand(batch_size)
     encoder_tokens = torch.minimum(prompt, target)
     fills = (prompt > 0) & (strategy != "none")
