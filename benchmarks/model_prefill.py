@@ -1,13 +1,9 @@
 """Whole-model prefill: JRT-RNN against a Llama of the same width and depth, N = 2k ... 64k tokens.
 
-Both models have random weights (`_common.model_configs`: hidden 256, 8 layers, 8 heads, SwiGLU 512; JRT-RNN's default
-layer pattern, window 129, prefix 1024). One prefill is one forward with a fresh cache and `logits_to_keep=1`, as
-`generate()` does it (docs/performance.md, "Whole-model prefill against Llama"). Per length N: the time (on CPU the
-process CPU time, minimum of the repeats; on CUDA the synchronised wall time), the peak memory the prefill adds to the
-loaded model (on CPU the worker's peak RSS, VmHWM reset before the timed runs; on CUDA
-`torch.cuda.max_memory_allocated`), the Llama / JRT ratio, the growth per doubling of N (2.0 is linear), and with
-`--compile` JRT-RNN under `torch.compile(model)`. On CPU every (model, N) point runs in a fresh process with `--threads`
-threads.
+Both models have random weights (`_common.model_configs`); one prefill is one forward with a fresh cache and
+`logits_to_keep=1`, as `generate()` does it. Per N: time, peak memory the prefill adds to the loaded model, the
+Llama / JRT ratio and the growth per doubling of N; on CPU each (model, N) point runs in a fresh process. What each
+column measures: docs/performance.md, "Whole-model prefill against Llama".
 
     OMP_NUM_THREADS=1 python benchmarks/model_prefill.py                        # N = 2k .. 64k (long: tens of minutes)
     OMP_NUM_THREADS=1 python benchmarks/model_prefill.py --lengths 2048 4096    # a few points

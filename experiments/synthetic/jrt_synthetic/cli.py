@@ -94,7 +94,7 @@ def _init_std(value: str) -> float | None:
     try:
         std = float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive float or 'model', got {value!r}") from None
+        std = 0.0  # rejected below
     if std <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive float or 'model', got {value!r}")
     return std

@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import os
+import re
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -49,10 +50,7 @@ MODEL_OVERRIDES = {"e1-small": {"hidden_size": 32, "num_attention_heads": 1}}  #
 
 def run_directory_name(arm: str, seed: int) -> str:
     """`"JRT-RNN", 0` -> `"jrt-rnn_seed0"`."""
-    slug = "".join(c if c.isalnum() else "-" for c in arm.lower())
-    while "--" in slug:
-        slug = slug.replace("--", "-")
-    return f"{slug.strip('-')}_seed{seed}"
+    return f"{re.sub('[^a-z0-9]+', '-', arm.lower()).strip('-')}_seed{seed}"
 
 
 def experiment_runs(experiment: str, seeds: list[int], steps: int | None = None,
@@ -141,9 +139,7 @@ def summarize(experiment: str, runs: list[dict]) -> dict:
             "recurrent_state_floats": arm_runs[0]["recurrent_state_floats"],
             "num_parameters": arm_runs[0]["num_parameters"],
         }
-    summary = {"experiment": experiment, "arms": arms}
-    summary["verdict"] = CRITERIA[experiment](runs)
-    return summary
+    return {"experiment": experiment, "arms": arms, "verdict": CRITERIA[experiment](runs)}
 
 
 def _sd_verdict(runs: list[dict], slice_: str, min_jrt: float | None) -> dict:
