@@ -122,10 +122,8 @@ class JRTLM(HFLM):
             length = len(tokens)
             matches = inps.shape[1] >= length and inps[index, :length].tolist() == list(tokens)
             if not matches or bool(inps[index, length:].any()):
-                raise RuntimeError(
-                    "JRTLM: a loglikelihood row does not match the request order expected from HFLM; this lm-eval "
-                    "version batches differently than 0.4.13."
-                )
+                raise RuntimeError("JRTLM: a loglikelihood row does not match the request order expected from HFLM; "
+                                   "this lm-eval version batches differently than 0.4.13.")
         lengths = torch.tensor([len(tokens) for tokens, _ in rows], device=inps.device)  # (B,)
         autocast = torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                                   enabled=self.mixed_precision_dtype is not None)

@@ -103,10 +103,8 @@ def load_records(path: str | Path, *, limit: int | None = None) -> list[RecallRe
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(
-            f"{path} is not UTF-8 (byte {error.start} cannot be decoded); convert it, e.g. "
-            f"`iconv -f latin1 -t utf-8`"
-        ) from None
+        raise ValueError(f"{path} is not UTF-8 (byte {error.start} cannot be decoded); convert it, e.g. "
+                         "`iconv -f latin1 -t utf-8`") from None
     records: list[RecallRecord] = []
     for line_number, line in enumerate(text.splitlines(), start=1):
         if limit is not None and len(records) >= limit:
@@ -205,9 +203,8 @@ def load_recall_dataset(family: str, *, data_files: str | None = None, split: st
     if family not in FAMILIES:
         raise ValueError(f"Unknown recall family {family!r}; expected one of {', '.join(FAMILIES)}.")
     if answer_tokens < 0 or context_tokens <= answer_tokens:
-        raise ValueError(
-            f"`answer_tokens` ({answer_tokens}) must be >= 0 and `context_tokens` ({context_tokens}) larger."
-        )
+        raise ValueError(f"`answer_tokens` ({answer_tokens}) must be >= 0 and `context_tokens` ({context_tokens}) "
+                         "larger.")
     path, name, _, centred = FAMILIES[family]
     if family == "jsonl":
         if data_files is None:

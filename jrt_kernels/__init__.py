@@ -9,10 +9,8 @@ one launch. Importing this package needs triton (`pip install 'jrt-rnn[triton]'`
 try:
     import triton  # noqa: F401
 except ImportError as error:
-    raise ImportError(
-        "jrt_kernels needs triton: install it with `pip install 'jrt-rnn[triton]'` (or `pip install triton`). "
-        "Without it, modeling_jrt uses its PyTorch implementation."
-    ) from error
+    raise ImportError("jrt_kernels needs triton: install it with `pip install 'jrt-rnn[triton]'` (or `pip "
+                      "install triton`). Without it, modeling_jrt uses its PyTorch implementation.") from error
 
 from .linear_attention_decode import linear_attention_decode_triton
 from .prefix_linear_attention import prefix_linear_attention_triton

@@ -19,10 +19,8 @@ def check_devices(kernel: str, tensors: list[torch.Tensor], interpreted: bool, o
     if any(t.device != device for t in tensors):
         raise ValueError(f"All inputs must be on one device; got {sorted({str(t.device) for t in tensors})}.")
     if device.type != "cuda" and not interpreted:
-        raise ValueError(
-            f"The Triton {kernel} kernel runs on CUDA tensors (got {device}); on CPU {on_cpu}, or set "
-            "TRITON_INTERPRET=1 before importing triton to run it in the interpreter (tests)."
-        )
+        raise ValueError(f"The Triton {kernel} kernel runs on CUDA tensors (got {device}); on CPU {on_cpu}, or set "
+                         "TRITON_INTERPRET=1 before importing triton to run it in the interpreter (tests).")
 
 
 @triton.jit

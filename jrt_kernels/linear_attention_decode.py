@@ -120,18 +120,14 @@ def linear_attention_decode_triton(
         ValueError: shapes, dtypes or devices the kernel does not take, with the way out.
     """
     if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(
-            f"q, k must be (B, H, K) and v (B, H, V) with the same B and H; got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}."
-        )
+        raise ValueError(f"q, k must be (B, H, K) and v (B, H, V) with the same B and H; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}.")
     B, H, K = q.shape
     V = v.shape[-1]
     F = 1 + K + K * K
     if state.ndim != 4 or state.shape[1:] != (H, F, V + 1) or state.dtype != torch.float32 or state.stride(-1) != 1:
-        raise ValueError(
-            f"state must be an fp32 (N, {H}, {F}, {V + 1}) pool with a contiguous last dimension; got "
-            f"{tuple(state.shape)} {state.dtype} with strides {state.stride()}."
-        )
+        raise ValueError(f"state must be an fp32 (N, {H}, {F}, {V + 1}) pool with a contiguous last dimension; got "
+                         f"{tuple(state.shape)} {state.dtype} with strides {state.stride()}.")
     if slots is None and state.shape[0] != B:
         raise ValueError(f"Without slots, state must hold the B = {B} requests' states in order; got {state.shape[0]}.")
     if slots is not None and (slots.shape != (B,) or slots.dtype not in (torch.int32, torch.int64)):

@@ -572,10 +572,9 @@ def prefix_linear_attention_triton(
     assert encoder_start.shape == encoder_end.shape == (B,) and encoder_start.dtype == encoder_end.dtype == torch.long
     inputs = [t for t in (q, k, v, k_enc, v_enc) if t is not None]
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in inputs):
-        raise ValueError(
-            f"The Triton prefill kernel takes fp32, bf16 or fp16 inputs of one dtype; got "
-            f"{sorted({str(t.dtype) for t in inputs})}. Cast them, or use implementation='chunked' (fp64 works there)."
-        )
+        raise ValueError("The Triton prefill kernel takes fp32, bf16 or fp16 inputs of one dtype; got "
+                         f"{sorted({str(t.dtype) for t in inputs})}. Cast them, or use implementation='chunked' (fp64 "
+                         "works there).")
     if initial_state is not None and initial_state.dtype != torch.float32:
         raise ValueError(f"The Triton prefill kernel keeps its state in fp32; got an {initial_state.dtype} "
                          "initial_state.")
@@ -589,15 +588,11 @@ def prefix_linear_attention_triton(
     if segment_length is None:  # torch.compile traces the one pass (the segmented launches failed to trace on an H200)
         segment_length = 0 if save_for_backward or compiling else auto_segment_length(B, H, T, q.device)
     elif segment_length and compiling:
-        raise ValueError(
-            "segment_length: the sequence-parallel prefill runs eagerly only (torch.compile does not trace its three "
-            "launches yet); pass segment_length=None or 0 inside a compiled function."
-        )
+        raise ValueError("segment_length: the sequence-parallel prefill runs eagerly only (torch.compile does not "
+                         "trace its three launches yet); pass segment_length=None or 0 inside a compiled function.")
     elif segment_length < 0 or segment_length % SEGMENT_ALIGN:
-        raise ValueError(
-            f"segment_length must be 0 (one pass) or a positive multiple of {SEGMENT_ALIGN} tokens; got "
-            f"{segment_length}."
-        )
+        raise ValueError(f"segment_length must be 0 (one pass) or a positive multiple of {SEGMENT_ALIGN} tokens; got "
+                         f"{segment_length}.")
     elif segment_length and save_for_backward:
         raise ValueError(
             "segment_length: the sequence-parallel prefill is for inference (its segments' states are not kept for "

@@ -44,10 +44,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
         ValueError: shapes, strides or devices the kernel does not take.
     """
     if x.ndim != 2 or weight.shape != (x.shape[1],) or x.stride(-1) != 1 or not weight.is_contiguous():
-        raise ValueError(
-            f"x must be (rows, N) with a contiguous last dimension and weight (N,); got {tuple(x.shape)} with strides "
-            f"{x.stride()} and {tuple(weight.shape)}."
-        )
+        raise ValueError(f"x must be (rows, N) with a contiguous last dimension and weight (N,); got {tuple(x.shape)} "
+                         f"with strides {x.stride()} and {tuple(weight.shape)}.")
     if out is None:
         out = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
     if out.shape != x.shape or out.dtype != weight.dtype or out.stride(-1) != 1:

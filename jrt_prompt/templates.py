@@ -230,10 +230,8 @@ def truncate_context(context: str, tokenizer: PreTrainedTokenizerBase, *, contex
     """
     window = context_tokens - answer_tokens
     if window < 1:
-        raise ValueError(
-            f"`context_tokens` ({context_tokens}) must exceed `answer_tokens` ({answer_tokens}): the document "
-            f"window is their difference."
-        )
+        raise ValueError(f"`context_tokens` ({context_tokens}) must exceed `answer_tokens` ({answer_tokens}): the "
+                         "document window is their difference.")
     context = context.strip()
     token_ids = tokenizer.encode(context, add_special_tokens=False)
     if len(token_ids) <= window:

@@ -76,10 +76,9 @@ class JRTDataCollator:
 
     def __post_init__(self):
         if not _is_int(self.prefix_length) or self.prefix_length < 1:
-            raise ValueError(
-                f"`prefix_length` must be an integer >= 1 for the masked-LM objective (the model's "
-                f"`config.prefix_length`), got {self.prefix_length!r} ({type(self.prefix_length).__name__})."
-            )
+            raise ValueError("`prefix_length` must be an integer >= 1 for the masked-LM objective (the model's "
+                             f"`config.prefix_length`), got {self.prefix_length!r} "
+                             f"({type(self.prefix_length).__name__}).")
         if self.mask_token_id is None:
             raise ValueError(
                 "`mask_token_id` is None: the JRT objective writes a [MASK] token over 15% of the prefix. Pass the "
@@ -103,10 +102,9 @@ class JRTDataCollator:
     def from_config(cls, config: JRTRNNConfig, **kwargs: Any) -> JRTDataCollator:
         """A collator with the model's `prefix_length` and `mask_token_id`; `kwargs` set the other fields."""
         if config.mask_token_id is None:
-            raise ValueError(
-                "`config.mask_token_id` is None: the JRT objective needs a [MASK] token. Set it in the config "
-                "(50263 in the released JRT models) or pass `mask_token_id` to `JRTDataCollator` directly."
-            )
+            raise ValueError("`config.mask_token_id` is None: the JRT objective needs a [MASK] token. Set it in the "
+                             "config (50263 in the released JRT models) or pass `mask_token_id` to `JRTDataCollator` "
+                             "directly.")
         if config.linear_attention_type != "prefix":
             raise ValueError(f"The JRT objective needs prefix linear attention, but `linear_attention_type` is "
                              f"{config.linear_attention_type!r}: train Based models with plain causal-LM labels.")
@@ -126,10 +124,9 @@ class JRTDataCollator:
         real = torch.stack([mask for _, mask in rows])  # (B, T) bool, False at pads
         seq_len = tokens.shape[1]
         if seq_len < self.prefix_length + 2:
-            raise ValueError(
-                f"Blocks of {seq_len} tokens leave no next-token target after a prefix of {self.prefix_length}: "
-                f"pack blocks of at least prefix_length + 2 = {self.prefix_length + 2} tokens."
-            )
+            raise ValueError(f"Blocks of {seq_len} tokens leave no next-token target after a prefix of "
+                             f"{self.prefix_length}: pack blocks of at least prefix_length + 2 = "
+                             f"{self.prefix_length + 2} tokens.")
         self._check_padding(real)
         mask = torch.zeros_like(tokens, dtype=torch.bool)
         mask[:, : self.prefix_length] = torch.stack([self._draw_mask() for _ in range(tokens.shape[0])])
@@ -155,23 +152,18 @@ class JRTDataCollator:
             example = example["input_ids"]
         ids = torch.as_tensor(example)
         if ids.numel() == 0:
-            raise ValueError(
-                f"Example {index} is empty: every example needs at least prefix_length + 2 = {self.prefix_length + 2} "
-                "token ids."
-            )
+            raise ValueError(f"Example {index} is empty: every example needs at least prefix_length + 2 = "
+                             f"{self.prefix_length + 2} token ids.")
         if ids.ndim != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise ValueError(
-                f"Example {index} must be a 1-D sequence of integer token ids, got {tuple(ids.shape)} {ids.dtype}."
-            )
+            raise ValueError(f"Example {index} must be a 1-D sequence of integer token ids, got {tuple(ids.shape)} "
+                             f"{ids.dtype}.")
         ids = ids.long()
         real = torch.ones_like(ids, dtype=torch.bool)
         if attention_mask is not None:
             attention_mask = torch.as_tensor(attention_mask)
             if attention_mask.shape != ids.shape:
-                raise ValueError(
-                    f"Example {index}: `attention_mask` has shape {tuple(attention_mask.shape)}, its `input_ids` "
-                    f"{tuple(ids.shape)}."
-                )
+                raise ValueError(f"Example {index}: `attention_mask` has shape {tuple(attention_mask.shape)}, its "
+                                 f"`input_ids` {tuple(ids.shape)}.")
             real = attention_mask != 0
         if self.pad_token_id is not None:
             # Only the trailing run counts as padding: packed streams may hold the same id (GPT-2 pads with its
@@ -183,16 +175,13 @@ class JRTDataCollator:
     def _check_padding(self, real: torch.Tensor) -> None:
         """Pads may only end a block, after the prefix and one next-token target (they are masked, not read)."""
         if bool((~real[:, :-1] & real[:, 1:]).any()):
-            raise ValueError(
-                "JRTDataCollator: padding must come after the tokens (right padding); found a pad before a token. "
-                "The prefix must start each block."
-            )
+            raise ValueError("JRTDataCollator: padding must come after the tokens (right padding); found a pad before "
+                             "a token. The prefix must start each block.")
         too_short = (real.sum(-1) < self.prefix_length + 2).nonzero().flatten().tolist()
         if too_short:
-            raise ValueError(
-                f"Examples {too_short} have fewer than prefix_length + 2 = {self.prefix_length + 2} real tokens: the "
-                "prefix would hold pads and no next-token target would remain. Drop them or use longer examples."
-            )
+            raise ValueError(f"Examples {too_short} have fewer than prefix_length + 2 = {self.prefix_length + 2} real "
+                             "tokens: the prefix would hold pads and no next-token target would remain. Drop them or "
+                             "use longer examples.")
 
     def _draw_mask(self) -> torch.Tensor:
         """(E,) bool mask of one sequence's prefix. A seed's generator is created at the first draw, inside the
@@ -223,10 +212,8 @@ def pack_token_blocks(token_ids: Sequence[int] | torch.Tensor, block_size: int) 
     token_ids = torch.as_tensor(token_ids)
     is_integer = not (token_ids.is_floating_point() or token_ids.dtype == torch.bool) or token_ids.numel() == 0
     if token_ids.ndim != 1 or not is_integer:
-        raise ValueError(
-            f"`token_ids` must be one 1-D stream of integer token ids (documents joined with an end-of-text token), "
-            f"got {tuple(token_ids.shape)} {token_ids.dtype}."
-        )
+        raise ValueError("`token_ids` must be one 1-D stream of integer token ids (documents joined with an "
+                         f"end-of-text token), got {tuple(token_ids.shape)} {token_ids.dtype}.")
     token_ids = token_ids.long()
     num_blocks = token_ids.numel() // block_size
     if num_blocks == 0:

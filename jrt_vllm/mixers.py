@@ -86,10 +86,9 @@ class JRTStateLayer(StackedWeights, MambaBase, nn.Module):
     def local(self, total: int, what: str) -> int:
         """This rank's share of `total` heads or channels."""
         if total % self.tp_size:
-            raise ValueError(
-                f"tensor_parallel_size={self.tp_size} must divide the {what} of {self.prefix} ({total}): choose a "
-                "tensor_parallel_size that divides num_attention_heads and the convolution width."
-            )
+            raise ValueError(f"tensor_parallel_size={self.tp_size} must divide the {what} of {self.prefix} ({total}): "
+                             "choose a tensor_parallel_size that divides num_attention_heads and the convolution "
+                             "width.")
         return total // self.tp_size
 
     @property

@@ -134,11 +134,10 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         config = vllm_config.model_config.hf_config
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
-            raise NotImplementedError(
-                "jrt_vllm splits JRT-RNN / Based over devices by tensor parallelism only: pipeline parallelism is not "
-                f"implemented (got pipeline_parallel_size={parallel.pipeline_parallel_size}); use "
-                "tensor_parallel_size, or data parallelism (one engine per device)."
-            )
+            raise NotImplementedError("jrt_vllm splits JRT-RNN / Based over devices by tensor parallelism only: "
+                                      "pipeline parallelism is not implemented (got "
+                                      f"pipeline_parallel_size={parallel.pipeline_parallel_size}); use "
+                                      "tensor_parallel_size, or data parallelism (one engine per device).")
         if vllm_config.speculative_config is not None:
             raise NotImplementedError("jrt_vllm does not support speculative decoding (the state cannot roll back).")
         self.config = config
@@ -146,10 +145,8 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         self.is_prefix = config.is_prefix_model
         self.prefix_strategy = _prefix_strategy(vllm_config.model_config.model, config) if self.is_prefix else "none"
         if self.prefix_strategy == "pad" and config.prefix_pad_token_id is None:
-            raise ValueError(
-                "prefix_strategy='pad' needs `prefix_pad_token_id` in config.json (220 in the released models), or "
-                "another `prefix_strategy` in config.json."
-            )
+            raise ValueError("prefix_strategy='pad' needs `prefix_pad_token_id` in config.json (220 in the released "
+                             "models), or another `prefix_strategy` in config.json.")
         self.plans = ForwardPlan()
         self.model = JRTModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"), plans=self.plans)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))

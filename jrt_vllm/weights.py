@@ -42,17 +42,15 @@ class StackedWeights:
             merged, shard = self.stacked_params.get(head, (None, None))
             target = name if merged is None else f"{merged}.{rest}"
             if target not in parameters:
-                raise ValueError(
-                    f"{self.prefix}.{name}: the checkpoint has a tensor this model does not (its parameters here: "
-                    f"{sorted(parameters)}); is the folder a JRT-RNN / Based model of this config?"
-                )
+                raise ValueError(f"{self.prefix}.{name}: the checkpoint has a tensor this model does not (its "
+                                 f"parameters here: {sorted(parameters)}); is the folder a JRT-RNN / Based model of "
+                                 "this config?")
             parameter = parameters[target]
             loader = getattr(parameter, "weight_loader", default_weight_loader)
             if shard is None:
                 if loader is default_weight_loader and parameter.shape != weight.shape:  # a tensor no rank splits
-                    raise ValueError(
-                        f"{self.prefix}.{name}: checkpoint shape {tuple(weight.shape)}, model {tuple(parameter.shape)}."
-                    )
+                    raise ValueError(f"{self.prefix}.{name}: checkpoint shape {tuple(weight.shape)}, model "
+                                     f"{tuple(parameter.shape)}.")
                 loader(parameter, weight)
             else:
                 loader(parameter, weight, shard)

@@ -97,10 +97,8 @@ class JRTRNNLayerState:
             setattr(self, name, None)
 
     def crop(self, max_length: int) -> None:
-        raise ValueError(
-            "A JRT-RNN / Based cache holds a recurrent state, which cannot be rolled back to an earlier length: "
-            "recompute from the shorter prompt instead."
-        )
+        raise ValueError("A JRT-RNN / Based cache holds a recurrent state, which cannot be rolled back to an earlier "
+                         "length: recompute from the shorter prompt instead.")
 
 
 class JRTRNNConvState(JRTRNNLayerState):
@@ -296,17 +294,14 @@ class JRTRNNCache(Cache):
         """Refuse a cache unpickled from a release of another layout (`CACHE_FORMAT`), and, naming the field, a model
         whose config disagrees on a `CACHE_LAYOUT_FIELDS` field."""
         if getattr(self, "format", None) != CACHE_FORMAT:
-            raise ValueError(
-                "This cache was made by an earlier jrt-rnn release (another layout of its states): it cannot be "
-                "continued here; generate again from the sequence with a fresh cache."
-            )
+            raise ValueError("This cache was made by an earlier jrt-rnn release (another layout of its states): it "
+                             "cannot be continued here; generate again from the sequence with a fresh cache.")
         for field in CACHE_LAYOUT_FIELDS:
             value = getattr(config, field)
             if self.layout.get(field) != value:
-                raise ValueError(
-                    f"The cache was built for {field}={self.layout.get(field)!r}, but this model has "
-                    f"{field}={value!r}: pass `JRTRNNCache(model.config)`, or the cache this model returned."
-                )
+                raise ValueError(f"The cache was built for {field}={self.layout.get(field)!r}, but this model has "
+                                 f"{field}={value!r}: pass `JRTRNNCache(model.config)`, or the cache this model "
+                                 "returned.")
 
     @property
     def is_sliding(self) -> list[bool]:

@@ -56,22 +56,17 @@ def keep_last_logits(hidden_states: torch.Tensor, logits_to_keep: int | torch.Te
         return hidden_states if logits_to_keep == 0 else hidden_states[:, -logits_to_keep:]
     dtype = logits_to_keep.dtype
     if dtype.is_floating_point or dtype == torch.bool or logits_to_keep.dim() not in (1, 2):
-        raise ValueError(
-            f"`logits_to_keep` as a tensor holds integer positions, (K,) or (batch, K); got {logits_to_keep.dtype} of "
-            f"shape {tuple(logits_to_keep.shape)}."
-        )
+        raise ValueError("`logits_to_keep` as a tensor holds integer positions, (K,) or (batch, K); got "
+                         f"{logits_to_keep.dtype} of shape {tuple(logits_to_keep.shape)}.")
     if logits_to_keep.dim() == 2 and logits_to_keep.shape[0] != hidden_states.shape[0]:
-        raise ValueError(
-            f"`logits_to_keep` (batch, K) has {logits_to_keep.shape[0]} rows for a batch of {hidden_states.shape[0]}."
-        )
+        raise ValueError(f"`logits_to_keep` (batch, K) has {logits_to_keep.shape[0]} rows for a batch of "
+                         f"{hidden_states.shape[0]}.")
     if not torch.compiler.is_compiling() and logits_to_keep.numel():
         low, high = int(logits_to_keep.min()), int(logits_to_keep.max())
         first = 0 if logits_to_keep.dim() == 2 else -length  # per-row positions are gathered: no negative ones
         if low < first or high >= length:
-            raise ValueError(
-                f"`logits_to_keep` selects position {high if high >= length else low}, outside the {length} positions "
-                f"of the input (valid: {first} ... {length - 1})."
-            )
+            raise ValueError(f"`logits_to_keep` selects position {high if high >= length else low}, outside the "
+                             f"{length} positions of the input (valid: {first} ... {length - 1}).")
     if logits_to_keep.dim() == 2:  # (B, K) positions per row
         index = logits_to_keep.to(hidden_states.device)[:, :, None].expand(-1, -1, hidden_states.shape[-1])
         return torch.gather(hidden_states, 1, index)

@@ -62,9 +62,8 @@ def _check_int(field: str, value: object, *, minimum: int) -> None:
         raise ValueError(f"`{field}` must be {kind}, got {value!r} ({type(value).__name__}).")
     maximum = MAX_SIZES.get(field)
     if maximum is not None and value > maximum:
-        raise ValueError(
-            f"`{field}` must be at most {maximum:,}, got {value:,}: check the value (a typo in config.json?)."
-        )
+        raise ValueError(f"`{field}` must be at most {maximum:,}, got {value:,}: check the value (a typo in "
+                         "config.json?).")
 
 
 def _check_float(field: str, value: object, *, positive: bool) -> None:
@@ -181,10 +180,8 @@ class JRTRNNConfig(PreTrainedConfig):
         if legacy is not None:
             legacy = _check_mixer_types(legacy, "layer_types")
             if self.mixer_types is not None and list(self.mixer_types) != legacy:
-                raise ValueError(
-                    f"`layer_types` ({legacy}) and `mixer_types` ({list(self.mixer_types)}) disagree: pass "
-                    "`mixer_types` only (`layer_types` is its former name)."
-                )
+                raise ValueError(f"`layer_types` ({legacy}) and `mixer_types` ({list(self.mixer_types)}) disagree: "
+                                 "pass `mixer_types` only (`layer_types` is its former name).")
             self.mixer_types = legacy
         if self.mixer_types is None:
             self.mixer_types = default_mixer_types(self.num_hidden_layers)
@@ -207,50 +204,38 @@ class JRTRNNConfig(PreTrainedConfig):
                 raise ValueError(f"`{field}` must be True or False, got {getattr(self, field)!r}.")
         if self.vocab_size * self.hidden_size > MAX_EMBEDDING_ELEMENTS:
             elements = self.vocab_size * self.hidden_size
-            raise ValueError(
-                f"`vocab_size` x `hidden_size` = {self.vocab_size:,} x {self.hidden_size:,} = {elements:,} embedding "
-                f"parameters ({elements * 4 / 2**30:,.0f} GiB in float32), above {MAX_EMBEDDING_ELEMENTS:,}: check the "
-                "values (a typo in config.json?)."
-            )
+            raise ValueError(f"`vocab_size` x `hidden_size` = {self.vocab_size:,} x {self.hidden_size:,} = "
+                             f"{elements:,} embedding parameters ({elements * 4 / 2**30:,.0f} GiB in float32), above "
+                             f"{MAX_EMBEDDING_ELEMENTS:,}: check the values (a typo in config.json?).")
         for field in TOKEN_ID_FIELDS:  # None, or a token id (a list of ids for `eos_token_id`)
             value = getattr(self, field)
             ids = value if field == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
             if value is not None and not all(_is_int(i) and 0 <= i < self.vocab_size for i in ids):
-                raise ValueError(
-                    f"`{field}` must be None or a token id in [0, vocab_size={self.vocab_size}), got {value!r}: set it "
-                    "to a token of this vocabulary (or None)."
-                )
+                raise ValueError(f"`{field}` must be None or a token id in [0, vocab_size={self.vocab_size}), got "
+                                 f"{value!r}: set it to a token of this vocabulary (or None).")
         decay_const = self.decay_const
         if isinstance(decay_const, bool) or not isinstance(decay_const, (int, float)) or not math.isfinite(decay_const):
             raise ValueError(f"`decay_const` must be a finite number, got {self.decay_const!r}.")
         if self.linear_attention_decay and self.decay_const >= 0:
             # gamma_h = 1 - 2**(decay_const - h) lies in (0, 1) for every head h >= 0 only when decay_const < 0.
-            raise ValueError(
-                f"`decay_const` must be < 0 so that every decay 1 - 2**(decay_const - h) lies in (0, 1), got "
-                f"{self.decay_const}."
-            )
+            raise ValueError("`decay_const` must be < 0 so that every decay 1 - 2**(decay_const - h) lies in (0, 1), "
+                             f"got {self.decay_const}.")
         if self.generation_vocab_size is not None and (
             not _is_int(self.generation_vocab_size) or not 0 < self.generation_vocab_size <= self.vocab_size
         ):
-            raise ValueError(
-                f"`generation_vocab_size` ({self.generation_vocab_size!r}) must be in "
-                f"[1, vocab_size={self.vocab_size}] (or None to allow every row)."
-            )
+            raise ValueError(f"`generation_vocab_size` ({self.generation_vocab_size!r}) must be in [1, "
+                             f"vocab_size={self.vocab_size}] (or None to allow every row).")
 
     def validate_architecture(self):
         """Cross-field checks; every error names the field, the value and what is allowed."""
         self.validate_fields()
         _check_mixer_types(self.mixer_types)
         if len(self.mixer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"`mixer_types` has {len(self.mixer_types)} entries but `num_hidden_layers` is "
-                f"{self.num_hidden_layers}: give exactly one mixer type per layer."
-            )
+            raise ValueError(f"`mixer_types` has {len(self.mixer_types)} entries but `num_hidden_layers` is "
+                             f"{self.num_hidden_layers}: give exactly one mixer type per layer.")
         if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
-                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
-                f"({self.num_attention_heads})."
-            )
+            raise ValueError(f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                             f"({self.num_attention_heads}).")
         if (self.hidden_size // self.num_attention_heads) % 2 != 0:
             raise ValueError(
                 f"The head dim `hidden_size / num_attention_heads` = {self.hidden_size // self.num_attention_heads} "
@@ -263,20 +248,16 @@ class JRTRNNConfig(PreTrainedConfig):
             "linear_attention_implementation", self.linear_attention_implementation, LINEAR_ATTENTION_IMPLEMENTATIONS
         )
         if self.linear_attention_type == "prefix" and (self.linear_attention_decay or self.use_decay_proj):
-            raise ValueError(
-                "`linear_attention_decay` and `use_decay_proj` are Based options: they need "
-                "`linear_attention_type='causal'`, got 'prefix'."
-            )
+            raise ValueError("`linear_attention_decay` and `use_decay_proj` are Based options: they need "
+                             "`linear_attention_type='causal'`, got 'prefix'.")
 
     @property
     def layer_types(self) -> list[str]:
         """Not an attribute (module docstring): None for transformers' `getattr`, the new name for users."""
-        raise AttributeError(
-            "`JRTRNNConfig.layer_types` is now `mixer_types` (same values): transformers reads a config's "
-            "`layer_types` as its own cache and layer vocabulary, differently from release to release, so this model "
-            "keeps its mixers under a name of its own. `JRTRNNConfig(layer_types=...)` and config.json files with "
-            "`layer_types` still load."
-        )
+        raise AttributeError("`JRTRNNConfig.layer_types` is now `mixer_types` (same values): transformers reads a "
+                             "config's `layer_types` as its own cache and layer vocabulary, differently from release "
+                             "to release, so this model keeps its mixers under a name of its own. "
+                             "`JRTRNNConfig(layer_types=...)` and config.json files with `layer_types` still load.")
 
     @property
     def is_prefix_model(self) -> bool:

@@ -67,11 +67,10 @@ class JRTRNNGenerationMixin:
         ):
             # generate(inputs_embeds=..., attention_mask=..., prefill_chunk_size=...) without `input_ids`: transformers
             # cuts the prompt into chunks by `input_ids` (empty here) and hands over the mask of no column at all.
-            raise ValueError(
-                f"`attention_mask` covers {attention_mask.shape[1]} of the {inputs_embeds.shape[1]} positions of "
-                "`inputs_embeds`: transformers' chunked prefill cuts the prompt by `input_ids`, so with "
-                "`prefill_chunk_size` pass the embeddings' `input_ids` too (or no `prefill_chunk_size`)."
-            )
+            raise ValueError(f"`attention_mask` covers {attention_mask.shape[1]} of the {inputs_embeds.shape[1]} "
+                             "positions of `inputs_embeds`: transformers' chunked prefill cuts the prompt by "
+                             "`input_ids`, so with `prefill_chunk_size` pass the embeddings' `input_ids` too (or no "
+                             "`prefill_chunk_size`).")
         sequence = inputs_embeds if reads_embeds else input_ids
         model_inputs: dict = {}
 
@@ -170,11 +169,9 @@ def check_generation_cache(
         width = sequence.shape[1] if mask_width is None else mask_width
         raise ValueError(stale_cache_message(read, width))
     if read and cache.holds_beams and is_first_iteration:
-        raise ValueError(
-            "This cache comes from beam search: its rows hold the beams of the last step, not the sequences "
-            "generate() returned, so it cannot continue them. Continue from a greedy or sampling cache, or generate "
-            "again from the returned sequences with a fresh cache."
-        )
+        raise ValueError("This cache comes from beam search: its rows hold the beams of the last step, not the "
+                         "sequences generate() returned, so it cannot continue them. Continue from a greedy or "
+                         "sampling cache, or generate again from the returned sequences with a fresh cache.")
     if not read and next_sequence_length is not None and attention_mask is not None:
         check_attention_mask(attention_mask, sequence.shape[0], attention_mask.shape[1], None, for_generation=True)
 

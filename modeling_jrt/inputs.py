@@ -21,19 +21,16 @@ def resolve_cache(cache: object, past_key_values: object, config: JRTRNNConfig, 
     if cache is None:
         return None
     if not isinstance(cache, JRTRNNCache):
-        raise ValueError(
-            f"The cache is a {type(cache).__name__}; this model keeps a constant-size recurrent state in a "
-            "`JRTRNNCache`: pass `JRTRNNCache(model.config)`, the cache a forward with `use_cache=True` returned, or "
-            "none. Methods that inject attention key/value prefixes, such as PEFT prefix tuning "
-            "(`PrefixTuningConfig`), cannot work with JRT-RNN / Based models; use prompt tuning "
-            "(`PromptTuningConfig`) or LoRA instead."
-        )
+        raise ValueError(f"The cache is a {type(cache).__name__}; this model keeps a constant-size recurrent state in "
+                         "a `JRTRNNCache`: pass `JRTRNNCache(model.config)`, the cache a forward with "
+                         "`use_cache=True` returned, or none. Methods that inject attention key/value prefixes, such "
+                         "as PEFT prefix tuning (`PrefixTuningConfig`), cannot work with JRT-RNN / Based models; use "
+                         "prompt tuning (`PromptTuningConfig`) or LoRA instead.")
     cache.check_layout(config)
     if cache.has_state and cache.num_rows != batch_size:
-        raise ValueError(
-            f"The cache holds {cache.num_rows} rows but the input has {batch_size}: continue with the same rows, "
-            "or reshape the cache first (`cache.batch_repeat_interleave(n)`, `cache.reorder_cache(rows)`)."
-        )
+        raise ValueError(f"The cache holds {cache.num_rows} rows but the input has {batch_size}: continue with the "
+                         "same rows, or reshape the cache first (`cache.batch_repeat_interleave(n)`, "
+                         "`cache.reorder_cache(rows)`).")
     return cache
 
 
@@ -46,10 +43,8 @@ def check_attention_mask(
     `for_generation`: a `generate()` prompt's mask, checked for what generation adds: every row has a token, and
     padding is on the left (generation appends at the right end)."""
     if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size:
-        raise ValueError(
-            f"`attention_mask` must be a 2D (batch_size, past + seq_len) = ({batch_size}, ...) padding mask, got shape "
-            f"{tuple(attention_mask.shape)}."
-        )
+        raise ValueError(f"`attention_mask` must be a 2D (batch_size, past + seq_len) = ({batch_size}, ...) padding "
+                         f"mask, got shape {tuple(attention_mask.shape)}.")
     if torch.compiler.is_compiling():
         return
     if for_generation:
@@ -57,49 +52,37 @@ def check_attention_mask(
             return
         empty = (attention_mask == 0).all(-1)
         if bool(empty.any()):
-            raise ValueError(
-                f"Rows {empty.nonzero().flatten().tolist()} of the batch are empty (their `attention_mask` is all 0): "
-                "give every row at least one token."
-            )
+            raise ValueError(f"Rows {empty.nonzero().flatten().tolist()} of the batch are empty (their "
+                             "`attention_mask` is all 0): give every row at least one token.")
         if bool((attention_mask[:, -1] == 0).any()):
-            raise ValueError(
-                "generate() needs left-padded prompts (padding first, then the prompt): set "
-                "`tokenizer.padding_side = 'left'` before tokenizing the batch."
-            )
+            raise ValueError("generate() needs left-padded prompts (padding first, then the prompt): set "
+                             "`tokenizer.padding_side = 'left'` before tokenizing the batch.")
         return
     past = 0 if cache is None else cache.num_read
     if attention_mask.shape[1] != past + seq_len:
-        raise ValueError(
-            f"`attention_mask` has {attention_mask.shape[1]} columns but the cache holds {past} tokens and the input "
-            f"{seq_len}: pass one mask column per token, cached and new ({past + seq_len})."
-        )
+        raise ValueError(f"`attention_mask` has {attention_mask.shape[1]} columns but the cache holds {past} tokens "
+                         f"and the input {seq_len}: pass one mask column per token, cached and new ({past + seq_len}).")
     if past > 0 and seq_len == 1:
         return
     if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
-        raise ValueError(
-            "`attention_mask` must hold only 0 (padding) and 1 (token); got other values. Pass a binary mask "
-            "(`mask.ne(0).long()` if any nonzero value means a token)."
-        )
+        raise ValueError("`attention_mask` must hold only 0 (padding) and 1 (token); got other values. Pass a binary "
+                         "mask (`mask.ne(0).long()` if any nonzero value means a token).")
     real = attention_mask.bool()
     columns = torch.arange(real.shape[1], device=real.device)
     start, tokens = real.long().argmax(-1), real.sum(-1)
     holed = ((columns >= start[:, None]) & (columns < (start + tokens)[:, None])) != real
     if bool(holed.any()):
         rows = holed.any(-1).nonzero().flatten().tolist()
-        raise ValueError(
-            f"Rows {rows[:8]} of `attention_mask` have padding between real tokens: give each row its tokens in one "
-            "run (left or right padding only). Padding inside a row would be neither removed nor read: drop those "
-            "tokens from the row instead."
-        )
+        raise ValueError(f"Rows {rows[:8]} of `attention_mask` have padding between real tokens: give each row its "
+                         "tokens in one run (left or right padding only). Padding inside a row would be neither "
+                         "removed nor read: drop those tokens from the row instead.")
     if past > 0 and cache.real_tokens is not None:
         read = cache.real_tokens.to(real.device)
         if not bool((real[:, :past].sum(-1) == read).all()):
-            raise ValueError(
-                "`attention_mask` marks other tokens as padding among those the cache already read than the forwards "
-                f"that read them did (real tokens per row: {read.tolist()[:8]} read, "
-                f"{real[:, :past].sum(-1).tolist()[:8]} in this mask): a read token cannot be removed; pass the mask "
-                "the cache was built with, then the new tokens' columns."
-            )
+            raise ValueError("`attention_mask` marks other tokens as padding among those the cache already read than "
+                             f"the forwards that read them did (real tokens per row: {read.tolist()[:8]} read, "
+                             f"{real[:, :past].sum(-1).tolist()[:8]} in this mask): a read token cannot be removed; "
+                             "pass the mask the cache was built with, then the new tokens' columns.")
 
 
 def check_one_sequence_per_row(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -109,12 +92,10 @@ def check_one_sequence_per_row(position_ids: torch.Tensor, attention_mask: torch
         real = attention_mask.to(position_ids.device).bool()
         restarts = restarts & real[:, 1:] & real[:, :-1]
     if bool(restarts.any()):
-        raise ValueError(
-            "`position_ids` restart inside a row: packed sequences (several documents in one row, e.g. TRL's "
-            "`packing=True` / padding-free batches) are not supported: the convolutions, the sliding window and the "
-            "recurrent state would carry one document into the next, and the JRT prefix is the row's first prompt "
-            "only. Train with one sequence per row (`packing=False`)."
-        )
+        raise ValueError("`position_ids` restart inside a row: packed sequences (several documents in one row, e.g. "
+                         "TRL's `packing=True` / padding-free batches) are not supported: the convolutions, the "
+                         "sliding window and the recurrent state would carry one document into the next, and the JRT "
+                         "prefix is the row's first prompt only. Train with one sequence per row (`packing=False`).")
 
 
 def check_inputs(
@@ -126,33 +107,24 @@ def check_inputs(
     if input_ids is not None and input_ids.ndim != 2:
         raise ValueError(f"`input_ids` must be (batch_size, seq_len) token ids, got shape {tuple(input_ids.shape)}.")
     if inputs_embeds is not None and (inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != config.hidden_size):
-        raise ValueError(
-            f"`inputs_embeds` must be (batch_size, seq_len, hidden_size={config.hidden_size}), got shape "
-            f"{tuple(inputs_embeds.shape)}."
-        )
+        raise ValueError(f"`inputs_embeds` must be (batch_size, seq_len, hidden_size={config.hidden_size}), got shape "
+                         f"{tuple(inputs_embeds.shape)}.")
     if input_ids is not None and (input_ids.dtype.is_floating_point or input_ids.dtype.is_complex):
-        raise ValueError(
-            f"`input_ids` must be integer token ids, got {input_ids.dtype}: pass `input_ids.long()`, or the vectors "
-            "as `inputs_embeds`."
-        )
+        raise ValueError(f"`input_ids` must be integer token ids, got {input_ids.dtype}: pass `input_ids.long()`, or "
+                         "the vectors as `inputs_embeds`.")
     reference = input_ids if input_ids is not None else inputs_embeds
     if reference.shape[1] == 0:
-        raise ValueError(
-            f"The input has 0 tokens (shape {tuple(reference.shape[:2])}): pass at least one token; "
-            "`generate()` without a prompt starts from `bos_token_id`."
-        )
+        raise ValueError(f"The input has 0 tokens (shape {tuple(reference.shape[:2])}): pass at least one token; "
+                         "`generate()` without a prompt starts from `bos_token_id`.")
     if reference.shape[0] == 0:
-        raise ValueError(
-            f"The input has 0 rows (shape {tuple(reference.shape[:2])}): pass a batch of at least one row."
-        )
+        raise ValueError(f"The input has 0 rows (shape {tuple(reference.shape[:2])}): pass a batch of at least one "
+                         "row.")
     if input_ids is not None and input_ids.shape[1] > 1 and not torch.compiler.is_compiling():
         # A prompt, not a decode step (a check reads the data: a host synchronisation per call).
         outside = (input_ids < 0) | (input_ids >= config.vocab_size)
         if bool(outside.any()):
-            raise ValueError(
-                f"`input_ids` holds ids outside the vocabulary [0, {config.vocab_size}): "
-                f"{sorted(set(input_ids[outside].tolist()))[:8]}. Tokenize with this model's tokenizer."
-            )
+            raise ValueError(f"`input_ids` holds ids outside the vocabulary [0, {config.vocab_size}): "
+                             f"{sorted(set(input_ids[outside].tolist()))[:8]}. Tokenize with this model's tokenizer.")
     return reference.shape[0], reference.shape[1]
 
 
@@ -180,23 +152,18 @@ def check_labels(
             continue
         outside = (targets != -100) & ((targets < 0) | (targets >= vocab_size))
         if bool(outside.any()):
-            raise ValueError(
-                f"`{name}` holds ids outside the vocabulary [0, {vocab_size}) that are not -100 (ignored): "
-                f"{sorted(set(targets[outside].tolist()))[:8]}. Use this model's tokenizer, and -100 where nothing is "
-                "scored."
-            )
+            raise ValueError(f"`{name}` holds ids outside the vocabulary [0, {vocab_size}) that are not -100 "
+                             f"(ignored): {sorted(set(targets[outside].tolist()))[:8]}. Use this model's tokenizer, "
+                             "and -100 where nothing is scored.")
     if kwargs.get("shift_labels") is not None:
         if labels is None:
-            raise ValueError(
-                "`shift_labels` without `labels`: pass the unshifted `labels` (B, T) as well (the model masks the "
-                "targets its JRT encoder reads by their position in the input)."
-            )
+            raise ValueError("`shift_labels` without `labels`: pass the unshifted `labels` (B, T) as well (the model "
+                             "masks the targets its JRT encoder reads by their position in the input).")
         kwargs["shift_labels"] = kwargs["shift_labels"].long()
     items = kwargs.get("num_items_in_batch")
     if items is not None and not torch.compiler.is_compiling() and bool(torch.as_tensor(items) <= 0):
-        raise ValueError(
-            f"`num_items_in_batch` must be > 0 (the scored targets of the whole accumulated batch), got {items}."
-        )
+        raise ValueError("`num_items_in_batch` must be > 0 (the scored targets of the whole accumulated batch), got "
+                         f"{items}.")
     return None if labels is None else labels.long()
 
 

@@ -103,11 +103,9 @@ class KernelChoice:
         `RuntimeError` when "triton" is asked for and `jrt_kernels` (of this `KERNEL_API`) is not installed."""
         requested = self.requested
         if requested == "triton" and self.kernels() is None:
-            raise RuntimeError(
-                "linear_attention_implementation='triton' needs the fused kernels: install them with "
-                "`pip install 'jrt-rnn[triton]'` (the `jrt_kernels` package of this release, and triton), or use "
-                "'chunked'."
-            )
+            raise RuntimeError("linear_attention_implementation='triton' needs the fused kernels: install them with "
+                               "`pip install 'jrt-rnn[triton]'` (the `jrt_kernels` package of this release, and "
+                               "triton), or use 'chunked'.")
         if requested != "auto":
             return requested
         usable = device.type in KERNEL_DEVICE_TYPES and LINEAR_ATTENTION not in self.failures

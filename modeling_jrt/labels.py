@@ -129,11 +129,9 @@ def check_jrt_objective_prefix(config: JRTRNNConfig, prefix_length: int | torch.
         return
     values = prefix_length.unique().tolist() if isinstance(prefix_length, torch.Tensor) else [prefix_length]
     if values != [config.prefix_length]:
-        raise ValueError(
-            f"This JRT training batch was built for prefix_length {values}, but the model's "
-            f"config.prefix_length is {config.prefix_length}: build the collator with "
-            "`JRTDataCollator.from_config(model.config)` (or give it the model's prefix_length)."
-        )
+        raise ValueError(f"This JRT training batch was built for prefix_length {values}, but the model's "
+                         f"config.prefix_length is {config.prefix_length}: build the collator with "
+                         "`JRTDataCollator.from_config(model.config)` (or give it the model's prefix_length).")
 
 
 __all__ = [

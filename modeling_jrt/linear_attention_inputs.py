@@ -85,9 +85,8 @@ def _as_row_index(value: torch.Tensor | int, batch_size: int, device: torch.devi
     if isinstance(value, int):
         return torch.full((batch_size,), value, dtype=torch.long, device=device)
     if value.dtype.is_floating_point or value.dtype == torch.bool or value.shape != (batch_size,):
-        raise ValueError(
-            f"{name} must be a (B,) = ({batch_size},) integer tensor; got {value.dtype} {tuple(value.shape)}."
-        )
+        raise ValueError(f"{name} must be a (B,) = ({batch_size},) integer tensor; got {value.dtype} "
+                         f"{tuple(value.shape)}.")
     return value.to(device=device, dtype=torch.long)
 
 
@@ -98,9 +97,8 @@ def validate_linear_attention_inputs(*args, **kwargs) -> LinearAttentionInputs:
     try:
         fields = LinearAttentionInputs(*args, **kwargs)
     except TypeError as error:
-        raise TypeError(
-            f"{error}: linear attention takes the fields of LinearAttentionInputs, {LinearAttentionInputs._fields}."
-        ) from None
+        raise TypeError(f"{error}: linear attention takes the fields of LinearAttentionInputs, "
+                        f"{LinearAttentionInputs._fields}.") from None
     (q, k, v, k_enc, v_enc, encoder_start, encoder_end, key_mask, pad_masking, initial_state, log_decay, gate, eps,
      chunk_size) = fields
     if q.ndim != 4 or k.shape != q.shape:

@@ -42,10 +42,8 @@ def linear_attention_step(
         `(output (B, H, V) in v.dtype, new state (B, H, F, V + 1))`.
     """
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
-        raise ValueError(
-            f"q, k and v of a decode step must be (B, H, K) / (B, H, V); got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}."
-        )
+        raise ValueError(f"q, k and v of a decode step must be (B, H, K) / (B, H, V); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}.")
     validate_linear_attention_inputs(
         q[:, None], k[:, None], v[:, None], initial_state=state, log_decay=log_decay,
         gate=None if gate is None else gate[:, None],
@@ -180,10 +178,8 @@ def linear_attention_step_at_slots(
     Returns `(B, H, V)` in v's dtype; a `ValueError` names an argument of the wrong shape or dtype.
     """
     if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(
-            f"q, k must be (B, H, K) and v (B, H, V) with the same B and H; got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}."
-        )
+        raise ValueError(f"q, k must be (B, H, K) and v (B, H, V) with the same B and H; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}.")
     batch_size, num_heads, feature_dim = q.shape
     validate_linear_attention_inputs(
         q[:, None], k[:, None], v[:, None], log_decay=log_decay, gate=None if gate is None else gate[:, None]

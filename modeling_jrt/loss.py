@@ -31,10 +31,8 @@ def check_prefix_length(
         shape_ok = prefix_length.ndim == 1 and (batch_size is None or prefix_length.shape[0] == batch_size)
         if not shape_ok or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             rows = "(B,)" if batch_size is None else f"(B,) = ({batch_size},)"
-            raise ValueError(
-                f"{name} must be an int or a {rows} integer tensor of per-row lengths; "
-                f"got a {prefix_length.dtype} tensor of shape {tuple(prefix_length.shape)}."
-            )
+            raise ValueError(f"{name} must be an int or a {rows} integer tensor of per-row lengths; got a "
+                             f"{prefix_length.dtype} tensor of shape {tuple(prefix_length.shape)}.")
         # One read of the data (a host synchronisation), then the message that applies.
         if not torch.compiler.is_compiling() and bool(((prefix_length < 0) | (prefix_length > maximum)).any()):
             if bool((prefix_length < 0).any()):
@@ -79,10 +77,9 @@ def jrt_loss(
     for a part with no targets).
     """
     if labels.shape != logits.shape[:2] or mlm_labels.shape != logits.shape[:2]:
-        raise ValueError(
-            f"`labels` {tuple(labels.shape)} and `mlm_labels` {tuple(mlm_labels.shape)} must both have the shape "
-            f"(batch, seq_len) of the logits {tuple(logits.shape[:2])}; with `logits_to_keep` no loss is computed."
-        )
+        raise ValueError(f"`labels` {tuple(labels.shape)} and `mlm_labels` {tuple(mlm_labels.shape)} must both have "
+                         f"the shape (batch, seq_len) of the logits {tuple(logits.shape[:2])}; with `logits_to_keep` "
+                         "no loss is computed.")
     logits = logits.float()
     vocab_size = logits.shape[-1]
     shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].to(logits.device)  # (B, T)

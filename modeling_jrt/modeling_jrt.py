@@ -357,9 +357,8 @@ class JRTRNNDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.layer_type = config.mixer_types[layer_idx]
         if self.layer_type not in MIXER_CLASSES:
-            raise ValueError(
-                f"Invalid layer type {self.layer_type!r} at layer {layer_idx}; allowed: {list(MIXER_CLASSES)}."
-            )
+            raise ValueError(f"Invalid layer type {self.layer_type!r} at layer {layer_idx}; allowed: "
+                             f"{list(MIXER_CLASSES)}.")
         self.input_layernorm = JRTRNNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mixer = MIXER_CLASSES[self.layer_type](config, layer_idx)
         # intermediate_size = 0: no MLP (the zoology synthetic-task models have none).
@@ -569,9 +568,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                     prompt_lengths=prompt_lengths, strategy=prefix_strategy, pad_token_id=prefix_pad_token_id,
                 )
             elif tuple(plan.start.shape) != (batch_size,):
-                raise ValueError(
-                    f"prefix_plan was made for {tuple(plan.start.shape)} rows; this forward has {batch_size}."
-                )
+                raise ValueError(f"prefix_plan was made for {tuple(plan.start.shape)} rows; this forward has "
+                                 f"{batch_size}.")
             input_ids, inputs_embeds, attention_mask, linear_attention_mask = fill_prefix(
                 plan, input_ids, inputs_embeds, attention_mask, linear_attention_mask, embed=self.embed_tokens
             )
@@ -724,11 +722,10 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
         if prefix_plan is None:  # (with a plan, the labels hook checked the labels and applied the labels rule)
             labels = check_labels(labels, input_ids, inputs_embeds, kwargs, self.config.vocab_size)
         if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-            raise ValueError(
-                f"`logits_to_keep` ({'a tensor' if isinstance(logits_to_keep, torch.Tensor) else logits_to_keep}) with "
-                "`labels`: the loss needs the logits of every position; pass "
-                "`logits_to_keep=0` (the default) when training, and keep logits only when generating."
-            )
+            raise ValueError("`logits_to_keep` "
+                             f"({'a tensor' if isinstance(logits_to_keep, torch.Tensor) else logits_to_keep}) with "
+                             "`labels`: the loss needs the logits of every position; pass `logits_to_keep=0` (the "
+                             "default) when training, and keep logits only when generating.")
         mlm_labels = kwargs.pop("mlm_labels", None)
         if mlm_labels is not None:
             check_jrt_objective_prefix(self.config, prefix_length)

@@ -62,10 +62,8 @@ def repeat_to_fill(prompt_ids: torch.Tensor | list[int], length: int) -> torch.T
     if prompt_length == 0:
         raise ValueError("`prompt_ids` is empty: there is nothing to repeat.")
     if length < prompt_length:
-        raise ValueError(
-            f"`length` ({length}) is shorter than the prompt ({prompt_length} tokens): repeating cannot keep a "
-            f"whole copy; truncate the prompt or use a longer length."
-        )
+        raise ValueError(f"`length` ({length}) is shorter than the prompt ({prompt_length} tokens): repeating cannot "
+                         "keep a whole copy; truncate the prompt or use a longer length.")
     if isinstance(prompt_ids, list):
         return [prompt_ids[(i - length) % prompt_length] for i in range(length)]
     index = (torch.arange(length, device=prompt_ids.device) - length) % prompt_length  # (length,)
@@ -186,15 +184,12 @@ def plan_prefix(
         fill_columns = int((fill - start).clamp(min=0).max()) if batch_size > 0 else 0
     if strategy == "pad" and not compiling and bool((fill > 0).any()):
         if pad_token_id is None:
-            raise ValueError(
-                "prefix_strategy='pad' needs a fill token: pass `prefix_pad_token_id=` or set "
-                "`config.prefix_pad_token_id` (220, GPT-2's ' ', in the released models)."
-            )
+            raise ValueError("prefix_strategy='pad' needs a fill token: pass `prefix_pad_token_id=` or set "
+                             "`config.prefix_pad_token_id` (220, GPT-2's ' ', in the released models).")
         if not 0 <= pad_token_id < config.vocab_size:
-            raise ValueError(
-                f"prefix_pad_token_id={pad_token_id} is not a token of this model (vocab_size={config.vocab_size}): "
-                "pass another `prefix_pad_token_id=`, or `prefix_strategy='repeat'`/`'none'`."
-            )
+            raise ValueError(f"prefix_pad_token_id={pad_token_id} is not a token of this model "
+                             f"(vocab_size={config.vocab_size}): pass another `prefix_pad_token_id=`, or "
+                             "`prefix_strategy='repeat'`/`'none'`.")
     # 2. The encoder's read in the model's columns: the fill right before the row's first token, then its prompt.
     read_start = start + fill_columns - fill
     read_end = read_start + fill + encoder_tokens

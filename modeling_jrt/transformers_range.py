@@ -27,10 +27,9 @@ def check_transformers_release(version: str | None = None) -> None:
     if match is None:
         raise ValueError(f"Cannot read a transformers version from {version!r}.")
     if not MIN_TRANSFORMERS <= (int(match.group(1)), int(match.group(2))) < MAX_TRANSFORMERS:
-        raise ImportError(
-            f"jrt-rnn's model code needs transformers{TRANSFORMERS_RANGE}; found {version}. Install a release in the "
-            f'range: pip install "transformers{TRANSFORMERS_RANGE}"'
-        )
+        raise ImportError(f"jrt-rnn's model code needs transformers{TRANSFORMERS_RANGE}; found {version}. Install a "
+                          "release in the "
+                          f'range: pip install "transformers{TRANSFORMERS_RANGE}"')
 
 
 KERNELS_CLASH = "Either a revision or a version must be specified"

@@ -43,10 +43,8 @@ def multiquery_ar(rng: np.random.RandomState, num_examples: int, input_seq_len: 
     if vocab_size <= input_seq_len:
         raise ValueError(f"`vocab_size` ({vocab_size}) must be larger than `input_seq_len` ({input_seq_len}).")
     if 4 * num_kv_pairs > input_seq_len:
-        raise ValueError(
-            f"`4 * num_kv_pairs` ({4 * num_kv_pairs}) must be <= `input_seq_len` ({input_seq_len}): the query region "
-            "needs room for every key at an even offset."
-        )
+        raise ValueError(f"`4 * num_kv_pairs` ({4 * num_kv_pairs}) must be <= `input_seq_len` ({input_seq_len}): the "
+                         "query region needs room for every key at an even offset.")
     context_size = 2 * num_kv_pairs
     keys = np.stack([rng.choice(np.arange(1, vocab_size // 2), num_kv_pairs, replace=False)
                      for _ in range(num_examples)])
