@@ -22,7 +22,7 @@ from .source_files import ConversionError, find_weights_file, load_reference_con
 
 def load_state_dict_safely(
     path: Path, *, dtype: torch.dtype | None = None
-) -> tuple[dict[str, torch.Tensor], bool, MappedPages | NoRelease]:
+) -> tuple[dict[str, torch.Tensor], MappedPages | NoRelease]:
     """Tensors of a `pytorch_model.bin` or a Lightning `.ckpt`, read with `torch.load(weights_only=True)`; a value
     that does not fit `dtype` (the conversion's target) is refused here, by name.
 
@@ -30,8 +30,8 @@ def load_state_dict_safely(
     pickle cannot be mapped and is read whole.
 
     Returns:
-        (the raw state dict, whether it came from a Lightning checkpoint's `state_dict` entry, the handle that
-        releases the memory-mapped pages of a used tensor).
+        (the raw state dict (a Lightning checkpoint's `state_dict` entry), the handle that releases the
+        memory-mapped pages of a used tensor).
     """
     kind = check_file_integrity(path)
     try:
@@ -60,7 +60,7 @@ def load_state_dict_safely(
         raise ConversionError(f"{str(path)!r}: these state-dict entries are not tensors: {not_tensors}.")
     pages = MappedPages(path) if kind == "zip" else NoRelease()
     check_tensor_values(path, {k: v for k, v in state_dict.items() if "metrics" not in k}, dtype, pages)
-    return state_dict, is_lightning, pages
+    return state_dict, pages
 
 
 # What a damaged legacy pickle (or a damaged zip record) can raise inside torch.load.

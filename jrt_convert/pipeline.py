@@ -125,7 +125,7 @@ def convert_checkpoint(
     reference_config = load_reference_config(weights_path.parent)
     arch = read_architecture(reference_config)
     tok, tokenizer_note = _load_tokenizer(tokenizer, arch)
-    raw, _, pages = load_state_dict_safely(weights_path, dtype=torch_dtype)
+    raw, pages = load_state_dict_safely(weights_path, dtype=torch_dtype)
     state_dict, dropped_keys = normalise_keys(raw)
     del raw
     check_layers_against_weights(arch, list(state_dict))
@@ -175,7 +175,8 @@ def convert_checkpoint(
                                       has_tokenizer=tok is not None),
                     encoding="utf-8",
                 )
-                verify_folder(staging, hashes, model)
+            verify_folder(staging, hashes, model)  # it only reads: its errors are not a full disk
+            with _disk_full_reported(destination, needed_bytes):
                 write_manifest(staging, hashes)
             files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
             _apply_umask(staging)

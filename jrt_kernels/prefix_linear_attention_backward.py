@@ -659,7 +659,8 @@ def prefix_linear_attention_backward(
             `dy . y` from it instead of recomputing the numerator.
         encoder_state, inverse_denominator: the forward's saved tensors
             (`prefix_linear_attention_triton(..., return_saved=True)`), or None (recomputed). Given, the dq scan
-            starts from the state after the encoder keys and reads `1 / (den + eps)` instead of computing them.
+            starts from the state after the encoder keys (with an encoder) and reads `1 / (den + eps)` instead of
+            computing them.
 
     Returns:
         `(dq, dk, dv, dk_enc, dv_enc, d initial_state, d gate)` in the inputs' dtypes (fp32 for the state), None

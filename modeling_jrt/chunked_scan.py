@@ -144,7 +144,7 @@ def scan_in_place(
     per_token_head = 2 * value_dim + 2 * num_features + chunk_size + 5 + 2 * form_dim
     decoder_numel = block * chunk_size * token_heads * per_token_head
     decoder_numel += block * token_heads * 2 * form_dim**2 + chunk_size * token_heads * value_dim
-    encoder_numel = encoder_block * token_heads * num_features  # `encoder_blocks`' features
+    encoder_numel = encoder_scratch_numel(encoder_block, token_heads, taylor)
     workspace = Workspace(max(decoder_numel, encoder_numel), q, dtype)
     # The running state: the numerator columns `(B H, F', V)` and the denominator's form `(B H, K + 1, K + 1)`.
     running = state[..., :value_dim].reshape(token_heads, num_features, value_dim).clone()
@@ -263,6 +263,12 @@ def chunk_decays(log_gamma: torch.Tensor, position: torch.Tensor, length: int) -
     """The decays over a chunk of `length` tokens (log_gamma `(H, 1, 1)`, position `(C,)`): each key's value to the
     chunk's end, gamma**(L - 1 - j) `(H, C, 1)`, and the state, gamma**L `(H, 1, 1)`."""
     return torch.exp(log_gamma * (length - 1 - position)[:, None]), torch.exp(log_gamma * length)
+
+
+def encoder_scratch_numel(block: int, token_heads: int, taylor: CompactTaylor) -> int:
+    """Elements of the `Workspace` that `encoder_blocks` takes its buffer from: the features of a block of `block`
+    encoder tokens per token-head."""
+    return block * token_heads * taylor.num_features
 
 
 def encoder_blocks(

@@ -18,7 +18,7 @@ import torch
 
 from .chunked_scan import (
     Workspace, add_encoder_in_place, block_sizes, chunk_decays, copy_chunk_major, decay_factors, encoder_blocks,
-    scan_in_place, without_autocast,
+    encoder_scratch_numel, scan_in_place, without_autocast,
 )
 from .compact_taylor import CompactTaylor
 
@@ -98,8 +98,7 @@ def scan_gradients(
 
     # Forward sweep: the state before each chunk, d phi(Q), and the intra-chunk block.
     if k_enc is not None:
-        # `encoder_blocks`' features of `encoder_block` tokens per token-head
-        encoder_workspace = Workspace(encoder_block * token_heads * num_features, q, dtype)
+        encoder_workspace = Workspace(encoder_scratch_numel(encoder_block, token_heads, taylor), q, dtype)
         encoder_form = running.new_zeros(batch_size, num_heads, feature_dim + 1, feature_dim + 1)
         add_encoder_in_place(running.view(state.shape)[..., :value_dim], encoder_form, k_enc, v_enc, raw,
                              encoder_keys, taylor, encoder_workspace, encoder_block)

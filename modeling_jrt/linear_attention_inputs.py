@@ -1,5 +1,5 @@
 """The inputs of one prefill of linear attention, checked once by `validate_linear_attention_inputs` into the
-`LinearAttentionInputs` every implementation takes; and the small rules they share. Layouts: `linear_attention.py`.
+`LinearAttentionInputs` every implementation takes; and the small rules they share. Layouts: `LinearAttentionInputs`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Seeded generators of the synthetic recall tasks (docs/synthetics.md, section 1).
 
 Every generator returns a `SyntheticBatch` (labels not shifted, see `jrt_cli.set_disjointness`). Set disjointness,
-the task of the `jrt demo` models, lives there and is re-exported here; MQAR and prefix-query MQAR are harness-only.
+the task of the `jrt demo` models, lives there (its generator and token map are re-exported here); MQAR and
+prefix-query MQAR are harness-only.
 Randomness comes from a `numpy.random.RandomState` passed in by the caller, so one seed fixes a whole data stream.
 """
 

@@ -50,7 +50,8 @@ MODEL_OVERRIDES = {"e1-small": {"hidden_size": 32, "num_attention_heads": 1}}  #
 
 def run_directory_name(arm: str, seed: int) -> str:
     """`"JRT-RNN", 0` -> `"jrt-rnn_seed0"`."""
-    return f"{re.sub('[^a-z0-9]+', '-', arm.lower()).strip('-')}_seed{seed}"
+    slug = re.sub(r"[\W_]+", "-", arm.lower()).strip("-")  # runs of characters other than letters and digits
+    return f"{slug}_seed{seed}"
 
 
 def experiment_runs(experiment: str, seeds: list[int], steps: int | None = None,
