@@ -19,7 +19,7 @@
 #    the released 360M shape (hidden 1024, 26 layers, random weights) at 2k and 8k (benchmarks/decode.py --generate);
 # 7. kernel launches of an eager decode step and of a 4k prefill, both models (benchmarks/launches.py, torch.profiler);
 # 8. a training step's tokens/s, both models (benchmarks/train_step.py); 9. vLLM throughput, both models as vLLM runs
-#    them by default (compiled; CUDA graphs for Llama, off for JRT-RNN: docs/serving.md), at 2k-token prompts
+#    them by default (compiled; CUDA graphs, piecewise for JRT-RNN: docs/serving.md), at 2k-token prompts
 #    (benchmarks/serve.py; only where vllm imports).
 # Optionally (JRT_GPU_CHECK_PTXAS=1) step 10 below: the backward with ptxas's register allocator at its own level.
 # Writes OUT_DIR/env.txt, tests.txt, model.txt, prefill.txt, prefill.json, prefill_b1.txt, prefill_b1.json,

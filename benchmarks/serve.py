@@ -44,8 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "4096 with 32 new tokens, and 256 with 256), --requests requests each (default 16 here), one "
                         "table of JRT / Llama ratios at the end")
     parser.add_argument("--compiled", action="store_true", help="both engines as vLLM runs them by default (compiled: "
-                        "on CPU, dynamo traced once and inductor; on a GPU, CUDA graphs too, which jrt_vllm turns off "
-                        "for JRT-RNN) instead of eagerly (enforce_eager=True); the compile and capture time is not "
+                        "on CPU, dynamo traced once and inductor; on a GPU, CUDA graphs too, piecewise only for "
+                        "JRT-RNN) instead of eagerly (enforce_eager=True); the compile and capture time is not "
                         "timed")
     parser.add_argument("--rounds", type=int, default=3, help="timed batches per model, alternating between the two "
                         "engines (the medians are reported)")

@@ -13,16 +13,16 @@ from .prompt_lengths import QUALIFIED_NAME
 logger = logging.getLogger(__name__)
 
 
-def cuda_graphs_off(compilation_config: CompilationConfig) -> None:
-    """Set `cudagraph_mode` to NONE (why: `JRTRNNVllmConfig`), with a warning when CUDA graphs were asked for."""
+def piecewise_cuda_graphs(compilation_config: CompilationConfig) -> None:
+    """Let vLLM capture piecewise CUDA graphs only (why: `JRTRNNVllmConfig`): vLLM's default (None) and every mode with
+    full graphs become PIECEWISE, with a warning when full graphs were asked for; NONE and PIECEWISE stay."""
     requested = compilation_config.cudagraph_mode
-    if requested is not None and requested != CUDAGraphMode.NONE:
-        logger.warning(
-            "jrt_vllm: cudagraph_mode=%s turned off (NONE) for JRT-RNN / Based: vLLM would replay a decode graph for a "
-            "fresh one-token prompt, which needs a first forward of its own (docs/serving.md, \"CUDA graphs\").",
-            requested.name,
-        )
-    compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+    if requested is not None and requested.has_full_cudagraphs():
+        logger.warning("jrt_vllm: cudagraph_mode=%s changed to PIECEWISE for JRT-RNN / Based: vLLM would replay a full "
+                       "decode graph for a fresh one-token prompt, which needs a first forward of its own "
+                       "(docs/serving.md, \"CUDA graphs\").", requested.name)
+    if requested is None or requested.has_full_cudagraphs():
+        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 
 class JRTRNNVllmConfig(VerifyAndUpdateConfig):
@@ -31,9 +31,8 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
     use: vLLM 0.32 has no public per-model hook.
 
     - the mixers' opaque ops (`jrt_vllm.mixers.mix`) join `compilation_config.splitting_ops`;
-    - CUDA graphs off (`cuda_graphs_off`): vLLM 0.32 picks a graph by the batch's shape alone, so it would replay the
-      decode graph for a fresh one-token prompt and its piecewise graphs by its own token count, not the fill's rows
-      (either a silently wrong output);
+    - piecewise CUDA graphs only (`piecewise_cuda_graphs`): vLLM 0.32 picks a full graph by the batch's shape alone,
+      and would replay the decode graph for a fresh one-token prompt (a silently wrong output);
     - prefix caching off: a state depends on the whole prompt (the encoder's read, a short prompt's fill);
     - prefix models: chunked prefill off (the encoder reads a request's prefix in one forward; `max_num_batched_tokens`
       raised to `max_model_len` when smaller), and `jrt_vllm.prompt_lengths.PromptLengths` joins
@@ -45,7 +44,7 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
         model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
         scheduler_config, compilation_config = vllm_config.scheduler_config, vllm_config.compilation_config
         hf_config = model_config.hf_config
-        cuda_graphs_off(compilation_config)
+        piecewise_cuda_graphs(compilation_config)
         splitting_ops = compilation_config.splitting_ops or []  # vLLM's default (None) names attention ops
         if MIX_OP not in splitting_ops:
             compilation_config.splitting_ops = [*splitting_ops, MIX_OP]
@@ -78,4 +77,4 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
         MambaModelConfig.verify_and_update_config(vllm_config)
 
 
-__all__ = ["JRTRNNVllmConfig", "cuda_graphs_off"]
+__all__ = ["JRTRNNVllmConfig", "piecewise_cuda_graphs"]

@@ -1,5 +1,5 @@
 """`jrt_vllm.batch_plan`: the kind of a forward and the slots of a decode-only forward, from vLLM's metadata; and
-`jrt_vllm.config.cuda_graphs_off`."""
+`jrt_vllm.config.piecewise_cuda_graphs`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from vllm.v1.attention.backends.utils import NULL_BLOCK_ID  # noqa: E402
 from vllm.config import CompilationConfig, CUDAGraphMode  # noqa: E402
 
 from jrt_vllm.batch_plan import decode_slots, is_decode_only  # noqa: E402
-from jrt_vllm.config import cuda_graphs_off  # noqa: E402
+from jrt_vllm.config import piecewise_cuda_graphs  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", ["1d", "2d"])
@@ -39,15 +39,20 @@ def test_a_forward_is_decode_only_without_prefills(num_decodes, num_prefills, ex
     assert is_decode_only(metadata) is expected
 
 
-@pytest.mark.parametrize("requested", [None, "NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE"])
-def test_cuda_graphs_are_turned_off(requested, caplog):
-    """vLLM's default (None) and every mode that captures graphs become NONE; asking for graphs is warned about."""
+@pytest.mark.parametrize(
+    ("requested", "expected"),
+    [(None, "PIECEWISE"), ("NONE", "NONE"), ("PIECEWISE", "PIECEWISE"), ("FULL", "PIECEWISE"),
+     ("FULL_DECODE_ONLY", "PIECEWISE"), ("FULL_AND_PIECEWISE", "PIECEWISE")],
+)
+def test_only_piecewise_cuda_graphs(requested, expected, caplog):
+    """vLLM's default (None) and every mode with full graphs become PIECEWISE; asking for full graphs is warned
+    about; NONE and PIECEWISE stay as asked."""
     config = CompilationConfig(cudagraph_mode=None if requested is None else CUDAGraphMode[requested])
     with caplog.at_level("WARNING", logger="jrt_vllm.config"):
-        cuda_graphs_off(config)
-    assert config.cudagraph_mode == CUDAGraphMode.NONE
+        piecewise_cuda_graphs(config)
+    assert config.cudagraph_mode == CUDAGraphMode[expected]
     warned = [record.getMessage() for record in caplog.records if record.name == "jrt_vllm.config"]
-    if requested in (None, "NONE"):
+    if requested in (None, "NONE", "PIECEWISE"):
         assert warned == []
     else:
-        assert len(warned) == 1 and f"cudagraph_mode={requested} turned off" in warned[0]
+        assert len(warned) == 1 and f"cudagraph_mode={requested} changed to PIECEWISE" in warned[0]

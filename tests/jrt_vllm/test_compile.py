@@ -40,3 +40,37 @@ def test_compiled_engine_equals_generate(kind, tmp_path, byte_bpe_tokenizer):
     expected = [greedy_reference(model, p, MAX_NEW_TOKENS) for p in PROMPTS]
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     assert [list(o.outputs[0].token_ids) for o in alone] == expected[:2]
+
+
+@pytest.mark.slow  # an engine start with a compile (about 20 s)
+def test_a_fill_past_the_compiled_rows_runs_uncompiled(tmp_path, byte_bpe_tokenizer, monkeypatch):
+    """vLLM compiles the backbone for at most `max_num_batched_tokens` rows (on a GPU a larger input fails its range
+    check), and the JRT fill may pass them: four short prompts (11 tokens, within the budget of 16) are 32 rows with
+    their fills. That forward runs the backbone uncompiled (the forward context's `skip_compiled`), the decode steps
+    compiled, and the tokens are `generate()`'s."""
+    from vllm.forward_context import get_forward_context
+
+    import jrt_vllm.mixers
+
+    model = save_model("jrt-pad", tmp_path, byte_bpe_tokenizer)
+    uncompiled = []  # per mixer call: the forward context's skip_compiled
+    layer_mix = jrt_vllm.mixers.JRTStateLayer.mix
+
+    def recorded_mix(self, hidden_states, output):
+        uncompiled.append((hidden_states.shape[0], get_forward_context().skip_compiled))
+        return layer_mix(self, hidden_states, output)
+
+    monkeypatch.setattr(jrt_vllm.mixers.JRTStateLayer, "mix", recorded_mix)
+    llm = vllm.LLM(model=str(tmp_path), dtype="float32", max_model_len=16, max_num_batched_tokens=16, max_num_seqs=4,
+                   seed=0)
+    prompts = [[37], [70, 101, 44], [12, 250, 7, 99, 180], [5, 61]]
+    try:
+        uncompiled.clear()  # the engine's profiling and warm-up runs
+        params = vllm.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        del llm
+        gc.collect()
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [greedy_reference(model, p, 4) for p in prompts]
+    layers = model.config.num_hidden_layers
+    assert uncompiled == [(32, True)] * layers + [(4, False)] * (3 * layers)

@@ -216,6 +216,50 @@ def test_decode_steps_read_nothing_on_the_host(engine, monkeypatch):
     assert [found for _, found in forwards[1:]] == [set()] * (MAX_NEW_TOKENS - 1)
 
 
+def test_forwards_with_prompts_run_without_cuda_graphs(engine, monkeypatch):
+    """vLLM replays its piecewise CUDA graphs by its own padded token count. On a GPU its runner puts PIECEWISE in the
+    forward context of each forward it sized to a graph (here the test does, around the model's forward). A forward
+    with prompts reads rows of its own (the fill, no padding), so its backbone must run under NONE; a decode-only
+    forward keeps the graphs; the context is as the runner set it after each forward. Prompts join mid-stream (mixed
+    forwards), and the tokens are `generate()`'s."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context
+
+    import jrt_vllm.mixers
+    import jrt_vllm.model
+    from jrt_vllm.batch_plan import forward_metadata, is_decode_only
+
+    kind, model, llm = engine
+    forwards = []  # per forward: [decode-only, the modes its mixers ran under, the mode after it]
+    model_forward, layer_mix = jrt_vllm.model.JRTRNNForCausalLM.forward, jrt_vllm.mixers.JRTStateLayer.mix
+
+    def as_a_graph_runner(self, *args, **kwargs):
+        context = get_forward_context()
+        forwards.append([is_decode_only(forward_metadata()), set(), None])
+        context.cudagraph_runtime_mode = CUDAGraphMode.PIECEWISE
+        try:
+            return model_forward(self, *args, **kwargs)
+        finally:
+            forwards[-1][2], context.cudagraph_runtime_mode = context.cudagraph_runtime_mode, CUDAGraphMode.NONE
+
+    def recorded_mix(self, hidden_states, output):
+        forwards[-1][1].add(get_forward_context().cudagraph_runtime_mode)
+        return layer_mix(self, hidden_states, output)
+
+    monkeypatch.setattr(jrt_vllm.model.JRTRNNForCausalLM, "forward", as_a_graph_runner)
+    monkeypatch.setattr(jrt_vllm.mixers.JRTStateLayer, "mix", recorded_mix)
+    core, params, step = llm.llm_engine, greedy(max_tokens=6), Stepper(llm)
+    core.add_request("first", {"prompt_token_ids": PROMPTS[3]}, params)
+    step()
+    step()
+    core.add_request("second", {"prompt_token_ids": PROMPTS[0]}, params)
+    assert step.finish() == {name: greedy_reference(model, PROMPTS[i], 6) for name, i in (("first", 3), ("second", 0))}
+    assert [decode_only for decode_only, _, _ in forwards] == [False, True, False] + [True] * 5
+    for decode_only, modes, after in forwards:
+        assert modes == {CUDAGraphMode.PIECEWISE if decode_only else CUDAGraphMode.NONE}
+        assert after == CUDAGraphMode.PIECEWISE
+
+
 def test_request_added_mid_stream_equals_generate(engine):
     """Continuous batching: requests join while others decode (their prefill shares forwards with decode steps)."""
     kind, model, llm = engine
