@@ -32,10 +32,7 @@ from .prefix_linear_attention_backward import prefix_linear_attention_backward
 # (BT, BV, num_warps) per GPU generation, from benchmarks/kernel_aot.py's builds (docs/kernels.md "Configurations and
 # autotuning"): the first is the default (JRT_TRITON_AUTOTUNE=0), the others what the autotuner may pick. On sm_90
 # BV = 64 builds without spills; elsewhere mma.sync holds both operands in registers and BV = 32 is the spill-free one.
-_ARCH_CONFIGS = {
-    "sm_90": [(32, 64, 4), (16, 64, 4), (32, 64, 8)],
-    "other": [(16, 32, 4), (32, 32, 4), (16, 64, 4)],
-}
+_ARCH_CONFIGS = {"sm_90": [(32, 64, 4), (16, 64, 4), (32, 64, 8)], "other": [(16, 32, 4), (32, 32, 4), (16, 64, 4)]}
 
 
 def _config(BT: int, BV: int, num_warps: int) -> triton.Config:

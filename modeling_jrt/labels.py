@@ -48,8 +48,9 @@ def leak_free_labels(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
         config, labels, attention_mask if isinstance(attention_mask, torch.Tensor) else None, kwargs,
         prompt_lengths=kwargs.get("prompt_lengths"), prefix_length=kwargs.get("prefix_length"),
         prefix_strategy=kwargs.get("prefix_strategy"), prefix_pad_token_id=kwargs.get("prefix_pad_token_id"),
+        plan=kwargs.get("prefix_plan"),  # a caller's plan is kept, and rules the mask
     )
-    # The model lays out the prefix by this plan and masks nothing again: one plan per training step.
+    # The model lays out the prefix by this plan: one plan per training step.
     return (), {**kwargs, "labels": labels, "prompt_lengths": prompt_lengths, "prefix_plan": plan}
 
 
@@ -72,24 +73,24 @@ def labels_rule_applies(
 def apply_labels_rule(
     config: JRTRNNConfig, labels: torch.LongTensor, attention_mask: torch.Tensor | None, loss_kwargs: dict, *,
     prompt_lengths: torch.Tensor | None, prefix_length: int | torch.Tensor | None, prefix_strategy: str | None,
-    prefix_pad_token_id: int | None,
+    prefix_pad_token_id: int | None, plan: PrefixPlan | None = None,
 ) -> tuple[torch.LongTensor, torch.Tensor | None, PrefixPlan, dict]:
-    """The labels rule (checked labels `(B, T)`): each row's prompt ends at its first scored target unless
-    `prompt_lengths` are given, the prefix is planned from it, and the targets the encoder reads are set to -100 (in
-    `shift_labels` too). Returns the masked labels, the prompt lengths, the plan and `loss_kwargs`.
+    """The labels rule (checked labels `(B, T)`): unless a `plan` is given (the hook's, or a caller's), each row's
+    prompt ends at its first scored target unless `prompt_lengths` are given, and the prefix is planned from it; the
+    targets the plan's encoder reads are set to -100 (in `shift_labels` too). Returns the masked labels, the prompt
+    lengths, the plan and `loss_kwargs`.
     """
-    derived = prompt_lengths is None
+    planned, derived = plan is None, plan is None and prompt_lengths is None
     if derived:
         prompt_lengths = prompt_lengths_from_labels(labels, attention_mask)
-    plan = plan_prefix(
-        config, attention_mask, *labels.shape, labels.device, prefix_length=prefix_length,
-        prompt_lengths=prompt_lengths, strategy=prefix_strategy, pad_token_id=prefix_pad_token_id,
-    )
+    if planned:
+        plan = plan_prefix(config, attention_mask, *labels.shape, labels.device, prefix_length=prefix_length,
+                           prompt_lengths=prompt_lengths, strategy=prefix_strategy, pad_token_id=prefix_pad_token_id)
     masked = mask_before(labels, plan.encoder_end)
     shift_labels = loss_kwargs.get("shift_labels")
     if shift_labels is not None:  # pre-shifted: column t holds the target at index t + 1
         loss_kwargs = {**loss_kwargs, "shift_labels": mask_before(shift_labels, (plan.encoder_end - 1).clamp(min=0))}
-    if loss_kwargs.get("num_items_in_batch") is not None and bool(((labels != masked)[:, 1:]).any()):
+    if planned and loss_kwargs.get("num_items_in_batch") is not None and bool(((labels != masked)[:, 1:]).any()):
         logger.warning_once(
             "The labels of this batch include targets that the JRT encoder reads (inside each row's prefix): the "
             "loss ignores them, but `num_items_in_batch` (from Trainer) still counts them, which scales the loss "

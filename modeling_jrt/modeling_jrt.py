@@ -712,7 +712,8 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
             mlm_labels: (keyword) `(B, T)` masked-LM targets of the JRT objective (`JRTDataCollator`): the loss is then
                 `NTP + config.mlm_weight * MLM` (`loss.jrt_loss`), with the labels as given.
             logits_to_keep: logits for the last `logits_to_keep` positions only (0 = all), or those a tensor selects.
-            prefix_plan: set by the labels hook (`labels.leak_free_labels`) that checked and masked `labels` by it.
+            prefix_plan: each row's prefix, planned already (`plan_prefix`; the labels hook `labels.leak_free_labels`
+                passes its own, with the labels checked): the targets its encoder reads are never scored.
             Other arguments: see `JRTRNNModel.forward`.
 
         Returns:
@@ -729,13 +730,13 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
         mlm_labels = kwargs.pop("mlm_labels", None)
         if mlm_labels is not None:
             check_jrt_objective_prefix(self.config, prefix_length)
-        if labels is not None and prefix_plan is None and labels_rule_applies(
-            self.config, mlm_labels, cache, past_key_values
-        ):
-            # Called without its hooks (`model.forward(...)`, or the hook removed): the labels rule, here.
+        if labels is not None and labels_rule_applies(self.config, mlm_labels, cache, past_key_values):
+            # Without its hooks (`model.forward(...)`) the rule plans here; a given plan (the hook's, whose labels are
+            # masked already, or a caller's) rules the mask.
             labels, prompt_lengths, prefix_plan, kwargs = apply_labels_rule(
                 self.config, labels, attention_mask, kwargs, prompt_lengths=prompt_lengths,
                 prefix_length=prefix_length, prefix_strategy=prefix_strategy, prefix_pad_token_id=prefix_pad_token_id,
+                plan=prefix_plan,
             )
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,

@@ -98,6 +98,23 @@ def test_the_forward_masks_labels_by_the_same_plan_without_the_labels_hook():
     torch.testing.assert_close(alone, hooked, rtol=0, atol=0)
 
 
+def test_a_callers_plan_rules_the_labels_with_or_without_the_hook():
+    """A plan the caller made (`prefix_plan=`) with `labels`: the hook keeps it (it used to plan its own from the
+    labels and drop the caller's), and the forward called without the hook masks the targets its encoder reads (it
+    used to score them). Both give the loss of the same prefix asked for by its arguments."""
+    torch.manual_seed(0)
+    model = JRTRNNForCausalLM(tiny_config(initializer_range=0.3)).train()
+    input_ids = torch.randint(4, 99, (2, 10))
+    prompt_lengths = torch.tensor([5, 2])  # encoder reads of 5 and 2 tokens; labels alone would give 8 each
+    plan = plan_prefix(model.config, None, 2, 10, input_ids.device, prompt_lengths=prompt_lengths)
+    expected = model(input_ids, labels=input_ids, prompt_lengths=prompt_lengths).loss
+    hooked = model(input_ids, labels=input_ids, prefix_plan=plan).loss
+    alone = model.forward(input_ids, labels=input_ids, prefix_plan=plan).loss
+    assert not torch.allclose(expected, model(input_ids, labels=input_ids).loss)  # the plan matters
+    torch.testing.assert_close(hooked, expected, rtol=0, atol=0)
+    torch.testing.assert_close(alone, expected, rtol=0, atol=0)
+
+
 def test_a_training_step_plans_its_prefix_once_with_or_without_the_hook(monkeypatch):
     """The labels rule (`apply_labels_rule`) plans the prefix and the backbone lays it out by that plan: one plan per
     step, whether the hook ran (`model(...)`) or the forward was called without it (`model.forward(...)`), and the
