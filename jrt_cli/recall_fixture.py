@@ -34,9 +34,7 @@ def _value(rng: random.Random, kind: str) -> str:
         return str(rng.randint(1700, 1999))
     if kind == "place":
         return _word(rng, 3)
-    if kind == "name":
-        return _word(rng, 2) + " " + _word(rng, 2)
-    return rng.choice(_COLORS)
+    return _word(rng, 2) + " " + _word(rng, 2) if kind == "name" else rng.choice(_COLORS)
 
 
 def make_fixture_records(num_records: int = 36, *, seed: int = 0, entities_per_document: int = 4) -> list[dict]:

@@ -361,9 +361,7 @@ def auto_segment_length(B: int, H: int, T: int, device: torch.device) -> int:
     if B * H >= processors:
         return 0
     segments = min(triton.cdiv(2 * processors, B * H), T // MIN_SEGMENT)
-    if segments < 2:
-        return 0
-    return triton.cdiv(triton.cdiv(T, segments), SEGMENT_ALIGN) * SEGMENT_ALIGN
+    return 0 if segments < 2 else triton.cdiv(triton.cdiv(T, segments), SEGMENT_ALIGN) * SEGMENT_ALIGN
 
 
 def _states_before_segments(parts: torch.Tensor, segments: int, initial_state: torch.Tensor | None,

@@ -86,7 +86,7 @@ def apply_labels_rule(
     if planned:
         plan = plan_prefix(config, attention_mask, *labels.shape, labels.device, prefix_length=prefix_length,
                            prompt_lengths=prompt_lengths, strategy=prefix_strategy, pad_token_id=prefix_pad_token_id)
-    masked = mask_before(labels, plan.encoder_end)
+    masked = mask_before(labels, plan.check_rows(labels.shape[0]).encoder_end)
     shift_labels = loss_kwargs.get("shift_labels")
     if shift_labels is not None:  # pre-shifted: column t holds the target at index t + 1
         loss_kwargs = {**loss_kwargs, "shift_labels": mask_before(shift_labels, (plan.encoder_end - 1).clamp(min=0))}

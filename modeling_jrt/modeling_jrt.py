@@ -567,9 +567,8 @@ class JRTRNNModel(JRTRNNPreTrainedModel):
                     config, attention_mask, batch_size, seq_len, device, prefix_length=prefix_length,
                     prompt_lengths=prompt_lengths, strategy=prefix_strategy, pad_token_id=prefix_pad_token_id,
                 )
-            elif tuple(plan.start.shape) != (batch_size,):
-                raise ValueError(f"prefix_plan was made for {tuple(plan.start.shape)} rows; this forward has "
-                                 f"{batch_size}.")
+            else:
+                plan.check_rows(batch_size)
             input_ids, inputs_embeds, attention_mask, linear_attention_mask = fill_prefix(
                 plan, input_ids, inputs_embeds, attention_mask, linear_attention_mask, embed=self.embed_tokens
             )

@@ -145,6 +145,13 @@ class PrefixPlan:
         in_front = torch.where(columns >= row_start - self.fill[:, None], first - (row_start - columns), 0)
         return torch.cat([in_front[:, : self.fill_columns], position_ids], dim=1)
 
+    def check_rows(self, batch_size: int) -> PrefixPlan:
+        """This plan, if it was made for `batch_size` rows (a caller's `prefix_plan=`): else a ValueError."""
+        if tuple(self.start.shape) != (batch_size,):
+            raise ValueError(f"prefix_plan was made for {self.start.shape[0]} rows; this batch has {batch_size}: make "
+                             "it for this batch (`plan_prefix(config, attention_mask, batch_size, seq_len, device)`).")
+        return self
+
     def select_rows(self, index: torch.Tensor) -> PrefixPlan:
         """The plan of the rows `index` `(B',)` (beam search, `batch_repeat_interleave`): the columns stay."""
         rows = {f.name: getattr(self, f.name).index_select(0, index.to(self.start.device))

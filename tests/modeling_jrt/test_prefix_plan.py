@@ -115,6 +115,20 @@ def test_a_callers_plan_rules_the_labels_with_or_without_the_hook():
     torch.testing.assert_close(alone, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_plan_for_another_batch_is_refused_by_name(rows):
+    """A caller's `prefix_plan` made for another batch size: one message that says so and how to make it, with or
+    without labels, through the hook or not (a plan of 2 rows used to fail the labels' mask with torch's broadcast
+    message)."""
+    model = JRTRNNForCausalLM(tiny_config()).train()
+    input_ids = torch.randint(4, 99, (3, 10))
+    plan = plan_prefix(model.config, None, rows, 10, input_ids.device)
+    for call in (model, model.forward):
+        for labels in (None, input_ids):
+            with pytest.raises(ValueError, match=rf"prefix_plan was made for {rows} rows; this batch has 3: make it"):
+                call(input_ids, labels=labels, prefix_plan=plan)
+
+
 def test_a_training_step_plans_its_prefix_once_with_or_without_the_hook(monkeypatch):
     """The labels rule (`apply_labels_rule`) plans the prefix and the backbone lays it out by that plan: one plan per
     step, whether the hook ran (`model(...)`) or the forward was called without it (`model.forward(...)`), and the

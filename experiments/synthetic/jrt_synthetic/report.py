@@ -67,9 +67,7 @@ def markdown_table(summary: dict) -> str:
 def _fmt(value, signed: bool = False) -> str:
     if isinstance(value, float):
         return f"{value:+.3f}" if signed else f"{value:.3f}"
-    if isinstance(value, list):
-        return "[" + ", ".join(_fmt(v, signed) for v in value) + "]"
-    return str(value)
+    return "[" + ", ".join(_fmt(v, signed) for v in value) + "]" if isinstance(value, list) else str(value)
 
 
 def plot_accuracy(summary: dict, path: str | Path) -> None:
