@@ -111,7 +111,6 @@ def pla_flops(T: int, M: int, K: int, V: int, chunk: int = 64) -> float:
 
 
 def pla_bytes(T: int, M: int, K: int, V: int, element_size: int) -> float:
-    """HBM bytes per (batch, head): read q, k, v, k_enc, v_enc, write o, write the fp32 state (1 + K + K^2 features)."""
-    from modeling_jrt.linear_attention import num_taylor_features
-
-    return (T * (2 * K + 2 * V) + M * (K + V)) * element_size + num_taylor_features(K) * (V + 1) * 4
+    """HBM bytes per (batch, head): read q, k, v, k_enc, v_enc, write o, write the fp32 state (1 + K + K^2 features;
+    written out, as kernel_aot.py needs no transformers)."""
+    return (T * (2 * K + 2 * V) + M * (K + V)) * element_size + (1 + K + K * K) * (V + 1) * 4

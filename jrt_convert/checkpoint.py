@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .memory import MappedPages, NoRelease
-from .source_files import ConversionError, find_weights_file, load_reference_config
+from .source_files import ConversionError
 
 
 def load_state_dict_safely(
@@ -30,7 +30,7 @@ def load_state_dict_safely(
     pickle cannot be mapped and is read whole.
 
     Returns:
-        (the raw state dict (a Lightning checkpoint's `state_dict` entry), the handle that releases the
+        (the raw state dict (for a Lightning checkpoint, its `state_dict` entry), the handle that releases the
         memory-mapped pages of a used tensor).
     """
     kind = check_file_integrity(path)
@@ -287,7 +287,4 @@ def _unpickler_reason(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-__all__ = [
-    "ConversionError", "check_file_integrity", "check_tensor_values", "find_weights_file", "load_reference_config",
-    "load_state_dict_safely", "normalise_keys",
-]
+__all__ = ["ConversionError", "check_file_integrity", "check_tensor_values", "load_state_dict_safely", "normalise_keys"]

@@ -33,9 +33,7 @@ from modeling_jrt import JRTRNNConfig, JRTRNNForCausalLM
 from modeling_jrt.configuration_jrt import PREFIX_PAD_MASKINGS
 from modeling_jrt.prefix_fill import never_generated_ids
 
-from .checkpoint import (
-    ConversionError, find_weights_file, load_reference_config, load_state_dict_safely, normalise_keys,
-)
+from .checkpoint import load_state_dict_safely, normalise_keys
 from .families import (
     FAMILY_SPECS, GPT2_PREFIX_PAD_TOKEN_ID, RELEASED_CHECKPOINTS, FamilySpec, ReferenceArchitecture,
     check_layers_against_weights, detect_family, read_architecture, translate_config,
@@ -49,6 +47,7 @@ from .safety import (
     staging_prefix, terminate_cleanly, unchanged_since, write_manifest,
 )
 from .shards import SAFETENSORS_DTYPES, parse_size, tensor_bytes, write_shards
+from .source_files import ConversionError, find_weights_file, load_reference_config
 
 # Weight dtypes of a conversion, by torch's names (as `from_pretrained(dtype=...)` and the other commands spell them).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from vllm.config import CompilationConfig, CUDAGraphMode
+from vllm.config import CUDAGraphMode, VllmConfig
+from vllm.config.vllm import OPTIMIZATION_LEVEL_TO_CONFIG
 from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateConfig
 
 from .mixers import MIX_OP
@@ -13,16 +14,19 @@ from .prompt_lengths import QUALIFIED_NAME
 logger = logging.getLogger(__name__)
 
 
-def piecewise_cuda_graphs(compilation_config: CompilationConfig) -> None:
-    """Let vLLM capture piecewise CUDA graphs only (why: `JRTRNNVllmConfig`): vLLM's default (None) and every mode with
-    full graphs become PIECEWISE, with a warning when full graphs were asked for; NONE and PIECEWISE stay."""
-    requested = compilation_config.cudagraph_mode
-    if requested is not None and requested.has_full_cudagraphs():
-        logger.warning("jrt_vllm: cudagraph_mode=%s changed to PIECEWISE for JRT-RNN / Based: vLLM would replay a full "
-                       "decode graph for a fresh one-token prompt, which needs a first forward of its own "
-                       "(docs/serving.md, \"CUDA graphs\").", requested.name)
-    if requested is None or requested.has_full_cudagraphs():
-        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+def piecewise_cuda_graphs(vllm_config: VllmConfig) -> None:
+    """Let vLLM capture piecewise CUDA graphs only (why: `JRTRNNVllmConfig`): a mode with full graphs, asked for (with
+    a warning) or the default of vLLM's optimization level (which vLLM applies after this hook), becomes PIECEWISE;
+    NONE and PIECEWISE stay."""
+    asked, level = vllm_config.compilation_config.cudagraph_mode, vllm_config.optimization_level
+    mode = asked if asked is not None else OPTIMIZATION_LEVEL_TO_CONFIG[level]["compilation_config"]["cudagraph_mode"]
+    if mode.has_full_cudagraphs():
+        if asked is not None:
+            logger.warning("jrt_vllm: cudagraph_mode=%s changed to PIECEWISE for JRT-RNN / Based: vLLM would replay a "
+                           "full decode graph for a fresh one-token prompt, which needs a first forward of its own "
+                           "(docs/serving.md, \"CUDA graphs\").", asked.name)
+        mode = CUDAGraphMode.PIECEWISE
+    vllm_config.compilation_config.cudagraph_mode = mode
 
 
 class JRTRNNVllmConfig(VerifyAndUpdateConfig):
@@ -44,7 +48,7 @@ class JRTRNNVllmConfig(VerifyAndUpdateConfig):
         model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
         scheduler_config, compilation_config = vllm_config.scheduler_config, vllm_config.compilation_config
         hf_config = model_config.hf_config
-        piecewise_cuda_graphs(compilation_config)
+        piecewise_cuda_graphs(vllm_config)
         splitting_ops = compilation_config.splitting_ops or []  # vLLM's default (None) names attention ops
         if MIX_OP not in splitting_ops:
             compilation_config.splitting_ops = [*splitting_ops, MIX_OP]

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CUDAGraphMode, VllmConfig
-from vllm.forward_context import get_forward_context
+from vllm.forward_context import get_forward_context, override_forward_context
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -149,7 +151,7 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
             raise ValueError("prefix_strategy='pad' needs `prefix_pad_token_id` in config.json (220 in the released "
                              "models), or another `prefix_strategy` in config.json.")
         self.plans = ForwardPlan()
-        self.max_compiled_rows = vllm_config.scheduler_config.max_num_batched_tokens
+        self.max_compiled_rows = vllm_config.scheduler_config.max_num_batched_tokens  # vLLM's compile ranges
         self.model = JRTModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"), plans=self.plans)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         if config.tie_word_embeddings:
@@ -203,21 +205,21 @@ class JRTRNNForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         metadata = forward_metadata()
         if metadata is None:  # vLLM's profiling run: the mixers read the plan None
             return self.model(input_ids)
-        context = get_forward_context()
-        graphs, uncompiled = context.cudagraph_runtime_mode, context.skip_compiled
         if is_decode_only(metadata):  # nothing planned on the host: no host read, the same launches at every step
-            expanded_ids, plan = input_ids, DECODE_STEP
+            expanded_ids, plan, backbone_context = input_ids, DECODE_STEP, nullcontext()
         else:
             expanded_ids, plan = plan_batch(input_ids, metadata, self.fill, self._prompt_lengths())
-            # Rows of its own (the fill, no padding): no CUDA graph, and no compiled backbone past the rows vLLM
-            # compiled for (docs/serving.md, "CUDA graphs"); the context is restored after.
-            context.cudagraph_runtime_mode = CUDAGraphMode.NONE
-            context.skip_compiled = uncompiled or expanded_ids.shape[0] > self.max_compiled_rows
+            # Rows of its own (the fill, no padding): no CUDA graph, nor a compiled backbone past them (docs/serving.md)
+            context = get_forward_context()
+            uncompiled = context.skip_compiled or len(expanded_ids) > self.max_compiled_rows
+            backbone_context = override_forward_context(
+                replace(context, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_compiled=uncompiled))
         self.plans.plan = plan  # what every mixer of this forward reads (`JRTStateLayer.mix`)
         try:
-            hidden_states = self.model(expanded_ids)
+            with backbone_context:
+                hidden_states = self.model(expanded_ids)
         finally:
-            self.plans.plan, context.cudagraph_runtime_mode, context.skip_compiled = None, graphs, uncompiled
+            self.plans.plan = None
         if plan is DECODE_STEP:  # one row per token, as vLLM gave them
             return hidden_states
         output = hidden_states.new_zeros(input_ids.shape[0], hidden_states.shape[-1])

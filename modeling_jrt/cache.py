@@ -362,7 +362,8 @@ class JRTRNNCache(Cache):
         if self.num_rows is not None:
             self.select_rows(torch.arange(self.num_rows).repeat_interleave(repeats))
 
-    batch_select_indices = select_rows
+    def batch_select_indices(self, indices: torch.Tensor) -> None:  # transformers' name and parameter
+        self.select_rows(indices)
 
     crop = JRTRNNLayerState.crop  # the same refusal
 

@@ -36,11 +36,8 @@ def _chunked_gradients(
     leaves = [
         None if t is None else t.detach().requires_grad_(needed) for t, needed in zip(inputs.differentiable, needs_grad)
     ]
-    q, k, v, k_enc, v_enc, initial_state, gate = leaves
     with torch.enable_grad():
-        output, state = chunked_prefill(
-            inputs._replace(q=q, k=k, v=v, k_enc=k_enc, v_enc=v_enc, initial_state=initial_state, gate=gate)
-        )
+        output, state = chunked_prefill(inputs._replace(**dict(zip(inputs.DIFFERENTIABLE, leaves))))
     wanted = [t for t, needed in zip(leaves, needs_grad) if needed and t is not None]
     outputs, grads = (output, state), (grad_output, grad_state)
     if grad_state is None:

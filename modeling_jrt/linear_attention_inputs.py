@@ -44,10 +44,12 @@ class LinearAttentionInputs(NamedTuple):
     eps: float = 1e-12
     chunk_size: int = 32
 
+    DIFFERENTIABLE = ("q", "k", "v", "k_enc", "v_enc", "initial_state", "gate")  # (a class attribute, not a field)
+
     @property
     def differentiable(self) -> tuple[torch.Tensor | None, ...]:
-        """`(q, k, v, k_enc, v_enc, initial_state, gate)`: the inputs a gradient flows to (None where absent)."""
-        return self.q, self.k, self.v, self.k_enc, self.v_enc, self.initial_state, self.gate
+        """The `DIFFERENTIABLE` inputs, in that order: those a gradient flows to (None where absent)."""
+        return tuple(getattr(self, name) for name in self.DIFFERENTIABLE)
 
     def kernel_options(self) -> dict:
         """The keyword arguments of the `jrt_kernels` prefill launcher besides q, k, v, k_enc, v_enc."""

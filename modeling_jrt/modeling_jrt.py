@@ -719,7 +719,7 @@ class JRTRNNForCausalLM(JRTRNNPreTrainedModel, JRTRNNGenerationMixin, Generation
             `JRTRNNCausalLMOutput` with `loss`, `logits` `(B, T, vocab_size)`, the cache, and `ntp_loss` / `mlm_loss`
             when `mlm_labels` are given.
         """
-        if prefix_plan is None:  # (with a plan, the labels hook checked the labels and applied the labels rule)
+        if prefix_plan is None:  # (a plan comes from the labels hook, which checked the labels; a caller's is trusted)
             labels = check_labels(labels, input_ids, inputs_embeds, kwargs, self.config.vocab_size)
         if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError("`logits_to_keep` "

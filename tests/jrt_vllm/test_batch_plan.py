@@ -13,6 +13,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (`.ci/vllm` runs these
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID  # noqa: E402
 
 from vllm.config import CompilationConfig, CUDAGraphMode  # noqa: E402
+from vllm.config.vllm import OptimizationLevel  # noqa: E402
 
 from jrt_vllm.batch_plan import decode_slots, is_decode_only  # noqa: E402
 from jrt_vllm.config import piecewise_cuda_graphs  # noqa: E402
@@ -40,17 +41,22 @@ def test_a_forward_is_decode_only_without_prefills(num_decodes, num_prefills, ex
 
 
 @pytest.mark.parametrize(
-    ("requested", "expected"),
-    [(None, "PIECEWISE"), ("NONE", "NONE"), ("PIECEWISE", "PIECEWISE"), ("FULL", "PIECEWISE"),
-     ("FULL_DECODE_ONLY", "PIECEWISE"), ("FULL_AND_PIECEWISE", "PIECEWISE")],
+    ("requested", "level", "expected"),
+    [(None, "O0", "NONE"), (None, "O1", "PIECEWISE"), (None, "O2", "PIECEWISE"), (None, "O3", "PIECEWISE"),
+     ("NONE", "O2", "NONE"), ("PIECEWISE", "O0", "PIECEWISE"), ("FULL", "O2", "PIECEWISE"),
+     ("FULL_DECODE_ONLY", "O2", "PIECEWISE"), ("FULL_AND_PIECEWISE", "O0", "PIECEWISE")],
 )
-def test_only_piecewise_cuda_graphs(requested, expected, caplog):
-    """vLLM's default (None) and every mode with full graphs become PIECEWISE; asking for full graphs is warned
-    about; NONE and PIECEWISE stay as asked."""
-    config = CompilationConfig(cudagraph_mode=None if requested is None else CUDAGraphMode[requested])
+def test_only_piecewise_cuda_graphs(requested, level, expected, caplog):
+    """A mode with full graphs becomes PIECEWISE, whether asked for (warned about) or the default of vLLM's
+    optimization level (None: FULL_AND_PIECEWISE from O2 on, which vLLM would apply after the plugin); NONE (the
+    default of O0 too) and PIECEWISE stay."""
+    config = SimpleNamespace(
+        compilation_config=CompilationConfig(cudagraph_mode=None if requested is None else CUDAGraphMode[requested]),
+        optimization_level=OptimizationLevel[level],
+    )
     with caplog.at_level("WARNING", logger="jrt_vllm.config"):
         piecewise_cuda_graphs(config)
-    assert config.cudagraph_mode == CUDAGraphMode[expected]
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode[expected]
     warned = [record.getMessage() for record in caplog.records if record.name == "jrt_vllm.config"]
     if requested in (None, "NONE", "PIECEWISE"):
         assert warned == []

@@ -12,7 +12,7 @@ vllm = pytest.importorskip("vllm")
 
 from vllm.compilation.counter import compilation_counter  # noqa: E402
 from vllm.config import CompilationMode  # noqa: E402
-from vllm_models import greedy_reference, save_model  # noqa: E402
+from vllm_models import greedy, greedy_reference, save_model  # noqa: E402
 
 # Shorter than, equal to and longer than the prefix (8); one prompt twice, side by side.
 PROMPTS = [[37], [70, 101, 44], [12, 250, 7, 99, 180, 33, 5, 61], [9, 140, 77, 3, 201, 56, 88, 19, 230, 41, 162, 28, 95],
@@ -29,7 +29,7 @@ def test_compiled_engine_equals_generate(kind, tmp_path, byte_bpe_tokenizer):
     try:
         assert llm.llm_engine.vllm_config.compilation_config.mode == CompilationMode.DYNAMO_TRACE_ONCE
         assert compilation_counter.num_models_seen == compiled_before + 1  # the backbone, compiled
-        params = vllm.SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        params = greedy(MAX_NEW_TOKENS)
         # twice: the prefill of a mixed batch and its decode steps, then single prompts (other batch sizes through
         # the one traced graph)
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -46,8 +46,8 @@ def test_compiled_engine_equals_generate(kind, tmp_path, byte_bpe_tokenizer):
 def test_a_fill_past_the_compiled_rows_runs_uncompiled(tmp_path, byte_bpe_tokenizer, monkeypatch):
     """vLLM compiles the backbone for at most `max_num_batched_tokens` rows (on a GPU a larger input fails its range
     check), and the JRT fill may pass them: four short prompts (11 tokens, within the budget of 16) are 32 rows with
-    their fills. That forward runs the backbone uncompiled (the forward context's `skip_compiled`), the decode steps
-    compiled, and the tokens are `generate()`'s."""
+    their fills. That forward runs the backbone uncompiled (the forward context's `skip_compiled`); one short prompt
+    (8 rows) and the decode steps run compiled; the tokens are `generate()`'s."""
     from vllm.forward_context import get_forward_context
 
     import jrt_vllm.mixers
@@ -66,11 +66,13 @@ def test_a_fill_past_the_compiled_rows_runs_uncompiled(tmp_path, byte_bpe_tokeni
     prompts = [[37], [70, 101, 44], [12, 250, 7, 99, 180], [5, 61]]
     try:
         uncompiled.clear()  # the engine's profiling and warm-up runs
-        params = vllm.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(4), use_tqdm=False)
+        alone = llm.generate([{"prompt_token_ids": prompts[1]}], greedy(4), use_tqdm=False)[0]
     finally:
         del llm
         gc.collect()
     assert [list(o.outputs[0].token_ids) for o in outputs] == [greedy_reference(model, p, 4) for p in prompts]
+    assert list(alone.outputs[0].token_ids) == greedy_reference(model, prompts[1], 4)
     layers = model.config.num_hidden_layers
-    assert uncompiled == [(32, True)] * layers + [(4, False)] * (3 * layers)
+    assert uncompiled == ([(32, True)] * layers + [(4, False)] * (3 * layers)
+                          + [(8, False)] * layers + [(1, False)] * (3 * layers))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from vllm_models import MODEL_KINDS, greedy_reference, save_model
+from vllm_models import MODEL_KINDS, greedy, greedy_reference, save_model
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (`.ci/vllm` runs these tests in a venv with it)")
 
@@ -35,10 +35,6 @@ def engine(request, tmp_path_factory, byte_bpe_tokenizer):
     yield kind, model, llm
     del llm
     gc.collect()
-
-
-def greedy(max_tokens: int = MAX_NEW_TOKENS, **kwargs) -> "vllm.SamplingParams":
-    return vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
 
 
 def test_engine_settings(engine):
@@ -76,7 +72,7 @@ def test_greedy_batch_of_mixed_lengths_equals_generate(engine):
     """One batch of prompts shorter than, equal to and longer than the prefix: each gives `generate()`'s tokens for
     that prompt alone."""
     kind, model, llm = engine
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(), use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(MAX_NEW_TOKENS), use_tqdm=False)
     actual = [list(o.outputs[0].token_ids) for o in outputs]
     expected = [greedy_reference(model, p, MAX_NEW_TOKENS) for p in PROMPTS]
     assert actual == expected
@@ -105,7 +101,7 @@ def test_prompts_of_one_shape_are_prefilled_in_one_batch(engine, monkeypatch):
         return read(self, projected, hidden_states, slots, group)
 
     monkeypatch.setattr(jrt_vllm.mixers.JRTLinearAttention, "read", recording)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens=4), use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(4), use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         assert list(output.outputs[0].token_ids) == greedy_reference(model, prompt, 4)
     # vLLM's batch order is the order of the requests here (one prefill forward). Without a fill the groups are the
@@ -119,7 +115,7 @@ def test_greedy_one_prompt_at_a_time_equals_generate(engine):
     """Each prompt alone (the first forward of every request is a whole prompt, the rest are O(1) steps)."""
     kind, model, llm = engine
     for prompt in (PROMPTS[1], PROMPTS[3]):
-        output = llm.generate([{"prompt_token_ids": prompt}], greedy(), use_tqdm=False)[0]
+        output = llm.generate([{"prompt_token_ids": prompt}], greedy(MAX_NEW_TOKENS), use_tqdm=False)[0]
         assert list(output.outputs[0].token_ids) == greedy_reference(model, prompt, MAX_NEW_TOKENS)
 
 
@@ -158,7 +154,7 @@ def test_fused_decode_kernel_in_the_engine_equals_generate(engine, monkeypatch):
 
     monkeypatch.setattr(jrt_vllm.mixers, "linear_attention_step_at_slots", forced)
     kind, model, llm = engine
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(max_tokens=4), use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(4), use_tqdm=False)
     assert rows and max(rows) > 1  # several requests decoded in one launch
     for prompt, output in zip(PROMPTS, outputs):
         assert list(output.outputs[0].token_ids) == greedy_reference(model, prompt, 4)
@@ -207,7 +203,7 @@ def test_decode_steps_read_nothing_on_the_host(engine, monkeypatch):
 
     monkeypatch.setattr(jrt_vllm.model.JRTRNNForCausalLM, "forward", recorded_forward)
     monkeypatch.setattr(jrt_vllm.mixers.JRTStateLayer, "mix", recorded_mix)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(), use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(MAX_NEW_TOKENS), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [
         greedy_reference(model, p, MAX_NEW_TOKENS) for p in PROMPTS
     ]
@@ -248,7 +244,7 @@ def test_forwards_with_prompts_run_without_cuda_graphs(engine, monkeypatch):
 
     monkeypatch.setattr(jrt_vllm.model.JRTRNNForCausalLM, "forward", as_a_graph_runner)
     monkeypatch.setattr(jrt_vllm.mixers.JRTStateLayer, "mix", recorded_mix)
-    core, params, step = llm.llm_engine, greedy(max_tokens=6), Stepper(llm)
+    core, params, step = llm.llm_engine, greedy(6), Stepper(llm)
     core.add_request("first", {"prompt_token_ids": PROMPTS[3]}, params)
     step()
     step()
@@ -264,7 +260,7 @@ def test_request_added_mid_stream_equals_generate(engine):
     """Continuous batching: requests join while others decode (their prefill shares forwards with decode steps)."""
     kind, model, llm = engine
     core = llm.llm_engine
-    params = greedy(max_tokens=12)
+    params = greedy(12)
     step = Stepper(llm)
     core.add_request("first", {"prompt_token_ids": PROMPTS[3]}, params)
     for _ in range(3):
@@ -294,7 +290,7 @@ def test_prompt_logprobs_equal_forward(engine, prompt_index):
     """`prompt_logprobs` are the log-softmax of `forward()`'s logits (fp32 tolerance)."""
     kind, model, llm = engine
     prompt = PROMPTS[prompt_index]
-    output = llm.generate([{"prompt_token_ids": prompt}], greedy(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    output = llm.generate([{"prompt_token_ids": prompt}], greedy(1, prompt_logprobs=0), use_tqdm=False)[0]
     assert output.prompt_logprobs[0] is None
     actual = torch.tensor(
         [position[token].logprob for position, token in zip(output.prompt_logprobs[1:], prompt[1:])],
@@ -326,7 +322,7 @@ def test_chunked_prefill_and_prefix_caching_requested(kind, tmp_path, byte_bpe_t
             assert scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens == 16
         prompts = [LONG_PROMPT, PROMPTS[1], LONG_PROMPT[:20] + PROMPTS[3]]
         for batch in (prompts[:2], prompts[2:]):  # the shared prefix is read first, then again in a later request
-            outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(), use_tqdm=False)
+            outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(MAX_NEW_TOKENS), use_tqdm=False)
             assert [list(o.outputs[0].token_ids) for o in outputs] == [
                 greedy_reference(model, p, MAX_NEW_TOKENS) for p in batch
             ]
@@ -341,7 +337,7 @@ def test_preempted_requests_equal_generate(engine, steps_before):
     recomputes from its prompt and the tokens it generated. The encoder reads the original prompt's prefix again (the
     generated tokens causally), so every request gives what it gives without preemption."""
     kind, model, llm = engine
-    params = greedy(max_tokens=10)
+    params = greedy(10)
     step = Stepper(llm)
     for index, prompt in enumerate(PROMPTS):
         llm.llm_engine.add_request(f"r{index}", {"prompt_token_ids": prompt}, params)

@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from vllm_models import greedy_reference, save_model
+from vllm_models import greedy, greedy_reference, save_model
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (`.ci/vllm` runs these tests in a venv with it)")
 
@@ -27,7 +27,7 @@ def greedy_tokens(path, tensor_parallel_size: int, monkeypatch: pytest.MonkeyPat
     )
     try:
         assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == tensor_parallel_size
-        params = vllm.SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        params = greedy(MAX_NEW_TOKENS)
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         return [list(output.outputs[0].token_ids) for output in outputs]
     finally:

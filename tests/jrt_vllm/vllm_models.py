@@ -58,3 +58,10 @@ def greedy_reference(model: modeling_jrt.JRTRNNForCausalLM, prompt: list[int], m
             pad_token_id=0,
         )
     return output[0, len(prompt) :].tolist()
+
+
+def greedy(max_tokens: int, **kwargs) -> "vllm.SamplingParams":  # noqa: F821 (vLLM is imported by the caller's skip)
+    """vLLM's sampling parameters of `greedy_reference`: greedy, `max_tokens` new tokens, not stopping at EOS."""
+    import vllm
+
+    return vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
